@@ -1,0 +1,63 @@
+"""Frozen configuration, one dataclass per concern.
+
+Values that depend on the model or the machine are resolved once, in `EngineConfig.create`, so the
+rest of the engine only reads plain numbers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(name: str | torch.dtype, model_default: torch.dtype | None) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        return model_default or torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(sorted(DTYPES))}")
+    return DTYPES[name]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but torch sees no CUDA device")
+    return device
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # Device pool size. None: a fraction of the memory that is free at start-up.
+    kv_cache_gb: float | None = None
+    kv_cache_fraction: float = 0.25
+    # Host pool for swapped-out KV (the interception issue swaps into it).
+    host_kv_gb: float = 1.0
+    # Prefix caching keeps freed full blocks addressable by content.
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    # Tokens per forward pass (prefill chunks + decodes). On a CPU a few hundred saturates the cores.
+    max_num_batched_tokens: int = 256
+    max_num_seqs: int = 64
+    max_model_len: int = 4096
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: torch.dtype
+    device: torch.device
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = 0
+    num_threads: int | None = None

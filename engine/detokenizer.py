@@ -1,0 +1,50 @@
+"""Incremental detokenization and stop strings.
+
+Decoding a growing token list one token at a time is subtle: a token may be half of a UTF-8
+character, and SentencePiece tokenizers drop a word's leading space when it is decoded alone. So we
+decode a short window of preceding tokens with the new ones and emit only the text that the window
+does not already explain, holding back while the text ends in a replacement character.
+"""
+from __future__ import annotations
+
+# Tokens of the prompt decoded with the first outputs, for SentencePiece's leading-space rule.
+CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool, stop: list[str]):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+        self.stop = stop
+        self.max_stop_len = max((len(s) for s in stop), default=0)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str | None:
+        """Append one generated token; returns the stop string it completed, if any."""
+        self.ids.append(token_id)
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset:])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return None
+        delta = new_text[len(prefix_text):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        search_from = max(len(self.text) - self.max_stop_len + 1, 0)
+        self.text += delta
+        for s in self.stop:
+            at = self.text.find(s, search_from)
+            if at >= 0:
+                self.text = self.text[:at]
+                return s
+        return None
+
+    def visible_text(self, finished: bool) -> str:
+        """Text safe to show: while running, hold back a tail that could still become a stop string."""
+        if finished or not self.max_stop_len:
+            return self.text
+        return self.text[:max(len(self.text) - self.max_stop_len + 1, 0)]

@@ -1,0 +1,108 @@
+"""Executes a SchedulerOutput on the real model: build batch tensors, forward, sample (mechanism)."""
+from __future__ import annotations
+
+import torch
+
+from .attention import AttentionMetadata, PrefillSpan
+from .kv_cache import KVCache
+from .models.llama import LlamaForCausalLM
+from .outputs import RunnerOutput, SchedulerOutput
+from .sampler import sample
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device,
+                 eos_token_ids: frozenset[int], seed: int = 0):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        self.block_size = kv_cache.block_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.generators: dict[str, torch.Generator] = {}
+        self.default_generator = torch.Generator(device=device).manual_seed(seed)
+
+    def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
+        if seed is None:
+            return self.default_generator
+        if request_id not in self.generators:
+            self.generators[request_id] = torch.Generator(device=self.device).manual_seed(seed)
+        return self.generators[request_id]
+
+    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def build_metadata(self, output: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        prefills: list[PrefillSpan] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        for chunk in output.chunks:
+            row = len(input_ids)
+            n = len(chunk.token_ids)
+            end = chunk.start_pos + n
+            input_ids += chunk.token_ids
+            positions += range(chunk.start_pos, end)
+            slot_mapping += self._slots(chunk.block_table, chunk.start_pos, end)
+            if n == 1:
+                decode_rows.append(row)
+                decode_tables.append(chunk.block_table)
+                decode_lens.append(end)
+            elif chunk.start_pos == 0:
+                prefills.append(PrefillSpan(row, row + n, 0, None, None))
+            else:
+                key_slots = torch.tensor(self._slots(chunk.block_table, 0, end), device=self.device)
+                query_pos = torch.arange(chunk.start_pos, end, device=self.device)
+                mask = torch.arange(end, device=self.device)[None, :] <= query_pos[:, None]
+                prefills.append(PrefillSpan(row, row + n, chunk.start_pos, key_slots, mask))
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, device=self.device),
+            prefills=prefills, decode_rows=None, decode_key_slots=None, decode_mask=None)
+        if decode_rows:
+            meta.decode_rows = torch.tensor(decode_rows, device=self.device)
+            max_len = max(decode_lens)
+            max_blocks = -(-max_len // self.block_size)
+            tables = torch.tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks]))
+                                   for t in decode_tables], device=self.device)
+            offsets = torch.arange(self.block_size, device=self.device)
+            slots = (tables[:, :, None] * self.block_size + offsets).view(len(decode_rows), -1)
+            meta.decode_key_slots = slots[:, :max_len]  # [Bd, Lmax]
+            lens = torch.tensor(decode_lens, device=self.device)
+            meta.decode_mask = (torch.arange(max_len, device=self.device)[None, :] < lens[:, None])[:, None, None, :]
+        ids = torch.tensor(input_ids, device=self.device)
+        pos = torch.tensor(positions, device=self.device)
+        return ids, pos, meta
+
+    @torch.inference_mode()
+    def run(self, output: SchedulerOutput) -> RunnerOutput:
+        for request_id in output.finished_request_ids:
+            self.generators.pop(request_id, None)
+        if not output.chunks:
+            return RunnerOutput(sampled={})
+        input_ids, positions, meta = self.build_metadata(output)
+        hidden = self.model(input_ids, positions, meta, self.kv_cache.layer_views)
+        # Only the last row of each chunk that reaches its request's end produces a token.
+        rows, to_sample = [], []
+        end = 0
+        for chunk in output.chunks:
+            end += len(chunk.token_ids)
+            if chunk.sample:
+                rows.append(end - 1)
+                to_sample.append(chunk)
+        if not to_sample:
+            return RunnerOutput(sampled={})
+        logits = self.model.compute_logits(hidden[rows])
+        params = [c.sampling_params for c in to_sample]
+        generators = [self._generator(c.request_id, c.sampling_params.seed) for c in to_sample]
+        banned = [self._banned(c) for c in to_sample]
+        tokens = sample(logits, params, generators, banned)
+        return RunnerOutput(sampled={c.request_id: t for c, t in zip(to_sample, tokens)})
+
+    def _banned(self, chunk) -> list[int]:
+        params = chunk.sampling_params
+        if chunk.num_output_tokens >= params.min_tokens:
+            return []
+        return list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)

@@ -1,0 +1,55 @@
+"""Typed messages between the layers of a step: scheduler -> runner -> update -> caller."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledChunk:
+    request_id: str
+    token_ids: list[int]  # tokens whose KV this step computes
+    start_pos: int  # position of token_ids[0] == the request's num_computed_tokens
+    block_table: list[int]  # device blocks holding positions [0, start_pos + len(token_ids))
+    sample: bool  # the chunk reaches the request's last token, so a next token is sampled
+    sampling_params: SamplingParams
+    num_output_tokens: int  # for min_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    # Requests that ended or lost their KV since the last step; the runner drops their state.
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: dict[int, float] | None = None
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, SampledToken]  # request id -> its next token (only chunks with sample=True)
+
+
+@dataclass
+class RequestOutput:
+    """What a caller sees of a request after a step."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated so far
+    text: str  # generated text so far (text that may still become a stop string is held back)
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[SampledToken] | None = None
+    num_cached_tokens: int = 0
