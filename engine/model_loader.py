@@ -7,7 +7,7 @@ import os
 import torch
 from safetensors import safe_open
 
-from .models.llama import LlamaForCausalLM
+from .models.llama import LlamaForCausalLM, cpu_packing_available
 from .models.spec import ModelSpec
 
 
@@ -27,6 +27,8 @@ def load_model(model_dir: str, spec: ModelSpec, dtype: torch.dtype, device: torc
     with torch.device("meta"):
         model = LlamaForCausalLM(spec).to(dtype)
     model = model.to_empty(device=device)
+    if spec.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
     model.init_rope_tables(device, dtype)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
@@ -38,7 +40,10 @@ def load_model(model_dir: str, spec: ModelSpec, dtype: torch.dtype, device: torc
     missing = sorted(n for n, _ in expected - loaded)
     if missing:
         raise ValueError(f"weights missing from {model_dir!r}: {missing[:5]}")
-    return model.eval()
+    model.eval()
+    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and cpu_packing_available():
+        model.pack_for_cpu()
+    return model
 
 
 def _shards_of(model: LlamaForCausalLM, pname: str) -> range:
@@ -49,7 +54,7 @@ def _shards_of(model: LlamaForCausalLM, pname: str) -> range:
 def _load_tensor(model: LlamaForCausalLM, params: dict, name: str, tensor: torch.Tensor) -> set:
     """Copy one checkpoint tensor into its (possibly fused) parameter; returns {(param, shard)}."""
     name = name.removeprefix("model.")
-    if name == "lm_head.weight" and model.lm_head is None:
+    if name == "lm_head.weight" and model.spec.tie_word_embeddings:
         return set()  # tied to embed_tokens
     for ckpt, (fused, shard) in model.packed_modules.items():
         if f".{ckpt}." in name:

@@ -1,1 +1,118 @@
-placeholder
+"""The `infercept` command.
+
+    infercept download                  fetch + convert the embedded model, print its folder
+    infercept generate --prompt TEXT    one completion (--chat applies the chat template)
+    infercept chat                      interactive chat in the terminal
+
+Every command that takes --model defaults to the embedded SmolLM2-135M-Instruct. Heavy imports
+happen inside the commands so `infercept --help` is instant.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _env(name: str, default):
+    return os.environ.get(f"INFERCEPT_{name}", default)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=_env("MODEL", None),
+                   help="local Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default=_env("DTYPE", "auto"), help="auto, bfloat16, float16 or float32")
+    g.add_argument("--device", default=_env("DEVICE", "auto"), help="auto, cpu or cuda[:N]")
+    g.add_argument("--kv-cache-gb", type=float, default=_env("KV_CACHE_GB", None),
+                   help="device KV pool size in GiB (default: 25%% of free memory)")
+    g.add_argument("--host-kv-gb", type=float, default=float(_env("HOST_KV_GB", 1.0)),
+                   help="host KV pool for swapped-out requests, GiB (default 1)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=int(_env("MAX_NUM_BATCHED_TOKENS", 256)),
+                   help="tokens per forward pass (default 256)")
+    g.add_argument("--max-num-seqs", type=int, default=int(_env("MAX_NUM_SEQS", 64)))
+    g.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN", None))
+    g.add_argument("--threads", type=int, default=_env("THREADS", None), help="torch CPU threads")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(dtype=args.dtype, device=args.device,
+                kv_cache_gb=None if args.kv_cache_gb is None else float(args.kv_cache_gb),
+                host_kv_gb=args.host_kv_gb, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_seqs=args.max_num_seqs,
+                max_model_len=None if args.max_model_len is None else int(args.max_model_len),
+                num_threads=None if args.threads is None else int(args.threads))
+
+
+def cmd_download(args: argparse.Namespace) -> None:
+    from infercept.engine.download import ensure_default_model
+
+    print(ensure_default_model())
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from infercept.engine import LLM, SamplingParams
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                            seed=args.seed)
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)
+    else:
+        out = llm.generate(args.prompt, params)[0]
+    print(out.text)
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    from infercept.engine import LLM, SamplingParams
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
+    messages: list[dict] = []
+    print("Chatting with the model; an empty line or Ctrl-D quits.")
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        messages.append({"role": "user", "content": line})
+        out = llm.chat(messages, params)
+        messages.append({"role": "assistant", "content": out.text})
+        print(f"model> {out.text}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="infercept", description="InferCept: inference for tool-using agents")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("download", help="fetch and convert the embedded model; prints its folder"
+                   ).set_defaults(func=cmd_download)
+
+    for name, func, help_ in (("generate", cmd_generate, "one completion"),
+                              ("chat", cmd_chat, "interactive chat in the terminal")):
+        p = sub.add_parser(name, help=help_)
+        add_engine_args(p)
+        if name == "generate":
+            p.add_argument("--prompt", required=True)
+            p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+            p.add_argument("--seed", type=int, default=None)
+        p.add_argument("--max-tokens", type=int, default=128)
+        p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+        p.add_argument("--top-p", type=float, default=1.0)
+        p.set_defaults(func=func)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"infercept: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+# Two commands on a fresh machine: `make serve` and `make test`. Both create .venv and install first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# CPU machines get the CPU build of torch (a local wheel on our machines; a plain `torch` would pull a
+# 3 GB CUDA build). Hosts with an NVIDIA driver get PyPI's CUDA build. Override with TORCH=...
+TORCH ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0+cpu)
+
+.PHONY: install serve test bench download clean
+
+$(BIN)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH)"
+	$(BIN)/pip install --quiet -e ".[test]"
+	touch $@
+
+install: $(BIN)/.installed
+
+download: install
+	$(BIN)/infercept download
+
+# Until the HTTP server lands (issue 4), `serve` runs an interactive chat with the embedded model.
+serve: download
+	$(BIN)/infercept chat
+
+test: download
+	$(BIN)/python -m pytest -q
+
+bench: download
+	$(BIN)/python benchmarks/throughput.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,113 @@
+"""Engine vs Hugging Face transformers `generate`, side by side in one run.
+
+Same model, dtype and thread count for both. Decode throughput at several batch sizes (every
+sequence starts from a short prompt and decodes a fixed number of tokens with EOS ignored), and
+prefill throughput of one long prompt. Prints a markdown table with tokens/s and the ratio.
+
+    python benchmarks/throughput.py                      # embedded model, bf16, batches 1 8 32
+    python benchmarks/throughput.py --batches 1 8 --decode-tokens 64 --dtype float32
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+
+def engine_decode(llm, batch: int, prompt_len: int, new_tokens: int) -> float:
+    from infercept.engine import SamplingParams
+
+    prompts = [[100 + (i * 7 + j) % 1000 for j in range(prompt_len)] for i in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    # Time decode only: prefill everything first, then count steps until all finish.
+    engine = llm.engine
+    ids = [engine.add_request(p, params) for p in prompts]
+    while any(engine.scheduler.requests[i].num_computed_tokens < prompt_len for i in ids):
+        engine.step()
+    produced = sum(engine.scheduler.requests[i].num_output_tokens for i in ids)
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    elapsed = time.perf_counter() - start
+    return (batch * new_tokens - produced) / elapsed
+
+
+def hf_decode(model, batch: int, prompt_len: int, new_tokens: int) -> float:
+    prompts = torch.tensor([[100 + (i * 7 + j) % 1000 for j in range(prompt_len)] for i in range(batch)])
+    mask = torch.ones_like(prompts)
+    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=mask)
+    with torch.inference_mode():
+        model.generate(prompts[:1], max_new_tokens=4, min_new_tokens=4, **{**kwargs, "attention_mask": mask[:1]})
+        # Subtract the prefill + first token, measured separately, to time decode only.
+        start = time.perf_counter()
+        model.generate(prompts, max_new_tokens=1, min_new_tokens=1, **kwargs)
+        t_first = time.perf_counter() - start
+        start = time.perf_counter()
+        model.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+        elapsed = time.perf_counter() - start - t_first
+    return batch * (new_tokens - 1) / elapsed
+
+
+def engine_prefill(llm, prompt_len: int) -> float:
+    from infercept.engine import SamplingParams
+
+    prompt = [100 + j % 1000 for j in range(prompt_len)]
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    llm.generate([prompt[:64]], params)
+    start = time.perf_counter()
+    llm.generate([prompt], params)
+    return prompt_len / (time.perf_counter() - start)
+
+
+def hf_prefill(model, prompt_len: int) -> float:
+    prompt = torch.tensor([[100 + j % 1000 for j in range(prompt_len)]])
+    with torch.inference_mode():
+        model(prompt[:, :64])
+        start = time.perf_counter()
+        model(prompt)
+        return prompt_len / (time.perf_counter() - start)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--prefill-len", type=int, default=1000)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = ap.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    from infercept.engine import LLM
+    from infercept.engine.config import resolve_dtype
+    from infercept.engine.download import ensure_default_model
+
+    torch.set_num_threads(args.threads)
+    model_dir = args.model or ensure_default_model()
+    dtype = resolve_dtype(args.dtype, None)
+    llm = LLM(model_dir, dtype=dtype, kv_cache_gb=1.0, max_num_batched_tokens=args.max_num_batched_tokens)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+    rows = []
+    for batch in args.batches:
+        ours = engine_decode(llm, batch, args.prompt_len, args.decode_tokens)
+        theirs = hf_decode(hf, batch, args.prompt_len, args.decode_tokens)
+        rows.append((f"decode, batch {batch}", ours, theirs))
+    ours, theirs = engine_prefill(llm, args.prefill_len), hf_prefill(hf, args.prefill_len)
+    rows.append((f"prefill, {args.prefill_len}-token prompt", ours, theirs))
+
+    print(f"\nmodel {model_dir}, {args.dtype}, {args.threads} threads, torch {torch.__version__}\n")
+    print("| workload | infercept tok/s | transformers tok/s | ratio |")
+    print("|---|---:|---:|---:|")
+    for name, ours, theirs in rows:
+        print(f"| {name} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Asyncio front of the engine, for the server.
+
+The engine runs in one dedicated thread that loops on `Engine.step()`; the forward pass releases the
+GIL inside torch, so the event loop stays responsive. Callers never touch the engine directly: they
+post commands to the engine thread (add, abort), which runs them between steps, and outputs flow
+back to per-request asyncio queues through `call_soon_threadsafe`.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from .engine import Engine
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+logger = logging.getLogger("infercept.engine")
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._running = False
+        self._thread = threading.Thread(target=self._loop, name="infercept-engine", daemon=True)
+
+    @classmethod
+    def from_args(cls, model: str | None = None, **engine_kwargs) -> "AsyncEngine":
+        return cls(Engine(model, **engine_kwargs))
+
+    def start(self) -> None:
+        if not self._running:
+            self._running = True
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        """Abort everything in flight and stop the engine thread."""
+        if not self._running:
+            return
+        self._call(self._abort_all)
+        self._running = False
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    # -- public API (event-loop side) -------------------------------------------------------------
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream outputs of one request. Leaving the iteration early (a client disconnect, a
+        cancelled task) aborts the request and frees its blocks."""
+        if not self._running:
+            raise RuntimeError("the engine is not running")
+        request_id = request_id or f"areq-{next(self._ids)}"
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        params = params or SamplingParams()
+
+        def add() -> None:
+            try:
+                self.engine.add_request(prompt, params, request_id)
+            except Exception as e:  # bad input: report to the caller, not the engine thread
+                self._streams.pop(request_id, None)
+                stream.put(e)
+
+        self._call(add)
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self._call(lambda: self.engine.abort(request_id))
+
+    # -- engine thread ----------------------------------------------------------------------------
+    def _call(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def _abort_all(self) -> None:
+        for request_id in list(self._streams):
+            self.engine.abort(request_id)
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.put(RuntimeError("the server is shutting down"))
+
+    def _loop(self) -> None:
+        while self._running:
+            while not self._commands.empty():
+                self._commands.get()()
+            if not self.engine.has_unfinished_requests():
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a bug must not take the server down: fail what was in flight
+                logger.exception("engine step failed; aborting in-flight requests")
+                for request_id in list(self._streams):
+                    self.engine.abort(request_id)
+                    stream = self._streams.pop(request_id, None)
+                    if stream is not None:
+                        stream.put(e)
+                continue
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put(out)
+                    if out.finished:
+                        del self._streams[out.request_id]

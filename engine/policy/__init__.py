@@ -1,0 +1,24 @@
+"""Policy layer of the InferCept engine: cost model, waste equations, duration estimate, KV decisions.
+
+Pure Python (stdlib only, no torch), so the scheduler's decisions can be unit-tested and simulated
+without a model (DESIGN §2). Modules:
+
+- `profile`: `Profile` (``T_fwd``, ``S``, ``M``, copy bandwidth; JSON file format), `a100_gptj_6b()`.
+- `waste`: the paper's waste equations 1-4.
+- `estimator`: `DurationEstimator`, the expected remaining interception time (``T_int`` of Eq. 2).
+- `decisions`: per-iteration `KVPlan` (preserve / swap out / discard), the min-waste rule (Eq. 5),
+  the baseline and ablation policies, `make_policy`.
+"""
+from .decisions import (FIGURE3_ABLATION, KV_STATES, POLICIES, IterationInfo, KVAction, KVDecision, KVPlan,
+                        PausedInfo, Policy, SwapBudget, make_policy, min_waste_plan, recompute_chunk_size,
+                        split_swap_budget)
+from .estimator import DurationEstimator
+from .profile import Profile, a100_gptj_6b, detect_saturation_point
+from .waste import waste_chunk_discard, waste_discard, waste_preserve, waste_swap
+
+__all__ = [
+    "FIGURE3_ABLATION", "KV_STATES", "POLICIES", "DurationEstimator", "IterationInfo", "KVAction", "KVDecision",
+    "KVPlan", "PausedInfo", "Policy", "Profile", "SwapBudget", "a100_gptj_6b", "detect_saturation_point",
+    "make_policy", "min_waste_plan", "recompute_chunk_size", "split_swap_budget", "waste_chunk_discard",
+    "waste_discard", "waste_preserve", "waste_swap",
+]

@@ -1,0 +1,451 @@
+"""What to do with each paused request's KV this iteration: preserve, swap out, or discard.
+
+Works on plain dataclasses, not engine objects, so it runs without torch and without a model. Once per
+iteration the scheduler describes the paused requests (`PausedInfo`) and the iteration (`IterationInfo`)
+and asks its policy for a `KVPlan`; the mechanism executes it.
+
+The min-waste rule (paper §4.3, `min_waste_plan`):
+
+1. for every paused request holding device memory, ``Waste = min(WastePreserve, WasteChunkDiscard)``
+   (Eq. 5, with Eqs. 2 and 4 from `waste`);
+2. sort by that waste, descending, and swap out from the top until the swap-out budget is spent
+   (swapping within the budget overlaps the forward pass, so it wastes nothing);
+3. preserve or discard each remaining request, whichever of its two wastes is smaller.
+
+Deviations from the paper, each for a stated reason:
+
+- A request is swapped only if it is expected to stay paused for at least the round trip
+  ``T_swap_out(device tokens) + T_swap_in(C)``; otherwise it would be back before its KV is, and the
+  swap-in would delay it for nothing (the paper's elapsed-time estimate makes every fresh interception
+  look short, so this rarely changes the paper's own behaviour, but it keeps a 1 ms calculator call
+  from being copied to the host and back).
+- A request whose KV is partly on the host (``kv_state == "partial"``, a budgeted swap-out in progress)
+  is never discarded: its device part is preserved until a later iteration's budget finishes the copy.
+  Discarding the tail of a half-swapped context would make resumption a swap-in followed by a
+  recompute, a path the mechanism need not support.
+- Swap amounts are whole KV blocks unless they finish a request's device tokens, because the mechanism
+  moves blocks.
+
+Ties between preserve and discard go to preserve: equal waste, and preserve needs no recompute work.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import ClassVar, Sequence
+
+from .profile import Profile
+from .waste import waste_chunk_discard, waste_discard, waste_preserve
+
+KV_STATES = ("device", "host", "discarded", "partial")
+
+
+class KVAction(str, enum.Enum):
+    PRESERVE = "preserve"  # keep the device KV where it is
+    SWAP_OUT = "swap_out"  # copy `swap_out_tokens` device tokens to the host this iteration
+    DISCARD = "discard"  # free the device KV; recompute on resume
+
+
+# -- inputs and outputs ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PausedInfo:
+    """One paused (intercepted) request, as the policy sees it."""
+
+    request_id: str
+    arrival_time: float  # original arrival; orders ties and FCFS-ordered baselines
+    num_tokens: int  # C: context tokens (all of them, wherever their KV is)
+    kv_state: str  # one of KV_STATES
+    num_device_tokens: int  # tokens whose KV is on the device now (what preserving holds)
+    elapsed_s: float  # t_now - t_call
+    expected_s: float  # expected REMAINING interception time: DurationEstimator.estimate(...)
+
+    def __post_init__(self) -> None:
+        if self.kv_state not in KV_STATES:
+            raise ValueError(f"kv_state must be one of {KV_STATES}, not {self.kv_state!r}")
+        if not 0 <= self.num_device_tokens <= self.num_tokens:
+            raise ValueError(f"{self.request_id}: need 0 <= num_device_tokens <= num_tokens, got "
+                             f"{self.num_device_tokens} of {self.num_tokens}")
+
+
+@dataclass(frozen=True)
+class IterationInfo:
+    """The iteration the plan is for."""
+
+    num_running_tokens: int  # C_other: KV tokens held by the running (not paused) requests
+    num_batched_tokens: int  # B_i: query tokens the running batch schedules (sets the recompute chunk)
+    swap_out_budget: int  # tokens that may be swapped out in this iteration (`split_swap_budget`)
+    free_host_tokens: int | None = None  # host pool room in tokens; None: unlimited
+
+
+@dataclass(frozen=True)
+class KVDecision:
+    request_id: str
+    action: KVAction
+    swap_out_tokens: int = 0  # > 0 only for SWAP_OUT; may be less than the device tokens (chunked swap)
+    waste_preserve: float = 0.0  # byte·s, Eq. 2 with the expected remaining time
+    waste_discard: float = 0.0  # byte·s, Eq. 4 if the policy recomputes in chunks, else Eq. 1
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """One decision per paused request that holds device memory, in input order.
+
+    Requests with nothing on the device (kv_state "host" or "discarded") get no decision: there is
+    nothing to move, and KV never moves back toward the device before the request resumes.
+    """
+
+    decisions: tuple[KVDecision, ...] = ()
+
+    def __iter__(self):
+        return iter(self.decisions)
+
+    def __len__(self) -> int:
+        return len(self.decisions)
+
+    def get(self, request_id: str) -> KVDecision | None:
+        return next((d for d in self.decisions if d.request_id == request_id), None)
+
+    def action(self, request_id: str) -> KVAction | None:
+        decision = self.get(request_id)
+        return decision.action if decision else None
+
+    def ids(self, action: KVAction) -> list[str]:
+        return [d.request_id for d in self.decisions if d.action is action]
+
+    @property
+    def swap_out_tokens(self) -> int:
+        return sum(d.swap_out_tokens for d in self.decisions)
+
+
+# -- budgets and chunks ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SwapBudget:
+    swap_in: int
+    swap_out: int
+
+
+def split_swap_budget(total: int, swap_in_demand: int, swap_out_demand: int,
+                      free_device_tokens: int, free_host_tokens: int) -> SwapBudget:
+    """Split one iteration's swap limit ``N_i`` between swap-in and swap-out (paper §4.1).
+
+    The paper's criteria: (1) ``in + out <= N_i``; (2) swapped-out memory fits in free host memory;
+    (3) swapped-in memory fits in free device memory. Swap-in is served first: a resumed request is
+    ready to produce tokens and waits for nothing else, while a swap-out only frees memory for later
+    (paper: the swap-in budget "should always be utilized by resumed requests as much as the budget
+    allows"). Swap-out takes what is left. Under device pressure this balances by itself: with no free
+    device memory swap-in gets nothing, swap-out gets the whole budget and frees memory for the next
+    iteration.
+
+    Conservative versus the paper: memory freed by this iteration's copies in one direction is not
+    counted as room for this iteration's copies in the other (criteria 2-3 count it); that would need
+    the mechanism to order the two copy streams inside one iteration. The cost is at most one iteration
+    of delay.
+    """
+    total = max(total, 0)
+    swap_in = max(min(swap_in_demand, total, free_device_tokens), 0)
+    swap_out = max(min(swap_out_demand, total - swap_in, free_host_tokens), 0)
+    return SwapBudget(swap_in=swap_in, swap_out=swap_out)
+
+
+def recompute_chunk_size(profile: Profile, num_batched_tokens: int) -> int:
+    """Tokens of a discarded context to recompute per iteration: ``S - B_i`` (paper §4.2).
+
+    Floored at one block so recomputation always progresses, even when the running batch alone
+    reaches the saturation point.
+    """
+    return max(profile.saturation_point - num_batched_tokens, profile.block_size)
+
+
+def swap_amount(device_tokens: int, budget: int, block_size: int) -> int:
+    """Tokens to swap out of one request: all of them if they fit, else as many whole blocks as fit."""
+    if device_tokens <= budget:
+        return max(device_tokens, 0)
+    return max(budget, 0) // block_size * block_size
+
+
+def worth_swapping(info: PausedInfo, profile: Profile) -> bool:
+    """True if the request should still be paused after its KV made the round trip to the host."""
+    round_trip = profile.t_swap(info.num_device_tokens, "out") + profile.t_swap(info.num_tokens, "in")
+    return info.expected_s >= round_trip
+
+
+def _swap_room(iteration: IterationInfo) -> int:
+    """Swap-out tokens this iteration may use: the budget, capped by the host pool."""
+    if iteration.free_host_tokens is None:
+        return max(iteration.swap_out_budget, 0)
+    return max(min(iteration.swap_out_budget, iteration.free_host_tokens), 0)
+
+
+# -- scoring --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Scored:
+    info: PausedInfo
+    waste_preserve: float
+    waste_discard: float
+
+    @property
+    def min_waste(self) -> float:
+        """Eq. 5: the waste of the better of preserve and (chunked) discard."""
+        return min(self.waste_preserve, self.waste_discard)
+
+    @property
+    def cheaper_to_preserve(self) -> bool:
+        return self.waste_preserve <= self.waste_discard
+
+    def decide(self, action: KVAction, swap_out_tokens: int = 0) -> KVDecision:
+        return KVDecision(self.info.request_id, action, swap_out_tokens, self.waste_preserve,
+                          self.waste_discard)
+
+
+def score(info: PausedInfo, iteration: IterationInfo, profile: Profile, chunked: bool = True) -> _Scored:
+    """WastePreserve (Eq. 2) and WasteChunkDiscard (Eq. 4, or Eq. 1 unchunked) of one paused request.
+
+    ``C`` is the request's device tokens: those are what preserving holds and what discarding frees and
+    later recomputes. ``T_int`` is its expected remaining paused time.
+    """
+    C, M = info.num_device_tokens, profile.bytes_per_token
+    preserve = waste_preserve(info.expected_s, C, M)
+    if chunked:
+        chunk = recompute_chunk_size(profile, iteration.num_batched_tokens)
+        discard = waste_chunk_discard(C, iteration.num_running_tokens, M, profile.t_fwd, chunk)
+    else:
+        discard = waste_discard(C, iteration.num_running_tokens, M, profile.t_fwd)
+    return _Scored(info, preserve, discard)
+
+
+def _holding_device(paused: Sequence[PausedInfo]) -> list[PausedInfo]:
+    return [p for p in paused if p.num_device_tokens > 0]
+
+
+def _in_input_order(paused: Sequence[PausedInfo], decisions: dict[str, KVDecision]) -> KVPlan:
+    return KVPlan(tuple(decisions[p.request_id] for p in paused if p.request_id in decisions))
+
+
+def _drop(scored: _Scored) -> KVDecision:
+    """Discard, except a half-swapped request, whose device part stays until its swap completes."""
+    if scored.info.kv_state == "partial":
+        return scored.decide(KVAction.PRESERVE)
+    return scored.decide(KVAction.DISCARD)
+
+
+def _swap_in_order(ordered: Sequence[_Scored], budget: int, profile: Profile,
+                   eligible=lambda s: True) -> tuple[dict[str, KVDecision], list[_Scored]]:
+    """Swap out requests in the given order while the budget lasts; returns (decisions, the rest).
+
+    A request that does not fit whole gets as many whole blocks as remain; later, smaller requests
+    may still fit in what is left.
+    """
+    decisions: dict[str, KVDecision] = {}
+    rest: list[_Scored] = []
+    for s in ordered:
+        amount = swap_amount(s.info.num_device_tokens, budget, profile.block_size) if eligible(s) else 0
+        if amount > 0:
+            decisions[s.info.request_id] = s.decide(KVAction.SWAP_OUT, amount)
+            budget -= amount
+        else:
+            rest.append(s)
+    return decisions, rest
+
+
+def min_waste_plan(paused: Sequence[PausedInfo], iteration: IterationInfo, profile: Profile) -> KVPlan:
+    """The paper's per-iteration min-waste decision (§4.3); see the module docstring."""
+    scored = [score(p, iteration, profile, chunked=True) for p in _holding_device(paused)]
+    # Most wasteful first; ties by original arrival (older first) so the order is deterministic.
+    ordered = sorted(scored, key=lambda s: (-s.min_waste, s.info.arrival_time, s.info.request_id))
+    decisions, rest = _swap_in_order(ordered, _swap_room(iteration), profile,
+                                     eligible=lambda s: worth_swapping(s.info, profile))
+    for s in rest:
+        decisions[s.info.request_id] = s.decide(KVAction.PRESERVE) if s.cheaper_to_preserve else _drop(s)
+    return _in_input_order(paused, decisions)
+
+
+# -- policies -------------------------------------------------------------------------------------
+
+class Policy:
+    """A named way to hold paused requests' KV. Subclasses implement `plan`.
+
+    Class attributes the scheduler reads:
+
+    - ``keeps_arrival_time``: a resumed request keeps its original arrival time in the FCFS queues;
+      False means it is requeued at the tail (arrival = resume time), like a brand-new request.
+    - ``chunked_recompute``: recompute a discarded context ``S - B_i`` tokens per iteration
+      (`recompute_chunk_size`); False recomputes it all in one iteration.
+    - ``swap_synchronous``: swaps are whole-context and block the iteration (the paper's Swap baseline);
+      False means swaps are budgeted per iteration and overlap the forward pass.
+    - ``lazy_discard``: a discarded context's blocks stay content-addressed and reusable until evicted
+      (DESIGN §4); False frees them for good (the paper's baselines, vLLM 0.2).
+    """
+
+    name: ClassVar[str] = ""
+    keeps_arrival_time: ClassVar[bool] = True
+    chunked_recompute: ClassVar[bool] = False
+    swap_synchronous: ClassVar[bool] = False
+    lazy_discard: bool = False
+
+    def __init__(self, *, lazy_discard: bool | None = None):
+        if lazy_discard is not None:
+            self.lazy_discard = lazy_discard  # per-instance override, e.g. for ablations
+
+    def plan(self, paused: Sequence[PausedInfo], iteration: IterationInfo, profile: Profile) -> KVPlan:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+    def _score_all(self, paused, iteration, profile) -> list[_Scored]:
+        return [score(p, iteration, profile, chunked=self.chunked_recompute) for p in _holding_device(paused)]
+
+
+class DiscardPolicy(Policy):
+    """The paper's vLLM baseline: drop the KV at once, requeue at the tail, recompute in one go."""
+
+    name = "discard"
+    keeps_arrival_time = False
+
+    def plan(self, paused, iteration, profile):
+        return _in_input_order(paused, {s.info.request_id: _drop(s)
+                                        for s in self._score_all(paused, iteration, profile)})
+
+
+class ImprovedDiscardPolicy(DiscardPolicy):
+    """ImprovedDiscard (§3.2; Figure 3 step 2): discard, but keep the original arrival time."""
+
+    name = "improved-discard"
+    keeps_arrival_time = True
+
+
+class ChunkedDiscardPolicy(ImprovedDiscardPolicy):
+    """Figure 3 step 3: ImprovedDiscard plus recomputation chunking (§4.2)."""
+
+    name = "chunked-discard"
+    chunked_recompute = True
+
+
+class BudgetedSwapPolicy(ChunkedDiscardPolicy):
+    """Figure 3 step 4: swap out within the per-iteration budget, discard once the limit is reached.
+
+    No waste model yet, so the order is: swaps already in progress first (finish what was started),
+    then by original arrival time.
+    """
+
+    name = "budgeted-swap"
+
+    def plan(self, paused, iteration, profile):
+        ordered = sorted(self._score_all(paused, iteration, profile), key=_swap_fcfs_key)
+        decisions, rest = _swap_in_order(ordered, _swap_room(iteration), profile)
+        decisions.update({s.info.request_id: _drop(s) for s in rest})
+        return _in_input_order(paused, decisions)
+
+
+class HeuristicPreservePolicy(BudgetedSwapPolicy):
+    """Figure 3 step 5: preserve short (automated) interceptions; budgeted swap, then discard, for long
+    (interactive) ones.
+
+    The paper splits by interception type; here "long" means an expected remaining time of at least
+    ``long_threshold_s`` (default 2 s: between the automated tools of Table 1, at most 0.69 s on average,
+    and the human or model-plus-human ones, 17 s or more).
+    """
+
+    name = "heuristic-preserve"
+
+    def __init__(self, *, long_threshold_s: float = 2.0, lazy_discard: bool | None = None):
+        super().__init__(lazy_discard=lazy_discard)
+        self.long_threshold_s = long_threshold_s
+
+    def plan(self, paused, iteration, profile):
+        scored = self._score_all(paused, iteration, profile)
+        short = [s for s in scored if s.info.expected_s < self.long_threshold_s]
+        long = sorted((s for s in scored if s.info.expected_s >= self.long_threshold_s), key=_swap_fcfs_key)
+        decisions, rest = _swap_in_order(long, _swap_room(iteration), profile)
+        decisions.update({s.info.request_id: _drop(s) for s in rest})
+        decisions.update({s.info.request_id: s.decide(KVAction.PRESERVE) for s in short})
+        return _in_input_order(paused, decisions)
+
+
+class InferCeptPolicy(Policy):
+    """Figure 3 step 6, the full system: chunked recompute, budgeted pipelined swap, min-waste (§4.3)."""
+
+    name = "infercept"
+    chunked_recompute = True
+    lazy_discard = True
+
+    def plan(self, paused, iteration, profile):
+        return min_waste_plan(paused, iteration, profile)
+
+
+class PreservePolicy(Policy):
+    """Preserve (§3.2): keep every paused request's KV on the device."""
+
+    name = "preserve"
+
+    def plan(self, paused, iteration, profile):
+        return _in_input_order(paused, {s.info.request_id: s.decide(KVAction.PRESERVE)
+                                        for s in self._score_all(paused, iteration, profile)})
+
+
+class SwapPolicy(Policy):
+    """Swap (§3.2): synchronously copy the whole context to the host at interception.
+
+    No per-iteration budget (the copy blocks the iteration instead); only the host pool limits it, and
+    a request that does not fit there is discarded.
+    """
+
+    name = "swap"
+    swap_synchronous = True
+
+    def plan(self, paused, iteration, profile):
+        room = iteration.free_host_tokens
+        decisions = {}
+        for s in sorted(self._score_all(paused, iteration, profile), key=_swap_fcfs_key):
+            tokens = s.info.num_device_tokens
+            if room is None or tokens <= room:
+                decisions[s.info.request_id] = s.decide(KVAction.SWAP_OUT, tokens)
+                room = None if room is None else room - tokens
+            else:
+                decisions[s.info.request_id] = _drop(s)
+        return _in_input_order(paused, decisions)
+
+
+class PrefixCachePolicy(DiscardPolicy):
+    """Today's vLLM V1 / SGLang (DESIGN §4): the tool call ends the request, its blocks stay in the
+    prefix cache until evicted, and the next request reuses what survived (chunked prefill for the rest).
+    """
+
+    name = "prefix-cache"
+    keeps_arrival_time = False
+    chunked_recompute = True
+    lazy_discard = True
+
+
+def _swap_fcfs_key(s: _Scored):
+    return (s.info.kv_state != "partial", s.info.arrival_time, s.info.request_id)
+
+
+POLICIES: dict[str, type[Policy]] = {
+    "discard": DiscardPolicy,
+    "vllm": DiscardPolicy,  # Figure 3's name for the same baseline
+    "improved-discard": ImprovedDiscardPolicy,
+    "chunked-discard": ChunkedDiscardPolicy,
+    "budgeted-swap": BudgetedSwapPolicy,
+    "heuristic-preserve": HeuristicPreservePolicy,
+    "infercept": InferCeptPolicy,
+    "preserve": PreservePolicy,
+    "swap": SwapPolicy,
+    "prefix-cache": PrefixCachePolicy,
+}
+
+# Paper Figure 3 (§5.2): each step adds one technique to the one before it.
+FIGURE3_ABLATION = ("vllm", "improved-discard", "chunked-discard", "budgeted-swap", "heuristic-preserve",
+                    "infercept")
+
+
+def make_policy(name: str, **kwargs) -> Policy:
+    """The policy registered under ``name``; ValueError naming the choices if there is none."""
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(sorted(POLICIES))}") from None
+    return cls(**kwargs)

@@ -1,0 +1,84 @@
+"""How much longer will a paused request stay paused? (paper §4.4, improved with per-tool history)
+
+`DurationEstimator.estimate` returns the expected *remaining* interception time in seconds. That number
+is ``T_int`` in WastePreserve (Eq. 2), for this reason: the policy re-decides every iteration, and the
+memory a request has already held is spent whatever it decides now, so the only preserve waste a decision
+can still avoid is ``remaining × C × M``.
+
+Rules, first that applies:
+
+1. **Client hint** ``h`` (the caller's expected *total* duration of this call): ``h − elapsed`` while
+   ``elapsed < h``. A hint that has already been outlived was wrong, so fall through to rules 2-3.
+2. **Per-tool history** (at least ``min_history`` past durations of this tool): the empirical mean
+   residual life ``mean(d − elapsed for d in history if d > elapsed)``, i.e. the expected remaining time
+   of the past calls that lasted at least as long as this one so far. It is a mean, not a median, because
+   waste is linear in time and we minimise expected waste. If every past call was shorter than the time
+   already elapsed, this call is unlike the history: fall through to rule 3.
+3. **Paper §4.4**: ``t_now − t_call``. The paper uses the elapsed time as the estimate of the duration;
+   read as a remaining-time estimate it is the "Lindy" rule for heavy-tailed durations (a call that has
+   run for t seconds is expected to run about t more). It makes a fresh interception cheap to preserve and
+   a long one increasingly expensive, and the paper measures it at 93% of an oracle.
+
+Why history matters: with rule 3 alone a 1 ms calculator and a 30 s human turn look the same when they
+start; with history the human turn is swapped or discarded at once and the calculator is never moved.
+"""
+from __future__ import annotations
+
+import statistics
+import threading
+from collections import deque
+
+DEFAULT_HISTORY_SIZE = 32  # recent calls per tool: adapts to drift, bounded memory
+DEFAULT_MIN_HISTORY = 3  # fewer samples than this are noise, use the paper's rule instead
+
+
+class DurationEstimator:
+    """Expected remaining interception time from the elapsed time, a client hint and tool history."""
+
+    def __init__(self, history_size: int = DEFAULT_HISTORY_SIZE, min_history: int = DEFAULT_MIN_HISTORY):
+        if history_size <= 0 or min_history <= 0:
+            raise ValueError("history_size and min_history must be positive")
+        self.history_size = history_size
+        self.min_history = min_history
+        self._history: dict[str, deque[float]] = {}
+        # observe() runs where tool results arrive (server side), estimate() in the engine loop.
+        self._lock = threading.Lock()
+
+    def observe(self, tool_name: str | None, duration: float) -> None:
+        """Record how long a finished interception of ``tool_name`` took (seconds)."""
+        if tool_name is None or duration < 0:
+            return
+        with self._lock:
+            history = self._history.setdefault(tool_name, deque(maxlen=self.history_size))
+            history.append(float(duration))
+
+    def history(self, tool_name: str) -> list[float]:
+        with self._lock:
+            return list(self._history.get(tool_name, ()))
+
+    def expected_total(self, tool_name: str) -> float | None:
+        """Median past duration of ``tool_name`` (for reports), or None with too little history."""
+        samples = self.history(tool_name)
+        return statistics.median(samples) if len(samples) >= self.min_history else None
+
+    def estimate(self, now: float, call_start: float, tool_name: str | None = None,
+                 hint_seconds: float | None = None) -> float:
+        """Expected remaining seconds of the interception that began at ``call_start``.
+
+        The result is ``T_int`` for WastePreserve (Eq. 2); see the module docstring for the rules.
+        """
+        elapsed = max(now - call_start, 0.0)
+        if hint_seconds is not None and elapsed < hint_seconds:
+            return hint_seconds - elapsed
+        if tool_name is not None:
+            from_history = self._mean_residual(tool_name, elapsed)
+            if from_history is not None:
+                return from_history
+        return elapsed
+
+    def _mean_residual(self, tool_name: str, elapsed: float) -> float | None:
+        samples = self.history(tool_name)
+        if len(samples) < self.min_history:
+            return None
+        survivors = [d - elapsed for d in samples if d > elapsed]
+        return statistics.fmean(survivors) if survivors else None

@@ -1,0 +1,81 @@
+"""Shared fixtures: one default model (engine + HF reference) per test session.
+
+Everything heavy is session-scoped so the whole suite loads SmolLM2-135M once into the engine and
+once into transformers. The engine instance uses a 32-token budget so that prompts longer than 32
+tokens are prefilled in chunks, in the same forward passes as other requests' decodes.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """Greedy continuation of `ids` by a transformers model: exactly `n` new token ids (eos ignored)."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None,
+                              pad_token_id=0, bos_token_id=None)
+    input_ids = torch.tensor([list(ids)], dtype=torch.long)
+    with torch.inference_mode():
+        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                             generation_config=config)
+    new = out[0, input_ids.shape[1]:].tolist()
+    assert len(new) == n, f"HF generated {len(new)} tokens, wanted {n}"
+    return new
+
+
+def hf_last_logits(model, ids: list[int]) -> torch.Tensor:
+    """fp32 logits of the last position for one prompt: [vocab]."""
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([list(ids)])).logits[0, -1].float()
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> str:
+    from infercept.engine.download import ensure_default_model
+
+    return ensure_default_model(progress=False)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_model_fp32(default_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def llm_fp32(default_model_dir):
+    from infercept.engine import LLM
+
+    torch.manual_seed(0)
+    return LLM(default_model_dir, dtype="float32", kv_cache_gb=0.25, max_num_batched_tokens=32,
+               host_kv_gb=0.01, seed=0)
+
+
+@pytest.fixture
+def engine(llm_fp32):
+    """The shared engine, checked to be idle and leak-free before and after each test."""
+    eng = llm_fp32.engine
+    assert not eng.has_unfinished_requests()
+    eng.block_manager.check_integrity()
+    yield eng
+    # A failing test may leave requests behind; clear them so later tests start clean.
+    for request_id in list(eng.scheduler.requests):
+        eng.abort(request_id)
+    eng.block_manager.check_integrity()
+    assert eng.block_manager.num_free_blocks == eng.block_manager.device.num_blocks

@@ -1,0 +1,68 @@
+"""AsyncEngine: streaming, concurrency, abort on early exit, bad input reported to the caller."""
+import asyncio
+
+import pytest
+
+from infercept.engine import AsyncEngine, Engine, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def async_engine(default_model_dir):
+    engine = AsyncEngine(Engine(default_model_dir, dtype="float32", kv_cache_gb=0.1, max_num_batched_tokens=64))
+    engine.start()
+    yield engine
+    engine.shutdown()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_streams_match_offline_generation(async_engine, llm_fp32):
+    prompts = ["The capital of France is", "List three colors:", "1, 2, 3,"]
+
+    async def collect(prompt):
+        outs = [o async for o in async_engine.generate(prompt, GREEDY)]
+        assert outs[-1].finished and all(not o.finished for o in outs[:-1])
+        # Each streamed output extends the previous one.
+        for a, b in zip(outs, outs[1:]):
+            assert b.token_ids[:len(a.token_ids)] == a.token_ids
+        return outs[-1]
+
+    async def main():
+        return await asyncio.gather(*(collect(p) for p in prompts))
+
+    finals = run(main())
+    expected = llm_fp32.generate(prompts, GREEDY)
+    assert [f.token_ids for f in finals] == [e.token_ids for e in expected]
+    assert [f.text for f in finals] == [e.text for e in expected]
+
+
+def test_leaving_early_aborts_and_frees_blocks(async_engine):
+    engine = async_engine.engine
+    total = engine.block_manager.device.num_blocks
+
+    async def main():
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        async for out in async_engine.generate("Count: 1, 2, 3,", params):
+            if len(out.token_ids) >= 3:
+                break  # like a client that disconnects mid-stream
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if not engine.has_unfinished_requests():
+                break
+
+    run(main())
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == total
+
+
+def test_bad_input_raises_in_caller(async_engine):
+    async def main():
+        async for _ in async_engine.generate([], GREEDY):
+            pass
+
+    with pytest.raises(ValueError, match="empty"):
+        run(main())
