@@ -93,6 +93,48 @@ class BlockManager:
     def block_table(self, request_id: str) -> list[int]:
         return self.tables.get(request_id, [])
 
+    # -- host pool (swap) --------------------------------------------------------------------------
+    # A request's logical blocks are split: the first len(host_tables[r]) live on the host, the rest
+    # on the device. Swap-out moves device blocks from the front of the device table to the end of
+    # the host table; swap-in moves host blocks from the end of the host table to the front of the
+    # device table. Either way the two tables stay one contiguous sequence.
+    @property
+    def num_free_host_blocks(self) -> int:
+        return self.host.num_free
+
+    def num_host_blocks_of(self, request_id: str) -> int:
+        return len(self.host_tables.get(request_id, ()))
+
+    def can_swap_out(self, num_blocks: int) -> bool:
+        return num_blocks <= self.host.num_free
+
+    def swap_out(self, request_id: str, num_blocks: int) -> list[tuple[int, int]]:
+        """Move the request's first `num_blocks` device blocks to the host; returns (device, host) pairs
+        for the copy. The device blocks are free again once the caller has copied them."""
+        table = self.tables.get(request_id, [])
+        num_blocks = min(num_blocks, len(table))
+        host_ids = self.host.take(num_blocks)
+        moved, self.tables[request_id] = table[:num_blocks], table[num_blocks:]
+        self.host_tables.setdefault(request_id, []).extend(host_ids)
+        self.device.release(moved)
+        return list(zip(moved, host_ids))
+
+    def can_swap_in(self, num_blocks: int) -> bool:
+        return num_blocks <= self.device.num_free
+
+    def swap_in(self, request_id: str, num_blocks: int) -> list[tuple[int, int]]:
+        """Move the request's last `num_blocks` host blocks back to the device; (host, device) pairs."""
+        host_table = self.host_tables.get(request_id, [])
+        num_blocks = min(num_blocks, len(host_table))
+        device_ids = self.device.take(num_blocks)
+        split = len(host_table) - num_blocks
+        moved, self.host_tables[request_id] = host_table[split:], host_table[:split]
+        self.tables[request_id] = device_ids + self.tables.get(request_id, [])
+        self.host.release(moved)
+        if not self.host_tables[request_id]:
+            del self.host_tables[request_id]
+        return list(zip(moved, device_ids))
+
     # -- invariants ------------------------------------------------------------------------------
     def check_integrity(self) -> None:
         self.device.check(self.tables, "device")

@@ -15,10 +15,14 @@ from .detokenizer import IncrementalDetokenizer
 from .kv_cache import GIB, KVCache, available_memory_bytes, num_blocks_for
 from .model_loader import load_model, load_spec
 from .model_runner import ModelRunner
-from .outputs import RequestOutput
-from .request import Request, RequestStatus
+from .outputs import RequestOutput, SchedulerOutput
+from .policy import Profile, make_policy
+from .profiler import load_or_measure
+from .request import InterceptParams, Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .stats import EngineStats
+from .tool_parsers import get_tool_parser
 
 logger = logging.getLogger("infercept.engine")
 
@@ -41,7 +45,8 @@ class Engine:
                  block_size: int = CacheConfig.block_size,
                  max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
                  max_num_seqs: int = SchedulerConfig.max_num_seqs, max_model_len: int | None = None,
-                 seed: int = 0, num_threads: int | None = None):
+                 seed: int = 0, num_threads: int | None = None, policy: str = "infercept",
+                 profile: Profile | str | None = None, progress: bool = True):
         from transformers import AutoTokenizer
 
         if model is None:
@@ -74,8 +79,14 @@ class Engine:
         num_host_blocks = num_blocks_for(host_kv_gb, block_bytes)
         self.kv_cache = KVCache(spec, dtype_, device_, block_size, num_blocks, num_host_blocks)
         self.block_manager = BlockManager(num_blocks, num_host_blocks, block_size)
-        self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
         self.runner = ModelRunner(self.model, self.kv_cache, device_, self.eos_token_ids, seed)
+        self.policy = make_policy(policy)
+        if isinstance(profile, str):
+            profile = Profile.load(profile)
+        self.profile = profile or load_or_measure(model, self.runner, self.kv_cache,
+                                                  spec.kv_bytes_per_token(dtype_), progress=progress)
+        self.scheduler = Scheduler(self.config.scheduler, self.block_manager, self.policy, self.profile)
+        self.stats = EngineStats(bytes_per_token=self.profile.bytes_per_token)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         logger.info("engine ready: %s on %s in %s, %d KV blocks of %d tokens (%.2f GiB)", model, device_,
@@ -88,13 +99,18 @@ class Engine:
         return list(prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    intercept: InterceptParams | None = None) -> str:
+        """Queue a request. With `intercept`, it pauses at a tool call or stop instead of finishing."""
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
         token_ids = self.tokenize_prompt(prompt)
         self._validate(token_ids)
+        if intercept is not None and intercept.tool_parser is not None:
+            get_tool_parser(intercept.tool_parser)  # unknown names fail here, not mid-generation
         request = Request(request_id, token_ids, params, self.eos_token_ids,
-                          arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+                          arrival_time=self.scheduler.clock() if arrival_time is None else arrival_time,
+                          intercept=intercept)
         self.scheduler.add(request)
         self.detokenizers[request_id] = IncrementalDetokenizer(
             self.tokenizer, token_ids, params.skip_special_tokens, params.stop)
@@ -111,37 +127,93 @@ class Engine:
         if self.block_manager.blocks_for(len(token_ids) + 1) > self.block_manager.device.num_blocks:
             raise ValueError("the prompt does not fit in the KV cache pool; raise --kv-cache-gb")
 
+    def resume(self, request_id: str, appended: str | list[int], params: SamplingParams | None = None) -> None:
+        """Continue a paused request: `appended` (the tool result, rendered by the caller exactly as
+        a fresh rendering of the conversation would continue the paused tokens) is added to its
+        context and it generates on, with `params` for the new turn if given."""
+        request = self.scheduler.paused.get(request_id)
+        if request is None:
+            state = self.scheduler.requests.get(request_id)
+            raise KeyError(request_id) if state is None else ValueError(
+                f"request {request_id!r} is {state.status.value}, not paused")
+        token_ids = self.tokenize_prompt(appended) if isinstance(appended, str) else list(appended)
+        if not token_ids:
+            raise ValueError("nothing to append: a resume needs at least one token")
+        if request.num_tokens + len(token_ids) >= self.config.scheduler.max_model_len:
+            raise ValueError(f"the context would exceed this model's limit of {self.config.scheduler.max_model_len}")
+        if any(not 0 <= t < self.spec.vocab_size for t in token_ids):
+            raise ValueError(f"token ids must be in [0, {self.spec.vocab_size})")
+        if params is not None:
+            request.sampling_params = params
+        self.scheduler.resume(request_id, token_ids)
+        p = request.sampling_params
+        self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, request.token_ids,
+                                                               p.skip_special_tokens, p.stop)
+
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
         self.detokenizers.pop(request_id, None)
 
+    def kv_location(self, request_id: str) -> dict[str, int]:
+        """Context tokens whose KV is on the device, on the host, or discarded (to recompute)."""
+        return self.scheduler.kv_location(request_id)
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests that still need steps; paused ones wait for `resume` and need none."""
+        return self.scheduler.has_work()
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.run(scheduler_output)
-        return self._update(scheduler_output, runner_output)
+        outputs = self._update(scheduler_output, runner_output)
+        self.stats.record(scheduler_output, time.perf_counter() - start)
+        return outputs
 
-    def _update(self, scheduler_output, runner_output) -> list[RequestOutput]:
+    def _update(self, scheduler_output: SchedulerOutput, runner_output) -> list[RequestOutput]:
         outputs = []
         for request in self.scheduler.update(scheduler_output, runner_output):
             detok = self.detokenizers[request.request_id]
             stop = detok.add(request.token_ids[-1])
             if stop is not None and not request.status.finished:
                 request.stop_reason = stop
-                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+                request.pending_stop = RequestStatus.FINISHED_STOPPED
+                if request.intercept is None:
+                    self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+            if request.intercept is not None:
+                self._intercept_or_finish(request, detok)
             outputs.append(self._output(request, detok))
-            if request.status.finished:
+            if request.status.finished or request.status is RequestStatus.INTERCEPTED:
                 del self.detokenizers[request.request_id]
         return outputs
 
-    @staticmethod
-    def _output(request: Request, detok: IncrementalDetokenizer) -> RequestOutput:
+    def _intercept_or_finish(self, request: Request, detok: IncrementalDetokenizer) -> None:
+        """Pause at a completed tool call (once the model has moved past it, so parallel calls stay
+        together) or at a stop the request marked as an interception; otherwise finish on a stop."""
+        intercept = request.intercept
+        calls = []
+        if intercept.tool_parser is not None:
+            parser = get_tool_parser(intercept.tool_parser)
+            if request.pending_stop is None and not parser.turn_done(detok.text):
+                return
+            calls = parser.parse(detok.text).tool_calls
+            if request.pending_stop is None and not calls:
+                return
+        if calls or (request.pending_stop is not None and intercept.pause_on_stop):
+            self.scheduler.pause(request, calls)
+        elif request.pending_stop is not None:
+            self.scheduler.finish(request, request.pending_stop)
+
+    def _output(self, request: Request, detok: IncrementalDetokenizer) -> RequestOutput:
         finished = request.status.finished
+        paused = request.status is RequestStatus.INTERCEPTED
+        reason = request.finish_reason
+        if paused:
+            reason = "tool_calls" if request.tool_calls else "intercept"
         return RequestOutput(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids), text=detok.visible_text(finished), finished=finished,
-            finish_reason=request.finish_reason, stop_reason=request.stop_reason,
-            logprobs=list(request.output_logprobs) if request.sampling_params.logprobs is not None else None)
+            token_ids=list(request.output_token_ids), text=detok.visible_text(finished or paused),
+            finished=finished, finish_reason=reason, stop_reason=request.stop_reason,
+            logprobs=list(request.output_logprobs) if request.sampling_params.logprobs is not None else None,
+            paused=paused, tool_calls=list(request.tool_calls))

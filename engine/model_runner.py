@@ -80,6 +80,10 @@ class ModelRunner:
     def run(self, output: SchedulerOutput) -> RunnerOutput:
         for request_id in output.finished_request_ids:
             self.generators.pop(request_id, None)
+        # Copies first, swap-out before swap-in: a block freed by a swap-out may be refilled in this
+        # step. On CUDA they are queued on the compute stream, so ordering with the forward is free.
+        self.kv_cache.copy_blocks_out(output.swap_out)
+        self.kv_cache.copy_blocks_in(output.swap_in)
         if not output.chunks:
             return RunnerOutput(sampled={})
         input_ids, positions, meta = self.build_metadata(output)

@@ -22,6 +22,14 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk]
     # Requests that ended or lost their KV since the last step; the runner drops their state.
     finished_request_ids: list[str] = field(default_factory=list)
+    # Block copies to run before the forward pass, in this order (a block freed by a swap-out may be
+    # the destination of a swap-in or of new KV in the same step).
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    # Accounting for this iteration.
+    num_recomputed_tokens: int = 0  # scheduled tokens whose KV had been computed before
+    num_paused_device_tokens: int = 0  # KV tokens paused requests hold on the device (idle memory)
+    num_discarded_tokens: int = 0  # KV tokens of paused requests dropped this iteration
 
     @property
     def num_batched_tokens(self) -> int:
@@ -53,3 +61,9 @@ class RequestOutput:
     stop_reason: str | int | None = None
     logprobs: list[SampledToken] | None = None
     num_cached_tokens: int = 0
+    paused: bool = False  # the turn ended in an interception; the request waits for `resume`
+    tool_calls: list = field(default_factory=list)  # the parsed calls that paused it
+
+    @property
+    def turn_done(self) -> bool:
+        return self.finished or self.paused

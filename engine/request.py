@@ -9,8 +9,10 @@ from .sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"
+    WAITING = "waiting"  # new, preempted, or resumed after its KV was discarded
     RUNNING = "running"
+    INTERCEPTED = "intercepted"  # paused at a tool call; its KV is preserved, swapped or discarded
+    SWAPPED = "swapped"  # resumed, waiting for its KV to come back from the host pool
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -19,6 +21,16 @@ class RequestStatus(enum.Enum):
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
                         RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class InterceptParams:
+    """When a request pauses instead of finishing."""
+
+    tool_parser: str | None = None  # pause when the model completes a tool call in this format
+    pause_on_stop: bool = False  # any stop (EOS, stop string or token, length) pauses instead of finishing
+    expected_s: float | None = None  # client hint: how long the interception will take
+    kind: str = "tool"  # tool / human / model, for the duration estimate's history
 
 
 @dataclass
@@ -35,10 +47,20 @@ class Request:
     num_preemptions: int = 0
     output_logprobs: list = field(default_factory=list)
     stop_reason: str | int | None = None  # the stop string or token that ended it
+    intercept: InterceptParams | None = None
+    turn_start: int = 0  # index in token_ids where the current turn's generated tokens begin
+    # Highest num_computed_tokens ever reached: computing below it again is recomputation.
+    num_computed_high: int = 0
+    recompute_all: bool = False  # recompute a discarded context in one iteration (discard baseline)
+    pending_stop: RequestStatus | None = None  # a stop the engine may turn into a pause
+    paused_at: float | None = None
+    tool_calls: list = field(default_factory=list)  # the calls that paused it
+    num_turns: int = 1
 
     def __post_init__(self):
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        self.turn_start = self.turn_start or len(self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -50,11 +72,16 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        """Tokens generated in the current turn (since the prompt, or since the last resume)."""
+        return self.token_ids[self.turn_start:]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return len(self.token_ids) - self.turn_start
+
+    @property
+    def tool_name(self) -> str | None:
+        return self.tool_calls[0].name if self.tool_calls else None
 
     @property
     def finish_reason(self) -> str | None:

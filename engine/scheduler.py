@@ -1,52 +1,81 @@
-"""Iteration-level scheduler: which tokens of which requests run in the next forward pass.
+"""Iteration-level scheduler: which tokens of which requests run in the next forward pass, and where
+paused requests keep their KV.
 
-Counting tokens, not phases: each request has `num_tokens` (prompt + generated) and
-`num_computed_tokens` (those with KV in the cache). Every step gives each scheduled request a chunk of
-its uncomputed tokens, so prefill, chunked prefill, decode and recompute after preemption are one path.
+Counting tokens, not phases: each request has `num_tokens` (prompt + generated + appended tool
+results) and `num_computed_tokens` (those with KV). Every step gives each scheduled request a chunk of
+its uncomputed tokens, so prefill, chunked prefill, decode, resume and recompute after a discard are
+one path.
 
-Order of service (FCFS by arrival):
-  1. running requests, oldest first; when blocks run out, the newest running request is preempted
-     (its blocks are freed and it is recomputed later);
-  2. waiting requests, oldest first, while the token budget, the sequence cap and the pool allow.
+A step, in order (three queues, each FCFS by arrival time, paper §4.3):
+  1. paused requests: the policy decides preserve / swap out / discard (`policy.plan`); swap-out is
+     limited by the iteration's swap budget, split with swap-in (`split_swap_budget`);
+  2. swapped: resumed requests whose KV is on the host get it back within the swap-in budget;
+  3. running, oldest first; when blocks run out, paused requests' KV is discarded first, then the
+     newest running request is preempted (freed and recomputed later);
+  4. waiting (new, preempted, resumed after a discard), while the token budget, the sequence cap and
+     the pool allow. The token budget `max_num_batched_tokens` plays the paper's saturation point S,
+     so a recompute chunk is S minus the running tokens.
 """
 from __future__ import annotations
 
 import bisect
+import time
+from collections.abc import Callable
 
 from .block_manager import BlockManager
 from .config import SchedulerConfig
 from .outputs import RunnerOutput, ScheduledChunk, SchedulerOutput
+from .policy import (DurationEstimator, IterationInfo, KVAction, PausedInfo, Policy, Profile,
+                     split_swap_budget)
 from .request import Request, RequestStatus
 
 
+def _by_arrival(r: Request) -> float:
+    return r.arrival_time
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, policy: Policy | None = None,
+                 profile: Profile | None = None, clock: Callable[[], float] = time.monotonic,
+                 estimator: DurationEstimator | None = None):
         self.config = config
         self.blocks = block_manager
-        self.waiting: list[Request] = []  # sorted by arrival_time
-        self.running: list[Request] = []  # sorted by arrival_time
+        # No policy: paused requests keep their KV on the device until memory runs short.
+        self.policy = policy
+        self.profile = profile
+        self.clock = clock
+        self.estimator = estimator or DurationEstimator()
+        self.waiting: list[Request] = []  # each queue sorted by arrival_time
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        self.paused: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []  # dropped since the last step, for the runner
+        self._last_batched_tokens = 1
+        self._preempted_this_step = False
 
-    # -- admission and removal ------------------------------------------------------------------
+    # -- admission, pause, resume, removal ---------------------------------------------------------
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self._enqueue_waiting(request)
+        self._enqueue(self.waiting, request, RequestStatus.WAITING)
 
-    def _enqueue_waiting(self, request: Request) -> None:
-        request.status = RequestStatus.WAITING
-        keys = [r.arrival_time for r in self.waiting]
-        self.waiting.insert(bisect.bisect_right(keys, request.arrival_time), request)
+    @staticmethod
+    def _enqueue(queue: list[Request], request: Request, status: RequestStatus) -> None:
+        request.status = status
+        bisect.insort(queue, request, key=_by_arrival)
+
+    def _dequeue(self, request: Request) -> None:
+        for queue in (self.running, self.waiting, self.swapped):
+            if request in queue:
+                queue.remove(request)
+        self.paused.pop(request.request_id, None)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a request in any state and release its blocks."""
         request.status = status
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
+        self._dequeue(request)
         self.blocks.free(request.request_id)
         self.requests.pop(request.request_id, None)
         self._finished_ids.append(request.request_id)
@@ -57,79 +86,231 @@ class Scheduler:
             self.finish(request, RequestStatus.FINISHED_ABORTED)
         return request
 
+    def pause(self, request: Request, tool_calls: list) -> None:
+        """Intercept a running request: it keeps its id, arrival time, tokens and (for now) its KV."""
+        self._dequeue(request)
+        request.status = RequestStatus.INTERCEPTED
+        request.pending_stop = None
+        request.paused_at = self.clock()
+        request.tool_calls = list(tool_calls)
+        self.paused[request.request_id] = request
+
+    def resume(self, request_id: str, appended_token_ids: list[int]) -> Request:
+        """Continue a paused request with the tokens the interception returned."""
+        request = self.paused.pop(request_id)
+        now = self.clock()
+        self.estimator.observe(request.tool_name or (request.intercept.kind if request.intercept else None),
+                               now - request.paused_at)
+        request.token_ids += appended_token_ids
+        request.turn_start = len(request.token_ids)
+        request.paused_at = None
+        request.num_turns += 1
+        _, host = self.kv_tokens(request)
+        if host:
+            self._enqueue(self.swapped, request, RequestStatus.SWAPPED)
+        elif request.num_computed_tokens == 0:  # discarded: recompute through the waiting queue
+            if self.policy is not None and not self.policy.keeps_arrival_time:
+                request.arrival_time = now  # today's servers: a new request at the tail
+            request.recompute_all = self.policy is not None and not self.policy.chunked_recompute
+            self._enqueue(self.waiting, request, RequestStatus.WAITING)
+        else:
+            self._enqueue(self.running, request, RequestStatus.RUNNING)
+        return request
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def has_work(self) -> bool:
+        """Something to compute or copy: paused requests alone leave the engine idle."""
+        return bool(self.running or self.waiting or self.swapped)
+
+    # -- where KV lives ----------------------------------------------------------------------------
+    def kv_tokens(self, request: Request) -> tuple[int, int]:
+        """(device, host) tokens of the request's computed KV."""
+        host = min(self.blocks.num_host_blocks_of(request.request_id) * self.blocks.block_size,
+                   request.num_computed_tokens)
+        return request.num_computed_tokens - host, host
+
+    def kv_location(self, request_id: str) -> dict[str, int]:
+        """Tokens of the request's context whose KV is on the device, on the host, or not computed
+        (discarded, or never computed yet)."""
+        request = self.requests[request_id]
+        device, host = self.kv_tokens(request)
+        return {"device": device, "host": host, "discarded": request.num_tokens - device - host}
+
+    def _kv_state(self, request: Request) -> str:
+        device, host = self.kv_tokens(request)
+        if device and host:
+            return "partial"
+        return "device" if device else "host" if host else "discarded"
+
     # -- schedule ---------------------------------------------------------------------------------
+    def _discard(self, request: Request) -> int:
+        """Drop a paused (or swapped) request's KV; it is recomputed on resume. Returns tokens dropped."""
+        dropped = request.num_computed_tokens
+        self.blocks.free(request.request_id)
+        request.num_computed_tokens = 0
+        if request.status is RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+            request.recompute_all = self.policy is not None and not self.policy.chunked_recompute
+            self._enqueue(self.waiting, request, RequestStatus.WAITING)
+        return dropped
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.blocks.free(request.request_id)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
-        self._enqueue_waiting(request)
+        self._preempted_this_step = True
+        self._enqueue(self.waiting, request, RequestStatus.WAITING)
+
+    def _swap_budget_tokens(self) -> int | None:
+        """N_i: tokens whose copy time equals this iteration's forward time. None = unlimited."""
+        if self.profile is None or (self.policy is not None and self.policy.swap_synchronous):
+            return None
+        return self.profile.swap_budget_tokens(self.profile.t_fwd(self._last_batched_tokens))
+
+    def _plan_paused(self, out: SchedulerOutput, swap_in_demand: int) -> int | None:
+        """Apply the policy's decisions to paused requests; returns the swap-in budget in tokens."""
+        total = self._swap_budget_tokens()
+        bs = self.blocks.block_size
+        free_device = self.blocks.num_free_blocks * bs
+        free_host = self.blocks.num_free_host_blocks * bs
+        if self.policy is None or self.profile is None or not self.paused:
+            return total
+        infos = []
+        for r in self.paused.values():
+            device, _ = self.kv_tokens(r)
+            now = self.clock()
+            expected = self.estimator.estimate(now, r.paused_at, r.tool_name,
+                                               r.intercept.expected_s if r.intercept else None)
+            infos.append(PausedInfo(r.request_id, r.arrival_time, r.num_tokens, self._kv_state(r), device,
+                                    now - r.paused_at, expected))
+        swap_out_demand = sum(i.num_device_tokens for i in infos)
+        if total is None:
+            swap_in_budget, swap_out_budget = None, swap_out_demand
+        else:
+            split = split_swap_budget(total, swap_in_demand, swap_out_demand, free_device, free_host)
+            swap_in_budget, swap_out_budget = split.swap_in, split.swap_out
+        running_tokens = sum(r.num_computed_tokens for r in self.running)
+        plan = self.policy.plan(infos, IterationInfo(running_tokens, self._last_batched_tokens, swap_out_budget,
+                                                     free_host), self.profile)
+        for decision in plan:
+            request = self.paused[decision.request_id]
+            if decision.action is KVAction.DISCARD:
+                out.num_discarded_tokens += self._discard(request)
+            elif decision.action is KVAction.SWAP_OUT:
+                blocks = -(-decision.swap_out_tokens // bs)
+                if self.blocks.can_swap_out(blocks):
+                    out.swap_out += self.blocks.swap_out(request.request_id, blocks)
+                else:
+                    out.num_discarded_tokens += self._discard(request)
+        return swap_in_budget
+
+    def _swap_in(self, out: SchedulerOutput, budget_tokens: int | None) -> None:
+        """Bring swapped requests' KV back, oldest first, within the swap-in budget."""
+        bs = self.blocks.block_size
+        budget = None if budget_tokens is None else -(-budget_tokens // bs)
+        for request in list(self.swapped):
+            want = self.blocks.num_host_blocks_of(request.request_id)
+            n = want if budget is None else min(want, budget)
+            n = min(n, self.blocks.num_free_blocks)
+            if n:
+                out.swap_in += self.blocks.swap_in(request.request_id, n)
+                if budget is not None:
+                    budget -= n
+            if n == want:
+                self.swapped.remove(request)
+                self._enqueue(self.running, request, RequestStatus.RUNNING)
+            if budget == 0 or self.blocks.num_free_blocks == 0:
+                break
+
+    def _reclaim(self, protect: Request) -> bool:
+        """Free device blocks for a running request: paused KV goes first (the worst case for a paused
+        request is discard + recompute), then the newest running request is preempted. Returns False
+        if `protect` itself had to be preempted."""
+        holders = [r for r in self.paused.values() if self.kv_tokens(r)[0]]
+        holders += [r for r in self.swapped if self.blocks.block_table(r.request_id)]
+        if holders:
+            victim = max(holders, key=_by_arrival)
+            self._discard(victim)
+            return True
+        victim = self.running[-1]
+        self._preempt(victim)
+        return victim is not protect
+
+    def _chunk_size(self, request: Request, budget: int) -> int:
+        remaining = request.num_tokens - request.num_computed_tokens
+        return remaining if request.recompute_all else min(remaining, budget)
 
     def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(chunks=[])
+        swap_in_demand = sum(self.kv_tokens(r)[1] for r in self.swapped)
+        swap_in_budget = self._plan_paused(out, swap_in_demand)
+        self._swap_in(out, swap_in_budget)
+
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
-        preempted = False
-
+        self._preempted_this_step = False
         for request in list(self.running):
-            if budget == 0:
+            if budget <= 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            total = request.num_computed_tokens + n
-            while not self.blocks.can_allocate(request.request_id, total):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted = True
-                if victim is request:
+            n = self._chunk_size(request, budget)
+            while not self.blocks.can_allocate(request.request_id, request.num_computed_tokens + n):
+                if not self._reclaim(protect=request):
                     break
             if request.status is not RequestStatus.RUNNING:
                 continue
-            self.blocks.allocate(request.request_id, total)
+            self.blocks.allocate(request.request_id, request.num_computed_tokens + n)
             scheduled.append((request, n))
             budget -= n
 
         # No admissions in a step that had to preempt: the pool is full.
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and not self._preempted_this_step and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            total = request.num_computed_tokens + n
-            if not self.blocks.can_allocate(request.request_id, total):
+            n = self._chunk_size(request, budget)
+            if not self.blocks.can_allocate(request.request_id, request.num_computed_tokens + n):
                 break
             self.waiting.pop(0)
-            self.blocks.allocate(request.request_id, total)
-            request.status = RequestStatus.RUNNING
-            bisect.insort(self.running, request, key=lambda r: r.arrival_time)
+            self.blocks.allocate(request.request_id, request.num_computed_tokens + n)
+            self._enqueue(self.running, request, RequestStatus.RUNNING)
             scheduled.append((request, n))
             budget -= n
 
-        chunks = [
-            ScheduledChunk(
+        for r, n in scheduled:
+            start = r.num_computed_tokens
+            out.num_recomputed_tokens += max(0, min(start + n, r.num_computed_high) - start)
+            out.chunks.append(ScheduledChunk(
                 request_id=r.request_id,
-                token_ids=r.token_ids[r.num_computed_tokens:r.num_computed_tokens + n],
-                start_pos=r.num_computed_tokens,
+                token_ids=r.token_ids[start:start + n],
+                start_pos=start,
                 block_table=list(self.blocks.block_table(r.request_id)),
-                sample=r.num_computed_tokens + n == r.num_tokens,
+                sample=start + n == r.num_tokens,
                 sampling_params=r.sampling_params,
                 num_output_tokens=r.num_output_tokens,
-            )
-            for r, n in scheduled
-        ]
-        finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(chunks=chunks, finished_request_ids=finished)
+            ))
+        out.num_paused_device_tokens = sum(self.kv_tokens(r)[0] for r in self.paused.values())
+        out.finished_request_ids, self._finished_ids = self._finished_ids, []
+        self._last_batched_tokens = max(out.num_batched_tokens, 1)
+        return out
 
     # -- update -----------------------------------------------------------------------------------
     def update(self, output: SchedulerOutput, runner_output: RunnerOutput) -> list[Request]:
-        """Advance the scheduled requests; returns those that got a new token or finished."""
+        """Advance the scheduled requests; returns those that got a new token.
+
+        A request that hit EOS, a stop token or its length limit is finished here, unless it may be
+        intercepted: then `pending_stop` is set and the engine decides between finish and pause.
+        """
         changed = []
         for chunk in output.chunks:
             request = self.requests.get(chunk.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += len(chunk.token_ids)
+            request.num_computed_high = max(request.num_computed_high, request.num_computed_tokens)
+            request.recompute_all = False
             sampled = runner_output.sampled.get(chunk.request_id)
             if sampled is None:
                 continue
@@ -138,7 +319,10 @@ class Scheduler:
                 request.output_logprobs.append(sampled)
             status = self._check_stop(request, sampled.token_id)
             if status is not None:
-                self.finish(request, status)
+                if request.intercept is None:
+                    self.finish(request, status)
+                else:
+                    request.pending_stop = status
             changed.append(request)
         return changed
 

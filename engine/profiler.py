@@ -1,0 +1,106 @@
+"""Measure a `Profile` on the real model and device: T_fwd(n), saturation point, copy bandwidth.
+
+The engine loads a cached profile matching (model, device, dtype, threads) or measures a quick one at
+start-up; `infercept profile` measures a fuller one and writes it wherever asked.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+
+import torch
+from tqdm import tqdm
+
+from .env import cache_dir
+from .kv_cache import KVCache
+from .model_runner import ModelRunner
+from .outputs import ScheduledChunk, SchedulerOutput
+from .policy import Profile
+from .sampling_params import SamplingParams
+
+QUICK_SIZES = (1, 16, 64, 128, 256, 512)
+FULL_SIZES = (1, 8, 16, 32, 64, 128, 256, 384, 512, 768, 1024)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu x{torch.get_num_threads()}"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def cached_profile_path(model: str, device: torch.device, dtype: torch.dtype) -> str:
+    key = hashlib.sha1(f"{os.path.abspath(model)}|{device_name(device)}|{dtype}".encode()).hexdigest()[:16]
+    return os.path.join(cache_dir(), "profiles", f"{os.path.basename(os.path.normpath(model))}-{key}.json")
+
+
+def _time_forward(runner: ModelRunner, num_tokens: int, repeats: int) -> float:
+    """Median seconds of one prefill pass of `num_tokens` tokens written into scratch blocks."""
+    bs = runner.block_size
+    table = list(range(-(-num_tokens // bs)))
+    chunk = ScheduledChunk("profile", [100] * num_tokens, 0, table, True, SamplingParams(temperature=0), 0)
+    out = SchedulerOutput(chunks=[chunk])
+    runner.run(out)  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runner.run(out)
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def _copy_bandwidth(kv: KVCache, num_blocks: int) -> tuple[float, float]:
+    pairs = [(i, i) for i in range(num_blocks)]
+    block_bytes = kv.device_kv[:, :, 0].numel() * kv.device_kv.element_size()
+    result = []
+    for copy in (kv.copy_blocks_out, kv.copy_blocks_in):
+        copy(pairs)
+        start = time.perf_counter()
+        copy(pairs)
+        if kv.device_kv.device.type == "cuda":
+            torch.cuda.synchronize()
+        result.append(num_blocks * block_bytes / max(time.perf_counter() - start, 1e-9))
+    return result[0], result[1]
+
+
+def measure_profile(model: str, runner: ModelRunner, kv: KVCache, bytes_per_token: int,
+                    sizes=QUICK_SIZES, repeats: int = 3, progress: bool = True) -> Profile:
+    """Runs real forward passes in the KV pool's first blocks: call it before serving requests."""
+    max_tokens = min(max(sizes), kv.num_blocks * kv.block_size)
+    sizes = [n for n in sizes if n <= max_tokens]
+    samples = []
+    with torch.inference_mode():
+        for n in tqdm(sizes, desc="profiling forward pass", disable=not progress):
+            samples.append((n, _time_forward(runner, n, repeats)))
+    num_copy_blocks = max(min(kv.num_blocks, kv.num_host_blocks, 64), 0)
+    if num_copy_blocks:
+        d2h, h2d = _copy_bandwidth(kv, num_copy_blocks)
+    else:
+        d2h = h2d = 1e10  # no host pool: swapping never happens, any positive number will do
+    runner.generators.pop("profile", None)
+    return Profile(model=os.path.abspath(model), device=device_name(kv.device_kv.device),
+                   dtype=dtype_name(kv.device_kv.dtype), bytes_per_token=bytes_per_token,
+                   block_size=kv.block_size, t_fwd_samples=tuple(samples), d2h_bytes_per_s=d2h,
+                   h2d_bytes_per_s=h2d, notes=f"measured by infercept on {time.strftime('%Y-%m-%d')}")
+
+
+def load_or_measure(model: str, runner: ModelRunner, kv: KVCache, bytes_per_token: int,
+                    progress: bool = True) -> Profile:
+    path = cached_profile_path(model, kv.device_kv.device, kv.device_kv.dtype)
+    if os.path.exists(path):
+        try:
+            profile = Profile.load(path)
+            if profile.block_size == kv.block_size and profile.bytes_per_token == bytes_per_token:
+                return profile
+        except (ValueError, KeyError):
+            pass  # a stale or corrupt file is measured again
+    profile = measure_profile(model, runner, kv, bytes_per_token, progress=progress)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    profile.save(path)
+    return profile

@@ -1,0 +1,491 @@
+"""Tool-call parsers: where does a generated turn contain tool calls, and when may the engine pause?
+
+The engine calls a parser on the text generated so far in the current assistant turn (after every new
+token). Parsers are stateless, so one instance can serve any number of requests. Three chat families:
+
+``hermes``       ``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`` (Qwen2.5, Qwen3,
+                 Hermes, and our own prompt for templates without a tool section, e.g. SmolLM2). Several
+                 calls may follow one another (parallel calls).
+``llama3_json``  Llama-3.1/3.2: the message is ``{"name": "f", "parameters": {...}}`` (``"arguments"``
+                 accepted too), optionally after ``<|python_tag|>``; several calls separated by ``;``.
+``mistral``      ``[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]``, and the v11+ form
+                 ``[TOOL_CALLS]f[ARGS]{...}`` (also ``f[CALL_ID]id[ARGS]{...}`` and ``f{...}``).
+
+Special tokens (``<|python_tag|>``, ``[TOOL_CALLS]``, ``[ARGS]``) must be kept in the detokenized text
+(``<tool_call>`` is ordinary text for most Hermes-style vocabularies). Without ``<|python_tag|>`` a
+Llama message still parses when it starts with the JSON object.
+
+**Pause rule.** Every parser finds *call spans* in the text: an opening marker and everything up to the
+marker or bracket that closes it. The engine pauses a generation
+
+* on EOS (``<|im_end|>``, ``<|eot_id|>``, ``<|eom_id|>``, ``</s>``...), as for any request; or
+* when :meth:`ToolParser.turn_done` is true: at least one call span is closed, no call span is open
+  (:meth:`ToolParser.pending_call_open`), and the text after the last closed span can no longer start
+  another call (:meth:`ToolParser.may_continue_with_call` is false) -- i.e. the model has started writing
+  something else.
+
+So ``...</tool_call>`` and ``...</tool_call>\\n<tool`` keep generating (a parallel call may follow) and
+``...</tool_call>\\nThe weather`` pauses. Pausing right at the first ``</tool_call>`` would make parallel
+calls impossible. The token that triggered the pause is already in the text; :meth:`ToolParser.parse`
+reports it as content.
+
+**Closing markers inside JSON strings do not count.** A ``</tool_call>``, ``}`` or ``]`` inside a JSON
+string literal does not close a span, so arguments may contain any text. The price: a body with an odd
+number of unescaped ``"`` never closes, and the generation runs on to EOS, where :meth:`ToolParser.parse`
+reports the unclosed span as invalid.
+
+**Invalid spans.** A call-shaped span that does not parse as a call (bad JSON, no ``"name"``, arguments
+that are not an object or a JSON string holding one, unclosed at the end) is never reported as a call:
+its raw text goes to :attr:`ParseResult.invalid` and stays, in place, in :attr:`ParseResult.content`, so
+the server shows it to the client as text.
+
+Pure standard library (no torch): the server imports it without the engine. Each method costs one pass
+over the text (regex scans in C).
+"""
+from __future__ import annotations
+
+import json
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+__all__ = ["PARSERS", "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser", "ParseResult",
+           "ToolCall", "ToolParser", "get_tool_parser", "parser_for_model"]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed tool call.
+
+    ``arguments`` is the JSON text of the arguments object, normalized with
+    ``json.dumps(obj, ensure_ascii=False)``; ``raw`` is the exact generated text of the call, markers
+    included (``<tool_call>...</tool_call>``, ``<|python_tag|>{...}``, ``[TOOL_CALLS]f[ARGS]{...}``;
+    for a Mistral JSON array, the array element).
+    """
+
+    name: str
+    arguments: str
+    raw: str
+
+
+@dataclass(frozen=True)
+class ParseResult:
+    """A parsed turn.
+
+    ``content``: the text outside valid tool calls, stripped; the raw text of invalid spans stays in it,
+    in place. ``tool_calls``: the valid calls in order. ``invalid``: the raw text of each call-shaped span
+    (or Mistral array element) that failed to parse -- for logging; it is already part of ``content``.
+    """
+
+    content: str
+    tool_calls: list[ToolCall]
+    invalid: list[str]
+
+
+@dataclass(frozen=True)
+class _Span:
+    """A call span: ``text[start:end]``; ``end == len(text)`` while it is still open."""
+
+    start: int
+    end: int
+    closed: bool
+
+
+# -- JSON scanning ----------------------------------------------------------------------------------
+
+_OUTSIDE_STRING = re.compile(r'["{}\[\]]')
+_INSIDE_STRING = re.compile(r'["\\]')
+
+
+def _string_end(text: str, pos: int) -> int | None:
+    """``pos`` is just after an opening ``"``: index just after the closing one, else None."""
+    while True:
+        m = _INSIDE_STRING.search(text, pos)
+        if m is None:
+            return None
+        if m.group() == "\\":
+            pos = m.end() + 1  # skip the escaped character
+            continue
+        return m.end()
+
+
+def _json_end(text: str, start: int) -> int | None:
+    """``text[start]`` is ``{`` or ``[``: index just after the bracket that balances it (brackets in
+    strings ignored), or None while it is still open."""
+    depth, pos = 0, start
+    while True:
+        m = _OUTSIDE_STRING.search(text, pos)
+        if m is None:
+            return None
+        ch, pos = m.group(), m.end()
+        if ch == '"':
+            end = _string_end(text, pos)
+            if end is None:
+                return None
+            pos = end
+        elif ch in "{[":
+            depth += 1
+        else:
+            depth -= 1
+            if depth == 0:
+                return pos
+
+
+def _array_items(array_text: str) -> list[str]:
+    """Raw text of each top-level element of a JSON array already known to parse."""
+    items: list[str] = []
+    depth, pos, item_start = 0, 0, 1
+    splitter = re.compile(r'["{}\[\],]')
+    while True:
+        m = splitter.search(array_text, pos)
+        if m is None:
+            return items
+        ch, pos = m.group(), m.end()
+        if ch == '"':
+            pos = _string_end(array_text, pos) or len(array_text)
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:  # the array's own closing bracket
+                last = array_text[item_start:m.start()].strip()
+                if last:
+                    items.append(last)
+                return items
+        elif depth == 1:  # a comma between elements
+            items.append(array_text[item_start:m.start()].strip())
+            item_start = pos
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _loads(text: str) -> Any:
+    """Strict JSON: NaN/Infinity rejected (json.dumps could not write them back as JSON)."""
+    return json.loads(text, parse_constant=_reject_constant)
+
+
+def _try_loads(text: str) -> tuple[bool, Any]:
+    try:
+        return True, _loads(text)
+    except (ValueError, RecursionError):  # JSONDecodeError, NaN, over-long ints; absurd nesting
+        return False, None
+
+
+def _make_call(obj: Any, raw: str, arguments: Any = None, name: Any = None) -> ToolCall | None:
+    """A ToolCall from a decoded ``{"name": ..., "arguments"|"parameters": ...}`` object, or None.
+
+    Arguments may be an object or a JSON string holding an object; missing or null means ``{}``. The
+    OpenAI shape ``{"type": "function", "function": {"name": ..., "arguments": ...}}`` is accepted too.
+    ``name``/``arguments`` given explicitly (Mistral v11) bypass the object.
+    """
+    if name is None:
+        if not isinstance(obj, dict):
+            return None
+        if "name" not in obj and isinstance(obj.get("function"), dict):
+            obj = obj["function"]
+        name = obj.get("name")
+        if "arguments" in obj:
+            arguments = obj["arguments"]
+        else:
+            arguments = obj.get("parameters")
+    if not isinstance(name, str) or not name.strip():
+        return None
+    if arguments is None:
+        arguments = {}
+    if isinstance(arguments, str):
+        ok, arguments = _try_loads(arguments)
+        if not ok:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(name=name.strip(), arguments=json.dumps(arguments, ensure_ascii=False), raw=raw)
+
+
+# -- the parsers -------------------------------------------------------------------------------------
+
+class ToolParser(ABC):
+    """Finds the tool calls of one chat family in the text of the current turn.
+
+    Subclasses define where call spans are (:meth:`_spans`), what one span holds (:meth:`_parse_span`)
+    and which text may still lead into another call (``openers``, ``separators``).
+    """
+
+    name: ClassVar[str]
+    openers: ClassVar[tuple[str, ...]]  # text that opens a call span
+    separators: ClassVar[str] = " \t\r\n"  # characters allowed between two calls
+
+    @abstractmethod
+    def _spans(self, text: str) -> list[_Span]:
+        """The call spans of ``text`` in order; only the last may be open."""
+
+    @abstractmethod
+    def _parse_span(self, raw: str) -> list[ToolCall | str]:
+        """The calls in one closed span; a ``str`` item is the raw text of an invalid call."""
+
+    def _gap(self, gap: str) -> str:
+        """Content contributed by the text between two spans."""
+        return gap
+
+    # -- the engine's questions --
+
+    def complete_calls(self, text: str) -> int:
+        """Number of closed call spans in ``text``, valid or not (Mistral: one per ``[TOOL_CALLS]``)."""
+        return sum(span.closed for span in self._spans(text))
+
+    def pending_call_open(self, text: str) -> bool:
+        """True while a call span is open: its opening marker is out, its closing one is not."""
+        spans = self._spans(text)
+        return bool(spans) and not spans[-1].closed
+
+    def may_continue_with_call(self, text: str) -> bool:
+        """True when the last span is closed and the text after it is still separators followed by a
+        prefix of an opening marker (``""``, ``"\\n"``, ``"\\n<tool"``...): another call may follow."""
+        spans = self._spans(text)
+        return bool(spans) and spans[-1].closed and self._may_continue(text[spans[-1].end:])
+
+    def _may_continue(self, rest: str) -> bool:
+        rest = rest.lstrip(self.separators)
+        return any(opener.startswith(rest) for opener in self.openers)
+
+    def turn_done(self, text: str) -> bool:
+        """The pause rule (module docstring): a call span is closed, none is open, and the model has
+        started writing something that cannot open another call. EOS pauses independently of this."""
+        spans = self._spans(text)
+        return bool(spans) and spans[-1].closed and not self._may_continue(text[spans[-1].end:])
+
+    def parse(self, text: str) -> ParseResult:
+        """Calls, content and invalid spans of ``text`` (normally the finished or paused turn)."""
+        content: list[str] = []
+        calls: list[ToolCall] = []
+        invalid: list[str] = []
+        pos = 0
+        for i, span in enumerate(self._spans(text)):
+            gap = text[pos:span.start]
+            content.append(gap if i == 0 else self._gap(gap))
+            raw = text[span.start:span.end]
+            items: list[ToolCall | str] = self._parse_span(raw) if span.closed else [raw]
+            for item in items:
+                if isinstance(item, ToolCall):
+                    calls.append(item)
+                else:
+                    invalid.append(item)
+                    content.append(item)
+            pos = span.end
+        content.append(text[pos:])
+        return ParseResult(content="".join(content).strip(), tool_calls=calls, invalid=invalid)
+
+
+class HermesToolParser(ToolParser):
+    """``<tool_call>{json}</tool_call>`` spans, anywhere in the text, any number of them.
+
+    A span closes at the first ``</tool_call>`` outside a JSON string. Its body (stripped) must be one
+    JSON object with a ``"name"``; ``"arguments"`` (or ``"parameters"``) defaults to ``{}``.
+    """
+
+    name = "hermes"
+    OPEN = "<tool_call>"
+    CLOSE = "</tool_call>"
+    openers = (OPEN,)
+    _close_or_quote = re.compile(r'"|</tool_call>')
+
+    def _close_at(self, text: str, pos: int) -> int | None:
+        """Index of the ``</tool_call>`` closing a body that starts at ``pos``, or None."""
+        while True:
+            m = self._close_or_quote.search(text, pos)
+            if m is None:
+                return None
+            if m.group() == self.CLOSE:
+                return m.start()
+            end = _string_end(text, m.end())
+            if end is None:
+                return None
+            pos = end
+
+    def _spans(self, text: str) -> list[_Span]:
+        spans: list[_Span] = []
+        pos = 0
+        while (start := text.find(self.OPEN, pos)) >= 0:
+            close = self._close_at(text, start + len(self.OPEN))
+            if close is None:
+                spans.append(_Span(start, len(text), False))
+                break
+            pos = close + len(self.CLOSE)
+            spans.append(_Span(start, pos, True))
+        return spans
+
+    def _parse_span(self, raw: str) -> list[ToolCall | str]:
+        ok, obj = _try_loads(raw[len(self.OPEN):-len(self.CLOSE)].strip())
+        call = _make_call(obj, raw) if ok else None
+        return [call if call is not None else raw]
+
+
+class Llama3JsonToolParser(ToolParser):
+    """Llama-3.1/3.2 JSON calls: ``[<|python_tag|>]{"name": ..., "parameters": {...}}`` separated by ``;``.
+
+    Calls start at the start of the message when it begins with an untagged call object -- one that
+    parses with a ``"name"`` and a ``"parameters"``/``"arguments"`` key; any other JSON object there is
+    an answer, i.e. content -- or else at the first ``<|python_tag|>`` (text before it is content). After
+    a call, further calls may follow after ``;``/whitespace, each optionally tagged; anything else ends
+    the calls and is content. A tag not followed by ``{`` (Llama's built-in ``brave_search.call(...)``)
+    opens a span that never closes and ends up invalid.
+    """
+
+    name = "llama3_json"
+    TAG = "<|python_tag|>"
+    openers = (TAG, "{")
+    separators = " \t\r\n;"
+
+    @staticmethod
+    def _is_call_object(raw: str) -> bool:
+        ok, obj = _try_loads(raw)
+        return ok and isinstance(obj, dict) and "name" in obj and ("parameters" in obj or "arguments" in obj)
+
+    def _spans(self, text: str) -> list[_Span]:
+        stripped = text.lstrip()
+        pos = text.find(self.TAG)
+        if stripped.startswith("{"):  # an untagged call, or a JSON answer
+            start = len(text) - len(stripped)
+            end = _json_end(text, start)
+            if end is None and pos < 0:
+                return [_Span(start, len(text), False)]  # cannot tell yet
+            if end is not None:
+                if self._is_call_object(text[start:end]):
+                    pos = start
+                else:
+                    pos = text.find(self.TAG, end)
+        if pos < 0:
+            return []
+        spans: list[_Span] = []
+        while True:
+            start = pos
+            tagged = text.startswith(self.TAG, pos)
+            if tagged:
+                pos += len(self.TAG)
+                pos += len(text[pos:]) - len(text[pos:].lstrip())
+            if pos == len(text) or text[pos] != "{":
+                spans.append(_Span(start, len(text), False))  # awaiting "{", or not JSON at all
+                return spans
+            end = _json_end(text, pos)
+            if end is None:
+                spans.append(_Span(start, len(text), False))
+                return spans
+            spans.append(_Span(start, end, True))
+            rest = text[end:].lstrip(self.separators)
+            if not rest.startswith(self.openers):
+                return spans
+            pos = len(text) - len(rest)
+
+    def _parse_span(self, raw: str) -> list[ToolCall | str]:
+        body = raw[len(self.TAG):] if raw.startswith(self.TAG) else raw
+        ok, obj = _try_loads(body.strip())
+        call = _make_call(obj, raw) if ok else None
+        return [call if call is not None else raw]
+
+    def _gap(self, gap: str) -> str:
+        return ""  # only separators lie between two Llama calls
+
+
+class MistralToolParser(ToolParser):
+    """``[TOOL_CALLS]`` blocks: a JSON array of calls (or a single call object), or v11+
+    ``name[ARGS]{...}`` / ``name[CALL_ID]id[ARGS]{...}`` / ``name{...}``.
+
+    A block closes when its array or object balances. In an array that parses, each element is a call or
+    an invalid item on its own; an array that does not parse (or an empty one) is one invalid item. A
+    block that matches neither form runs to the next ``[TOOL_CALLS]`` (closed) or stays open.
+    """
+
+    name = "mistral"
+    MARK = "[TOOL_CALLS]"
+    openers = (MARK,)
+    _v11 = re.compile(r"\s*([A-Za-z0-9_.:\-]+)(?:\[CALL_ID\][A-Za-z0-9_\-]*)?(?:\[ARGS\])?\s*(?=\{)")
+
+    def _spans(self, text: str) -> list[_Span]:
+        spans: list[_Span] = []
+        pos = 0
+        while (start := text.find(self.MARK, pos)) >= 0:
+            body = start + len(self.MARK)
+            k = body + len(text[body:]) - len(text[body:].lstrip())
+            if k < len(text) and text[k] in "[{":
+                end = _json_end(text, k)
+            elif (m := self._v11.match(text, body)) is not None:
+                end = _json_end(text, m.end())
+            else:  # still writing the name, or garbage: up to the next block if there is one
+                following = text.find(self.MARK, body)
+                if following >= 0:
+                    spans.append(_Span(start, following, True))
+                    pos = following
+                    continue
+                end = None
+            if end is None:
+                spans.append(_Span(start, len(text), False))
+                break
+            spans.append(_Span(start, end, True))
+            pos = end
+        return spans
+
+    def _parse_span(self, raw: str) -> list[ToolCall | str]:
+        body = raw[len(self.MARK):]
+        payload = body.lstrip()
+        if payload.startswith("["):
+            ok, obj = _try_loads(payload)
+            if not ok or not isinstance(obj, list) or not obj:
+                return [raw]
+            items = _array_items(payload)
+            if len(items) != len(obj):  # cannot happen for valid JSON; be safe
+                items = [json.dumps(element, ensure_ascii=False) for element in obj]
+            out: list[ToolCall | str] = []
+            for element, item_raw in zip(obj, items):
+                call = _make_call(element, item_raw)
+                out.append(call if call is not None else item_raw)
+            return out
+        if payload.startswith("{"):
+            ok, obj = _try_loads(payload)
+            call = _make_call(obj, raw) if ok else None
+            return [call if call is not None else raw]
+        m = self._v11.match(body)
+        if m is None:
+            return [raw]
+        ok, arguments = _try_loads(body[m.end():])
+        if not ok or not isinstance(arguments, dict):
+            return [raw]
+        call = _make_call(None, raw, arguments=arguments, name=m.group(1))
+        return [call if call is not None else raw]
+
+
+# -- registry ----------------------------------------------------------------------------------------
+
+PARSERS: dict[str, type[ToolParser]] = {
+    cls.name: cls for cls in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)
+}
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    """A parser instance by registry name; ValueError naming the known parsers otherwise."""
+    try:
+        return PARSERS[name]()
+    except KeyError:
+        raise ValueError(f"unknown tool parser {name!r}; known: {', '.join(sorted(PARSERS))}") from None
+
+
+def parser_for_model(model_type: str, chat_template: str | None) -> str:
+    """The parser name for a model, from its ``config.model_type`` and its chat template.
+
+    First that applies: the template mentions ``<tool_call>`` -> ``hermes``; ``[TOOL_CALLS]`` ->
+    ``mistral``; ``<|python_tag|>`` -> ``llama3_json``; a Llama model type whose template uses
+    ``<|eot_id|>`` and a ``"parameters"`` JSON -> ``llama3_json``; otherwise (Qwen2/Qwen3, or a template
+    without a tool section, for which the server supplies a Hermes-style tool prompt) -> ``hermes``.
+    """
+    template = chat_template or ""
+    model_type = (model_type or "").lower()
+    if "<tool_call>" in template:
+        return "hermes"
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<|python_tag|>" in template:
+        return "llama3_json"
+    if model_type.startswith("llama") and "<|eot_id|>" in template and '"parameters"' in template:
+        return "llama3_json"
+    return "hermes"  # qwen2, qwen3, and every template without tools

@@ -1,0 +1,197 @@
+"""Pause at interceptions, keep / swap / discard the KV, resume: token-exact under every policy.
+
+The invariant (DESIGN §3): with greedy sampling, the tokens generated after a resume are identical
+whichever strategy held the KV, and identical to a fresh request of the whole conversation.
+"""
+from __future__ import annotations
+
+import pytest
+
+from infercept.engine import Engine, SamplingParams
+from infercept.engine.policy import POLICIES, Profile
+from infercept.engine.request import InterceptParams
+
+FEW_SHOT = ('Q: weather in Tokyo\nA: <tool_call>{"name": "get_weather", "arguments": {"city": "Tokyo"}}</tool_call>\n'
+            'Q: weather in Rome\nA: <tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>\n'
+            'Q: weather in Paris\nA:')
+TOOL_RESULT = ' {"temperature": 21, "sky": "clear"}\nSo the weather in Paris is'
+OTHERS = [f"Request {i}: write a long story about a dragon who learns to cook pasta in Naples. " * 3
+          for i in range(3)]
+HERMES = InterceptParams(tool_parser="hermes")
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def make_profile(bytes_per_token: int, block_size: int = 16, swap_blocks_per_step: float = 1.0) -> Profile:
+    """A hand-written profile: 10 ms per iteration, copy bandwidth set so the swap budget is
+    `swap_blocks_per_step` blocks per iteration (partial swaps across iterations)."""
+    bw = swap_blocks_per_step * block_size * bytes_per_token / 0.01
+    return Profile(model="test", device="cpu", dtype="float32", bytes_per_token=bytes_per_token,
+                   block_size=block_size, t_fwd_samples=((1, 0.01), (32, 0.01), (64, 0.02)),
+                   d2h_bytes_per_s=bw, h2d_bytes_per_s=bw, saturation_point=32)
+
+
+FP32_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4
+
+
+def make_engine(model_dir: str, policy: str, kv_cache_gb: float = 0.04, **kw) -> Engine:
+    kw.setdefault("profile", make_profile(FP32_BYTES_PER_TOKEN))
+    return Engine(model_dir, dtype="float32", kv_cache_gb=kv_cache_gb, host_kv_gb=0.05,
+                  max_num_batched_tokens=32, policy=policy, progress=False, **kw)
+
+
+def drain(engine: Engine, check: bool = True) -> list:
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+        if check:
+            engine.block_manager.check_integrity()
+    return outs
+
+
+def last_output(outs, request_id):
+    return [o for o in outs if o.request_id == request_id][-1]
+
+
+def assert_all_free(engine: Engine) -> None:
+    engine.block_manager.check_integrity()
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.device.num_blocks
+    assert bm.num_free_host_blocks == bm.host.num_blocks
+
+
+@pytest.fixture(scope="module")
+def fresh_reference(default_model_dir):
+    """Greedy continuation of the whole conversation, computed from scratch with no interception."""
+    engine = make_engine(default_model_dir, "preserve", kv_cache_gb=0.1)
+    cache = {}
+
+    def run(token_ids: list[int], n: int) -> list[int]:
+        key = (tuple(token_ids), n)
+        if key not in cache:
+            rid = engine.add_request(list(token_ids), greedy(n))
+            cache[key] = last_output(drain(engine), rid).token_ids
+        return cache[key]
+
+    return run
+
+
+def test_tool_call_pauses_with_parsed_calls(default_model_dir):
+    engine = make_engine(default_model_dir, "preserve", kv_cache_gb=0.1)
+    rid = engine.add_request(FEW_SHOT, SamplingParams(temperature=0, max_tokens=40), intercept=HERMES)
+    out = last_output(drain(engine), rid)
+    assert out.paused and not out.finished and out.finish_reason == "tool_calls"
+    assert [(c.name, c.arguments) for c in out.tool_calls] == [("get_weather", '{"city": "Paris"}')]
+    # Paused, not finished: the request, its tokens and its KV stay in the engine.
+    assert engine.scheduler.requests[rid].status.value == "intercepted"
+    location = engine.kv_location(rid)
+    assert location["device"] > 0 and location["host"] == 0
+    assert location["device"] + location["discarded"] == engine.scheduler.requests[rid].num_tokens
+    engine.abort(rid)
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("policy", sorted(set(POLICIES) - {"vllm"}))
+def test_resume_equals_fresh_request_under_pressure(default_model_dir, fresh_reference, policy):
+    engine = make_engine(default_model_dir, policy)
+    rid = engine.add_request(FEW_SHOT, SamplingParams(temperature=0, max_tokens=40), intercept=HERMES)
+    assert last_output(drain(engine), rid).paused
+    context = list(engine.scheduler.requests[rid].token_ids)
+
+    # Other requests run while it is paused; together they need more blocks than the pool has.
+    others = [engine.add_request(p, greedy(12)) for p in OTHERS]
+    outs = drain(engine)
+    assert all(last_output(outs, o).finished for o in others)
+    location = engine.kv_location(rid)
+    if policy in ("discard", "improved-discard", "chunked-discard", "prefix-cache"):
+        assert location["device"] == 0 and location["host"] == 0  # discarded at once
+    if policy == "swap":
+        assert location["host"] > 0 and location["device"] == 0
+
+    appended = engine.tokenizer.encode(TOOL_RESULT)
+    engine.resume(rid, appended, greedy(10))
+    # Resume while others arrive, so the restore (swap-in or recompute) mixes with their work.
+    for p in OTHERS[:2]:
+        engine.add_request(p, greedy(6))
+    resumed = last_output(drain(engine), rid)
+    assert resumed.finished and resumed.finish_reason == "length"
+    assert resumed.token_ids == fresh_reference(context + appended, 10)
+    assert_all_free(engine)
+
+
+def test_pause_on_stop_is_a_request_level_interception(default_model_dir, fresh_reference):
+    engine = make_engine(default_model_dir, "infercept")
+    rid = engine.add_request("The three primary colors are", greedy(6), intercept=InterceptParams(pause_on_stop=True))
+    out = last_output(drain(engine), rid)
+    assert out.paused and out.finish_reason == "intercept" and len(out.token_ids) == 6
+    context = list(engine.scheduler.requests[rid].token_ids)
+    engine.resume(rid, engine.tokenizer.encode(" Also,"), greedy(6))
+    second = last_output(drain(engine), rid)
+    assert second.paused and len(second.token_ids) == 6  # still interceptible: pauses again
+    assert second.token_ids == fresh_reference(context + engine.tokenizer.encode(" Also,"), 6)
+    engine.abort(rid)
+    assert_all_free(engine)
+
+
+def test_budgeted_swap_moves_one_block_per_iteration_and_abort_mid_swap_frees_all(default_model_dir):
+    engine = make_engine(default_model_dir, "infercept")
+    intercept = InterceptParams(pause_on_stop=True, expected_s=30.0)  # a long human turn
+    rid = engine.add_request(OTHERS[0], greedy(4), intercept=intercept)
+    drain(engine)
+    assert engine.kv_location(rid)["device"] > 32  # several blocks
+    # Each step with other work swaps out at most one block (the budget).
+    engine.add_request("Count to ten: one, two,", greedy(8))
+    hosts = []
+    while engine.has_unfinished_requests():
+        out = engine.scheduler.schedule()
+        assert len(out.swap_out) <= 1 and len(out.swap_in) <= 1
+        engine._update(out, engine.runner.run(out))
+        engine.block_manager.check_integrity()
+        hosts.append(engine.kv_location(rid)["host"])
+    assert hosts == sorted(hosts) and hosts[-1] > 16, hosts  # monotone progress, chunked across steps
+    # Resume while (partly) on the host: swap-in, also one block per step; abort half-way through it.
+    engine.resume(rid, engine.tokenizer.encode(" Then"), greedy(4))
+    engine.step()
+    assert engine.scheduler.requests[rid].status.value == "swapped"
+    engine.abort(rid)
+    assert not engine.has_unfinished_requests()
+    assert_all_free(engine)
+
+
+def test_abort_mid_recompute_frees_all(default_model_dir):
+    engine = make_engine(default_model_dir, "discard")
+    rid = engine.add_request(OTHERS[1], greedy(3), intercept=InterceptParams(pause_on_stop=True))
+    drain(engine)
+    engine.step() if engine.has_unfinished_requests() else None
+    engine.add_request("x", greedy(1))
+    drain(engine)  # the discard policy drops the paused KV at the next step
+    assert engine.kv_location(rid)["device"] == 0
+    engine.resume(rid, engine.tokenizer.encode(" and"), greedy(4))
+    # improved/chunked off: the discard baseline recomputes the whole context in one iteration
+    out = engine.scheduler.schedule()
+    assert out.num_recomputed_tokens == engine.scheduler.requests[rid].num_computed_high
+    engine._update(out, engine.runner.run(out))
+    engine.abort(rid)
+    assert_all_free(engine)
+
+
+def test_resume_errors(default_model_dir):
+    engine = make_engine(default_model_dir, "preserve", kv_cache_gb=0.1)
+    rid = engine.add_request("Hello", greedy(2))
+    with pytest.raises(ValueError, match="not paused"):
+        engine.resume(rid, [1, 2])
+    with pytest.raises(KeyError):
+        engine.resume("no-such-request", [1, 2])
+    drain(engine)
+    paused = engine.add_request("Hello", greedy(2), intercept=InterceptParams(pause_on_stop=True))
+    drain(engine)
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.resume(paused, [])
+    with pytest.raises(ValueError, match="token ids"):
+        engine.resume(paused, [10 ** 9])
+    with pytest.raises(ValueError, match="unknown"):
+        engine.add_request("Hi", greedy(2), intercept=InterceptParams(tool_parser="nope"))
+    engine.abort(paused)
+    assert_all_free(engine)
