@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from .engine import Engine
 from .outputs import RequestOutput
+from .request import InterceptParams
 from .sampling_params import SamplingParams
 
 logger = logging.getLogger("infercept.engine")
@@ -61,38 +62,67 @@ class AsyncEngine:
 
     # -- public API (event-loop side) -------------------------------------------------------------
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream outputs of one request. Leaving the iteration early (a client disconnect, a
-        cancelled task) aborts the request and frees its blocks."""
+                       request_id: str | None = None,
+                       intercept: InterceptParams | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream outputs of one request until its turn ends (finished, or paused at an
+        interception). Leaving the iteration early (a client disconnect, a cancelled task) aborts the
+        request and frees its blocks."""
+        request_id = request_id or f"areq-{next(self._ids)}"
+        params = params or SamplingParams()
+        async for out in self._stream(request_id, lambda: self.engine.add_request(
+                prompt, params, request_id, intercept=intercept)):
+            yield out
+
+    async def resume(self, request_id: str, appended: str | list[int],
+                     params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+        """Continue a paused request with its interception's result; streams the next turn."""
+        async for out in self._stream(request_id, lambda: self.engine.resume(request_id, appended, params)):
+            yield out
+
+    async def _stream(self, request_id: str, command: Callable[[], object]) -> AsyncIterator[RequestOutput]:
         if not self._running:
             raise RuntimeError("the engine is not running")
-        request_id = request_id or f"areq-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        params = params or SamplingParams()
 
-        def add() -> None:
+        def run_command() -> None:
             try:
-                self.engine.add_request(prompt, params, request_id)
+                command()
             except Exception as e:  # bad input: report to the caller, not the engine thread
                 self._streams.pop(request_id, None)
                 stream.put(e)
 
-        self._call(add)
-        finished = False
+        self._call(run_command)
+        turn_done = False
         try:
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, Exception):
-                    finished = True
+                    turn_done = True
                     raise item
-                finished = item.finished
+                turn_done = item.turn_done
                 yield item
-                if finished:
+                if turn_done:
                     return
         finally:
-            if not finished:
+            if not turn_done:
                 self.abort(request_id)
+
+    def call(self, function: Callable[[], object]) -> "asyncio.Future":
+        """Run `function` on the engine thread between steps (e.g. to read kv_location safely)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = function()
+            except Exception as e:
+                loop.call_soon_threadsafe(future.set_exception, e)
+            else:
+                loop.call_soon_threadsafe(future.set_result, result)
+
+        self._call(run)
+        return future
 
     def abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -132,5 +162,5 @@ class AsyncEngine:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
                     stream.put(out)
-                    if out.finished:
+                    if out.turn_done:
                         del self._streams[out.request_id]

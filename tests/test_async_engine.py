@@ -66,3 +66,33 @@ def test_bad_input_raises_in_caller(async_engine):
 
     with pytest.raises(ValueError, match="empty"):
         run(main())
+
+
+def test_pause_and_resume_stream(async_engine, llm_fp32):
+    from infercept.engine.request import InterceptParams
+
+    async def main():
+        first = [o async for o in async_engine.generate(
+            "The three primary colors are", GREEDY, request_id="tool-loop",
+            intercept=InterceptParams(pause_on_stop=True))]
+        assert first[-1].paused and not first[-1].finished
+        location = await async_engine.call(lambda: async_engine.engine.kv_location("tool-loop"))
+        assert location["device"] > 0
+        context = list(first[-1].prompt_token_ids) + first[-1].token_ids
+        appended = async_engine.engine.tokenizer.encode(" Also,")
+        second = [o async for o in async_engine.resume("tool-loop", appended, GREEDY)]
+        assert second[-1].paused  # still interceptible
+        await async_engine.call(lambda: async_engine.engine.abort("tool-loop"))
+        return context + appended, second[-1].token_ids
+
+    full_context, resumed = run(main())
+    assert resumed == llm_fp32.generate([full_context], GREEDY)[0].token_ids
+
+
+def test_resume_unknown_request_raises(async_engine):
+    async def main():
+        async for _ in async_engine.resume("nope", [1, 2], GREEDY):
+            pass
+
+    with pytest.raises(KeyError):
+        run(main())
