@@ -11,6 +11,11 @@ indices once per step (`AttentionMetadata`), so every layer only does index_copy
 Prefill chunks run one SDPA call each (a chunk starting at position 0 attends to its own K/V with a
 causal mask, a later chunk gathers its context from the cache). All single-token queries (decodes,
 and one-token resumes) are batched into one padded SDPA call.
+
+On CUDA with flash-attn installed (fp16/bf16), every sequence instead goes through one varlen kernel
+call: each sequence's context is gathered from the cache into a packed `[total_k, Hkv, D]` tensor and
+`flash_attn_varlen_func` runs with bottom-right-aligned causal masking, so prefill chunks, resumes and
+decodes share one launch. (Its native paged mode wants blocks of 256 tokens; ours are smaller.)
 """
 from __future__ import annotations
 
@@ -34,12 +39,35 @@ class PrefillSpan:
 
 
 @dataclass
+class VarlenMetadata:
+    """Packed layout for flash-attn's varlen kernel (CUDA only)."""
+
+    key_slots: torch.Tensor  # [total_k] cache slots of every sequence's whole context, concatenated
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32 query offsets
+    cu_seqlens_k: torch.Tensor  # [B + 1] int32 key offsets
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+def flash_attn_varlen():
+    """flash-attn's varlen function when it can be used here, else None."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot for each new token's K/V
     prefills: list[PrefillSpan]
     decode_rows: torch.Tensor | None  # [Bd] rows of single-token queries in the flattened batch
     decode_key_slots: torch.Tensor | None  # [Bd, Lmax] context slots, padded with slot 0
     decode_mask: torch.Tensor | None  # [Bd, 1, 1, Lmax] bool, False on padding
+    varlen: VarlenMetadata | None = None  # set instead of the above when flash-attn runs the step
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
@@ -48,6 +76,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Att
     # Write first, so every query can read its own token from the cache.
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
+    if meta.varlen is not None:
+        vl = meta.varlen
+        return flash_attn_varlen()(q, k_cache[vl.key_slots], v_cache[vl.key_slots], vl.cu_seqlens_q,
+                                   vl.cu_seqlens_k, vl.max_seqlen_q, vl.max_seqlen_k, softmax_scale=scale,
+                                   causal=True)
     out = torch.empty_like(q)
     for span in meta.prefills:
         rows = slice(span.token_start, span.token_end)

@@ -61,7 +61,8 @@ class KVCache:
         if pairs:
             src = torch.tensor([d for d, _ in pairs], device=self.device_kv.device)
             dst = torch.tensor([h for _, h in pairs])
-            self.host_kv[:, :, dst] = self.device_kv[:, :, src].to("cpu", non_blocking=True)
+            # Blocking: the gathered blocks are scattered into the host pool on the CPU right away.
+            self.host_kv[:, :, dst] = self.device_kv[:, :, src].to("cpu")
 
     def copy_blocks_in(self, pairs: list[tuple[int, int]]) -> None:
         """Host block -> device block, for each (host_id, device_id)."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import AttentionMetadata, PrefillSpan
+from .attention import AttentionMetadata, PrefillSpan, VarlenMetadata, flash_attn_varlen
 from .kv_cache import KVCache
 from .models.llama import LlamaForCausalLM
 from .outputs import RunnerOutput, SchedulerOutput
@@ -20,6 +20,8 @@ class ModelRunner:
         self.eos_token_ids = sorted(eos_token_ids)
         self.generators: dict[str, torch.Generator] = {}
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
+        dtype = kv_cache.device_kv.dtype
+        self.use_varlen = flash_attn_varlen() is not None and device.type == "cuda" and dtype != torch.float32
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
         if seed is None:
@@ -32,49 +34,73 @@ class ModelRunner:
         bs = self.block_size
         return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
+    def build_varlen_metadata(self, output: SchedulerOutput) -> VarlenMetadata:
+        key_slots: list[int] = []
+        cu_q, cu_k = [0], [0]
+        for chunk in output.chunks:
+            end = chunk.start_pos + len(chunk.token_ids)
+            key_slots += self._slots(chunk.block_table, 0, end)
+            cu_q.append(cu_q[-1] + len(chunk.token_ids))
+            cu_k.append(cu_k[-1] + end)
+        as_i32 = dict(device=self.device, dtype=torch.int32)
+        return VarlenMetadata(
+            key_slots=torch.tensor(key_slots, device=self.device), cu_seqlens_q=torch.tensor(cu_q, **as_i32),
+            cu_seqlens_k=torch.tensor(cu_k, **as_i32),
+            max_seqlen_q=max(len(c.token_ids) for c in output.chunks),
+            max_seqlen_k=max(c.start_pos + len(c.token_ids) for c in output.chunks))
+
     def build_metadata(self, output: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
-        prefills: list[PrefillSpan] = []
-        decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
         for chunk in output.chunks:
-            row = len(input_ids)
-            n = len(chunk.token_ids)
-            end = chunk.start_pos + n
+            end = chunk.start_pos + len(chunk.token_ids)
             input_ids += chunk.token_ids
             positions += range(chunk.start_pos, end)
             slot_mapping += self._slots(chunk.block_table, chunk.start_pos, end)
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, device=self.device), prefills=[],
+                                 decode_rows=None, decode_key_slots=None, decode_mask=None)
+        if self.use_varlen:
+            meta.varlen = self.build_varlen_metadata(output)
+        else:
+            self._add_torch_metadata(output, meta)
+        ids = torch.tensor(input_ids, device=self.device)
+        pos = torch.tensor(positions, device=self.device)
+        return ids, pos, meta
+
+    def _add_torch_metadata(self, output: SchedulerOutput, meta: AttentionMetadata) -> None:
+        """Prefill spans one by one; all single-token queries as one padded batch."""
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        row = 0
+        for chunk in output.chunks:
+            n = len(chunk.token_ids)
+            end = chunk.start_pos + n
             if n == 1:
                 decode_rows.append(row)
                 decode_tables.append(chunk.block_table)
                 decode_lens.append(end)
             elif chunk.start_pos == 0:
-                prefills.append(PrefillSpan(row, row + n, 0, None, None))
+                meta.prefills.append(PrefillSpan(row, row + n, 0, None, None))
             else:
                 key_slots = torch.tensor(self._slots(chunk.block_table, 0, end), device=self.device)
                 query_pos = torch.arange(chunk.start_pos, end, device=self.device)
                 mask = torch.arange(end, device=self.device)[None, :] <= query_pos[:, None]
-                prefills.append(PrefillSpan(row, row + n, chunk.start_pos, key_slots, mask))
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, device=self.device),
-            prefills=prefills, decode_rows=None, decode_key_slots=None, decode_mask=None)
-        if decode_rows:
-            meta.decode_rows = torch.tensor(decode_rows, device=self.device)
-            max_len = max(decode_lens)
-            max_blocks = -(-max_len // self.block_size)
-            tables = torch.tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks]))
-                                   for t in decode_tables], device=self.device)
-            offsets = torch.arange(self.block_size, device=self.device)
-            slots = (tables[:, :, None] * self.block_size + offsets).view(len(decode_rows), -1)
-            meta.decode_key_slots = slots[:, :max_len]  # [Bd, Lmax]
-            lens = torch.tensor(decode_lens, device=self.device)
-            meta.decode_mask = (torch.arange(max_len, device=self.device)[None, :] < lens[:, None])[:, None, None, :]
-        ids = torch.tensor(input_ids, device=self.device)
-        pos = torch.tensor(positions, device=self.device)
-        return ids, pos, meta
+                meta.prefills.append(PrefillSpan(row, row + n, chunk.start_pos, key_slots, mask))
+            row += n
+        if not decode_rows:
+            return
+        meta.decode_rows = torch.tensor(decode_rows, device=self.device)
+        max_len = max(decode_lens)
+        max_blocks = -(-max_len // self.block_size)
+        tables = torch.tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in decode_tables],
+                              device=self.device)
+        offsets = torch.arange(self.block_size, device=self.device)
+        slots = (tables[:, :, None] * self.block_size + offsets).view(len(decode_rows), -1)
+        meta.decode_key_slots = slots[:, :max_len]  # [Bd, Lmax]
+        lens = torch.tensor(decode_lens, device=self.device)
+        meta.decode_mask = (torch.arange(max_len, device=self.device)[None, :] < lens[:, None])[:, None, None, :]
 
     @torch.inference_mode()
     def run(self, output: SchedulerOutput) -> RunnerOutput:
