@@ -59,12 +59,6 @@ class Engine:
         dtype_ = resolve_dtype(dtype, spec.torch_dtype)
         if device_.type == "cpu" and dtype_ == torch.float16:
             logger.warning("float16 on CPU is slow; bfloat16 is the better choice here")
-        self.config = EngineConfig(
-            model=model, dtype=dtype_, device=device_,
-            cache=CacheConfig(block_size=block_size, kv_cache_gb=kv_cache_gb, host_kv_gb=host_kv_gb),
-            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                      max_model_len=spec.max_position_embeddings),
-            seed=seed, num_threads=num_threads)
         self.spec = spec
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.eos_token_ids = eos_ids_of(model, self.tokenizer)
@@ -72,11 +66,19 @@ class Engine:
 
         block_bytes = KVCache.block_bytes(spec, dtype_, block_size)
         if kv_cache_gb is None:
-            kv_cache_gb = available_memory_bytes(device_) * self.config.cache.kv_cache_fraction / GIB
+            kv_cache_gb = available_memory_bytes(device_) * CacheConfig.kv_cache_fraction / GIB
         num_blocks = num_blocks_for(kv_cache_gb, block_bytes)
         if num_blocks < 1:
             raise ValueError(f"--kv-cache-gb {kv_cache_gb} holds no block of {block_bytes} bytes")
         num_host_blocks = num_blocks_for(host_kv_gb, block_bytes)
+        # A request may never outgrow the pool, or it would be preempted and recomputed forever.
+        max_len = min(spec.max_position_embeddings, num_blocks * block_size)
+        self.config = EngineConfig(
+            model=model, dtype=dtype_, device=device_,
+            cache=CacheConfig(block_size=block_size, kv_cache_gb=kv_cache_gb, host_kv_gb=host_kv_gb),
+            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                      max_model_len=max_len),
+            seed=seed, num_threads=num_threads)
         self.kv_cache = KVCache(spec, dtype_, device_, block_size, num_blocks, num_host_blocks)
         self.block_manager = BlockManager(num_blocks, num_host_blocks, block_size)
         self.runner = ModelRunner(self.model, self.kv_cache, device_, self.eos_token_ids, seed)
@@ -176,7 +178,10 @@ class Engine:
         for request in self.scheduler.update(scheduler_output, runner_output):
             detok = self.detokenizers[request.request_id]
             stop = detok.add(request.token_ids[-1])
-            if stop is not None and not request.status.finished:
+            if stop is not None and request.status is RequestStatus.FINISHED_LENGTH:
+                # The last allowed token completed a stop string: that is a stop, as in OpenAI's API.
+                request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+            elif stop is not None and not request.status.finished:
                 request.stop_reason = stop
                 request.pending_stop = RequestStatus.FINISHED_STOPPED
                 if request.intercept is None:

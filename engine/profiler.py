@@ -72,7 +72,7 @@ def _copy_bandwidth(kv: KVCache, num_blocks: int) -> tuple[float, float]:
 def measure_profile(model: str, runner: ModelRunner, kv: KVCache, bytes_per_token: int,
                     sizes=QUICK_SIZES, repeats: int = 3, progress: bool = True) -> Profile:
     """Runs real forward passes in the KV pool's first blocks: call it before serving requests."""
-    max_tokens = min(max(sizes), kv.num_blocks * kv.block_size)
+    max_tokens = min(max(sizes), kv.num_blocks * kv.block_size, runner.model.spec.max_position_embeddings)
     sizes = [n for n in sizes if n <= max_tokens]
     samples = []
     with torch.inference_mode():

@@ -15,15 +15,28 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    """Greedy continuation of `ids` by a transformers model: exactly `n` new token ids (eos ignored)."""
+    """Greedy continuation of `ids` by a transformers model: exactly `n` new token ids.
+
+    End-of-sequence is neither a stop nor suppressed (like the engine's `ignore_eos=True`): `generate`
+    merges the model's own generation_config, so its eos is cleared there for the call. (Passing
+    `min_new_tokens` instead would ban eos and change the argmax.)
+    """
+    import copy
+
     from transformers import GenerationConfig
 
-    config = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None,
-                              pad_token_id=0, bos_token_id=None)
+    saved = model.generation_config
+    no_eos = copy.deepcopy(saved)
+    no_eos.eos_token_id = None
+    model.generation_config = no_eos
     input_ids = torch.tensor([list(ids)], dtype=torch.long)
-    with torch.inference_mode():
-        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                             generation_config=config)
+    try:
+        with torch.inference_mode():
+            out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                 generation_config=GenerationConfig(do_sample=False, max_new_tokens=n,
+                                                                    pad_token_id=0))
+    finally:
+        model.generation_config = saved
     new = out[0, input_ids.shape[1]:].tolist()
     assert len(new) == n, f"HF generated {len(new)} tokens, wanted {n}"
     return new
@@ -32,7 +45,8 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
 def hf_last_logits(model, ids: list[int]) -> torch.Tensor:
     """fp32 logits of the last position for one prompt: [vocab]."""
     with torch.inference_mode():
-        return model(input_ids=torch.tensor([list(ids)])).logits[0, -1].float()
+        logits = model(input_ids=torch.tensor([list(ids)])).logits[0, -1].float()
+    return logits.clone()  # a normal tensor, so callers may edit it
 
 
 @pytest.fixture(scope="session")

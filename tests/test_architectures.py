@@ -2,9 +2,13 @@
 
 Each model is saved with `save_pretrained` (safetensors) next to the default model's tokenizer files,
 loaded by the engine, and its greedy continuations of three token-id prompts are compared with HF
-`generate`. Weights are drawn with a large standard deviation so that the argmax at every step is
-far from a tie, and the test checks that margin on the reference path so a near-tie shows up as
-an explicit failure of the test's premise rather than a flaky mismatch.
+`generate` (16-token step budget: the 40-token prompt is prefilled in chunks next to the other
+prompts' decodes). Weights are random with spread-out logits so that the argmax at every step is far
+from a tie, and the test checks that margin on the reference path, so a near-tie would show up as an
+explicit failure of the test's premise rather than as a flaky mismatch.
+
+Also here: configurations the engine must reject or handle (unsupported model types, sliding-window
+attention, requests larger than the KV pool, max_model_len below the config's positions).
 """
 from __future__ import annotations
 
@@ -46,16 +50,32 @@ VARIANTS = {
 }
 
 
-def randomize(model: torch.nn.Module, seed: int, std: float = 0.5) -> None:
-    """Large random weights (biases too, which HF initializes to zero; norms near one)."""
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path_factory, monkeypatch, default_model_dir):
+    """Whatever the engine caches for these throwaway models (e.g. a measured profile) goes to a
+    temporary folder, not the user's cache. `default_model_dir` is resolved first, from the real one."""
+    monkeypatch.setenv("INFERCEPT_CACHE", str(tmp_path_factory.mktemp("infercept-cache")))
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Random weights that keep activations O(1) but spread the logits far apart.
+
+    Biases get random values too (HF initializes them to zero, which would hide a bias that is loaded
+    into the wrong place); norm weights are near one; the final norm is scaled up so that logits have a
+    standard deviation of ~13 and top-1/top-2 gaps are large compared with fp32 rounding.
+    """
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
-            if "norm" in name:
+            if name == "model.norm.weight":
+                p.copy_(8.0 * (1.0 + 0.2 * noise))
+            elif "norm" in name:
                 p.copy_(1.0 + 0.2 * noise)
+            elif "embed_tokens" in name:
+                p.copy_(noise)
             else:
-                p.copy_(std * noise)
+                p.copy_(0.2 * noise)
 
 
 def build_tiny_model(config, folder, default_model_dir: str, seed: int = 0):
@@ -89,7 +109,9 @@ def test_tiny_model_matches_transformers(variant, tmp_path, default_model_dir):
     assert spec.model_type == config.model_type
     assert spec.num_kv_heads == 2 and spec.num_heads == 4
     assert spec.tie_word_embeddings == bool(getattr(config, "tie_word_embeddings", False))
-    assert (llm.engine.model.lm_head is None) == spec.tie_word_embeddings
+    model = llm.engine.model
+    tied = model.lm_head is None or model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
+    assert tied == spec.tie_word_embeddings
 
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
     llm.engine.block_manager.check_integrity()
@@ -129,3 +151,92 @@ def test_unsupported_model_type_is_rejected(tmp_path):
 def test_folder_without_config_is_rejected(tmp_path):
     with pytest.raises(FileNotFoundError):
         LLM(str(tmp_path), dtype="float32", kv_cache_gb=0.01)
+
+
+# -- sliding-window attention ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", ["mistral", "qwen2"])
+def test_sliding_window_config_is_honoured_or_rejected(variant, tmp_path, default_model_dir):
+    """A config with an active sliding window (Mistral 7B v0.1 has 4096; Qwen2/3 with
+    use_sliding_window) attends only to the last `sliding_window` keys. The engine must either do the
+    same or refuse sequences longer than the window; silently attending to everything is wrong."""
+    window = 8
+    if variant == "mistral":
+        config = MistralConfig(**TINY, sliding_window=window)
+    else:
+        config = Qwen2Config(**TINY, use_sliding_window=True, sliding_window=window, max_window_layers=0)
+    assert "sliding_attention" in (getattr(config, "layer_types", None) or ["sliding_attention"])
+    hf = build_tiny_model(config, tmp_path, default_model_dir)
+    rng = random.Random(variant)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (5, 30)]
+    refs = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    # The premise: with this window HF's output differs from full causal attention.
+    hf.config.sliding_window = None
+    if hasattr(hf.config, "layer_types"):
+        hf.config.layer_types = ["full_attention"] * config.num_hidden_layers
+        for layer in hf.model.layers:
+            layer.self_attn.sliding_window = None
+        hf.model.has_sliding_layers = False
+    assert hf_greedy(hf, prompts[1], NEW_TOKENS) != refs[1]
+
+    try:
+        llm = LLM(str(tmp_path), dtype="float32", kv_cache_gb=0.05, max_num_batched_tokens=16,
+                  host_kv_gb=0.001)
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    except (ValueError, UnsupportedModelError):
+        return  # refusing is acceptable
+    assert [o.token_ids for o in outs] == refs
+
+
+# -- a request that can never fit the KV pool ----------------------------------------------------------
+
+def test_request_outgrowing_the_whole_pool_terminates(tmp_path, default_model_dir):
+    """A pool of 4 blocks x 16 tokens = 64 tokens; a 40-token prompt asking for 40 more tokens can
+    never hold all its KV. The engine must end it (e.g. finish_reason "length" at the pool's
+    capacity) or refuse it up front, not preempt-and-recompute it forever."""
+    hf = build_tiny_model(LlamaConfig(**TINY), tmp_path, default_model_dir)
+    del hf
+    from infercept.engine.kv_cache import GIB, KVCache
+    from infercept.engine.model_loader import load_spec
+
+    spec = load_spec(str(tmp_path))
+    block_bytes = KVCache.block_bytes(spec, torch.float32, 16)
+    llm = LLM(str(tmp_path), dtype="float32", kv_cache_gb=4 * block_bytes / GIB, max_num_batched_tokens=16,
+              host_kv_gb=0.0001)
+    engine = llm.engine
+    assert engine.block_manager.device.num_blocks == 4
+    prompt = list(range(100, 140))
+    try:
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    except ValueError:
+        return  # refusing up front is acceptable
+    final = None
+    for _ in range(200):  # 3 prefill chunks + at most 40 decodes if it ran to completion
+        for out in engine.step():
+            engine.block_manager.check_integrity()
+            if out.finished:
+                final = out
+        if not engine.has_unfinished_requests():
+            break
+    assert final is not None, "request never finished: preempted and recomputed forever"
+    assert len(prompt) + len(final.token_ids) <= 4 * 16
+    assert final.finish_reason == "length"
+    assert engine.block_manager.num_free_blocks == 4
+
+
+# -- max_model_len ---------------------------------------------------------------------------------------
+
+def test_max_model_len_limits_prompt_and_generation(tmp_path, default_model_dir):
+    """`max_model_len` below the config's max_position_embeddings: the engine starts, refuses prompts
+    of max_model_len tokens and ends generation with "length" when a sequence reaches it."""
+    hf = build_tiny_model(LlamaConfig(**TINY), tmp_path, default_model_dir)
+    llm = LLM(str(tmp_path), dtype="float32", kv_cache_gb=0.05, max_num_batched_tokens=16, host_kv_gb=0.001,
+              max_model_len=48)
+    assert llm.engine.config.scheduler.max_model_len == 48
+    with pytest.raises(ValueError):
+        llm.engine.add_request(list(range(100, 148)), SamplingParams(temperature=0))
+    prompt = list(range(100, 140))
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    assert out.finish_reason == "length"
+    assert len(prompt) + len(out.token_ids) == 48
+    assert out.token_ids == hf_greedy(hf, prompt, 8)

@@ -141,9 +141,10 @@ class LlamaForCausalLM(nn.Module):
 
     def init_rope_tables(self, device, dtype: torch.dtype | None = None) -> None:
         """RoPE tables for every position, computed in fp32 like the reference, then cast once."""
-        inv_freq, attention_scaling = self.spec.rope_inv_freq()
-        positions = torch.arange(self.spec.max_position_embeddings, dtype=torch.float32)
-        emb = (positions[:, None] * inv_freq[None, :]).repeat(1, 2)
+        with torch.device("cpu"):  # not meta: transformers' RoPE helpers copy their result to the CPU
+            inv_freq, attention_scaling = self.spec.rope_inv_freq()
+            positions = torch.arange(self.spec.max_position_embeddings, dtype=torch.float32)
+            emb = (positions[:, None] * inv_freq[None, :]).repeat(1, 2)
         dtype = dtype or torch.float32
         self.register_buffer("cos_table", (emb.cos() * attention_scaling).to(device, dtype), persistent=False)
         sin = emb.sin() * attention_scaling

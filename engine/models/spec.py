@@ -50,6 +50,11 @@ class ModelSpec:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         attention_bias = bool(getattr(config, "attention_bias", False))
         max_pos = config.max_position_embeddings
+        window = getattr(config, "sliding_window", None)
+        if window and (model_type == "mistral" or getattr(config, "use_sliding_window", False)):
+            # Sliding-window attention is not implemented: within the window it equals full
+            # attention, so contexts are limited to the window instead of computed wrongly.
+            max_pos = min(max_pos, window)
         if max_model_len is not None:
             max_pos = min(max_pos, max_model_len)
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)

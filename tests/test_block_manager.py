@@ -1,0 +1,356 @@
+"""Property-based tests of block accounting and of the scheduler on top of it (no model needed).
+
+1. A hypothesis state machine drives BlockManager with random allocate / append / swap-out /
+   swap-in / free / abort steps and checks it against a plain model of "request -> number of tokens".
+2. Random request mixes run through the real Scheduler with a fake runner and a pool small enough to
+   force preemption, plus random aborts (between steps and while a step "runs"). The fake runner keeps
+   a simulated KV store (slot -> (request, position, token)) and checks, for every chunk, that all
+   the context the chunk attends to is still in the request's blocks, i.e. no block is handed to
+   another request while in use and recompute after preemption starts from scratch.
+"""
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from infercept.engine.block_manager import BlockManager, OutOfBlocksError
+from infercept.engine.config import SchedulerConfig
+from infercept.engine.outputs import RunnerOutput, SampledToken, SchedulerOutput
+from infercept.engine.request import Request, RequestStatus
+from infercept.engine.sampling_params import SamplingParams
+from infercept.engine.scheduler import Scheduler
+
+REQUEST_IDS = [f"r{i}" for i in range(6)]
+
+
+# -- 1. BlockManager state machine -----------------------------------------------------------------------
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.bm: BlockManager | None = None
+        self.tokens: dict[str, int] = {}  # model: request id -> tokens it holds room for
+
+    @precondition(lambda self: self.bm is None)
+    @rule(num_blocks=st.integers(1, 24), num_host_blocks=st.integers(0, 12),
+          block_size=st.sampled_from([1, 2, 4, 16]))
+    def create(self, num_blocks, num_host_blocks, block_size):
+        self.bm = BlockManager(num_blocks, num_host_blocks, block_size)
+
+    def _swapped(self, rid: str) -> bool:
+        """Requests with blocks on the host are paused: they neither grow nor get new blocks."""
+        return self.bm.num_host_blocks_of(rid) > 0
+
+    def _expected_new(self, rid: str, n: int) -> int:
+        have = self.bm.blocks_for(self.tokens[rid]) if rid in self.tokens else 0
+        return max(self.bm.blocks_for(n) - have, 0)
+
+    @precondition(lambda self: self.bm is not None)
+    @rule(rid=st.sampled_from(REQUEST_IDS), n=st.integers(1, 120))
+    def allocate(self, rid, n):
+        bm = self.bm
+        if self._swapped(rid):
+            return
+        new = self._expected_new(rid, n)
+        assert bm.num_new_blocks(rid, n) == new
+        free_before = bm.num_free_blocks
+        table_before = list(bm.block_table(rid))
+        if bm.can_allocate(rid, n):
+            assert new <= free_before
+            table = bm.allocate(rid, n)
+            self.tokens[rid] = max(self.tokens.get(rid, 0), n)
+            assert table[:len(table_before)] == table_before  # growing never moves existing blocks
+            assert len(table) == bm.blocks_for(self.tokens[rid])
+            assert bm.num_free_blocks == free_before - new
+        else:
+            assert new > free_before
+            with pytest.raises(OutOfBlocksError):
+                bm.allocate(rid, n)
+            assert bm.block_table(rid) == table_before
+            assert bm.num_free_blocks == free_before
+
+    @precondition(lambda self: self.bm is not None and self.tokens)
+    @rule(data=st.data())
+    def append_one(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        if self._swapped(rid):
+            return
+        n = self.tokens[rid] + 1
+        if self.bm.can_allocate(rid, n):
+            self.bm.allocate(rid, n)
+            self.tokens[rid] = n
+        else:  # only possible when the new token starts a new block
+            assert n % self.bm.block_size == 1 % self.bm.block_size and self.bm.num_free_blocks == 0
+
+    @precondition(lambda self: self.bm is not None and self.tokens)
+    @rule(data=st.data(), k=st.integers(1, 6))
+    def swap_out(self, data, k):
+        """Move the first k device blocks of a request to the host (if the host has room)."""
+        bm = self.bm
+        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        device_before, host_before = list(bm.block_table(rid)), list(bm.host_tables.get(rid, []))
+        k = min(k, len(device_before))
+        if not bm.can_swap_out(k):
+            assert k > bm.num_free_host_blocks
+            return
+        free_before, host_free_before = bm.num_free_blocks, bm.num_free_host_blocks
+        pairs = bm.swap_out(rid, k)
+        assert [d for d, _ in pairs] == device_before[:k]
+        assert bm.block_table(rid) == device_before[k:]
+        assert bm.host_tables.get(rid, []) == host_before + [h for _, h in pairs]
+        assert bm.num_free_blocks == free_before + k
+        assert bm.num_free_host_blocks == host_free_before - k
+
+    @precondition(lambda self: self.bm is not None and self.bm.host_tables)
+    @rule(data=st.data(), k=st.integers(1, 6))
+    def swap_in(self, data, k):
+        """Move the last k host blocks of a request back to the front of its device table."""
+        bm = self.bm
+        rid = data.draw(st.sampled_from(sorted(bm.host_tables)))
+        device_before, host_before = list(bm.block_table(rid)), list(bm.host_tables[rid])
+        k = min(k, len(host_before))
+        if not bm.can_swap_in(k):
+            assert k > bm.num_free_blocks
+            return
+        pairs = bm.swap_in(rid, k)
+        assert [h for h, _ in pairs] == host_before[len(host_before) - k:]
+        assert bm.block_table(rid) == [d for _, d in pairs] + device_before
+        assert bm.host_tables.get(rid, []) == host_before[:len(host_before) - k]
+
+    @precondition(lambda self: self.bm is not None)
+    @rule(rid=st.sampled_from(REQUEST_IDS))
+    def free(self, rid):
+        held = len(self.bm.block_table(rid))
+        held_host = self.bm.num_host_blocks_of(rid)
+        free_before, host_free_before = self.bm.num_free_blocks, self.bm.num_free_host_blocks
+        self.bm.free(rid)
+        self.tokens.pop(rid, None)
+        assert self.bm.block_table(rid) == [] and self.bm.num_host_blocks_of(rid) == 0
+        assert self.bm.num_free_blocks == free_before + held
+        assert self.bm.num_free_host_blocks == host_free_before + held_host
+
+    @precondition(lambda self: self.bm is not None)
+    @rule(rid=st.sampled_from(REQUEST_IDS))
+    def abort(self, rid):
+        """Abort frees, and whatever else frees the same request afterwards is a no-op."""
+        self.bm.free(rid)
+        self.tokens.pop(rid, None)
+        free_after_first = self.bm.num_free_blocks
+        self.bm.free(rid)
+        assert self.bm.num_free_blocks == free_after_first
+
+    @invariant()
+    def integrity(self):
+        if self.bm is None:
+            return
+        bm = self.bm
+        bm.check_integrity()
+        assert bm.num_free_blocks + bm.num_used_blocks() == bm.device.num_blocks
+        owned = [b for r in self.tokens for b in bm.block_table(r)]
+        assert len(owned) == len(set(owned)) == bm.num_used_blocks()  # no sharing without prefix caching
+        assert all(0 <= b < bm.device.num_blocks for b in owned)
+        on_host = [b for r in self.tokens for b in bm.host_tables.get(r, [])]
+        assert len(on_host) == len(set(on_host)) == bm.host.num_blocks - bm.num_free_host_blocks
+        assert set(bm.host_tables) <= set(self.tokens)
+        for rid, n in self.tokens.items():
+            # host part + device part is still exactly the request's logical table
+            assert bm.num_host_blocks_of(rid) + len(bm.block_table(rid)) == bm.blocks_for(n)
+
+    def teardown(self):
+        if self.bm is None:
+            return
+        for rid in REQUEST_IDS:
+            self.bm.free(rid)
+        self.bm.check_integrity()
+        assert self.bm.num_free_blocks == self.bm.device.num_blocks
+        assert self.bm.num_free_host_blocks == self.bm.host.num_blocks
+        assert self.bm.num_used_blocks() == 0 and not self.bm.tables and not self.bm.host_tables
+
+
+BlockManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestBlockManager = BlockManagerMachine.TestCase
+
+
+# -- 2. Scheduler with a fake runner --------------------------------------------------------------------
+
+SAMPLED = 5  # every sampled token; also declared end-of-sequence, so ignore_eos must be honoured
+
+
+class FakeRunner:
+    """Checks what a real runner relies on, then 'samples' token 5 for every chunk with sample=True."""
+
+    def __init__(self, scheduler: Scheduler, block_size: int):
+        self.scheduler = scheduler
+        self.block_size = block_size
+        self.kv: dict[int, tuple[str, int, int]] = {}  # slot -> (request id, position, token)
+
+    def slot(self, table: list[int], pos: int) -> int:
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def run(self, out: SchedulerOutput) -> RunnerOutput:
+        sched = self.scheduler
+        config = sched.config
+        assert out.num_batched_tokens <= config.max_num_batched_tokens
+        assert len({c.request_id for c in out.chunks}) == len(out.chunks)
+        blocks_in_step = [b for c in out.chunks for b in c.block_table]
+        assert len(blocks_in_step) == len(set(blocks_in_step)), "two requests share a block"
+        sampled = {}
+        for c in out.chunks:
+            request = sched.requests[c.request_id]
+            assert request.status is RequestStatus.RUNNING
+            assert c.token_ids, "empty chunk"
+            assert c.start_pos == request.num_computed_tokens
+            end = c.start_pos + len(c.token_ids)
+            assert end <= request.num_tokens
+            assert c.token_ids == request.token_ids[c.start_pos:end]
+            assert len(c.block_table) >= -(-end // self.block_size)
+            assert c.sample == (end == request.num_tokens)
+            assert c.num_output_tokens == request.num_output_tokens
+            for pos in range(c.start_pos):  # the context must still be where it was written
+                assert self.kv.get(self.slot(c.block_table, pos)) == (c.request_id, pos, request.token_ids[pos]), (
+                    f"{c.request_id}: KV of position {pos} lost")
+            for pos in range(c.start_pos, end):
+                self.kv[self.slot(c.block_table, pos)] = (c.request_id, pos, request.token_ids[pos])
+            if c.sample:
+                sampled[c.request_id] = SampledToken(SAMPLED)
+        return RunnerOutput(sampled=sampled)
+
+
+def check_scheduler_state(sched: Scheduler, bm: BlockManager) -> None:
+    bm.check_integrity()
+    assert bm.num_free_blocks + sum(len(t) for t in bm.tables.values()) == bm.device.num_blocks
+    assert len(sched.running) <= sched.config.max_num_seqs
+    assert set(sched.requests) == {r.request_id for r in sched.running + sched.waiting}
+    assert not set(r.request_id for r in sched.running) & set(r.request_id for r in sched.waiting)
+    for r in sched.running:
+        assert r.status is RequestStatus.RUNNING
+        assert len(bm.block_table(r.request_id)) >= bm.blocks_for(r.num_computed_tokens)
+    for r in sched.waiting:
+        assert r.status is RequestStatus.WAITING
+        assert r.num_computed_tokens == 0 and bm.block_table(r.request_id) == []
+    for lst in (sched.running, sched.waiting):
+        assert [r.arrival_time for r in lst] == sorted(r.arrival_time for r in lst)
+
+
+BLOCK_SIZE = 4
+
+
+@st.composite
+def workloads(draw):
+    num_blocks = draw(st.integers(2, 8))
+    capacity = num_blocks * BLOCK_SIZE
+    n = draw(st.integers(1, 8))
+    requests = []
+    for i in range(n):
+        # Every request fits the pool on its own (prompt + all outputs); together they usually don't.
+        max_tokens = draw(st.integers(1, min(12, capacity - 1)))
+        prompt_len = draw(st.integers(1, capacity - max_tokens))
+        arrive_step = draw(st.integers(0, 10))
+        requests.append((prompt_len, max_tokens, arrive_step))
+    aborts = draw(st.lists(st.tuples(st.integers(0, 40), st.integers(0, n - 1), st.booleans()), max_size=3))
+    budget = draw(st.integers(1, 24))
+    max_num_seqs = draw(st.integers(1, 6))
+    return num_blocks, requests, aborts, budget, max_num_seqs
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_scheduler_with_fake_runner(workload):
+    num_blocks, specs, aborts, budget, max_num_seqs = workload
+    bm = BlockManager(num_blocks, 0, BLOCK_SIZE)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                                      max_model_len=1 << 20), bm)
+    runner = FakeRunner(sched, BLOCK_SIZE)
+    requests = {}
+    for i, (prompt_len, max_tokens, _) in enumerate(specs):
+        prompt = [100 + i * 1000 + j for j in range(prompt_len)]
+        requests[f"q{i}"] = Request(f"q{i}", prompt, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                                   ignore_eos=True),
+                                    eos_token_ids=frozenset({SAMPLED}), arrival_time=float(i))
+    aborted: set[str] = set()
+    abort_at = {}
+    for step, idx, during in aborts:
+        abort_at.setdefault(step, []).append((f"q{idx}", during))
+
+    finished: dict[str, Request] = {}
+    step = 0
+    while step < 5000:
+        for i, (_, _, arrive) in enumerate(specs):
+            if arrive == step:
+                sched.add(requests[f"q{i}"])
+        if step > max(a for _, _, a in specs) and not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        check_scheduler_state(sched, bm)
+        runner_out = runner.run(out) if out.chunks else RunnerOutput(sampled={})
+        for rid, during in abort_at.get(step, []):
+            if during and sched.abort(rid) is not None:  # aborted while the step ran: update skips it
+                aborted.add(rid)
+        for r in sched.update(out, runner_out):
+            if r.status.finished:
+                finished[r.request_id] = r
+        for rid, during in abort_at.get(step, []):
+            if not during and sched.abort(rid) is not None:
+                aborted.add(rid)
+        check_scheduler_state(sched, bm)
+        step += 1
+    assert not sched.has_unfinished(), f"still unfinished after {step} steps: livelock"
+    event("preempted" if any(r.num_preemptions for r in requests.values()) else "no preemption")
+
+    for rid, request in requests.items():
+        if rid in aborted:
+            assert request.status is RequestStatus.FINISHED_ABORTED
+            assert rid not in finished
+            continue
+        assert finished[rid] is request
+        assert request.status is RequestStatus.FINISHED_LENGTH and request.finish_reason == "length"
+        assert request.output_token_ids == [SAMPLED] * request.sampling_params.max_tokens
+    bm.check_integrity()
+    assert bm.num_free_blocks == num_blocks and not bm.tables
+    # Every id that ended is reported once to the runner.
+    assert sched.schedule().chunks == []
+
+
+def test_pool_pressure_preempts_newest_and_recomputes():
+    """Deterministic example: two requests that cannot both grow; the newer is preempted, later
+    recomputed (prompt + its outputs so far) and still ends with all its tokens."""
+    bm = BlockManager(4, 0, BLOCK_SIZE)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=1 << 20), bm)
+    runner = FakeRunner(sched, BLOCK_SIZE)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    a = Request("a", list(range(10, 18)), params, arrival_time=0.0)  # 8 prompt tokens: 2 blocks
+    b = Request("b", list(range(20, 27)), params, arrival_time=1.0)  # 7 prompt tokens: 2 blocks
+    sched.add(a)
+    sched.add(b)
+    max_preemptions = 0
+    for _ in range(100):
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        check_scheduler_state(sched, bm)
+        sched.update(out, runner.run(out) if out.chunks else RunnerOutput(sampled={}))
+        check_scheduler_state(sched, bm)
+        max_preemptions = max(max_preemptions, b.num_preemptions)
+    assert not sched.has_unfinished()
+    assert a.num_preemptions == 0 and b.num_preemptions >= 1
+    assert a.output_token_ids == b.output_token_ids == [SAMPLED] * 6
+    assert bm.num_free_blocks == 4
+
+
+def test_abort_of_unknown_or_finished_request_is_a_noop():
+    bm = BlockManager(4, 0, BLOCK_SIZE)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8), bm)
+    assert sched.abort("nope") is None
+    r = Request("x", [1, 2, 3], SamplingParams(max_tokens=1, ignore_eos=True))
+    sched.add(r)
+    with pytest.raises(ValueError):
+        sched.add(Request("x", [1], SamplingParams()))
+    out = sched.schedule()
+    sched.update(out, RunnerOutput(sampled={"x": SampledToken(7)}))
+    assert r.status is RequestStatus.FINISHED_LENGTH
+    assert sched.abort("x") is None
+    assert r.status is RequestStatus.FINISHED_LENGTH
+    assert bm.num_free_blocks == 4
+    assert sched.schedule().finished_request_ids == ["x"]
