@@ -59,7 +59,8 @@ class ModelRunner:
             positions += range(chunk.start_pos, end)
             slot_mapping += self._slots(chunk.block_table, chunk.start_pos, end)
         meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, device=self.device), prefills=[],
-                                 decode_rows=None, decode_key_slots=None, decode_mask=None)
+                                 decode_rows=None, decode_key_blocks=None, decode_mask=None,
+                                 block_size=self.block_size)
         if self.use_varlen:
             meta.varlen = self.build_varlen_metadata(output)
         else:
@@ -84,23 +85,20 @@ class ModelRunner:
             elif chunk.start_pos == 0:
                 meta.prefills.append(PrefillSpan(row, row + n, 0, None, None))
             else:
-                key_slots = torch.tensor(self._slots(chunk.block_table, 0, end), device=self.device)
+                blocks = torch.tensor(chunk.block_table[:-(-end // self.block_size)], device=self.device)
                 query_pos = torch.arange(chunk.start_pos, end, device=self.device)
-                mask = torch.arange(end, device=self.device)[None, :] <= query_pos[:, None]
-                meta.prefills.append(PrefillSpan(row, row + n, chunk.start_pos, key_slots, mask))
+                mask = torch.arange(end, device=self.device)[None, :] <= query_pos[:, None]  # [chunk, end]
+                meta.prefills.append(PrefillSpan(row, row + n, chunk.start_pos, blocks, mask))
             row += n
         if not decode_rows:
             return
         meta.decode_rows = torch.tensor(decode_rows, device=self.device)
-        max_len = max(decode_lens)
-        max_blocks = -(-max_len // self.block_size)
-        tables = torch.tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in decode_tables],
-                              device=self.device)
-        offsets = torch.arange(self.block_size, device=self.device)
-        slots = (tables[:, :, None] * self.block_size + offsets).view(len(decode_rows), -1)
-        meta.decode_key_slots = slots[:, :max_len]  # [Bd, Lmax]
+        max_blocks = -(-max(decode_lens) // self.block_size)
+        tables = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in decode_tables]
+        meta.decode_key_blocks = torch.tensor(tables, device=self.device).view(-1)
         lens = torch.tensor(decode_lens, device=self.device)
-        meta.decode_mask = (torch.arange(max_len, device=self.device)[None, :] < lens[:, None])[:, None, None, :]
+        positions = torch.arange(max_blocks * self.block_size, device=self.device)
+        meta.decode_mask = (positions[None, :] < lens[:, None])[:, None, None, :]
 
     @torch.inference_mode()
     def run(self, output: SchedulerOutput) -> RunnerOutput:
