@@ -108,10 +108,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Att
         out[rows] = o[0].transpose(0, 1)
     if meta.decode_rows is not None:
         bd = meta.decode_rows.shape[0]
-        qd = q[meta.decode_rows].unsqueeze(2)  # [Bd, H, 1, D]
+        qd = (q if not meta.prefills else q[meta.decode_rows]).unsqueeze(2)  # [Bd, H, 1, D]
         kd = _gather(k_cache, meta.decode_key_blocks, block_size).view(bd, -1, *k_cache.shape[1:])
         vd = _gather(v_cache, meta.decode_key_blocks, block_size).view(bd, -1, *v_cache.shape[1:])
         o = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=meta.decode_mask,
-                                           scale=scale, enable_gqa=True)
-        out[meta.decode_rows] = o.squeeze(2)
+                                           scale=scale, enable_gqa=True).squeeze(2)
+        if not meta.prefills:
+            return o  # a decode-only step: the rows are already in order
+        out[meta.decode_rows] = o
     return out
