@@ -20,9 +20,9 @@ install: $(BIN)/.installed
 download: install
 	$(BIN)/infercept download
 
-# Until the HTTP server lands (issue 4), `serve` runs an interactive chat with the embedded model.
+# The OpenAI-compatible server on 127.0.0.1:8000 (flags: `infercept serve --help`, or INFERCEPT_* variables).
 serve: download
-	$(BIN)/infercept chat
+	$(BIN)/infercept serve
 
 test: download
 	$(BIN)/python -m pytest -q

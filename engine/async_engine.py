@@ -46,6 +46,10 @@ class AsyncEngine:
     def from_args(cls, model: str | None = None, **engine_kwargs) -> "AsyncEngine":
         return cls(Engine(model, **engine_kwargs))
 
+    @property
+    def is_running(self) -> bool:
+        return self._running
+
     def start(self) -> None:
         if not self._running:
             self._running = True
@@ -73,10 +77,11 @@ class AsyncEngine:
                 prompt, params, request_id, intercept=intercept)):
             yield out
 
-    async def resume(self, request_id: str, appended: str | list[int],
-                     params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+    async def resume(self, request_id: str, appended: str | list[int], params: SamplingParams | None = None,
+                     intercept: InterceptParams | None = None) -> AsyncIterator[RequestOutput]:
         """Continue a paused request with its interception's result; streams the next turn."""
-        async for out in self._stream(request_id, lambda: self.engine.resume(request_id, appended, params)):
+        async for out in self._stream(request_id,
+                                      lambda: self.engine.resume(request_id, appended, params, intercept)):
             yield out
 
     async def _stream(self, request_id: str, command: Callable[[], object]) -> AsyncIterator[RequestOutput]:

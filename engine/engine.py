@@ -129,10 +129,13 @@ class Engine:
         if self.block_manager.blocks_for(len(token_ids) + 1) > self.block_manager.device.num_blocks:
             raise ValueError("the prompt does not fit in the KV cache pool; raise --kv-cache-gb")
 
-    def resume(self, request_id: str, appended: str | list[int], params: SamplingParams | None = None) -> None:
+    def resume(self, request_id: str, appended: str | list[int], params: SamplingParams | None = None,
+               intercept: InterceptParams | None = None) -> dict[str, int]:
         """Continue a paused request: `appended` (the tool result, rendered by the caller exactly as
         a fresh rendering of the conversation would continue the paused tokens) is added to its
-        context and it generates on, with `params` for the new turn if given."""
+        context and it generates on, with `params` and `intercept` for the new turn if given.
+        Returns where the paused context's KV was at the moment of resuming (see `kv_location`):
+        device + host tokens are reused, the rest is recomputed."""
         request = self.scheduler.paused.get(request_id)
         if request is None:
             state = self.scheduler.requests.get(request_id)
@@ -147,10 +150,14 @@ class Engine:
             raise ValueError(f"token ids must be in [0, {self.spec.vocab_size})")
         if params is not None:
             request.sampling_params = params
+        if intercept is not None:
+            request.intercept = intercept
+        location = self.kv_location(request_id)
         self.scheduler.resume(request_id, token_ids)
         p = request.sampling_params
         self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, request.token_ids,
                                                                p.skip_special_tokens, p.stop)
+        return location
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)

@@ -103,6 +103,7 @@ class Scheduler:
                                now - request.paused_at)
         request.token_ids += appended_token_ids
         request.turn_start = len(request.token_ids)
+        request.output_logprobs = []  # per turn, like the generated tokens
         request.paused_at = None
         request.num_turns += 1
         _, host = self.kv_tokens(request)

@@ -4,6 +4,7 @@
     infercept generate --prompt TEXT    one completion (--chat applies the chat template)
     infercept chat                      interactive chat in the terminal
     infercept profile                   measure T_fwd(n), saturation point and copy bandwidth
+    infercept serve                     the OpenAI-compatible HTTP server (DESIGN §6)
 
 Every command that takes --model defaults to the embedded SmolLM2-135M-Instruct. Heavy imports
 happen inside the commands so `infercept --help` is instant.
@@ -103,6 +104,67 @@ def cmd_profile(args: argparse.Namespace) -> None:
     print(path)
 
 
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="address to listen on (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=int(_env("PORT", 8000)), help="port (default 8000; 0 = any free)")
+    g.add_argument("--api-key", default=_env("API_KEY", None),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes")
+    g.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME", None),
+                   help="model name clients use (default: the model folder's name)")
+    g.add_argument("--session-ttl", type=float, default=float(_env("SESSION_TTL", 600.0)),
+                   help="seconds a generation paused at a tool call waits for its result before it is aborted "
+                        "(default 600)")
+    g.add_argument("--max-sessions", type=int, default=int(_env("MAX_SESSIONS", 256)),
+                   help="paused generations kept at most; beyond, the oldest is aborted (default 256)")
+    g.add_argument("--max-paused-tokens", type=int, default=int(_env("MAX_PAUSED_TOKENS", 1_000_000)),
+                   help="context tokens of all paused generations at most; beyond, the oldest is aborted")
+    g.add_argument("--max-concurrent-requests", type=int, default=int(_env("MAX_CONCURRENT_REQUESTS", 512)),
+                   help="requests generating at once; beyond, 429 with Retry-After (default 512)")
+    g.add_argument("--tool-parser", default=_env("TOOL_PARSER", None),
+                   help="tool-call format: hermes, llama3_json or mistral (default: from the model's chat template)")
+    g.add_argument("--log-level", default=_env("LOG_LEVEL", "info"), help="server log level (default info)")
+
+
+def server_settings(args: argparse.Namespace):
+    from infercept.server.settings import ServerSettings
+
+    return ServerSettings(host=args.host, port=args.port, api_key=args.api_key or None,
+                          served_model_name=args.served_model_name, session_ttl=args.session_ttl,
+                          max_sessions=args.max_sessions, max_paused_tokens=args.max_paused_tokens,
+                          max_concurrent_requests=args.max_concurrent_requests, tool_parser=args.tool_parser)
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    import logging
+
+    import uvicorn
+
+    from infercept.engine import AsyncEngine, Engine
+    from infercept.server.app import build_app, served_model_name
+
+    settings = server_settings(args)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("infercept.server").setLevel(args.log_level.upper())
+    print(f"infercept: loading {args.model or 'the embedded SmolLM2-135M-Instruct'} ...", file=sys.stderr, flush=True)
+    async_engine = AsyncEngine(Engine(args.model, **engine_kwargs(args)))
+    app = build_app(async_engine, settings)
+    name = served_model_name(async_engine, settings)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=10)
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if not self.should_exit:
+                host, port = self.servers[0].sockets[0].getsockname()[:2]
+                cfg = async_engine.engine.config
+                print(f"infercept: serving {name} ({cfg.dtype}, {cfg.device}, policy {args.policy}) "
+                      f"on http://{host}:{port}", flush=True)
+
+    Server(config).run()  # SIGTERM/SIGINT: stop accepting, finish or cut streams, shut the engine down
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="infercept", description="InferCept: inference for tool-using agents")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -128,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where to write the profile (default: the cache path the engine loads at start-up)")
     p.add_argument("--repeats", type=int, default=5)
     p.set_defaults(func=cmd_profile)
+    p = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    add_engine_args(p)
+    add_server_args(p)
+    p.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -1,0 +1,214 @@
+"""The FastAPI app: `build_app(async_engine, settings)`.
+
+Wires the serving objects, the session registry and metrics into `app.state`; adds authentication,
+a body-size limit and an access log with request ids (one small ASGI middleware); turns every error
+into OpenAI's error JSON (validation errors are 400, never 422 or 5xx); runs the engine and a reaper
+of expired paused generations for the app's lifetime.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+import uuid
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from transformers import AutoTokenizer
+
+from infercept.engine import AsyncEngine
+from infercept.engine.tool_parsers import get_tool_parser, parser_for_model
+
+from .chat import ChatRenderer
+from .metrics import ServerMetrics
+from .protocol import APIError
+from .routes import router
+from .serving_base import Admission
+from .serving_chat import ChatServing
+from .serving_completions import CompletionServing
+from .sessions import SessionRegistry
+from .settings import ServerSettings
+
+logger = logging.getLogger("infercept.server")
+
+
+def served_model_name(async_engine: AsyncEngine, settings: ServerSettings) -> str:
+    return settings.served_model_name or os.path.basename(os.path.normpath(async_engine.engine.config.model))
+
+
+def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
+    settings = settings or ServerSettings()
+    engine = async_engine.engine
+    model_name = served_model_name(async_engine, settings)
+    tool_parser = settings.tool_parser or parser_for_model(engine.spec.model_type, engine.tokenizer.chat_template)
+    get_tool_parser(tool_parser)  # an unknown name fails at start-up
+    registry = SessionRegistry(settings.session_ttl, settings.max_sessions, settings.max_paused_tokens,
+                               settings.max_remembered_turns)
+    metrics = ServerMetrics(model_name)
+    admission = Admission(async_engine, settings.max_concurrent_requests)
+    # The event loop tokenizes and renders while the engine thread detokenizes: separate instances, so
+    # the two threads never share a tokenizer's mutable state.
+    tokenizer = AutoTokenizer.from_pretrained(engine.config.model)
+    common = dict(settings=settings, registry=registry, metrics=metrics, model_name=model_name, admission=admission,
+                  tokenizer=tokenizer)
+    completions = CompletionServing(async_engine, **common)
+    chat = None
+    if tokenizer.chat_template:
+        chat = ChatServing(async_engine, renderer=ChatRenderer(tokenizer, engine.eos_token_ids, tool_parser), **common)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        reaper = asyncio.create_task(_reap(registry, completions))
+        try:
+            yield
+        finally:
+            reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reaper
+            completions.abort_all(registry.clear(), reason="server shutdown")
+            await asyncio.to_thread(async_engine.shutdown)
+
+    app = FastAPI(title="InferCept", version="0.1.0", lifespan=lifespan)
+    app.state.async_engine = async_engine
+    app.state.settings = settings
+    app.state.model_name = model_name
+    app.state.registry = registry
+    app.state.metrics = metrics
+    app.state.chat = chat or _NoChat()
+    app.state.completions = completions
+    app.include_router(router)
+    _add_error_handlers(app)
+    app.add_middleware(_Gate, settings=settings)
+    return app
+
+
+async def _reap(registry: SessionRegistry, serving: CompletionServing) -> None:
+    """Abort paused generations past the TTL (frees their blocks)."""
+    interval = min(max(registry.ttl / 4, 0.05), 5.0)
+    while True:
+        await asyncio.sleep(interval)
+        expired = registry.expire()
+        if expired:
+            serving.abort_all(expired, reason="session TTL expired")
+
+
+class _NoChat:
+    async def create(self, *_):
+        raise APIError(400, "this model has no chat template; use /v1/completions", code="no_chat_template")
+
+
+# -- errors -----------------------------------------------------------------------------------------
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        return "We could not parse the JSON body of your request: " + str(first.get("ctx", {}).get("error", "")), None
+    if first.get("type") == "extra_forbidden":
+        return f"Unrecognized request argument supplied: {loc[-1] if loc else '?'}", param
+    if first.get("type") == "missing" and not loc:
+        return "the request body is missing or is not a JSON object", None
+    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    return message, param
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return JSONResponse(APIError(400, message, param=param).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_, exc: StarletteHTTPException):
+        return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_, exc: Exception):
+        logger.exception("unhandled error")
+        return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}").body(), status_code=500)
+
+
+# -- middleware -------------------------------------------------------------------------------------
+
+class _Gate:
+    """Pure ASGI (it must not buffer SSE streams or hide client disconnects): bearer authentication on
+    /v1, the body-size limit (413), and one access-log line per request with its request id."""
+
+    def __init__(self, app, settings: ServerSettings):
+        self.app = app
+        self.settings = settings
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = time.monotonic()
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
+        path = scope.get("path", "")
+        request_id = headers.get("x-request-id", "-")
+        status = 500
+
+        async def send_logged(message):
+            nonlocal status, request_id
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                ids = [v.decode("latin-1") for k, v in message.get("headers", ()) if k.lower() == b"x-request-id"]
+                if ids:
+                    request_id = ids[0]
+                else:  # errors and plain routes get one too, so a client can quote it
+                    request_id = request_id if request_id != "-" else f"req-{uuid.uuid4().hex[:16]}"
+                    message = {**message, "headers": [*message.get("headers", ()),
+                                                      (b"x-request-id", request_id.encode("latin-1"))]}
+            await send(message)
+
+        try:
+            error = self._check(path, headers)
+            if error is not None:
+                return await _send_error(send_logged, error)
+            await self.app(scope, receive, send_logged)
+        finally:
+            logger.info("%s %s %d %.0fms request_id=%s", scope.get("method"), path, status,
+                        (time.monotonic() - started) * 1000, request_id)
+
+    def _check(self, path: str, headers: dict[str, str]) -> APIError | None:
+        key = self.settings.api_key
+        if key and path.startswith("/v1"):
+            auth = headers.get("authorization", "")
+            if auth != f"Bearer {key}":
+                return APIError(401, "Incorrect API key provided." if auth else "Missing bearer authentication "
+                                "in header: you need to provide an API key (Authorization: Bearer KEY).",
+                                code="invalid_api_key")
+        length = headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                return APIError(400, "invalid Content-Length header")
+            if int(length) > self.settings.max_body_bytes:
+                return APIError(413, f"the request body exceeds {self.settings.max_body_bytes} bytes",
+                                code="request_too_large")
+        return None
+
+
+async def _send_error(send, error: APIError) -> None:
+    body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in error.headers.items()]
+    if error.status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,142 @@
+"""Prometheus metrics: request counters and TTFT kept by the server, engine state read at scrape time.
+
+Each app has its own `CollectorRegistry`, so several apps (tests) can live in one process. Engine
+numbers (`EngineStats`, block pools, where paused KV lives) are read on the engine thread when
+/metrics is scraped (`snapshot_engine`), then exported by a custom collector.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+disable_created_metrics()  # no `*_created` series next to every counter
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+KV_STATES = ("device", "host", "partial", "discarded")
+
+
+@dataclass
+class EngineSnapshot:
+    num_steps: int = 0
+    forward_seconds: float = 0.0
+    num_computed_tokens: int = 0
+    num_recomputed_tokens: int = 0
+    num_swapped_out_blocks: int = 0
+    num_swapped_in_blocks: int = 0
+    num_discarded_tokens: int = 0
+    memory_waste_byte_seconds: float = 0.0
+    device_blocks_total: int = 0
+    device_blocks_used: int = 0
+    host_blocks_total: int = 0
+    host_blocks_used: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    paused_by_state: dict[str, int] = field(default_factory=dict)
+    paused_tokens_by_location: dict[str, int] = field(default_factory=dict)
+
+
+def snapshot_engine(engine) -> EngineSnapshot:
+    """Read the engine's numbers; call on the engine thread (AsyncEngine.call)."""
+    stats, bm, sched = engine.stats, engine.block_manager, engine.scheduler
+    by_state = dict.fromkeys(KV_STATES, 0)
+    tokens = {"device": 0, "host": 0, "discarded": 0}
+    for request_id in list(sched.paused):
+        loc = sched.kv_location(request_id)
+        for k in tokens:
+            tokens[k] += loc[k]
+        by_state["partial" if loc["device"] and loc["host"] else
+                 "device" if loc["device"] else "host" if loc["host"] else "discarded"] += 1
+    return EngineSnapshot(
+        num_steps=stats.num_steps, forward_seconds=stats.forward_seconds,
+        num_computed_tokens=stats.num_computed_tokens, num_recomputed_tokens=stats.num_recomputed_tokens,
+        num_swapped_out_blocks=stats.num_swapped_out_blocks, num_swapped_in_blocks=stats.num_swapped_in_blocks,
+        num_discarded_tokens=stats.num_discarded_tokens, memory_waste_byte_seconds=stats.memory_waste_byte_seconds,
+        device_blocks_total=bm.device.num_blocks, device_blocks_used=bm.device.num_blocks - bm.num_free_blocks,
+        host_blocks_total=bm.host.num_blocks, host_blocks_used=bm.host.num_blocks - bm.num_free_host_blocks,
+        num_running=len(sched.running) + len(sched.swapped), num_waiting=len(sched.waiting),
+        paused_by_state=by_state, paused_tokens_by_location=tokens)
+
+
+class _EngineCollector:
+    def __init__(self, model: str):
+        self.model = model
+        self.snapshot = EngineSnapshot()
+
+    def collect(self):
+        s, m = self.snapshot, [self.model]
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(name, doc, labels=["model"])
+            c.add_metric(m, value)
+            return c
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(name, doc, labels=["model"])
+            g.add_metric(m, value)
+            return g
+
+        yield counter("infercept_engine_steps", "Engine iterations", s.num_steps)
+        yield counter("infercept_engine_forward_seconds", "Seconds spent in engine steps", s.forward_seconds)
+        yield counter("infercept_computed_tokens", "Tokens processed by forward passes", s.num_computed_tokens)
+        yield counter("infercept_recomputed_tokens", "Computed tokens whose KV had been computed before",
+                      s.num_recomputed_tokens)
+        yield counter("infercept_swapped_out_blocks", "KV blocks copied device -> host", s.num_swapped_out_blocks)
+        yield counter("infercept_swapped_in_blocks", "KV blocks copied host -> device", s.num_swapped_in_blocks)
+        yield counter("infercept_discarded_tokens", "KV tokens of paused requests dropped", s.num_discarded_tokens)
+        yield counter("infercept_memory_waste_byte_seconds",
+                      "Held-but-idle KV of paused requests: bytes x seconds", s.memory_waste_byte_seconds)
+        yield gauge("infercept_kv_device_blocks_total", "Device KV pool size in blocks", s.device_blocks_total)
+        yield gauge("infercept_kv_device_blocks_used", "Device KV blocks in use", s.device_blocks_used)
+        yield gauge("infercept_kv_device_usage", "Share of the device KV pool in use",
+                    s.device_blocks_used / s.device_blocks_total if s.device_blocks_total else 0.0)
+        yield gauge("infercept_kv_host_blocks_total", "Host KV pool size in blocks", s.host_blocks_total)
+        yield gauge("infercept_kv_host_blocks_used", "Host KV blocks in use", s.host_blocks_used)
+        yield gauge("infercept_requests_running", "Requests running or swapping in", s.num_running)
+        yield gauge("infercept_requests_waiting", "Requests waiting to be scheduled", s.num_waiting)
+        paused = GaugeMetricFamily("infercept_paused_requests", "Paused generations by where their KV lives",
+                                   labels=["model", "kv_state"])
+        for state in KV_STATES:
+            paused.add_metric([self.model, state], s.paused_by_state.get(state, 0))
+        yield paused
+        tokens = GaugeMetricFamily("infercept_paused_tokens", "Context tokens of paused generations by KV location",
+                                   labels=["model", "location"])
+        for loc, n in s.paused_tokens_by_location.items():
+            tokens.add_metric([self.model, loc], n)
+        yield tokens
+
+
+class ServerMetrics:
+    def __init__(self, model: str):
+        self.model = model
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("infercept_requests", "Finished HTTP requests to the generation endpoints",
+                                ["model", "endpoint", "finish_reason"], registry=r)
+        self.prompt_tokens = Counter("infercept_prompt_tokens", "Prompt tokens of served requests", ["model"],
+                                     registry=r)
+        self.cached_tokens = Counter("infercept_cached_prompt_tokens",
+                                     "Prompt tokens whose KV was reused rather than computed", ["model"], registry=r)
+        self.generation_tokens = Counter("infercept_generation_tokens", "Generated tokens", ["model"], registry=r)
+        self.resumes = Counter("infercept_resumes", "Requests that continued a paused generation",
+                               ["model", "how"], registry=r)
+        self.resume_fallbacks = Counter("infercept_resume_fallbacks",
+                                        "Requests that named or matched a paused generation but were served fresh",
+                                        ["model"], registry=r)
+        self.evictions = Counter("infercept_paused_evictions", "Paused generations aborted by TTL or limits",
+                                 ["model"], registry=r)
+        self.ttft = Histogram("infercept_time_to_first_token_seconds", "Time to first token", ["model"],
+                              buckets=TTFT_BUCKETS, registry=r)
+        for metric in (self.prompt_tokens, self.cached_tokens, self.generation_tokens, self.resume_fallbacks,
+                       self.evictions, self.ttft):
+            metric.labels(model)  # exported (as zero) before the first request
+        self.engine = _EngineCollector(model)
+        r.register(self.engine)
+
+    def observe_request(self, endpoint: str, finish_reason: str, prompt_tokens: int, cached_tokens: int,
+                        completion_tokens: int) -> None:
+        self.requests.labels(self.model, endpoint, finish_reason).inc()
+        self.prompt_tokens.labels(self.model).inc(prompt_tokens)
+        self.cached_tokens.labels(self.model).inc(cached_tokens)
+        self.generation_tokens.labels(self.model).inc(completion_tokens)

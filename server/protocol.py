@@ -1,0 +1,330 @@
+"""Wire shapes: pydantic models of the OpenAI Chat Completions and Completions APIs, and errors.
+
+Requests are validated strictly where OpenAI is strict (`extra="forbid"`: an unknown top-level field is
+a 400, as OpenAI answers "Unrecognized request argument supplied"), with vLLM's extras (`ignore_eos`,
+`min_tokens`, `top_k`, `return_token_ids`) and ours (`session_id`, `intercept`). Messages are lenient
+(`extra="ignore"`) because SDKs echo response messages back with fields such as `refusal` and
+`annotations`. Responses keep OpenAI's keys, nulls included; a stream delta is a plain dict because
+OpenAI sends only the keys that changed.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# -- errors -----------------------------------------------------------------------------------------
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+               405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
+               429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class APIError(Exception):
+    """An error the client sees as OpenAI's error JSON with `status`."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or ERROR_TYPES.get(status, "invalid_request_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
+                                             code=self.code)).model_dump()
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# -- shared request pieces --------------------------------------------------------------------------
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(Strict):
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # OpenAI's; there is nothing to obfuscate here
+    continuous_usage_stats: bool | None = None  # vLLM's; accepted, usage comes in the last chunk only
+
+
+class InterceptOptions(Strict):
+    """Our extension: this request's stops (chat: its tool calls) are interceptions that take about
+    `expected_s` seconds; the generation pauses instead of finishing and a later request resumes it."""
+
+    kind: Literal["tool", "human", "model"] = "tool"
+    expected_s: float | None = Field(default=None, ge=0)
+
+
+class SamplingFields(Strict):
+    """Fields common to both endpoints."""
+
+    model: str
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: int | None = Field(default=1, ge=1, le=128)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = Field(default=None, ge=-1)
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    return_token_ids: bool = False
+    # ours
+    session_id: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")
+    intercept: InterceptOptions | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        items = [v] if isinstance(v, str) else (v or [])
+        if len(items) > 16:
+            raise ValueError("at most 16 stop sequences")
+        if any(not s for s in items):
+            raise ValueError("stop sequences must be non-empty")
+        return v
+
+
+# -- chat completions request -----------------------------------------------------------------------
+
+class ContentPart(Lenient):
+    type: str
+    text: str | None = None
+
+
+class FunctionCallParam(Lenient):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallParam(Lenient):
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
+class ChatMessageParam(Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(Lenient):
+    name: str = Field(pattern=r"^[A-Za-z0-9_\-.]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolParam(Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class ResponseFormat(Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessageParam]
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[ToolParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    # Accepted for compatibility and otherwise ignored (they change nothing a local server does).
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    modalities: list[str] | None = None
+    verbosity: str | None = None
+
+
+# -- completions request ----------------------------------------------------------------------------
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool | None = False
+    best_of: int | None = Field(default=None, ge=1)
+    suffix: str | None = None
+
+
+# -- responses --------------------------------------------------------------------------------------
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+    refusal: list[TokenLogprob] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length", "tool_calls", "content_filter", "function_call"]
+    token_ids: list[int] | None = None  # return_token_ids (vLLM)
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids (vLLM)
+    session_id: str | None = None  # ours: set when the request named a session
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: dict[str, Any]
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length", "content_filter"] | None = None
+    stop_reason: str | int | None = None  # vLLM: the stop string or token id that ended it
+    prompt_token_ids: list[int] | None = None  # return_token_ids (vLLM)
+    token_ids: list[int] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now)
+    owned_by: str = "infercept"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,45 @@
+"""The HTTP routes: thin handlers that hand each request to its serving object (on `app.state`)."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from .metrics import snapshot_engine
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    if not request.app.state.async_engine.is_running:
+        raise APIError(503, "the engine is not running", headers={"Retry-After": "5"})
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> Response:
+    state = request.app.state
+    engine = state.async_engine.engine
+    card = ModelCard(id=state.model_name, root=engine.config.model, max_model_len=engine.config.scheduler.max_model_len)
+    return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    state = request.app.state
+    engine = state.async_engine.engine
+    if state.async_engine.is_running:
+        state.metrics.engine.snapshot = await state.async_engine.call(lambda: snapshot_engine(engine))
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    return await request.app.state.chat.create(body, request)
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    return await request.app.state.completions.create(body, request)

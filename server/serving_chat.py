@@ -1,0 +1,364 @@
+"""POST /v1/chat/completions: render, start or resume the generation, answer (JSON or SSE).
+
+A turn that ends in tool calls stays paused in the engine and is registered (`SessionRegistry`): the
+request that brings the tool results resumes it, with only the tokens a fresh rendering adds after the
+paused context (the tool results and the next generation prompt) to compute.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import Request
+
+from infercept.engine import RequestOutput
+from infercept.engine.request import InterceptParams
+from infercept.engine.tool_parsers import get_tool_parser
+
+from .chat import AssistantTurn, Call, ChatRenderer, Message, normalize_messages, validate_tool_flow
+from .protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+                       ChatCompletionResponse, ChatMessage, ChoiceLogprobs, FunctionCall, PromptTokensDetails,
+                       TokenLogprob, ToolCall, ToolParam, TopLogprob, Usage, bad_request, new_id, now)
+from .serving_base import BaseServing, EngineTurn, StreamResponse, logger, run_until_disconnect
+from .sessions import PausedGeneration
+
+ARGUMENT_FRAGMENT_CHARS = 16  # streamed tool-call arguments come in pieces of this size
+SESSION_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+@dataclass
+class ToolMode:
+    tools: list[ToolParam] | None  # rendered into the prompt
+    parse: bool  # turns may end in tool calls
+    forced: bool = False  # a call is required (tool_choice "required" or named)
+    forced_name: str | None = None  # named tool_choice
+    parallel: bool = True
+
+
+@dataclass
+class TurnResult:
+    content: str | None
+    calls: list[Call]
+    finish_reason: str
+    message: Message
+
+
+@dataclass
+class ChatContext:
+    """One chat request while it is served."""
+
+    response_id: str
+    request: ChatCompletionRequest
+    messages: list[Message]
+    mode: ToolMode
+    prefill: str
+    turn: EngineTurn
+    session_id: str | None
+
+
+class ChatServing(BaseServing):
+    endpoint = "chat"
+
+    def __init__(self, *args, renderer: ChatRenderer, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.renderer = renderer
+        self.parser = get_tool_parser(renderer.tool_parser)
+
+    async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        started = time.monotonic()
+        self.check_model(req.model)
+        self.check_unsupported(req)
+        if req.response_format is not None and req.response_format.type != "text":
+            raise bad_request("response_format json_object/json_schema is not supported yet", param="response_format")
+        mode = self._tool_mode(req)
+        session_id = self._session_id(req, raw)
+        messages = normalize_messages(req.messages, validate=False)
+        session = None
+        if session_id is not None:
+            messages, session = self._session_messages(session_id, messages)
+        validate_tool_flow(messages)
+
+        prefill = self.renderer.forced_prefill(mode.forced_name) if mode.forced else ""
+        try:
+            prompt_ids = self.renderer.render(messages, mode.tools, self.registry.known_turn, prefill)
+        except APIError:
+            raise
+        except Exception as e:  # the template (jinja) or the tokenizer refused the input
+            raise bad_request(f"the conversation could not be rendered with the model's chat template: {e}",
+                              param="messages") from None
+        self.check_prompt(prompt_ids, "messages")
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = self.sampling_params(req, len(prompt_ids), max_tokens, logprobs,
+                                      skip_special_tokens=not mode.parse or self.renderer.tool_parser == "hermes")
+        intercept = None
+        if mode.parse:
+            hint = req.intercept
+            intercept = InterceptParams(tool_parser=self.renderer.tool_parser, pause_on_stop=mode.forced,
+                                        expected_s=hint.expected_s if hint else None, kind=hint.kind if hint else "tool")
+        response_id = new_id("chatcmpl-")
+        self.acquire()  # last check that can refuse: from here on a claimed paused generation is resumed
+        entry = self._claim_paused(messages, prompt_ids, session_id)
+        if session is not None:
+            session.busy = True
+        try:
+            turn = await self.open_turn(response_id, prompt_ids, params, intercept, entry, started)
+        except BaseException:
+            self._release(session)
+            raise
+        if turn.resumed:
+            self.metrics.resumes.labels(self.model_name, "explicit" if session_id else "implicit").inc()
+        ctx = ChatContext(response_id, req, messages, mode, prefill, turn, session_id)
+        headers = {"X-Request-Id": response_id} | ({"X-Session-Id": session_id} if session_id else {})
+        async def cleanup() -> None:
+            await turn.close()
+            self._release(session)
+
+        if req.stream:
+            return StreamResponse(self._stream(ctx), cleanup, headers)
+        try:
+            body = await run_until_disconnect(raw, self._full(ctx))
+        finally:
+            await cleanup()
+        if body is None:
+            return Response(status_code=499)
+        return JSONResponse(body, headers=headers)
+
+    # -- request pieces ----------------------------------------------------------------------------
+    @staticmethod
+    def _tool_mode(req: ChatCompletionRequest) -> ToolMode:
+        tools = req.tools or None
+        choice = req.tool_choice
+        parallel = req.parallel_tool_calls is not False
+        if tools is None:
+            if choice not in (None, "none", "auto"):
+                raise bad_request("tool_choice requires tools", param="tool_choice")
+            return ToolMode(None, False)
+        if len({t.function.name for t in tools}) != len(tools):
+            raise bad_request("tool names must be unique", param="tools")
+        if choice == "none":
+            return ToolMode(None, False)
+        if choice in (None, "auto"):
+            return ToolMode(tools, True, parallel=parallel)
+        if choice == "required":
+            return ToolMode(tools, True, forced=True, parallel=parallel)
+        if choice.function.name not in {t.function.name for t in tools}:
+            raise bad_request(f"tool_choice names {choice.function.name!r}, which is not in tools",
+                              param="tool_choice")
+        return ToolMode(tools, True, forced=True, forced_name=choice.function.name, parallel=False)
+
+    @staticmethod
+    def _session_id(req: ChatCompletionRequest, raw: Request) -> str | None:
+        header = raw.headers.get("x-session-id")
+        if header is not None and req.session_id is not None and header != req.session_id:
+            raise bad_request("session_id in the body and the X-Session-Id header differ", param="session_id")
+        session_id = req.session_id or header
+        if session_id is not None and not SESSION_ID.fullmatch(session_id):
+            raise bad_request("session_id must be 1 to 128 characters of A-Z a-z 0-9 . _ : -", param="session_id")
+        return session_id
+
+    def _session_messages(self, session_id: str, messages: list[Message]):
+        """Explicit continuation. Messages that start with tool results continue the session's stored
+        conversation (which must be paused at tool calls); any other list is the whole conversation."""
+        session = self.registry.get_session(session_id)
+        if session is not None and session.busy:
+            raise APIError(409, f"session {session_id!r} has a request in flight", param="session_id",
+                           code="session_busy")
+        if messages[0].role == "tool":
+            if session is None:
+                raise APIError(404, f"unknown session {session_id!r}", param="session_id", code="session_not_found")
+            if session.paused_request_id is None:
+                raise APIError(409, f"session {session_id!r} is not paused at a tool call", param="session_id",
+                               code="session_not_paused")
+            messages = list(session.messages) + messages
+        return messages, self.registry.session(session_id)
+
+    def _claim_paused(self, messages: list[Message], prompt_ids: list[int], session_id: str | None):
+        """The paused generation this request continues, if its rendering extends the paused tokens."""
+        entry = self.registry.find_for_messages(messages, session_id)
+        if entry is None:
+            if session_id is not None:  # the session moved on: its paused generation is of no further use
+                session = self.registry.get_session(session_id)
+                if session is not None and session.paused_request_id is not None:
+                    stale = self.registry.take(session.paused_request_id)
+                    if stale is not None:
+                        self.abort_all([stale.request_id], reason=f"session {session_id} continued differently")
+            return None
+        n = len(entry.token_ids)
+        if len(prompt_ids) > n and prompt_ids[:n] == entry.token_ids:
+            return self.registry.take(entry.request_id)
+        logger.info("conversation matches paused %s but its rendering does not extend the paused tokens; "
+                    "serving it fresh", entry.request_id)
+        self.metrics.resume_fallbacks.labels(self.model_name).inc()
+        return None
+
+    def _release(self, session) -> None:
+        self.release()
+        if session is not None:
+            session.busy = False
+
+    # -- the end of a turn -------------------------------------------------------------------------
+    def _end_turn(self, ctx: ChatContext, out: RequestOutput) -> TurnResult:
+        """Tool calls -> keep the generation paused and register it; anything else ends it."""
+        text = ctx.prefill + out.text
+        turn = ctx.turn
+        if out.paused and ctx.mode.parse:
+            parsed = self.parser.parse(text)
+            calls = parsed.tool_calls if ctx.mode.parallel else parsed.tool_calls[:1]
+            if calls and len(calls) < len(parsed.tool_calls):
+                # parallel_tool_calls=false cut calls the model made: the paused context would show the
+                # model calls that never get results, so this generation cannot be continued.
+                self.async_engine.abort(turn.request_id)
+                issued = [Call.make(f"call_{uuid.uuid4().hex[:24]}", c.name, c.arguments) for c in calls]
+                message = Message("assistant", parsed.content, None, tuple(issued))
+                self._remember_session(ctx, message)
+                return TurnResult(parsed.content or None, issued, "tool_calls", message)
+            if calls:
+                issued = [Call.make(f"call_{uuid.uuid4().hex[:24]}", c.name, c.arguments) for c in calls]
+                message = Message("assistant", parsed.content, None, tuple(issued))
+                turn_ids = tuple(turn.prompt_ids[len(turn.prompt_ids) - len(self.renderer.encode(ctx.prefill)):]
+                                 + out.token_ids) if ctx.prefill else tuple(out.token_ids)
+                self.register_paused(PausedGeneration(
+                    turn.request_id, turn.prompt_ids + list(out.token_ids), tuple(ctx.messages),
+                    AssistantTurn(message, turn_ids), ctx.session_id))
+                self._remember_session(ctx, message)
+                return TurnResult(parsed.content or None, issued, "tool_calls", message)
+        if out.paused:  # a required call that did not parse, or a stop marked as an interception
+            self.async_engine.abort(turn.request_id)
+        finish = self.finish_reason(out)
+        message = Message("assistant", text)
+        self._remember_session(ctx, message)
+        return TurnResult(text, [], finish, message)
+
+    def _remember_session(self, ctx: ChatContext, message: Message) -> None:
+        if ctx.session_id is not None:
+            self.registry.session(ctx.session_id).messages = tuple(ctx.messages) + (message,)
+
+    def _usage(self, ctx: ChatContext, out: RequestOutput) -> Usage:
+        n_prompt, n_out = len(ctx.turn.prompt_ids), len(out.token_ids)
+        return Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=ctx.turn.cached_tokens))
+
+    def _log(self, ctx: ChatContext, out: RequestOutput, result: TurnResult) -> None:
+        usage = self._usage(ctx, out)
+        self.metrics.observe_request(self.endpoint, result.finish_reason, usage.prompt_tokens,
+                                     ctx.turn.cached_tokens, usage.completion_tokens)
+        logger.info("request %s (engine %s%s): prompt %d tokens (%d cached), %d generated, finish %s",
+                    ctx.response_id, ctx.turn.request_id, ", resumed" if ctx.turn.resumed else "",
+                    usage.prompt_tokens, ctx.turn.cached_tokens, usage.completion_tokens, result.finish_reason)
+
+    def _logprobs(self, ctx: ChatContext, out: RequestOutput, start: int, end: int) -> ChoiceLogprobs | None:
+        """Logprobs of this turn's tokens [start, end) (the engine keeps every turn's; ours are the tail)."""
+        if not ctx.request.logprobs or out.logprobs is None or start >= end:
+            return None
+        offset = len(out.logprobs) - len(out.token_ids)
+        entries = []
+        for sampled in out.logprobs[offset + start:offset + end]:
+            text = self.token_text(sampled.token_id)
+            top = [TopLogprob(token=self.token_text(t), logprob=lp, bytes=list(self.token_text(t).encode()))
+                   for t, lp in (sampled.top_logprobs or {}).items()][:ctx.request.top_logprobs or 0]
+            entries.append(TokenLogprob(token=text, logprob=sampled.logprob if sampled.logprob is not None else 0.0,
+                                        bytes=list(text.encode()), top_logprobs=top))
+        return ChoiceLogprobs(content=entries)
+
+    # -- non-streaming -----------------------------------------------------------------------------
+    async def _full(self, ctx: ChatContext) -> dict:
+        last = None
+        async for out in ctx.turn.outputs():
+            last = out
+        result = self._end_turn(ctx, last)
+        self._log(ctx, last, result)
+        tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+                      for c in result.calls] or None
+        choice = ChatChoice(message=ChatMessage(content=result.content, tool_calls=tool_calls),
+                            logprobs=self._logprobs(ctx, last, 0, len(last.token_ids)),
+                            finish_reason=result.finish_reason,
+                            token_ids=list(last.token_ids) if ctx.request.return_token_ids else None)
+        response = ChatCompletionResponse(
+            id=ctx.response_id, model=ctx.request.model, choices=[choice], usage=self._usage(ctx, last),
+            prompt_token_ids=list(ctx.turn.prompt_ids) if ctx.request.return_token_ids else None,
+            session_id=ctx.session_id)
+        body = response.model_dump(mode="json")
+        for key in ("prompt_token_ids", "session_id"):
+            if body[key] is None:
+                del body[key]
+        if body["choices"][0]["token_ids"] is None:
+            del body["choices"][0]["token_ids"]
+        return body
+
+    # -- streaming ---------------------------------------------------------------------------------
+    def _safe_content(self, text: str) -> str:
+        """The part of `text` that cannot belong to a tool call: before the first call opener (or a
+        trailing piece that may still become one), trailing whitespace held back."""
+        cut = len(text)
+        for opener in self.parser.openers:
+            at = text.find(opener)
+            if at >= 0:
+                cut = min(cut, at)
+            for k in range(min(len(opener) - 1, len(text)), 0, -1):
+                if text.endswith(opener[:k]):
+                    cut = min(cut, len(text) - k)
+                    break
+        return text[:cut].rstrip()
+
+    async def _stream(self, ctx: ChatContext) -> AsyncIterator[dict]:
+        created = now()
+        include_usage = bool(ctx.request.stream_options and ctx.request.stream_options.include_usage)
+
+        def chunk(delta: dict, finish_reason: str | None = None, logprobs=None, token_ids=None) -> dict:
+            c = ChatCompletionChunk(id=ctx.response_id, created=created, model=ctx.request.model,
+                                    choices=[ChatChunkChoice(delta=delta, logprobs=logprobs,
+                                                             finish_reason=finish_reason, token_ids=token_ids)])
+            body = c.model_dump(mode="json", exclude={"usage"} if not include_usage else None)
+            if token_ids is None:
+                del body["choices"][0]["token_ids"]
+            return {"data": json.dumps(body, ensure_ascii=False)}
+
+        streamed = ""  # content sent so far
+        sent_tokens = 0  # tokens whose logprobs were sent
+        try:
+            yield chunk({"role": "assistant", "content": "", "refusal": None})
+            last = None
+            async for out in ctx.turn.outputs():
+                last = out
+                if out.turn_done:
+                    break
+                if ctx.mode.forced:
+                    continue  # the whole turn is a call: nothing to show until it is parsed
+                visible = self._safe_content(out.text) if ctx.mode.parse else out.text
+                if len(visible) > len(streamed) and visible.startswith(streamed):
+                    lp = self._logprobs(ctx, out, sent_tokens, len(out.token_ids))
+                    sent_tokens = len(out.token_ids)
+                    yield chunk({"content": visible[len(streamed):]}, logprobs=lp)
+                    streamed = visible
+            result = self._end_turn(ctx, last)
+            self._log(ctx, last, result)
+            content = result.content or ""
+            if len(content) > len(streamed) and content.startswith(streamed):
+                lp = self._logprobs(ctx, last, sent_tokens, len(last.token_ids))
+                sent_tokens = len(last.token_ids)
+                yield chunk({"content": content[len(streamed):]}, logprobs=lp)
+            for i, call in enumerate(result.calls):
+                yield chunk({"tool_calls": [{"index": i, "id": call.id, "type": "function",
+                                             "function": {"name": call.name, "arguments": ""}}]})
+                for k in range(0, len(call.arguments), ARGUMENT_FRAGMENT_CHARS):
+                    yield chunk({"tool_calls": [{"index": i, "function": {
+                        "arguments": call.arguments[k:k + ARGUMENT_FRAGMENT_CHARS]}}]})
+            yield chunk({}, finish_reason=result.finish_reason,
+                        logprobs=self._logprobs(ctx, last, sent_tokens, len(last.token_ids)),
+                        token_ids=list(last.token_ids) if ctx.request.return_token_ids else None)
+            if include_usage:
+                usage = ChatCompletionChunk(id=ctx.response_id, created=created, model=ctx.request.model, choices=[],
+                                            usage=self._usage(ctx, last))
+                yield {"data": usage.model_dump_json()}
+        except APIError as e:
+            yield {"data": json.dumps(e.body())}
+        except Exception as e:  # an engine failure mid-stream: report it in the stream, never hang
+            logger.exception("request %s failed mid-stream", ctx.response_id)
+            yield {"data": json.dumps(APIError(500, f"internal error: {e}").body())}
+        yield {"data": "[DONE]"}

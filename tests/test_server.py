@@ -1,0 +1,630 @@
+"""The HTTP server end to end: a real uvicorn on a loopback port, driven by the official `openai` SDK
+(sync and async, streaming and not) and by raw HTTP where the SDK would refuse to send bad input.
+
+The central check is the DESIGN §3 invariant through the OpenAI API: the request that brings a tool
+result back resumes the paused generation (almost all of its prompt is cached), and its greedy output
+equals that of a server that recomputed everything (another instance with the discard policy, and a
+fresh token-level request of the whole conversation).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from infercept.engine import AsyncEngine, Engine
+from infercept.engine.policy import Profile
+from infercept.server.app import build_app
+from infercept.server.chat import AssistantTurn, Call, Message, example_exchanges
+from infercept.server.protocol import ToolParam
+from infercept.server.sessions import PausedGeneration, SessionRegistry
+from infercept.server.settings import ServerSettings
+
+MODEL = "smol"
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+RESULT = '{"temperature": 21, "sky": "clear"}'
+CALL_TOKENS = 40  # a Hermes call of get_weather is 31 tokens with its EOS
+ANSWER_TOKENS = 10
+
+
+def profile() -> Profile:
+    """A hand-written profile (no measuring at start-up): 10 ms per iteration, ample copy bandwidth."""
+    bytes_per_token = 2 * 30 * 3 * 64 * 4
+    return Profile(model="test", device="cpu", dtype="float32", bytes_per_token=bytes_per_token, block_size=16,
+                   t_fwd_samples=((1, 0.01), (64, 0.01), (128, 0.02)), d2h_bytes_per_s=1e9, h2d_bytes_per_s=1e9,
+                   saturation_point=64)
+
+
+class LiveServer:
+    """build_app + uvicorn in a thread on a free loopback port; `url` is the OpenAI base URL."""
+
+    def __init__(self, model_dir: str, policy: str, **settings):
+        import uvicorn
+
+        engine = Engine(model_dir, dtype="float32", kv_cache_gb=0.06, host_kv_gb=0.02, max_num_batched_tokens=512,
+                        policy=policy, profile=profile(), progress=False, num_threads=1)
+        self.async_engine = AsyncEngine(engine)
+        self.engine = engine
+        self.app = build_app(self.async_engine, ServerSettings(served_model_name=MODEL, **settings))
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
+                                                    lifespan="on", timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.base = f"http://127.0.0.1:{port}"
+        self.url = self.base + "/v1"
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0, timeout=60)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url, api_key="unused", max_retries=0, timeout=60)
+
+    def on_engine(self, fn):
+        """Run `fn` on the engine thread, between steps."""
+        async def run():
+            return await self.async_engine.call(fn)
+        return asyncio.run(run())
+
+    def engine_state(self) -> dict:
+        def read():
+            bm, sched = self.engine.block_manager, self.engine.scheduler
+            bm.check_integrity()
+            return {"requests": {rid: r.status.value for rid, r in sched.requests.items()},
+                    "tables": {rid for rid, t in list(bm.tables.items()) + list(bm.host_tables.items()) if t},
+                    "free": bm.num_free_blocks, "total": bm.device.num_blocks,
+                    "host_free": bm.num_free_host_blocks, "host_total": bm.host.num_blocks}
+        return self.on_engine(read)
+
+    def assert_no_leak(self, timeout: float = 15.0) -> dict:
+        """Nothing runs; every request the engine still holds is a paused generation the registry knows;
+        only those hold blocks (block_manager.check_integrity passes on the engine thread)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            state = self.engine_state()
+            if all(s == "intercepted" for s in state["requests"].values()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert all(s == "intercepted" for s in state["requests"].values()), state["requests"]
+        registered = {e.request_id for e in self.app.state.registry.paused()}
+        assert set(state["requests"]) == registered
+        assert state["tables"] <= registered
+        if not registered:
+            assert state["free"] == state["total"] and state["host_free"] == state["host_total"]
+        return state
+
+    def abort_paused(self) -> None:
+        """Drop every paused generation (as the TTL would), so a test starts from an empty engine."""
+        registry = self.app.state.registry
+
+        async def clear():
+            for rid in registry.clear():
+                self.async_engine.abort(rid)
+        asyncio.run(clear())
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir):
+    # preserve: a paused generation keeps its KV on the device whatever runs meanwhile, so how much of a
+    # resumed prompt is cached is deterministic (min-waste may rightly discard it; see discard_server).
+    live = LiveServer(default_model_dir, "preserve")
+    yield live
+    live.close()
+    assert not live.async_engine._running  # the lifespan shut the engine down
+
+
+@pytest.fixture(scope="module")
+def discard_server(default_model_dir):
+    live = LiveServer(default_model_dir, "discard")
+    yield live
+    live.close()
+
+
+@pytest.fixture
+def srv(server):
+    """The shared server, leak-free before and after each test."""
+    server.abort_paused()
+    server.assert_no_leak()
+    yield server
+    server.abort_paused()
+    server.assert_no_leak()
+
+
+def greedy(**kw) -> dict:
+    return {"model": MODEL, "temperature": 0, **kw}
+
+
+def sse_events(response: httpx.Response) -> list:
+    """`data:` payloads of an SSE response, JSON-decoded except the final [DONE]."""
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+# -- basics ---------------------------------------------------------------------------------------
+
+def test_health_models_and_metrics(srv):
+    assert httpx.get(srv.base + "/health").json() == {"status": "ok"}
+    models = srv.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    text = httpx.get(srv.base + "/metrics").text
+    for name in ("infercept_requests_total", "infercept_time_to_first_token_seconds_bucket",
+                 "infercept_recomputed_tokens_total", "infercept_swapped_out_blocks_total",
+                 "infercept_memory_waste_byte_seconds_total", "infercept_kv_device_usage",
+                 'infercept_paused_requests{kv_state="device",model="smol"}'):
+        assert name in text, name
+
+
+def test_plain_chat_sync_and_async_agree(srv):
+    messages = [{"role": "user", "content": "Name a color."}]
+    sync = srv.client().chat.completions.create(messages=messages, max_tokens=8, **greedy())
+    assert sync.object == "chat.completion" and sync.id.startswith("chatcmpl-")
+    choice = sync.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content and not choice.message.tool_calls
+    assert choice.finish_reason in ("stop", "length")
+    assert sync.usage.total_tokens == sync.usage.prompt_tokens + sync.usage.completion_tokens
+    assert sync.usage.prompt_tokens_details.cached_tokens == 0
+
+    async def run():
+        client = srv.async_client()
+        return await client.chat.completions.create(messages=messages, max_tokens=8, **greedy())
+
+    assert asyncio.run(run()).choices[0].message.content == choice.message.content
+
+
+# -- the tool loop ----------------------------------------------------------------------------------
+
+def tool_turn(client: openai.OpenAI, **kw):
+    first = client.chat.completions.create(messages=QUESTION, tools=TOOLS, max_tokens=CALL_TOKENS, **greedy(), **kw)
+    assert first.choices[0].finish_reason == "tool_calls", first.choices[0].message
+    return first
+
+
+def test_tool_loop_resumes_and_equals_recompute(srv, discard_server):
+    client = srv.client()
+    first = tool_turn(client)
+    message = first.choices[0].message
+    assert message.content is None
+    (call,) = message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function"
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    # The generation is paused in the engine, KV on the device, and registered.
+    state = srv.assert_no_leak()
+    assert list(state["requests"].values()) == ["intercepted"]
+
+    # Arguments edited by the client: not the turn the model generated, so no resume; served fresh.
+    edited = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Lyon"}'}}]}
+    other_turn = client.chat.completions.create(
+        messages=QUESTION + [edited, {"role": "tool", "tool_call_id": call.id, "content": RESULT}],
+        tools=TOOLS, max_tokens=2, **greedy())
+    assert other_turn.usage.prompt_tokens_details.cached_tokens == 0
+
+    # The SDK's own message object goes back, as agents do (it carries refusal/annotations fields).
+    conversation = QUESTION + [message, {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
+    second = client.chat.completions.create(messages=conversation, tools=TOOLS, max_tokens=ANSWER_TOKENS,
+                                            extra_body={"return_token_ids": True}, **greedy())
+    usage = second.usage
+    assert usage.prompt_tokens_details.cached_tokens >= 0.9 * usage.prompt_tokens, usage
+    # Cached: the whole paused context but its last token (the EOS, sampled but never fed back).
+    assert usage.prompt_tokens_details.cached_tokens == first.usage.total_tokens - 1
+    answer = second.choices[0].message.content
+    prompt_ids, output_ids = second.model_extra["prompt_token_ids"], second.choices[0].model_extra["token_ids"]
+    assert answer and len(prompt_ids) == usage.prompt_tokens and len(output_ids) == usage.completion_tokens
+    srv.assert_no_leak()
+
+    # Recomputed from scratch, token-level: the same prompt as a fresh completion gives the same tokens.
+    fresh = client.completions.create(prompt=prompt_ids, max_tokens=len(output_ids), extra_body={"return_token_ids": True},
+                                      **greedy())
+    assert fresh.choices[0].model_extra["token_ids"] == output_ids
+    assert fresh.usage.prompt_tokens_details.cached_tokens == 0
+
+    # Another server whose policy discards paused KV at once: unrelated work runs while the tool does,
+    # the KV is dropped, the resume recomputes it, and the answer is the same.
+    other = discard_server.client()
+    first_b = tool_turn(other)
+    (call_b,) = first_b.choices[0].message.tool_calls
+    other.completions.create(prompt="Hello", max_tokens=2, **greedy())
+    located = discard_server.on_engine(lambda: [discard_server.engine.kv_location(r)
+                                                for r in discard_server.engine.scheduler.paused])
+    assert located and located[0]["device"] == 0 and located[0]["host"] == 0
+    # JSON-equal arguments written differently still name the generated turn (and resume).
+    respaced = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call_b.id, "type": "function", "function": {"name": "get_weather", "arguments": '{ "city":"Paris" }'}}]}
+    conversation_b = QUESTION + [respaced, {"role": "tool", "tool_call_id": call_b.id, "content": RESULT}]
+    second_b = other.chat.completions.create(messages=conversation_b, tools=TOOLS, max_tokens=ANSWER_TOKENS,
+                                             extra_body={"return_token_ids": True}, **greedy())
+    assert second_b.usage.prompt_tokens_details.cached_tokens == 0
+    assert second_b.model_extra["prompt_token_ids"] == prompt_ids
+    assert second_b.choices[0].model_extra["token_ids"] == output_ids
+    assert second_b.choices[0].message.content == answer
+    discard_server.assert_no_leak()
+
+
+def test_streamed_tool_loop_async(srv):
+    async def run():
+        client = srv.async_client()
+        stream = await client.chat.completions.create(messages=QUESTION, tools=TOOLS, max_tokens=CALL_TOKENS,
+                                                      stream=True, stream_options={"include_usage": True}, **greedy())
+        calls: dict[int, dict] = {}
+        finish, usage, content = None, None, ""
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                for d in choice.delta.tool_calls or []:
+                    slot = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                    slot["id"] = d.id or slot["id"]
+                    slot["name"] += (d.function.name or "") if d.function else ""
+                    slot["arguments"] += (d.function.arguments or "") if d.function else ""
+                finish = choice.finish_reason or finish
+        assert finish == "tool_calls" and content == "" and usage.completion_tokens > 0
+        (call,) = calls.values()
+        assert call["id"].startswith("call_") and call["name"] == "get_weather"
+        assert json.loads(call["arguments"]) == {"city": "Paris"}
+        # The SDK's accumulated form of the call goes back; the next turn streams from the resume.
+        assistant = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}]}
+        stream = await client.chat.completions.create(
+            messages=QUESTION + [assistant, {"role": "tool", "tool_call_id": call["id"], "content": RESULT}],
+            tools=TOOLS, max_tokens=ANSWER_TOKENS, stream=True, stream_options={"include_usage": True}, **greedy())
+        text, usage = "", None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+            text += "".join(c.delta.content or "" for c in chunk.choices)
+        return text, usage
+
+    text, usage = asyncio.run(run())
+    assert text and usage.prompt_tokens_details.cached_tokens >= 0.9 * usage.prompt_tokens
+
+
+def test_explicit_session_continuation(srv):
+    client = srv.client()
+    first = tool_turn(client, extra_body={"session_id": "agent-7"})
+    assert first.model_extra["session_id"] == "agent-7"
+    (call,) = first.choices[0].message.tool_calls
+    # Only the tool result, continuing the stored conversation, named by the header.
+    tool_message = [{"role": "tool", "tool_call_id": call.id, "content": RESULT}]
+    second = client.chat.completions.create(messages=tool_message, tools=TOOLS, max_tokens=4,
+                                            extra_headers={"X-Session-Id": "agent-7"}, **greedy())
+    assert second.usage.prompt_tokens_details.cached_tokens >= 0.9 * second.usage.prompt_tokens
+    # Not paused any more: continuing it again with a tool result is a conflict; an unknown session is 404.
+    with pytest.raises(openai.ConflictError):
+        client.chat.completions.create(messages=tool_message, tools=TOOLS, max_tokens=4,
+                                       extra_body={"session_id": "agent-7"}, **greedy())
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(messages=tool_message, tools=TOOLS, max_tokens=4,
+                                       extra_body={"session_id": "nobody"}, **greedy())
+
+
+def test_tool_choice_modes(srv):
+    client = srv.client()
+    none = client.chat.completions.create(messages=QUESTION, tools=TOOLS, tool_choice="none", max_tokens=4, **greedy())
+    assert none.choices[0].finish_reason in ("stop", "length") and not none.choices[0].message.tool_calls
+    assert none.usage.prompt_tokens < 100  # no tool prompt
+    # A required call: the server starts the assistant turn with the call's opening (the model fills in
+    # the rest); the output is parsed and validated like any call.
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        out = client.chat.completions.create(messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=TOOLS,
+                                             tool_choice=choice, max_tokens=28, **greedy())
+        assert out.choices[0].finish_reason == "tool_calls"
+        (call,) = out.choices[0].message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Oslo"}
+
+
+# -- streaming shapes -------------------------------------------------------------------------------
+
+def test_chat_stream_shapes(srv):
+    body = greedy(messages=[{"role": "user", "content": "Count to three."}], max_tokens=6, stream=True,
+                  stream_options={"include_usage": True})
+    with httpx.stream("POST", srv.url + "/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert len({c["id"] for c in chunks}) == 1
+    for c in chunks:
+        assert set(c) == {"id", "object", "created", "model", "system_fingerprint", "choices", "usage"}
+        assert c["object"] == "chat.completion.chunk" and c["model"] == MODEL
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "", "refusal": None}
+    *body_chunks, finish_chunk, usage_chunk = chunks
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert all(set(c["choices"][0]) == {"index", "delta", "logprobs", "finish_reason"} for c in chunks[:-1])
+    assert finish_chunk["choices"][0]["finish_reason"] == "length" and finish_chunk["choices"][0]["delta"] == {}
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 6
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in body_chunks)
+    full = srv.client().chat.completions.create(messages=body["messages"], max_tokens=6, **greedy())
+    assert text == full.choices[0].message.content
+    # Without include_usage there is no usage key at all.
+    with httpx.stream("POST", srv.url + "/chat/completions", json=body | {"stream_options": None}, timeout=60) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]" and all("usage" not in c for c in events[:-1])
+
+
+# -- completions ------------------------------------------------------------------------------------
+
+def test_completions_token_prompts_and_token_level_resume(srv):
+    client = srv.client()
+    tok = srv.engine.tokenizer
+    prompt = tok.encode("The three primary colors are")
+    text = client.completions.create(prompt="The three primary colors are", max_tokens=5, logprobs=2, **greedy())
+    ids = client.completions.create(prompt=prompt, max_tokens=5, extra_body={"return_token_ids": True}, **greedy())
+    assert text.choices[0].text == ids.choices[0].text and text.object == "text_completion"
+    lp = text.choices[0].logprobs
+    assert len(lp.tokens) == 5 and "".join(lp.tokens) == text.choices[0].text and len(lp.top_logprobs[0]) == 2
+
+    # `intercept`: the stop pauses the generation; the next prompt extends it token for token.
+    first = client.completions.create(prompt=prompt, max_tokens=5, extra_body={
+        "return_token_ids": True, "intercept": {"kind": "human", "expected_s": 0.5}}, **greedy())
+    generated = first.choices[0].model_extra["token_ids"]
+    assert first.choices[0].finish_reason == "length" and generated == ids.choices[0].model_extra["token_ids"]
+    assert len(srv.app.state.registry) == 1
+    extended = prompt + generated + tok.encode(" Also,")
+    resumed = client.completions.create(prompt=extended, max_tokens=6, extra_body={"return_token_ids": True},
+                                        **greedy())
+    assert resumed.usage.prompt_tokens_details.cached_tokens == len(prompt) + len(generated) - 1
+    fresh = client.completions.create(prompt=extended, max_tokens=6, extra_body={"return_token_ids": True},
+                                      **greedy())
+    assert fresh.usage.prompt_tokens_details.cached_tokens == 0
+    assert resumed.choices[0].model_extra["token_ids"] == fresh.choices[0].model_extra["token_ids"]
+
+    # A batch of prompts, streamed: each index ends with its finish reason, then usage, then [DONE].
+    body = {"model": MODEL, "prompt": [prompt, tok.encode("Once upon a time")], "max_tokens": 3, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", srv.url + "/completions", json=body, timeout=60) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 6
+    finished = {c["choices"][0]["index"]: c["choices"][0]["finish_reason"] for c in events[:-2]
+                if c["choices"][0]["finish_reason"]}
+    assert finished == {0: "length", 1: "length"}
+    streamed = "".join(c["choices"][0]["text"] for c in events[:-2] if c["choices"][0]["index"] == 0)
+    assert streamed == ids.choices[0].text[:len(streamed)] and streamed
+
+
+# -- bad input, auth, limits, disconnects -----------------------------------------------------------
+
+BAD_CHAT = [
+    ("malformed json", b'{"model": "smol", "messages": [', 400),
+    ("not an object", b"[1, 2]", 400),
+    ("missing messages", {"model": MODEL}, 400),
+    ("messages not a list", {"model": MODEL, "messages": "hi"}, 400),
+    ("wrong temperature type", {"model": MODEL, "messages": QUESTION, "temperature": "hot"}, 400),
+    ("negative max_tokens", {"model": MODEL, "messages": QUESTION, "max_tokens": -1}, 400),
+    ("huge max_tokens", {"model": MODEL, "messages": QUESTION, "max_tokens": 10 ** 9}, 400),
+    ("unknown field", {"model": MODEL, "messages": QUESTION, "frobnicate": 1}, 400),
+    ("unknown model", {"model": "gpt-9", "messages": QUESTION}, 404),
+    ("empty messages", {"model": MODEL, "messages": []}, 400),
+    ("unknown role", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400),
+    ("tool result for a call never made", {"model": MODEL, "messages": QUESTION + [
+        {"role": "tool", "tool_call_id": "call_nope", "content": "1"}]}, 400),
+    ("tool message without id", {"model": MODEL, "messages": QUESTION + [{"role": "tool", "content": "1"}]}, 400),
+    ("call without result", {"model": MODEL, "messages": QUESTION + [{"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, 400),
+    ("image part", {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400),
+    ("required without tools", {"model": MODEL, "messages": QUESTION, "tool_choice": "required"}, 400),
+    ("named unknown tool", {"model": MODEL, "messages": QUESTION, "tools": TOOLS,
+                            "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400),
+    ("empty stop", {"model": MODEL, "messages": QUESTION, "stop": [""]}, 400),
+    ("n=2", {"model": MODEL, "messages": QUESTION, "n": 2}, 400),
+    ("penalty", {"model": MODEL, "messages": QUESTION, "presence_penalty": 0.5}, 400),
+    ("bad session id", {"model": MODEL, "messages": QUESTION, "session_id": "a b"}, 400),
+    ("unknown session", {"model": MODEL, "messages": [{"role": "tool", "tool_call_id": "x", "content": "1"}],
+                         "session_id": "ghost"}, 404),
+    ("min_tokens over max", {"model": MODEL, "messages": QUESTION, "max_tokens": 2, "min_tokens": 5}, 400),
+    ("lone surrogate", b'{"model": "smol", "messages": [{"role": "user", "content": "\\ud800"}]}', 400),
+    ("deep nesting", b'{"model": "smol", "messages": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400),
+    ("odd tool schema", {"model": MODEL, "messages": QUESTION, "max_tokens": 1, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"x": 5}, "required": "x"}}}]}, 200),
+    ("content parts", {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]}, 200),
+]
+BAD_COMPLETIONS = [
+    ("empty prompt", {"model": MODEL, "prompt": []}, 400),
+    ("empty text prompt", {"model": MODEL, "prompt": ""}, 400),
+    ("token id out of range", {"model": MODEL, "prompt": [10 ** 9]}, 400),
+    ("negative token id", {"model": MODEL, "prompt": [-1, 5]}, 400),
+    ("prompt too long", {"model": MODEL, "prompt": [5] * 9000}, 400),
+    ("logprobs too many", {"model": MODEL, "prompt": "hi", "logprobs": 10}, 400),
+    ("suffix", {"model": MODEL, "prompt": "hi", "suffix": "x"}, 400),
+    ("echo with logprobs", {"model": MODEL, "prompt": "hi", "echo": True, "logprobs": 1}, 400),
+    ("bad intercept kind", {"model": MODEL, "prompt": "hi", "intercept": {"kind": "oracle"}}, 400),
+    ("mixed prompt list", {"model": MODEL, "prompt": ["a", 5]}, 400),
+    ("lone surrogate", b'{"model": "smol", "prompt": "\\ud800"}', 400),
+    ("empty prompt in a batch", {"model": MODEL, "prompt": [[1, 2], []]}, 400),
+]
+
+
+@pytest.mark.parametrize("path,cases", [("/chat/completions", BAD_CHAT), ("/completions", BAD_COMPLETIONS)])
+def test_bad_input_is_4xx_in_openai_shape_and_leaks_nothing(srv, path, cases):
+    failures = []
+    with httpx.Client(timeout=60) as http:
+        for name, body, status in cases:
+            kwargs = {"content": body, "headers": {"content-type": "application/json"}} \
+                if isinstance(body, bytes) else {"json": body}
+            r = http.post(srv.url + path, **kwargs)
+            if status == 200:  # odd but valid input
+                if r.status_code != 200:
+                    failures.append((name, r.status_code, r.text[:200]))
+                continue
+            error = r.json().get("error") if r.headers.get("content-type", "").startswith("application/json") else None
+            if r.status_code != status or not isinstance(error, dict) or set(error) != {"message", "type", "param", "code"}:
+                failures.append((name, r.status_code, r.text[:200]))
+        for method, route, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/chat/completions", 405)):
+            r = http.request(method, srv.base + route)
+            if r.status_code != status or "error" not in r.json():
+                failures.append((route, r.status_code, r.text[:200]))
+    assert not failures, failures
+    srv.assert_no_leak()
+
+
+def test_auth_body_limit_and_paused_limits(srv):
+    """A second app on the same running engine, over ASGI (no lifespan: the engine stays the module's)."""
+    app = build_app(srv.async_engine, ServerSettings(served_model_name=MODEL, api_key="sekret", max_sessions=1,
+                                                     max_body_bytes=4096))
+
+    async def run():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as http:
+            assert (await http.get("/v1/models")).status_code == 401
+            r = await http.get("/v1/models", headers={"Authorization": "Bearer wrong"})
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            assert (await http.get("/health")).status_code == 200  # health needs no key
+            auth = {"Authorization": "Bearer sekret"}
+            assert (await http.get("/v1/models", headers=auth)).status_code == 200
+            big = {"model": MODEL, "prompt": "x" * 5000}
+            assert (await http.post("/v1/completions", json=big, headers=auth)).status_code == 413
+            # max_sessions=1: a second paused generation aborts the first (oldest first).
+            ids = []
+            for prompt in ("One, two,", "Red, green,"):
+                r = await http.post("/v1/completions", headers=auth, json=greedy(
+                    prompt=prompt, max_tokens=2, intercept={"kind": "tool", "expected_s": 1.0}))
+                assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+                ids.append(r.json()["id"] + "-0")
+            registry = app.state.registry
+            assert [e.request_id for e in registry.paused()] == [ids[1]]
+            state = await srv.async_engine.call(lambda: dict(srv.engine.scheduler.requests))
+            for _ in range(100):  # the abort is posted to the engine thread
+                if ids[0] not in state:
+                    break
+                await asyncio.sleep(0.02)
+                state = await srv.async_engine.call(lambda: dict(srv.engine.scheduler.requests))
+            assert list(state) == [ids[1]]
+            for rid in registry.clear():
+                srv.async_engine.abort(rid)
+
+    asyncio.run(run())
+    srv.assert_no_leak()
+
+
+def test_client_disconnect_aborts_and_frees_blocks(srv):
+    body = greedy(messages=[{"role": "user", "content": "Tell me a long story."}], max_tokens=400,
+                  ignore_eos=True, stream=True)
+    with httpx.stream("POST", srv.url + "/chat/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        received = 0
+        for line in lines:
+            received += line.startswith("data: ")
+            if received >= 3:
+                break  # leaving the block closes the connection mid-stream
+    srv.assert_no_leak(timeout=10)
+    # Non-streaming: the client gives up while the server generates.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(srv.url + "/completions", json=greedy(prompt="Once upon a time", max_tokens=400, ignore_eos=True),
+                   timeout=0.5)
+    srv.assert_no_leak(timeout=10)
+
+
+# -- pure pieces: the registry, the example prompt, the CLI ------------------------------------------
+
+def test_registry_matching_ttl_and_limits():
+    clock = [0.0]
+    reg = SessionRegistry(ttl=10, max_paused=2, max_paused_tokens=100, clock=lambda: clock[0])
+    user = Message("user", "hi")
+    call = Call.make("call_1", "f", '{"a": 1}')
+    turn = AssistantTurn(Message("assistant", "", None, (call,)), (7, 8, 2))
+    assert reg.add(PausedGeneration("r1", [1, 2, 3, 7, 8, 2], (user,), turn)) == []
+    result = Message("tool", "42", tool_call_id="call_1")
+    same_args = Message("assistant", "", None, (Call.make("call_1", "f", '{ "a":1 }'),))
+    assert reg.find_for_messages([user, same_args, result]).request_id == "r1"
+    assert reg.find_for_messages([user, same_args]) is None  # no tool result
+    assert reg.find_for_messages([Message("user", "hello"), same_args, result]) is None  # history changed
+    other_args = Message("assistant", "", None, (Call.make("call_1", "f", '{"a": 2}'),))
+    assert reg.find_for_messages([user, other_args, result]) is None
+    assert reg.known_turn(same_args) is turn and reg.known_turn(other_args) is None
+    assert reg.find_for_tokens([1, 2, 3, 7, 8, 2, 9]).request_id == "r1"
+    assert reg.find_for_tokens([1, 2, 3, 7, 8, 2]) is None  # nothing to append
+    clock[0] = 1
+    reg.add(PausedGeneration("r2", [5] * 50))
+    assert reg.add(PausedGeneration("r3", [6] * 10)) == ["r1"]  # over max_paused: the oldest goes
+    assert reg.add(PausedGeneration("r4", [6] * 45)) == ["r2"]  # over max_paused_tokens
+    assert reg.take("r3").request_id == "r3" and reg.take("r3") is None
+    clock[0] = 20
+    assert reg.expire() == ["r4"] and len(reg) == 0 and reg.num_paused_tokens == 0
+
+
+def test_example_exchanges_follow_the_tool_schema():
+    tool = ToolParam.model_validate(TOOLS[0])
+    (q1, c1, q2, c2) = example_exchanges(tool)
+    assert q1 == {"role": "user", "content": "What is the weather in Rome?"}
+    assert c1["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+    assert q2["content"] == "What is the weather in Berlin?"
+    enum_tool = ToolParam.model_validate({"type": "function", "function": {"name": "convert", "parameters": {
+        "type": "object", "properties": {"unit": {"type": "string", "enum": ["C", "F"]}, "n": {"type": "integer"}}}}})
+    q, c, *_ = example_exchanges(enum_tool)
+    assert q["content"] == "What is the convert for C?" and '"arguments": {"unit": "C"}' in c["content"]
+
+
+def test_serve_cli_flags_and_environment(monkeypatch):
+    from infercept.server import cli
+
+    monkeypatch.setenv("INFERCEPT_SESSION_TTL", "30")
+    args = cli.build_parser().parse_args(["serve", "--port", "0", "--policy", "discard", "--api-key", "k",
+                                          "--max-sessions", "3", "--served-model-name", "m"])
+    settings = cli.server_settings(args)
+    assert (settings.host, settings.port, settings.api_key, settings.session_ttl, settings.max_sessions,
+            settings.served_model_name) == ("127.0.0.1", 0, "k", 30.0, 3, "m")
+    assert cli.engine_kwargs(args)["policy"] == "discard"
+    with pytest.raises(ValueError):
+        ServerSettings(session_ttl=0)
+
+
+def test_renderer_extends_paused_tokens_exactly(tokenizer):
+    """A conversation's rendering starts with the paused context of the turn before it, token for token,
+    even when the model tokenized its call differently from how the text would be tokenized, and across
+    several tool steps."""
+    from infercept.server.chat import ChatRenderer, normalize_messages
+    from infercept.server.protocol import ChatCompletionRequest
+
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    renderer = ChatRenderer(tokenizer, frozenset({eos}), "hermes")
+    assert renderer.turn_end == "<|im_end|>\n" and not renderer.native_tools
+    tools = [ToolParam.model_validate(t) for t in TOOLS]
+    reg = SessionRegistry(ttl=60, max_paused=8, max_paused_tokens=10 ** 6)
+
+    def messages(raw):
+        return normalize_messages(ChatCompletionRequest(model=MODEL, messages=raw).messages)
+
+    def generated(text: str, odd: bool) -> list[int]:
+        # `odd`: one token per character, as a model may emit; never the tokenizer's own split.
+        ids = [t for ch in text for t in tokenizer.encode(ch)] if odd else tokenizer.encode(text)
+        return ids + [eos]
+
+    conversation = list(QUESTION)
+    context = renderer.render(messages(conversation), tools, reg.known_turn)
+    for step, odd in enumerate((True, False)):
+        call_id = f"call_{step}"
+        turn_ids = generated('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', odd)
+        assistant = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+        reg.remember_turn(AssistantTurn(messages(conversation + [assistant, {
+            "role": "tool", "tool_call_id": call_id, "content": "x"}])[-2], tuple(turn_ids)))
+        paused = context + turn_ids
+        conversation += [assistant, {"role": "tool", "tool_call_id": call_id, "content": RESULT}]
+        context = renderer.render(messages(conversation), tools, reg.known_turn)
+        assert context[:len(paused)] == paused
+        appended = tokenizer.decode(context[len(paused):], skip_special_tokens=False)
+        assert appended == f"\n<|im_start|>tool\n{RESULT}<|im_end|>\n<|im_start|>assistant\n"
+    # Without the remembered turns the same conversation renders from its text alone.
+    plain = renderer.render(messages(conversation), tools)
+    assert plain != context and tokenizer.decode(plain) == tokenizer.decode(context)
