@@ -10,6 +10,12 @@ recomputing, memory waste, and the sustainable load; then the Figure 3 ablation 
     python benchmarks/policy_sim.py                        # full sweep, writes benchmarks/results/
     python benchmarks/policy_sim.py --rates 1 2 3 --window 600 --policies infercept discard preserve
     python benchmarks/policy_sim.py --smoke                # seconds: tiny window, two rates
+    python benchmarks/policy_sim.py --validate             # coarse vs exact simulation, a few points
+
+The full sweep (9 policies x 12 rates, 1,800 s windows) took ~10 min on this project's 2 shared CPU
+cores; most of it is the scheduler's own per-iteration Python work for the two policies that sustain
+6 req/s (it re-plans every paused request every iteration), so `--rates 1 2 3 4` or `--policies` subsets
+are proportionally faster.
 
 Sustainable load: the highest rate whose median normalized latency stays within the SLO, interpolated
 linearly between the two measured rates that bracket the crossing. The SLO is a fixed number shared by

@@ -33,7 +33,7 @@ class InterceptParams:
     kind: str = "tool"  # tool / human / model, for the duration estimate's history
 
 
-@dataclass
+@dataclass(eq=False)  # identity: queues do `in` / `remove`, and two requests are never "equal"
 class Request:
     request_id: str
     prompt_token_ids: list[int]

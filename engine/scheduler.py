@@ -226,15 +226,22 @@ class Scheduler:
             if budget == 0 or self.blocks.num_free_blocks == 0:
                 break
 
-    def _reclaim(self, protect: Request) -> bool:
-        """Free device blocks for a running request: paused KV goes first (the worst case for a paused
-        request is discard + recompute), then the newest running request is preempted. Returns False
-        if `protect` itself had to be preempted."""
+    def _discard_paused_for_room(self, out: SchedulerOutput, include_swapped: bool = True) -> bool:
+        """Memory pressure: drop the newest paused (or swapping-in) request's device KV. The worst case
+        for a paused request is discard + recompute; it never fails. False if none holds device KV.
+        (A discarded swapping-in request moves to the waiting queue, hence `include_swapped`.)"""
         holders = [r for r in self.paused.values() if self.kv_tokens(r)[0]]
-        holders += [r for r in self.swapped if self.blocks.block_table(r.request_id)]
-        if holders:
-            victim = max(holders, key=_by_arrival)
-            self._discard(victim)
+        if include_swapped:
+            holders += [r for r in self.swapped if self.blocks.block_table(r.request_id)]
+        if not holders:
+            return False
+        out.num_discarded_tokens += self._discard(max(holders, key=_by_arrival))
+        return True
+
+    def _reclaim(self, out: SchedulerOutput, protect: Request) -> bool:
+        """Free device blocks for a running request: paused KV goes first, then the newest running
+        request is preempted. Returns False if `protect` itself had to be preempted."""
+        if self._discard_paused_for_room(out):
             return True
         victim = self.running[-1]
         self._preempt(victim)
@@ -260,7 +267,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             n = self._chunk_size(request, budget)
             while not self.blocks.can_allocate(request.request_id, request.num_computed_tokens + n):
-                if not self._reclaim(protect=request):
+                if not self._reclaim(out, protect=request):
                     break
             if request.status is not RequestStatus.RUNNING:
                 continue
@@ -272,6 +279,9 @@ class Scheduler:
         while self.waiting and budget > 0 and not self._preempted_this_step and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             n = self._chunk_size(request, budget)
+            while (not self.blocks.can_allocate(request.request_id, request.num_computed_tokens + n)
+                   and self._discard_paused_for_room(out, include_swapped=False)):
+                pass  # paused KV never blocks new work: it is dropped (and recomputed on resume)
             if not self.blocks.can_allocate(request.request_id, request.num_computed_tokens + n):
                 break
             self.waiting.pop(0)
