@@ -36,12 +36,13 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         search_from = max(len(self.text) - self.max_stop_len + 1, 0)
         self.text += delta
-        for s in self.stop:
-            at = self.text.find(s, search_from)
-            if at >= 0:
-                self.text = self.text[:at]
-                return s
-        return None
+        # The stop string that appears first in the text wins, whatever its place in the list.
+        found = [(at, s) for s in self.stop if (at := self.text.find(s, search_from)) >= 0]
+        if not found:
+            return None
+        at, stop = min(found)
+        self.text = self.text[:at]
+        return stop
 
     def visible_text(self, finished: bool) -> str:
         """Text safe to show: while running, hold back a tail that could still become a stop string."""
