@@ -10,7 +10,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse, Response
@@ -70,6 +70,22 @@ class ChatServing(BaseServing):
         self.parser = get_tool_parser(renderer.tool_parser)
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        ctx, cleanup = await self.open(req, raw)
+        headers = {"X-Request-Id": ctx.response_id} | ({"X-Session-Id": ctx.session_id} if ctx.session_id else {})
+        if req.stream:
+            return StreamResponse(self._stream(ctx), cleanup, headers)
+        try:
+            body = await run_until_disconnect(raw, self._full(ctx))
+        finally:
+            await cleanup()
+        if body is None:
+            return Response(status_code=499)
+        return JSONResponse(body, headers=headers)
+
+    async def open(self, req: ChatCompletionRequest, raw: Request) -> tuple[ChatContext, Callable[[], Awaitable[None]]]:
+        """Validate and render `req`, then start its engine turn or resume the paused one it continues.
+        `cleanup` must run once the turn is left (it aborts an unfinished turn and releases admission).
+        The Responses and sessions front ends serve their turns through this too."""
         started = time.monotonic()
         self.check_model(req.model)
         self.check_unsupported(req)
@@ -114,20 +130,23 @@ class ChatServing(BaseServing):
         if turn.resumed:
             self.metrics.resumes.labels(self.model_name, "explicit" if session_id else "implicit").inc()
         ctx = ChatContext(response_id, req, messages, mode, prefill, turn, session_id)
-        headers = {"X-Request-Id": response_id} | ({"X-Session-Id": session_id} if session_id else {})
+
         async def cleanup() -> None:
             await turn.close()
             self._release(session)
+        return ctx, cleanup
 
-        if req.stream:
-            return StreamResponse(self._stream(ctx), cleanup, headers)
-        try:
-            body = await run_until_disconnect(raw, self._full(ctx))
-        finally:
-            await cleanup()
-        if body is None:
-            return Response(status_code=499)
-        return JSONResponse(body, headers=headers)
+    def streamable_text(self, ctx: ChatContext, text: str) -> str:
+        """The part of a turn's text so far that is surely content, never part of a tool call."""
+        if ctx.mode.forced:
+            return ""
+        return self._safe_content(text) if ctx.mode.parse else text
+
+    def end_turn(self, ctx: ChatContext, out: RequestOutput) -> TurnResult:
+        """End a turn opened with `open` from its last output: pause or finish it, and record it."""
+        result = self._end_turn(ctx, out)
+        self._log(ctx, out, result)
+        return result
 
     # -- request pieces ----------------------------------------------------------------------------
     @staticmethod
