@@ -2,66 +2,159 @@
 
 Every request that holds KV has a block table: the ids of the blocks holding its tokens, in order
 (token `i` lives in block `table[i // block_size]`, offset `i % block_size`). Blocks carry reference
-counts so that identical prefixes can share blocks. Callers ask `can_*` before they act; acting
-without room raises, since it means the caller's plan is wrong.
+counts so that identical prefixes share blocks. Callers ask `can_*` before they act; acting without
+room raises, since it means the caller's plan is wrong.
+
+Prefix caching (device pool): a full block whose KV is computed gets a content hash chained from its
+parent block's hash and its own token ids (`chain_hashes`), registered in `cached` (hash -> block).
+A request admitted later reuses the longest chain of registered blocks (`match_prefix`) and computes
+only the rest. A block whose last reference goes keeps its hash and stays in the free queue as an
+*evictable* cached block: reusable by content until `take` hands it out again, which evicts it. The free
+queue is LRU: blocks are taken from its front, and a freed table is appended leaf first, so the
+deepest blocks of the least recently used contexts are evicted first and shared parents last.
 
 Invariants, checked by `check_integrity()`:
   * free + referenced == total, in each pool; no block is both free and referenced;
-  * a block's reference count equals the number of tables that list it.
+  * a block's reference count equals the number of tables that list it;
+  * `cached` and the blocks' hashes agree one to one.
 """
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 
 class OutOfBlocksError(RuntimeError):
     pass
 
 
-class BlockPool:
-    """Free list and reference counts of one pool (device or host)."""
+def chain_hashes(token_ids: Sequence[int], block_size: int, known: list[int]) -> list[int]:
+    """Hashes of every full block of `token_ids`, extending `known` (the hashes of its first blocks,
+    computed before: a context only grows at its end, so they never change). Each hash covers the
+    block's tokens and, through its parent's hash, everything before. Python's tuple hash is 64-bit:
+    a collision between two different prefixes is astronomically unlikely (vLLM accepts the same)."""
+    hashes = list(known)
+    parent = hashes[-1] if hashes else None
+    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+        parent = hash((parent, tuple(token_ids[start:start + block_size])))
+        hashes.append(parent)
+    return hashes
 
-    def __init__(self, num_blocks: int):
+
+@dataclass
+class CacheCounters:
+    """Prefix-cache accounting, in blocks."""
+
+    queried: int = 0  # full blocks looked up at admission
+    hits: int = 0  # of those, found cached and reused
+    evictions: int = 0  # cached blocks handed out again (their content lost)
+
+    @property
+    def misses(self) -> int:
+        return self.queried - self.hits
+
+
+class BlockPool:
+    """Free queue and reference counts of one pool; with `caching`, content hashes of full blocks."""
+
+    def __init__(self, num_blocks: int, caching: bool = False):
         self.num_blocks = num_blocks
+        self.caching = caching
         self.ref_counts = [0] * num_blocks
-        self.free_ids: deque[int] = deque(range(num_blocks))
+        # Unreferenced blocks in eviction order (front first). An OrderedDict so that a cache hit can
+        # take a block out of the middle in O(1).
+        self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # content hash -> block id
+        self.counters = CacheCounters()
 
     @property
     def num_free(self) -> int:
         return len(self.free_ids)
 
+    @property
+    def num_cached(self) -> int:
+        """Blocks addressable by content, referenced or evictable."""
+        return len(self.cached)
+
     def take(self, n: int) -> list[int]:
+        """`n` blocks for new content: evicts the least recently used cached ones it hands out."""
         if n > len(self.free_ids):
             raise OutOfBlocksError(f"asked for {n} blocks, {len(self.free_ids)} free")
-        ids = [self.free_ids.popleft() for _ in range(n)]
-        for b in ids:
+        ids = []
+        for _ in range(n):
+            b, _ = self.free_ids.popitem(last=False)
+            if self.block_hash[b] is not None:
+                self._uncache(b)
+                self.counters.evictions += 1
             self.ref_counts[b] = 1
+            ids.append(b)
         return ids
 
-    def release(self, ids: list[int]) -> None:
+    def share(self, ids: Sequence[int]) -> None:
+        """One more reference to each of `ids` (cached blocks a new table reuses)."""
         for b in ids:
+            if self.ref_counts[b] == 0:
+                del self.free_ids[b]
+            self.ref_counts[b] += 1
+
+    def release(self, ids: Sequence[int], keep_cached: bool = True) -> None:
+        """Drop one reference to each of `ids`, the table's first block first. Blocks left unreferenced
+        join the free queue leaf first; without `keep_cached` they lose their hash and go to its front,
+        to be reused before any cached block."""
+        for b in reversed(ids):
             assert self.ref_counts[b] > 0, f"block {b} released more often than referenced"
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self.free_ids.append(b)
+                self.free_ids[b] = None
+                if not keep_cached and self.block_hash[b] is not None:
+                    self._uncache(b)
+                    self.free_ids.move_to_end(b, last=False)
+
+    def register(self, block_id: int, block_hash: int) -> None:
+        """Make a full, computed block addressable by content. A hash that already names another block
+        (two requests computed the same content at once) keeps its first block; this one stays private."""
+        if self.caching and self.block_hash[block_id] is None and block_hash not in self.cached:
+            self.cached[block_hash] = block_id
+            self.block_hash[block_id] = block_hash
+
+    def match(self, hashes: Sequence[int]) -> list[int]:
+        """The cached blocks of the longest prefix of `hashes` (no side effects)."""
+        ids = []
+        for h in hashes:
+            b = self.cached.get(h)
+            if b is None:
+                break
+            ids.append(b)
+        return ids
+
+    def _uncache(self, b: int) -> None:
+        del self.cached[self.block_hash[b]]
+        self.block_hash[b] = None
 
     def check(self, tables: dict[str, list[int]], name: str) -> None:
         refs = Counter(b for table in tables.values() for b in table)
-        free = set(self.free_ids)
-        assert len(free) == len(self.free_ids), f"{name}: a block is twice in the free list"
         for b in range(self.num_blocks):
             assert self.ref_counts[b] == refs.get(b, 0), (
                 f"{name}: block {b} has ref count {self.ref_counts[b]} but {refs.get(b, 0)} tables list it")
-            assert (b in free) == (self.ref_counts[b] == 0), f"{name}: block {b} free/referenced mismatch"
+            assert (b in self.free_ids) == (self.ref_counts[b] == 0), f"{name}: block {b} free/referenced mismatch"
+        assert all(self.block_hash[b] == h for h, b in self.cached.items()), f"{name}: cache map out of sync"
+        assert sum(h is not None for h in self.block_hash) == len(self.cached), f"{name}: stray block hash"
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, num_host_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, num_host_blocks: int, block_size: int, enable_caching: bool = True):
         self.block_size = block_size
-        self.device = BlockPool(num_blocks)
+        self.device = BlockPool(num_blocks, caching=enable_caching)
         self.host = BlockPool(num_host_blocks)
         self.tables: dict[str, list[int]] = {}  # request id -> device block ids
         self.host_tables: dict[str, list[int]] = {}  # request id -> host block ids
+        self._registered: dict[str, int] = {}  # request id -> leading table blocks already registered
+
+    @property
+    def enable_caching(self) -> bool:
+        return self.device.caching
 
     # -- sizes ---------------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -76,28 +169,61 @@ class BlockManager:
         return max(self.blocks_for(num_tokens) - len(self.tables.get(request_id, ())), 0)
 
     # -- device pool -----------------------------------------------------------------------------
-    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
-        return self.num_new_blocks(request_id, num_tokens) <= self.device.num_free
+    def can_allocate(self, request_id: str, num_tokens: int, cached: Sequence[int] = ()) -> bool:
+        """Room to grow the request to `num_tokens`, starting an empty table with the `cached` blocks
+        (`match_prefix`); reusing an evictable cached block takes it out of the free queue."""
+        new = self.num_new_blocks(request_id, num_tokens) - len(cached)
+        return new + sum(self.device.ref_counts[b] == 0 for b in cached) <= self.device.num_free
 
-    def allocate(self, request_id: str, num_tokens: int) -> list[int]:
-        """Grow the request's table to hold `num_tokens` tokens; returns the whole table."""
+    def allocate(self, request_id: str, num_tokens: int, cached: Sequence[int] = ()) -> list[int]:
+        """Grow the request's table to hold `num_tokens` tokens; returns the whole table. `cached`
+        (only for a request without blocks) are reused blocks that start the table."""
         table = self.tables.setdefault(request_id, [])
+        if cached:
+            assert not table, "cached blocks can only start a table"
+            self.device.share(cached)
+            table += cached
+            self._registered[request_id] = len(cached)
         table += self.device.take(self.num_new_blocks(request_id, num_tokens))
         return table
 
-    def free(self, request_id: str) -> None:
-        """Release everything the request holds, in both pools. Safe to call twice."""
-        self.device.release(self.tables.pop(request_id, []))
+    def free(self, request_id: str, keep_cached: bool = True) -> None:
+        """Release everything the request holds, in both pools. Safe to call twice. With `keep_cached`
+        its registered blocks stay reusable by content until evicted; without, they are wiped."""
+        self.device.release(self.tables.pop(request_id, []), keep_cached)
         self.host.release(self.host_tables.pop(request_id, []))
+        self._registered.pop(request_id, None)
 
     def block_table(self, request_id: str) -> list[int]:
         return self.tables.get(request_id, [])
+
+    # -- prefix caching ------------------------------------------------------------------------------
+    def match_prefix(self, hashes: Sequence[int]) -> list[int]:
+        """Cached device blocks holding the longest prefix of a context whose full blocks hash to
+        `hashes`. Nothing is reserved: pass the result to `can_allocate` / `allocate` in the same step."""
+        return self.device.match(hashes) if self.enable_caching else []
+
+    def record_lookup(self, num_queried: int, num_hits: int) -> None:
+        self.device.counters.queried += num_queried
+        self.device.counters.hits += num_hits
+
+    def register_blocks(self, request_id: str, hashes: Sequence[int]) -> None:
+        """Make the request's computed full blocks (`hashes` = their content hashes, in order)
+        addressable by content. Only while its whole context is on the device."""
+        if not self.enable_caching or request_id in self.host_tables:
+            return
+        table = self.tables.get(request_id, [])
+        done = self._registered.get(request_id, 0)
+        for i in range(done, min(len(hashes), len(table))):
+            self.device.register(table[i], hashes[i])
+        self._registered[request_id] = max(done, min(len(hashes), len(table)))
 
     # -- host pool (swap) --------------------------------------------------------------------------
     # A request's logical blocks are split: the first len(host_tables[r]) live on the host, the rest
     # on the device. Swap-out moves device blocks from the front of the device table to the end of
     # the host table; swap-in moves host blocks from the end of the host table to the front of the
-    # device table. Either way the two tables stay one contiguous sequence.
+    # device table. Either way the two tables stay one contiguous sequence. A swapped-out device block
+    # keeps its hash: until evicted, other requests with the same prefix still reuse it.
     @property
     def num_free_host_blocks(self) -> int:
         return self.host.num_free
@@ -117,6 +243,7 @@ class BlockManager:
         moved, self.tables[request_id] = table[:num_blocks], table[num_blocks:]
         self.host_tables.setdefault(request_id, []).extend(host_ids)
         self.device.release(moved)
+        self._registered[request_id] = 0  # its table starts elsewhere now; re-registered once back
         return list(zip(moved, host_ids))
 
     def can_swap_in(self, num_blocks: int) -> bool:
@@ -139,6 +266,7 @@ class BlockManager:
     def check_integrity(self) -> None:
         self.device.check(self.tables, "device")
         self.host.check(self.host_tables, "host")
+        assert not self.host.cached, "host blocks are never addressable by content"
 
     def num_used_blocks(self) -> int:
         return self.device.num_blocks - self.device.num_free

@@ -43,6 +43,7 @@ class Engine:
     def __init__(self, model: str | None = None, *, dtype: str | torch.dtype = "auto", device: str = "auto",
                  kv_cache_gb: float | None = None, host_kv_gb: float = CacheConfig.host_kv_gb,
                  block_size: int = CacheConfig.block_size,
+                 enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
                  max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
                  max_num_seqs: int = SchedulerConfig.max_num_seqs, max_model_len: int | None = None,
                  seed: int = 0, num_threads: int | None = None, policy: str = "infercept",
@@ -75,13 +76,14 @@ class Engine:
         max_len = min(spec.max_position_embeddings, num_blocks * block_size)
         self.config = EngineConfig(
             model=model, dtype=dtype_, device=device_,
-            cache=CacheConfig(block_size=block_size, kv_cache_gb=kv_cache_gb, host_kv_gb=host_kv_gb),
+            cache=CacheConfig(block_size=block_size, kv_cache_gb=kv_cache_gb, host_kv_gb=host_kv_gb,
+                              enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                       max_model_len=max_len),
             seed=seed, num_threads=num_threads)
         self.kv_cache = KVCache(spec, dtype_, device_, block_size, num_blocks, num_host_blocks)
-        self.block_manager = BlockManager(num_blocks, num_host_blocks, block_size)
-        self.runner = ModelRunner(self.model, self.kv_cache, device_, self.eos_token_ids, seed)
+        self.block_manager = BlockManager(num_blocks, num_host_blocks, block_size, enable_prefix_caching)
+        self.runner = ModelRunner(self.model, self.kv_cache, device_, self.eos_token_ids, seed, self.tokenizer)
         self.policy = make_policy(policy)
         if isinstance(profile, str):
             profile = Profile.load(profile)
@@ -164,7 +166,8 @@ class Engine:
         self.detokenizers.pop(request_id, None)
 
     def kv_location(self, request_id: str) -> dict[str, int]:
-        """Context tokens whose KV is on the device, on the host, or discarded (to recompute)."""
+        """Context tokens whose KV is on the device, on the host, or discarded (to recompute; `cached`
+        of those are still in the prefix cache and reused unless evicted first)."""
         return self.scheduler.kv_location(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -228,4 +231,4 @@ class Engine:
             token_ids=list(request.output_token_ids), text=detok.visible_text(finished or paused),
             finished=finished, finish_reason=reason, stop_reason=request.stop_reason,
             logprobs=list(request.output_logprobs) if request.sampling_params.logprobs is not None else None,
-            paused=paused, tool_calls=list(request.tool_calls))
+            num_cached_tokens=request.num_cached_tokens, paused=paused, tool_calls=list(request.tool_calls))

@@ -56,6 +56,9 @@ class Request:
     paused_at: float | None = None
     tool_calls: list = field(default_factory=list)  # the calls that paused it
     num_turns: int = 1
+    # Content hashes of the context's full blocks, computed once (a context only grows at its end).
+    block_hashes: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # this turn's context tokens whose KV was reused, not computed
 
     def __post_init__(self):
         if not self.token_ids:

@@ -15,6 +15,13 @@ A step, in order (three queues, each FCFS by arrival time, paper §4.3):
   4. waiting (new, preempted, resumed after a discard), while the token budget, the sequence cap and
      the pool allow. The token budget `max_num_batched_tokens` plays the paper's saturation point S,
      so a recompute chunk is S minus the running tokens.
+
+Prefix caching: a request admitted without KV first reuses the longest prefix of its context that the
+device pool still holds by content (its own blocks from before a discard or preemption, or another
+request's with the same system prompt and tools), and computes only the rest. After each step, the
+full blocks a request has computed are registered for others to find. A discarded paused request's
+blocks stay cached until evicted when the policy discards lazily (`Policy.lazy_discard`), so on
+resume only the evicted part is recomputed.
 """
 from __future__ import annotations
 
@@ -22,7 +29,7 @@ import bisect
 import time
 from collections.abc import Callable
 
-from .block_manager import BlockManager
+from .block_manager import BlockManager, chain_hashes
 from .config import SchedulerConfig
 from .outputs import RunnerOutput, ScheduledChunk, SchedulerOutput
 from .policy import (DurationEstimator, IterationInfo, KVAction, PausedInfo, Policy, Profile,
@@ -106,7 +113,8 @@ class Scheduler:
         request.output_logprobs = []  # per turn, like the generated tokens
         request.paused_at = None
         request.num_turns += 1
-        _, host = self.kv_tokens(request)
+        device, host = self.kv_tokens(request)
+        request.num_cached_tokens = device + host  # a discarded context may still hit the prefix cache
         if host:
             self._enqueue(self.swapped, request, RequestStatus.SWAPPED)
         elif request.num_computed_tokens == 0:  # discarded: recompute through the waiting queue
@@ -134,10 +142,29 @@ class Scheduler:
 
     def kv_location(self, request_id: str) -> dict[str, int]:
         """Tokens of the request's context whose KV is on the device, on the host, or not computed
-        (discarded, or never computed yet)."""
+        (discarded, or never computed yet); `cached`: of the discarded ones, those the prefix cache
+        still holds (reused without computing when the request is admitted again)."""
         request = self.requests[request_id]
         device, host = self.kv_tokens(request)
-        return {"device": device, "host": host, "discarded": request.num_tokens - device - host}
+        cached = len(self._prefix_hit(request)) * self.blocks.block_size if not device + host else 0
+        return {"device": device, "host": host, "discarded": request.num_tokens - device - host, "cached": cached}
+
+    def _prefix_hit(self, request: Request) -> list[int]:
+        """Cached blocks holding the longest prefix of a request without KV; at least its last token is
+        left to compute, since the next token is sampled from it."""
+        if not self.blocks.enable_caching:
+            return []
+        bs = self.blocks.block_size
+        request.block_hashes = chain_hashes(request.token_ids, bs, request.block_hashes)
+        return self.blocks.match_prefix(request.block_hashes[:(request.num_tokens - 1) // bs])
+
+    def _register_computed(self, request: Request) -> None:
+        """Make the request's computed full blocks findable by content."""
+        bs = self.blocks.block_size
+        full = request.num_computed_tokens // bs
+        if len(request.block_hashes) < full:
+            request.block_hashes = chain_hashes(request.token_ids[:full * bs], bs, request.block_hashes)
+        self.blocks.register_blocks(request.request_id, request.block_hashes[:full])
 
     def _kv_state(self, request: Request) -> str:
         device, host = self.kv_tokens(request)
@@ -149,7 +176,7 @@ class Scheduler:
     def _discard(self, request: Request) -> int:
         """Drop a paused (or swapped) request's KV; it is recomputed on resume. Returns tokens dropped."""
         dropped = request.num_computed_tokens
-        self.blocks.free(request.request_id)
+        self.blocks.free(request.request_id, keep_cached=self.policy is None or self.policy.lazy_discard)
         request.num_computed_tokens = 0
         if request.status is RequestStatus.SWAPPED:
             self.swapped.remove(request)
@@ -247,9 +274,16 @@ class Scheduler:
         self._preempt(victim)
         return victim is not protect
 
-    def _chunk_size(self, request: Request, budget: int) -> int:
-        remaining = request.num_tokens - request.num_computed_tokens
+    def _chunk_size(self, request: Request, budget: int, computed: int | None = None) -> int:
+        remaining = request.num_tokens - (request.num_computed_tokens if computed is None else computed)
         return remaining if request.recompute_all else min(remaining, budget)
+
+    def _admission(self, request: Request, budget: int) -> tuple[list[int], int, int]:
+        """For a waiting request: the cached blocks it would reuse, the tokens whose KV it would then
+        have, and the tokens it would compute."""
+        hit = self._prefix_hit(request) if request.num_computed_tokens == 0 else []
+        computed = request.num_computed_tokens + len(hit) * self.blocks.block_size
+        return hit, computed, self._chunk_size(request, budget, computed)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(chunks=[])
@@ -278,14 +312,20 @@ class Scheduler:
         # No admissions in a step that had to preempt: the pool is full.
         while self.waiting and budget > 0 and not self._preempted_this_step and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            n = self._chunk_size(request, budget)
-            while (not self.blocks.can_allocate(request.request_id, request.num_computed_tokens + n)
-                   and self._discard_paused_for_room(out, include_swapped=False)):
-                pass  # paused KV never blocks new work: it is dropped (and recomputed on resume)
-            if not self.blocks.can_allocate(request.request_id, request.num_computed_tokens + n):
+            while True:
+                hit, computed, n = self._admission(request, budget)
+                if (self.blocks.can_allocate(request.request_id, computed + n, hit)
+                        or not self._discard_paused_for_room(out, include_swapped=False)):
+                    break  # paused KV never blocks new work: it is dropped (and recomputed on resume)
+            if not self.blocks.can_allocate(request.request_id, computed + n, hit):
                 break
             self.waiting.pop(0)
-            self.blocks.allocate(request.request_id, request.num_computed_tokens + n)
+            self.blocks.allocate(request.request_id, computed + n, hit)
+            if request.num_computed_tokens == 0 and self.blocks.enable_caching:
+                self.blocks.record_lookup((request.num_tokens - 1) // self.blocks.block_size, len(hit))
+            if hit and request.num_output_tokens == 0:  # the turn's prompt: report what was reused
+                request.num_cached_tokens = max(request.num_cached_tokens, computed)
+            request.num_computed_tokens = computed
             self._enqueue(self.running, request, RequestStatus.RUNNING)
             scheduled.append((request, n))
             budget -= n
@@ -322,6 +362,8 @@ class Scheduler:
             request.num_computed_tokens += len(chunk.token_ids)
             request.num_computed_high = max(request.num_computed_high, request.num_computed_tokens)
             request.recompute_all = False
+            if self.blocks.enable_caching:
+                self._register_computed(request)
             sampled = runner_output.sampled.get(chunk.request_id)
             if sampled is None:
                 continue

@@ -122,6 +122,7 @@ class SimulatedEngine:
         self.acc = SimAccounting()
         self._last_turn: set[str] = set()
         self._ids = itertools.count()
+        self._prompt_serials = itertools.count()
         # How long an engine loop that cannot schedule anything takes to try again: one minimal iteration.
         self.idle_tick = profile.t_fwd(1)
 
@@ -136,7 +137,10 @@ class SimulatedEngine:
         """Queue an interceptible request: its turn ends after `max_tokens` tokens and it pauses (or,
         with `last_turn`, finishes). `prompt` is token ids or a number of dummy prompt tokens."""
         request_id = request_id or f"sim-{next(self._ids)}"
-        token_ids = [PROMPT_TOKEN_ID] * prompt if isinstance(prompt, int) else list(prompt)
+        # Dummy prompts start with a token unique to the request: the prefix cache must not see two
+        # requests' contexts as one (its hashes chain, so one distinct first token is enough).
+        token_ids = [PROMPT_TOKEN_ID + 1 + next(self._prompt_serials)] + [PROMPT_TOKEN_ID] * (prompt - 1) \
+            if isinstance(prompt, int) and prompt > 0 else list(prompt or [])
         if not token_ids:
             raise ValueError("the prompt is empty")
         request = _SimRequest(request_id, token_ids, _greedy(max_tokens),
