@@ -1,9 +1,10 @@
 """The FastAPI app: `build_app(async_engine, settings)`.
 
-Wires the serving objects, the session registry and metrics into `app.state`; adds authentication,
+Wires the serving objects (chat, completions, Responses, native sessions), the session registry, the
+stored responses and metrics into `app.state`; adds authentication,
 a body-size limit and an access log with request ids (one small ASGI middleware); turns every error
 into OpenAI's error JSON (validation errors are 400, never 422 or 5xx); runs the engine and a reaper
-of expired paused generations for the app's lifetime.
+of expired paused generations, sessions and stored responses for the app's lifetime.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -26,11 +29,15 @@ from infercept.engine.tool_parsers import get_tool_parser, parser_for_model
 
 from .chat import ChatRenderer
 from .metrics import ServerMetrics
+from .native_sessions import NativeSessionStore
 from .protocol import APIError
+from .responses_store import ResponseStore
 from .routes import router
 from .serving_base import Admission
 from .serving_chat import ChatServing
 from .serving_completions import CompletionServing
+from .serving_responses import ResponsesServing
+from .serving_sessions import SessionServing, builtin_tool
 from .sessions import SessionRegistry
 from .settings import ServerSettings
 
@@ -41,7 +48,9 @@ def served_model_name(async_engine: AsyncEngine, settings: ServerSettings) -> st
     return settings.served_model_name or os.path.basename(os.path.normpath(async_engine.engine.config.model))
 
 
-def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
+def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None,
+              tool_lookup: Callable[[str], Any] = builtin_tool) -> FastAPI:
+    """`tool_lookup(name)` gives the server tool a session may enable by name (KeyError if unknown)."""
     settings = settings or ServerSettings()
     engine = async_engine.engine
     model_name = served_model_name(async_engine, settings)
@@ -57,14 +66,18 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     common = dict(settings=settings, registry=registry, metrics=metrics, model_name=model_name, admission=admission,
                   tokenizer=tokenizer)
     completions = CompletionServing(async_engine, **common)
-    chat = None
+    chat = responses = sessions = None
     if tokenizer.chat_template:
         chat = ChatServing(async_engine, renderer=ChatRenderer(tokenizer, engine.eos_token_ids, tool_parser), **common)
+        responses = ResponsesServing(chat, ResponseStore(settings.response_ttl, settings.max_stored_responses),
+                                     registry)
+        sessions = SessionServing(chat, NativeSessionStore(settings.session_ttl, registry.max_sessions_kept),
+                                  registry, tool_lookup)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         async_engine.start()
-        reaper = asyncio.create_task(_reap(registry, completions))
+        reaper = asyncio.create_task(_reap(registry, completions, responses, sessions))
         try:
             yield
         finally:
@@ -82,25 +95,37 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     app.state.metrics = metrics
     app.state.chat = chat or _NoChat()
     app.state.completions = completions
+    app.state.responses = responses or _NoChat()
+    app.state.sessions = sessions or _NoChat()
     app.include_router(router)
     _add_error_handlers(app)
     app.add_middleware(_Gate, settings=settings)
     return app
 
 
-async def _reap(registry: SessionRegistry, serving: CompletionServing) -> None:
-    """Abort paused generations past the TTL (frees their blocks)."""
+async def _reap(registry: SessionRegistry, serving: CompletionServing, responses: ResponsesServing | None,
+                sessions: SessionServing | None) -> None:
+    """Abort paused generations past the TTL (frees their blocks); forget expired sessions and responses."""
     interval = min(max(registry.ttl / 4, 0.05), 5.0)
     while True:
         await asyncio.sleep(interval)
         expired = registry.expire()
         if expired:
             serving.abort_all(expired, reason="session TTL expired")
+        if sessions is not None:
+            sessions.expire()
+        if responses is not None:
+            responses.store.expire()
 
 
 class _NoChat:
-    async def create(self, *_):
-        raise APIError(400, "this model has no chat template; use /v1/completions", code="no_chat_template")
+    """Stands in for every chat-based serving object (chat, Responses, sessions) of a model without a
+    chat template: each of their endpoints answers 400."""
+
+    def __getattr__(self, _name: str):
+        async def refuse(*_):
+            raise APIError(400, "this model has no chat template; use /v1/completions", code="no_chat_template")
+        return refuse
 
 
 # -- errors -----------------------------------------------------------------------------------------

@@ -119,6 +119,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="paused generations kept at most; beyond, the oldest is aborted (default 256)")
     g.add_argument("--max-paused-tokens", type=int, default=int(_env("MAX_PAUSED_TOKENS", 1_000_000)),
                    help="context tokens of all paused generations at most; beyond, the oldest is aborted")
+    g.add_argument("--response-ttl", type=float, default=float(_env("RESPONSE_TTL", 3600.0)),
+                   help="seconds a stored Responses-API response stays retrievable and chainable (default 3600)")
+    g.add_argument("--max-stored-responses", type=int, default=int(_env("MAX_STORED_RESPONSES", 1024)),
+                   help="stored Responses-API responses kept at most; beyond, the oldest is forgotten (default 1024)")
     g.add_argument("--max-concurrent-requests", type=int, default=int(_env("MAX_CONCURRENT_REQUESTS", 512)),
                    help="requests generating at once; beyond, 429 with Retry-After (default 512)")
     g.add_argument("--tool-parser", default=_env("TOOL_PARSER", None),
@@ -132,7 +136,8 @@ def server_settings(args: argparse.Namespace):
     return ServerSettings(host=args.host, port=args.port, api_key=args.api_key or None,
                           served_model_name=args.served_model_name, session_ttl=args.session_ttl,
                           max_sessions=args.max_sessions, max_paused_tokens=args.max_paused_tokens,
-                          max_concurrent_requests=args.max_concurrent_requests, tool_parser=args.tool_parser)
+                          max_concurrent_requests=args.max_concurrent_requests, tool_parser=args.tool_parser,
+                          response_ttl=args.response_ttl, max_stored_responses=args.max_stored_responses)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:

@@ -7,6 +7,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .metrics import snapshot_engine
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from .protocol_responses import ResponsesRequest
+from .protocol_sessions import SessionCreateRequest, SessionMessageRequest
 
 router = APIRouter()
 
@@ -43,3 +45,38 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     return await request.app.state.completions.create(body, request)
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request) -> Response:
+    return await request.app.state.responses.create(body, request)
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, request: Request) -> Response:
+    return await request.app.state.responses.retrieve(response_id)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request) -> Response:
+    return await request.app.state.responses.delete(response_id)
+
+
+@router.post("/v1/sessions")
+async def create_session(body: SessionCreateRequest, request: Request) -> Response:
+    return await request.app.state.sessions.create(body)
+
+
+@router.get("/v1/sessions/{session_id}")
+async def retrieve_session(session_id: str, request: Request) -> Response:
+    return await request.app.state.sessions.retrieve(session_id)
+
+
+@router.delete("/v1/sessions/{session_id}")
+async def delete_session(session_id: str, request: Request) -> Response:
+    return await request.app.state.sessions.delete(session_id)
+
+
+@router.post("/v1/sessions/{session_id}/messages")
+async def post_session_message(session_id: str, body: SessionMessageRequest, request: Request) -> Response:
+    return await request.app.state.sessions.post(session_id, body, request)

@@ -105,6 +105,9 @@ class SessionRegistry:
             evicted.append(self._drop(next(iter(self._paused))))
         return evicted
 
+    def get(self, request_id: str) -> PausedGeneration | None:
+        return self._paused.get(request_id)
+
     def take(self, request_id: str) -> PausedGeneration | None:
         """Claim a paused generation for resuming: it leaves the registry (a concurrent request for the
         same generation finds nothing and is served fresh)."""

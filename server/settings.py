@@ -21,6 +21,10 @@ class ServerSettings:
     # Assistant tool-call turns remembered token-exactly, so later turns of the same conversation render
     # them as the model generated them (implicit resume needs this prefix to match token for token).
     max_remembered_turns: int = 4096
+    # Responses stored for previous_response_id and GET /v1/responses/{id}: at most this many (the
+    # oldest is forgotten first), each for response_ttl seconds after its creation.
+    response_ttl: float = 3600.0
+    max_stored_responses: int = 1024
     # Requests generating at once; beyond this the server answers 429 with Retry-After.
     max_concurrent_requests: int = 512
     # Request bodies larger than this are refused with 413.
@@ -33,5 +37,7 @@ class ServerSettings:
             raise ValueError("--session-ttl must be positive")
         if self.max_sessions < 0 or self.max_paused_tokens < 0:
             raise ValueError("--max-sessions and --max-paused-tokens must be >= 0")
+        if self.response_ttl <= 0 or self.max_stored_responses < 0:
+            raise ValueError("--response-ttl must be positive and --max-stored-responses >= 0")
         if self.max_concurrent_requests < 1:
             raise ValueError("max_concurrent_requests must be >= 1")

@@ -93,3 +93,26 @@ def engine(llm_fp32):
         eng.abort(request_id)
     eng.block_manager.check_integrity()
     assert eng.block_manager.num_free_blocks == eng.block_manager.device.num_blocks
+
+
+@pytest.fixture(scope="session")
+def server(default_model_dir):
+    """The live server every HTTP test shares (loaded once per test session)."""
+    from live_server import LiveServer
+
+    # preserve: a paused generation keeps its KV on the device whatever runs meanwhile, so how much of a
+    # resumed prompt is cached is deterministic (min-waste may rightly discard it).
+    live = LiveServer(default_model_dir, "preserve")
+    yield live
+    live.close()
+    assert not live.async_engine._running  # the lifespan shut the engine down
+
+
+@pytest.fixture
+def srv(server):
+    """The shared server, leak-free before and after each test."""
+    server.abort_paused()
+    server.assert_no_leak()
+    yield server
+    server.abort_paused()
+    server.assert_no_leak()

@@ -10,22 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-import time
 
 import httpx
 import openai
 import pytest
 
-from infercept.engine import AsyncEngine, Engine
-from infercept.engine.policy import Profile
 from infercept.server.app import build_app
 from infercept.server.chat import AssistantTurn, Call, Message, example_exchanges
 from infercept.server.protocol import ToolParam
 from infercept.server.sessions import PausedGeneration, SessionRegistry
 from infercept.server.settings import ServerSettings
+from live_server import MODEL, LiveServer
 
-MODEL = "smol"
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
@@ -35,115 +31,11 @@ CALL_TOKENS = 40  # a Hermes call of get_weather is 31 tokens with its EOS
 ANSWER_TOKENS = 10
 
 
-def profile() -> Profile:
-    """A hand-written profile (no measuring at start-up): 10 ms per iteration, ample copy bandwidth."""
-    bytes_per_token = 2 * 30 * 3 * 64 * 4
-    return Profile(model="test", device="cpu", dtype="float32", bytes_per_token=bytes_per_token, block_size=16,
-                   t_fwd_samples=((1, 0.01), (64, 0.01), (128, 0.02)), d2h_bytes_per_s=1e9, h2d_bytes_per_s=1e9,
-                   saturation_point=64)
-
-
-class LiveServer:
-    """build_app + uvicorn in a thread on a free loopback port; `url` is the OpenAI base URL."""
-
-    def __init__(self, model_dir: str, policy: str, **settings):
-        import uvicorn
-
-        engine = Engine(model_dir, dtype="float32", kv_cache_gb=0.06, host_kv_gb=0.02, max_num_batched_tokens=512,
-                        policy=policy, profile=profile(), progress=False, num_threads=1)
-        self.async_engine = AsyncEngine(engine)
-        self.engine = engine
-        self.app = build_app(self.async_engine, ServerSettings(served_model_name=MODEL, **settings))
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
-                                                    lifespan="on", timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.base = f"http://127.0.0.1:{port}"
-        self.url = self.base + "/v1"
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0, timeout=60)
-
-    def async_client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.url, api_key="unused", max_retries=0, timeout=60)
-
-    def on_engine(self, fn):
-        """Run `fn` on the engine thread, between steps."""
-        async def run():
-            return await self.async_engine.call(fn)
-        return asyncio.run(run())
-
-    def engine_state(self) -> dict:
-        def read():
-            bm, sched = self.engine.block_manager, self.engine.scheduler
-            bm.check_integrity()
-            return {"requests": {rid: r.status.value for rid, r in sched.requests.items()},
-                    "tables": {rid for rid, t in list(bm.tables.items()) + list(bm.host_tables.items()) if t},
-                    "free": bm.num_free_blocks, "total": bm.device.num_blocks,
-                    "host_free": bm.num_free_host_blocks, "host_total": bm.host.num_blocks}
-        return self.on_engine(read)
-
-    def assert_no_leak(self, timeout: float = 15.0) -> dict:
-        """Nothing runs; every request the engine still holds is a paused generation the registry knows;
-        only those hold blocks (block_manager.check_integrity passes on the engine thread)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            state = self.engine_state()
-            if all(s == "intercepted" for s in state["requests"].values()) or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        assert all(s == "intercepted" for s in state["requests"].values()), state["requests"]
-        registered = {e.request_id for e in self.app.state.registry.paused()}
-        assert set(state["requests"]) == registered
-        assert state["tables"] <= registered
-        if not registered:
-            assert state["free"] == state["total"] and state["host_free"] == state["host_total"]
-        return state
-
-    def abort_paused(self) -> None:
-        """Drop every paused generation (as the TTL would), so a test starts from an empty engine."""
-        registry = self.app.state.registry
-
-        async def clear():
-            for rid in registry.clear():
-                self.async_engine.abort(rid)
-        asyncio.run(clear())
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-
-
-@pytest.fixture(scope="module")
-def server(default_model_dir):
-    # preserve: a paused generation keeps its KV on the device whatever runs meanwhile, so how much of a
-    # resumed prompt is cached is deterministic (min-waste may rightly discard it; see discard_server).
-    live = LiveServer(default_model_dir, "preserve")
-    yield live
-    live.close()
-    assert not live.async_engine._running  # the lifespan shut the engine down
-
-
 @pytest.fixture(scope="module")
 def discard_server(default_model_dir):
     live = LiveServer(default_model_dir, "discard")
     yield live
     live.close()
-
-
-@pytest.fixture
-def srv(server):
-    """The shared server, leak-free before and after each test."""
-    server.abort_paused()
-    server.assert_no_leak()
-    yield server
-    server.abort_paused()
-    server.assert_no_leak()
 
 
 def greedy(**kw) -> dict:

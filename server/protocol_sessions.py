@@ -1,0 +1,37 @@
+"""Wire shapes of the native sessions API (`/v1/sessions`), our own: a stateful conversation whose
+generation stays paused in the engine while its tool calls run."""
+from __future__ import annotations
+
+from pydantic import Field
+
+from .protocol import InterceptOptions, Strict, ToolParam
+
+
+class SamplingDefaults(Strict):
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+
+
+class SessionCreateRequest(SamplingDefaults):
+    """The sampling fields are the session's defaults for every turn."""
+
+    model: str | None = None  # None = the served model
+    system: str | None = None
+    tools: list[ToolParam] | None = None  # the client runs these: their calls pause the session
+    server_tools: list[str] | None = None  # the server runs these itself (infercept.tools names)
+
+
+class ToolResult(Strict):
+    tool_call_id: str = Field(min_length=1)
+    content: str
+
+
+class SessionMessageRequest(SamplingDefaults):
+    """Exactly one of `content` (a user message) or `tool_results` (for a paused session); the sampling
+    fields override the session's defaults for this turn."""
+
+    content: str | None = None
+    tool_results: list[ToolResult] | None = Field(default=None, min_length=1)
+    stream: bool = False
+    intercept: InterceptOptions | None = None  # what the tool calls this turn may end in are (a hint)

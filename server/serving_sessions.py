@@ -1,0 +1,310 @@
+"""Native sessions under /v1/sessions: create, post a message or tool results, inspect, delete.
+
+A session is a conversation served turn by turn through the chat path (`ChatServing.open` /
+`end_turn`) under the session's id, so a turn that ends in tool calls stays paused in the engine and
+the post that brings their results resumes it (explicit continuation). Calls of *server tools* (named
+at creation, run by the server itself through the `infercept.tools` interface) never leave the server:
+when a turn calls only those, the server runs them while the generation waits paused, resumes it with
+the results and goes on, up to `MAX_SERVER_TOOL_ROUNDS` times per post.
+
+Errors per DESIGN §6: 404 for an unknown session, 409 for tool results to a session that is not paused,
+or any message while it generates, or a user message while it waits for tool results.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from starlette.requests import Request
+
+from .chat import Call, Message
+from .chat_wire import chat_message
+from .native_sessions import NativeSession, NativeSessionStore
+from .protocol import APIError, ChatCompletionRequest, ToolParam, bad_request, new_id, now
+from .protocol_sessions import SessionCreateRequest, SessionMessageRequest
+from .serving_base import StreamResponse, logger, run_until_disconnect
+from .serving_chat import ChatContext, ChatServing, TurnResult
+from .sessions import SessionRegistry
+
+MAX_SERVER_TOOL_ROUNDS = 8  # server-tool calls answered per post before the session pauses anyway
+
+Emit = Callable[[str, dict], None]
+
+
+def builtin_tool(name: str):
+    """The server tool called `name` (KeyError if there is none)."""
+    # Imported on use: infercept.tools is a sibling package the server does not need to start.
+    from infercept.tools import get_tool
+
+    return get_tool(name)
+
+
+def _call_view(call: Call, session: NativeSession) -> dict:
+    return {"id": call.id, "name": call.name, "arguments": call.arguments, "server": call.name in session.server_tools}
+
+
+class SessionServing:
+    def __init__(self, chat: ChatServing, store: NativeSessionStore, registry: SessionRegistry,
+                 tool_lookup: Callable[[str], Any] = builtin_tool):
+        self.chat = chat
+        self.store = store
+        self.registry = registry
+        self.tool_lookup = tool_lookup
+
+    # -- create, inspect, delete -------------------------------------------------------------------
+    async def create(self, req: SessionCreateRequest) -> Response:
+        model = req.model or self.chat.model_name
+        self.chat.check_model(model)
+        tools = list(req.tools or ())
+        names = {t.function.name for t in tools}
+        server_tools = {}
+        for name in req.server_tools or ():
+            try:
+                tool = self.tool_lookup(name)
+            except KeyError:
+                raise bad_request(f"unknown server tool {name!r}", param="server_tools") from None
+            if name in names:
+                raise bad_request(f"tool {name!r} is both a client tool and a server tool", param="server_tools")
+            names.add(name)
+            server_tools[name] = tool
+            tools.append(ToolParam.model_validate({"type": "function", "function": {
+                "name": tool.name, "description": tool.description, "parameters": tool.parameters}}))
+        if len(names) != len(tools):
+            raise bad_request("tool names must be unique", param="tools")
+        session = NativeSession(new_id("sess_"), model, req.system, tuple(tools), server_tools,
+                                req.model_dump(include={"temperature", "top_p", "max_tokens"}), created_at=now())
+        for evicted in self.store.add(session):
+            self._release_paused(evicted.session_id, reason="over the session limit")
+        return JSONResponse(self._view(session, kv=None))
+
+    async def retrieve(self, session_id: str) -> Response:
+        session = self._get(session_id)
+        request_id = session.request_id
+        if request_id is None:
+            named = self.registry.get_session(session_id)
+            request_id = named.paused_request_id if named is not None else None
+        return JSONResponse(self._view(session, kv=await self._kv_location(request_id)))
+
+    async def delete(self, session_id: str) -> Response:
+        session = self.store.pop(session_id)
+        if session is None:
+            raise self._not_found(session_id)
+        if session.task is not None and not session.task.done():
+            session.task.cancel()  # its turn's cleanup aborts the generation
+            await asyncio.wait([session.task])
+        self._release_paused(session_id, reason=f"session {session_id} deleted")
+        return JSONResponse({"id": session_id, "object": "session.deleted", "deleted": True})
+
+    def expire(self) -> None:
+        """Forget sessions idle past the TTL, releasing their paused generations (the app's reaper)."""
+        for session in self.store.expire():
+            self._release_paused(session.session_id, reason="session TTL expired")
+
+    def _release_paused(self, session_id: str, reason: str) -> None:
+        named = self.registry.get_session(session_id)
+        if named is not None and named.paused_request_id is not None:
+            entry = self.registry.take(named.paused_request_id)
+            if entry is not None:
+                self.chat.abort_all([entry.request_id], reason=reason)
+
+    async def _kv_location(self, request_id: str | None) -> dict[str, int]:
+        engine = self.chat.async_engine.engine
+        if request_id is not None:
+            with contextlib.suppress(KeyError):  # the generation ended (or was aborted) meanwhile
+                return await self.chat.async_engine.call(lambda: engine.kv_location(request_id))
+        return {"device": 0, "host": 0, "discarded": 0}
+
+    def _get(self, session_id: str) -> NativeSession:
+        session = self.store.get(session_id)
+        if session is None:
+            raise self._not_found(session_id)
+        return session
+
+    @staticmethod
+    def _not_found(session_id: str) -> APIError:
+        return APIError(404, f"unknown session {session_id!r}", param="session_id", code="session_not_found")
+
+    @staticmethod
+    def _view(session: NativeSession, kv: dict[str, int] | None) -> dict:
+        view = {"id": session.session_id, "object": "session", "created_at": session.created_at,
+                "model": session.model, "state": session.state, "system": session.system,
+                "tools": [t.function.name for t in session.tools if t.function.name not in session.server_tools],
+                "server_tools": list(session.server_tools), "defaults": session.defaults,
+                "messages": [chat_message(m) for m in session.messages],
+                "pending_calls": [_call_view(c, session) for c in session.pending_calls]}
+        if kv is not None:
+            view["kv"] = kv  # context tokens of the session's generation by where their KV lives
+        return view
+
+    # -- posting a message -------------------------------------------------------------------------
+    async def post(self, session_id: str, req: SessionMessageRequest, raw: Request) -> Response:
+        session = self._get(session_id)
+        if (req.content is None) == (req.tool_results is None):
+            raise bad_request("give exactly one of content (a user message) or tool_results")
+        if session.state == "generating":
+            raise APIError(409, f"session {session_id!r} is generating a turn", code="session_busy")
+        if req.tool_results is not None:
+            if session.state != "paused":
+                raise APIError(409, f"session {session_id!r} is not paused at tool calls", param="tool_results",
+                               code="session_not_paused")
+            new = [Message("tool", r.content, tool_call_id=r.tool_call_id) for r in req.tool_results]
+        else:
+            if session.state == "paused":
+                raise APIError(409, f"session {session_id!r} waits for the results of its tool calls "
+                               f"({', '.join(c.id for c in session.pending_calls)})", code="session_paused")
+            new = [Message("user", req.content)]
+
+        before = session.state
+        session.state = "generating"
+        try:
+            opened = await self._open(session, session.messages + new, req, raw)
+        except BaseException:
+            session.state = before
+            raise
+        events: asyncio.Queue[tuple[str, dict] | None] = asyncio.Queue()
+        emit: Emit = (lambda kind, data: events.put_nowait((kind, data))) if req.stream else (lambda *_: None)
+        session.task = asyncio.create_task(self._converse(session, before, new, opened, req, raw, emit))
+        if req.stream:
+            return StreamResponse(self._sse(session, session.task, events), self._cancel_task(session.task),
+                                  {"X-Session-Id": session_id})
+        body = await run_until_disconnect(raw, self._outcome(session, session.task))
+        if body is None:
+            return Response(status_code=499)
+        return JSONResponse(body, headers={"X-Session-Id": session_id})
+
+    async def _open(self, session: NativeSession, messages: list[Message], req: SessionMessageRequest,
+                    raw: Request) -> tuple[ChatContext, Callable]:
+        """Open a turn of `messages` through the chat path, under the session's id."""
+        system = [Message("system", session.system)] if session.system else []
+        sampling = {k: v for k, v in session.defaults.items() if v is not None}
+        sampling.update(req.model_dump(include={"temperature", "top_p", "max_tokens"}, exclude_none=True))
+        try:
+            chat_req = ChatCompletionRequest.model_validate(dict(
+                model=session.model, messages=[chat_message(m) for m in system + messages],
+                tools=[t.model_dump() for t in session.tools] or None, session_id=session.session_id,
+                intercept=req.intercept, temperature=sampling.get("temperature"), top_p=sampling.get("top_p"),
+                max_completion_tokens=sampling.get("max_tokens")))
+        except ValidationError as e:
+            raise bad_request(f"the session's conversation is not valid: {e.errors()[0]['msg']}") from None
+        return await self.chat.open(chat_req, raw)
+
+    async def _converse(self, session: NativeSession, before: str, new: list[Message],
+                        opened: tuple[ChatContext, Callable], req: SessionMessageRequest, raw: Request,
+                        emit: Emit) -> dict:
+        """Serve turns until one ends without server-tool calls; the session moves on only if all succeed."""
+        messages = session.messages + new
+        steps = []
+        try:
+            for rounds in range(MAX_SERVER_TOOL_ROUNDS + 1):
+                ctx, cleanup = opened
+                session.request_id = ctx.turn.request_id
+                try:
+                    result, last = await self._serve_turn(ctx, emit)
+                finally:
+                    await cleanup()
+                    session.request_id = None
+                messages.append(result.message)
+                steps.append({"prompt_tokens": len(ctx.turn.prompt_ids), "cached_tokens": ctx.turn.cached_tokens,
+                              "completion_tokens": len(last.token_ids), "finish_reason": result.finish_reason})
+                for call in result.calls:
+                    emit("tool_call", _call_view(call, session))
+                if not result.calls or rounds == MAX_SERVER_TOOL_ROUNDS \
+                        or any(c.name not in session.server_tools for c in result.calls):
+                    break
+                outputs = await asyncio.gather(*(self._run_tool(session, c) for c in result.calls))
+                for call, output in zip(result.calls, outputs):
+                    emit("tool_result", {"tool_call_id": call.id, "name": call.name, "content": output})
+                    messages.append(Message("tool", output, tool_call_id=call.id))
+                opened = await self._open(session, messages, req, raw)
+        except BaseException:
+            session.state = before
+            raise
+        finally:
+            session.task = None
+        session.messages = messages
+        session.state = "paused" if result.calls else "idle"
+        if result.calls:
+            emit("paused", {"pending_calls": [_call_view(c, session) for c in result.calls]})
+        prompt = sum(s["prompt_tokens"] for s in steps)
+        completion = sum(s["completion_tokens"] for s in steps)
+        return {"session_id": session.session_id, "state": session.state, "message": chat_message(result.message),
+                "finish_reason": result.finish_reason,
+                "pending_calls": [_call_view(c, session) for c in session.pending_calls], "steps": steps,
+                "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                          "prompt_tokens_details": {"cached_tokens": sum(s["cached_tokens"] for s in steps)}}}
+
+    async def _serve_turn(self, ctx: ChatContext, emit: Emit) -> tuple[TurnResult, Any]:
+        streamed, last = "", None
+        async for out in ctx.turn.outputs():
+            last = out
+            if out.turn_done:
+                break
+            visible = self.chat.streamable_text(ctx, out.text)
+            if len(visible) > len(streamed) and visible.startswith(streamed):
+                emit("delta", {"content": visible[len(streamed):]})
+                streamed = visible
+        result = self.chat.end_turn(ctx, last)
+        content = result.content or ""
+        if len(content) > len(streamed) and content.startswith(streamed):
+            emit("delta", {"content": content[len(streamed):]})
+        return result, last
+
+    @staticmethod
+    async def _run_tool(session: NativeSession, call: Call) -> str:
+        """A server tool's result; a failure is reported to the model as the result, so it can answer."""
+        arguments = call.arguments_value()
+        if not isinstance(arguments, dict):
+            return f"error: the arguments of {call.name} are not a JSON object"
+        try:
+            return str(await session.server_tools[call.name].run(arguments))
+        except Exception as e:
+            logger.info("server tool %s failed: %s", call.name, e)
+            return f"error: {e}"
+
+    # -- answering ---------------------------------------------------------------------------------
+    async def _outcome(self, session: NativeSession, task: asyncio.Task) -> dict:
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if task.cancelled() and session.session_id not in self.store:
+                raise APIError(409, f"session {session.session_id!r} was deleted while generating",
+                               code="session_deleted") from None
+            raise
+
+    async def _sse(self, session: NativeSession, task: asyncio.Task,
+                   events: asyncio.Queue) -> AsyncIterator[dict]:
+        """Events as the turn produces them, then `done` with the outcome (or `error`)."""
+        waiter = asyncio.ensure_future(self._outcome(session, task))
+        try:
+            while True:
+                getter = asyncio.ensure_future(events.get())
+                await asyncio.wait({getter, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    kind, data = getter.result()
+                    yield {"event": kind, "data": json.dumps(data, ensure_ascii=False)}
+                    continue
+                getter.cancel()
+                while not events.empty():
+                    kind, data = events.get_nowait()
+                    yield {"event": kind, "data": json.dumps(data, ensure_ascii=False)}
+                yield {"event": "done", "data": json.dumps(waiter.result(), ensure_ascii=False)}
+                return
+        except APIError as e:
+            yield {"event": "error", "data": json.dumps(e.body())}
+        except Exception as e:  # an engine failure mid-stream: report it in the stream, never hang
+            logger.exception("session %s failed mid-stream", session.session_id)
+            yield {"event": "error", "data": json.dumps(APIError(500, f"internal error: {e}").body())}
+
+    @staticmethod
+    def _cancel_task(task: asyncio.Task) -> Callable:
+        async def cancel() -> None:
+            """The stream ended: a turn still running (its client is gone) is cancelled, which aborts it."""
+            if not task.done():
+                task.cancel()
+                await asyncio.wait([task])
+        return cancel
