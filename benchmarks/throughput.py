@@ -91,7 +91,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model_dir = args.model or ensure_default_model()
     dtype = resolve_dtype(args.dtype, None)
-    llm = LLM(model_dir, dtype=dtype, kv_cache_gb=1.0, max_num_batched_tokens=args.max_num_batched_tokens)
+    # No prefix caching: the warm-up runs share prompts with the measured runs, which must compute everything.
+    llm = LLM(model_dir, dtype=dtype, kv_cache_gb=1.0, max_num_batched_tokens=args.max_num_batched_tokens,
+              enable_prefix_caching=False)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 
     rows = []

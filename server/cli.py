@@ -38,6 +38,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--policy", default=_env("POLICY", "infercept"),
                    help="how paused requests keep their KV: infercept (min-waste, default), preserve, swap, "
                         "discard, improved-discard, prefix-cache, or a Figure 3 ablation step")
+    g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   default=_env("PREFIX_CACHING", "1").lower() not in ("0", "false", "no", "off"),
+                   help="do not keep freed KV blocks addressable by content (INFERCEPT_PREFIX_CACHING=0)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -46,7 +49,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 host_kv_gb=args.host_kv_gb, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs,
                 max_model_len=None if args.max_model_len is None else int(args.max_model_len),
-                num_threads=None if args.threads is None else int(args.threads), policy=args.policy)
+                num_threads=None if args.threads is None else int(args.threads), policy=args.policy,
+                enable_prefix_caching=args.prefix_caching)
 
 
 def cmd_download(args: argparse.Namespace) -> None:

@@ -31,6 +31,10 @@ class EngineSnapshot:
     device_blocks_used: int = 0
     host_blocks_total: int = 0
     host_blocks_used: int = 0
+    prefix_queried_blocks: int = 0
+    prefix_hit_blocks: int = 0
+    prefix_evicted_blocks: int = 0
+    prefix_cached_blocks: int = 0
     num_running: int = 0
     num_waiting: int = 0
     paused_by_state: dict[str, int] = field(default_factory=dict)
@@ -55,6 +59,8 @@ def snapshot_engine(engine) -> EngineSnapshot:
         num_discarded_tokens=stats.num_discarded_tokens, memory_waste_byte_seconds=stats.memory_waste_byte_seconds,
         device_blocks_total=bm.device.num_blocks, device_blocks_used=bm.device.num_blocks - bm.num_free_blocks,
         host_blocks_total=bm.host.num_blocks, host_blocks_used=bm.host.num_blocks - bm.num_free_host_blocks,
+        prefix_queried_blocks=bm.device.counters.queried, prefix_hit_blocks=bm.device.counters.hits,
+        prefix_evicted_blocks=bm.device.counters.evictions, prefix_cached_blocks=bm.device.num_cached,
         num_running=len(sched.running) + len(sched.swapped), num_waiting=len(sched.waiting),
         paused_by_state=by_state, paused_tokens_by_location=tokens)
 
@@ -93,6 +99,16 @@ class _EngineCollector:
                     s.device_blocks_used / s.device_blocks_total if s.device_blocks_total else 0.0)
         yield gauge("infercept_kv_host_blocks_total", "Host KV pool size in blocks", s.host_blocks_total)
         yield gauge("infercept_kv_host_blocks_used", "Host KV blocks in use", s.host_blocks_used)
+        yield counter("infercept_prefix_cache_queried_blocks", "Full prompt blocks looked up in the prefix cache",
+                      s.prefix_queried_blocks)
+        yield counter("infercept_prefix_cache_hit_blocks", "Looked-up blocks found cached and reused",
+                      s.prefix_hit_blocks)
+        yield counter("infercept_prefix_cache_miss_blocks", "Looked-up blocks not cached (computed)",
+                      s.prefix_queried_blocks - s.prefix_hit_blocks)
+        yield counter("infercept_prefix_cache_evicted_blocks", "Cached blocks reused for new content",
+                      s.prefix_evicted_blocks)
+        yield gauge("infercept_prefix_cache_blocks", "Device blocks addressable by content (in use or evictable)",
+                    s.prefix_cached_blocks)
         yield gauge("infercept_requests_running", "Requests running or swapping in", s.num_running)
         yield gauge("infercept_requests_waiting", "Requests waiting to be scheduled", s.num_waiting)
         paused = GaugeMetricFamily("infercept_paused_requests", "Paused generations by where their KV lives",

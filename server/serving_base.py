@@ -148,9 +148,7 @@ class BaseServing:
         """
         if entry is not None:
             appended = prompt_ids[len(entry.token_ids):]
-            engine = self.async_engine.engine
             try:
-                location = await self.async_engine.call(lambda: engine.kv_location(entry.request_id))
                 stream = self.async_engine.resume(entry.request_id, appended, params)
                 first = await anext(stream)
             except (KeyError, ValueError) as e:
@@ -159,8 +157,9 @@ class BaseServing:
                 self.async_engine.abort(entry.request_id)
             else:
                 self._observe_ttft(started)
-                return EngineTurn(entry.request_id, prompt_ids, stream, first,
-                                  cached_tokens=location["device"] + location["host"], resumed=True, started=started)
+                # Reused: the paused KV on the device or host, or what the prefix cache kept of a discarded one.
+                return EngineTurn(entry.request_id, prompt_ids, stream, first, cached_tokens=first.num_cached_tokens,
+                                  resumed=True, started=started)
         stream = self.async_engine.generate(prompt_ids, params, request_id, intercept)
         try:
             first = await anext(stream)
@@ -169,7 +168,7 @@ class BaseServing:
         except RuntimeError as e:
             raise APIError(503, str(e), headers={"Retry-After": "5"}) from None
         self._observe_ttft(started)
-        return EngineTurn(request_id, prompt_ids, stream, first, started=started)
+        return EngineTurn(request_id, prompt_ids, stream, first, cached_tokens=first.num_cached_tokens, started=started)
 
     def _observe_ttft(self, started: float) -> None:
         """The engine reports a request once it has its first token: that is the time to first token."""

@@ -184,7 +184,9 @@ class FakeRunner:
     def __init__(self, scheduler: Scheduler, block_size: int):
         self.scheduler = scheduler
         self.block_size = block_size
-        self.kv: dict[int, tuple[str, int, int]] = {}  # slot -> (request id, position, token)
+        # slot -> (position, the context up to it): what a KV entry depends on, so two requests with the
+        # same prefix may read each other's entries and nothing else.
+        self.kv: dict[int, tuple[int, tuple[int, ...]]] = {}
 
     def slot(self, table: list[int], pos: int) -> int:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -194,8 +196,6 @@ class FakeRunner:
         config = sched.config
         assert out.num_batched_tokens <= config.max_num_batched_tokens
         assert len({c.request_id for c in out.chunks}) == len(out.chunks)
-        blocks_in_step = [b for c in out.chunks for b in c.block_table]
-        assert len(blocks_in_step) == len(set(blocks_in_step)), "two requests share a block"
         sampled = {}
         for c in out.chunks:
             request = sched.requests[c.request_id]
@@ -209,10 +209,14 @@ class FakeRunner:
             assert c.sample == (end == request.num_tokens)
             assert c.num_output_tokens == request.num_output_tokens
             for pos in range(c.start_pos):  # the context must still be where it was written
-                assert self.kv.get(self.slot(c.block_table, pos)) == (c.request_id, pos, request.token_ids[pos]), (
+                assert self.kv.get(self.slot(c.block_table, pos)) == (pos, tuple(request.token_ids[:pos + 1])), (
                     f"{c.request_id}: KV of position {pos} lost")
+            pool = sched.blocks.device
+            for i in range(c.start_pos // self.block_size, -(-end // self.block_size)):
+                b = c.block_table[i]  # written this step: nobody else may read it, the cache may not name it
+                assert pool.ref_counts[b] == 1 and pool.block_hash[b] is None, f"{c.request_id} writes shared block {b}"
             for pos in range(c.start_pos, end):
-                self.kv[self.slot(c.block_table, pos)] = (c.request_id, pos, request.token_ids[pos])
+                self.kv[self.slot(c.block_table, pos)] = (pos, tuple(request.token_ids[:pos + 1]))
             if c.sample:
                 sampled[c.request_id] = SampledToken(SAMPLED)
         return RunnerOutput(sampled=sampled)
@@ -220,7 +224,7 @@ class FakeRunner:
 
 def check_scheduler_state(sched: Scheduler, bm: BlockManager) -> None:
     bm.check_integrity()
-    assert bm.num_free_blocks + sum(len(t) for t in bm.tables.values()) == bm.device.num_blocks
+    assert bm.num_free_blocks + len({b for t in bm.tables.values() for b in t}) == bm.device.num_blocks
     assert len(sched.running) <= sched.config.max_num_seqs
     assert set(sched.requests) == {r.request_id for r in sched.running + sched.waiting}
     assert not set(r.request_id for r in sched.running) & set(r.request_id for r in sched.waiting)
@@ -242,30 +246,33 @@ def workloads(draw):
     num_blocks = draw(st.integers(2, 8))
     capacity = num_blocks * BLOCK_SIZE
     n = draw(st.integers(1, 8))
+    # Prompts of one family share their first `shared` tokens: the prefix cache lets them share blocks.
+    num_families, shared = draw(st.integers(1, 3)), draw(st.integers(0, 2 * BLOCK_SIZE))
     requests = []
     for i in range(n):
         # Every request fits the pool on its own (prompt + all outputs); together they usually don't.
         max_tokens = draw(st.integers(1, min(12, capacity - 1)))
         prompt_len = draw(st.integers(1, capacity - max_tokens))
         arrive_step = draw(st.integers(0, 10))
-        requests.append((prompt_len, max_tokens, arrive_step))
+        requests.append((prompt_len, max_tokens, arrive_step, i % num_families))
     aborts = draw(st.lists(st.tuples(st.integers(0, 40), st.integers(0, n - 1), st.booleans()), max_size=3))
     budget = draw(st.integers(1, 24))
     max_num_seqs = draw(st.integers(1, 6))
-    return num_blocks, requests, aborts, budget, max_num_seqs
+    caching = draw(st.booleans())
+    return num_blocks, requests, aborts, budget, max_num_seqs, shared, caching
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_scheduler_with_fake_runner(workload):
-    num_blocks, specs, aborts, budget, max_num_seqs = workload
-    bm = BlockManager(num_blocks, 0, BLOCK_SIZE)
+    num_blocks, specs, aborts, budget, max_num_seqs, shared, caching = workload
+    bm = BlockManager(num_blocks, 0, BLOCK_SIZE, enable_caching=caching)
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                       max_model_len=1 << 20), bm)
     runner = FakeRunner(sched, BLOCK_SIZE)
     requests = {}
-    for i, (prompt_len, max_tokens, _) in enumerate(specs):
-        prompt = [100 + i * 1000 + j for j in range(prompt_len)]
+    for i, (prompt_len, max_tokens, _, family) in enumerate(specs):
+        prompt = [100 + (family * 1000 + j if j < shared else i * 1000 + j) for j in range(prompt_len)]
         requests[f"q{i}"] = Request(f"q{i}", prompt, SamplingParams(temperature=0, max_tokens=max_tokens,
                                                                    ignore_eos=True),
                                     eos_token_ids=frozenset({SAMPLED}), arrival_time=float(i))
@@ -277,10 +284,10 @@ def test_scheduler_with_fake_runner(workload):
     finished: dict[str, Request] = {}
     step = 0
     while step < 5000:
-        for i, (_, _, arrive) in enumerate(specs):
+        for i, (_, _, arrive, _) in enumerate(specs):
             if arrive == step:
                 sched.add(requests[f"q{i}"])
-        if step > max(a for _, _, a in specs) and not sched.has_unfinished():
+        if step > max(spec[2] for spec in specs) and not sched.has_unfinished():
             break
         out = sched.schedule()
         check_scheduler_state(sched, bm)
@@ -298,6 +305,7 @@ def test_scheduler_with_fake_runner(workload):
         step += 1
     assert not sched.has_unfinished(), f"still unfinished after {step} steps: livelock"
     event("preempted" if any(r.num_preemptions for r in requests.values()) else "no preemption")
+    event("prefix reused" if bm.device.counters.hits else "no reuse")
 
     for rid, request in requests.items():
         if rid in aborted:

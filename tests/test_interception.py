@@ -65,7 +65,7 @@ def assert_all_free(engine: Engine) -> None:
 @pytest.fixture(scope="module")
 def fresh_reference(default_model_dir):
     """Greedy continuation of the whole conversation, computed from scratch with no interception."""
-    engine = make_engine(default_model_dir, "preserve", kv_cache_gb=0.1)
+    engine = make_engine(default_model_dir, "preserve", kv_cache_gb=0.1, enable_prefix_caching=False)
     cache = {}
 
     def run(token_ids: list[int], n: int) -> list[int]:
