@@ -5,6 +5,15 @@ seconds they sit idle, so every function returns byte·seconds. ``M`` cancels wh
 same request are compared, but it is kept so the numbers mean something on their own (metrics,
 benchmarks). ``t_fwd`` and ``t_swap`` are callables, normally `Profile.t_fwd` and `Profile.t_swap`.
 
+Lazy discard (prefix caching): a discarded context's blocks stay cached until the allocator evicts
+them, so the recompute a discard actually costs is only the evicted part, between zero and the
+full ``C``. The waste model keeps charging the full recompute on purpose. Survival depends on how many
+blocks are allocated before the resume, and the policy discards mostly under memory pressure, exactly
+when the evictable blocks are taken first; counting a survival probability would tilt decisions
+toward discarding in the cases where that is least safe. So the model is an upper bound on discard's
+waste, decisions are the paper's, and lazy discard only makes the outcome of a discard cheaper
+(measured as `infercept_prefix_cache_hit_blocks` and a lower recompute share).
+
 Notation: ``C`` context tokens of the paused request, ``C_other`` tokens held by the other running
 requests, ``C_batch`` tokens held by the whole batch, ``T_int`` interception time, ``n`` recompute chunks.
 """
