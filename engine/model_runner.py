@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from .attention import AttentionMetadata, PrefillSpan, VarlenMetadata, flash_attn_varlen
+from .guided_decoding import GuidedDecoder
 from .kv_cache import KVCache
 from .models.llama import LlamaForCausalLM
 from .outputs import RunnerOutput, SchedulerOutput
@@ -12,8 +13,10 @@ from .sampler import sample
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device,
-                 eos_token_ids: frozenset[int], seed: int = 0):
+                 eos_token_ids: frozenset[int], seed: int = 0, tokenizer=None):
         self.model = model
+        # Grammar-constrained sampling needs the tokenizer (token bytes); without one, no grammars.
+        self.guided = GuidedDecoder(tokenizer, eos_token_ids) if tokenizer is not None else None
         self.kv_cache = kv_cache
         self.device = device
         self.block_size = kv_cache.block_size
@@ -104,6 +107,8 @@ class ModelRunner:
     def run(self, output: SchedulerOutput) -> RunnerOutput:
         for request_id in output.finished_request_ids:
             self.generators.pop(request_id, None)
+            if self.guided is not None:
+                self.guided.free(request_id)
         # Copies first, swap-out before swap-in: a block freed by a swap-out may be refilled in this
         # step. On CUDA they are queued on the compute stream, so ordering with the forward is free.
         self.kv_cache.copy_blocks_out(output.swap_out)
@@ -126,7 +131,10 @@ class ModelRunner:
         params = [c.sampling_params for c in to_sample]
         generators = [self._generator(c.request_id, c.sampling_params.seed) for c in to_sample]
         banned = [self._banned(c) for c in to_sample]
-        tokens = sample(logits, params, generators, banned)
+        allowed = self.guided.allowed_tokens(to_sample, logits.shape[-1]) if self.guided is not None else None
+        tokens = sample(logits, params, generators, banned, allowed)
+        if allowed is not None:
+            self.guided.accept(to_sample, tokens)
         return RunnerOutput(sampled={c.request_id: t for c, t in zip(to_sample, tokens)})
 
     def _banned(self, chunk) -> list[int]:

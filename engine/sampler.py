@@ -1,10 +1,21 @@
-"""Turn logits into next tokens: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
+"""Turn logits into next tokens: greedy, temperature, top-k, top-p, per-request seeds, logprobs, and
+grammar masks (engine/guided_decoding.py)."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from .outputs import SampledToken
 from .sampling_params import SamplingParams
+
+
+@dataclass
+class AllowedTokens:
+    """The tokens a grammar allows next, for some rows of the logits."""
+
+    rows: list[int]  # rows of the logits that are constrained
+    mask: torch.Tensor  # [len(rows), V] bool on the CPU; True = allowed
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -23,11 +34,16 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           banned: list[list[int]]) -> list[SampledToken]:
-    """logits: [B, V] fp32, one row per request to sample; banned: token ids forbidden per row."""
+           banned: list[list[int]], allowed: AllowedTokens | None = None) -> list[SampledToken]:
+    """logits: [B, V] fp32, one row per request to sample; banned: token ids forbidden per row;
+    allowed: grammar masks. Both act before everything else, so top-k/top-p, the random draw and
+    the logprobs all see only the tokens that may follow."""
     for row, ids in enumerate(banned):
         if ids:
             logits[row, ids] = float("-inf")
+    if allowed is not None:
+        rows = torch.tensor(allowed.rows, device=logits.device)
+        logits[rows] = logits[rows].masked_fill(~allowed.mask.to(logits.device), float("-inf"))
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:

@@ -2,6 +2,28 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GuidedDecodingParams:
+    """Constrain what a request generates in each turn to a grammar: a Lark grammar (llguidance's
+    dialect, which may embed JSON schemas with ``%json {...}``) or a JSON schema. Exactly one is given.
+
+    The grammar is compiled once here, so a grammar error is a ValueError when the request is made,
+    never a failure in the middle of a step (engine/guided_decoding.py enforces it while decoding).
+    """
+
+    lark: str | None = None
+    json_schema: dict[str, Any] | str | None = None
+    grammar: str = field(init=False, repr=False, compare=False)  # llguidance's serialized grammar
+
+    def __post_init__(self):
+        from .guided_decoding import compile_grammar
+
+        if (self.lark is None) == (self.json_schema is None):
+            raise ValueError("guided decoding takes exactly one of lark and json_schema")
+        object.__setattr__(self, "grammar", compile_grammar(self.lark, self.json_schema))
 
 
 @dataclass
@@ -17,6 +39,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k: the sampled token's logprob plus the top k
     skip_special_tokens: bool = True
+    guided: GuidedDecodingParams | None = None  # every turn's output must match this grammar
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -35,6 +58,9 @@ class SamplingParams:
             raise ValueError("logprobs must be between 0 and 20")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.guided is not None and (self.min_tokens or self.ignore_eos):
+            # Both would hold back the end-of-sequence token where the grammar allows nothing else.
+            raise ValueError("a grammar decides where the output ends: min_tokens and ignore_eos do not combine with it")
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,128 @@
+"""Grammar-constrained decoding (engine/guided_decoding.py) on the real model: what comes out matches
+the grammar, a grammar that allows everything changes nothing, and matchers follow the request's turns.
+The server's use of it (forced tool calls, streamed arguments) is tested in test_server.py."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+
+from infercept.engine import SamplingParams
+from infercept.engine.guided_decoding import unpack_bitmask
+from infercept.engine.request import InterceptParams
+from infercept.engine.sampling_params import GuidedDecodingParams
+
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+SCHEMAS = {
+    "flat": {"type": "object", "additionalProperties": False, "required": ["name", "age", "color"], "properties": {
+        "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "color": {"enum": ["red", "green", "blue"]}}},
+    "nested": {"type": "object", "additionalProperties": False, "required": ["city"], "properties": {
+        "city": {"type": "object", "additionalProperties": False, "required": ["name", "population"], "properties": {
+            "name": {"type": "string", "maxLength": 10}, "population": {"type": "integer", "minimum": 0,
+                                                                        "maximum": 10 ** 8}}}}},
+    "array": {"type": "object", "additionalProperties": False, "required": ["tags"], "properties": {
+        "tags": {"type": "array", "minItems": 1, "maxItems": 3, "items": {"type": "string", "maxLength": 8}}}},
+}
+QUESTIONS = {"flat": "Describe a person as JSON.", "nested": "Give me a city and its population as JSON.",
+             "array": "List some tags for a blog post about cooking, as JSON."}
+
+
+def chat_prompt(tokenizer, question: str) -> str:
+    return tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                         tokenize=False)
+
+
+def drain(engine) -> list:
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    return outs
+
+
+def test_json_schema_outputs_always_validate(llm_fp32, engine):
+    prompts, params, schemas = [], [], []
+    for name, schema in SCHEMAS.items():
+        guided = GuidedDecodingParams(json_schema=schema | {"x-guidance": JSON_STYLE})
+        for sampling in (dict(temperature=0), dict(temperature=1.0, seed=7)):
+            prompts.append(chat_prompt(llm_fp32.tokenizer, QUESTIONS[name]))
+            params.append(SamplingParams(max_tokens=48, guided=guided, **sampling))
+            schemas.append(schema)
+    outs = llm_fp32.generate(prompts, params)  # one batch: guided rows side by side
+    for out, schema in zip(outs, schemas):
+        assert out.finish_reason == "stop", out.text  # the grammar ended, and then so did the request
+        jsonschema.validate(json.loads(out.text), schema)
+    assert not engine.runner.guided.matchers
+
+
+def test_a_grammar_that_allows_everything_changes_nothing(llm_fp32, engine):
+    prompt = chat_prompt(llm_fp32.tokenizer, "Write one sentence about the sea.")
+    free = SamplingParams(temperature=0, max_tokens=24, logprobs=2)
+    anything = SamplingParams(temperature=0, max_tokens=24, logprobs=2,
+                              guided=GuidedDecodingParams(lark="start: /(.|\\n)*/"))
+    plain, guided = llm_fp32.generate([prompt, prompt], [free, anything])
+    assert guided.token_ids == plain.token_ids and len(plain.token_ids) > 10
+    # Special tokens other than EOS are not text, so even this grammar excludes them: their tiny
+    # probability mass leaves the normalizer, and the logprobs move by about 1e-5.
+    assert [s.logprob for s in guided.logprobs] == pytest.approx([s.logprob for s in plain.logprobs], abs=1e-4)
+
+
+def test_each_turn_starts_its_own_grammar_and_matchers_are_freed(llm_fp32, engine):
+    """A resumed turn begins after appended (prompt) tokens: it follows the grammar of its own params."""
+    tokenizer = llm_fp32.tokenizer
+    city = {"type": "object", "required": ["city"], "additionalProperties": False,
+            "properties": {"city": {"type": "string", "maxLength": 10}}}
+    first = SamplingParams(temperature=0, max_tokens=24,
+                           guided=GuidedDecodingParams(json_schema=city | {"x-guidance": JSON_STYLE}))
+    rid = engine.add_request(chat_prompt(tokenizer, "Which city should I visit? Answer as JSON."), first,
+                             intercept=InterceptParams(pause_on_stop=True))
+    out = drain(engine)[-1]
+    assert out.paused and set(json.loads(out.text)) == {"city"}
+    assert rid not in engine.runner.guided.matchers  # its grammar ended with the turn
+
+    appended = tokenizer.encode("\n<|im_start|>user\nIs it sunny there?<|im_end|>\n<|im_start|>assistant\n",
+                                add_special_tokens=False)
+    second = SamplingParams(temperature=0, max_tokens=8,
+                            guided=GuidedDecodingParams(lark='start: "Answer: " ("yes" | "no") "."'))
+    engine.resume(rid, appended, second)
+    out = drain(engine)[-1]
+    assert out.paused and out.text in ("Answer: yes.", "Answer: no.")  # paused at its stop again
+    assert not engine.runner.guided.matchers
+    engine.abort(rid)
+
+
+def test_abort_frees_the_matcher(llm_fp32, engine):
+    params = SamplingParams(temperature=0, max_tokens=30,
+                            guided=GuidedDecodingParams(json_schema={"type": "array", "items": {"type": "integer"}}))
+    rid = engine.add_request(chat_prompt(llm_fp32.tokenizer, "Some numbers as a JSON array?"), params)
+    while rid not in engine.runner.guided.matchers:
+        engine.step()
+    engine.abort(rid)
+    engine.step()  # the runner hears of finished requests with the next scheduler output
+    assert rid not in engine.runner.guided.matchers
+
+
+@pytest.mark.parametrize("make", [
+    lambda: GuidedDecodingParams(lark="start: undefined_rule"),
+    lambda: GuidedDecodingParams(json_schema={"type": "no-such-type"}),
+    lambda: GuidedDecodingParams(),
+    lambda: GuidedDecodingParams(lark='start: "a"', json_schema={"type": "object"}),
+    lambda: SamplingParams(min_tokens=2, guided=GuidedDecodingParams(lark='start: "a"')),
+    lambda: SamplingParams(ignore_eos=True, guided=GuidedDecodingParams(lark='start: "a"')),
+])
+def test_bad_grammars_are_refused_up_front(make):
+    with pytest.raises(ValueError):
+        make()
+
+
+def test_unpack_bitmask_reads_bits_little_end_first():
+    bits = torch.zeros(2, 2, dtype=torch.int32)
+    bits[0, 0] = 1 << 3  # token 3
+    bits[1, 1] = -2 ** 31  # the sign bit of word 1: token 63
+    mask = unpack_bitmask(bits, 70)  # a model vocabulary padded past the tokenizer's 64
+    assert mask.shape == (2, 70)
+    assert mask[0].nonzero().flatten().tolist() == [3]
+    assert mask[1].nonzero().flatten().tolist() == [63]
+    assert unpack_bitmask(bits, 40).shape == (2, 40)
