@@ -29,8 +29,10 @@ from .protocol_responses import (DeletedResponse, FunctionCallItem, FunctionCall
                                  ResponseObject, ResponsesRequest, ResponseUsage, TextPart)
 from .responses_store import ResponseStore, StoredResponse
 from .serving_base import StreamResponse, logger, run_until_disconnect
-from .serving_chat import ARGUMENT_FRAGMENT_CHARS, ChatContext, ChatServing, TurnResult
+from .serving_chat import ChatContext, ChatServing, TurnResult
 from .sessions import SessionRegistry
+
+ARGUMENT_FRAGMENT_CHARS = 16  # a call's arguments stream in pieces of this size once the call is parsed
 
 # -- input items -> chat messages -------------------------------------------------------------------
 

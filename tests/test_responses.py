@@ -1,0 +1,225 @@
+"""POST/GET/DELETE /v1/responses against the live server, driven by the official `openai` SDK: a chained
+step resumes the paused generation (cached input ≥ 90%), streams follow the official event order, stored
+responses are bounded and expire, errors have OpenAI's shape, and the Responses example runs."""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from infercept.server.app import build_app
+from infercept.server.chat import Message
+from infercept.server.responses_store import ResponseStore, StoredResponse
+from infercept.server.settings import ServerSettings
+from live_server import MODEL
+
+TOOLS = [{"type": "function", "name": "get_weather", "description": "Get the current weather in a city",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+QUESTION = "What is the weather in Paris?"
+RESULT = '{"temperature": 21, "sky": "clear"}'
+GREEDY = dict(model=MODEL, temperature=0)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def call_step(client: openai.OpenAI, **kw):
+    first = client.responses.create(input=QUESTION, tools=TOOLS, max_output_tokens=40, **GREEDY, **kw)
+    assert first.status == "completed", first
+    (call,) = first.output
+    assert call.type == "function_call" and call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    assert call.call_id.startswith("call_") and call.id.startswith("fc_")
+    return first, call
+
+
+def assert_resumed(usage) -> None:
+    assert usage.input_tokens_details.cached_tokens >= 0.9 * usage.input_tokens, usage
+
+
+def test_chain_by_previous_response_id_resumes(srv):
+    client = srv.client()
+    first, call = call_step(client)
+    assert first.id.startswith("resp_") and first.usage.input_tokens_details.cached_tokens == 0
+    assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    state = srv.assert_no_leak()
+    assert list(state["requests"].values()) == ["intercepted"]  # paused, not finished
+
+    second = client.responses.create(previous_response_id=first.id, tools=TOOLS, max_output_tokens=10, **GREEDY,
+                                     input=[{"type": "function_call_output", "call_id": call.call_id, "output": RESULT}])
+    assert second.previous_response_id == first.id and second.output_text
+    assert second.status in ("completed", "incomplete")
+    assert_resumed(second.usage)
+    # The whole paused context was reused but its last token (sampled, never fed back).
+    assert second.usage.input_tokens_details.cached_tokens == first.usage.total_tokens - 1
+
+    # A third step chains onto the second: its conversation carries both earlier turns (tools, as in
+    # OpenAI's API, are not carried over: they are sent again).
+    third = client.responses.create(previous_response_id=second.id, input="Thanks!", tools=TOOLS,
+                                    max_output_tokens=4, **GREEDY)
+    assert third.usage.input_tokens > second.usage.input_tokens + second.usage.output_tokens
+    srv.assert_no_leak()
+
+
+def test_stateless_items_resume_and_store_false(srv):
+    client = srv.client()
+    first, call = call_step(client, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    # The client resends everything itself: the function_call item as returned, then its output.
+    items = [{"role": "user", "content": [{"type": "input_text", "text": QUESTION}]},
+             call.model_dump(exclude_none=True),
+             {"type": "function_call_output", "call_id": call.call_id, "output": RESULT}]
+    second = client.responses.create(input=items, tools=TOOLS, max_output_tokens=6, store=False, **GREEDY)
+    assert_resumed(second.usage)
+    srv.assert_no_leak()
+
+
+def events_of(stream) -> list:
+    events = list(stream)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    return events
+
+
+def test_streamed_events_follow_the_official_order(srv):
+    client = srv.client()
+    events = events_of(client.responses.create(input="Say hello.", max_output_tokens=6, stream=True, **GREEDY))
+    kinds = [e.type for e in events]
+    deltas = kinds.count("response.output_text.delta")
+    assert deltas >= 1
+    assert kinds == (["response.created", "response.in_progress", "response.output_item.added",
+                      "response.content_part.added"] + ["response.output_text.delta"] * deltas
+                     + ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                        "response.incomplete" if events[-1].response.status == "incomplete" else "response.completed"])
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert text == final.output_text == events[-4].text and final.usage.output_tokens <= 6
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    assert client.responses.retrieve(final.id).output_text == text
+
+    # A function call: its item, argument deltas, arguments done, item done, then completed.
+    events = events_of(client.responses.create(input=QUESTION, tools=TOOLS, max_output_tokens=40, stream=True,
+                                               **GREEDY))
+    kinds = [e.type for e in events]
+    deltas = kinds.count("response.function_call_arguments.delta")
+    assert deltas >= 1
+    assert kinds == (["response.created", "response.in_progress", "response.output_item.added"]
+                     + ["response.function_call_arguments.delta"] * deltas
+                     + ["response.function_call_arguments.done", "response.output_item.done", "response.completed"])
+    arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    (call,) = events[-1].response.output
+    assert json.loads(arguments) == {"city": "Paris"} == json.loads(call.arguments)
+    assert events[2].item.id == events[-2].item.id == call.id and events[2].item.status == "in_progress"
+
+    # The streamed response chains like any other; the resumed step streams too.
+    async def resume():
+        stream = await srv.async_client().responses.create(
+            previous_response_id=events[-1].response.id, tools=TOOLS, max_output_tokens=6, stream=True, **GREEDY,
+            input=[{"type": "function_call_output", "call_id": call.call_id, "output": RESULT}])
+        return [e async for e in stream]
+
+    last = asyncio.run(resume())[-1]
+    assert last.type in ("response.completed", "response.incomplete")
+    assert_resumed(last.response.usage)
+    srv.assert_no_leak()
+
+
+def test_delete_releases_the_paused_generation(srv):
+    client = srv.client()
+    first, _ = call_step(client)
+    assert len(srv.app.state.registry) == 1
+    deleted = client.responses.delete(first.id)
+    assert deleted is None or getattr(deleted, "deleted", True)
+    assert len(srv.app.state.registry) == 0
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(first.id)
+    srv.assert_no_leak()
+    assert srv.engine_state()["requests"] == {}
+
+
+BAD = [
+    ("unknown field", {"model": MODEL, "input": "hi", "frobnicate": 1}, 400),
+    ("unsupported item type", {"model": MODEL, "input": [{"type": "reasoning", "summary": []}]}, 400),
+    ("image part", {"model": MODEL, "input": [{"role": "user", "content": [{"type": "input_image"}]}]}, 400),
+    ("non-function tool", {"model": MODEL, "input": "hi", "tools": [{"type": "web_search"}]}, 400),
+    ("empty input", {"model": MODEL, "input": []}, 400),
+    ("output for a call never made", {"model": MODEL, "input": [
+        {"role": "user", "content": "hi"}, {"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, 400),
+    ("unknown model", {"model": "gpt-9", "input": "hi"}, 404),
+    ("unknown previous response", {"model": MODEL, "input": "hi", "previous_response_id": "resp_nope"}, 404),
+    ("huge max_output_tokens", {"model": MODEL, "input": "hi", "max_output_tokens": 10 ** 7}, 400),
+]
+
+
+def test_bad_input_is_4xx_in_openai_shape(srv):
+    failures = []
+    with httpx.Client(base_url=srv.url, timeout=60) as http:
+        for name, body, status in BAD:
+            r = http.post("/responses", json=body)
+            error = r.json().get("error") if r.headers.get("content-type", "").startswith("application/json") else None
+            if r.status_code != status or not isinstance(error, dict) or set(error) != {"message", "type", "param", "code"}:
+                failures.append((name, r.status_code, r.text[:200]))
+        for method in ("GET", "DELETE"):
+            r = http.request(method, "/responses/resp_nope")
+            if r.status_code != 404 or r.json()["error"]["code"] != "response_not_found":
+                failures.append((method, r.status_code, r.text[:200]))
+    assert not failures, failures
+    # A chained request that leaves the previous response's calls unanswered is refused.
+    client = srv.client()
+    first, _ = call_step(client)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(previous_response_id=first.id, input="and tomorrow?", **GREEDY)
+    srv.assert_no_leak()
+
+
+def test_stored_responses_are_bounded_and_expire(srv):
+    """A second app on the running engine, over ASGI: at most 2 stored responses, each for 60 s of its
+    store's clock (moved by hand)."""
+    app = build_app(srv.async_engine, ServerSettings(served_model_name=MODEL, max_stored_responses=2,
+                                                     response_ttl=60))
+    clock = [0.0]
+    app.state.responses.store.clock = lambda: clock[0]
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app/v1") as http:
+            ids = []
+            for word in ("one", "two", "three"):
+                r = await http.post("/responses", json={"input": word, "max_output_tokens": 1, **GREEDY})
+                assert r.status_code == 200
+                ids.append(r.json()["id"])
+                clock[0] += 1
+            codes = [(await http.get(f"/responses/{i}")).status_code for i in ids]
+            assert codes == [404, 200, 200]  # the oldest went first
+            clock[0] = 61.5  # "two" was stored at 1, "three" at 2
+            assert [(await http.get(f"/responses/{i}")).status_code for i in ids] == [404, 404, 200]
+
+    asyncio.run(run())
+    srv.assert_no_leak()
+
+
+def test_response_store_ttl_and_limit_on_a_clock():
+    clock = [0.0]
+    store = ResponseStore(ttl=10, max_responses=2, clock=lambda: clock[0])
+    for i in range(3):
+        clock[0] = i
+        store.add(f"r{i}", StoredResponse({"id": f"r{i}"}, (Message("user", str(i)),)))
+    assert store.get("r0") is None and store.get("r1").body == {"id": "r1"} and len(store) == 2
+    clock[0] = 11.5  # r1 (created at 1) is past the TTL, r2 (at 2) is not
+    assert store.get("r1") is None and store.get("r2") is not None
+    assert store.pop("r2") is not None and len(store) == 0
+
+
+def test_responses_chain_example_runs(srv):
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "responses_chain.py"), "--base-url", srv.base,
+                          "--max-steps", "2"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("step 1:") and "calls get_weather" in lines[0]
+    assert lines[1].startswith("step 2:") and int(lines[1].split("(")[1].split("%")[0]) >= 90, out.stdout
+    srv.abort_paused()  # the example may stop at a paused step
+    srv.assert_no_leak()
