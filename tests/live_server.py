@@ -28,11 +28,12 @@ def profile() -> Profile:
 class LiveServer:
     """build_app + uvicorn in a thread on a free loopback port; `url` is the OpenAI base URL."""
 
-    def __init__(self, model_dir: str, policy: str, **settings):
+    def __init__(self, model_dir: str, policy: str, prefix_caching: bool = True, **settings):
         import uvicorn
 
         engine = Engine(model_dir, dtype="float32", kv_cache_gb=0.06, host_kv_gb=0.02, max_num_batched_tokens=512,
-                        policy=policy, profile=profile(), progress=False, num_threads=1)
+                        policy=policy, profile=profile(), progress=False, num_threads=1,
+                        enable_prefix_caching=prefix_caching)
         self.async_engine = AsyncEngine(engine)
         self.engine = engine
         self.app = build_app(self.async_engine, ServerSettings(served_model_name=MODEL, **settings))
