@@ -1,16 +1,22 @@
 """The KV pools: tensors only, no decisions (mechanism).
 
-    device pool  kv[2, num_layers, num_blocks,      block_size, num_kv_heads, head_dim]
-    host pool    kv[2, num_layers, num_host_blocks, block_size, num_kv_heads, head_dim]
+    device pool  kv[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+    host pool    kv[num_host_blocks, 2, num_layers, block_size, num_kv_heads, head_dim]
 
-Block `b` of a pool is `kv[:, :, b]`: every layer's K and V for `block_size` consecutive tokens of one
-request. Swapping moves whole blocks between the pools by block id; which blocks, and when, is the
-scheduler's business.
+Block `b` of the device pool is `kv[:, :, b]`: every layer's K and V for `block_size` consecutive
+tokens of one request (the attention kernel wants each layer's blocks side by side). The host pool is
+block-major instead, so a host block, and a run of consecutive host blocks, is one contiguous range
+of pinned memory: one asynchronous DMA copy each way. Swapping moves whole blocks between the pools
+by block id; which blocks, and when, is the scheduler's business. How the copies are ordered against
+the forward pass is `copy_stream.py`'s.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
+from .copy_stream import CopyStream
 from .models.spec import ModelSpec
 
 GIB = 1024 ** 3
@@ -31,6 +37,18 @@ def num_blocks_for(gib: float, block_bytes: int) -> int:
     return max(int(gib * GIB) // block_bytes, 0)
 
 
+def consecutive_runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """(index into `ids`, first id, length) of each run of consecutive ids, in order."""
+    runs: list[tuple[int, int, int]] = []
+    for i, block in enumerate(ids):
+        if runs and runs[-1][1] + runs[-1][2] == block:
+            start, first, length = runs[-1]
+            runs[-1] = (start, first, length + 1)
+        else:
+            runs.append((i, block, 1))
+    return runs
+
+
 class KVCache:
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, block_size: int,
                  num_blocks: int, num_host_blocks: int):
@@ -40,10 +58,10 @@ class KVCache:
         shape = (2, spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         # Zero-filled: padded attention reads stale slots (masked out), and 0 * NaN would still be NaN.
         self.device_kv = torch.zeros(shape, dtype=dtype, device=device)
-        host_shape = (2, spec.num_layers, num_host_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        # Pinned host memory lets device<->host copies run asynchronously on CUDA.
-        pin = device.type == "cuda"
-        self.host_kv = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
+        host_shape = (num_host_blocks, 2, spec.num_layers, block_size, spec.num_kv_heads, spec.head_dim)
+        # Pinned on CUDA: only page-locked memory lets a device<->host copy run asynchronously.
+        self.host_kv = torch.zeros(host_shape, dtype=dtype, pin_memory=device.type == "cuda")
+        self.copy_stream = CopyStream(device)
         slots = num_blocks * block_size
         # Per-layer flat views [slots, num_kv_heads, head_dim], as the attention kernel expects.
         self.layer_views = [
@@ -57,16 +75,29 @@ class KVCache:
         return spec.kv_bytes_per_token(dtype) * block_size
 
     def copy_blocks_out(self, pairs: list[tuple[int, int]]) -> None:
-        """Device block -> host block, for each (device_id, host_id)."""
-        if pairs:
-            src = torch.tensor([d for d, _ in pairs], device=self.device_kv.device)
-            dst = torch.tensor([h for _, h in pairs])
-            # Blocking: the gathered blocks are scattered into the host pool on the CPU right away.
-            self.host_kv[:, :, dst] = self.device_kv[:, :, src].to("cpu")
+        """Device block -> host block, for each (device_id, host_id). Asynchronous on CUDA."""
+        if not pairs:
+            return
+        device_ids = [d for d, _ in pairs]
+        with self.copy_stream.copying(device_ids):
+            src = torch.tensor(device_ids, device=self.device_kv.device)
+            staged = self.device_kv.index_select(2, src).movedim(2, 0).contiguous()  # [n, 2, L, bs, Hkv, D]
+            for i, first, n in consecutive_runs([h for _, h in pairs]):
+                self.host_kv[first:first + n].copy_(staged[i:i + n], non_blocking=True)
 
     def copy_blocks_in(self, pairs: list[tuple[int, int]]) -> None:
-        """Host block -> device block, for each (host_id, device_id)."""
-        if pairs:
-            src = torch.tensor([h for h, _ in pairs])
-            dst = torch.tensor([d for _, d in pairs], device=self.device_kv.device)
-            self.device_kv[:, :, dst] = self.host_kv[:, :, src].to(self.device_kv.device, non_blocking=True)
+        """Host block -> device block, for each (host_id, device_id). Asynchronous on CUDA."""
+        if not pairs:
+            return
+        device_ids = [d for _, d in pairs]
+        with self.copy_stream.copying(device_ids):
+            staged = torch.empty((len(pairs), *self.host_kv.shape[1:]), dtype=self.host_kv.dtype,
+                                 device=self.device_kv.device)  # [n, 2, L, bs, Hkv, D]
+            for i, first, n in consecutive_runs([h for h, _ in pairs]):
+                staged[i:i + n].copy_(self.host_kv[first:first + n], non_blocking=True)
+            dst = torch.tensor(device_ids, device=self.device_kv.device)
+            self.device_kv.index_copy_(2, dst, staged.movedim(0, 2))
+
+    def wait_for_copies(self, device_blocks: Iterable[int]) -> None:
+        """Call before queueing a forward pass that reads or writes `device_blocks`."""
+        self.copy_stream.before_forward(device_blocks)

@@ -1,6 +1,8 @@
 """Executes a SchedulerOutput on the real model: build batch tensors, forward, sample (mechanism)."""
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from .attention import AttentionMetadata, PrefillSpan, VarlenMetadata, flash_attn_varlen
@@ -110,12 +112,15 @@ class ModelRunner:
             if self.guided is not None:
                 self.guided.free(request_id)
         # Copies first, swap-out before swap-in: a block freed by a swap-out may be refilled in this
-        # step. On CUDA they are queued on the compute stream, so ordering with the forward is free.
+        # step. On CUDA they run on a copy stream, overlapping the forward pass unless it touches them.
         self.kv_cache.copy_blocks_out(output.swap_out)
         self.kv_cache.copy_blocks_in(output.swap_in)
         if not output.chunks:
             return RunnerOutput(sampled={})
         input_ids, positions, meta = self.build_metadata(output)
+        # The blocks this pass reads and writes (block 0 also pads decode block tables); lazy, as they
+        # are only looked at while copies are in flight.
+        self.kv_cache.wait_for_copies(itertools.chain([0], *(chunk.block_table for chunk in output.chunks)))
         hidden = self.model(input_ids, positions, meta, self.kv_cache.layer_views)
         # Only the last row of each chunk that reaches its request's end produces a token.
         rows, to_sample = [], []

@@ -28,15 +28,66 @@ def test_cuda_bf16_varlen_kernel_matches_torch_path(default_model_dir):
 
 
 def test_swap_round_trip_on_cuda_pinned_host_pool(default_model_dir):
+    """Blocks copied out and back on the copy stream; the compute stream sees them only after
+    `wait_for_copies`, as the runner calls it before a forward pass that touches them."""
     from infercept.engine import Engine
 
-    engine = Engine(default_model_dir, dtype="bfloat16", device="cuda", kv_cache_gb=0.1, host_kv_gb=0.05)
-    assert engine.kv_cache.host_kv.is_pinned()
+    engine = Engine(default_model_dir, dtype="bfloat16", device="cuda", kv_cache_gb=0.1, host_kv_gb=0.05,
+                    progress=False)
     kv = engine.kv_cache
-    kv.device_kv[:, :, 3].normal_()
-    before = kv.device_kv[:, :, 3].clone()
-    kv.copy_blocks_out([(3, 0)])
-    kv.device_kv[:, :, 3].zero_()
-    kv.copy_blocks_in([(0, 3)])
-    torch.cuda.synchronize()
-    assert torch.equal(kv.device_kv[:, :, 3], before)
+    assert kv.host_kv.is_pinned() and kv.copy_stream.stream is not None
+    blocks = [3, 7, 4]
+    kv.device_kv[:, :, blocks].normal_()
+    before = kv.device_kv[:, :, blocks].clone()
+    kv.copy_blocks_out([(3, 0), (7, 1), (4, 5)])  # host runs [0, 1] and [5]
+    kv.wait_for_copies([3])  # the compute stream may now overwrite the swapped-out blocks
+    kv.device_kv[:, :, blocks].zero_()
+    kv.copy_blocks_in([(0, 3), (1, 7), (5, 4)])
+    kv.wait_for_copies([7])
+    assert torch.equal(kv.device_kv[:, :, blocks], before)
+
+
+def test_resume_after_swap_on_the_copy_stream_is_token_exact(default_model_dir):
+    """A paused request's KV moves to the pinned host pool one block per step, on the copy stream,
+    while other requests' forward passes run, and comes back the same way when it resumes: the greedy
+    tokens after the resume equal a fresh request of the whole conversation (DESIGN §3)."""
+    from infercept.engine import Engine
+    from infercept.engine.model_loader import load_spec
+    from infercept.engine.policy import Profile
+    from infercept.engine.request import InterceptParams
+
+    bytes_per_token = load_spec(default_model_dir).kv_bytes_per_token(torch.float32)
+    one_block_per_step = 16 * bytes_per_token / 0.01  # copy bandwidth: a 10 ms step moves one block
+    profile = Profile(model="test", device="cuda", dtype="float32", bytes_per_token=bytes_per_token,
+                      block_size=16, t_fwd_samples=((1, 0.01), (32, 0.01), (64, 0.02)),
+                      d2h_bytes_per_s=one_block_per_step, h2d_bytes_per_s=one_block_per_step, saturation_point=32)
+    engine = Engine(default_model_dir, dtype="float32", device="cuda", kv_cache_gb=0.05, host_kv_gb=0.05,
+                    max_num_batched_tokens=32, policy="infercept", profile=profile, progress=False)
+    greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
+
+    def drain():
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+            engine.block_manager.check_integrity()
+        return outs
+
+    long_turn = InterceptParams(pause_on_stop=True, expected_s=30.0)  # a human turn: worth swapping
+    rid = engine.add_request(PROMPTS[2], greedy(4), intercept=long_turn)
+    drain()
+    context = list(engine.scheduler.requests[rid].token_ids)
+    for prompt in PROMPTS[:2]:
+        engine.add_request(prompt, greedy(24))
+    drain()
+    assert engine.kv_location(rid)["host"] > 16, "the paused KV should be (partly) on the host by now"
+
+    appended = engine.tokenizer.encode(" Then the dragon")
+    engine.resume(rid, appended, greedy(12))
+    engine.add_request(PROMPTS[0], greedy(8))  # forward passes alongside the swap-in
+    resumed = [o for o in drain() if o.request_id == rid][-1]
+    fresh = engine.add_request(context + appended, greedy(12))
+    reference = [o for o in drain() if o.request_id == fresh][-1]
+    assert resumed.token_ids == reference.token_ids
+    engine.abort(rid)  # pause_on_stop holds for every turn: it paused again after its 12 tokens
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.device.num_blocks and bm.num_free_host_blocks == bm.host.num_blocks

@@ -1,0 +1,67 @@
+"""Ordering of swap copies against the forward pass (mechanism, no decisions).
+
+On CUDA the swap copies of a step run on their own stream, so they overlap the forward passes instead
+of queueing behind them on the compute stream. Events keep the two streams honest:
+
+    compute  ── fwd N-1 ──●─── fwd N (no pending block) ─────── ◆ fwd N+1 (reads a swapped-in block) ──
+                          │ event                               ▲ waits
+    copy                  └──▶ swap-out / swap-in of step N ──●─┘ event
+
+- A copy starts after every forward pass queued before it: that covers the pass that last wrote a
+  swapped-out block, and the last pass that used a block a swap-in now overwrites.
+- A forward pass waits for the copies only if it touches a device block a queued copy reads or
+  writes (a block swapped in for it, or a block freed by a swap-out and handed to it already).
+- All copies share one stream and run in the order issued, so a swap-in into a block that a swap-out
+  of the same step just freed, or a swap-out into a host block a swap-in just read, needs no event.
+
+On the CPU every copy is synchronous and this class does nothing.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from contextlib import contextmanager
+
+import torch
+
+
+class CopyStream:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # Device blocks that copies queued since the last wait read or write; `_last_copy` is recorded
+        # after the newest of them (the stream is FIFO, so it completes after all of them).
+        self._pending_blocks: set[int] = set()
+        self._last_copy: torch.cuda.Event | None = None
+
+    @contextmanager
+    def copying(self, device_blocks: Iterable[int]):
+        """Queue the copies made inside on the copy stream, after the forward passes queued so far."""
+        if self.stream is None:
+            yield
+            return
+        forwards_queued = torch.cuda.Event()
+        forwards_queued.record(torch.cuda.current_stream(self.device))
+        self.stream.wait_event(forwards_queued)
+        # Tensors allocated inside (index and staging buffers) belong to the copy stream, so the caching
+        # allocator reuses their memory only for later work on that same stream.
+        with torch.cuda.stream(self.stream):
+            yield
+        self._last_copy = torch.cuda.Event()
+        self._last_copy.record(self.stream)
+        self._pending_blocks.update(device_blocks)
+
+    def before_forward(self, device_blocks: Iterable[int]) -> None:
+        """Make the forward pass queued next wait for the copies that touch any of `device_blocks`."""
+        if not self._pending_blocks:
+            return
+        if self._last_copy.query():
+            self._pending_blocks.clear()  # all finished: nothing to wait for
+        elif not self._pending_blocks.isdisjoint(device_blocks):
+            torch.cuda.current_stream(self.device).wait_event(self._last_copy)
+            self._pending_blocks.clear()  # every later forward pass queues behind this one
+
+    def synchronize(self) -> None:
+        """Block the host until every queued copy has finished."""
+        if self._last_copy is not None:
+            self._last_copy.synchronize()
+        self._pending_blocks.clear()
