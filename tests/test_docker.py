@@ -1,0 +1,269 @@
+"""The Docker images and the compose file agree with the Makefile, the CLI and the server defaults.
+
+No Docker daemon is needed: the Dockerfiles are parsed (`dockerfile` package), the compose file is read
+as YAML, and what they name (install steps, entrypoint, port, health route, cache volume, variables)
+is checked against the Makefile, `infercept serve`'s parser, `ServerSettings` and the routes.
+"""
+from __future__ import annotations
+
+import fnmatch
+import http.server
+import os
+import re
+import shlex
+import subprocess
+import sys
+import threading
+import tomllib
+from pathlib import Path
+
+import dockerfile
+import pytest
+import yaml
+
+from infercept.server.cli import build_parser
+from infercept.server.settings import ServerSettings
+
+ROOT = Path(__file__).resolve().parent.parent
+IMAGES = {"cuda": ROOT / "docker" / "Dockerfile", "cpu": ROOT / "docker" / "Dockerfile.cpu"}
+
+
+def instructions(path: Path, cmd: str, stage: int | None = None) -> list:
+    """Instructions named `cmd`, of one stage (0-based, -1 = the final image) or of all stages."""
+    stages: list[list] = [[]]
+    for command in dockerfile.parse_file(str(path)):
+        if command.cmd == "FROM" and stages[-1] and any(c.cmd == "FROM" for c in stages[-1]):
+            stages.append([])
+        stages[-1].append(command)
+    chosen = [c for s in stages for c in s] if stage is None else stages[stage]
+    return [c for c in chosen if c.cmd == cmd]
+
+
+def arg_defaults(path: Path) -> dict[str, str]:
+    return dict(v.split("=", 1) for c in instructions(path, "ARG") for v in c.value if "=" in v)
+
+
+def env_of_final_image(path: Path) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for command in instructions(path, "ENV", stage=-1):
+        env.update(zip(command.value[::2], command.value[1::2]))
+    return env
+
+
+def substitute(text: str, values: dict[str, str]) -> str:
+    """${NAME}, ${NAME:+word} and $NAME as the shell expands them in a RUN line, for ARG defaults."""
+    text = re.sub(r"\$\{(\w+):\+([^}]*)\}", lambda m: m.group(2) if values.get(m.group(1)) else "", text)
+    text = re.sub(r"\$\{(\w+)\}", lambda m: values.get(m.group(1), m.group(0)), text)
+    return re.sub(r"\$(\w+)", lambda m: values.get(m.group(1), m.group(0)), text)
+
+
+def pip_installs(path: Path) -> list[list[str]]:
+    """Every `pip install ...` of the image, split into words, ARG defaults substituted, in order."""
+    values = arg_defaults(path)
+    commands = []
+    for run in instructions(path, "RUN"):
+        for part in re.split(r"&&|;", substitute(" ".join(run.value), values)):
+            words = shlex.split(part)
+            if words[:2] == ["pip", "install"]:
+                commands.append(words)
+    return commands
+
+
+def makefile_install_steps() -> list[list[str]]:
+    """The Makefile's install recipe as `pip install` words, with $(BIN)/ dropped."""
+    text = (ROOT / "Makefile").read_text()
+    recipe = re.search(r"^\$\(BIN\)/\.installed:.*\n((?:\t.*\n)+)", text, re.M).group(1)
+    steps = [shlex.split(line.strip().replace("$(BIN)/", "")) for line in recipe.splitlines()]
+    return [s for s in steps if s[:2] == ["pip", "install"]]
+
+
+def makefile_cpu_torch() -> str:
+    """The torch the Makefile installs on a machine without nvidia-smi."""
+    return re.search(r"^TORCH \?= .*,\s*(torch==[^)\s]+)\)", (ROOT / "Makefile").read_text(), re.M).group(1)
+
+
+def server_flag_for(variable: str) -> str:
+    return "--" + variable.removeprefix("INFERCEPT_").lower().replace("_", "-")
+
+
+def serve_options() -> set[str]:
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    return {option for action in serve._actions for option in action.option_strings}
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
+
+
+# -- install steps: the Makefile's, plus the CUDA build of torch ------------------------------------------
+
+@pytest.mark.parametrize("image", sorted(IMAGES))
+def test_image_installs_what_make_installs_in_the_same_order(image):
+    installs = pip_installs(IMAGES[image])
+    make = makefile_install_steps()
+    assert len(make) == 3, make  # pip itself, torch, the package with its test extras
+    upgrade_pip, torch_step, package = make
+    assert upgrade_pip in installs
+    assert package == ["pip", "install", "--quiet", "-e", ".[test]"]
+    assert package in installs
+    torch_installs = [i for i, words in enumerate(installs) if any(w.startswith("torch==") for w in words)]
+    assert len(torch_installs) == 1
+    assert installs.index(upgrade_pip) < torch_installs[0] < installs.index(package)
+    assert torch_step[-1] == "$(TORCH)"  # the Makefile's choice, made per image below
+
+
+def test_cpu_image_takes_the_makefiles_cpu_torch_from_the_cpu_index():
+    words = next(w for w in pip_installs(IMAGES["cpu"]) if any(x.startswith("torch==") for x in w))
+    assert makefile_cpu_torch() in words
+    assert words[words.index("--index-url") + 1] == "https://download.pytorch.org/whl/cpu"
+
+
+def test_cuda_image_takes_a_cuda_torch_matching_its_base_image():
+    args = arg_defaults(IMAGES["cuda"])
+    words = next(w for w in pip_installs(IMAGES["cuda"]) if any(x.startswith("torch==") for x in w))
+    assert f"torch=={args['TORCH_VERSION']}" in words
+    index = words[words.index("--index-url") + 1]
+    major, minor = args["CUDA_VERSION"].split(".")[:2]
+    assert index.endswith(f"/cu{major}{minor}"), (index, args["CUDA_VERSION"])
+    runs = " ".join(" ".join(c.value) for c in instructions(IMAGES["cuda"], "RUN", stage=0))
+    assert "check_torch_cuda.py" in runs and (ROOT / "docker" / "check_torch_cuda.py").is_file()
+    # flash-attn is optional (engine/attention.py falls back to SDPA) and off by default.
+    assert args["FLASH_ATTN_VERSION"] == "" and 'flash-attn==${FLASH_ATTN_VERSION}' in runs
+
+
+def test_cuda_image_builds_on_devel_and_ships_on_runtime():
+    bases = [c.value[0] for c in instructions(IMAGES["cuda"], "FROM")]
+    assert bases[0].startswith("nvidia/cuda:") and "-devel-" in bases[0]
+    assert bases[-1].startswith("nvidia/cuda:") and "-runtime-" in bases[-1]
+    copies = [c.value for c in instructions(IMAGES["cuda"], "COPY", stage=-1)]
+    assert ("/opt/venv", "/opt/venv") in copies  # the virtualenv the build stage filled
+
+
+# -- what the container runs ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("image", sorted(IMAGES))
+def test_entrypoint_is_infercept_serve_on_all_interfaces_at_the_default_port(image):
+    path = IMAGES[image]
+    (entrypoint,) = instructions(path, "ENTRYPOINT")
+    assert entrypoint.json, "exec form, so signals reach the server"
+    command = list(entrypoint.value)
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert command[0] in scripts
+    args = build_parser().parse_args(command[1:])
+    assert args.command == "serve" and args.host == "0.0.0.0"
+    (expose,) = instructions(path, "EXPOSE")
+    assert expose.value == (str(args.port),) == (str(ServerSettings().port),)
+    assert f"127.0.0.1:{ServerSettings().port}" in (ROOT / "README.md").read_text()
+
+
+@pytest.mark.parametrize("image", sorted(IMAGES))
+def test_runs_as_a_non_root_user(image):
+    users = instructions(IMAGES[image], "USER", stage=-1)
+    assert users and users[-1].value[0] not in ("root", "0")
+
+
+@pytest.mark.parametrize("image", sorted(IMAGES))
+def test_model_cache_is_a_volume_the_engine_reads(image, monkeypatch):
+    path = IMAGES[image]
+    env = env_of_final_image(path)
+    (volume,) = instructions(path, "VOLUME")
+    assert env["INFERCEPT_CACHE"] in volume.value
+    from infercept.engine.env import cache_dir
+
+    monkeypatch.setenv("INFERCEPT_CACHE", env["INFERCEPT_CACHE"])
+    assert cache_dir() == env["INFERCEPT_CACHE"]
+    assert env["INFERCEPT_DEVICE"] == image
+    assert "--device" in serve_options()
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    status = 200
+    paths: list[str] = []
+
+    def do_GET(self):
+        type(self).paths.append(self.path)
+        self.send_response(type(self).status)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("image", sorted(IMAGES))
+def test_healthcheck_probes_health_and_fails_on_503(image):
+    (check,) = instructions(IMAGES[image], "HEALTHCHECK")
+    assert check.json and check.value[0] == "CMD"
+    command = list(check.value[1:])
+    assert command[0] == "python"
+    from infercept.server.routes import router
+
+    assert "/health" in {route.path for route in router.routes}
+    assert f"'{ServerSettings().port}'" in command[-1]  # the default port, unless INFERCEPT_PORT says otherwise
+    server = http.server.HTTPServer(("127.0.0.1", 0), _Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        env = {**os.environ, "INFERCEPT_PORT": str(server.server_port)}
+        run = [sys.executable, *command[1:]]
+        _Health.status, _Health.paths = 200, []
+        assert subprocess.run(run, env=env, capture_output=True).returncode == 0
+        _Health.status = 503  # what /health answers while the engine is not running
+        assert subprocess.run(run, env=env, capture_output=True).returncode != 0
+        assert _Health.paths == ["/health", "/health"]
+    finally:
+        server.shutdown()
+
+
+# -- compose -----------------------------------------------------------------------------------------------
+
+def test_compose_builds_both_images_from_the_repository_root(compose):
+    services = compose["services"]
+    for name, image in (("infercept", "cuda"), ("infercept-cpu", "cpu")):
+        build = services[name]["build"]
+        assert (ROOT / "docker" / build["context"]).resolve() == ROOT
+        assert ROOT / build["dockerfile"] == IMAGES[image]
+        declared = arg_defaults(IMAGES[image]).keys() | {v for c in instructions(IMAGES[image], "ARG")
+                                                          for v in c.value if "=" not in v}
+        assert set(build.get("args", {})) <= declared
+
+
+def test_compose_reserves_a_gpu_for_the_cuda_service(compose):
+    devices = compose["services"]["infercept"]["deploy"]["resources"]["reservations"]["devices"]
+    assert any(d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", []) for d in devices)
+    assert "deploy" not in compose["services"]["infercept-cpu"]
+
+
+@pytest.mark.parametrize("service,image", [("infercept", "cuda"), ("infercept-cpu", "cpu")])
+def test_compose_port_volume_and_variables_match_the_image(compose, service, image):
+    spec = compose["services"][service]
+    (expose,) = instructions(IMAGES[image], "EXPOSE")
+    container_ports = {p.rsplit(":", 1)[1] for p in spec["ports"]}
+    assert container_ports == set(expose.value)
+    assert all(p.startswith("127.0.0.1:") for p in spec["ports"]), "published on loopback unless changed"
+    cache = env_of_final_image(IMAGES[image])["INFERCEPT_CACHE"]
+    assert any(v.split(":")[1] == cache for v in spec["volumes"])
+    assert {v.split(":")[0] for v in spec["volumes"]} <= set(compose["volumes"])
+    options = serve_options()
+    for variable in spec["environment"]:
+        assert server_flag_for(variable) in options, f"{variable} names no flag of infercept serve"
+
+
+# -- the build context -------------------------------------------------------------------------------------
+
+def test_dockerignore_keeps_what_the_install_needs():
+    patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    assert ".venv" in patterns and ".git" in patterns
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    needed = ["pyproject.toml", project["project"]["readme"], "tests", "docker/check_torch_cuda.py",
+              *project["tool"]["setuptools"]["package-dir"].values()]
+    for path in needed:
+        assert (ROOT / path).exists(), path
+        assert not any(fnmatch.fnmatch(path, p) or path.startswith(p.rstrip("/") + "/") for p in patterns), path
+
+
+def test_make_targets_build_the_images():
+    text = (ROOT / "Makefile").read_text()
+    for target, image in (("docker", "cuda"), ("docker-cpu", "cpu")):
+        recipe = re.search(rf"^{target}:.*\n\t(.*)", text, re.M).group(1)
+        assert f"-f {IMAGES[image].relative_to(ROOT)}" in recipe and recipe.endswith(" .")
