@@ -32,3 +32,11 @@ bench: download
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+
+# Container images (docker/, docs/operators.md); build arguments e.g. DOCKER_BUILD_ARGS="--build-arg TORCH_VERSION=2.13.0".
+.PHONY: docker docker-cpu
+docker:
+	docker build $(DOCKER_BUILD_ARGS) -f docker/Dockerfile -t infercept:cuda .
+
+docker-cpu:
+	docker build $(DOCKER_BUILD_ARGS) -f docker/Dockerfile.cpu -t infercept:cpu .
