@@ -1,7 +1,6 @@
 """Unit tests of the pure-Python policy layer (infercept.engine.policy): numbers checked by hand."""
 from __future__ import annotations
 
-import ast
 import math
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stdlib_only import non_stdlib_imports
 from infercept.engine.policy import (FIGURE3_ABLATION, POLICIES, DurationEstimator, IterationInfo, KVAction,
                                      PausedInfo, Profile, SwapBudget, a100_gptj_6b, detect_saturation_point,
                                      make_policy, recompute_chunk_size, split_swap_budget, waste_chunk_discard,
@@ -339,15 +339,7 @@ def test_plans_respect_budgets(reqs, budget, host, running, batched, name):
 def test_policy_sources_import_only_stdlib():
     """Every import in engine/policy/*.py, at any depth, is relative or from the standard library."""
     for path in sorted(POLICY_DIR.glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                roots = [alias.name.split(".")[0] for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                roots = [] if node.level else [node.module.split(".")[0]]
-            else:
-                continue
-            for root in roots:
-                assert root in sys.stdlib_module_names or root == "__future__", f"{path.name} imports {root}"
+        assert non_stdlib_imports(path) == [], path.name
 
 
 def test_importing_the_policy_package_does_not_import_torch():

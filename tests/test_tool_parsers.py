@@ -4,7 +4,6 @@ Pure Python and fast: no model, no torch in the module under test.
 """
 from __future__ import annotations
 
-import ast
 import json
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from stdlib_only import non_stdlib_imports
 from infercept.engine.tool_parsers import (PARSERS, HermesToolParser, Llama3JsonToolParser, MistralToolParser,
                                            ParseResult, ToolCall, ToolParser, get_tool_parser, parser_for_model)
 
@@ -467,15 +467,7 @@ def test_parser_for_model(model_type, template, expected):
 # -- no torch --------------------------------------------------------------------------------------
 
 def test_module_imports_only_stdlib():
-    for node in ast.walk(ast.parse(MODULE.read_text())):
-        if isinstance(node, ast.Import):
-            roots = [alias.name.split(".")[0] for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            roots = [] if node.level else [node.module.split(".")[0]]
-        else:
-            continue
-        for root in roots:
-            assert root in sys.stdlib_module_names or root == "__future__", root
+    assert non_stdlib_imports(MODULE) == []
 
 
 def test_module_loads_standalone_without_torch():
