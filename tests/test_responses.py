@@ -43,7 +43,7 @@ def assert_resumed(usage) -> None:
 def test_chain_by_previous_response_id_resumes(srv):
     client = srv.client()
     first, call = call_step(client)
-    assert first.id.startswith("resp_") and first.usage.input_tokens_details.cached_tokens == 0
+    assert first.id.startswith("resp_")
     assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
     state = srv.assert_no_leak()
     assert list(state["requests"].values()) == ["intercepted"]  # paused, not finished

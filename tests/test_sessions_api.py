@@ -1,0 +1,221 @@
+"""Native sessions (/v1/sessions) against the live server with httpx: the tool loop pauses and resumes
+(cached prompt ≥ 90%), state and KV location are reported, 404/409 follow DESIGN §6, streams carry
+delta / tool_call / paused / done events, deleting a generating session aborts it, server tools run
+inside the server, and the walk-through example runs."""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from infercept.server.app import build_app
+from infercept.server.native_sessions import NativeSession, NativeSessionStore
+from infercept.server.protocol import APIError
+from infercept.server.settings import ServerSettings
+from live_server import MODEL
+
+WEATHER = {"name": "get_weather", "description": "Get the current weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+TOOLS = [{"type": "function", "function": WEATHER}]
+QUESTION = "What is the weather in Paris?"
+RESULT = '{"temperature": 21, "sky": "clear"}'
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def http(srv):
+    with httpx.Client(base_url=srv.url, timeout=120) as client:
+        yield client
+
+
+def sse(response: httpx.Response) -> list[tuple[str, dict]]:
+    events, kind = [], None
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            kind = line[len("event: "):]
+        elif line.startswith("data: "):
+            events.append((kind, json.loads(line[len("data: "):])))
+    return events
+
+
+def create(http: httpx.Client, **body) -> str:
+    r = http.post("/sessions", json={"tools": TOOLS, "temperature": 0, "max_tokens": 40, **body})
+    assert r.status_code == 200, r.text
+    assert r.json()["state"] == "idle" and r.json()["tools"] == [t["function"]["name"] for t in body.get("tools", TOOLS) or ()]
+    return r.json()["id"]
+
+
+def assert_error(r: httpx.Response, status: int, code: str) -> None:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == code, error
+
+
+def test_tool_loop_pauses_resumes_and_reports_kv(srv, http):
+    sid = create(http, system="You are a concise assistant.")
+    first = http.post(f"/sessions/{sid}/messages", json={"content": QUESTION}).json()
+    assert first["state"] == "paused" and first["finish_reason"] == "tool_calls"
+    (call,) = first["pending_calls"]
+    assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "Paris"} and not call["server"]
+
+    state = http.get(f"/sessions/{sid}").json()
+    assert state["state"] == "paused" and [c["id"] for c in state["pending_calls"]] == [call["id"]]
+    assert [m["role"] for m in state["messages"]] == ["user", "assistant"]
+    kv = state["kv"]  # preserve policy: the paused context stays on the device
+    assert kv["device"] >= first["usage"]["total_tokens"] - 1 and kv["host"] == 0
+
+    assert_error(http.post(f"/sessions/{sid}/messages", json={"content": "hi"}), 409, "session_paused")
+    assert_error(http.post(f"/sessions/{sid}/messages", json={}), 400, None)
+    second = http.post(f"/sessions/{sid}/messages", json={
+        "tool_results": [{"tool_call_id": call["id"], "content": RESULT}], "max_tokens": 8}).json()
+    usage = second["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 0.9 * usage["prompt_tokens"], usage
+    assert usage["prompt_tokens_details"]["cached_tokens"] == first["usage"]["total_tokens"] - 1
+    assert second["state"] == "idle" and second["message"]["content"]
+    state = http.get(f"/sessions/{sid}").json()
+    assert state["state"] == "idle" and [m["role"] for m in state["messages"]] == ["user", "assistant", "tool", "assistant"]
+    assert state["kv"] == {"device": 0, "host": 0, "discarded": 0}
+    assert_error(http.post(f"/sessions/{sid}/messages", json={
+        "tool_results": [{"tool_call_id": call["id"], "content": RESULT}]}), 409, "session_not_paused")
+
+    assert http.delete(f"/sessions/{sid}").json() == {"id": sid, "object": "session.deleted", "deleted": True}
+    for method, path, body in (("GET", f"/sessions/{sid}", None), ("DELETE", f"/sessions/{sid}", None),
+                               ("POST", f"/sessions/{sid}/messages", {"content": "hi"})):
+        assert_error(http.request(method, path, json=body), 404, "session_not_found")
+    srv.assert_no_leak()
+
+
+def test_deleting_a_paused_session_frees_its_generation(srv, http):
+    sid = create(http)
+    assert http.post(f"/sessions/{sid}/messages", json={"content": QUESTION}).json()["state"] == "paused"
+    assert len(srv.app.state.registry) == 1
+    http.delete(f"/sessions/{sid}")
+    assert len(srv.app.state.registry) == 0
+    srv.assert_no_leak()
+    assert srv.engine_state()["requests"] == {}
+
+
+def test_stream_events(srv, http):
+    sid = create(http)
+    with http.stream("POST", f"/sessions/{sid}/messages", json={"content": QUESTION, "stream": True}) as r:
+        assert r.status_code == 200
+        events = sse(r)
+    kinds = [k for k, _ in events]
+    assert kinds == ["tool_call", "paused", "done"], events
+    (call,) = events[1][1]["pending_calls"]
+    assert events[0][1] == call and events[2][1]["state"] == "paused"
+    with http.stream("POST", f"/sessions/{sid}/messages", json={
+            "tool_results": [{"tool_call_id": call["id"], "content": RESULT}], "max_tokens": 8, "stream": True}) as r:
+        events = sse(r)
+    kinds = [k for k, _ in events]
+    assert kinds[-1] == "done" and set(kinds[:-1]) == {"delta"}, events
+    done = events[-1][1]
+    assert "".join(d["content"] for _, d in events[:-1]) == done["message"]["content"]
+    usage = done["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 0.9 * usage["prompt_tokens"]
+    http.delete(f"/sessions/{sid}")
+    srv.assert_no_leak()
+
+
+def test_deleting_a_generating_session_aborts_it(srv, http):
+    sid = create(http, tools=None)
+    body = {"content": "Tell me a long story about a dragon.", "max_tokens": 400, "stream": True}
+    with http.stream("POST", f"/sessions/{sid}/messages", json=body) as r:
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("event: delta"):
+                break
+        assert_error(http.post(f"/sessions/{sid}/messages", json={"content": "hi"}), 409, "session_busy")
+        deleter = threading.Thread(target=lambda: httpx.delete(f"{srv.url}/sessions/{sid}", timeout=60))
+        deleter.start()
+        rest = list(lines)
+        deleter.join()
+    assert "event: error" in rest and "event: done" not in rest
+    assert any("session_deleted" in line for line in rest)
+    srv.assert_no_leak(timeout=10)
+    assert srv.engine_state()["requests"] == {}
+
+
+class FakeWeather:
+    """A server tool with the infercept.tools interface, recording its calls."""
+
+    name = WEATHER["name"]
+    description = WEATHER["description"]
+    parameters = WEATHER["parameters"]
+
+    def __init__(self):
+        self.calls = []
+
+    async def run(self, arguments: dict) -> str:
+        self.calls.append(arguments)
+        return RESULT
+
+
+def test_server_tools_run_inside_the_server(srv):
+    """A second app on the running engine (over ASGI) whose tool lookup knows the fake tool."""
+    tool = FakeWeather()
+    app = build_app(srv.async_engine, ServerSettings(served_model_name=MODEL),
+                    tool_lookup=lambda name: {tool.name: tool}[name])
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app/v1",
+                                     timeout=120) as http:
+            r = await http.post("/sessions", json={"server_tools": ["nope"]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "server_tools"
+            r = await http.post("/sessions", json={"server_tools": ["get_weather"], "temperature": 0, "max_tokens": 40})
+            sid = r.json()["id"]
+            assert r.json()["server_tools"] == ["get_weather"] and r.json()["tools"] == []
+            turn = (await http.post(f"/sessions/{sid}/messages", json={"content": QUESTION})).json()
+            state = (await http.get(f"/sessions/{sid}")).json()
+            await http.delete(f"/sessions/{sid}")
+            return turn, state
+
+    turn, state = asyncio.run(run())
+    assert tool.calls == [{"city": "Paris"}]
+    first, second = turn["steps"][:2]
+    assert first["finish_reason"] == "tool_calls"
+    # The call never left the server: the paused generation was resumed with the tool's result.
+    assert second["cached_tokens"] >= 0.9 * second["prompt_tokens"], turn["steps"]
+    assert [m["role"] for m in state["messages"]][:3] == ["user", "assistant", "tool"]
+    assert state["messages"][2]["content"] == RESULT
+    assert len(app.state.registry) == 0  # nothing of the second app is left paused
+    srv.assert_no_leak()
+
+
+def test_session_store_limit_and_ttl_on_a_clock():
+    clock = [0.0]
+    store = NativeSessionStore(ttl=10, max_sessions=2, clock=lambda: clock[0])
+
+    def session(i: int, state: str = "idle") -> NativeSession:
+        return NativeSession(f"s{i}", MODEL, None, (), {}, {}, created_at=0, state=state)
+
+    assert store.add(session(0, "generating")) == [] and store.add(session(1)) == []
+    clock[0] = 1
+    assert [s.session_id for s in store.add(session(2))] == ["s1"]  # the least recently used, never a generating one
+    s3 = session(3, "generating")
+    assert [s.session_id for s in store.add(s3)] == ["s2"]
+    with pytest.raises(APIError) as refused:  # every session is generating
+        store.add(session(4))
+    assert refused.value.status == 429
+    clock[0] = 20
+    assert store.expire() == []  # generating sessions do not expire
+    s3.state = "paused"
+    assert store.expire() == [s3] and "s0" in store and "s3" not in store
+
+
+def test_session_walkthrough_example_runs(srv):
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "session_walkthrough.py"), "--base-url", srv.base,
+                          "--max-rounds", "1"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "question:" in text and "paused at ['get_weather']" in text and "tokens on the device" in text
+    reused = [line for line in text.splitlines() if line.startswith("tool results:")]
+    assert reused and int(reused[0].split("(")[1].split("%")[0]) >= 90, text
+    assert "deleted sess_" in text
+    srv.assert_no_leak()
