@@ -267,3 +267,24 @@ def test_make_targets_build_the_images():
     for target, image in (("docker", "cuda"), ("docker-cpu", "cpu")):
         recipe = re.search(rf"^{target}:.*\n\t(.*)", text, re.M).group(1)
         assert f"-f {IMAGES[image].relative_to(ROOT)}" in recipe and recipe.endswith(" .")
+
+
+# -- the operator guide ------------------------------------------------------------------------------------
+
+# Flags in docs/operators.md that belong to docker, compose or pytest, not to `infercept serve`.
+NOT_SERVER_FLAGS = {"--build-arg", "--entrypoint", "--gpus", "--profile", "--rm"}
+
+
+def test_operator_guide_names_only_real_flags_and_metrics():
+    from prometheus_client import generate_latest
+
+    from infercept.server.metrics import ServerMetrics
+
+    guide = (ROOT / "docs" / "operators.md").read_text()
+    flags = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", guide)) - NOT_SERVER_FLAGS
+    assert flags and flags <= serve_options(), flags - serve_options()
+    exposition = generate_latest(ServerMetrics("m").registry).decode()
+    exported = set(re.findall(r"^# TYPE (\w+)", exposition, re.M)) | set(re.findall(r"^(\w+)[{ ]", exposition, re.M))
+    named = set(re.findall(r"(?<![$\w])infercept_\w+", guide))
+    assert named and named <= exported, named - exported
+    assert "docs/operators.md" in (ROOT / "README.md").read_text()
