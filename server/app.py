@@ -37,9 +37,10 @@ from .serving_base import Admission
 from .serving_chat import ChatServing
 from .serving_completions import CompletionServing
 from .serving_responses import ResponsesServing
-from .serving_sessions import SessionServing, builtin_tool
+from .serving_sessions import SessionServing
 from .sessions import SessionRegistry
 from .settings import ServerSettings
+from .tool_loop import builtin_tool
 
 logger = logging.getLogger("infercept.server")
 

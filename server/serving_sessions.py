@@ -5,7 +5,7 @@ A session is a conversation served turn by turn through the chat path (`ChatServ
 the post that brings their results resumes it (explicit continuation). Calls of *server tools* (named
 at creation, run by the server itself through the `infercept.tools` interface) never leave the server:
 when a turn calls only those, the server runs them while the generation waits paused, resumes it with
-the results and goes on, up to `MAX_SERVER_TOOL_ROUNDS` times per post.
+the results and goes on (`tool_loop.serve_turns`).
 
 Errors per DESIGN §6: 404 for an unknown session, 409 for tool results to a session that is not paused,
 or any message while it generates, or a user message while it waits for tool results.
@@ -16,36 +16,22 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.requests import Request
 
-from .chat import Call, Message
+from .chat import Message
 from .chat_wire import chat_message
 from .native_sessions import NativeSession, NativeSessionStore
-from .protocol import APIError, ChatCompletionRequest, ToolParam, bad_request, new_id, now
+from .protocol import APIError, ChatCompletionRequest, bad_request, new_id, now
 from .protocol_sessions import SessionCreateRequest, SessionMessageRequest
 from .serving_base import StreamResponse, logger, run_until_disconnect
-from .serving_chat import ChatContext, ChatServing, TurnResult
+from .serving_chat import ChatServing
 from .sessions import SessionRegistry
-
-MAX_SERVER_TOOL_ROUNDS = 8  # server-tool calls answered per post before the session pauses anyway
-
-Emit = Callable[[str, dict], None]
-
-
-def builtin_tool(name: str):
-    """The server tool called `name` (KeyError if there is none)."""
-    # Imported on use: infercept.tools is a sibling package the server does not need to start.
-    from infercept.tools import get_tool
-
-    return get_tool(name)
-
-
-def _call_view(call: Call, session: NativeSession) -> dict:
-    return {"id": call.id, "name": call.name, "arguments": call.arguments, "server": call.name in session.server_tools}
+from .tool_loop import Emit, Opened, builtin_tool, call_view, resolve_server_tools, serve_turns
 
 
 class SessionServing:
@@ -61,21 +47,10 @@ class SessionServing:
         model = req.model or self.chat.model_name
         self.chat.check_model(model)
         tools = list(req.tools or ())
-        names = {t.function.name for t in tools}
-        server_tools = {}
-        for name in req.server_tools or ():
-            try:
-                tool = self.tool_lookup(name)
-            except KeyError:
-                raise bad_request(f"unknown server tool {name!r}", param="server_tools") from None
-            if name in names:
-                raise bad_request(f"tool {name!r} is both a client tool and a server tool", param="server_tools")
-            names.add(name)
-            server_tools[name] = tool
-            tools.append(ToolParam.model_validate({"type": "function", "function": {
-                "name": tool.name, "description": tool.description, "parameters": tool.parameters}}))
-        if len(names) != len(tools):
+        if len({t.function.name for t in tools}) != len(tools):
             raise bad_request("tool names must be unique", param="tools")
+        server_tools, definitions = resolve_server_tools(req.server_tools, self.tool_lookup, tools, "server_tools")
+        tools += definitions
         session = NativeSession(new_id("sess_"), model, req.system, tuple(tools), server_tools,
                                 req.model_dump(include={"temperature", "top_p", "max_tokens"}), created_at=now())
         for evicted in self.store.add(session):
@@ -136,7 +111,7 @@ class SessionServing:
                 "tools": [t.function.name for t in session.tools if t.function.name not in session.server_tools],
                 "server_tools": list(session.server_tools), "defaults": session.defaults,
                 "messages": [chat_message(m) for m in session.messages],
-                "pending_calls": [_call_view(c, session) for c in session.pending_calls]}
+                "pending_calls": [call_view(c, session.server_tools) for c in session.pending_calls]}
         if kv is not None:
             view["kv"] = kv  # context tokens of the session's generation by where their KV lives
         return view
@@ -193,78 +168,33 @@ class SessionServing:
             raise bad_request(f"the session's conversation is not valid: {e.errors()[0]['msg']}") from None
         return await self.chat.open(chat_req, raw)
 
-    async def _converse(self, session: NativeSession, before: str, new: list[Message],
-                        opened: tuple[ChatContext, Callable], req: SessionMessageRequest, raw: Request,
-                        emit: Emit) -> dict:
-        """Serve turns until one ends without server-tool calls; the session moves on only if all succeed."""
-        messages = session.messages + new
-        steps = []
+    async def _converse(self, session: NativeSession, before: str, new: list[Message], opened: Opened,
+                        req: SessionMessageRequest, raw: Request, emit: Emit) -> dict:
+        """Serve the post's turns (server-tool rounds included); the session moves on only if all succeed."""
+        async def open_turn(messages: list[Message]) -> Opened:
+            opened = await self._open(session, messages, req, raw)
+            session.request_id = opened[0].turn.request_id
+            return opened
+
+        session.request_id = opened[0].turn.request_id
         try:
-            for rounds in range(MAX_SERVER_TOOL_ROUNDS + 1):
-                ctx, cleanup = opened
-                session.request_id = ctx.turn.request_id
-                try:
-                    result, last = await self._serve_turn(ctx, emit)
-                finally:
-                    await cleanup()
-                    session.request_id = None
-                messages.append(result.message)
-                steps.append({"prompt_tokens": len(ctx.turn.prompt_ids), "cached_tokens": ctx.turn.cached_tokens,
-                              "completion_tokens": len(last.token_ids), "finish_reason": result.finish_reason})
-                for call in result.calls:
-                    emit("tool_call", _call_view(call, session))
-                if not result.calls or rounds == MAX_SERVER_TOOL_ROUNDS \
-                        or any(c.name not in session.server_tools for c in result.calls):
-                    break
-                outputs = await asyncio.gather(*(self._run_tool(session, c) for c in result.calls))
-                for call, output in zip(result.calls, outputs):
-                    emit("tool_result", {"tool_call_id": call.id, "name": call.name, "content": output})
-                    messages.append(Message("tool", output, tool_call_id=call.id))
-                opened = await self._open(session, messages, req, raw)
+            outcome = await serve_turns(self.chat, opened, open_turn, session.messages + new, session.server_tools,
+                                        emit)
         except BaseException:
             session.state = before
             raise
         finally:
             session.task = None
-        session.messages = messages
+            session.request_id = None
+        result = outcome.result
+        session.messages = outcome.messages
         session.state = "paused" if result.calls else "idle"
-        if result.calls:
-            emit("paused", {"pending_calls": [_call_view(c, session) for c in result.calls]})
-        prompt = sum(s["prompt_tokens"] for s in steps)
-        completion = sum(s["completion_tokens"] for s in steps)
+        pending = [call_view(c, session.server_tools) for c in result.calls]
+        if pending:
+            emit("paused", {"pending_calls": pending})
         return {"session_id": session.session_id, "state": session.state, "message": chat_message(result.message),
-                "finish_reason": result.finish_reason,
-                "pending_calls": [_call_view(c, session) for c in session.pending_calls], "steps": steps,
-                "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                          "prompt_tokens_details": {"cached_tokens": sum(s["cached_tokens"] for s in steps)}}}
-
-    async def _serve_turn(self, ctx: ChatContext, emit: Emit) -> tuple[TurnResult, Any]:
-        streamed, last = "", None
-        async for out in ctx.turn.outputs():
-            last = out
-            if out.turn_done:
-                break
-            visible = self.chat.streamable_text(ctx, out.text)
-            if len(visible) > len(streamed) and visible.startswith(streamed):
-                emit("delta", {"content": visible[len(streamed):]})
-                streamed = visible
-        result = self.chat.end_turn(ctx, last)
-        content = result.content or ""
-        if len(content) > len(streamed) and content.startswith(streamed):
-            emit("delta", {"content": content[len(streamed):]})
-        return result, last
-
-    @staticmethod
-    async def _run_tool(session: NativeSession, call: Call) -> str:
-        """A server tool's result; a failure is reported to the model as the result, so it can answer."""
-        arguments = call.arguments_value()
-        if not isinstance(arguments, dict):
-            return f"error: the arguments of {call.name} are not a JSON object"
-        try:
-            return str(await session.server_tools[call.name].run(arguments))
-        except Exception as e:
-            logger.info("server tool %s failed: %s", call.name, e)
-            return f"error: {e}"
+                "finish_reason": result.finish_reason, "pending_calls": pending,
+                "steps": [asdict(s) for s in outcome.steps], "usage": outcome.usage()}
 
     # -- answering ---------------------------------------------------------------------------------
     async def _outcome(self, session: NativeSession, task: asyncio.Task) -> dict:

@@ -1,0 +1,140 @@
+"""Server tools: turns served back to back while the model calls only tools the server runs itself.
+
+A turn that ends in calls pauses its generation (the chat path registers it). When every call names an
+enabled server tool, the tools run here while the generation waits paused, their results extend the
+conversation, and the next turn is opened on it: the chat path recognizes the paused generation and
+resumes it, so the interception never leaves the server. The loop stops at a turn without calls, at a
+call of a client tool (the client answers all of that turn's calls), or after `MAX_SERVER_TOOL_ROUNDS`.
+
+Server tools follow the `infercept.tools` interface: `.name`, `.description`, `.parameters` (a JSON
+schema) and `async run(arguments: dict) -> str`.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from infercept.engine import RequestOutput
+
+from .chat import Call, Message
+from .protocol import ToolParam, bad_request
+from .serving_base import logger
+from .serving_chat import ChatContext, ChatServing, TurnResult
+
+MAX_SERVER_TOOL_ROUNDS = 8  # server-tool rounds per request before its calls go to the client anyway
+
+Emit = Callable[[str, dict], None]  # (event kind, payload): "delta", "tool_call", "tool_result"
+Opened = tuple[ChatContext, Callable[[], Awaitable[None]]]  # what ChatServing.open returns
+OpenTurn = Callable[[list[Message]], Awaitable[Opened]]
+
+
+def builtin_tool(name: str):
+    """The server tool called `name` (KeyError if there is none)."""
+    # Imported on use: infercept.tools is a sibling package the server does not need to start.
+    from infercept.tools import get_tool
+
+    return get_tool(name)
+
+
+def resolve_server_tools(names: list[str] | None, lookup: Callable[[str], Any], client_tools: list[ToolParam],
+                         param: str) -> tuple[dict[str, Any], list[ToolParam]]:
+    """The tool objects `names` enable, and their definitions for the prompt (400 on unknown names or
+    on a name the client's tools use too)."""
+    taken = {t.function.name for t in client_tools}
+    tools: dict[str, Any] = {}
+    for name in names or ():
+        try:
+            tools[name] = lookup(name)
+        except KeyError:
+            raise bad_request(f"unknown server tool {name!r}", param=param) from None
+        if name in taken:
+            raise bad_request(f"tool {name!r} is both a client tool and a server tool", param=param)
+        taken.add(name)
+    definitions = [ToolParam.model_validate({"type": "function", "function": {
+        "name": t.name, "description": t.description, "parameters": t.parameters}}) for t in tools.values()]
+    return tools, definitions
+
+
+def call_view(call: Call, server_tools: Mapping[str, Any]) -> dict:
+    return {"id": call.id, "name": call.name, "arguments": call.arguments, "server": call.name in server_tools}
+
+
+@dataclass
+class Step:
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    finish_reason: str
+
+
+@dataclass
+class LoopOutcome:
+    messages: list[Message]  # the conversation with every turn and server-tool result appended
+    result: TurnResult  # the last turn
+    last: RequestOutput  # its last engine output
+    steps: list[Step]
+
+    def usage(self) -> dict:
+        prompt = sum(s.prompt_tokens for s in self.steps)
+        completion = sum(s.completion_tokens for s in self.steps)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in self.steps)}}
+
+
+async def serve_turns(chat: ChatServing, opened: Opened, open_turn: OpenTurn, messages: list[Message],
+                      server_tools: Mapping[str, Any], emit: Emit) -> LoopOutcome:
+    """Serve the opened turn of `messages`, and the turns after each round of server-tool calls."""
+    messages = list(messages)
+    steps: list[Step] = []
+    rounds = 0
+    while True:
+        ctx, cleanup = opened
+        try:
+            result, last = await _serve_turn(chat, ctx, emit)
+        finally:
+            await cleanup()
+        messages.append(result.message)
+        steps.append(Step(len(ctx.turn.prompt_ids), ctx.turn.cached_tokens, len(last.token_ids), result.finish_reason))
+        for call in result.calls:
+            emit("tool_call", call_view(call, server_tools))
+        if not result.calls or rounds == MAX_SERVER_TOOL_ROUNDS \
+                or any(c.name not in server_tools for c in result.calls):
+            return LoopOutcome(messages, result, last, steps)
+        outputs = await asyncio.gather(*(run_tool(server_tools[c.name], c) for c in result.calls))
+        for call, output in zip(result.calls, outputs):
+            emit("tool_result", {"tool_call_id": call.id, "name": call.name, "content": output})
+            messages.append(Message("tool", output, tool_call_id=call.id))
+        rounds += 1
+        opened = await open_turn(messages)
+
+
+async def _serve_turn(chat: ChatServing, ctx: ChatContext, emit: Emit) -> tuple[TurnResult, RequestOutput]:
+    """One turn to its end, its content emitted as `delta`s while it is generated."""
+    streamed, last = "", None
+    async for out in ctx.turn.outputs():
+        last = out
+        if out.turn_done:
+            break
+        visible = chat.streamable_text(ctx, out.text)
+        if len(visible) > len(streamed) and visible.startswith(streamed):
+            emit("delta", {"content": visible[len(streamed):]})
+            streamed = visible
+    result = chat.end_turn(ctx, last)
+    content = result.content or ""
+    if len(content) > len(streamed) and content.startswith(streamed):
+        emit("delta", {"content": content[len(streamed):]})
+    return result, last
+
+
+async def run_tool(tool, call: Call) -> str:
+    """A server tool's result; a failure is reported to the model as the result, so it can answer."""
+    arguments = call.arguments_value()
+    if not isinstance(arguments, dict):
+        return f"error: the arguments of {call.name} are not a JSON object"
+    try:
+        return str(await tool.run(arguments))
+    except Exception as e:
+        logger.info("server tool %s failed: %s", call.name, e)
+        return f"error: {e}"
