@@ -1,21 +1,37 @@
-"""CUDA paths: run with `pytest -m gpu` on a GPU host; skipped cleanly without one."""
+"""CUDA paths: run with `pytest -m gpu` on a GPU host; skipped cleanly without one. The check of the
+--device value runs everywhere."""
 import pytest
 import torch
 
 from infercept.engine import LLM, SamplingParams
+from infercept.engine.config import resolve_device
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+def cuda_test(test):
+    """Marked `gpu` (selected by `pytest -m gpu`) and skipped without a CUDA device."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(test))
+
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, " * 20]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
+@pytest.mark.parametrize("name", ["bogus", "mps", "cuda:99"] + ([] if torch.cuda.is_available() else ["cuda"]))
+def test_device_flag_refuses_what_this_host_cannot_run(name):
+    with pytest.raises(ValueError, match="--device"):
+        resolve_device(name)
+    assert resolve_device("cpu").type == "cpu"
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@cuda_test
 def test_cuda_matches_cpu_fp32(default_model_dir, llm_fp32):
     gpu = LLM(default_model_dir, dtype="float32", device="cuda", kv_cache_gb=0.25, max_num_batched_tokens=32)
     assert [o.token_ids for o in gpu.generate(PROMPTS, GREEDY)] == \
         [o.token_ids for o in llm_fp32.generate(PROMPTS, GREEDY)]
 
 
+@cuda_test
 def test_cuda_bf16_varlen_kernel_matches_torch_path(default_model_dir):
     """With flash-attn installed the runner uses its varlen kernel; compare it with the torch path."""
     fast = LLM(default_model_dir, dtype="bfloat16", device="cuda", kv_cache_gb=0.25, max_num_batched_tokens=32)
@@ -27,6 +43,7 @@ def test_cuda_bf16_varlen_kernel_matches_torch_path(default_model_dir):
     assert [x[:4] for x in a] == [x[:4] for x in b]
 
 
+@cuda_test
 def test_swap_round_trip_on_cuda_pinned_host_pool(default_model_dir):
     """Blocks copied out and back on the copy stream; the compute stream sees them only after
     `wait_for_copies`, as the runner calls it before a forward pass that touches them."""
@@ -47,6 +64,7 @@ def test_swap_round_trip_on_cuda_pinned_host_pool(default_model_dir):
     assert torch.equal(kv.device_kv[:, :, blocks], before)
 
 
+@cuda_test
 def test_resume_after_swap_on_the_copy_stream_is_token_exact(default_model_dir):
     """A paused request's KV moves to the pinned host pool one block per step, on the copy stream,
     while other requests' forward passes run, and comes back the same way when it resumes: the greedy
