@@ -28,10 +28,11 @@ from .chat_wire import chat_message
 from .native_sessions import NativeSession, NativeSessionStore
 from .protocol import APIError, ChatCompletionRequest, bad_request, new_id, now
 from .protocol_sessions import SessionCreateRequest, SessionMessageRequest
-from .serving_base import StreamResponse, logger, run_until_disconnect
+from .serving_base import StreamResponse, logger, once, run_until_disconnect
 from .serving_chat import ChatServing
 from .sessions import SessionRegistry
-from .tool_loop import Emit, Opened, builtin_tool, call_view, resolve_server_tools, serve_turns
+from .tool_loop import (Emit, Opened, builtin_tool, call_view, events_then_result, resolve_server_tools,
+                        serve_turns)
 
 
 class SessionServing:
@@ -137,23 +138,39 @@ class SessionServing:
         before = session.state
         session.state = "generating"
         try:
-            opened = await self._open(session, session.messages + new, req, raw)
+            ctx, cleanup = await self._open(session, session.messages + new, req, raw)
         except BaseException:
             session.state = before
             raise
-        events: asyncio.Queue[tuple[str, dict] | None] = asyncio.Queue()
+        # The first turn's cleanup also runs when the post ends, in case its task never got to start.
+        cleanup = once(cleanup)
+        events: asyncio.Queue[tuple[str, dict]] = asyncio.Queue()
         emit: Emit = (lambda kind, data: events.put_nowait((kind, data))) if req.stream else (lambda *_: None)
-        session.task = asyncio.create_task(self._converse(session, before, new, opened, req, raw, emit))
+        task = session.task = asyncio.create_task(self._converse(session, new, (ctx, cleanup), req, raw, emit))
+
+        async def settle() -> None:
+            """The post is over, however it ended: a turn still running (its client is gone) is cancelled,
+            which aborts it; a session whose turn did not complete is as it was."""
+            if not task.done():
+                task.cancel()
+                await asyncio.wait([task])
+            await cleanup()
+            if session.state == "generating":
+                session.state = before
+            session.task = session.request_id = None
+
         if req.stream:
-            return StreamResponse(self._sse(session, session.task, events), self._cancel_task(session.task),
-                                  {"X-Session-Id": session_id})
-        body = await run_until_disconnect(raw, self._outcome(session, session.task))
+            return StreamResponse(self._sse(session, task, events), settle, {"X-Session-Id": session_id})
+        try:
+            body = await run_until_disconnect(raw, self._outcome(session, task))
+        finally:
+            await settle()
         if body is None:
             return Response(status_code=499)
         return JSONResponse(body, headers={"X-Session-Id": session_id})
 
     async def _open(self, session: NativeSession, messages: list[Message], req: SessionMessageRequest,
-                    raw: Request) -> tuple[ChatContext, Callable]:
+                    raw: Request) -> Opened:
         """Open a turn of `messages` through the chat path, under the session's id."""
         system = [Message("system", session.system)] if session.system else []
         sampling = {k: v for k, v in session.defaults.items() if v is not None}
@@ -168,24 +185,16 @@ class SessionServing:
             raise bad_request(f"the session's conversation is not valid: {e.errors()[0]['msg']}") from None
         return await self.chat.open(chat_req, raw)
 
-    async def _converse(self, session: NativeSession, before: str, new: list[Message], opened: Opened,
+    async def _converse(self, session: NativeSession, new: list[Message], opened: Opened,
                         req: SessionMessageRequest, raw: Request, emit: Emit) -> dict:
-        """Serve the post's turns (server-tool rounds included); the session moves on only if all succeed."""
+        """Serve the post's turns (server-tool rounds included); the session moves on once all are done."""
         async def open_turn(messages: list[Message]) -> Opened:
             opened = await self._open(session, messages, req, raw)
             session.request_id = opened[0].turn.request_id
             return opened
 
         session.request_id = opened[0].turn.request_id
-        try:
-            outcome = await serve_turns(self.chat, opened, open_turn, session.messages + new, session.server_tools,
-                                        emit)
-        except BaseException:
-            session.state = before
-            raise
-        finally:
-            session.task = None
-            session.request_id = None
+        outcome = await serve_turns(self.chat, opened, open_turn, session.messages + new, session.server_tools, emit)
         result = outcome.result
         session.messages = outcome.messages
         session.state = "paused" if result.calls else "idle"
@@ -208,33 +217,12 @@ class SessionServing:
 
     async def _sse(self, session: NativeSession, task: asyncio.Task,
                    events: asyncio.Queue) -> AsyncIterator[dict]:
-        """Events as the turn produces them, then `done` with the outcome (or `error`)."""
-        waiter = asyncio.ensure_future(self._outcome(session, task))
+        """Events as the turns produce them, then `done` with the outcome (or `error`)."""
         try:
-            while True:
-                getter = asyncio.ensure_future(events.get())
-                await asyncio.wait({getter, waiter}, return_when=asyncio.FIRST_COMPLETED)
-                if getter.done():
-                    kind, data = getter.result()
-                    yield {"event": kind, "data": json.dumps(data, ensure_ascii=False)}
-                    continue
-                getter.cancel()
-                while not events.empty():
-                    kind, data = events.get_nowait()
-                    yield {"event": kind, "data": json.dumps(data, ensure_ascii=False)}
-                yield {"event": "done", "data": json.dumps(waiter.result(), ensure_ascii=False)}
-                return
+            async for kind, data in events_then_result(self._outcome(session, task), events):
+                yield {"event": kind, "data": json.dumps(data, ensure_ascii=False)}
         except APIError as e:
             yield {"event": "error", "data": json.dumps(e.body())}
         except Exception as e:  # an engine failure mid-stream: report it in the stream, never hang
             logger.exception("session %s failed mid-stream", session.session_id)
             yield {"event": "error", "data": json.dumps(APIError(500, f"internal error: {e}").body())}
-
-    @staticmethod
-    def _cancel_task(task: asyncio.Task) -> Callable:
-        async def cancel() -> None:
-            """The stream ended: a turn still running (its client is gone) is cancelled, which aborts it."""
-            if not task.done():
-                task.cancel()
-                await asyncio.wait([task])
-        return cancel

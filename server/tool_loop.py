@@ -12,7 +12,7 @@ schema) and `async run(arguments: dict) -> str`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,3 +138,20 @@ async def run_tool(tool, call: Call) -> str:
     except Exception as e:
         logger.info("server tool %s failed: %s", call.name, e)
         return f"error: {e}"
+
+
+async def events_then_result(work: Awaitable, events: asyncio.Queue) -> AsyncIterator[tuple[str, Any]]:
+    """The (kind, payload) events put on `events` while `work` runs, then ("done", its result). An
+    exception of `work` propagates after the events it emitted."""
+    waiter = asyncio.ensure_future(work)
+    while True:
+        getter = asyncio.ensure_future(events.get())
+        await asyncio.wait({getter, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if getter.done():
+            yield getter.result()
+            continue
+        getter.cancel()
+        while not events.empty():
+            yield events.get_nowait()
+        yield "done", waiter.result()
+        return
