@@ -17,7 +17,8 @@ import sys
 
 
 def _env(name: str, default):
-    return os.environ.get(f"INFERCEPT_{name}", default)
+    """INFERCEPT_<NAME>, or `default` when unset or empty (compose files often pass empty values)."""
+    return os.environ.get(f"INFERCEPT_{name}") or default
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
