@@ -27,8 +27,9 @@ serve: download
 test: download
 	$(BIN)/python -m pytest -q
 
+# The real-server rate sweep of every policy (<= 20 min; `benchmarks/sweep.py --quick` for ~2 min).
 bench: download
-	$(BIN)/python benchmarks/throughput.py
+	$(BIN)/python benchmarks/sweep.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -35,7 +35,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from workload import add_scale_args, generate_trace  # noqa: E402
+from workload import CPU_SCALE, add_scale_args, generate_trace  # noqa: E402
 
 DEFAULT_POLICIES = ("discard", "improved-discard", "preserve", "swap", "prefix-cache", "infercept")
 TOKEN_ID_RANGE = (100, 20000)
@@ -236,8 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", default=None, help="also write the table (markdown) to this file")
     add_scale_args(parser)
-    parser.set_defaults(context_scale=0.12, decode_scale=0.25, interception_scale=0.05, max_interceptions=4,
-                        max_context=640)
+    parser.set_defaults(**CPU_SCALE)
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731

@@ -9,6 +9,8 @@ headline workload, the uniform mix (`--augment mixed`). Arrivals are Poisson at 
     # shrunk for a CPU engine: a quarter of the context, 1/20 of the interception time
     python benchmarks/workload.py --rate 0.5 --duration 60 --context-scale 0.25 --decode-scale 0.2 \\
         --interception-scale 0.05 --max-interceptions 4 -o small.jsonl
+    # the preset the real-server sweep uses (embedded 135M model, 2 CPU cores), one augment alone
+    python benchmarks/workload.py --augment tts --rate 0.5 --duration 60 --cpu-scale -o tts.jsonl
 
 Trace format: JSON lines, one agent request per line, sorted by arrival::
 
@@ -59,6 +61,12 @@ from pathlib import Path
 
 AUGMENTS = ("math", "qa", "ve", "chatbot", "image", "tts")
 MIN_PROMPT_TOKENS = 8
+# `--cpu-scale`: the paper's profile shrunk to what the embedded 135M model on 2 CPU cores serves in
+# minutes (~1k prompt tokens/s prefill, ~100 tokens/s batched decode): contexts ~200 tokens instead of
+# ~1.5k, ~10 decode tokens per segment, interceptions 1/20 as long (a 0.7 s Wikipedia call becomes
+# 35 ms, a 30 s human turn 1.5 s), at most 4 interceptions, contexts within 640 tokens.
+CPU_SCALE = dict(context_scale=0.12, decode_scale=0.25, interception_scale=0.05, max_interceptions=4,
+                 max_context=640)
 DEFAULT_PROFILES = Path(__file__).with_name("augments.json")
 
 
@@ -217,6 +225,19 @@ def add_scale_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--interception-scale", type=float, default=1.0, help="multiply interception durations")
     parser.add_argument("--max-interceptions", type=int, default=None, help="cap interceptions per request")
     parser.add_argument("--max-context", type=int, default=None, help="drop trailing segments beyond this context")
+    parser.add_argument("--cpu-scale", action="store_true",
+                        help=f"use the 2-core CPU preset {CPU_SCALE} (explicit knobs given after it still apply)")
+
+
+def scale_knobs(args: argparse.Namespace) -> dict:
+    """The generate_trace keyword arguments the scale flags of `add_scale_args` ask for. With
+    `--cpu-scale`, a knob left at its default takes the CPU preset's value."""
+    knobs = {k: getattr(args, k) for k in CPU_SCALE}
+    if args.cpu_scale:
+        defaults = dict(context_scale=1.0, decode_scale=1.0, interception_scale=1.0, max_interceptions=None,
+                        max_context=None)
+        knobs = {k: CPU_SCALE[k] if v == defaults[k] else v for k, v in knobs.items()}
+    return knobs
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -236,9 +257,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("give --duration or --num-requests")
     trace = generate_trace(args.rate, duration=args.duration, num_requests=args.num_requests,
                            augment=args.augment, seed=args.seed, profiles=load_profiles(args.profiles),
-                           context_scale=args.context_scale, decode_scale=args.decode_scale,
-                           interception_scale=args.interception_scale,
-                           max_interceptions=args.max_interceptions, max_context=args.max_context)
+                           **scale_knobs(args))
     if args.describe:
         print(describe(trace))
     else:

@@ -273,7 +273,7 @@ def test_workload_generation_is_seeded_and_consistent(tmp_path):
 
 def test_policy_sim_smoke_accounting():
     policy_sim = load_bench("policy_sim")
-    opts = dict(window=20.0, drain=400.0, seed=0, token_scale=8, oracle=False, saturated_s=None)
+    opts = dict(setup="a100_gptj_6b", window=20.0, drain=400.0, seed=0, token_scale=8, oracle=False, saturated_s=None)
     results = {p: {r: policy_sim.run_one(p, r, opts) for r in (0.5, 1.0)} for p in ("infercept", "discard")}
     for by_rate in results.values():
         for s in by_rate.values():

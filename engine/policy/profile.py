@@ -277,3 +277,71 @@ def a100_gptj_6b() -> Profile:
         notes="hand-written from the InferCept paper setup (GPT-J-6B, A100); T_fwd and bandwidth assumed, "
               "see infercept.engine.policy.profile",
     )
+
+
+# -- a current GPU: Llama-3-8B bf16 on one H100 SXM5 80GB --------------------------------------------
+
+# Llama-3-8B architecture (meta-llama/Meta-Llama-3-8B config.json): 32 layers, 8 KV heads (GQA) of
+# head dim 128; 8,030,261,248 parameters (model card).
+_LLAMA3_8B_LAYERS = 32
+_LLAMA3_8B_KV_HEADS = 8
+_LLAMA3_8B_HEAD_DIM = 128
+LLAMA3_8B_PARAMETERS = 8_030_261_248
+_BF16_BYTES = 2
+# M = 2 (K and V) x 32 x 8 x 128 x 2 = 131,072 B = 128 KiB per token (GQA: 3.5x less than GPT-J's).
+LLAMA3_8B_BF16_BYTES_PER_TOKEN = 2 * _LLAMA3_8B_LAYERS * _LLAMA3_8B_KV_HEADS * _LLAMA3_8B_HEAD_DIM * _BF16_BYTES
+# H100 SXM5 80GB (NVIDIA H100 Tensor Core GPU datasheet): HBM3 at 3.35 TB/s; 989 TFLOPS dense BF16
+# (the datasheet's 1,979 is with 2:4 sparsity).
+H100_SXM_HBM_BYTES_PER_S = 3.35e12
+H100_SXM_BF16_FLOPS = 989e12
+# ASSUMPTION: achieved fractions typical of large-batch LLM kernels (~80% of HBM bandwidth for the
+# weight stream, ~60% of peak tensor FLOPs for the dense GEMMs), plus ~1.5 ms per iteration of kernel
+# launches, sampling and scheduling outside the weight stream (vLLM-era CUDA-graph decode step).
+_H100_ACHIEVED_BANDWIDTH = 0.8
+_H100_ACHIEVED_FLOPS = 0.6
+_H100_ITERATION_OVERHEAD_S = 0.0015
+# Host links. PCIe 5.0 x16: 64 GB/s raw per direction (PCI-SIG); ~50 GB/s effective for pinned
+# cudaMemcpyAsync. NVLink-C2C on GH200 (Grace Hopper superchip datasheet): 900 GB/s total, 450 GB/s
+# per direction; ~350 GB/s effective assumed.
+PCIE5_X16_EFFECTIVE_BYTES_PER_S = 50e9
+NVLINK_C2C_EFFECTIVE_BYTES_PER_S = 350e9
+_HOST_LINKS = {"pcie5": PCIE5_X16_EFFECTIVE_BYTES_PER_S, "nvlink-c2c": NVLINK_C2C_EFFECTIVE_BYTES_PER_S}
+_ROOFLINE_SAMPLE_TOKENS = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def roofline_t_fwd(num_tokens: int, weight_bytes: float, flops_per_token: float, bandwidth: float,
+                   flops: float, overhead_s: float) -> float:
+    """Iteration time of a dense decoder by the roofline: the longer of streaming the weights once and
+    the GEMMs' compute, plus a fixed overhead. Attention over the context is left out (as in the A100
+    profile): at <= 2k-token contexts it is a few percent of an 8B model's FLOPs."""
+    return overhead_s + max(weight_bytes / bandwidth, num_tokens * flops_per_token / flops)
+
+
+def h100_llama3_8b(host_link: str = "pcie5") -> Profile:
+    """Hand-written profile of a current setup: Llama-3-8B bf16 on one H100 SXM5 80GB.
+
+    ``T_fwd`` from the roofline (`roofline_t_fwd`) with the datasheet numbers and the achieved fractions
+    above: a ~6 ms weight stream (16 GB at 2.7 TB/s) + 1.5 ms floor, compute-bound from ~220 query tokens
+    at 27 us/token (2 x 8.03 GFLOP per token at 593 TFLOPS). ``S`` is derived by
+    `detect_saturation_point` (256 with these samples). `host_link` is ``"pcie5"`` (H100 SXM/PCIe boards)
+    or ``"nvlink-c2c"`` (GH200)."""
+    if host_link not in _HOST_LINKS:
+        raise ValueError(f"host_link must be one of {', '.join(_HOST_LINKS)}")
+    weight_bytes = LLAMA3_8B_PARAMETERS * _BF16_BYTES
+    samples = tuple((n, roofline_t_fwd(n, weight_bytes, 2 * LLAMA3_8B_PARAMETERS,
+                                       H100_SXM_HBM_BYTES_PER_S * _H100_ACHIEVED_BANDWIDTH,
+                                       H100_SXM_BF16_FLOPS * _H100_ACHIEVED_FLOPS, _H100_ITERATION_OVERHEAD_S))
+                    for n in _ROOFLINE_SAMPLE_TOKENS)
+    bandwidth = _HOST_LINKS[host_link]
+    return Profile(
+        model="meta-llama/Meta-Llama-3-8B",
+        device="NVIDIA H100 80GB HBM3" if host_link == "pcie5" else "NVIDIA GH200",
+        dtype="bfloat16",
+        bytes_per_token=LLAMA3_8B_BF16_BYTES_PER_TOKEN,
+        block_size=_VLLM_BLOCK_SIZE,
+        t_fwd_samples=samples,
+        d2h_bytes_per_s=bandwidth,
+        h2d_bytes_per_s=bandwidth,
+        notes=f"hand-written: Llama-3-8B bf16, H100 datasheet roofline, host link {host_link}; "
+              "see infercept.engine.policy.profile",
+    )

