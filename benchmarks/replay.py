@@ -126,10 +126,15 @@ class CompletionsApi:
 
 
 class SessionApi:
-    """InferCept's native session API. Assumed shape (DESIGN §6): `POST /v1/sessions` {model} -> {id};
+    """InferCept's native session API, at token level: `POST /v1/sessions` {model} -> {id};
     `POST /v1/sessions/{id}/messages` with `{"token_ids": [...new tokens...], "max_tokens", "ignore_eos",
-    "temperature", "intercept", "stream": true}` streams completion-style SSE chunks and leaves the
-    session paused when `intercept` is given; `DELETE /v1/sessions/{id}` releases it."""
+    "temperature", "intercept", "stream": true}` streaming completion-style SSE chunks and leaving the
+    session paused when `intercept` is given; `DELETE /v1/sessions/{id}` releases it.
+
+    The server's sessions (server/protocol_sessions.py) take text (`content`) or `tool_results` and
+    pause only on a parsed tool call, so a trace cannot dictate where a session pauses yet; this is the
+    token-level message shape they need for it (`token_ids` instead of `content`, a length stop with
+    `intercept` as a pause), and until then `--api session` reports the server's 4xx as the error."""
 
     def __init__(self, client: httpx.AsyncClient, model: str):
         self.client, self.model = client, model
