@@ -149,7 +149,8 @@ class BaseServing:
         if entry is not None:
             appended = prompt_ids[len(entry.token_ids):]
             try:
-                stream = self.async_engine.resume(entry.request_id, appended, params)
+                # The new turn's own interception rule (none: it finishes at its stop, not pauses again).
+                stream = self.async_engine.resume(entry.request_id, appended, params, intercept or InterceptParams())
                 first = await anext(stream)
             except (KeyError, ValueError) as e:
                 logger.info("request %s: resume of %s failed (%s); serving it fresh", request_id, entry.request_id, e)
