@@ -1,0 +1,77 @@
+"""`ChatInferCept`: langchain-openai's Chat Completions model pointed at an InferCept server.
+
+Tool calling (`bind_tools`, `tool_choice`), streaming with tool-call chunks, usage metadata (the
+server's `prompt_tokens_details.cached_tokens` arrives as `input_token_details["cache_read"]`,
+langchain-openai maps it) and structured output come from `BaseChatOpenAI` unchanged. What is added:
+defaults that reach the local server, streamed usage on by default (the server sends it), and the
+session hint: inside LangGraph, the run's `configurable.thread_id` is sent as `session_id`, so each
+thread's paused generation is continued by name.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Any
+
+from langchain_core.language_models import LanguageModelInput
+from langchain_core.runnables.config import ensure_config
+from langchain_core.utils import from_env, secret_from_env
+from langchain_openai.chat_models.base import BaseChatOpenAI
+from pydantic import Field, SecretStr
+
+from infercept.integrations.openai.clients import DEFAULT_BASE_URL, DEFAULT_MODEL, NO_API_KEY
+
+# What the server accepts as a session id.
+SESSION_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+def session_id_for_thread(thread_id: str) -> str:
+    """The thread_id itself when the server accepts it as a session id; otherwise a stable digest of it
+    (LangGraph allows any string, e.g. "user 42 / chat 7")."""
+    if SESSION_ID.fullmatch(thread_id):
+        return thread_id
+    return "thread-" + hashlib.sha256(thread_id.encode()).hexdigest()[:32]
+
+
+class ChatInferCept(BaseChatOpenAI):
+    model_name: str = Field(default_factory=from_env("INFERCEPT_MODEL", default=DEFAULT_MODEL), alias="model")
+    openai_api_base: str | None = Field(default_factory=from_env("INFERCEPT_BASE_URL", default=DEFAULT_BASE_URL),
+                                        alias="base_url")
+    openai_api_key: SecretStr | None = Field(
+        default_factory=secret_from_env("INFERCEPT_API_KEY", default=NO_API_KEY), alias="api_key")
+    # The server reports usage in the last chunk of a stream (stream_options.include_usage).
+    stream_usage: bool | None = True
+    # Send the LangGraph thread_id as the server's session_id.
+    use_thread_sessions: bool = True
+
+    @property
+    def _llm_type(self) -> str:
+        return "infercept-chat"
+
+    @property
+    def lc_secrets(self) -> dict[str, str]:
+        return {"openai_api_key": "INFERCEPT_API_KEY"}
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any):
+        params = super()._get_ls_params(stop=stop, **kwargs)
+        params["ls_provider"] = "infercept"
+        return params
+
+    def _get_request_payload(self, input_: LanguageModelInput, *, stop: list[str] | None = None,
+                             **kwargs: Any) -> dict:
+        payload = super()._get_request_payload(input_, stop=stop, **kwargs)
+        session_id = self._thread_session_id()
+        if session_id is not None and "session_id" not in payload.get("extra_body", {}):
+            payload["extra_body"] = {**payload.get("extra_body", {}), "session_id": session_id}
+        return payload
+
+    def _thread_session_id(self) -> str | None:
+        """The thread_id of the LangGraph run this call belongs to, if any.
+
+        LangGraph sets the running node's config as the context's runnable config, and the payload is
+        built inside that context (sync, async, and thread pools copy it), so it is read from there
+        rather than threaded through every LangChain entry point."""
+        if not self.use_thread_sessions:
+            return None
+        thread_id = ensure_config().get("configurable", {}).get("thread_id")
+        return None if thread_id is None else session_id_for_thread(str(thread_id))
