@@ -1,0 +1,146 @@
+"""ChatInferCept against the live server with the embedded model: langchain-tests' standard suites,
+a create_agent ReAct loop whose resumed steps reuse their prompt, the LangGraph thread as session, and
+the examples (short outputs) so they cannot rot."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from langchain.agents import create_agent
+from langchain_core.messages import AIMessage, ToolMessage
+from langchain_core.tools import tool
+from langchain_tests.integration_tests import ChatModelIntegrationTests
+from langchain_tests.unit_tests import ChatModelUnitTests
+from langgraph.checkpoint.memory import InMemorySaver
+
+from infercept.integrations.langchain import ChatInferCept
+from infercept.integrations.langchain.chat_models import session_id_for_thread
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+SMALL_MODEL = "the 135M model cannot do this reliably"
+
+
+@pytest.fixture(scope="module")
+def base_url(agent_server_url):
+    return agent_server_url
+
+
+class TestChatInferCeptUnit(ChatModelUnitTests):
+    @property
+    def chat_model_class(self):
+        return ChatInferCept
+
+    @property
+    def chat_model_params(self):
+        return {"model": "smol", "base_url": "http://127.0.0.1:9/v1"}
+
+    @property
+    def init_from_env_params(self):
+        return ({"INFERCEPT_BASE_URL": "http://127.0.0.1:9/v1", "INFERCEPT_API_KEY": "k", "INFERCEPT_MODEL": "m"}, {},
+                {"openai_api_base": "http://127.0.0.1:9/v1", "openai_api_key": "k", "model_name": "m"})
+
+
+class TestChatInferCeptIntegration(ChatModelIntegrationTests):
+    @pytest.fixture(autouse=True)
+    def _server(self, base_url, monkeypatch):
+        monkeypatch.setenv("INFERCEPT_BASE_URL", base_url)
+
+    @property
+    def chat_model_class(self):
+        return ChatInferCept
+
+    @property
+    def chat_model_params(self):
+        return {"model": "smol", "temperature": 0, "max_tokens": 24, "max_retries": 0, "timeout": 120}
+
+    @property
+    def supported_usage_metadata_details(self):
+        return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
+
+    def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
+        model = self.chat_model_class(**self.chat_model_params)
+        prompt = "Hello"
+        model.invoke(prompt)
+        if stream:
+            full = None
+            for chunk in model.stream(prompt):
+                full = chunk if full is None else full + chunk
+            return full
+        return model.invoke(prompt)  # the same prompt again: its blocks are reused
+
+
+def weather_station():
+    """get_weather that answers each city once; asked again, it says it already did and nudges the
+    model to answer (the 135M model otherwise keeps repeating the call). Returns (tool, cities asked)."""
+    asked: list[str] = []
+
+    @tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        repeated = city in asked
+        asked.append(city)
+        if repeated:
+            return f"You already have it: sunny, 24 C in {city}. Now answer the user's question without calling a tool."
+        return f"Sunny, 24 C in {city}."
+
+    return get_weather, asked
+
+
+@tool
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression."""
+    from infercept.tools.calculator import evaluate, format_number
+
+    return format_number(evaluate(expression))
+
+
+def test_react_agent_resumes_every_step(base_url):
+    get_weather, asked = weather_station()
+    model = ChatInferCept(base_url=base_url, model="smol", temperature=0, max_tokens=48, max_retries=0)
+    agent = create_agent(model, tools=[get_weather, calculator], checkpointer=InMemorySaver())
+    result = agent.invoke({"messages": [{"role": "user", "content": "What is the weather in Paris?"}]},
+                          {"configurable": {"thread_id": "react test 1"}, "recursion_limit": 12})
+    steps = [m for m in result["messages"] if isinstance(m, AIMessage)]
+    reuse = [m.usage_metadata["input_token_details"]["cache_read"] / m.usage_metadata["input_tokens"] for m in steps]
+    print("reuse per step:", [f"{r:.1%}" for r in reuse])
+    assert len(steps) >= 3 and asked[:2] == ["Paris", "Paris"]
+    assert all(m.tool_calls for m in steps[:-1]) and not steps[-1].tool_calls
+    assert all(r >= 0.9 for r in reuse[1:]), reuse
+    assert "24" in steps[-1].text or "sunny" in steps[-1].text.lower()  # the answer comes from the tool
+    assert sum(isinstance(m, ToolMessage) for m in result["messages"]) == len(steps) - 1
+
+
+def test_thread_id_becomes_the_session_id():
+    assert session_id_for_thread("t-1") == "t-1"
+    hashed = session_id_for_thread("user 42 / chat 7")
+    assert hashed.startswith("thread-") and hashed == session_id_for_thread("user 42 / chat 7")
+    model = ChatInferCept(model="smol")
+    from langchain_core.runnables.config import var_child_runnable_config
+
+    token = var_child_runnable_config.set({"configurable": {"thread_id": "t-1"}})
+    try:
+        assert model._get_request_payload("Hi")["extra_body"] == {"session_id": "t-1"}
+    finally:
+        var_child_runnable_config.reset(token)
+    assert "extra_body" not in model._get_request_payload("Hi")
+    assert "extra_body" not in ChatInferCept(model="smol", use_thread_sessions=False)._get_request_payload("Hi")
+
+
+def load_example(name: str):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_example_langchain_react_agent(base_url, capsys):
+    steps = load_example("langchain_react_agent").main(["--base-url", base_url, "--model", "smol", "--max-tokens", "48"])
+    out = capsys.readouterr().out
+    assert "step 1:" in out and "answer:" in out and not steps[-1].tool_calls
+
+
+def test_example_openai_tool_loop(base_url, capsys):
+    answer = load_example("openai_tool_loop").main(["--base-url", base_url, "--model", "smol", "--max-tokens", "48"])
+    out = capsys.readouterr().out
+    assert "step 2:" in out and "reused" in out and answer
