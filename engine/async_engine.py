@@ -37,7 +37,11 @@ class AsyncEngine:
         self.engine = engine
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
+        # Touched by both threads (the event loop registers and aborts, the engine thread delivers and
+        # retires), so every access holds the lock: an abort between the engine thread's lookup and its
+        # removal of a stream must not crash the engine thread.
         self._streams: dict[str, _Stream] = {}
+        self._streams_lock = threading.Lock()
         self._ids = itertools.count()
         self._running = False
         self._thread = threading.Thread(target=self._loop, name="infercept-engine", daemon=True)
@@ -88,13 +92,14 @@ class AsyncEngine:
         if not self._running:
             raise RuntimeError("the engine is not running")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._streams[request_id] = stream
+        with self._streams_lock:
+            self._streams[request_id] = stream
 
         def run_command() -> None:
             try:
                 command()
             except Exception as e:  # bad input: report to the caller, not the engine thread
-                self._streams.pop(request_id, None)
+                self._retire(request_id)
                 stream.put(e)
 
         self._call(run_command)
@@ -130,8 +135,21 @@ class AsyncEngine:
         return future
 
     def abort(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
+        self._retire(request_id)
         self._call(lambda: self.engine.abort(request_id))
+
+    def _retire(self, request_id: str) -> "_Stream | None":
+        """Stop delivering outputs of `request_id`; returns its stream if it had one."""
+        with self._streams_lock:
+            return self._streams.pop(request_id, None)
+
+    def _fail_all(self, error: Exception) -> None:
+        """Abort every request in flight and hand `error` to its caller."""
+        with self._streams_lock:
+            streams, self._streams = self._streams, {}
+        for request_id, stream in streams.items():
+            self.engine.abort(request_id)
+            stream.put(error)
 
     # -- engine thread ----------------------------------------------------------------------------
     def _call(self, command: Callable[[], None]) -> None:
@@ -139,11 +157,7 @@ class AsyncEngine:
         self._wake.set()
 
     def _abort_all(self) -> None:
-        for request_id in list(self._streams):
-            self.engine.abort(request_id)
-            stream = self._streams.pop(request_id, None)
-            if stream is not None:
-                stream.put(RuntimeError("the server is shutting down"))
+        self._fail_all(RuntimeError("the server is shutting down"))
 
     def _loop(self) -> None:
         while self._running:
@@ -157,15 +171,11 @@ class AsyncEngine:
                 outputs = self.engine.step()
             except Exception as e:  # a bug must not take the server down: fail what was in flight
                 logger.exception("engine step failed; aborting in-flight requests")
-                for request_id in list(self._streams):
-                    self.engine.abort(request_id)
-                    stream = self._streams.pop(request_id, None)
-                    if stream is not None:
-                        stream.put(e)
+                self._fail_all(e)
                 continue
             for out in outputs:
-                stream = self._streams.get(out.request_id)
+                with self._streams_lock:
+                    stream = self._streams.pop(out.request_id, None) if out.turn_done else \
+                        self._streams.get(out.request_id)
                 if stream is not None:
                     stream.put(out)
-                    if out.turn_done:
-                        del self._streams[out.request_id]
