@@ -60,7 +60,8 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if self.guided is not None and (self.min_tokens or self.ignore_eos):
             # Both would hold back the end-of-sequence token where the grammar allows nothing else.
-            raise ValueError("a grammar decides where the output ends: min_tokens and ignore_eos do not combine with it")
+            raise ValueError("a grammar decides where the output ends: min_tokens and ignore_eos do not "
+                             "combine with it")
 
     @property
     def greedy(self) -> bool:

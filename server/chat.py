@@ -1,6 +1,6 @@
 """Chat messages -> prompt token ids, with the model's chat template.
 
-Three jobs:
+Four jobs:
 
 * **Normalize and validate** OpenAI messages into `Message` values (plain, hashable, comparable: the
   session registry compares conversations by equality; tool-call arguments compare as JSON).
@@ -8,6 +8,10 @@ Three jobs:
   tool calls as structured data. A template without one (SmolLM2) gets a Hermes-style tool system
   prompt, two example exchanges built from the first tool, assistant tool calls rendered as
   ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`` and tool results as ``tool`` turns.
+* **Forced calls** (``tool_choice`` required or named, Hermes format): the turn starts with a prefill of
+  the call's fixed opening, and a grammar (`hermes_calls_grammar`, enforced by the engine) takes it from
+  there: names of the allowed tools only, arguments that follow each tool's schema, written as
+  ``json.dumps`` writes them, so `hermes_partial_calls` can follow them while they stream.
 * **Exact turns.** An assistant tool-call turn this server generated is rendered as the very tokens the
   model generated (`AssistantTurn.token_ids`), not re-rendered from the message. The prompt is then
   the concatenation of text segments (each tokenized on its own) and those token runs::
@@ -154,10 +158,99 @@ TurnLookup = Callable[[Message], "AssistantTurn | None"]
 # -- tool prompt for templates without a tool section ----------------------------------------------
 
 HERMES_CALL = "<tool_call>\n{body}\n</tool_call>"
+HERMES_CALL_HEAD = '<tool_call>\n{"name": '  # json.dumps of {"name": ..., "arguments": ...} starts so
+HERMES_CALL_TAIL = "}\n</tool_call>"
 
 
 def hermes_call_text(name: str, arguments: Any) -> str:
     return HERMES_CALL.format(body=json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False))
+
+
+def hermes_call_start(name: str) -> str:
+    """A Hermes call's text up to its arguments (which follow, then `HERMES_CALL_TAIL`)."""
+    return HERMES_CALL_HEAD + json.dumps(name, ensure_ascii=False) + ', "arguments": '
+
+
+# -- tool-call grammars and schemas ------------------------------------------------------------------
+
+# The arguments' JSON is written as json.dumps writes it, as in the tool prompt's examples; flexible
+# whitespace would also let a small model wander into endless blank lines.
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def arguments_schema(tool: ToolParam) -> dict:
+    """The tool's parameters schema (a call's arguments are always an object)."""
+    return {"type": "object", **(tool.function.parameters or {})}
+
+
+def hermes_calls_grammar(tools: Sequence[ToolParam], prefill: str, parallel: bool) -> str:
+    """Lark grammar (llguidance) of what a forced turn generates after `prefill`: the rest of a call of
+    one of the `tools` whose call text starts with `prefill`, then, with `parallel`, more calls, one per
+    line. Each call's arguments follow its tool's parameters schema."""
+    def call(i: int, before_arguments: str) -> str:  # a JSON string literal is a Lark one too
+        return " ".join(([json.dumps(before_arguments)] if before_arguments else [])
+                        + [f"args{i}", json.dumps(HERMES_CALL_TAIL)])
+
+    starts = [hermes_call_start(tool.function.name) for tool in tools]
+    first = [i for i, start in enumerate(starts) if start.startswith(prefill)]
+    if not first:
+        raise ValueError(f"no tool's call starts with {prefill!r}")
+    lines = ["start: first" + (' ("\\n" call)*' if parallel else ""),
+             "first: " + " | ".join(call(i, starts[i][len(prefill):]) for i in first)]
+    if parallel:
+        lines.append("call: " + " | ".join(call(i, start) for i, start in enumerate(starts)))
+    for i in range(len(tools)) if parallel else first:
+        lines.append(f"args{i}: %json {json.dumps(arguments_schema(tools[i]) | {'x-guidance': JSON_STYLE})}")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class PartialCall:
+    """A Hermes call as far as it is written: its name is complete, its arguments maybe not."""
+
+    name: str
+    arguments: str  # JSON text written so far
+    complete: bool  # the arguments object is closed
+
+
+_CALL_HEAD = re.compile(re.escape(HERMES_CALL_HEAD) + r'("(?:[^"\\]|\\.)*"), "arguments": ')
+_JSON = json.JSONDecoder()
+
+
+def hermes_partial_calls(text: str) -> list[PartialCall]:
+    """The calls in `text` written in exactly the form `hermes_calls_grammar` allows, in order: those
+    whose name is complete, the last one possibly still being written."""
+    calls: list[PartialCall] = []
+    pos = 0
+    while (head := _CALL_HEAD.search(text, pos)) is not None:
+        name = json.loads(head.group(1))
+        try:
+            _, end = _JSON.raw_decode(text, head.end())
+        except ValueError:  # still open: everything after the head is arguments so far
+            calls.append(PartialCall(name, text[head.end():], False))
+            break
+        calls.append(PartialCall(name, text[head.end():end], True))
+        pos = end
+    return calls
+
+
+def tool_validators(tools: Sequence[ToolParam]) -> dict[str, Callable[[Any], bool]]:
+    """For each tool name, whether given arguments validate against its parameters schema.
+    A schema that is not a valid JSON schema is a 400 naming the tool."""
+    from jsonschema.exceptions import SchemaError
+    from jsonschema.validators import validator_for
+
+    validators = {}
+    for i, tool in enumerate(tools):
+        schema = arguments_schema(tool)
+        cls = validator_for(schema)
+        try:
+            cls.check_schema(schema)
+        except SchemaError as e:
+            raise bad_request(f"tools[{i}].function.parameters is not a valid JSON schema: {e.message}",
+                              param=f"tools[{i}].function.parameters") from None
+        validators[tool.function.name] = cls(schema).is_valid
+    return validators
 
 
 def hermes_tool_prompt(tools: Sequence[ToolParam]) -> str:
@@ -239,9 +332,16 @@ class ChatRenderer:
         """
         if self.tool_parser != "hermes":
             return ""
-        if tool_name is None:
-            return '<tool_call>\n{"name": "'
-        return '<tool_call>\n{"name": ' + json.dumps(tool_name, ensure_ascii=False) + ', "arguments": '
+        return HERMES_CALL_HEAD + '"' if tool_name is None else hermes_call_start(tool_name)
+
+    def forced_grammar(self, tools: Sequence[ToolParam], tool_name: str | None, parallel: bool) -> str | None:
+        """Lark grammar of the rest of a forced turn after `forced_prefill(tool_name)`: calls of the
+        allowed tools with arguments that follow their schemas. Only for the Hermes format (None: other
+        formats are forced by prompting alone)."""
+        if self.tool_parser != "hermes":
+            return None
+        allowed = [t for t in tools if tool_name is None or t.function.name == tool_name]
+        return hermes_calls_grammar(allowed, self.forced_prefill(tool_name), parallel)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []

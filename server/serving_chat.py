@@ -3,6 +3,13 @@
 A turn that ends in tool calls stays paused in the engine and is registered (`SessionRegistry`): the
 request that brings the tool results resumes it, with only the tokens a fresh rendering adds after the
 paused context (the tool results and the next generation prompt) to compute.
+
+Tool calls are never reported broken. With `tool_choice` "required" or a named function (Hermes
+format), the turn is grammar-constrained (engine/guided_decoding.py): it can only be calls of the
+allowed tools whose arguments follow their schemas, so streams send each call's arguments token by
+token as they are generated. With "auto" the model writes freely; a call counts once its turn ends and
+it parses, names a tool of the request and its arguments validate against that tool's schema
+(jsonschema) -- anything else is content -- so auto-mode streams send calls only then, whole.
 """
 from __future__ import annotations
 
@@ -11,23 +18,24 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
 from infercept.engine import RequestOutput
 from infercept.engine.request import InterceptParams
+from infercept.engine.sampling_params import GuidedDecodingParams, SamplingParams
 from infercept.engine.tool_parsers import get_tool_parser
 
-from .chat import AssistantTurn, Call, ChatRenderer, Message, normalize_messages, validate_tool_flow
+from .chat import (AssistantTurn, Call, ChatRenderer, Message, canonical_json, hermes_partial_calls,
+                   normalize_messages, tool_validators, validate_tool_flow)
 from .protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatMessage, ChoiceLogprobs, FunctionCall, PromptTokensDetails,
                        TokenLogprob, ToolCall, ToolParam, TopLogprob, Usage, bad_request, new_id, now)
 from .serving_base import BaseServing, EngineTurn, StreamResponse, logger, run_until_disconnect
 from .sessions import PausedGeneration
 
-ARGUMENT_FRAGMENT_CHARS = 16  # streamed tool-call arguments come in pieces of this size
 SESSION_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 
@@ -38,6 +46,7 @@ class ToolMode:
     forced: bool = False  # a call is required (tool_choice "required" or named)
     forced_name: str | None = None  # named tool_choice
     parallel: bool = True
+    validators: dict[str, Callable] = field(default_factory=dict)  # tool name -> arguments valid?
 
 
 @dataclass
@@ -59,6 +68,18 @@ class ChatContext:
     prefill: str
     turn: EngineTurn
     session_id: str | None
+    guided: bool = False  # grammar-constrained: the turn can only be calls with valid arguments
+    call_ids: list[str] = field(default_factory=list)  # ids of this turn's calls, by index
+
+
+@dataclass(frozen=True)
+class StreamedCall:
+    """A tool call as far as a stream may show it."""
+
+    index: int
+    id: str
+    name: str
+    arguments: str  # JSON text so far
 
 
 class ChatServing(BaseServing):
@@ -112,6 +133,7 @@ class ChatServing(BaseServing):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, len(prompt_ids), max_tokens, logprobs,
                                       skip_special_tokens=not mode.parse or self.renderer.tool_parser == "hermes")
+        params = self._with_call_grammar(params, mode)
         intercept = None
         if mode.parse:
             hint = req.intercept
@@ -129,7 +151,8 @@ class ChatServing(BaseServing):
             raise
         if turn.resumed:
             self.metrics.resumes.labels(self.model_name, "explicit" if session_id else "implicit").inc()
-        ctx = ChatContext(response_id, req, messages, mode, prefill, turn, session_id)
+        ctx = ChatContext(response_id, req, messages, mode, prefill, turn, session_id,
+                          guided=params.guided is not None)
 
         async def cleanup() -> None:
             await turn.close()
@@ -142,6 +165,15 @@ class ChatServing(BaseServing):
             return ""
         return self._safe_content(text) if ctx.mode.parse else text
 
+    def streamable_calls(self, ctx: ChatContext, text: str) -> list[StreamedCall]:
+        """The tool calls of a turn's text so far that a stream may show while they are written: in a
+        grammar-constrained turn, every call whose name is complete, with its arguments so far (the
+        grammar guarantees they end valid); otherwise none (calls count only once validated)."""
+        if not ctx.guided:
+            return []
+        return [StreamedCall(i, self._call_id(ctx, i), c.name, c.arguments)
+                for i, c in enumerate(hermes_partial_calls(ctx.prefill + text))]
+
     def end_turn(self, ctx: ChatContext, out: RequestOutput) -> TurnResult:
         """End a turn opened with `open` from its last output: pause or finish it, and record it."""
         result = self._end_turn(ctx, out)
@@ -149,6 +181,23 @@ class ChatServing(BaseServing):
         return result
 
     # -- request pieces ----------------------------------------------------------------------------
+    def _with_call_grammar(self, params: SamplingParams, mode: ToolMode) -> SamplingParams:
+        """A forced turn's params constrained to calls of the allowed tools with valid arguments."""
+        if not mode.forced:
+            return params
+        grammar = self.renderer.forced_grammar(mode.tools, mode.forced_name, mode.parallel)
+        if grammar is None:
+            return params
+        try:
+            guided = GuidedDecodingParams(lark=grammar)
+        except ValueError as e:  # a schema feature the grammar compiler does not support
+            raise bad_request(f"the tools' parameters cannot be enforced: {e}", param="tools") from None
+        try:
+            return replace(params, guided=guided)
+        except ValueError as e:
+            raise bad_request(f"with tool_choice {'required' if mode.forced_name is None else 'named'}: {e}",
+                              param="tool_choice") from None
+
     @staticmethod
     def _tool_mode(req: ChatCompletionRequest) -> ToolMode:
         tools = req.tools or None
@@ -162,14 +211,16 @@ class ChatServing(BaseServing):
             raise bad_request("tool names must be unique", param="tools")
         if choice == "none":
             return ToolMode(None, False)
+        validators = tool_validators(tools)
         if choice in (None, "auto"):
-            return ToolMode(tools, True, parallel=parallel)
+            return ToolMode(tools, True, parallel=parallel, validators=validators)
         if choice == "required":
-            return ToolMode(tools, True, forced=True, parallel=parallel)
-        if choice.function.name not in {t.function.name for t in tools}:
+            return ToolMode(tools, True, forced=True, parallel=parallel, validators=validators)
+        if choice.function.name not in validators:
             raise bad_request(f"tool_choice names {choice.function.name!r}, which is not in tools",
                               param="tool_choice")
-        return ToolMode(tools, True, forced=True, forced_name=choice.function.name, parallel=False)
+        return ToolMode(tools, True, forced=True, forced_name=choice.function.name, parallel=False,
+                        validators=validators)
 
     @staticmethod
     def _session_id(req: ChatCompletionRequest, raw: Request) -> str | None:
@@ -223,36 +274,66 @@ class ChatServing(BaseServing):
 
     # -- the end of a turn -------------------------------------------------------------------------
     def _end_turn(self, ctx: ChatContext, out: RequestOutput) -> TurnResult:
-        """Tool calls -> keep the generation paused and register it; anything else ends it."""
+        """Valid tool calls -> keep the generation paused and register it; anything else ends it."""
         text = ctx.prefill + out.text
         turn = ctx.turn
         if out.paused and ctx.mode.parse:
             parsed = self.parser.parse(text)
-            calls = parsed.tool_calls if ctx.mode.parallel else parsed.tool_calls[:1]
-            if calls and len(calls) < len(parsed.tool_calls):
-                # parallel_tool_calls=false cut calls the model made: the paused context would show the
-                # model calls that never get results, so this generation cannot be continued.
-                self.async_engine.abort(turn.request_id)
-                issued = [Call.make(f"call_{uuid.uuid4().hex[:24]}", c.name, c.arguments) for c in calls]
-                message = Message("assistant", parsed.content, None, tuple(issued))
-                self._remember_session(ctx, message)
-                return TurnResult(parsed.content or None, issued, "tool_calls", message)
+            valid = [c for c in parsed.tool_calls if self._valid_call(ctx.mode, c)]
+            calls = valid if ctx.mode.parallel else valid[:1]
             if calls:
-                issued = [Call.make(f"call_{uuid.uuid4().hex[:24]}", c.name, c.arguments) for c in calls]
-                message = Message("assistant", parsed.content, None, tuple(issued))
-                turn_ids = tuple(turn.prompt_ids[len(turn.prompt_ids) - len(self.renderer.encode(ctx.prefill)):]
-                                 + out.token_ids) if ctx.prefill else tuple(out.token_ids)
-                self.register_paused(PausedGeneration(
-                    turn.request_id, turn.prompt_ids + list(out.token_ids), tuple(ctx.messages),
-                    AssistantTurn(message, turn_ids), ctx.session_id))
+                content = parsed.content if len(valid) == len(parsed.tool_calls) else self._without(text, valid)
+                issued = self._issue(ctx, text, calls)
+                message = Message("assistant", content, None, tuple(issued))
+                if len(calls) < len(parsed.tool_calls):
+                    # Calls the model made were dropped (invalid, or cut by parallel_tool_calls=false): the
+                    # paused context would show calls that never get results, so it cannot be continued.
+                    self.async_engine.abort(turn.request_id)
+                else:
+                    turn_ids = tuple(turn.prompt_ids[len(turn.prompt_ids) - len(self.renderer.encode(ctx.prefill)):]
+                                     + out.token_ids) if ctx.prefill else tuple(out.token_ids)
+                    self.register_paused(PausedGeneration(
+                        turn.request_id, turn.prompt_ids + list(out.token_ids), tuple(ctx.messages),
+                        AssistantTurn(message, turn_ids), ctx.session_id))
                 self._remember_session(ctx, message)
-                return TurnResult(parsed.content or None, issued, "tool_calls", message)
-        if out.paused:  # a required call that did not parse, or a stop marked as an interception
+                return TurnResult(content or None, issued, "tool_calls", message)
+        if out.paused:  # no valid call (e.g. a forced one cut by max_tokens), or a stop marked as an interception
             self.async_engine.abort(turn.request_id)
-        finish = self.finish_reason(out)
+        # Paused right after calls that then failed validation: the model chose to end there, a stop.
+        finish = "stop" if out.paused and out.tool_calls else self.finish_reason(out)
         message = Message("assistant", text)
         self._remember_session(ctx, message)
         return TurnResult(text, [], finish, message)
+
+    @staticmethod
+    def _valid_call(mode: ToolMode, call) -> bool:
+        """The call names a tool of the request and its arguments validate against that tool's schema."""
+        validate = mode.validators.get(call.name)
+        return validate is not None and validate(json.loads(call.arguments))
+
+    @staticmethod
+    def _without(text: str, calls) -> str:
+        """The content of `text` once `calls` are taken out; the text of rejected calls stays in place."""
+        for call in calls:
+            text = text.replace(call.raw, "", 1)
+        return text.strip()
+
+    def _call_id(self, ctx: ChatContext, index: int) -> str:
+        """The id of the turn's call `index`, the same for stream deltas and the final message."""
+        while len(ctx.call_ids) <= index:
+            ctx.call_ids.append(f"call_{uuid.uuid4().hex[:24]}")
+        return ctx.call_ids[index]
+
+    def _issue(self, ctx: ChatContext, text: str, calls) -> list[Call]:
+        """The calls as the client gets them. A guided turn's arguments are reported as written, which
+        is how they were streamed (the parser's are re-serialized, JSON-equal but maybe not byte-equal)."""
+        written = hermes_partial_calls(text) if ctx.guided else []
+        issued = []
+        for i, call in enumerate(calls):
+            as_written = written[i].arguments if i < len(written) and written[i].complete else None
+            same = as_written is not None and canonical_json(as_written) == canonical_json(call.arguments)
+            issued.append(Call.make(self._call_id(ctx, i), call.name, as_written if same else call.arguments))
+        return issued
 
     def _remember_session(self, ctx: ChatContext, message: Message) -> None:
         if ctx.session_id is not None:
@@ -325,6 +406,22 @@ class ChatServing(BaseServing):
                     break
         return text[:cut].rstrip()
 
+    @staticmethod
+    def _call_deltas(calls: list[StreamedCall], sent: dict[int, str]) -> list[dict]:
+        """OpenAI tool-call deltas that take a client from `sent` (index -> arguments sent) to `calls`:
+        a call's first delta has its id, type, name and empty arguments; the next ones add arguments."""
+        deltas = []
+        for call in calls:
+            if call.index not in sent:
+                deltas.append({"index": call.index, "id": call.id, "type": "function",
+                               "function": {"name": call.name, "arguments": ""}})
+                sent[call.index] = ""
+            done = sent[call.index]
+            if len(call.arguments) > len(done) and call.arguments.startswith(done):
+                deltas.append({"index": call.index, "function": {"arguments": call.arguments[len(done):]}})
+                sent[call.index] = call.arguments
+        return deltas
+
     async def _stream(self, ctx: ChatContext) -> AsyncIterator[dict]:
         created = now()
         include_usage = bool(ctx.request.stream_options and ctx.request.stream_options.include_usage)
@@ -340,6 +437,7 @@ class ChatServing(BaseServing):
 
         streamed = ""  # content sent so far
         sent_tokens = 0  # tokens whose logprobs were sent
+        sent_calls: dict[int, str] = {}  # index -> arguments sent so far, for each call announced
         try:
             yield chunk({"role": "assistant", "content": "", "refusal": None})
             last = None
@@ -347,9 +445,9 @@ class ChatServing(BaseServing):
                 last = out
                 if out.turn_done:
                     break
-                if ctx.mode.forced:
-                    continue  # the whole turn is a call: nothing to show until it is parsed
-                visible = self._safe_content(out.text) if ctx.mode.parse else out.text
+                for delta in self._call_deltas(self.streamable_calls(ctx, out.text), sent_calls):
+                    yield chunk({"tool_calls": [delta]})
+                visible = self.streamable_text(ctx, out.text)
                 if len(visible) > len(streamed) and visible.startswith(streamed):
                     lp = self._logprobs(ctx, out, sent_tokens, len(out.token_ids))
                     sent_tokens = len(out.token_ids)
@@ -358,16 +456,15 @@ class ChatServing(BaseServing):
             result = self._end_turn(ctx, last)
             self._log(ctx, last, result)
             content = result.content or ""
-            if len(content) > len(streamed) and content.startswith(streamed):
+            # Once calls were shown, a turn that ends as text (a guided call cut by max_tokens) is that
+            # call's text: the client already has it as a call, and the finish reason says "length".
+            if not sent_calls and len(content) > len(streamed) and content.startswith(streamed):
                 lp = self._logprobs(ctx, last, sent_tokens, len(last.token_ids))
                 sent_tokens = len(last.token_ids)
                 yield chunk({"content": content[len(streamed):]}, logprobs=lp)
-            for i, call in enumerate(result.calls):
-                yield chunk({"tool_calls": [{"index": i, "id": call.id, "type": "function",
-                                             "function": {"name": call.name, "arguments": ""}}]})
-                for k in range(0, len(call.arguments), ARGUMENT_FRAGMENT_CHARS):
-                    yield chunk({"tool_calls": [{"index": i, "function": {
-                        "arguments": call.arguments[k:k + ARGUMENT_FRAGMENT_CHARS]}}]})
+            final = [StreamedCall(i, call.id, call.name, call.arguments) for i, call in enumerate(result.calls)]
+            for delta in self._call_deltas(final, sent_calls):
+                yield chunk({"tool_calls": [delta]})
             yield chunk({}, finish_reason=result.finish_reason,
                         logprobs=self._logprobs(ctx, last, sent_tokens, len(last.token_ids)),
                         token_ids=list(last.token_ids) if ctx.request.return_token_ids else None)

@@ -13,6 +13,7 @@ from infercept.engine import SamplingParams
 from infercept.engine.guided_decoding import unpack_bitmask
 from infercept.engine.request import InterceptParams
 from infercept.engine.sampling_params import GuidedDecodingParams
+from live_server import MODEL
 
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 SCHEMAS = {
@@ -126,3 +127,72 @@ def test_unpack_bitmask_reads_bits_little_end_first():
     assert mask[0].nonzero().flatten().tolist() == [3]
     assert mask[1].nonzero().flatten().tolist() == [63]
     assert unpack_bitmask(bits, 40).shape == (2, 40)
+
+
+# -- the server: forced tool calls and streamed arguments (the shared live server) ------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+ALARM = {"type": "function", "function": {
+    "name": "set_alarm", "description": "Set an alarm clock",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["hour", "period"], "properties": {
+        "hour": {"type": "integer", "minimum": 1, "maximum": 12}, "period": {"enum": ["am", "pm"]},
+        "label": {"type": "string", "maxLength": 20}}}}}
+TOOLS = [WEATHER, ALARM]
+SCHEMA = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+def named(name: str) -> dict:
+    return {"type": "function", "function": {"name": name}}
+
+
+def ask(client, question: str, **kw):
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                          tools=kw.pop("tools", TOOLS), max_tokens=48, **kw)
+
+
+@pytest.mark.parametrize("question, choice, sampling", [
+    ("Weather in Oslo?", named("get_weather"), dict(temperature=0)),
+    ("Weather in Oslo?", named("set_alarm"), dict(temperature=0)),  # the tool does not fit the question
+    ("Tell me a joke.", "required", dict(temperature=0)),
+    ("Wake me up tomorrow.", "required", dict(temperature=1.0, seed=3)),
+])
+def test_forced_calls_parse_and_validate(srv, question, choice, sampling):
+    out = ask(srv.client(), question, tool_choice=choice, **sampling)
+    choice_out = out.choices[0]
+    assert choice_out.finish_reason == "tool_calls" and choice_out.message.tool_calls
+    for call in choice_out.message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMA[call.function.name])
+        if choice != "required":
+            assert call.function.name == choice["function"]["name"]
+
+
+def test_auto_reports_a_call_that_does_not_validate_as_text(srv):
+    """The model answers "Paris" where the schema allows only Rome or Berlin: with "auto" that is text,
+    never a broken call; forced, the grammar keeps the arguments inside the schema."""
+    only = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Rome", "Berlin"]}}, "required": ["city"]}}}
+    client = srv.client()
+    auto = ask(client, "What is the weather in Paris?", tools=[only], temperature=0)
+    message = auto.choices[0].message
+    assert not message.tool_calls and auto.choices[0].finish_reason == "stop"
+    assert '<tool_call>' in message.content and '"Paris"' in message.content
+    forced = ask(client, "What is the weather in Paris?", tools=[only], tool_choice="required", temperature=0)
+    (call,) = forced.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments)["city"] in ("Rome", "Berlin")
+
+
+def test_forced_call_arguments_stream_token_by_token(srv):
+    client = srv.client()
+    for question, choice in (("Weather in Oslo?", named("get_weather")), ("Set an alarm for 7 am.", "required")):
+        full = ask(client, question, tool_choice=choice, temperature=0).choices[0].message.tool_calls
+        stream = ask(client, question, tool_choice=choice, temperature=0, stream=True)
+        deltas = [d for chunk in stream for c in chunk.choices for d in c.delta.tool_calls or []]
+        first = deltas[0]
+        assert first.id.startswith("call_") and first.type == "function"
+        assert first.function.name == full[0].function.name and first.function.arguments == ""
+        fragments = [d.function.arguments for d in deltas if d.index == 0 and d.id is None]
+        assert len(fragments) >= 3  # arguments came as they were generated, not in one piece at the end
+        assert "".join(fragments) == full[0].function.arguments
+        jsonschema.validate(json.loads("".join(fragments)), SCHEMA[first.function.name])
