@@ -1,6 +1,6 @@
 """The FastAPI app: `build_app(async_engine, settings)`.
 
-Wires the serving objects (chat, completions, Responses, native sessions), the session registry, the
+Wires the serving objects (chat with and without server tools, completions, Responses, native sessions), the session registry, the
 stored responses and metrics into `app.state`; adds authentication,
 a body-size limit and an access log with request ids (one small ASGI middleware); turns every error
 into OpenAI's error JSON (validation errors are 400, never 422 or 5xx); runs the engine and a reaper
@@ -35,6 +35,7 @@ from .responses_store import ResponseStore
 from .routes import router
 from .serving_base import Admission
 from .serving_chat import ChatServing
+from .serving_chat_tools import ChatServerTools
 from .serving_completions import CompletionServing
 from .serving_responses import ResponsesServing
 from .serving_sessions import SessionServing
@@ -67,9 +68,10 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None,
     common = dict(settings=settings, registry=registry, metrics=metrics, model_name=model_name, admission=admission,
                   tokenizer=tokenizer)
     completions = CompletionServing(async_engine, **common)
-    chat = responses = sessions = None
+    chat = chat_server_tools = responses = sessions = None
     if tokenizer.chat_template:
         chat = ChatServing(async_engine, renderer=ChatRenderer(tokenizer, engine.eos_token_ids, tool_parser), **common)
+        chat_server_tools = ChatServerTools(chat, tool_lookup)
         responses = ResponsesServing(chat, ResponseStore(settings.response_ttl, settings.max_stored_responses),
                                      registry)
         sessions = SessionServing(chat, NativeSessionStore(settings.session_ttl, registry.max_sessions_kept),
@@ -95,6 +97,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None,
     app.state.registry = registry
     app.state.metrics = metrics
     app.state.chat = chat or _NoChat()
+    app.state.chat_server_tools = chat_server_tools or _NoChat()
     app.state.completions = completions
     app.state.responses = responses or _NoChat()
     app.state.sessions = sessions or _NoChat()

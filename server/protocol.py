@@ -175,6 +175,8 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    # ours: tools the server runs itself (by name, see server/tool_loop.py); their calls never leave it
+    server_tools: list[str] | None = Field(default=None, min_length=1)
     # Accepted for compatibility and otherwise ignored (they change nothing a local server does).
     store: bool | None = None
     metadata: dict[str, str] | None = None

@@ -39,7 +39,8 @@ async def metrics(request: Request) -> Response:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    return await request.app.state.chat.create(body, request)
+    state = request.app.state
+    return await (state.chat_server_tools if body.server_tools else state.chat).create(body, request)
 
 
 @router.post("/v1/completions")

@@ -144,14 +144,17 @@ async def events_then_result(work: Awaitable, events: asyncio.Queue) -> AsyncIte
     """The (kind, payload) events put on `events` while `work` runs, then ("done", its result). An
     exception of `work` propagates after the events it emitted."""
     waiter = asyncio.ensure_future(work)
-    while True:
-        getter = asyncio.ensure_future(events.get())
-        await asyncio.wait({getter, waiter}, return_when=asyncio.FIRST_COMPLETED)
-        if getter.done():
-            yield getter.result()
-            continue
-        getter.cancel()
-        while not events.empty():
-            yield events.get_nowait()
-        yield "done", waiter.result()
-        return
+    try:
+        while True:
+            getter = asyncio.ensure_future(events.get())
+            await asyncio.wait({getter, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            if getter.done():
+                yield getter.result()
+                continue
+            getter.cancel()
+            while not events.empty():
+                yield events.get_nowait()
+            yield "done", waiter.result()
+            return
+    finally:
+        waiter.cancel()  # the consumer left early (a client gone): the work stops too

@@ -219,3 +219,39 @@ def test_session_walkthrough_example_runs(srv):
     assert reused and int(reused[0].split("(")[1].split("%")[0]) >= 90, text
     assert "deleted sess_" in text
     srv.assert_no_leak()
+
+
+def test_chat_completions_with_server_tools(srv):
+    """The same server tool through /v1/chat/completions (`server_tools` in the body), sync and streamed."""
+    tool = FakeWeather()
+    app = build_app(srv.async_engine, ServerSettings(served_model_name=MODEL),
+                    tool_lookup=lambda name: {tool.name: tool}[name])
+    body = {"model": MODEL, "temperature": 0, "max_tokens": 40, "server_tools": ["get_weather"],
+            "messages": [{"role": "user", "content": QUESTION}]}
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app/v1",
+                                     timeout=120) as http:
+            r = await http.post("/chat/completions", json={**body, "tool_choice": "required"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+            full = (await http.post("/chat/completions", json=body)).json()
+            streamed = (await http.post("/chat/completions", json={**body, "stream": True,
+                                                                   "stream_options": {"include_usage": True}})).text
+            return full, streamed
+
+    full, streamed = asyncio.run(run())
+    assert tool.calls == [{"city": "Paris"}] * 2
+    choice = full["choices"][0]
+    assert choice["message"]["content"] and choice["finish_reason"] in ("stop", "length")
+    assert not choice["message"].get("tool_calls") and "session_id" not in full
+    usage = full["usage"]  # two turns added up; the second reused the first's whole context
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 0.45 * usage["prompt_tokens"], usage
+    chunks = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
+    assert streamed.rstrip().endswith("data: [DONE]")
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == choice["message"]["content"]
+    streamed_usage = chunks[-1]["usage"]  # the same tokens (the prefix cache may find more of the first turn)
+    assert (streamed_usage["prompt_tokens"], streamed_usage["completion_tokens"]) == \
+        (usage["prompt_tokens"], usage["completion_tokens"])
+    assert len(app.state.registry) == 0
+    srv.assert_no_leak()

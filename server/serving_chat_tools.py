@@ -1,0 +1,111 @@
+"""POST /v1/chat/completions with `server_tools` (our extension): tools the server runs itself.
+
+The request's tools are its own plus the named server tools. Each turn is served by the chat path;
+while the model calls only server tools, they run here and the paused generation resumes with their
+results (`tool_loop.serve_turns`), so one HTTP request covers the whole exchange. The answer is the
+last turn, in the usual shape (its client-tool calls as `tool_calls`); `usage` adds up every turn, so
+`cached_tokens` counts what each resumed turn reused. The server-tool turns are not in the answer:
+to continue after client-tool calls, name a session (`session_id`), which holds the whole conversation.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import Request
+
+from .chat import Message
+from .chat_wire import chat_message
+from .protocol import (APIError, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+                       ChatChunkChoice, ChatMessage, ChatMessageParam, FunctionCall, PromptTokensDetails, ToolCall,
+                       Usage, bad_request, now)
+from .serving_base import StreamResponse, logger, once, run_until_disconnect
+from .serving_chat import ChatContext, ChatServing
+from .tool_loop import LoopOutcome, Opened, events_then_result, resolve_server_tools, serve_turns
+
+
+class ChatServerTools:
+    def __init__(self, chat: ChatServing, tool_lookup: Callable[[str], Any]):
+        self.chat = chat
+        self.tool_lookup = tool_lookup
+
+    async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        if req.tool_choice not in (None, "auto"):
+            # a forced call every turn would call server tools round after round
+            raise bad_request("server_tools need tool_choice auto", param="tool_choice")
+        client_tools = list(req.tools or ())
+        server_tools, definitions = resolve_server_tools(req.server_tools, self.tool_lookup, client_tools,
+                                                         "server_tools")
+        base = req.model_copy(update={"tools": client_tools + definitions, "server_tools": None})
+        ctx, cleanup = await self.chat.open(base, raw)
+        cleanup = once(cleanup)  # also run when the request ends, in case the loop never got to start
+
+        async def open_turn(messages: list[Message]) -> Opened:
+            params = [ChatMessageParam.model_validate(chat_message(m)) for m in messages]
+            return await self.chat.open(base.model_copy(update={"messages": params}), raw)
+
+        events: asyncio.Queue[tuple[str, dict]] = asyncio.Queue()
+        emit = (lambda kind, data: events.put_nowait((kind, data))) if req.stream else (lambda *_: None)
+        work = serve_turns(self.chat, (ctx, cleanup), open_turn, list(ctx.messages), server_tools, emit)
+        headers = {"X-Request-Id": ctx.response_id} | ({"X-Session-Id": ctx.session_id} if ctx.session_id else {})
+        if req.stream:
+            return StreamResponse(self._stream(ctx, work, events), cleanup, headers)
+        try:
+            outcome = await run_until_disconnect(raw, work)
+        finally:
+            await cleanup()
+        if outcome is None:
+            return Response(status_code=499)
+        result = outcome.result
+        tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+                      for c in result.calls] or None
+        response = ChatCompletionResponse(
+            id=ctx.response_id, model=req.model, usage=_usage(outcome), session_id=ctx.session_id,
+            choices=[ChatChoice(message=ChatMessage(content=result.content, tool_calls=tool_calls),
+                                finish_reason=result.finish_reason)])
+        exclude = {"prompt_token_ids": True, "choices": {0: {"token_ids"}}} | (
+            {"session_id": True} if ctx.session_id is None else {})
+        return JSONResponse(response.model_dump(mode="json", exclude=exclude), headers=headers)
+
+    async def _stream(self, ctx: ChatContext, work, events: asyncio.Queue) -> AsyncIterator[dict]:
+        req = ctx.request
+        created = now()
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(delta: dict, finish_reason: str | None = None) -> dict:
+            c = ChatCompletionChunk(id=ctx.response_id, created=created, model=req.model,
+                                    choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
+            return {"data": c.model_dump_json(exclude={"usage": True, "choices": {0: {"token_ids"}}})}
+
+        try:
+            yield chunk({"role": "assistant", "content": "", "refusal": None})
+            outcome: LoopOutcome | None = None
+            async for kind, data in events_then_result(work, events):
+                if kind == "delta":
+                    yield chunk({"content": data["content"]})
+                elif kind == "done":
+                    outcome = data
+            for i, call in enumerate(outcome.result.calls):
+                yield chunk({"tool_calls": [{"index": i, "id": call.id, "type": "function",
+                                             "function": {"name": call.name, "arguments": call.arguments}}]})
+            yield chunk({}, finish_reason=outcome.result.finish_reason)
+            if include_usage:
+                usage = ChatCompletionChunk(id=ctx.response_id, created=created, model=req.model, choices=[],
+                                            usage=_usage(outcome))
+                yield {"data": usage.model_dump_json()}
+        except APIError as e:
+            yield {"data": json.dumps(e.body())}
+        except Exception as e:  # an engine failure mid-stream: report it in the stream, never hang
+            logger.exception("request %s failed mid-stream", ctx.response_id)
+            yield {"data": json.dumps(APIError(500, f"internal error: {e}").body())}
+        yield {"data": "[DONE]"}
+
+
+def _usage(outcome: LoopOutcome) -> Usage:
+    u = outcome.usage()
+    return Usage(prompt_tokens=u["prompt_tokens"], completion_tokens=u["completion_tokens"],
+                 total_tokens=u["total_tokens"],
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=u["prompt_tokens_details"]["cached_tokens"]))
