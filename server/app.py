@@ -26,6 +26,7 @@ from transformers import AutoTokenizer
 
 from infercept.engine import AsyncEngine
 from infercept.engine.tool_parsers import get_tool_parser, parser_for_model
+from infercept.tools import get_tool
 
 from .chat import ChatRenderer
 from .metrics import ServerMetrics
@@ -41,7 +42,6 @@ from .serving_responses import ResponsesServing
 from .serving_sessions import SessionServing
 from .sessions import SessionRegistry
 from .settings import ServerSettings
-from .tool_loop import builtin_tool
 
 logger = logging.getLogger("infercept.server")
 
@@ -51,8 +51,8 @@ def served_model_name(async_engine: AsyncEngine, settings: ServerSettings) -> st
 
 
 def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None,
-              tool_lookup: Callable[[str], Any] = builtin_tool) -> FastAPI:
-    """`tool_lookup(name)` gives the server tool a session may enable by name (KeyError if unknown)."""
+              tool_lookup: Callable[[str], Any] = get_tool) -> FastAPI:
+    """`tool_lookup(name)` gives the server tool a request may enable by name (KeyError if unknown)."""
     settings = settings or ServerSettings()
     engine = async_engine.engine
     model_name = served_model_name(async_engine, settings)

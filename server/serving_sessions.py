@@ -31,13 +31,12 @@ from .protocol_sessions import SessionCreateRequest, SessionMessageRequest
 from .serving_base import StreamResponse, logger, once, run_until_disconnect
 from .serving_chat import ChatServing
 from .sessions import SessionRegistry
-from .tool_loop import (Emit, Opened, builtin_tool, call_view, events_then_result, resolve_server_tools,
-                        serve_turns)
+from .tool_loop import Emit, Opened, call_view, events_then_result, resolve_server_tools, serve_turns
 
 
 class SessionServing:
     def __init__(self, chat: ChatServing, store: NativeSessionStore, registry: SessionRegistry,
-                 tool_lookup: Callable[[str], Any] = builtin_tool):
+                 tool_lookup: Callable[[str], Any]):
         self.chat = chat
         self.store = store
         self.registry = registry

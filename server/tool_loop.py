@@ -30,14 +30,6 @@ Opened = tuple[ChatContext, Callable[[], Awaitable[None]]]  # what ChatServing.o
 OpenTurn = Callable[[list[Message]], Awaitable[Opened]]
 
 
-def builtin_tool(name: str):
-    """The server tool called `name` (KeyError if there is none)."""
-    # Imported on use: infercept.tools is a sibling package the server does not need to start.
-    from infercept.tools import get_tool
-
-    return get_tool(name)
-
-
 def resolve_server_tools(names: list[str] | None, lookup: Callable[[str], Any], client_tools: list[ToolParam],
                          param: str) -> tuple[dict[str, Any], list[ToolParam]]:
     """The tool objects `names` enable, and their definitions for the prompt (400 on unknown names or

@@ -255,3 +255,13 @@ def test_chat_completions_with_server_tools(srv):
         (usage["prompt_tokens"], usage["completion_tokens"])
     assert len(app.state.registry) == 0
     srv.assert_no_leak()
+
+
+def test_the_servers_own_tools_can_be_enabled(srv, http):
+    r = http.post("/sessions", json={"server_tools": ["calculator"]})
+    assert r.status_code == 200 and r.json()["server_tools"] == ["calculator"]
+    http.delete(f"/sessions/{r.json()['id']}")
+    assert_error(http.post("/sessions", json={"server_tools": ["no_such_tool"]}), 400, None)
+    r = http.post("/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                             "server_tools": ["no_such_tool"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "server_tools"
