@@ -236,20 +236,23 @@ def hermes_partial_calls(text: str) -> list[PartialCall]:
 
 def tool_validators(tools: Sequence[ToolParam]) -> dict[str, Callable[[Any], bool]]:
     """For each tool name, whether given arguments validate against its parameters schema.
-    A schema that is not a valid JSON schema is a 400 naming the tool."""
+
+    A schema that is not a valid JSON schema cannot judge arguments: its tool still serves (an odd
+    schema is not a reason to refuse a request; a forced call of it is refused by the grammar compiler
+    instead), and its calls need only be objects, which the parser already ensures."""
     from jsonschema.exceptions import SchemaError
     from jsonschema.validators import validator_for
 
     validators = {}
-    for i, tool in enumerate(tools):
+    for tool in tools:
         schema = arguments_schema(tool)
         cls = validator_for(schema)
         try:
             cls.check_schema(schema)
-        except SchemaError as e:
-            raise bad_request(f"tools[{i}].function.parameters is not a valid JSON schema: {e.message}",
-                              param=f"tools[{i}].function.parameters") from None
-        validators[tool.function.name] = cls(schema).is_valid
+        except SchemaError:
+            validators[tool.function.name] = lambda arguments: isinstance(arguments, dict)
+        else:
+            validators[tool.function.name] = cls(schema).is_valid
     return validators
 
 

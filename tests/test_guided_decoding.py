@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import openai
 import pytest
 import torch
 
@@ -148,8 +149,8 @@ def named(name: str) -> dict:
 
 
 def ask(client, question: str, **kw):
-    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
-                                          tools=kw.pop("tools", TOOLS), max_tokens=48, **kw)
+    kw = {"tools": TOOLS, "max_tokens": 48} | kw
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}], **kw)
 
 
 @pytest.mark.parametrize("question, choice, sampling", [
@@ -196,3 +197,12 @@ def test_forced_call_arguments_stream_token_by_token(srv):
         assert len(fragments) >= 3  # arguments came as they were generated, not in one piece at the end
         assert "".join(fragments) == full[0].function.arguments
         jsonschema.validate(json.loads("".join(fragments)), SCHEMA[first.function.name])
+
+
+def test_a_schema_that_cannot_be_enforced_is_refused_only_when_forced(srv):
+    odd = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": 5}, "required": "x"}}}
+    client = srv.client()
+    assert ask(client, "Hi", tools=[odd], max_tokens=1).choices  # auto: served; its calls are checked as objects
+    with pytest.raises(openai.BadRequestError, match="cannot be enforced"):
+        ask(client, "Hi", tools=[odd], tool_choice="required")
