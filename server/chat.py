@@ -11,7 +11,11 @@ Four jobs:
 * **Forced calls** (``tool_choice`` required or named, Hermes format): the turn starts with a prefill of
   the call's fixed opening, and a grammar (`hermes_calls_grammar`, enforced by the engine) takes it from
   there: names of the allowed tools only, arguments that follow each tool's schema, written as
-  ``json.dumps`` writes them, so `hermes_partial_calls` can follow them while they stream.
+  ``json.dumps`` writes them, so `hermes_partial_calls` can follow them while they stream. An auto
+  turn under a JSON ``response_format`` gets the same call grammar or a JSON answer
+  (`answer_or_call_grammar`); a ``tool_choice`` "none" turn still sees the tools (the prompt is the
+  same as the other steps', so its prefix is reused) and gets text that never opens a call
+  (`no_call_grammar`).
 * **Exact turns.** An assistant tool-call turn this server generated is rendered as the very tokens the
   model generated (`AssistantTurn.token_ids`), not re-rendered from the message. The prompt is then
   the concatenation of text segments (each tokenized on its own) and those token runs::
@@ -183,10 +187,18 @@ def arguments_schema(tool: ToolParam) -> dict:
     return {"type": "object", **(tool.function.parameters or {})}
 
 
-def hermes_calls_grammar(tools: Sequence[ToolParam], prefill: str, parallel: bool) -> str:
-    """Lark grammar (llguidance) of what a forced turn generates after `prefill`: the rest of a call of
-    one of the `tools` whose call text starts with `prefill`, then, with `parallel`, more calls, one per
-    line. Each call's arguments follow its tool's parameters schema."""
+def json_grammar_schema(schema: dict) -> dict:
+    """`schema` with llguidance's JSON style of the tool prompt (see `JSON_STYLE`)."""
+    return schema | {"x-guidance": JSON_STYLE}
+
+
+def hermes_calls_grammar(tools: Sequence[ToolParam], prefill: str, parallel: bool,
+                         answer_schema: dict | None = None) -> str:
+    """Lark grammar (llguidance) of what a turn generates after `prefill`: the rest of a call of one of
+    the `tools` whose call text starts with `prefill`, then, with `parallel`, more calls, one per line.
+    Each call's arguments follow its tool's parameters schema. With `answer_schema` (a turn that may
+    answer instead of calling, under a JSON response_format), the turn may also be a JSON answer that
+    follows it."""
     def call(i: int, before_arguments: str) -> str:  # a JSON string literal is a Lark one too
         return " ".join(([json.dumps(before_arguments)] if before_arguments else [])
                         + [f"args{i}", json.dumps(HERMES_CALL_TAIL)])
@@ -195,13 +207,27 @@ def hermes_calls_grammar(tools: Sequence[ToolParam], prefill: str, parallel: boo
     first = [i for i, start in enumerate(starts) if start.startswith(prefill)]
     if not first:
         raise ValueError(f"no tool's call starts with {prefill!r}")
-    lines = ["start: first" + (' ("\\n" call)*' if parallel else ""),
+    if answer_schema is not None and prefill:
+        raise ValueError("a prefilled turn is a call: it cannot answer instead")
+    lines = ["start: calls" + (" | answer" if answer_schema is not None else ""),
+             "calls: first" + (' ("\\n" call)*' if parallel else ""),
              "first: " + " | ".join(call(i, starts[i][len(prefill):]) for i in first)]
     if parallel:
         lines.append("call: " + " | ".join(call(i, start) for i, start in enumerate(starts)))
     for i in range(len(tools)) if parallel else first:
-        lines.append(f"args{i}: %json {json.dumps(arguments_schema(tools[i]) | {'x-guidance': JSON_STYLE})}")
+        lines.append(f"args{i}: %json {json.dumps(json_grammar_schema(arguments_schema(tools[i])))}")
+    if answer_schema is not None:
+        lines.append(f"answer: %json {json.dumps(json_grammar_schema(answer_schema))}")
     return "\n".join(lines)
+
+
+def text_without_grammar(opener: str) -> str:
+    """Lark grammar (llguidance) of text that never writes `opener` and does not start (after blanks)
+    with its first character. A model that means to call starts its turn with the opener: refused the
+    first character, its next choice is the answer itself. Later in the text only the whole opener is
+    refused, at the token that would complete it (which leaves an odd fragment, but no call)."""
+    return (f"start: TEXT\nTEXT: /(?s:\\s*([^{re.escape(opener[0])}\\s].*)?)/"
+            f" & ~/(?s:.*{re.escape(opener)}.*)/")
 
 
 @dataclass(frozen=True)
@@ -345,6 +371,22 @@ class ChatRenderer:
             return None
         allowed = [t for t in tools if tool_name is None or t.function.name == tool_name]
         return hermes_calls_grammar(allowed, self.forced_prefill(tool_name), parallel)
+
+    def answer_or_call_grammar(self, tools: Sequence[ToolParam], parallel: bool, answer_schema: dict) -> str | None:
+        """Lark grammar of an auto-mode turn under a JSON response_format: calls of the tools (arguments
+        per schema) or a JSON answer that follows `answer_schema`. Only for the Hermes format (None:
+        the other formats' calls are not written by a grammar here)."""
+        if self.tool_parser != "hermes":
+            return None
+        return hermes_calls_grammar(tools, "", parallel, answer_schema)
+
+    def no_call_grammar(self) -> str | None:
+        """Lark grammar of a turn that sees the tools but may not call them (tool_choice "none"): text
+        that never opens a call. Only for the Hermes format (None: other formats' openers, such as
+        llama3_json's bare "{", are also ordinary text, so a call written there stays content)."""
+        if self.tool_parser != "hermes":
+            return None
+        return text_without_grammar(HERMES_CALL_HEAD.split("\n")[0])
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []

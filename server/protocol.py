@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # -- errors -----------------------------------------------------------------------------------------
 
@@ -161,8 +161,33 @@ class NamedToolChoice(Strict):
     function: NamedFunction
 
 
-class ResponseFormat(Lenient):
+class JSONSchemaFormat(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # None: any JSON object
+    strict: bool | None = None  # the output always follows the schema here, strict or not
+
+
+class ResponseFormat(Strict):
+    """What an answer without tool calls must be: free text, any JSON object, or JSON that follows
+    `json_schema.schema` (grammar-constrained, server/serving_chat.py)."""
+
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only with it")
+        return self
+
+    def answer_schema(self) -> dict[str, Any] | None:
+        """The JSON schema an answer must follow; None for free text."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object" or self.json_schema.schema_ is None:
+            return {"type": "object"}
+        return self.json_schema.schema_
 
 
 class ChatCompletionRequest(SamplingFields):

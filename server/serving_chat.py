@@ -10,6 +10,15 @@ allowed tools whose arguments follow their schemas, so streams send each call's 
 token as they are generated. With "auto" the model writes freely; a call counts once its turn ends and
 it parses, names a tool of the request and its arguments validate against that tool's schema
 (jsonschema) -- anything else is content -- so auto-mode streams send calls only then, whole.
+
+`tool_choice` "none" keeps the tools in the prompt (as vLLM does), so an agent's last, answering step
+renders the same prefix as its calling steps and resumes or reuses it; a grammar then keeps the turn
+from opening a call (Hermes format; in other formats a call the model writes anyway stays content).
+
+`response_format` json_object / json_schema constrains the answer (a turn without tool calls) to a
+JSON object / to JSON that follows the schema: with no tools or tool_choice "none", the turn is that
+JSON; with "auto" (Hermes format), it is either calls or that JSON, the model chooses; a forced turn is
+calls only, so the format has nothing to constrain there.
 """
 from __future__ import annotations
 
@@ -29,7 +38,7 @@ from infercept.engine.sampling_params import GuidedDecodingParams, SamplingParam
 from infercept.engine.tool_parsers import get_tool_parser
 
 from .chat import (AssistantTurn, Call, ChatRenderer, Message, canonical_json, hermes_partial_calls,
-                   normalize_messages, tool_validators, validate_tool_flow)
+                   json_grammar_schema, normalize_messages, tool_validators, validate_tool_flow)
 from .protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatMessage, ChoiceLogprobs, FunctionCall, PromptTokensDetails,
                        TokenLogprob, ToolCall, ToolParam, TopLogprob, Usage, bad_request, new_id, now)
@@ -42,7 +51,7 @@ SESSION_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 @dataclass
 class ToolMode:
     tools: list[ToolParam] | None  # rendered into the prompt
-    parse: bool  # turns may end in tool calls
+    parse: bool  # turns may end in tool calls (with tools but not this: tool_choice "none")
     forced: bool = False  # a call is required (tool_choice "required" or named)
     forced_name: str | None = None  # named tool_choice
     parallel: bool = True
@@ -68,7 +77,7 @@ class ChatContext:
     prefill: str
     turn: EngineTurn
     session_id: str | None
-    guided: bool = False  # grammar-constrained: the turn can only be calls with valid arguments
+    guided_calls: bool = False  # grammar-constrained calls: any call the turn writes has valid arguments
     call_ids: list[str] = field(default_factory=list)  # ids of this turn's calls, by index
 
 
@@ -110,8 +119,6 @@ class ChatServing(BaseServing):
         started = time.monotonic()
         self.check_model(req.model)
         self.check_unsupported(req)
-        if req.response_format is not None and req.response_format.type != "text":
-            raise bad_request("response_format json_object/json_schema is not supported yet", param="response_format")
         mode = self._tool_mode(req)
         session_id = self._session_id(req, raw)
         messages = normalize_messages(req.messages, validate=False)
@@ -133,7 +140,7 @@ class ChatServing(BaseServing):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, len(prompt_ids), max_tokens, logprobs,
                                       skip_special_tokens=not mode.parse or self.renderer.tool_parser == "hermes")
-        params = self._with_call_grammar(params, mode)
+        params = self._with_grammar(params, mode, req.response_format.answer_schema() if req.response_format else None)
         intercept = None
         if mode.parse:
             hint = req.intercept
@@ -152,7 +159,7 @@ class ChatServing(BaseServing):
         if turn.resumed:
             self.metrics.resumes.labels(self.model_name, "explicit" if session_id else "implicit").inc()
         ctx = ChatContext(response_id, req, messages, mode, prefill, turn, session_id,
-                          guided=params.guided is not None)
+                          guided_calls=mode.parse and params.guided is not None)
 
         async def cleanup() -> None:
             await turn.close()
@@ -169,7 +176,7 @@ class ChatServing(BaseServing):
         """The tool calls of a turn's text so far that a stream may show while they are written: in a
         grammar-constrained turn, every call whose name is complete, with its arguments so far (the
         grammar guarantees they end valid); otherwise none (calls count only once validated)."""
-        if not ctx.guided:
+        if not ctx.guided_calls:
             return []
         return [StreamedCall(i, self._call_id(ctx, i), c.name, c.arguments)
                 for i, c in enumerate(hermes_partial_calls(ctx.prefill + text))]
@@ -181,22 +188,51 @@ class ChatServing(BaseServing):
         return result
 
     # -- request pieces ----------------------------------------------------------------------------
-    def _with_call_grammar(self, params: SamplingParams, mode: ToolMode) -> SamplingParams:
-        """A forced turn's params constrained to calls of the allowed tools with valid arguments."""
-        if not mode.forced:
-            return params
-        grammar = self.renderer.forced_grammar(mode.tools, mode.forced_name, mode.parallel)
+    def _with_grammar(self, params: SamplingParams, mode: ToolMode, answer_schema: dict | None) -> SamplingParams:
+        """The turn's params constrained by its grammar, if it has one (see `_turn_grammar`)."""
+        grammar = self._turn_grammar(params, mode, answer_schema)
         if grammar is None:
             return params
-        try:
-            guided = GuidedDecodingParams(lark=grammar)
-        except ValueError as e:  # a schema feature the grammar compiler does not support
-            raise bad_request(f"the tools' parameters cannot be enforced: {e}", param="tools") from None
+        guided, param = grammar
         try:
             return replace(params, guided=guided)
-        except ValueError as e:
-            raise bad_request(f"with tool_choice {'required' if mode.forced_name is None else 'named'}: {e}",
-                              param="tool_choice") from None
+        except ValueError as e:  # min_tokens / ignore_eos, which hold back the end a grammar decides
+            raise bad_request(f"{param} asks for a grammar-constrained turn: {e}", param=param) from None
+
+    def _turn_grammar(self, params: SamplingParams, mode: ToolMode,
+                      answer_schema: dict | None) -> tuple[GuidedDecodingParams, str] | None:
+        """The grammar of the turn and the request field that asks for it; None: the model writes freely.
+
+        forced calls -> the calls grammar (an answer never comes, so response_format has no say);
+        auto + JSON answer -> calls or that JSON; JSON answer alone (no tools, or tool_choice none)
+        -> that JSON; tool_choice none -> text that never opens a call."""
+        if mode.forced:
+            lark, param = self.renderer.forced_grammar(mode.tools, mode.forced_name, mode.parallel), "tool_choice"
+        elif mode.parse and answer_schema is not None:
+            lark, param = self.renderer.answer_or_call_grammar(mode.tools, mode.parallel, answer_schema), "response_format"
+            if lark is None:
+                raise bad_request("response_format json_object/json_schema with tools and tool_choice auto needs the "
+                                  f"Hermes tool-call format (this model's is {self.renderer.tool_parser}); send "
+                                  "tool_choice none for a JSON answer", param="response_format")
+        elif answer_schema is not None:
+            return self._compile("response_format", json_schema=json_grammar_schema(answer_schema)), "response_format"
+        elif mode.tools is not None and not mode.parse and not (params.min_tokens or params.ignore_eos):
+            # tool_choice none; with vLLM's min_tokens / ignore_eos the turn must not end where it wants,
+            # which a grammar cannot combine with, so there it stays unconstrained (a call is content).
+            lark, param = self.renderer.no_call_grammar(), "tool_choice"
+        else:
+            return None
+        return None if lark is None else (self._compile(param, lark=lark), param)
+
+    @staticmethod
+    def _compile(param: str, **grammar) -> GuidedDecodingParams:
+        try:
+            return GuidedDecodingParams(**grammar)
+        except ValueError as e:  # a schema feature the grammar compiler does not support
+            what = ("the response_format schema (or, with tool_choice auto, a tool's parameters)"
+                    if param == "response_format" else "the tools' parameters")
+            raise bad_request(f"{what} cannot be enforced: {e}",
+                              param="tools" if param == "tool_choice" else param) from None
 
     @staticmethod
     def _tool_mode(req: ChatCompletionRequest) -> ToolMode:
@@ -209,8 +245,8 @@ class ChatServing(BaseServing):
             return ToolMode(None, False)
         if len({t.function.name for t in tools}) != len(tools):
             raise bad_request("tool names must be unique", param="tools")
-        if choice == "none":
-            return ToolMode(None, False)
+        if choice == "none":  # still rendered: the prompt stays the one the other steps of the loop share
+            return ToolMode(tools, False)
         validators = tool_validators(tools)
         if choice in (None, "auto"):
             return ToolMode(tools, True, parallel=parallel, validators=validators)
@@ -327,7 +363,7 @@ class ChatServing(BaseServing):
     def _issue(self, ctx: ChatContext, text: str, calls) -> list[Call]:
         """The calls as the client gets them. A guided turn's arguments are reported as written, which
         is how they were streamed (the parser's are re-serialized, JSON-equal but maybe not byte-equal)."""
-        written = hermes_partial_calls(text) if ctx.guided else []
+        written = hermes_partial_calls(text) if ctx.guided_calls else []
         issued = []
         for i, call in enumerate(calls):
             as_written = written[i].arguments if i < len(written) and written[i].complete else None

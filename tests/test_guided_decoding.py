@@ -9,6 +9,7 @@ import jsonschema
 import openai
 import pytest
 import torch
+from pydantic import BaseModel, Field
 
 from infercept.engine import SamplingParams
 from infercept.engine.guided_decoding import unpack_bitmask
@@ -206,3 +207,76 @@ def test_a_schema_that_cannot_be_enforced_is_refused_only_when_forced(srv):
     assert ask(client, "Hi", tools=[odd], max_tokens=1).choices  # auto: served; its calls are checked as objects
     with pytest.raises(openai.BadRequestError, match="cannot be enforced"):
         ask(client, "Hi", tools=[odd], tool_choice="required")
+
+
+# -- the server: response_format (the shared live server) --------------------------------------------
+
+def json_schema_format(schema: dict, name: str = "answer") -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+def test_response_format_json_object_and_json_schema(srv):
+    client = srv.client()
+    free = ask(client, "Give me a city and its population.", tools=None, temperature=0)
+    assert free.choices[0].message.content.lstrip()[:1] != "{"  # unconstrained, the model writes prose
+    obj = ask(client, "Give me a city and its population.", tools=None, temperature=0,
+              response_format={"type": "json_object"})
+    assert obj.choices[0].finish_reason == "stop" and isinstance(json.loads(obj.choices[0].message.content), dict)
+    for name, schema in SCHEMAS.items():
+        for sampling in (dict(temperature=0), dict(temperature=1.0, seed=11)):
+            out = ask(client, QUESTIONS[name], tools=None, response_format=json_schema_format(schema), **sampling)
+            assert out.choices[0].finish_reason == "stop", out.choices[0].message.content
+            jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+    # Streamed, the same JSON arrives in pieces.
+    schema = json_schema_format(SCHEMAS["flat"])
+    full = ask(client, QUESTIONS["flat"], tools=None, temperature=0, response_format=schema)
+    stream = ask(client, QUESTIONS["flat"], tools=None, temperature=0, response_format=schema, stream=True)
+    pieces = [c.delta.content for chunk in stream for c in chunk.choices if c.delta.content]
+    assert len(pieces) >= 3 and "".join(pieces) == full.choices[0].message.content
+
+
+def test_parse_with_a_pydantic_model(srv):
+    class City(BaseModel):
+        name: str = Field(max_length=12)
+        population: int = Field(ge=0, le=10 ** 8)
+
+    out = srv.client().chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": QUESTIONS["nested"]}],
+                                              response_format=City, max_tokens=48, temperature=0)
+    assert isinstance(out.choices[0].message.parsed, City)
+
+
+def test_response_format_with_tools(srv):
+    """auto: calls (arguments per schema) or the JSON answer, the model chooses; none: the JSON answer,
+    from the same prompt; forced: calls, the format has no answer to constrain."""
+    client = srv.client()
+    person = json_schema_format(SCHEMAS["flat"])
+    call = ask(client, "Weather in Oslo?", temperature=0, response_format=person)
+    assert call.choices[0].finish_reason == "tool_calls"
+    assert json.loads(call.choices[0].message.tool_calls[0].function.arguments) == {"city": "Oslo"}
+    answer = ask(client, "Weather in Oslo?", temperature=0, response_format=person, tool_choice="none")
+    jsonschema.validate(json.loads(answer.choices[0].message.content), SCHEMAS["flat"])
+    assert answer.usage.prompt_tokens == call.usage.prompt_tokens
+    forced = ask(client, "Describe a person.", temperature=0, response_format=person, tool_choice=named("set_alarm"))
+    jsonschema.validate(json.loads(forced.choices[0].message.tool_calls[0].function.arguments), SCHEMA["set_alarm"])
+    for sampling in (dict(temperature=1.0, seed=s) for s in range(4)):
+        out = ask(client, "Describe a person, or set an alarm.", response_format=person, **sampling).choices[0]
+        if out.finish_reason == "tool_calls":
+            for c in out.message.tool_calls:
+                jsonschema.validate(json.loads(c.function.arguments), SCHEMA[c.function.name])
+        else:
+            assert out.finish_reason == "stop" and not out.message.tool_calls
+            jsonschema.validate(json.loads(out.message.content), SCHEMAS["flat"])
+
+
+@pytest.mark.parametrize("response_format, message", [
+    (json_schema_format({"type": "object", "properties": {"x": {"type": "string", "pattern": "(?<=a)b"}}}),
+     "cannot be enforced"),
+    (json_schema_format({"$ref": "#/nowhere"}), "cannot be enforced"),
+    ({"type": "json_schema"}, "json_schema is required"),
+    ({"type": "json_object", "json_schema": {"name": "x", "schema": {}}}, "json_schema is required"),
+    ({"type": "yaml"}, "response_format"),
+])
+def test_response_formats_that_cannot_be_served_are_400(srv, response_format, message):
+    with pytest.raises(openai.BadRequestError, match=message) as raised:
+        ask(srv.client(), "Hi", tools=None, response_format=response_format)
+    assert raised.value.body["param"].startswith("response_format")

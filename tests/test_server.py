@@ -194,6 +194,20 @@ def test_streamed_tool_loop_async(srv):
     assert text and usage.prompt_tokens_details.cached_tokens >= 0.9 * usage.prompt_tokens
 
 
+def test_a_last_step_with_tool_choice_none_resumes(srv):
+    """An agent's final step forbids further calls: its prompt is the calling steps' prompt plus the tool
+    result, so it resumes the paused generation, and its answer is text that uses the result."""
+    client = srv.client()
+    first = tool_turn(client)
+    (call,) = first.choices[0].message.tool_calls
+    conversation = QUESTION + [first.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
+    last = client.chat.completions.create(messages=conversation, tools=TOOLS, tool_choice="none", max_tokens=20,
+                                          **greedy())
+    assert last.choices[0].finish_reason == "stop" and not last.choices[0].message.tool_calls
+    assert last.usage.prompt_tokens_details.cached_tokens >= 0.9 * last.usage.prompt_tokens
+    assert "clear" in last.choices[0].message.content and "<" not in last.choices[0].message.content  # from RESULT
+
+
 def test_explicit_session_continuation(srv):
     client = srv.client()
     first = tool_turn(client, extra_body={"session_id": "agent-7"})
@@ -215,9 +229,14 @@ def test_explicit_session_continuation(srv):
 
 def test_tool_choice_modes(srv):
     client = srv.client()
-    none = client.chat.completions.create(messages=QUESTION, tools=TOOLS, tool_choice="none", max_tokens=4, **greedy())
+    auto = tool_turn(client)
+    # "none": the same prompt as "auto" (the tools stay rendered), and the model, which calls get_weather
+    # in "auto", answers in text instead, with no trace of a call.
+    none = client.chat.completions.create(messages=QUESTION, tools=TOOLS, tool_choice="none", max_tokens=12, **greedy())
     assert none.choices[0].finish_reason in ("stop", "length") and not none.choices[0].message.tool_calls
-    assert none.usage.prompt_tokens < 100  # no tool prompt
+    assert none.usage.prompt_tokens == auto.usage.prompt_tokens
+    assert none.usage.prompt_tokens_details.cached_tokens >= 0.9 * none.usage.prompt_tokens
+    assert none.choices[0].message.content.strip() and "<" not in none.choices[0].message.content
     # A required call: the server starts the assistant turn with the call's opening (the model fills in
     # the rest); the output is parsed and validated like any call.
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
