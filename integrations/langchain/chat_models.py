@@ -3,17 +3,20 @@
 Tool calling (`bind_tools`, `tool_choice`), streaming with tool-call chunks, usage metadata (the
 server's `prompt_tokens_details.cached_tokens` arrives as `input_token_details["cache_read"]`,
 langchain-openai maps it) and structured output come from `BaseChatOpenAI` unchanged. What is added:
-defaults that reach the local server, streamed usage on by default (the server sends it), and the
-session hint: inside LangGraph, the run's `configurable.thread_id` is sent as `session_id`, so each
-thread's paused generation is continued by name.
+defaults that reach the local server, streamed usage on by default (the server sends it), structured
+output by the server's `response_format` json_schema by default (as `ChatOpenAI` does; the server
+enforces the schema with a grammar), and the session hint: inside LangGraph, the run's
+`configurable.thread_id` is sent as `session_id`, so each thread's paused generation is continued by
+name.
 """
 from __future__ import annotations
 
 import hashlib
 import re
-from typing import Any
+from typing import Any, Literal
 
 from langchain_core.language_models import LanguageModelInput
+from langchain_core.runnables import Runnable
 from langchain_core.runnables.config import ensure_config
 from langchain_core.utils import from_env, secret_from_env
 from langchain_openai.chat_models.base import BaseChatOpenAI
@@ -56,6 +59,13 @@ class ChatInferCept(BaseChatOpenAI):
         params = super()._get_ls_params(stop=stop, **kwargs)
         params["ls_provider"] = "infercept"
         return params
+
+    def with_structured_output(self, schema=None, *,
+                               method: Literal["function_calling", "json_mode", "json_schema"] = "json_schema",
+                               **kwargs: Any) -> Runnable:
+        """`BaseChatOpenAI.with_structured_output`, by default with the server's native JSON schema
+        output rather than a forced tool call: no tool prompt in the way, and the same guarantee."""
+        return super().with_structured_output(schema, method=method, **kwargs)
 
     def _get_request_payload(self, input_: LanguageModelInput, *, stop: list[str] | None = None,
                              **kwargs: Any) -> dict:
