@@ -53,6 +53,7 @@ QUICK_RATES = (0.2, 0.4)
 # Single-mechanism baselines, for "infercept vs the best single strategy".
 SINGLE_STRATEGIES = ("discard", "improved-discard", "preserve", "swap", "prefix-cache")
 VLLM = "vllm (prefix caching, discard mode)"
+PAPER_BASELINES = ("discard", "improved-discard")
 
 
 # -- servers ---------------------------------------------------------------------------------------
@@ -100,7 +101,9 @@ def infercept_argv(policy: str, port: int, args) -> list[str]:
     exe = shutil.which("infercept", path=os.path.dirname(sys.executable)) or "infercept"
     return [exe, "serve", "--policy", policy, "--port", str(port), "--kv-cache-gb", str(args.kv_cache_gb),
             "--host-kv-gb", str(args.host_kv_gb), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--threads", str(args.threads), "--session-ttl", str(args.session_ttl), "--log-level", "warning"]
+            "--threads", str(args.threads), "--session-ttl", str(args.session_ttl), "--log-level", "warning",
+            # The paper's baseline is 2023's vLLM: no prefix cache. `prefix-cache` is today's servers.
+            *(["--no-prefix-caching"] if policy in PAPER_BASELINES else [])]
 
 
 def vllm_argv(port: int, args) -> list[str]:
