@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field
 
 from infercept.integrations.langchain import ChatInferCept
 from infercept.integrations.langchain.chat_models import session_id_for_thread
+from infercept.integrations.openai.clients import DEFAULT_MODEL
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 SMALL_MODEL = "the 135M model cannot do this reliably"
@@ -76,6 +77,11 @@ class TestChatInferCeptIntegration(ChatModelIntegrationTests):
     @property
     def supports_json_mode(self):
         return True
+
+    @property
+    def model_override_value(self):
+        # The server answers to its served name ("smol") and to its model folder's name.
+        return DEFAULT_MODEL
 
     @pytest.mark.xfail(reason=ENDLESS_JOKE, strict=False)
     @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
