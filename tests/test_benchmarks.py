@@ -5,26 +5,12 @@ asserts on time."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
+from bench_modules import load_bench
 from live_server import MODEL
-
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-sys.path.insert(0, str(BENCH))  # the benchmark modules import each other by file name
-
-
-def load_bench(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is created
-    spec.loader.exec_module(module)
-    return module
-
 
 workload = load_bench("workload")
 replay = load_bench("replay")

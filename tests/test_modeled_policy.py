@@ -7,33 +7,21 @@ about wall-clock time.
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
+from bench_modules import load_bench
 from infercept.engine.modeled_runner import ModeledRunner, VirtualClock
 from infercept.engine.outputs import ScheduledChunk, SchedulerOutput
 from infercept.engine.policy import POLICIES, Profile, a100_gptj_6b
-from infercept.engine.request import RequestStatus
 from infercept.engine.sampling_params import SamplingParams
 from infercept.engine.simulation import SimulatedEngine, coarsen_profile
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 M = 1000  # bytes per token of the toy profile
 BS = 16
-
-
-def load_bench(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is created
-    spec.loader.exec_module(module)
-    return module
-
 
 workload = load_bench("workload")
 

@@ -1,7 +1,6 @@
 """Unit tests of the pure-Python policy layer (infercept.engine.policy): numbers checked by hand."""
 from __future__ import annotations
 
-import math
 import subprocess
 import sys
 import textwrap

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from conftest import hf_last_logits
 from infercept.engine import SamplingParams
