@@ -161,8 +161,9 @@ TurnLookup = Callable[[Message], "AssistantTurn | None"]
 
 # -- tool prompt for templates without a tool section ----------------------------------------------
 
-HERMES_CALL = "<tool_call>\n{body}\n</tool_call>"
-HERMES_CALL_HEAD = '<tool_call>\n{"name": '  # json.dumps of {"name": ..., "arguments": ...} starts so
+HERMES_OPENER = "<tool_call>"
+HERMES_CALL = HERMES_OPENER + "\n{body}\n</tool_call>"
+HERMES_CALL_HEAD = HERMES_OPENER + '\n{"name": '  # json.dumps of {"name": ..., "arguments": ...} starts so
 HERMES_CALL_TAIL = "}\n</tool_call>"
 
 
@@ -386,7 +387,7 @@ class ChatRenderer:
         llama3_json's bare "{", are also ordinary text, so a call written there stays content)."""
         if self.tool_parser != "hermes":
             return None
-        return text_without_grammar(HERMES_CALL_HEAD.split("\n")[0])
+        return text_without_grammar(HERMES_OPENER)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import llguidance
+import llguidance.hf
 import openai
 import pytest
 import torch
@@ -15,6 +17,7 @@ from infercept.engine import SamplingParams
 from infercept.engine.guided_decoding import unpack_bitmask
 from infercept.engine.request import InterceptParams
 from infercept.engine.sampling_params import GuidedDecodingParams
+from infercept.server.chat import text_without_grammar
 from live_server import MODEL
 
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -129,6 +132,20 @@ def test_unpack_bitmask_reads_bits_little_end_first():
     assert mask[0].nonzero().flatten().tolist() == [3]
     assert mask[1].nonzero().flatten().tolist() == [63]
     assert unpack_bitmask(bits, 40).shape == (2, 40)
+
+
+def test_the_no_call_grammar_refuses_only_a_call_opening(tokenizer):
+    """tool_choice "none" (Hermes): a turn may not start with "<" nor ever write "<tool_call>"; any
+    other text passes, and it may end anywhere."""
+    ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer)
+    grammar = GuidedDecodingParams(lark=text_without_grammar("<tool_call>")).grammar
+
+    def accepts(text: str) -> bool:
+        matcher = llguidance.LLMatcher(ll_tokenizer, grammar)
+        return all(matcher.consume_token(t) for t in tokenizer.encode(text)) and matcher.is_accepting()
+
+    assert accepts("") and accepts("  The <b>tool</b> said: 21 C.\n<tool_") and accepts("x <tool_call")
+    assert not accepts("<tool_call>") and not accepts(" <b>") and not accepts("It calls <tool_call> now")
 
 
 # -- the server: forced tool calls and streamed arguments (the shared live server) ------------------
