@@ -127,6 +127,7 @@ class SessionServing:
             if session.state != "paused":
                 raise APIError(409, f"session {session_id!r} is not paused at tool calls", param="tool_results",
                                code="session_not_paused")
+            self._check_results(session, req)
             new = [Message("tool", r.content, tool_call_id=r.tool_call_id) for r in req.tool_results]
         else:
             if session.state == "paused":
@@ -167,6 +168,19 @@ class SessionServing:
         if body is None:
             return Response(status_code=499)
         return JSONResponse(body, headers={"X-Session-Id": session_id})
+
+    @staticmethod
+    def _check_results(session: NativeSession, req: SessionMessageRequest) -> None:
+        """Each result answers a call the session waits for, once (400 naming the result, not the
+        rendered conversation's message index)."""
+        pending = {c.id for c in session.pending_calls}
+        answered: set[str] = set()
+        for i, result in enumerate(req.tool_results):
+            if result.tool_call_id not in pending or result.tool_call_id in answered:
+                raise bad_request(f"tool_results[{i}]: {result.tool_call_id!r} is not a call this session waits for "
+                                  f"(or it was answered already); pending: {', '.join(sorted(pending))}",
+                                  param=f"tool_results[{i}].tool_call_id")
+            answered.add(result.tool_call_id)
 
     async def _open(self, session: NativeSession, messages: list[Message], req: SessionMessageRequest,
                     raw: Request) -> Opened:
