@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -97,6 +96,7 @@ def test_four_step_tool_loop_over_a_long_context_resumes_and_equals_discard(srv,
     clients = {"main": srv.client(), "discard": discard_server.client()}
     conversations = {name: list(LONG_CONVERSATION) for name in clients}
     previous_total = None
+    resumed_before = {"main": resumes(srv), "discard": resumes(discard_server)}
     with ThreadPoolExecutor(2) as pool:  # both servers compute each step at the same time
         for step, (tool_choice, max_tokens) in enumerate(STEPS):
             futures = {name: pool.submit(run_step, client, conversations[name], tool_choice, max_tokens)
@@ -135,8 +135,9 @@ def test_four_step_tool_loop_over_a_long_context_resumes_and_equals_discard(srv,
                 conversations[name] += [message] + [
                     {"role": "tool", "tool_call_id": c.id, "content": weather_result(c.function.arguments)}
                     for c in message.tool_calls]
-    # Every step after the first resumed on the main server; the discard server resumed too (recomputing).
-    assert len(conversations["main"]) == len(LONG_CONVERSATION) + 2 * (len(STEPS) - 1)
+    # Every step after the first resumed, on both servers (the discard server's resumes recomputed).
+    assert resumes(srv) == resumed_before["main"] + len(STEPS) - 1
+    assert resumes(discard_server) == resumed_before["discard"] + len(STEPS) - 1
     srv.assert_no_leak()
     discard_server.assert_no_leak()
 
@@ -382,3 +383,78 @@ def test_an_empty_list_of_content_parts_is_400(srv):
         "messages": [{"role": "user", "content": []}], "max_tokens": 2})
     srv.assert_no_leak()
     assert_error(r, 400)
+
+
+# -- 3. schemathesis against /openapi.json --------------------------------------------------------
+
+EXAMPLES = 12  # per operation and generation mode (about 30 s in all)
+LENGTH_FIELD = {"/v1/chat/completions": "max_tokens", "/v1/completions": "max_tokens",
+                "/v1/responses": "max_output_tokens", "/v1/sessions": "max_tokens",
+                "/v1/sessions/{session_id}/messages": "max_tokens"}
+
+
+def prepare_positive(case, http: httpx.Client, n: int) -> None:
+    """Steer schemathesis' valid data to where the server does work. Bodies name the served model (a
+    random name is only ever 404) and generate at most 4 tokens (an unset max_tokens means "up to the
+    context limit", seconds per example on a CPU; values beyond the context stay, to be refused). Chat
+    messages, which the schema lets be any objects, are a real conversation every other example. Every
+    other example of an operation on a session or a stored response names a real one, made for it (and
+    every fourth message posted to a session is a user message, which it accepts)."""
+    body = case.body if isinstance(case.body, dict) else None
+    if body is not None:
+        if "model" in body:
+            body["model"] = MODEL
+        field = LENGTH_FIELD.get(case.path)
+        value = body.get(field)
+        if field and (value is None or (isinstance(value, int) and 4 < value < 10_000)):
+            body[field] = 4
+        if case.path == "/v1/chat/completions" and n % 2:
+            body["messages"] = QUESTION
+        if case.path.endswith("/messages") and n % 4 == 1:  # a user message to the fresh session
+            body.pop("tool_results", None)
+            body["content"] = body.get("content") or "Hi"
+    if n % 2 and "session_id" in (case.path_parameters or {}):
+        case.path_parameters["session_id"] = http.post("/sessions", json={"tools": TOOLS, "max_tokens": 4}).json()["id"]
+    if n % 2 and "response_id" in (case.path_parameters or {}):
+        case.path_parameters["response_id"] = http.post("/responses", json=GREEDY | {
+            "input": "Hi", "max_output_tokens": 1}).json()["id"]
+
+
+def test_schemathesis_finds_no_server_error_and_no_leak(srv):
+    schema = schemathesis.openapi.from_url(srv.base + "/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]  # raises if the schema is invalid
+    assert {op.label for op in operations} >= {"POST /v1/chat/completions", "POST /v1/completions",
+                                                "POST /v1/responses", "GET /v1/responses/{response_id}",
+                                                "POST /v1/sessions", "POST /v1/sessions/{session_id}/messages"}
+    failures, statuses = [], {}
+    http = httpx.Client(base_url=srv.url, timeout=60)
+    for op in operations:
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            examples = iter(range(10 ** 6))
+
+            @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
+                      suppress_health_check=list(HealthCheck))
+            @given(case=op.as_strategy(generation_mode=mode))
+            def run(case):
+                if mode is GenerationMode.POSITIVE:
+                    prepare_positive(case, http, next(examples))
+                response = case.call(base_url=srv.base, timeout=60)
+                statuses.setdefault(op.label, set()).add(response.status_code)
+                case.validate_response(response, checks=[not_a_server_error])
+                if 400 <= response.status_code < 500:  # OpenAI's error JSON
+                    assert set(response.json()["error"]) == {"message", "type", "param", "code"}, response.text
+
+            try:
+                run()
+            except Unsatisfiable:
+                # Negative data for an operation with nothing to break: no parameters, or only a string
+                # path parameter, which any string satisfies.
+                assert mode is GenerationMode.NEGATIVE and not (op.body or op.query), op.label
+            except (Exception, BaseExceptionGroup) as e:  # schemathesis' FailureGroup; collected, reported together
+                failures.append((op.label, mode.value, f"{type(e).__name__}: {e}"[:2000]))
+            srv.abort_paused()  # tool calls and `intercept` pause generations; the limits would evict them
+    http.close()
+    assert not failures, failures
+    # Every operation served real requests, not only refusals.
+    assert not [(label, codes) for label, codes in statuses.items() if 200 not in codes], statuses
+    srv.assert_no_leak()
