@@ -139,6 +139,13 @@ class ChatMessageParam(Lenient):
     tool_calls: list[ToolCallParam] | None = None
     tool_call_id: str | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _parts_not_empty(cls, content):
+        if isinstance(content, list) and not content:  # as OpenAI: an empty string is fine, no parts is not
+            raise ValueError("an empty array of content parts; give at least one part, or a string")
+        return content
+
 
 class FunctionDefinition(Lenient):
     name: str = Field(pattern=r"^[A-Za-z0-9_\-.]{1,64}$")

@@ -376,8 +376,6 @@ def test_empty_messages_and_content(srv):
     srv.assert_no_leak()
 
 
-@pytest.mark.xfail(strict=True, reason="server/protocol.py accepts an empty list of content parts (it renders as an "
-                   "empty message); OpenAI refuses it with 400 (\"empty array. Expected an array with minimum length 1\")")
 def test_an_empty_list_of_content_parts_is_400(srv):
     r = httpx.post(srv.url + "/chat/completions", timeout=60, json=GREEDY | {
         "messages": [{"role": "user", "content": []}], "max_tokens": 2})
