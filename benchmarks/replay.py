@@ -74,10 +74,12 @@ class RequestRecord:
 
     @property
     def normalized_latency(self) -> float:
-        """(e2e - interception time) / output tokens; infinite for a request with no token yet."""
-        if self.e2e is None or self.output_tokens == 0:
+        """(e2e - interception time) / output tokens. A request cut off before its first token counts as
+        if that token came at the cut-off (a lower bound on how slow it was, not infinity: one request
+        that arrived a second before the cut-off must not decide a whole run); a failed one is infinite."""
+        if self.e2e is None:
             return math.inf
-        return (self.e2e - self.interception_s) / self.output_tokens
+        return (self.e2e - self.interception_s) / max(self.output_tokens, 1)
 
     def to_dict(self) -> dict:
         return asdict(self) | {"normalized_latency": self.normalized_latency}
@@ -273,7 +275,7 @@ async def replay(trace: list[dict], base_url: str, *, api: str = "resume", model
 
 def summarize(records: list[RequestRecord], elapsed: float) -> dict:
     """Per-run numbers. Normalized latency counts every request that arrived (an unfinished one with its
-    progress so far, one with no token as infinitely slow); TTFT and cached share are over what has them."""
+    progress so far, a failed one as infinitely slow); TTFT and cached share are over what has them."""
     arrived = [r for r in records if r.e2e is not None or r.finished or r.error]
     norm = [r.normalized_latency for r in arrived]
     finite = [x for x in norm if math.isfinite(x)]
@@ -287,7 +289,7 @@ def summarize(records: list[RequestRecord], elapsed: float) -> dict:
         "first_error": next((r.error for r in records if r.error), None),
         "elapsed_s": elapsed,
         "completed_per_s": sum(r.finished for r in records) / elapsed if elapsed > 0 else math.nan,
-        # mean over requests; a request with no token yet makes it infinite (the run was overloaded)
+        # mean over requests; a failed request makes it infinite
         "normalized_latency_mean": statistics.fmean(norm) if norm and len(finite) == len(norm) else
         (math.inf if norm else math.nan),
         "normalized_latency_median": statistics.median(norm) if norm else math.nan,

@@ -110,7 +110,10 @@ def test_summary_counts_unfinished_requests_as_slow():
     assert s["finished"] == 1 and s["completed_per_s"] == pytest.approx(0.1)
     assert s["normalized_latency_mean"] == pytest.approx((0.5 + 2.5) / 2)
     assert s["cached_share"] == pytest.approx(0.5)
-    assert math.isinf(replay.summarize([done, nothing], elapsed=10.0)["normalized_latency_mean"])
+    # Cut off before its first token: as if that token came at the cut-off (4 s for one token).
+    assert replay.summarize([done, nothing], elapsed=10.0)["normalized_latency_mean"] == pytest.approx((0.5 + 4.0) / 2)
+    failed = replay.RequestRecord("d", "qa", 2.0, error="HTTP 500")
+    assert math.isinf(replay.summarize([done, failed], elapsed=10.0)["normalized_latency_mean"])
 
 
 def test_sustainable_rate():
