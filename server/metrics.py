@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 disable_created_metrics()  # no `*_created` series next to every counter
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 KV_STATES = ("device", "host", "partial", "discarded")
 
 
@@ -144,8 +145,11 @@ class ServerMetrics:
                                  ["model"], registry=r)
         self.ttft = Histogram("infercept_time_to_first_token_seconds", "Time to first token", ["model"],
                               buckets=TTFT_BUCKETS, registry=r)
+        self.inter_token = Histogram("infercept_inter_token_latency_seconds",
+                                     "Time between consecutive generated tokens of a request", ["model"],
+                                     buckets=ITL_BUCKETS, registry=r)
         for metric in (self.prompt_tokens, self.cached_tokens, self.generation_tokens, self.resume_fallbacks,
-                       self.evictions, self.ttft):
+                       self.evictions, self.ttft, self.inter_token):
             metric.labels(model)  # exported (as zero) before the first request
         self.engine = _EngineCollector(model)
         r.register(self.engine)

@@ -39,12 +39,18 @@ class EngineTurn:
     cached_tokens: int = 0  # prompt tokens whose KV was reused
     resumed: bool = False
     started: float = 0.0  # monotonic time the request arrived
+    observe_gap: Callable[[float], None] | None = None  # inter-token latency, per output after the first
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         yield self.first
         if not self.first.turn_done:
+            last, num_tokens = time.monotonic(), len(self.first.token_ids)
             try:
                 async for out in self.stream:
+                    now = time.monotonic()
+                    if self.observe_gap is not None and len(out.token_ids) > num_tokens:
+                        self.observe_gap((now - last) / (len(out.token_ids) - num_tokens))
+                    last, num_tokens = now, len(out.token_ids)
                     yield out
             except RuntimeError as e:  # the engine is shutting down (or a step failed)
                 raise APIError(503, str(e), headers={"Retry-After": "5"}) from None
@@ -160,7 +166,7 @@ class BaseServing:
                 self._observe_ttft(started)
                 # Reused: the paused KV on the device or host, or what the prefix cache kept of a discarded one.
                 return EngineTurn(entry.request_id, prompt_ids, stream, first, cached_tokens=first.num_cached_tokens,
-                                  resumed=True, started=started)
+                                  resumed=True, started=started, observe_gap=self._observe_gap)
         stream = self.async_engine.generate(prompt_ids, params, request_id, intercept)
         try:
             first = await anext(stream)
@@ -169,7 +175,11 @@ class BaseServing:
         except RuntimeError as e:
             raise APIError(503, str(e), headers={"Retry-After": "5"}) from None
         self._observe_ttft(started)
-        return EngineTurn(request_id, prompt_ids, stream, first, cached_tokens=first.num_cached_tokens, started=started)
+        return EngineTurn(request_id, prompt_ids, stream, first, cached_tokens=first.num_cached_tokens, started=started,
+                          observe_gap=self._observe_gap)
+
+    def _observe_gap(self, seconds: float) -> None:
+        self.metrics.inter_token.labels(self.model_name).observe(seconds)
 
     def _observe_ttft(self, started: float) -> None:
         """The engine reports a request once it has its first token: that is the time to first token."""

@@ -63,8 +63,20 @@ def test_health_models_and_metrics(srv):
     for name in ("infercept_requests_total", "infercept_time_to_first_token_seconds_bucket",
                  "infercept_recomputed_tokens_total", "infercept_swapped_out_blocks_total",
                  "infercept_memory_waste_byte_seconds_total", "infercept_kv_device_usage",
-                 'infercept_paused_requests{kv_state="device",model="smol"}'):
+                 'infercept_paused_requests{kv_state="device",model="smol"}',
+                 "infercept_inter_token_latency_seconds_bucket", "infercept_prefix_cache_hit_blocks_total",
+                 "infercept_prefix_cache_blocks"):
         assert name in text, name
+
+
+def inter_token_count(srv) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(httpx.get(srv.base + "/metrics").text):
+        for sample in family.samples:
+            if sample.name == "infercept_inter_token_latency_seconds_count":
+                return sample.value
+    raise AssertionError("no inter-token latency histogram")
 
 
 def test_plain_chat_sync_and_async_agree(srv):
@@ -80,8 +92,10 @@ def test_plain_chat_sync_and_async_agree(srv):
         client = srv.async_client()
         return await client.chat.completions.create(messages=messages, max_tokens=8, **greedy())
 
+    gaps_before = inter_token_count(srv)
     again = asyncio.run(run())
     assert again.choices[0].message.content == choice.message.content
+    assert inter_token_count(srv) - gaps_before == again.usage.completion_tokens - 1  # one gap per later token
     # The repeat finds the first one's full prompt blocks in the prefix cache.
     assert again.usage.prompt_tokens_details.cached_tokens == (again.usage.prompt_tokens - 1) // 16 * 16
 
