@@ -108,6 +108,17 @@ def server(default_model_dir):
     assert not live.async_engine._running  # the lifespan shut the engine down
 
 
+@pytest.fixture(scope="session")
+def discard_server(default_model_dir):
+    """The paper's recompute baseline, as servers were in 2023: paused KV is discarded at once and there is
+    no prefix cache, so a resume recomputes everything. Shared by the tests that compare against it."""
+    from live_server import LiveServer
+
+    live = LiveServer(default_model_dir, "discard", prefix_caching=False)
+    yield live
+    live.close()
+
+
 @pytest.fixture
 def srv(server):
     """The shared server, leak-free before and after each test."""

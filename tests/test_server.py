@@ -20,7 +20,7 @@ from infercept.server.chat import AssistantTurn, Call, Message, example_exchange
 from infercept.server.protocol import ToolParam
 from infercept.server.sessions import PausedGeneration, SessionRegistry
 from infercept.server.settings import ServerSettings
-from live_server import MODEL, LiveServer
+from live_server import MODEL
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
@@ -29,14 +29,6 @@ QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 RESULT = '{"temperature": 21, "sky": "clear"}'
 CALL_TOKENS = 40  # a Hermes call of get_weather is 31 tokens with its EOS
 ANSWER_TOKENS = 10
-
-
-@pytest.fixture(scope="module")
-def discard_server(default_model_dir):
-    # The paper's baseline, as servers were in 2023: no prefix cache either, so a resume recomputes all.
-    live = LiveServer(default_model_dir, "discard", prefix_caching=False)
-    yield live
-    live.close()
 
 
 def greedy(**kw) -> dict:

@@ -45,14 +45,6 @@ GREEDY = {"model": MODEL, "temperature": 0}
 CALL_TOKENS = 40
 
 
-@pytest.fixture(scope="module")
-def discard_server(default_model_dir):
-    """The recompute baseline: paused KV is discarded and nothing is found in a prefix cache."""
-    live = LiveServer(default_model_dir, "discard", prefix_caching=False)
-    yield live
-    live.close()
-
-
 def resumes(srv: LiveServer) -> float:
     """Requests that continued a paused generation so far (the server's own counter)."""
     text = httpx.get(srv.base + "/metrics").text
