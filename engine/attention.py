@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import cpu_kernels as kernels
+
 
 @dataclass
 class PrefillSpan:
@@ -69,6 +71,7 @@ class AttentionMetadata:
     decode_rows: torch.Tensor | None  # [Bd] rows of single-token queries in the flattened batch
     decode_key_blocks: torch.Tensor | None  # [Bd * max_blocks] block tables, flattened, padded with block 0
     decode_mask: torch.Tensor | None  # [Bd, 1, 1, max_blocks * block_size] bool, False past each context
+    decode_lens: torch.Tensor | None = None  # [Bd] context length of each single-token query
     block_size: int = 16
     varlen: VarlenMetadata | None = None  # set instead of the above when flash-attn runs the step
 
@@ -80,11 +83,15 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [slots, Hkv, D]. Returns [T, H, D]."""
-    # Write first, so every query can read its own token from the cache.
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, cpu_kernels: bool = False
+                    ) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [slots, Hkv, D]. Returns [T, H, D].
+
+    cpu_kernels: the caller has already written k and v to the cache (`cpu_kernels.rope_and_cache`),
+    and single-token queries go through our paged decode kernel instead of gather + SDPA."""
+    if not cpu_kernels:  # write first, so every query can read its own token from the cache
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
     if meta.varlen is not None:
         vl = meta.varlen
         return flash_attn_varlen()(q, k_cache[vl.key_slots], v_cache[vl.key_slots], vl.cu_seqlens_q,
@@ -108,11 +115,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Att
         out[rows] = o[0].transpose(0, 1)
     if meta.decode_rows is not None:
         bd = meta.decode_rows.shape[0]
-        qd = (q if not meta.prefills else q[meta.decode_rows]).unsqueeze(2)  # [Bd, H, 1, D]
-        kd = _gather(k_cache, meta.decode_key_blocks, block_size).view(bd, -1, *k_cache.shape[1:])
-        vd = _gather(v_cache, meta.decode_key_blocks, block_size).view(bd, -1, *v_cache.shape[1:])
-        o = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=meta.decode_mask,
-                                           scale=scale, enable_gqa=True).squeeze(2)
+        qd = q if not meta.prefills else q[meta.decode_rows]  # [Bd, H, D]
+        if cpu_kernels:
+            o = kernels.paged_decode_attention(qd, k_cache, v_cache, meta.decode_key_blocks.view(bd, -1),
+                                               meta.decode_lens, scale, block_size)
+        else:
+            kd = _gather(k_cache, meta.decode_key_blocks, block_size).view(bd, -1, *k_cache.shape[1:])
+            vd = _gather(v_cache, meta.decode_key_blocks, block_size).view(bd, -1, *v_cache.shape[1:])
+            o = F.scaled_dot_product_attention(qd.unsqueeze(2), kd.transpose(1, 2), vd.transpose(1, 2),
+                                               attn_mask=meta.decode_mask, scale=scale, enable_gqa=True).squeeze(2)
         if not meta.prefills:
             return o  # a decode-only step: the rows are already in order
         out[meta.decode_rows] = o

@@ -7,7 +7,7 @@ import os
 import torch
 from safetensors import safe_open
 
-from .models.llama import LlamaForCausalLM, cpu_packing_available
+from .models.llama import LlamaForCausalLM
 from .models.spec import ModelSpec
 
 
@@ -41,8 +41,8 @@ def load_model(model_dir: str, spec: ModelSpec, dtype: torch.dtype, device: torc
     if missing:
         raise ValueError(f"weights missing from {model_dir!r}: {missing[:5]}")
     model.eval()
-    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and cpu_packing_available():
-        model.pack_for_cpu()
+    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        model.prepare_cpu_kernels()
     return model
 
 

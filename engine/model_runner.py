@@ -102,6 +102,7 @@ class ModelRunner:
         tables = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in decode_tables]
         meta.decode_key_blocks = torch.tensor(tables, device=self.device).view(-1)
         lens = torch.tensor(decode_lens, device=self.device)
+        meta.decode_lens = lens
         positions = torch.arange(max_blocks * self.block_size, device=self.device)
         meta.decode_mask = (positions[None, :] < lens[:, None])[:, None, None, :]
 

@@ -10,10 +10,13 @@ this step, so prefill chunks and decodes of different requests share one forward
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import cpu_kernels
 from ..attention import AttentionMetadata, paged_attention
 from .spec import ModelSpec
 
@@ -23,19 +26,23 @@ def cpu_packing_available() -> bool:
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose weight can be pre-packed into oneDNN's blocked layout on CPU.
+    """nn.Linear with two CPU fast paths for bf16/fp16, mechanism switches set once at load:
 
-    On CPUs with AVX512-BF16/AMX, a packed bf16 weight skips the per-call reorder that F.linear pays,
-    which is most of a small-batch matmul's cost; the results are bit-identical (measured here:
-    about 25-35% less matmul time at batch 1 to 32). Packing is a mechanism switch only.
+    - our bf16 kernel (`cpu_kernels.py`) for calls of up to `cpu_kernel_max_tokens` tokens: on CPUs
+      without native bf16 arithmetic it is 1.4x oneDNN at batch 1 and 2-3x at batch 2-32;
+    - a weight pre-packed into oneDNN's blocked layout: on CPUs with AVX512-BF16/AMX this skips the
+      per-call reorder F.linear pays, most of a small-batch matmul's cost (bit-identical results).
     """
 
     packed: torch.Tensor | None = None
+    cpu_kernel_max_tokens: int = 0
 
     def pack_for_cpu(self) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.cpu_kernel_max_tokens:
+            return cpu_kernels.linear_bf16(x, self.weight, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -47,10 +54,31 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    use_cpu_kernel = False  # set at load for CPU bf16 (LlamaForCausalLM.prepare_cpu_kernels)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in fp32, cast back, then scale: the reference's order of operations, so bf16
         # results round the same way (the fused F.rms_norm gives bit-identical fp32 results here).
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+
+    def add_and_norm(self, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream h plus a block's output delta (None: nothing to add), and its norm."""
+        if self.use_cpu_kernel:
+            return cpu_kernels.add_rms_norm(h, delta, self.weight, self.eps), h  # h updated in place
+        if delta is not None:
+            h = h + delta
+        return self(h), h
+
+
+@dataclass
+class Rotary:
+    """RoPE inputs of one step: the positions and tables, and (torch path) each row's cos/sin."""
+
+    positions: torch.Tensor  # [T]
+    cos_table: torch.Tensor  # [max_positions, D]
+    sin_table: torch.Tensor  # [max_positions, D], first half negated (see apply_rope)
+    cos: torch.Tensor | None = None  # [T, 1, D]
+    sin: torch.Tensor | None = None
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -76,20 +104,28 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+    use_cpu_kernels = False  # set at load for CPU bf16 without q/k norm (prepare_cpu_kernels)
+
+    def forward(self, x: torch.Tensor, rotary: Rotary, meta: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         T = x.shape[0]
         H, Hkv = self.num_heads, self.num_kv_heads
-        heads = self.qkv_proj(x).view(T, H + 2 * Hkv, self.head_dim)  # q heads, then k heads, then v
-        if self.q_norm is None:
+        qkv = self.qkv_proj(x)
+        if self.use_cpu_kernels:  # RoPE in place and the cache written by one kernel
+            cpu_kernels.rope_and_cache(qkv, rotary.positions, rotary.cos_table, rotary.sin_table, kv_cache[0],
+                                       kv_cache[1], meta.slot_mapping, H, Hkv, self.head_dim)
+        heads = qkv.view(T, H + 2 * Hkv, self.head_dim)  # q heads, then k heads, then v
+        if self.use_cpu_kernels:
+            q, k = heads[:, :H], heads[:, H:H + Hkv]
+        elif self.q_norm is None:
             # RoPE on q and k together: one set of kernels for H + Hkv heads.
-            qk = apply_rope(heads[:, :H + Hkv], cos, sin)
+            qk = apply_rope(heads[:, :H + Hkv], rotary.cos, rotary.sin)
             q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, Hkv, D]
         else:
-            q = apply_rope(self.q_norm(heads[:, :H]), cos, sin)
-            k = apply_rope(self.k_norm(heads[:, H:H + Hkv]), cos, sin)
+            q = apply_rope(self.q_norm(heads[:, :H]), rotary.cos, rotary.sin)
+            k = apply_rope(self.k_norm(heads[:, H:H + Hkv]), rotary.cos, rotary.sin)
         v = heads[:, H + Hkv:]  # [T, Hkv, D]
-        o = paged_attention(q, k, v, meta, kv_cache[0], kv_cache[1], self.scale)
+        o = paged_attention(q, k, v, meta, kv_cache[0], kv_cache[1], self.scale, cpu_kernels=self.use_cpu_kernels)
         return self.o_proj(o.reshape(T, self.q_size))
 
 
@@ -100,7 +136,11 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
         self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
 
+    use_cpu_kernel = False  # set at load for CPU bf16 (prepare_cpu_kernels)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_cpu_kernel:
+            return self.down_proj(cpu_kernels.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -113,9 +153,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, h, cos, sin, meta, kv_cache):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, kv_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, delta, rotary, meta, kv_cache):
+        """h: the residual stream, still without `delta` (the previous layer's MLP output, or None);
+        returns the stream without this layer's MLP output, and that output: the next norm adds it."""
+        x, h = self.input_layernorm.add_and_norm(h, delta)
+        x, h = self.post_attention_layernorm.add_and_norm(h, self.self_attn(x, rotary, meta, kv_cache))
+        return h, self.mlp(x)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -158,18 +201,40 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
         h = self.embed_tokens(input_ids)
-        cos = self.cos_table[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin_table[positions].unsqueeze(1)  # [T, 1, D], first half negated
+        rotary = Rotary(positions, self.cos_table, self.sin_table)
+        if not self.layers[0].self_attn.use_cpu_kernels:
+            rotary.cos = self.cos_table[positions].unsqueeze(1)  # [T, 1, D]
+            rotary.sin = self.sin_table[positions].unsqueeze(1)  # [T, 1, D], first half negated
+        delta = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(h, cos, sin, meta, kv_cache)
-        return self.norm(h)
+            h, delta = layer(h, delta, rotary, meta, kv_cache)
+        return self.norm.add_and_norm(h, delta)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [B, hidden] -> logits [B, vocab] in fp32."""
         return self.lm_head(hidden).float()
 
-    def pack_for_cpu(self) -> None:
-        """Pack every matmul weight for oneDNN (CPU bf16/fp16 only; fp32 gains nothing)."""
-        for module in self.modules():
-            if isinstance(module, Linear):
+    def prepare_cpu_kernels(self) -> None:
+        """CPU bf16/fp16 only (fp32 gains nothing): time our bf16 kernel against oneDNN on one layer's
+        largest weight, use it for the batch sizes where it wins, and pack every weight for oneDNN
+        unless ours serves every batch size."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        probe = self.layers[0].mlp.gate_up_proj
+        if cpu_packing_available():
+            probe.pack_for_cpu()
+        limit = cpu_kernels.choose_linear_backend(probe.weight.detach(), probe.forward)
+        s = self.spec
+        if probe.weight.dtype == torch.bfloat16 and cpu_kernels.decode_kernels_apply(
+                s.hidden_size, s.intermediate_size, s.num_heads, s.num_kv_heads, s.head_dim):
+            for module in self.modules():
+                if isinstance(module, (MLP, RMSNorm)):  # (q/k norms never take the add_and_norm path)
+                    module.use_cpu_kernel = True
+                elif isinstance(module, Attention):
+                    module.use_cpu_kernels = module.q_norm is None
+        for module in linears:
+            applies = cpu_kernels.linear_applies(module.weight)
+            module.cpu_kernel_max_tokens = limit if applies else 0
+            if cpu_packing_available() and (not applies or limit < cpu_kernels.UNLIMITED):
                 module.pack_for_cpu()
+            else:
+                module.packed = None
