@@ -53,20 +53,34 @@ def _build(source: bytes, target: str) -> None:
         os.replace(out, target)  # atomic: concurrent builders (test servers) never see half a file
 
 
+def enabled() -> bool:
+    """Our kernels are built and not turned off by INFERCEPT_CPU_KERNELS=0 (read at each model load)."""
+    return os.environ.get("INFERCEPT_CPU_KERNELS") != "0" and library() is not None
+
+
+def signature() -> str:
+    """Names the kernels a model load would use, for caches of measurements (profiles)."""
+    return f"cpu-kernels-{_source_key()}" if enabled() else "torch-kernels"
+
+
+def _source() -> bytes:
+    return resources.files("infercept.engine").joinpath("csrc/cpu_kernels.c").read_bytes()
+
+
+def _source_key() -> str:
+    return hashlib.sha256(_source() + " ".join(FLAGS).encode()).hexdigest()[:16]
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The built kernels, or None when they cannot be had here (reason logged once)."""
-    if os.environ.get("INFERCEPT_CPU_KERNELS") == "0":
-        return None
     if not cpu_has_avx512():
         log.info("CPU kernels: no AVX512 on this CPU; using torch's kernels")
         return None
-    source = resources.files("infercept.engine").joinpath("csrc/cpu_kernels.c").read_bytes()
-    key = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
-    target = os.path.join(cache_dir(), "kernels", f"cpu_kernels-{key}.so")
+    target = os.path.join(cache_dir(), "kernels", f"cpu_kernels-{_source_key()}.so")
     if not os.path.exists(target):
         try:
-            _build(source, target)
+            _build(_source(), target)
         except (OSError, subprocess.CalledProcessError) as e:
             detail = getattr(e, "stderr", b"") or b""
             log.warning("CPU kernels: could not compile (%s %s); using torch's kernels", e,
@@ -117,7 +131,7 @@ def choose_linear_backend(weight: torch.Tensor, torch_linear) -> int:
     """Largest batch (tokens per call) up to which our kernel beats `torch_linear` on `weight`, timed
     here on this machine's cores; 0 when it never does or does not apply. A policy, kept apart from
     the kernels: the model's linears only read the number it returns."""
-    if not linear_applies(weight) or library() is None:
+    if not linear_applies(weight) or not enabled():
         return 0
     if os.environ.get("INFERCEPT_CPU_KERNELS") == "1":
         return UNLIMITED
@@ -137,7 +151,7 @@ def choose_linear_backend(weight: torch.Tensor, torch_linear) -> int:
 def decode_kernels_apply(hidden_size: int, intermediate_size: int, num_heads: int, num_kv_heads: int,
                          head_dim: int) -> bool:
     """Whether the decode-step kernels below fit a model's shapes (their C contracts)."""
-    return (library() is not None and hidden_size % 16 == 0 and intermediate_size % 16 == 0
+    return (enabled() and hidden_size % 16 == 0 and intermediate_size % 16 == 0
             and head_dim % 32 == 0 and head_dim <= 256 and num_heads % num_kv_heads == 0
             and num_heads // num_kv_heads <= 8)
 

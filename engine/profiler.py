@@ -12,6 +12,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from . import cpu_kernels
 from .env import cache_dir
 from .kv_cache import KVCache
 from .model_runner import ModelRunner
@@ -34,7 +35,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def cached_profile_path(model: str, device: torch.device, dtype: torch.dtype) -> str:
-    key = hashlib.sha1(f"{os.path.abspath(model)}|{device_name(device)}|{dtype}".encode()).hexdigest()[:16]
+    # The kernels are part of the key: a profile measured with others has other forward times.
+    kernels = cpu_kernels.signature() if device.type == "cpu" else "torch-kernels"
+    key = hashlib.sha1(f"{os.path.abspath(model)}|{device_name(device)}|{dtype}|{kernels}".encode()).hexdigest()[:16]
     return os.path.join(cache_dir(), "profiles", f"{os.path.basename(os.path.normpath(model))}-{key}.json")
 
 
