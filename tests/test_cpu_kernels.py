@@ -58,6 +58,10 @@ def test_linear_is_batch_invariant():
     assert torch.equal(cpu_kernels.linear_bf16(x[3:11], w, None), batched[3:11])
 
 
+def test_linear_of_no_rows():
+    assert cpu_kernels.linear_bf16(torch.zeros(0, 64, dtype=BF16), torch.ones(8, 64, dtype=BF16), None).shape == (0, 8)
+
+
 def test_linear_contract():
     assert cpu_kernels.linear_applies(torch.zeros(8, 64, dtype=BF16))
     assert not cpu_kernels.linear_applies(torch.zeros(8, 48, dtype=BF16))  # K not a multiple of 32

@@ -86,6 +86,7 @@ static void run_tile(const uint16_t *w, const float *xp, int K, int rows, int to
  * K must be a multiple of 32 (the caller checks). Returns 0, or -1 if scratch memory ran out. */
 int linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int M, int N, int K,
                 int num_threads) {
+    if (M == 0 || N == 0) return 0;
     float *xp = aligned_alloc(64, ((size_t)M * K * sizeof(float) + 63) / 64 * 64);
     if (xp == NULL) return -1;
     for (int m = 0; m < M; ++m) widen_deinterleave(x + (size_t)m * K, xp + (size_t)m * K, K);
