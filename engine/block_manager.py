@@ -169,11 +169,12 @@ class BlockManager:
         return max(self.blocks_for(num_tokens) - len(self.tables.get(request_id, ())), 0)
 
     # -- device pool -----------------------------------------------------------------------------
-    def can_allocate(self, request_id: str, num_tokens: int, cached: Sequence[int] = ()) -> bool:
+    def can_allocate(self, request_id: str, num_tokens: int, cached: Sequence[int] = (), reserve: int = 0) -> bool:
         """Room to grow the request to `num_tokens`, starting an empty table with the `cached` blocks
-        (`match_prefix`); reusing an evictable cached block takes it out of the free queue."""
+        (`match_prefix`), and still leave `reserve` blocks free; reusing an evictable cached block
+        takes it out of the free queue."""
         new = self.num_new_blocks(request_id, num_tokens) - len(cached)
-        return new + sum(self.device.ref_counts[b] == 0 for b in cached) <= self.device.num_free
+        return new + sum(self.device.ref_counts[b] == 0 for b in cached) + reserve <= self.device.num_free
 
     def allocate(self, request_id: str, num_tokens: int, cached: Sequence[int] = ()) -> list[int]:
         """Grow the request's table to hold `num_tokens` tokens; returns the whole table. `cached`

@@ -236,12 +236,15 @@ class Scheduler:
         return swap_in_budget
 
     def _swap_in(self, out: SchedulerOutput, budget_tokens: int | None) -> None:
-        """Bring swapped requests' KV back, oldest first, within the swap-in budget."""
+        """Bring swapped requests' KV back, oldest first, within the swap-in budget. A resumed request
+        is running work: like a running request it may take paused requests' device KV for room."""
         bs = self.blocks.block_size
         budget = None if budget_tokens is None else -(-budget_tokens // bs)
         for request in list(self.swapped):
             want = self.blocks.num_host_blocks_of(request.request_id)
             n = want if budget is None else min(want, budget)
+            while self.blocks.num_free_blocks < n and self._discard_paused_for_room(out):
+                pass
             n = min(n, self.blocks.num_free_blocks)
             if n:
                 out.swap_in += self.blocks.swap_in(request.request_id, n)
@@ -253,22 +256,32 @@ class Scheduler:
             if budget == 0 or self.blocks.num_free_blocks == 0:
                 break
 
-    def _discard_paused_for_room(self, out: SchedulerOutput, include_swapped: bool = True) -> bool:
-        """Memory pressure: drop the newest paused (or swapping-in) request's device KV. The worst case
+    def _discard_paused_for_room(self, out: SchedulerOutput, swapped_after: float | None = None) -> bool:
+        """Memory pressure: drop the newest paused request's device KV, or with `swapped_after`, that of
+        a swapping-in request that arrived after that time (never an older one: FCFS). The worst case
         for a paused request is discard + recompute; it never fails. False if none holds device KV.
-        (A discarded swapping-in request moves to the waiting queue, hence `include_swapped`.)"""
+        (A discarded swapping-in request moves to the waiting queue.)"""
         holders = [r for r in self.paused.values() if self.kv_tokens(r)[0]]
-        if include_swapped:
-            holders += [r for r in self.swapped if self.blocks.block_table(r.request_id)]
+        if swapped_after is not None:
+            holders += [r for r in self.swapped
+                        if r.arrival_time > swapped_after and self.blocks.block_table(r.request_id)]
         if not holders:
             return False
         out.num_discarded_tokens += self._discard(max(holders, key=_by_arrival))
         return True
 
+    def _owed_to_swapped(self, arrival_time: float) -> int:
+        """Device blocks that resumed requests older than `arrival_time` still need to bring their KV
+        back from the host. Admission leaves them free: a newer request must not take the room an
+        older resumed one waits for (three queues, one FCFS order; under pressure it would otherwise
+        wait until the new work finishes)."""
+        return sum(self.blocks.num_host_blocks_of(r.request_id) for r in self.swapped
+                   if r.arrival_time < arrival_time)
+
     def _reclaim(self, out: SchedulerOutput, protect: Request) -> bool:
         """Free device blocks for a running request: paused KV goes first, then the newest running
         request is preempted. Returns False if `protect` itself had to be preempted."""
-        if self._discard_paused_for_room(out):
+        if self._discard_paused_for_room(out, swapped_after=protect.arrival_time):
             return True
         victim = self.running[-1]
         self._preempt(victim)
@@ -312,12 +325,13 @@ class Scheduler:
         # No admissions in a step that had to preempt: the pool is full.
         while self.waiting and budget > 0 and not self._preempted_this_step and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            reserve = self._owed_to_swapped(request.arrival_time)
             while True:
                 hit, computed, n = self._admission(request, budget)
-                if (self.blocks.can_allocate(request.request_id, computed + n, hit)
-                        or not self._discard_paused_for_room(out, include_swapped=False)):
+                if (self.blocks.can_allocate(request.request_id, computed + n, hit, reserve)
+                        or not self._discard_paused_for_room(out)):
                     break  # paused KV never blocks new work: it is dropped (and recomputed on resume)
-            if not self.blocks.can_allocate(request.request_id, computed + n, hit):
+            if not self.blocks.can_allocate(request.request_id, computed + n, hit, reserve):
                 break
             self.waiting.pop(0)
             self.blocks.allocate(request.request_id, computed + n, hit)

@@ -362,3 +362,52 @@ def test_abort_of_unknown_or_finished_request_is_a_noop():
     assert r.status is RequestStatus.FINISHED_LENGTH
     assert bm.num_free_blocks == 4
     assert sched.schedule().finished_request_ids == ["x"]
+
+
+def test_resumed_request_swapping_in_keeps_its_fcfs_place():
+    """Three queues, one FCFS order: a resumed request whose KV is coming back from the host (one block
+    per step here) is owed the device room it needs. A newer waiting request is not admitted into
+    that room, and a newer running request that needs a block is preempted rather than the older
+    swapping-in request discarded."""
+    bm = BlockManager(10, 10, BLOCK_SIZE, enable_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=1 << 20), bm)
+    sched._swap_budget_tokens = lambda: BLOCK_SIZE  # a slow host link: one block back per step
+
+    def step():
+        out = sched.schedule()
+        sched.blocks.check_integrity()
+        sampled = {c.request_id: SampledToken(SAMPLED) for c in out.chunks if c.sample}
+        sched.update(out, RunnerOutput(sampled=sampled))
+        return {c.request_id for c in out.chunks}
+
+    def params(n):
+        return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+    a = Request("a", list(range(100, 112)), params(8), arrival_time=0.0)  # 12 tokens: 3 blocks
+    sched.add(a)
+    step()
+    sched.pause(a, [])
+    bm.swap_out("a", 3)  # what a swapping policy does while it is paused
+    c = Request("c", list(range(200, 221)), params(12), arrival_time=2.0)  # 21 tokens: 6 blocks, growing
+    sched.add(c)
+    step()
+    sched.resume("a", [7, 7, 7, 7])
+    b = Request("b", list(range(300, 307)), params(2), arrival_time=1.0)  # 7 tokens: 2 blocks
+    sched.add(b)
+    assert a.status is RequestStatus.SWAPPED and bm.num_free_blocks == 4
+
+    a_back = b_first = None
+    for i in range(60):
+        ran = step()
+        if a_back is None and a.status is RequestStatus.RUNNING:
+            a_back = i
+        if b_first is None and "b" in ran:
+            b_first = i
+        assert a.status is not RequestStatus.WAITING, "the older swapping-in request was discarded"
+        if not sched.has_unfinished():
+            break
+    assert not sched.has_unfinished()
+    assert a_back is not None and b_first is not None and a_back <= b_first
+    assert a.output_token_ids == [SAMPLED] * 8 and b.output_token_ids == [SAMPLED] * 2
+    assert c.output_token_ids == [SAMPLED] * 12
+    assert bm.num_free_blocks == 10 and bm.num_free_host_blocks == 10
