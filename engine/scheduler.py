@@ -10,7 +10,8 @@ A step, in order (three queues, each FCFS by arrival time, paper §4.3):
   1. paused requests: the policy decides preserve / swap out / discard (`policy.plan`); swap-out is
      limited by the iteration's swap budget, split with swap-in (`split_swap_budget`);
   2. swapped: resumed requests whose KV is on the host get it back within the swap-in budget;
-  3. running, oldest first; when blocks run out, paused requests' KV is discarded first, then the
+  3. running, oldest first; when blocks run out, paused requests' KV leaves the device first
+     (discarded, or swapped out when the policy finds that less wasteful: `Policy.reclaim`), then the
      newest running request is preempted (freed and recomputed later);
   4. waiting (new, preempted, resumed after a discard), while the token budget, the sequence cap and
      the pool allow. The token budget `max_num_batched_tokens` plays the paper's saturation point S,
@@ -198,6 +199,14 @@ class Scheduler:
             return None
         return self.profile.swap_budget_tokens(self.profile.t_fwd(self._last_batched_tokens))
 
+    def _paused_info(self, r: Request) -> PausedInfo:
+        device, _ = self.kv_tokens(r)
+        now = self.clock()
+        expected = self.estimator.estimate(now, r.paused_at, r.tool_name,
+                                           r.intercept.expected_s if r.intercept else None)
+        return PausedInfo(r.request_id, r.arrival_time, r.num_tokens, self._kv_state(r), device,
+                          now - r.paused_at, expected)
+
     def _plan_paused(self, out: SchedulerOutput, swap_in_demand: int) -> int | None:
         """Apply the policy's decisions to paused requests; returns the swap-in budget in tokens."""
         total = self._swap_budget_tokens()
@@ -206,14 +215,7 @@ class Scheduler:
         free_host = self.blocks.num_free_host_blocks * bs
         if self.policy is None or self.profile is None or not self.paused:
             return total
-        infos = []
-        for r in self.paused.values():
-            device, _ = self.kv_tokens(r)
-            now = self.clock()
-            expected = self.estimator.estimate(now, r.paused_at, r.tool_name,
-                                               r.intercept.expected_s if r.intercept else None)
-            infos.append(PausedInfo(r.request_id, r.arrival_time, r.num_tokens, self._kv_state(r), device,
-                                    now - r.paused_at, expected))
+        infos = [self._paused_info(r) for r in self.paused.values()]
         swap_out_demand = sum(i.num_device_tokens for i in infos)
         if total is None:
             swap_in_budget, swap_out_budget = None, swap_out_demand
@@ -243,7 +245,7 @@ class Scheduler:
         for request in list(self.swapped):
             want = self.blocks.num_host_blocks_of(request.request_id)
             n = want if budget is None else min(want, budget)
-            while self.blocks.num_free_blocks < n and self._discard_paused_for_room(out):
+            while self.blocks.num_free_blocks < n and self._free_paused_for_room(out):
                 pass
             n = min(n, self.blocks.num_free_blocks)
             if n:
@@ -256,19 +258,34 @@ class Scheduler:
             if budget == 0 or self.blocks.num_free_blocks == 0:
                 break
 
-    def _discard_paused_for_room(self, out: SchedulerOutput, swapped_after: float | None = None) -> bool:
-        """Memory pressure: drop the newest paused request's device KV, or with `swapped_after`, that of
-        a swapping-in request that arrived after that time (never an older one: FCFS). The worst case
-        for a paused request is discard + recompute; it never fails. False if none holds device KV.
-        (A discarded swapping-in request moves to the waiting queue.)"""
+    def _free_paused_for_room(self, out: SchedulerOutput, swapped_after: float | None = None) -> bool:
+        """Memory pressure: the newest paused request's device KV leaves the device, or with
+        `swapped_after`, that of a swapping-in request that arrived after that time (never an older
+        one: FCFS). The policy says whether a paused one is swapped out (host room permitting) or
+        discarded; a swapping-in one is discarded and moves to the waiting queue. The worst case for a
+        paused request is discard + recompute; it never fails. False if none holds device KV."""
         holders = [r for r in self.paused.values() if self.kv_tokens(r)[0]]
         if swapped_after is not None:
             holders += [r for r in self.swapped
                         if r.arrival_time > swapped_after and self.blocks.block_table(r.request_id)]
         if not holders:
             return False
-        out.num_discarded_tokens += self._discard(max(holders, key=_by_arrival))
+        victim = max(holders, key=_by_arrival)
+        blocks = len(self.blocks.block_table(victim.request_id))
+        if (victim.status is RequestStatus.INTERCEPTED and self.blocks.can_swap_out(blocks)
+                and self._reclaim_action(victim) is KVAction.SWAP_OUT):
+            out.swap_out += self.blocks.swap_out(victim.request_id, blocks)
+        else:
+            out.num_discarded_tokens += self._discard(victim)
         return True
+
+    def _reclaim_action(self, request: Request) -> KVAction:
+        if self.policy is None or self.profile is None:
+            return KVAction.DISCARD
+        running_tokens = sum(r.num_computed_tokens for r in self.running)
+        iteration = IterationInfo(running_tokens, self._last_batched_tokens, 0, self.blocks.num_free_host_blocks
+                                  * self.blocks.block_size)
+        return self.policy.reclaim(self._paused_info(request), iteration, self.profile)
 
     def _owed_to_swapped(self, arrival_time: float) -> int:
         """Device blocks that resumed requests older than `arrival_time` still need to bring their KV
@@ -281,7 +298,7 @@ class Scheduler:
     def _reclaim(self, out: SchedulerOutput, protect: Request) -> bool:
         """Free device blocks for a running request: paused KV goes first, then the newest running
         request is preempted. Returns False if `protect` itself had to be preempted."""
-        if self._discard_paused_for_room(out, swapped_after=protect.arrival_time):
+        if self._free_paused_for_room(out, swapped_after=protect.arrival_time):
             return True
         victim = self.running[-1]
         self._preempt(victim)
@@ -329,7 +346,7 @@ class Scheduler:
             while True:
                 hit, computed, n = self._admission(request, budget)
                 if (self.blocks.can_allocate(request.request_id, computed + n, hit, reserve)
-                        or not self._discard_paused_for_room(out)):
+                        or not self._free_paused_for_room(out)):
                     break  # paused KV never blocks new work: it is dropped (and recomputed on resume)
             if not self.blocks.can_allocate(request.request_id, computed + n, hit, reserve):
                 break

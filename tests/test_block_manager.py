@@ -411,3 +411,47 @@ def test_resumed_request_swapping_in_keeps_its_fcfs_place():
     assert a.output_token_ids == [SAMPLED] * 8 and b.output_token_ids == [SAMPLED] * 2
     assert c.output_token_ids == [SAMPLED] * 12
     assert bm.num_free_blocks == 10 and bm.num_free_host_blocks == 10
+
+
+def test_min_waste_swaps_a_preserved_request_out_for_room_instead_of_discarding():
+    """infercept preserves a paused request whose call looks short; when a running request then needs
+    its blocks and copying is cheap (a CPU's "host" is the same memory), the paused KV is swapped out,
+    not discarded, and comes back on resume without recomputation."""
+    from infercept.engine.policy import Profile, make_policy
+
+    profile = Profile(model="toy", device="cpu", dtype="bfloat16", bytes_per_token=100, block_size=BLOCK_SIZE,
+                      t_fwd_samples=((1, 0.01), (64, 0.02)), d2h_bytes_per_s=1e10, h2d_bytes_per_s=1e10,
+                      saturation_point=64)
+    bm = BlockManager(8, 8, BLOCK_SIZE, enable_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=1 << 20), bm,
+                      policy=make_policy("infercept"), profile=profile, clock=lambda: 0.0)
+    swapped_out = discarded = recomputed = 0
+
+    def step():
+        nonlocal swapped_out, discarded, recomputed
+        out = sched.schedule()
+        bm.check_integrity()
+        swapped_out += len(out.swap_out)
+        discarded += out.num_discarded_tokens
+        recomputed += out.num_recomputed_tokens
+        sampled = {c.request_id: SampledToken(SAMPLED) for c in out.chunks if c.sample}
+        sched.update(out, RunnerOutput(sampled=sampled))
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    a = Request("a", list(range(100, 116)), params, arrival_time=0.0)  # 16 tokens: 4 blocks
+    sched.add(a)
+    step()
+    sched.pause(a, [])
+    step()  # the clock stands still: elapsed 0, expected 0 -> preserve
+    assert len(bm.block_table("a")) == 4 and swapped_out == 0
+    b = Request("b", list(range(200, 219)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                arrival_time=1.0)  # 19 tokens + 8: needs 7 blocks of the 8
+    sched.add(b)
+    while b.status is not RequestStatus.FINISHED_LENGTH:
+        step()
+    assert swapped_out == 4 and discarded == 0 and bm.num_host_blocks_of("a") == 4
+    sched.resume("a", [7])
+    while sched.has_work():
+        step()
+    assert a.status is RequestStatus.FINISHED_LENGTH and recomputed == 0
+    assert bm.num_free_blocks == 8 and bm.num_free_host_blocks == 8

@@ -238,6 +238,22 @@ def test_min_waste_decision_matches_hand_computation():
     assert plan.swap_out_tokens == 120 and plan.get("b").swap_out_tokens == 120
 
 
+def test_reclaim_under_pressure_swaps_when_that_wastes_less_than_recompute():
+    """A running request needs blocks and the paused request `a` (preserved: its call looked short)
+    must leave the device. Eq. 3: 2 · T_swap(200) · (300 + 200) · 10 = 2 · 2 ms · 5000 = 20 B·s against
+    Eq. 4's 80 B·s: infercept swaps it out. Ten times slower copies: 200 > 80, discard. The paper's
+    baselines always discard here."""
+    it = IterationInfo(num_running_tokens=300, num_batched_tokens=50, swap_out_budget=0)
+    a = paused("a", 200, 0.003)
+    assert waste_swap(200, 500, 10, toy_profile().t_swap) == pytest.approx(20.0)
+    assert make_policy("infercept").reclaim(a, it, toy_profile()) is KVAction.SWAP_OUT
+    slow = toy_profile(d2h_bytes_per_s=1e5, h2d_bytes_per_s=1e5)
+    assert waste_swap(200, 500, 10, slow.t_swap) == pytest.approx(200.0)
+    assert make_policy("infercept").reclaim(a, it, slow) is KVAction.DISCARD
+    for name in ("discard", "improved-discard", "preserve", "prefix-cache", "budgeted-swap"):
+        assert make_policy(name).reclaim(a, it, toy_profile()) is KVAction.DISCARD
+
+
 def test_partial_swap_is_never_discarded_and_host_or_discarded_get_no_decision():
     p = toy_profile()
     half = paused("half", 200, 100.0, state="partial", device=100)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
 from .profile import Profile
-from .waste import waste_chunk_discard, waste_discard, waste_preserve
+from .waste import waste_chunk_discard, waste_discard, waste_preserve, waste_swap
 
 KV_STATES = ("device", "host", "discarded", "partial")
 
@@ -262,6 +262,16 @@ def min_waste_plan(paused: Sequence[PausedInfo], iteration: IterationInfo, profi
     return _in_input_order(paused, decisions)
 
 
+def cheaper_to_swap_than_discard(info: PausedInfo, iteration: IterationInfo, profile: Profile) -> bool:
+    """Memory pressure forces a paused request's device KV off the device at once: is a synchronous
+    copy to the host (Eq. 3, the batch waits for the copy out and later in) less waste than chunked
+    recomputation (Eq. 4)? On a CPU, where the host pool is the same DRAM, the copy nearly always
+    wins; over PCIe a large model's long context with a small running batch may not."""
+    C = info.num_device_tokens
+    swap = waste_swap(C, iteration.num_running_tokens + C, profile.bytes_per_token, profile.t_swap)
+    return swap < score(info, iteration, profile, chunked=True).waste_discard
+
+
 # -- policies -------------------------------------------------------------------------------------
 
 class Policy:
@@ -291,6 +301,12 @@ class Policy:
 
     def plan(self, paused: Sequence[PausedInfo], iteration: IterationInfo, profile: Profile) -> KVPlan:
         raise NotImplementedError
+
+    def reclaim(self, info: PausedInfo, iteration: IterationInfo, profile: Profile) -> KVAction:
+        """A running request needs device blocks and this paused request's KV must leave the device now
+        (the scheduler picks the newest holder): DISCARD (the paper's baselines) or SWAP_OUT (whole
+        device part, if the host pool has room)."""
+        return KVAction.DISCARD
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
@@ -374,6 +390,14 @@ class InferCeptPolicy(Policy):
 
     def plan(self, paused, iteration, profile):
         return min_waste_plan(paused, iteration, profile)
+
+    def reclaim(self, info, iteration, profile):
+        """Min-waste under pressure too: a request preserved because its interception looked short
+        is swapped out rather than discarded when that wastes less (an extension of the paper, whose
+        fallback under pressure is vLLM's discard)."""
+        if cheaper_to_swap_than_discard(info, iteration, profile):
+            return KVAction.SWAP_OUT
+        return KVAction.DISCARD
 
 
 class PreservePolicy(Policy):
