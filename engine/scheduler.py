@@ -222,20 +222,26 @@ class Scheduler:
         else:
             split = split_swap_budget(total, swap_in_demand, swap_out_demand, free_device, free_host)
             swap_in_budget, swap_out_budget = split.swap_in, split.swap_out
-        running_tokens = sum(r.num_computed_tokens for r in self.running)
-        plan = self.policy.plan(infos, IterationInfo(running_tokens, self._last_batched_tokens, swap_out_budget,
-                                                     free_host), self.profile)
+        plan = self.policy.plan(infos, self._iteration_info(swap_out_budget), self.profile)
         for decision in plan:
             request = self.paused[decision.request_id]
             if decision.action is KVAction.DISCARD:
                 out.num_discarded_tokens += self._discard(request)
             elif decision.action is KVAction.SWAP_OUT:
-                blocks = -(-decision.swap_out_tokens // bs)
-                if self.blocks.can_swap_out(blocks):
-                    out.swap_out += self.blocks.swap_out(request.request_id, blocks)
-                else:
-                    out.num_discarded_tokens += self._discard(request)
+                self._swap_out_or_discard(out, request, -(-decision.swap_out_tokens // bs))
         return swap_in_budget
+
+    def _iteration_info(self, swap_out_budget: int) -> IterationInfo:
+        running_tokens = sum(r.num_computed_tokens for r in self.running)
+        return IterationInfo(running_tokens, self._last_batched_tokens, swap_out_budget,
+                             self.blocks.num_free_host_blocks * self.blocks.block_size)
+
+    def _swap_out_or_discard(self, out: SchedulerOutput, request: Request, blocks: int) -> None:
+        """Swap `blocks` of a paused request's device KV to the host; discard it if the host is full."""
+        if self.blocks.can_swap_out(blocks):
+            out.swap_out += self.blocks.swap_out(request.request_id, blocks)
+        else:
+            out.num_discarded_tokens += self._discard(request)
 
     def _swap_in(self, out: SchedulerOutput, budget_tokens: int | None) -> None:
         """Bring swapped requests' KV back, oldest first, within the swap-in budget. A resumed request
@@ -271,10 +277,8 @@ class Scheduler:
         if not holders:
             return False
         victim = max(holders, key=_by_arrival)
-        blocks = len(self.blocks.block_table(victim.request_id))
-        if (victim.status is RequestStatus.INTERCEPTED and self.blocks.can_swap_out(blocks)
-                and self._reclaim_action(victim) is KVAction.SWAP_OUT):
-            out.swap_out += self.blocks.swap_out(victim.request_id, blocks)
+        if victim.status is RequestStatus.INTERCEPTED and self._reclaim_action(victim) is KVAction.SWAP_OUT:
+            self._swap_out_or_discard(out, victim, len(self.blocks.block_table(victim.request_id)))
         else:
             out.num_discarded_tokens += self._discard(victim)
         return True
@@ -282,10 +286,7 @@ class Scheduler:
     def _reclaim_action(self, request: Request) -> KVAction:
         if self.policy is None or self.profile is None:
             return KVAction.DISCARD
-        running_tokens = sum(r.num_computed_tokens for r in self.running)
-        iteration = IterationInfo(running_tokens, self._last_batched_tokens, 0, self.blocks.num_free_host_blocks
-                                  * self.blocks.block_size)
-        return self.policy.reclaim(self._paused_info(request), iteration, self.profile)
+        return self.policy.reclaim(self._paused_info(request), self._iteration_info(0), self.profile)
 
     def _owed_to_swapped(self, arrival_time: float) -> int:
         """Device blocks that resumed requests older than `arrival_time` still need to bring their KV

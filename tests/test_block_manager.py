@@ -364,6 +364,16 @@ def test_abort_of_unknown_or_finished_request_is_a_noop():
     assert sched.schedule().finished_request_ids == ["x"]
 
 
+def step_sampling_every_chunk(sched: Scheduler) -> SchedulerOutput:
+    """One scheduler step whose 'runner' samples SAMPLED for every chunk that reaches its end (no KV
+    contents are checked, so swaps need no copies); returns the step's output."""
+    out = sched.schedule()
+    sched.blocks.check_integrity()
+    sampled = {c.request_id: SampledToken(SAMPLED) for c in out.chunks if c.sample}
+    sched.update(out, RunnerOutput(sampled=sampled))
+    return out
+
+
 def test_resumed_request_swapping_in_keeps_its_fcfs_place():
     """Three queues, one FCFS order: a resumed request whose KV is coming back from the host (one block
     per step here) is owed the device room it needs. A newer waiting request is not admitted into
@@ -374,11 +384,7 @@ def test_resumed_request_swapping_in_keeps_its_fcfs_place():
     sched._swap_budget_tokens = lambda: BLOCK_SIZE  # a slow host link: one block back per step
 
     def step():
-        out = sched.schedule()
-        sched.blocks.check_integrity()
-        sampled = {c.request_id: SampledToken(SAMPLED) for c in out.chunks if c.sample}
-        sched.update(out, RunnerOutput(sampled=sampled))
-        return {c.request_id for c in out.chunks}
+        return {c.request_id for c in step_sampling_every_chunk(sched).chunks}
 
     def params(n):
         return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -429,13 +435,10 @@ def test_min_waste_swaps_a_preserved_request_out_for_room_instead_of_discarding(
 
     def step():
         nonlocal swapped_out, discarded, recomputed
-        out = sched.schedule()
-        bm.check_integrity()
+        out = step_sampling_every_chunk(sched)
         swapped_out += len(out.swap_out)
         discarded += out.num_discarded_tokens
         recomputed += out.num_recomputed_tokens
-        sampled = {c.request_id: SampledToken(SAMPLED) for c in out.chunks if c.sample}
-        sched.update(out, RunnerOutput(sampled=sampled))
 
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     a = Request("a", list(range(100, 116)), params, arrival_time=0.0)  # 16 tokens: 4 blocks

@@ -111,11 +111,10 @@ class Attention(nn.Module):
         T = x.shape[0]
         H, Hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x)
-        if self.use_cpu_kernels:  # RoPE in place and the cache written by one kernel
+        heads = qkv.view(T, H + 2 * Hkv, self.head_dim)  # q heads, then k heads, then v
+        if self.use_cpu_kernels:  # RoPE in place (seen through `heads`) and the cache written by one kernel
             cpu_kernels.rope_and_cache(qkv, rotary.positions, rotary.cos_table, rotary.sin_table, kv_cache[0],
                                        kv_cache[1], meta.slot_mapping, H, Hkv, self.head_dim)
-        heads = qkv.view(T, H + 2 * Hkv, self.head_dim)  # q heads, then k heads, then v
-        if self.use_cpu_kernels:
             q, k = heads[:, :H], heads[:, H:H + Hkv]
         elif self.q_norm is None:
             # RoPE on q and k together: one set of kernels for H + Hkv heads.
@@ -218,23 +217,22 @@ class LlamaForCausalLM(nn.Module):
         """CPU bf16/fp16 only (fp32 gains nothing): time our bf16 kernel against oneDNN on one layer's
         largest weight, use it for the batch sizes where it wins, and pack every weight for oneDNN
         unless ours serves every batch size."""
-        linears = [m for m in self.modules() if isinstance(m, Linear)]
         probe = self.layers[0].mlp.gate_up_proj
         if cpu_packing_available():
-            probe.pack_for_cpu()
+            probe.pack_for_cpu()  # oneDNN's side of the timing
         limit = cpu_kernels.choose_linear_backend(probe.weight.detach(), probe.forward)
         s = self.spec
-        if probe.weight.dtype == torch.bfloat16 and cpu_kernels.decode_kernels_apply(
-                s.hidden_size, s.intermediate_size, s.num_heads, s.num_kv_heads, s.head_dim):
-            for module in self.modules():
-                if isinstance(module, (MLP, RMSNorm)):  # (q/k norms never take the add_and_norm path)
-                    module.use_cpu_kernel = True
-                elif isinstance(module, Attention):
-                    module.use_cpu_kernels = module.q_norm is None
-        for module in linears:
-            applies = cpu_kernels.linear_applies(module.weight)
-            module.cpu_kernel_max_tokens = limit if applies else 0
-            if cpu_packing_available() and (not applies or limit < cpu_kernels.UNLIMITED):
-                module.pack_for_cpu()
-            else:
-                module.packed = None
+        fused = probe.weight.dtype == torch.bfloat16 and cpu_kernels.decode_kernels_apply(
+            s.hidden_size, s.intermediate_size, s.num_heads, s.num_kv_heads, s.head_dim)
+        for module in self.modules():
+            if isinstance(module, Linear):
+                applies = cpu_kernels.linear_applies(module.weight)
+                module.cpu_kernel_max_tokens = limit if applies else 0
+                if not cpu_packing_available() or (applies and limit >= cpu_kernels.UNLIMITED):
+                    module.packed = None
+                elif module.packed is None:
+                    module.pack_for_cpu()
+            elif isinstance(module, (MLP, RMSNorm)):  # (q/k norms never take the add_and_norm path)
+                module.use_cpu_kernel = fused
+            elif isinstance(module, Attention):
+                module.use_cpu_kernels = fused and module.q_norm is None
