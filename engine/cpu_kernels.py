@@ -2,8 +2,8 @@
 
 Why our own: on CPUs with AVX512 but without native bf16 arithmetic (no AVX512-BF16, no AMX), oneDNN
 emulates bf16 matmuls at a third of fp32 speed. The kernel here widens bf16 weights to fp32 in
-registers and reaches the memory-bandwidth floor at batch 1 and 2-3x oneDNN at batch 2-32 (measured in
-`benchmarks/throughput.py`). Whether it is used is decided per machine by timing it against oneDNN
+registers and reaches the memory-bandwidth floor at batch 1 and 2.5-3x oneDNN at batch 8-256 (measured in
+`benchmarks/cpu_kernels.py`). Whether it is used is decided per machine by timing it against oneDNN
 on the model's own weights at load (`choose_linear_backend`), so AMX machines keep oneDNN where it wins.
 
 The shared library is compiled with the system C compiler (`$CC`, default `cc`) into

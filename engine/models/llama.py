@@ -29,7 +29,8 @@ class Linear(nn.Linear):
     """nn.Linear with two CPU fast paths for bf16/fp16, mechanism switches set once at load:
 
     - our bf16 kernel (`cpu_kernels.py`) for calls of up to `cpu_kernel_max_tokens` tokens: on CPUs
-      without native bf16 arithmetic it is 1.4x oneDNN at batch 1 and 2-3x at batch 2-32;
+      without native bf16 arithmetic it is 1.2-1.4x oneDNN at batch 1 and 2.5-3x at batch 8-256
+      (`benchmarks/cpu_kernels.py`);
     - a weight pre-packed into oneDNN's blocked layout: on CPUs with AVX512-BF16/AMX this skips the
       per-call reorder F.linear pays, most of a small-batch matmul's cost (bit-identical results).
     """
