@@ -1,14 +1,14 @@
 """Our C kernels for bf16 models on CPU (`csrc/cpu_kernels.c`): built once per machine, called by ctypes.
 
-Why our own: on CPUs with AVX512 but without native bf16 arithmetic (no AVX512-BF16, no AMX), oneDNN
-emulates bf16 matmuls at a third of fp32 speed. The kernel here widens bf16 weights to fp32 in
+Why our own: on CPUs without native bf16 arithmetic (no AVX512-BF16, no AMX), oneDNN emulates bf16
+matmuls at a third of fp32 speed, and on AVX2-only CPUs (AMD EPYC before Zen 4) cannot pre-pack them. The kernel here widens bf16 weights to fp32 in
 registers and reaches the memory-bandwidth floor at batch 1 and 2.5-3x oneDNN at batch 8-256 (measured in
 `benchmarks/cpu_kernels.py`). Whether it is used is decided per machine by timing it against oneDNN
 on the model's own weights at load (`choose_linear_backend`), so AMX machines keep oneDNN where it wins.
 
 The shared library is compiled with the system C compiler (`$CC`, default `cc`) into
 `$INFERCEPT_CACHE/kernels/`, keyed by a hash of the source and flags, in about a second. Without a
-compiler or without AVX512 the engine uses torch's kernels and says so once. `INFERCEPT_CPU_KERNELS=0`
+compiler or without AVX512F or AVX2+FMA the engine uses torch's kernels and says so once. `INFERCEPT_CPU_KERNELS=0`
 turns ours off, `=1` uses them wherever they apply without timing.
 """
 from __future__ import annotations
@@ -30,15 +30,27 @@ from .env import cache_dir
 log = logging.getLogger(__name__)
 
 UNLIMITED = 1 << 30  # choose_linear_backend's answer when ours wins at every size
-FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+COMMON_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+ISA_FLAGS = {"avx512": ["-mavx512f", "-mfma"], "avx2": ["-mavx2", "-mfma"]}  # csrc picks its vectors by these
 
 
-def cpu_has_avx512() -> bool:
+@functools.cache
+def cpu_isa() -> str | None:
+    """The widest vector instruction set the kernels have code for on this CPU: avx512, avx2 or None."""
     try:
         with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and " avx512f" in line for line in f)
+            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
     except OSError:
-        return False
+        return None
+    if "avx512f" in flags:
+        return "avx512"
+    if {"avx2", "fma"} <= flags:
+        return "avx2"
+    return None
+
+
+def _flags() -> list[str]:
+    return COMMON_FLAGS + ISA_FLAGS[cpu_isa()]
 
 
 def _build(source: bytes, target: str) -> None:
@@ -49,7 +61,7 @@ def _build(source: bytes, target: str) -> None:
             f.write(source)
         out = os.path.join(tmp, "cpu_kernels.so")
         cc = os.environ.get("CC") or "cc"
-        subprocess.run([cc, *FLAGS, "-o", out, src], check=True, capture_output=True)
+        subprocess.run([cc, *_flags(), "-o", out, src], check=True, capture_output=True)
         os.replace(out, target)  # atomic: concurrent builders (test servers) never see half a file
 
 
@@ -68,14 +80,14 @@ def _source() -> bytes:
 
 
 def _source_key() -> str:
-    return hashlib.sha256(_source() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    return hashlib.sha256(_source() + " ".join(_flags()).encode()).hexdigest()[:16]
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The built kernels, or None when they cannot be had here (reason logged once)."""
-    if not cpu_has_avx512():
-        log.info("CPU kernels: no AVX512 on this CPU; using torch's kernels")
+    if cpu_isa() is None:
+        log.info("CPU kernels: neither AVX512F nor AVX2+FMA on this CPU; using torch's kernels")
         return None
     target = os.path.join(cache_dir(), "kernels", f"cpu_kernels-{_source_key()}.so")
     if not os.path.exists(target):

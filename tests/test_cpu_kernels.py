@@ -20,7 +20,7 @@ from infercept.engine.attention import _gather
 from infercept.engine.models.llama import apply_rope
 from infercept.engine.outputs import ScheduledChunk, SchedulerOutput
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.enabled(), reason="needs AVX512 and a C compiler")
+pytestmark = pytest.mark.skipif(not cpu_kernels.enabled(), reason="needs AVX512F or AVX2+FMA and a C compiler")
 
 BF16 = torch.bfloat16
 

@@ -1,13 +1,17 @@
-/* CPU kernels for bf16 models on CPUs without native bf16 arithmetic (AVX512F, no AVX512-BF16/AMX).
+/* CPU kernels for bf16 models on CPUs without native bf16 arithmetic (AVX512F or AVX2+FMA, no
+ * AVX512-BF16/AMX).
  *
- * There, oneDNN and MKL emulate bf16 matmuls at a fraction of fp32 speed, and small-batch fp32 GEMMs
- * are poorly blocked. This linear reads the bf16 weights as they are stored (row-major [N, K], so tied
- * embeddings stay shared) and widens them to fp32 in registers: one 512-bit load holds 32 bf16 weights
- * as 16 32-bit words; `word << 16` is the even element as fp32 and `word & 0xffff0000` the odd one.
- * The activations are widened once per call into the matching even/odd order, so every FMA is a plain
- * fp32 FMA and a row's dot product is summed in the same order whatever the batch (batch-invariant).
+ * There, oneDNN and MKL emulate bf16 matmuls at a fraction of fp32 speed (on AVX2-only CPUs oneDNN
+ * cannot even pre-pack bf16 weights), and small-batch fp32 GEMMs are poorly blocked. This linear reads
+ * the bf16 weights as they are stored (row-major [N, K], so tied embeddings stay shared) and widens them
+ * to fp32 in registers: one vector load holds 2 * LANES bf16 weights as LANES 32-bit words;
+ * `word << 16` is the even element as fp32 and `word & 0xffff0000` the odd one. The activations are
+ * widened once per call into the matching even/odd order, so every FMA is a plain fp32 FMA and a row's
+ * dot product is summed in the same order whatever the batch (batch-invariant).
  *
- * Built once per machine by `cpu_kernels.py` (gcc -O3 -mavx512f -fopenmp) and called through ctypes.
+ * One source for both instruction sets: the few vector operations the kernels need are defined below
+ * for AVX512F (16 lanes) and AVX2 (8 lanes), chosen by the compiler flags `cpu_kernels.py` passes.
+ * Built once per machine (gcc -O3 -mavx512f or -mavx2 -mfma, -fopenmp) and called through ctypes.
  * OpenMP here resolves to the libgomp that torch already loaded (same soname), so the two share one
  * thread pool instead of fighting over the two cores.
  */
@@ -17,6 +21,78 @@
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(__AVX512F__)
+#define LANES 16
+typedef __m512 vf;
+typedef __m512i vi;
+#define vf_zero _mm512_setzero_ps
+#define vf_set1 _mm512_set1_ps
+#define vf_load _mm512_loadu_ps
+#define vf_store _mm512_storeu_ps
+#define vf_add _mm512_add_ps
+#define vf_sub _mm512_sub_ps
+#define vf_mul _mm512_mul_ps
+#define vf_div _mm512_div_ps
+#define vf_max _mm512_max_ps
+#define vf_min _mm512_min_ps
+#define vf_fma _mm512_fmadd_ps
+#define vf_fnma _mm512_fnmadd_ps
+#define vf_as_vi _mm512_castps_si512
+#define vi_as_vf _mm512_castsi512_ps
+#define vi_load(p) _mm512_loadu_si512((const void *)(p))
+#define vi_set1 _mm512_set1_epi32
+#define vi_and _mm512_and_si512
+#define vi_add _mm512_add_epi32
+#define vi_shl _mm512_slli_epi32
+#define vi_shr _mm512_srli_epi32
+#define vf_round_to_vi(v) _mm512_cvtps_epi32(v) /* nearest, ties to even (default MXCSR) */
+#define vi_to_vf _mm512_cvtepi32_ps
+static inline float vf_sum(vf v) { return _mm512_reduce_add_ps(v); }
+static inline vi widen_u16(const uint16_t *p) { return _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)); }
+static inline void narrow_u16(uint16_t *p, vi v) { _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(v)); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LANES 8
+typedef __m256 vf;
+typedef __m256i vi;
+#define vf_zero _mm256_setzero_ps
+#define vf_set1 _mm256_set1_ps
+#define vf_load _mm256_loadu_ps
+#define vf_store _mm256_storeu_ps
+#define vf_add _mm256_add_ps
+#define vf_sub _mm256_sub_ps
+#define vf_mul _mm256_mul_ps
+#define vf_div _mm256_div_ps
+#define vf_max _mm256_max_ps
+#define vf_min _mm256_min_ps
+#define vf_fma _mm256_fmadd_ps
+#define vf_fnma _mm256_fnmadd_ps
+#define vf_as_vi _mm256_castps_si256
+#define vi_as_vf _mm256_castsi256_ps
+#define vi_load(p) _mm256_loadu_si256((const __m256i *)(p))
+#define vi_set1 _mm256_set1_epi32
+#define vi_and _mm256_and_si256
+#define vi_add _mm256_add_epi32
+#define vi_shl _mm256_slli_epi32
+#define vi_shr _mm256_srli_epi32
+#define vf_round_to_vi(v) _mm256_cvtps_epi32(v)
+#define vi_to_vf _mm256_cvtepi32_ps
+static inline float vf_sum(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline vi widen_u16(const uint16_t *p) { return _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline void narrow_u16(uint16_t *p, vi v) { /* values <= 0xffff: unsigned saturation keeps them */
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+}
+#else
+#error "cpu_kernels.c needs AVX512F or AVX2 with FMA"
+#endif
+
+#define CHUNK (2 * LANES) /* bf16 weights per vector load */
+/* A 4 x 4 register tile: best of 1-8 rows x 1-4 tokens on both ISAs (measured with
+ * benchmarks/cpu_kernels.py; on AVX2 the compiler takes activations as memory operands of the FMAs). */
 #define ROWS 4          /* output rows per register tile */
 #define TOKENS 4        /* tokens per register tile */
 #define ROW_BLOCK 64    /* rows whose weights stay in L2 while every token tile passes over them */
@@ -36,40 +112,42 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
-/* x [K] bf16 -> xp [K] fp32, each 32-element chunk as its 16 even elements then its 16 odd ones. */
+/* x [K] bf16 -> xp [K] fp32, each CHUNK-element chunk as its LANES even elements then its LANES odd ones. */
 static void widen_deinterleave(const uint16_t *x, float *xp, int K) {
-    for (int c = 0; c < K; c += 32)
-        for (int j = 0; j < 16; ++j) {
+    for (int c = 0; c < K; c += CHUNK)
+        for (int j = 0; j < LANES; ++j) {
             xp[c + j] = bf16_to_float(x[c + 2 * j]);
-            xp[c + 16 + j] = bf16_to_float(x[c + 2 * j + 1]);
+            xp[c + LANES + j] = bf16_to_float(x[c + 2 * j + 1]);
         }
 }
 
 /* acc[r][t] = sum_k w[r][k] * x[t][k] for `rows` x `tokens` (both compile-time after inlining). */
 static inline __attribute__((always_inline)) void tile(const uint16_t *w, const float *xp, int K, int rows,
                                                       int tokens, float out[ROWS][TOKENS]) {
-    __m512 acc[ROWS][TOKENS];
-    const __m512i odd_mask = _mm512_set1_epi32((int)0xffff0000u);
+    vf acc[ROWS][TOKENS];
+    const vi odd_mask = vi_set1((int)0xffff0000u);
     for (int r = 0; r < rows; ++r)
-        for (int t = 0; t < tokens; ++t) acc[r][t] = _mm512_setzero_ps();
-    for (int k = 0; k < K; k += 32) {
-        __m512 even[ROWS], odd[ROWS];
+        for (int t = 0; t < tokens; ++t) acc[r][t] = vf_zero();
+    for (int k = 0; k < K; k += CHUNK) {
+        vf even[ROWS], odd[ROWS];
         for (int r = 0; r < rows; ++r) {
-            _mm_prefetch((const char *)(w + (size_t)r * K + k) + 4 * K * 2, _MM_HINT_T0); __m512i words = _mm512_loadu_si512((const void *)(w + (size_t)r * K + k));
-            even[r] = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
-            odd[r] = _mm512_castsi512_ps(_mm512_and_si512(words, odd_mask));
+            const uint16_t *wr = w + (size_t)r * K + k;
+            _mm_prefetch((const char *)wr + ROWS * K * 2, _MM_HINT_T0); /* the next tile's row */
+            vi words = vi_load(wr);
+            even[r] = vi_as_vf(vi_shl(words, 16));
+            odd[r] = vi_as_vf(vi_and(words, odd_mask));
         }
         for (int t = 0; t < tokens; ++t) {
-            __m512 xe = _mm512_loadu_ps(xp + (size_t)t * K + k);
-            __m512 xo = _mm512_loadu_ps(xp + (size_t)t * K + k + 16);
+            vf xe = vf_load(xp + (size_t)t * K + k);
+            vf xo = vf_load(xp + (size_t)t * K + k + LANES);
             for (int r = 0; r < rows; ++r) {
-                acc[r][t] = _mm512_fmadd_ps(even[r], xe, acc[r][t]);
-                acc[r][t] = _mm512_fmadd_ps(odd[r], xo, acc[r][t]);
+                acc[r][t] = vf_fma(even[r], xe, acc[r][t]);
+                acc[r][t] = vf_fma(odd[r], xo, acc[r][t]);
             }
         }
     }
     for (int r = 0; r < rows; ++r)
-        for (int t = 0; t < tokens; ++t) out[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+        for (int t = 0; t < tokens; ++t) out[r][t] = vf_sum(acc[r][t]);
 }
 
 /* Dispatch to a tile specialized for its shape (full tiles are the hot path). */
@@ -114,59 +192,77 @@ int linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint
 /* ---------------------------------------------------------------------------------------------------
  * The small ops of a decode step. Each replaces several torch ops whose fixed cost per call (5-100 us
  * on these cores) dominates at batch 1, and each rounds to bf16 where the torch path does, so the two
- * paths agree to bf16 rounding.
+ * paths agree to bf16 rounding. Vector widths must divide the model's dimensions (checked in Python).
  */
 
-static inline __m512 widen16(const uint16_t *p) { /* 16 bf16 -> 16 fp32, in order */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+static inline vf widen(const uint16_t *p) { /* LANES bf16 -> LANES fp32, in order */
+    return vi_as_vf(vi_shl(widen_u16(p), 16));
 }
 
-static inline __m512 round_bf16_ps(__m512 v) { /* fp32 -> nearest bf16, kept in fp32 (finite inputs) */
-    __m512i bits = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32((int)0xffff0000u)));
+static inline vf round_bf16_ps(vf v) { /* fp32 -> nearest bf16, kept in fp32 (finite inputs) */
+    vi bits = vf_as_vi(v);
+    vi lsb = vi_and(vi_shr(bits, 16), vi_set1(1));
+    bits = vi_add(bits, vi_add(lsb, vi_set1(0x7fff)));
+    return vi_as_vf(vi_and(bits, vi_set1((int)0xffff0000u)));
 }
 
-static inline void store16(uint16_t *p, __m512 v) { /* fp32 (already bf16-rounded) -> 16 bf16 */
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16_ps(v)), 16)));
+static inline void store_bf16(uint16_t *p, vf v) { /* fp32 -> LANES bf16, rounded to nearest even */
+    narrow_u16(p, vi_shr(vf_as_vi(round_bf16_ps(v)), 16));
+}
+
+/* exp for the softmax and silu: 2^n * p(r), r = x - n ln2, degree-6 polynomial (about 1 ulp). Inputs are
+ * clamped to [-87, 88] so 2^n stays a normal float, built directly in its exponent bits. */
+static inline vf exp_ps(vf x) {
+    x = vf_max(x, vf_set1(-87.0f));
+    x = vf_min(x, vf_set1(88.0f));
+    vi n = vf_round_to_vi(vf_mul(x, vf_set1(1.44269504088896341f)));
+    vf nf = vi_to_vf(n);
+    vf r = vf_fnma(nf, vf_set1(0.693359375f), x);
+    r = vf_fnma(nf, vf_set1(-2.12194440e-4f), r);
+    vf p = vf_set1(1.0f / 720);
+    p = vf_fma(p, r, vf_set1(1.0f / 120));
+    p = vf_fma(p, r, vf_set1(1.0f / 24));
+    p = vf_fma(p, r, vf_set1(1.0f / 6));
+    p = vf_fma(p, r, vf_set1(0.5f));
+    p = vf_fma(p, r, vf_set1(1.0f));
+    p = vf_fma(p, r, vf_set1(1.0f));
+    return vf_mul(p, vi_as_vf(vi_shl(vi_add(n, vi_set1(127)), 23)));
 }
 
 /* h [T, D] += delta (rounded to bf16, in place; delta may be NULL), then
- * y = bf16(w * bf16(h * rsqrt(mean(h^2) + eps))): RMSNorm in fp32 as the reference computes it. D % 16 == 0. */
+ * y = bf16(w * bf16(h * rsqrt(mean(h^2) + eps))): RMSNorm in fp32 as the reference computes it. D % LANES == 0. */
 void add_rms_norm_bf16(uint16_t *h, const uint16_t *delta, const uint16_t *w, uint16_t *y, int T, int D, float eps,
                        int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && T >= 16)
     for (int t = 0; t < T; ++t) {
         uint16_t *ht = h + (size_t)t * D;
-        __m512 ss = _mm512_setzero_ps();
-        for (int i = 0; i < D; i += 16) {
-            __m512 v = widen16(ht + i);
+        vf ss = vf_zero();
+        for (int i = 0; i < D; i += LANES) {
+            vf v = widen(ht + i);
             if (delta) {
-                v = round_bf16_ps(_mm512_add_ps(v, widen16(delta + (size_t)t * D + i)));
-                store16(ht + i, v);
+                v = round_bf16_ps(vf_add(v, widen(delta + (size_t)t * D + i)));
+                store_bf16(ht + i, v);
             }
-            ss = _mm512_fmadd_ps(v, v, ss);
+            ss = vf_fma(v, v, ss);
         }
-        __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / D + eps));
-        for (int i = 0; i < D; i += 16) {
-            __m512 normed = round_bf16_ps(_mm512_mul_ps(widen16(ht + i), inv));
-            store16(y + (size_t)t * D + i, _mm512_mul_ps(widen16(w + i), normed));
+        vf inv = vf_set1(1.0f / sqrtf(vf_sum(ss) / D + eps));
+        for (int i = 0; i < D; i += LANES) {
+            vf normed = round_bf16_ps(vf_mul(widen(ht + i), inv));
+            store_bf16(y + (size_t)t * D + i, vf_mul(widen(w + i), normed));
         }
     }
 }
 
-/* gate_up [T, 2I] -> y [T, I] = bf16(bf16(silu(gate)) * up), as torch's bf16 silu then mul. I % 16 == 0. */
-static inline __m512 exp_ps(__m512 x);
+/* gate_up [T, 2I] -> y [T, I] = bf16(bf16(silu(gate)) * up), as torch's bf16 silu then mul. I % LANES == 0. */
 void silu_mul_bf16(const uint16_t *gate_up, uint16_t *y, int T, int I, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && T >= 16)
     for (int t = 0; t < T; ++t)
-        for (int i = 0; i < I; i += 16) {
-            __m512 g = widen16(gate_up + (size_t)t * 2 * I + i);
-            __m512 u = widen16(gate_up + (size_t)t * 2 * I + I + i);
-            __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
-            __m512 s = round_bf16_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
-            store16(y + (size_t)t * I + i, _mm512_mul_ps(s, u));
+        for (int i = 0; i < I; i += LANES) {
+            vf g = widen(gate_up + (size_t)t * 2 * I + i);
+            vf u = widen(gate_up + (size_t)t * 2 * I + I + i);
+            vf e = exp_ps(vf_sub(vf_zero(), g));
+            vf s = round_bf16_ps(vf_div(g, vf_add(vf_set1(1.0f), e)));
+            store_bf16(y + (size_t)t * I + i, vf_mul(s, u));
         }
 }
 
@@ -182,34 +278,17 @@ void rope_and_cache_bf16(uint16_t *qkv, const int64_t *positions, const uint16_t
         for (int head = 0; head < H + Hkv; ++head) {
             uint16_t *x = row + head * D;
             uint16_t rotated[512];
-            for (int i = 0; i < D; i += 16) {
+            for (int i = 0; i < D; i += LANES) {
                 int j = (i + half) % D; /* roll by D/2: element i comes from i - D/2 (mod D) */
-                __m512 a = round_bf16_ps(_mm512_mul_ps(widen16(x + i), widen16(cs + i)));
-                __m512 b = round_bf16_ps(_mm512_mul_ps(widen16(x + j), widen16(sn + i)));
-                store16(rotated + i, _mm512_add_ps(a, b));
+                vf a = round_bf16_ps(vf_mul(widen(x + i), widen(cs + i)));
+                vf b = round_bf16_ps(vf_mul(widen(x + j), widen(sn + i)));
+                store_bf16(rotated + i, vf_add(a, b));
             }
             memcpy(x, rotated, D * sizeof(uint16_t));
         }
         memcpy(k_cache + slots[t] * Hkv * D, row + H * D, (size_t)Hkv * D * sizeof(uint16_t));
         memcpy(v_cache + slots[t] * Hkv * D, row + (H + Hkv) * D, (size_t)Hkv * D * sizeof(uint16_t));
     }
-}
-
-/* exp for the softmax: 2^n * p(r), r = x - n ln2, degree-6 polynomial (about 1 ulp); x <= 0 here. */
-static inline __m512 exp_ps(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
 }
 
 /* One query token against its context in the paged cache, for the `group` query heads that share
@@ -223,46 +302,48 @@ static void decode_one(const uint16_t *q, const uint16_t *k_cache, const uint16_
     for (int p = 0; p < L; ++p) {
         const uint16_t *k = k_cache + ((table[p / block_size] * block_size + p % block_size) * Hkv + kvh) * D;
         for (int g = 0; g < group; ++g) {
-            __m512 s = _mm512_setzero_ps();
-            for (int d = 0; d < D; d += 16) s = _mm512_fmadd_ps(widen16(k + d), _mm512_loadu_ps(qf[g] + d), s);
-            scores[g * L + p] = _mm512_reduce_add_ps(s);
+            vf s = vf_zero();
+            for (int d = 0; d < D; d += LANES) s = vf_fma(widen(k + d), vf_load(qf[g] + d), s);
+            scores[g * L + p] = vf_sum(s);
         }
     }
     for (int g = 0; g < group; ++g) {
         float *sc = scores + g * L, max = -INFINITY, sum = 0.0f;
         for (int p = 0; p < L; ++p) max = sc[p] > max ? sc[p] : max;
         int p = 0;
-        __m512 vsum = _mm512_setzero_ps();
-        for (; p + 16 <= L; p += 16) {
-            __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + p), _mm512_set1_ps(max)));
-            _mm512_storeu_ps(sc + p, e);
-            vsum = _mm512_add_ps(vsum, e);
+        vf vsum = vf_zero();
+        for (; p + LANES <= L; p += LANES) {
+            vf e = exp_ps(vf_sub(vf_load(sc + p), vf_set1(max)));
+            vf_store(sc + p, e);
+            vsum = vf_add(vsum, e);
         }
-        if (p < L) {
-            __mmask16 m = (__mmask16)((1u << (L - p)) - 1);
-            __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + p), _mm512_set1_ps(max)));
-            e = _mm512_maskz_mov_ps(m, e);
-            _mm512_mask_storeu_ps(sc + p, m, e);
-            vsum = _mm512_add_ps(vsum, e);
+        if (p < L) { /* the tail through a buffer padded with -inf, whose exp adds nothing */
+            float tail[LANES];
+            for (int i = 0; i < LANES; ++i) tail[i] = p + i < L ? sc[p + i] - max : -INFINITY;
+            vf e = exp_ps(vf_load(tail));
+            vf_store(tail, e);
+            for (int i = 0; i < LANES; ++i) if (p + i >= L) tail[i] = 0.0f;
+            for (int i = 0; p + i < L; ++i) sc[p + i] = tail[i];
+            vsum = vf_add(vsum, vf_load(tail));
         }
-        sum = _mm512_reduce_add_ps(vsum);
+        sum = vf_sum(vsum);
         for (int i = 0; i < L; ++i) sc[i] /= sum;
     }
     for (int p = 0; p < L; ++p) {
         const uint16_t *v = v_cache + ((table[p / block_size] * block_size + p % block_size) * Hkv + kvh) * D;
-        for (int d = 0; d < D; d += 16) {
-            __m512 vv = widen16(v + d);
+        for (int d = 0; d < D; d += LANES) {
+            vf vv = widen(v + d);
             for (int g = 0; g < group; ++g)
-                _mm512_storeu_ps(acc[g] + d, _mm512_fmadd_ps(_mm512_set1_ps(scores[g * L + p]), vv,
-                                                             _mm512_loadu_ps(acc[g] + d)));
+                vf_store(acc[g] + d, vf_fma(vf_set1(scores[g * L + p]), vv,
+                                                             vf_load(acc[g] + d)));
         }
     }
     for (int g = 0; g < group; ++g)
-        for (int d = 0; d < D; d += 16) store16(out + g * D + d, _mm512_loadu_ps(acc[g] + d));
+        for (int d = 0; d < D; d += LANES) store_bf16(out + g * D + d, vf_load(acc[g] + d));
 }
 
 /* Attention of B single-token queries over the paged cache. q: row b at q + b * q_stride, [H, D];
- * caches [slots, Hkv, D]; tables [B, max_blocks]; lens [B]; out [B, H, D]. Needs D % 16 == 0,
+ * caches [slots, Hkv, D]; tables [B, max_blocks]; lens [B]; out [B, H, D]. Needs D % LANES == 0,
  * D <= 256, H / Hkv <= 8. Returns 0, or -1 if scratch memory ran out. */
 int paged_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                                 const int64_t *tables, int max_blocks, const int64_t *lens, uint16_t *out, int B,

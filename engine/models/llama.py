@@ -10,6 +10,7 @@ this step, so prefill chunks and decodes of different requests share one forward
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -21,8 +22,17 @@ from ..attention import AttentionMetadata, paged_attention
 from .spec import ModelSpec
 
 
-def cpu_packing_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+@functools.cache
+def cpu_packing_available(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can pre-pack `dtype` linear weights on this CPU. Its bf16 packing needs
+    AVX512BW/VL/DQ or AVX-NE-CONVERT and raises without them (seen on AVX2-only EPYCs), so ask once."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 32, dtype=dtype), 1)
+    except RuntimeError:
+        return False
+    return True
 
 
 class Linear(nn.Linear):
@@ -219,7 +229,8 @@ class LlamaForCausalLM(nn.Module):
         largest weight, use it for the batch sizes where it wins, and pack every weight for oneDNN
         unless ours serves every batch size."""
         probe = self.layers[0].mlp.gate_up_proj
-        if cpu_packing_available():
+        can_pack = cpu_packing_available(probe.weight.dtype)
+        if can_pack:
             probe.pack_for_cpu()  # oneDNN's side of the timing
         limit = cpu_kernels.choose_linear_backend(probe.weight.detach(), probe.forward)
         s = self.spec
@@ -229,7 +240,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 applies = cpu_kernels.linear_applies(module.weight)
                 module.cpu_kernel_max_tokens = limit if applies else 0
-                if not cpu_packing_available() or (applies and limit >= cpu_kernels.UNLIMITED):
+                if not can_pack or (applies and limit >= cpu_kernels.UNLIMITED):
                     module.packed = None
                 elif module.packed is None:
                     module.pack_for_cpu()
