@@ -30,6 +30,8 @@ class SchedulerOutput:
     num_recomputed_tokens: int = 0  # scheduled tokens whose KV had been computed before
     num_paused_device_tokens: int = 0  # KV tokens paused requests hold on the device (idle memory)
     num_discarded_tokens: int = 0  # KV tokens of paused requests dropped this iteration
+    num_preempted: int = 0  # running requests taken off the device for room
+    num_preempted_by_swap: int = 0  # of those, the ones whose KV went to the host (not recomputed)
 
     @property
     def num_batched_tokens(self) -> int:

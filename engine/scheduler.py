@@ -12,7 +12,8 @@ A step, in order (three queues, each FCFS by arrival time, paper §4.3):
   2. swapped: resumed requests whose KV is on the host get it back within the swap-in budget;
   3. running, oldest first; when blocks run out, paused requests' KV leaves the device first
      (discarded, or swapped out when the policy finds that less wasteful: `Policy.reclaim`), then the
-     newest running request is preempted (freed and recomputed later);
+     newest running request is preempted (by the same rule: swapped out and back in, or freed and
+     recomputed later);
   4. waiting (new, preempted, resumed after a discard), while the token budget, the sequence cap and
      the pool allow. The token budget `max_num_batched_tokens` plays the paper's saturation point S,
      so a recompute chunk is S minus the running tokens.
@@ -61,6 +62,7 @@ class Scheduler:
         self._finished_ids: list[str] = []  # dropped since the last step, for the runner
         self._last_batched_tokens = 1
         self._preempted_this_step = False
+        self._swapped_in_this_step: set[str] = set()
 
     # -- admission, pause, resume, removal ---------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -185,12 +187,25 @@ class Scheduler:
             self._enqueue(self.waiting, request, RequestStatus.WAITING)
         return dropped
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, out: SchedulerOutput, request: Request) -> None:
+        """Take a running request off the device: its KV goes to the host when the policy finds that
+        cheaper than recomputing it (`Policy.reclaim`) and the host has room, else it is freed and the
+        request recomputes from the waiting queue (vLLM's preemption by recompute)."""
         self.running.remove(request)
+        request.num_preemptions += 1
+        out.num_preempted += 1
+        self._preempted_this_step = True
+        blocks = len(self.blocks.block_table(request.request_id))
+        # Not a request swapped in this very step: a step's swap-outs are copied before its swap-ins
+        # (see SchedulerOutput), so its blocks would be copied out before its KV had arrived.
+        if (blocks and request.request_id not in self._swapped_in_this_step
+                and self._reclaim_action(request) is KVAction.SWAP_OUT and self.blocks.can_swap_out(blocks)):
+            out.swap_out += self.blocks.swap_out(request.request_id, blocks)
+            out.num_preempted_by_swap += 1
+            self._enqueue(self.swapped, request, RequestStatus.SWAPPED)
+            return
         self.blocks.free(request.request_id)
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self._preempted_this_step = True
         self._enqueue(self.waiting, request, RequestStatus.WAITING)
 
     def _swap_budget_tokens(self) -> int | None:
@@ -200,7 +215,11 @@ class Scheduler:
         return self.profile.swap_budget_tokens(self.profile.t_fwd(self._last_batched_tokens))
 
     def _paused_info(self, r: Request) -> PausedInfo:
+        """How the policy sees a paused request (or a running one about to be preempted: away for no
+        expected time, its KV all on the device)."""
         device, _ = self.kv_tokens(r)
+        if r.paused_at is None:
+            return PausedInfo(r.request_id, r.arrival_time, r.num_tokens, self._kv_state(r), device, 0.0, 0.0)
         now = self.clock()
         expected = self.estimator.estimate(now, r.paused_at, r.tool_name,
                                            r.intercept.expected_s if r.intercept else None)
@@ -251,11 +270,13 @@ class Scheduler:
         for request in list(self.swapped):
             want = self.blocks.num_host_blocks_of(request.request_id)
             n = want if budget is None else min(want, budget)
-            while self.blocks.num_free_blocks < n and self._free_paused_for_room(out):
+            reserve = self._growth_blocks(request)
+            while self.blocks.num_free_blocks < n + reserve and self._free_paused_for_room(out):
                 pass
-            n = min(n, self.blocks.num_free_blocks)
+            n = max(min(n, self.blocks.num_free_blocks - reserve), 0)
             if n:
                 out.swap_in += self.blocks.swap_in(request.request_id, n)
+                self._swapped_in_this_step.add(request.request_id)
                 if budget is not None:
                     budget -= n
             if n == want:
@@ -263,6 +284,28 @@ class Scheduler:
                 self._enqueue(self.running, request, RequestStatus.RUNNING)
             if budget == 0 or self.blocks.num_free_blocks == 0:
                 break
+
+    def _growth_blocks(self, swapping_in: Request) -> int:
+        """Device blocks a swapping-in request must leave free besides its own KV: what the running
+        requests older than it need for their chunks of this step (the running loop's budget walk),
+        and what its own next chunk needs, less what the newer running requests hold (FCFS: those are
+        preempted for it). Taking more would only get it preempted again in the same step, its copy
+        in wasted."""
+        budget, need = self.config.max_num_batched_tokens, 0
+        for r in self.running:
+            if budget <= 0 or r.arrival_time >= swapping_in.arrival_time:
+                break
+            n = self._chunk_size(r, budget)
+            need += max(self.blocks.blocks_for(r.num_computed_tokens + n) - len(self.blocks.block_table(r.request_id)), 0)
+            budget -= n
+        if budget > 0:
+            held = len(self.blocks.block_table(swapping_in.request_id)) + self.blocks.num_host_blocks_of(
+                swapping_in.request_id)
+            n = self._chunk_size(swapping_in, budget)
+            need += max(self.blocks.blocks_for(swapping_in.num_computed_tokens + n) - held, 0)
+        newer = sum(len(self.blocks.block_table(r.request_id)) for r in self.running
+                    if r.arrival_time > swapping_in.arrival_time)
+        return max(need - newer, 0)
 
     def _free_paused_for_room(self, out: SchedulerOutput, swapped_after: float | None = None) -> bool:
         """Memory pressure: the newest paused request's device KV leaves the device, or with
@@ -302,7 +345,7 @@ class Scheduler:
         if self._free_paused_for_room(out, swapped_after=protect.arrival_time):
             return True
         victim = self.running[-1]
-        self._preempt(victim)
+        self._preempt(out, victim)
         return victim is not protect
 
     def _chunk_size(self, request: Request, budget: int, computed: int | None = None) -> int:
@@ -320,6 +363,7 @@ class Scheduler:
         out = SchedulerOutput(chunks=[])
         swap_in_demand = sum(self.kv_tokens(r)[1] for r in self.swapped)
         swap_in_budget = self._plan_paused(out, swap_in_demand)
+        self._swapped_in_this_step.clear()
         self._swap_in(out, swap_in_budget)
 
         budget = self.config.max_num_batched_tokens

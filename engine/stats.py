@@ -16,6 +16,8 @@ class EngineStats:
     num_swapped_out_blocks: int = 0
     num_swapped_in_blocks: int = 0
     num_discarded_tokens: int = 0
+    num_preemptions: int = 0
+    num_preemptions_by_swap: int = 0
     # Held-but-idle KV: bytes paused requests keep on the device x seconds they keep them.
     memory_waste_byte_seconds: float = 0.0
     last_paused_device_tokens: int = 0
@@ -28,6 +30,8 @@ class EngineStats:
         self.num_swapped_out_blocks += len(out.swap_out)
         self.num_swapped_in_blocks += len(out.swap_in)
         self.num_discarded_tokens += out.num_discarded_tokens
+        self.num_preemptions += out.num_preempted
+        self.num_preemptions_by_swap += out.num_preempted_by_swap
         self.memory_waste_byte_seconds += out.num_paused_device_tokens * self.bytes_per_token * seconds
         self.last_paused_device_tokens = out.num_paused_device_tokens
 

@@ -27,6 +27,8 @@ class EngineSnapshot:
     num_swapped_out_blocks: int = 0
     num_swapped_in_blocks: int = 0
     num_discarded_tokens: int = 0
+    num_preemptions: int = 0
+    num_preemptions_by_swap: int = 0
     memory_waste_byte_seconds: float = 0.0
     device_blocks_total: int = 0
     device_blocks_used: int = 0
@@ -58,6 +60,7 @@ def snapshot_engine(engine) -> EngineSnapshot:
         num_computed_tokens=stats.num_computed_tokens, num_recomputed_tokens=stats.num_recomputed_tokens,
         num_swapped_out_blocks=stats.num_swapped_out_blocks, num_swapped_in_blocks=stats.num_swapped_in_blocks,
         num_discarded_tokens=stats.num_discarded_tokens, memory_waste_byte_seconds=stats.memory_waste_byte_seconds,
+        num_preemptions=stats.num_preemptions, num_preemptions_by_swap=stats.num_preemptions_by_swap,
         device_blocks_total=bm.device.num_blocks, device_blocks_used=bm.device.num_blocks - bm.num_free_blocks,
         host_blocks_total=bm.host.num_blocks, host_blocks_used=bm.host.num_blocks - bm.num_free_host_blocks,
         prefix_queried_blocks=bm.device.counters.queried, prefix_hit_blocks=bm.device.counters.hits,
@@ -92,6 +95,10 @@ class _EngineCollector:
         yield counter("infercept_swapped_out_blocks", "KV blocks copied device -> host", s.num_swapped_out_blocks)
         yield counter("infercept_swapped_in_blocks", "KV blocks copied host -> device", s.num_swapped_in_blocks)
         yield counter("infercept_discarded_tokens", "KV tokens of paused requests dropped", s.num_discarded_tokens)
+        yield counter("infercept_preemptions", "Running requests taken off the device for room",
+                      s.num_preemptions)
+        yield counter("infercept_preemptions_by_swap", "Preemptions whose KV went to the host instead of "
+                      "being recomputed", s.num_preemptions_by_swap)
         yield counter("infercept_memory_waste_byte_seconds",
                       "Held-but-idle KV of paused requests: bytes x seconds", s.memory_waste_byte_seconds)
         yield gauge("infercept_kv_device_blocks_total", "Device KV pool size in blocks", s.device_blocks_total)

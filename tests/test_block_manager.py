@@ -3,10 +3,12 @@
 1. A hypothesis state machine drives BlockManager with random allocate / append / swap-out /
    swap-in / free / abort steps and checks it against a plain model of "request -> number of tokens".
 2. Random request mixes run through the real Scheduler with a fake runner and a pool small enough to
-   force preemption, plus random aborts (between steps and while a step "runs"). The fake runner keeps
-   a simulated KV store (slot -> (request, position, token)) and checks, for every chunk, that all
-   the context the chunk attends to is still in the request's blocks, i.e. no block is handed to
-   another request while in use and recompute after preemption starts from scratch.
+   force preemption (by recompute, or by swap to a host pool under the `infercept` policy), plus
+   random aborts (between steps and while a step "runs"). The fake runner keeps a simulated KV store
+   (slot -> (request, position, token)), copies it block by block when the scheduler swaps, and checks,
+   for every chunk, that all the context the chunk attends to is still in the request's blocks, i.e.
+   no block is handed to another request while in use, swapped KV comes back intact, and recompute
+   after preemption starts from scratch.
 """
 from __future__ import annotations
 
@@ -187,6 +189,16 @@ class FakeRunner:
         # slot -> (position, the context up to it): what a KV entry depends on, so two requests with the
         # same prefix may read each other's entries and nothing else.
         self.kv: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self.host_kv: dict[int, tuple[int, tuple[int, ...]]] = {}  # the same, for host slots
+
+    def copy_blocks(self, pairs, src: dict, dst: dict) -> None:
+        for a, b in pairs:
+            for i in range(self.block_size):
+                entry = src.get(a * self.block_size + i)
+                if entry is None:
+                    dst.pop(b * self.block_size + i, None)
+                else:
+                    dst[b * self.block_size + i] = entry
 
     def slot(self, table: list[int], pos: int) -> int:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -194,6 +206,8 @@ class FakeRunner:
     def run(self, out: SchedulerOutput) -> RunnerOutput:
         sched = self.scheduler
         config = sched.config
+        self.copy_blocks(out.swap_out, self.kv, self.host_kv)  # in the order a real runner copies
+        self.copy_blocks(out.swap_in, self.host_kv, self.kv)
         assert out.num_batched_tokens <= config.max_num_batched_tokens
         assert len({c.request_id for c in out.chunks}) == len(out.chunks)
         sampled = {}
@@ -226,15 +240,18 @@ def check_scheduler_state(sched: Scheduler, bm: BlockManager) -> None:
     bm.check_integrity()
     assert bm.num_free_blocks + len({b for t in bm.tables.values() for b in t}) == bm.device.num_blocks
     assert len(sched.running) <= sched.config.max_num_seqs
-    assert set(sched.requests) == {r.request_id for r in sched.running + sched.waiting}
-    assert not set(r.request_id for r in sched.running) & set(r.request_id for r in sched.waiting)
+    assert set(sched.requests) == {r.request_id for r in sched.running + sched.waiting + sched.swapped}
+    ids = [r.request_id for r in sched.running + sched.waiting + sched.swapped]
+    assert len(ids) == len(set(ids))
+    for r in sched.swapped:  # preempted by swap: its KV on the host, maybe partly back already
+        assert r.status is RequestStatus.SWAPPED and bm.num_host_blocks_of(r.request_id) > 0
     for r in sched.running:
         assert r.status is RequestStatus.RUNNING
         assert len(bm.block_table(r.request_id)) >= bm.blocks_for(r.num_computed_tokens)
     for r in sched.waiting:
         assert r.status is RequestStatus.WAITING
         assert r.num_computed_tokens == 0 and bm.block_table(r.request_id) == []
-    for lst in (sched.running, sched.waiting):
+    for lst in (sched.running, sched.waiting, sched.swapped):
         assert [r.arrival_time for r in lst] == sorted(r.arrival_time for r in lst)
 
 
@@ -259,16 +276,29 @@ def workloads(draw):
     budget = draw(st.integers(1, 24))
     max_num_seqs = draw(st.integers(1, 6))
     caching = draw(st.booleans())
-    return num_blocks, requests, aborts, budget, max_num_seqs, shared, caching
+    swap_preemption = draw(st.booleans())
+    return num_blocks, requests, aborts, budget, max_num_seqs, shared, caching, swap_preemption
+
+
+def cheap_copy_profile():
+    """A profile whose host copies cost next to nothing (a CPU): `infercept` then swaps, not recomputes."""
+    from infercept.engine.policy import Profile
+
+    return Profile(model="toy", device="cpu", dtype="bfloat16", bytes_per_token=100, block_size=BLOCK_SIZE,
+                   t_fwd_samples=((1, 0.01), (64, 0.02)), d2h_bytes_per_s=1e10, h2d_bytes_per_s=1e10,
+                   saturation_point=64)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_scheduler_with_fake_runner(workload):
-    num_blocks, specs, aborts, budget, max_num_seqs, shared, caching = workload
-    bm = BlockManager(num_blocks, 0, BLOCK_SIZE, enable_caching=caching)
+    from infercept.engine.policy import make_policy
+
+    num_blocks, specs, aborts, budget, max_num_seqs, shared, caching, swap_preemption = workload
+    bm = BlockManager(num_blocks, 2 * num_blocks if swap_preemption else 0, BLOCK_SIZE, enable_caching=caching)
+    policy = dict(policy=make_policy("infercept"), profile=cheap_copy_profile()) if swap_preemption else {}
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                                      max_model_len=1 << 20), bm)
+                                      max_model_len=1 << 20), bm, **policy)
     runner = FakeRunner(sched, BLOCK_SIZE)
     requests = {}
     for i, (prompt_len, max_tokens, _, family) in enumerate(specs):
@@ -304,7 +334,8 @@ def test_scheduler_with_fake_runner(workload):
         check_scheduler_state(sched, bm)
         step += 1
     assert not sched.has_unfinished(), f"still unfinished after {step} steps: livelock"
-    event("preempted" if any(r.num_preemptions for r in requests.values()) else "no preemption")
+    preempted = any(r.num_preemptions for r in requests.values())
+    event(("preempted by swap" if swap_preemption else "preempted") if preempted else "no preemption")
     event("prefix reused" if bm.device.counters.hits else "no reuse")
 
     for rid, request in requests.items():
@@ -317,6 +348,7 @@ def test_scheduler_with_fake_runner(workload):
         assert request.output_token_ids == [SAMPLED] * request.sampling_params.max_tokens
     bm.check_integrity()
     assert bm.num_free_blocks == num_blocks and not bm.tables
+    assert bm.num_free_host_blocks == bm.host.num_blocks and not bm.host_tables
     # Every id that ended is reported once to the runner.
     assert sched.schedule().chunks == []
 

@@ -121,6 +121,24 @@ def test_resume_equals_fresh_request_under_pressure(default_model_dir, fresh_ref
     assert_all_free(engine)
 
 
+@pytest.mark.parametrize("policy", ["infercept", "prefix-cache"])
+def test_preempted_running_requests_end_as_if_run_alone(default_model_dir, fresh_reference, policy):
+    """More running work than the pool holds: the newest running request is preempted. `infercept`
+    swaps its KV to the host and back (copies are cheap in this profile); `prefix-cache` recomputes it,
+    as vLLM does. Either way every request ends with the tokens it gets when run alone."""
+    engine = make_engine(default_model_dir, policy, kv_cache_gb=0.02, enable_prefix_caching=False,
+                         profile=make_profile(FP32_BYTES_PER_TOKEN, swap_blocks_per_step=100))
+    prompts = [engine.tokenizer.encode(f"Story {i}: " + OTHERS[i % 3] * 2) for i in range(5)]
+    ids = [engine.add_request(p, greedy(24)) for p in prompts]
+    outs = drain(engine)
+    stats = engine.stats
+    assert stats.num_preemptions > 0
+    assert stats.num_preemptions_by_swap == (stats.num_preemptions if policy == "infercept" else 0)
+    for rid, prompt in zip(ids, prompts):
+        assert last_output(outs, rid).token_ids == fresh_reference(prompt, 24)
+    assert_all_free(engine)
+
+
 def test_pause_on_stop_is_a_request_level_interception(default_model_dir, fresh_reference):
     engine = make_engine(default_model_dir, "infercept")
     rid = engine.add_request("The three primary colors are", greedy(6), intercept=InterceptParams(pause_on_stop=True))

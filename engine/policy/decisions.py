@@ -303,9 +303,10 @@ class Policy:
         raise NotImplementedError
 
     def reclaim(self, info: PausedInfo, iteration: IterationInfo, profile: Profile) -> KVAction:
-        """A running request needs device blocks and this paused request's KV must leave the device now
-        (the scheduler picks the newest holder): DISCARD (the paper's baselines) or SWAP_OUT (whole
-        device part, if the host pool has room)."""
+        """A running request needs device blocks and this request's KV must leave the device now: the
+        newest paused holder, or, when no paused KV is left, the newest running request (preemption;
+        its `info` then has no expected time away). DISCARD (recompute later: the paper's baselines and
+        vLLM's preemption) or SWAP_OUT (whole device part, if the host pool has room)."""
         return KVAction.DISCARD
 
     def __repr__(self) -> str:
@@ -392,9 +393,10 @@ class InferCeptPolicy(Policy):
         return min_waste_plan(paused, iteration, profile)
 
     def reclaim(self, info, iteration, profile):
-        """Min-waste under pressure too: a request preserved because its interception looked short
-        is swapped out rather than discarded when that wastes less (an extension of the paper, whose
-        fallback under pressure is vLLM's discard)."""
+        """Min-waste under pressure too: a request preserved because its interception looked short, or
+        a running request preempted for room, is swapped out rather than discarded when that wastes
+        less (an extension of the paper, whose fallback under pressure is vLLM's discard and
+        preemption by recompute)."""
         if cheaper_to_swap_than_discard(info, iteration, profile):
             return KVAction.SWAP_OUT
         return KVAction.DISCARD
