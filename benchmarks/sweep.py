@@ -140,6 +140,9 @@ def engine_shares(before: dict, after: dict, seconds: float, pool_bytes: float) 
     forward = delta("infercept_engine_forward_seconds_total")
     waste = delta("infercept_memory_waste_byte_seconds_total")
     return {"forward_s": forward,
+            "preemptions": delta("infercept_preemptions_total"),
+            "preemptions_by_swap": delta("infercept_preemptions_by_swap_total"),
+            "discarded_tokens": delta("infercept_discarded_tokens_total"),
             "recompute_time_share": recomputed / computed if computed else 0.0,  # = forward x r/c over forward
             "recompute_seconds": forward * recomputed / computed if computed else 0.0,
             "memory_waste_pct": 100 * waste / (pool_bytes * seconds) if seconds > 0 else math.nan}
@@ -189,7 +192,13 @@ TABLES = (  # (heading, summary key, scale)
     ("Cached prompt tokens (% of prompt tokens sent)", "cached_share", 100),
     ("Recompute share of forward time (%, from /metrics)", "recompute_time_share", 100),
     ("Memory waste: paused KV held idle, % of device pool x run time (from /metrics)", "memory_waste_pct", 1),
+    # Where recompute comes from (not plotted):
+    ("Preemptions of running requests (from /metrics)", "preemptions", 1),
+    ("Of those, preempted by swap (KV to the host, not recomputed)", "preemptions_by_swap", 1),
+    ("Paused KV tokens discarded (from /metrics)", "discarded_tokens", 1),
 )
+PLOTTED = ("normalized_latency_mean", "completed_per_s", "ttft_median", "cached_share", "recompute_time_share",
+           "memory_waste_pct")
 
 
 def report(results: dict[str, dict[float, dict]], rates: list[float], slo: float | None, header: str) -> str:
@@ -228,7 +237,7 @@ def plot(results: dict[str, dict[float, dict]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(key, heading) for heading, key, _ in TABLES if key != "normalized_latency_median"]
+    panels = [(key, heading) for heading, key, _ in TABLES if key in PLOTTED]
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for ax, (key, heading) in zip(axes.flat, panels):
         for name, by in results.items():

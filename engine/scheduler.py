@@ -307,24 +307,25 @@ class Scheduler:
                     if r.arrival_time > swapping_in.arrival_time)
         return max(need - newer, 0)
 
-    def _free_paused_for_room(self, out: SchedulerOutput, swapped_after: float | None = None) -> bool:
-        """Memory pressure: the newest paused request's device KV leaves the device, or with
-        `swapped_after`, that of a swapping-in request that arrived after that time (never an older
-        one: FCFS). The policy says whether a paused one is swapped out (host room permitting) or
-        discarded; a swapping-in one is discarded and moves to the waiting queue. The worst case for a
-        paused request is discard + recompute; it never fails. False if none holds device KV."""
+    def _free_paused_for_room(self, out: SchedulerOutput) -> bool:
+        """Memory pressure: the newest paused request's device KV leaves the device (idle memory goes
+        first). False if no paused request holds device KV."""
         holders = [r for r in self.paused.values() if self.kv_tokens(r)[0]]
-        if swapped_after is not None:
-            holders += [r for r in self.swapped
-                        if r.arrival_time > swapped_after and self.blocks.block_table(r.request_id)]
         if not holders:
             return False
-        victim = max(holders, key=_by_arrival)
-        if victim.status is RequestStatus.INTERCEPTED and self._reclaim_action(victim) is KVAction.SWAP_OUT:
-            self._swap_out_or_discard(out, victim, len(self.blocks.block_table(victim.request_id)))
-        else:
-            out.num_discarded_tokens += self._discard(victim)
+        self._evict(out, max(holders, key=_by_arrival))
         return True
+
+    def _evict(self, out: SchedulerOutput, request: Request) -> None:
+        """Take a paused or swapping-in request's device KV off the device. The policy says whether it
+        is swapped (back) out, host room permitting, or discarded (a swapping-in one then loses its
+        host part too and moves to the waiting queue). The worst case is discard + recompute."""
+        # One swapped in this very step cannot go back out: swap-outs are copied first (see _preempt).
+        if (request.request_id not in self._swapped_in_this_step
+                and self._reclaim_action(request) is KVAction.SWAP_OUT):
+            self._swap_out_or_discard(out, request, len(self.blocks.block_table(request.request_id)))
+        else:
+            out.num_discarded_tokens += self._discard(request)
 
     def _reclaim_action(self, request: Request) -> KVAction:
         if self.policy is None or self.profile is None:
@@ -340,11 +341,17 @@ class Scheduler:
                    if r.arrival_time < arrival_time)
 
     def _reclaim(self, out: SchedulerOutput, protect: Request) -> bool:
-        """Free device blocks for a running request: paused KV goes first, then the newest running
-        request is preempted. Returns False if `protect` itself had to be preempted."""
-        if self._free_paused_for_room(out, swapped_after=protect.arrival_time):
+        """Free device blocks for a running request: paused KV goes first (it is idle), then the newest
+        of the running requests and the swapping-in requests newer than `protect` (FCFS: never an
+        older one) gives way. Returns False if `protect` itself had to be preempted."""
+        if self._free_paused_for_room(out):
             return True
-        victim = self.running[-1]
+        swapping_in = [r for r in self.swapped
+                       if r.arrival_time > protect.arrival_time and self.blocks.block_table(r.request_id)]
+        victim = max(swapping_in + [self.running[-1]], key=_by_arrival)
+        if victim.status is RequestStatus.SWAPPED:
+            self._evict(out, victim)
+            return True
         self._preempt(out, victim)
         return victim is not protect
 
