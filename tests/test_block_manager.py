@@ -490,3 +490,46 @@ def test_min_waste_swaps_a_preserved_request_out_for_room_instead_of_discarding(
         step()
     assert a.status is RequestStatus.FINISHED_LENGTH and recomputed == 0
     assert bm.num_free_blocks == 8 and bm.num_free_host_blocks == 8
+
+
+def test_min_waste_sends_a_swapping_in_request_back_to_the_host_for_an_older_one():
+    """A resumed request whose KV is coming back from the host one block per step is newer than a
+    running request that keeps growing. When the older one needs the blocks, the newer one's device
+    part goes back to the host under infercept (copies are cheap here), not discarded with its host
+    part: nothing is recomputed and both finish."""
+    from infercept.engine.policy import make_policy
+
+    bm = BlockManager(8, 16, BLOCK_SIZE, enable_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=1 << 20), bm,
+                      policy=make_policy("infercept"), profile=cheap_copy_profile(), clock=lambda: 0.0)
+    sched._swap_budget_tokens = lambda: BLOCK_SIZE  # one block back per step
+    discarded = recomputed = swapped_out = 0
+
+    def step():
+        nonlocal discarded, recomputed, swapped_out
+        out = step_sampling_every_chunk(sched)
+        discarded += out.num_discarded_tokens
+        recomputed += out.num_recomputed_tokens
+        swapped_out += len(out.swap_out)
+
+    def params(n):
+        return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+    b = Request("b", list(range(200, 216)), params(4), arrival_time=1.0)  # 16 tokens: 4 blocks
+    sched.add(b)
+    step()
+    sched.pause(b, [])
+    bm.swap_out("b", 4)  # parked on the host while paused
+    a = Request("a", list(range(100, 112)), params(16), arrival_time=0.0)  # 12 tokens growing to 28: 7 blocks
+    sched.add(a)
+    step()
+    sched.resume("b", [7])
+    for _ in range(80):
+        step()
+        assert b.status is not RequestStatus.WAITING, "the swapping-in request was discarded"
+        if not sched.has_unfinished():
+            break
+    assert not sched.has_unfinished()
+    assert discarded == 0 and recomputed == 0 and swapped_out > 0
+    assert a.output_token_ids == [SAMPLED] * 16 and b.output_token_ids == [SAMPLED] * 4
+    assert bm.num_free_blocks == 8 and bm.num_free_host_blocks == 16
