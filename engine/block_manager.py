@@ -151,6 +151,10 @@ class BlockManager:
         self.tables: dict[str, list[int]] = {}  # request id -> device block ids
         self.host_tables: dict[str, list[int]] = {}  # request id -> host block ids
         self._registered: dict[str, int] = {}  # request id -> leading table blocks already registered
+        # Host blocks this step's swap-ins read: a step's swap-outs are copied before its swap-ins
+        # (SchedulerOutput), so a swap-out handed one of them would overwrite it before it was read.
+        # They are freed by `copies_done()`, once the step ran.
+        self._host_being_read: list[int] = []
 
     @property
     def enable_caching(self) -> bool:
@@ -258,15 +262,20 @@ class BlockManager:
         split = len(host_table) - num_blocks
         moved, self.host_tables[request_id] = host_table[split:], host_table[:split]
         self.tables[request_id] = device_ids + self.tables.get(request_id, [])
-        self.host.release(moved)
+        self._host_being_read += moved
         if not self.host_tables[request_id]:
             del self.host_tables[request_id]
         return list(zip(moved, device_ids))
 
+    def copies_done(self) -> None:
+        """The step's block copies ran: the host blocks its swap-ins read are free again."""
+        self.host.release(self._host_being_read)
+        self._host_being_read = []
+
     # -- invariants ------------------------------------------------------------------------------
     def check_integrity(self) -> None:
         self.device.check(self.tables, "device")
-        self.host.check(self.host_tables, "host")
+        self.host.check({**self.host_tables, "(being read)": self._host_being_read}, "host")
         assert not self.host.cached, "host blocks are never addressable by content"
 
     def num_used_blocks(self) -> int:

@@ -26,9 +26,10 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     drop = ranks >= k[:, None]
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    # Keep the smallest prefix whose mass reaches top_p. The first token always stays, also when top_p
+    # underflows to 0 in fp32 (a top_p of 1e-300 is valid input).
     mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= top_p[:, None]
+    drop |= (mass_before >= top_p[:, None]) & (ranks > 0)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 

@@ -26,6 +26,9 @@ class GuidedDecodingParams:
         object.__setattr__(self, "grammar", compile_grammar(self.lark, self.json_schema))
 
 
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (as vLLM does)
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
@@ -65,4 +68,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # A temperature this small is greedy in effect, and dividing fp32 logits by it overflows.
+        return self.temperature < GREEDY_BELOW

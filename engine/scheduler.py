@@ -196,10 +196,7 @@ class Scheduler:
         out.num_preempted += 1
         self._preempted_this_step = True
         blocks = len(self.blocks.block_table(request.request_id))
-        # Not a request swapped in this very step: a step's swap-outs are copied before its swap-ins
-        # (see SchedulerOutput), so its blocks would be copied out before its KV had arrived.
-        if (blocks and request.request_id not in self._swapped_in_this_step
-                and self._reclaim_action(request) is KVAction.SWAP_OUT and self.blocks.can_swap_out(blocks)):
+        if blocks and self._swap_out_chosen(request) and self.blocks.can_swap_out(blocks):
             out.swap_out += self.blocks.swap_out(request.request_id, blocks)
             out.num_preempted_by_swap += 1
             self._enqueue(self.swapped, request, RequestStatus.SWAPPED)
@@ -271,7 +268,8 @@ class Scheduler:
             want = self.blocks.num_host_blocks_of(request.request_id)
             n = want if budget is None else min(want, budget)
             reserve = self._growth_blocks(request)
-            while self.blocks.num_free_blocks < n + reserve and self._free_paused_for_room(out):
+            while self.blocks.num_free_blocks < n + reserve and (
+                    self._free_paused_for_room(out) or self._evict_newer_swapping_in(out, request)):
                 pass
             n = max(min(n, self.blocks.num_free_blocks - reserve), 0)
             if n:
@@ -316,21 +314,33 @@ class Scheduler:
         self._evict(out, max(holders, key=_by_arrival))
         return True
 
+    def _evict_newer_swapping_in(self, out: SchedulerOutput, request: Request) -> bool:
+        """FCFS among swapping-in requests: the newest one newer than `request` that holds device
+        blocks gives them up, so two half-swapped-in requests never wait for each other."""
+        newer = [r for r in self.swapped
+                 if r.arrival_time > request.arrival_time and self.blocks.block_table(r.request_id)]
+        if not newer:
+            return False
+        self._evict(out, max(newer, key=_by_arrival))
+        return True
+
     def _evict(self, out: SchedulerOutput, request: Request) -> None:
         """Take a paused or swapping-in request's device KV off the device. The policy says whether it
         is swapped (back) out, host room permitting, or discarded (a swapping-in one then loses its
         host part too and moves to the waiting queue). The worst case is discard + recompute."""
-        # One swapped in this very step cannot go back out: swap-outs are copied first (see _preempt).
-        if (request.request_id not in self._swapped_in_this_step
-                and self._reclaim_action(request) is KVAction.SWAP_OUT):
+        if self._swap_out_chosen(request):
             self._swap_out_or_discard(out, request, len(self.blocks.block_table(request.request_id)))
         else:
             out.num_discarded_tokens += self._discard(request)
 
-    def _reclaim_action(self, request: Request) -> KVAction:
-        if self.policy is None or self.profile is None:
-            return KVAction.DISCARD
-        return self.policy.reclaim(self._paused_info(request), self._iteration_info(0), self.profile)
+    def _swap_out_chosen(self, request: Request) -> bool:
+        """The policy would rather copy this request's device KV to the host than drop it (`reclaim`).
+        Never for one swapped in during this very step: a step's swap-outs are copied before its
+        swap-ins (see SchedulerOutput), so its blocks would be copied out before its KV had arrived."""
+        if self.policy is None or self.profile is None or request.request_id in self._swapped_in_this_step:
+            return False
+        action = self.policy.reclaim(self._paused_info(request), self._iteration_info(0), self.profile)
+        return action is KVAction.SWAP_OUT
 
     def _owed_to_swapped(self, arrival_time: float) -> int:
         """Device blocks that resumed requests older than `arrival_time` still need to bring their KV
@@ -437,6 +447,7 @@ class Scheduler:
         A request that hit EOS, a stop token or its length limit is finished here, unless it may be
         intercepted: then `pending_stop` is set and the engine decides between finish and pause.
         """
+        self.blocks.copies_done()  # the runner copied this step's blocks
         changed = []
         for chunk in output.chunks:
             request = self.requests.get(chunk.request_id)

@@ -116,7 +116,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not bm.can_swap_in(k):
             assert k > bm.num_free_blocks
             return
+        host_free_before = bm.num_free_host_blocks
         pairs = bm.swap_in(rid, k)
+        assert bm.num_free_host_blocks == host_free_before  # until the step's copies ran
+        bm.copies_done()
+        assert bm.num_free_host_blocks == host_free_before + k
         assert [h for h, _ in pairs] == host_before[len(host_before) - k:]
         assert bm.block_table(rid) == [d for _, d in pairs] + device_before
         assert bm.host_tables.get(rid, []) == host_before[:len(host_before) - k]
@@ -321,7 +325,7 @@ def test_scheduler_with_fake_runner(workload):
             break
         out = sched.schedule()
         check_scheduler_state(sched, bm)
-        runner_out = runner.run(out) if out.chunks else RunnerOutput(sampled={})
+        runner_out = runner.run(out)  # also for a step of copies only
         for rid, during in abort_at.get(step, []):
             if during and sched.abort(rid) is not None:  # aborted while the step ran: update skips it
                 aborted.add(rid)

@@ -120,6 +120,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             return
         for host_block, device_block in bm.swap_in(rid, k):
             self.content[device_block] = self.host_content.pop(host_block)
+        bm.copies_done()  # the step boundary: the host blocks read are free again
 
     @precondition(lambda self: self.bm is not None and self.tokens)
     @rule(data=st.data(), keep_cached=st.booleans())

@@ -46,9 +46,12 @@ def test_different_seeds_differ(llm_fp32, engine, greedy_ref):
 
 
 def test_top_k_1_and_tiny_top_p_equal_greedy(llm_fp32, engine, greedy_ref):
-    outs = llm_fp32.generate([PROMPT, PROMPT], [sampled(5, top_k=1), sampled(6, top_p=1e-6)])
-    assert outs[0].token_ids == greedy_ref.token_ids
-    assert outs[1].token_ids == greedy_ref.token_ids
+    # 5e-324 underflows to 0 in fp32 and 1e-45 would overflow the logits: found by schemathesis as 500s.
+    params = [sampled(5, top_k=1), sampled(6, top_p=1e-6), sampled(7, top_p=5e-324),
+              sampled(8, temperature=1e-45)]
+    outs = llm_fp32.generate([PROMPT] * len(params), params)
+    for out in outs:
+        assert out.token_ids == greedy_ref.token_ids
 
 
 def test_top_k_restricts_to_the_k_most_likely(llm_fp32, engine, hf_model_fp32, tokenizer):
