@@ -10,7 +10,6 @@ Prints a markdown table; the engine chooses between the two the same way at load
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
@@ -22,13 +21,7 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)
 
 
 def best_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e3
+    return cpu_kernels.fastest_seconds(fn, repeats) * 1e3
 
 
 def main() -> None:

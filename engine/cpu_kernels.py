@@ -1,15 +1,15 @@
 """Our C kernels for bf16 models on CPU (`csrc/cpu_kernels.c`): built once per machine, called by ctypes.
 
 Why our own: on CPUs without native bf16 arithmetic (no AVX512-BF16, no AMX), oneDNN emulates bf16
-matmuls at a third of fp32 speed, and on AVX2-only CPUs (AMD EPYC before Zen 4) cannot pre-pack them. The kernel here widens bf16 weights to fp32 in
-registers and reaches the memory-bandwidth floor at batch 1 and 2.5-3x oneDNN at batch 8-256 (measured in
-`benchmarks/cpu_kernels.py`). Whether it is used is decided per machine by timing it against oneDNN
+matmuls at a third of fp32 speed, and on AVX2-only CPUs (AMD EPYC before Zen 4) cannot pre-pack them.
+The kernel here widens bf16 weights to fp32 in registers and reaches the memory-bandwidth floor at
+batch 1 and 2.5-6x oneDNN / F.linear at batch 8-256 (measured in `benchmarks/cpu_kernels.py`). Whether it is used is decided per machine by timing it against oneDNN
 on the model's own weights at load (`choose_linear_backend`), so AMX machines keep oneDNN where it wins.
 
 The shared library is compiled with the system C compiler (`$CC`, default `cc`) into
 `$INFERCEPT_CACHE/kernels/`, keyed by a hash of the source and flags, in about a second. Without a
-compiler or without AVX512F or AVX2+FMA the engine uses torch's kernels and says so once. `INFERCEPT_CPU_KERNELS=0`
-turns ours off, `=1` uses them wherever they apply without timing.
+compiler or without AVX512F or AVX2+FMA the engine uses torch's kernels and says so once.
+`INFERCEPT_CPU_KERNELS=0` turns ours off, `=1` uses them wherever they apply without timing.
 """
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return y
 
 
-def _time(fn, repeats: int = 5) -> float:
+def fastest_seconds(fn, repeats: int = 5) -> float:
     """Fastest of a few runs: other processes on the cores only ever add time."""
     fn()
     times = []
@@ -154,8 +154,8 @@ def choose_linear_backend(weight: torch.Tensor, torch_linear) -> int:
     with torch.inference_mode():
         for tokens in (1, 8, 64, 256):
             x = torch.randn(tokens, weight.shape[1], dtype=weight.dtype)
-            ours = _time(lambda: linear_bf16(x, weight, None))
-            theirs = _time(lambda: torch_linear(x))
+            ours = fastest_seconds(lambda: linear_bf16(x, weight, None))
+            theirs = fastest_seconds(lambda: torch_linear(x))
             if ours >= theirs:
                 break
             limit = tokens if tokens < 256 else UNLIMITED

@@ -400,6 +400,10 @@ def test_abort_of_unknown_or_finished_request_is_a_noop():
     assert sched.schedule().finished_request_ids == ["x"]
 
 
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
 def step_sampling_every_chunk(sched: Scheduler) -> SchedulerOutput:
     """One scheduler step whose 'runner' samples SAMPLED for every chunk that reaches its end (no KV
     contents are checked, so swaps need no copies); returns the step's output."""
@@ -422,19 +426,16 @@ def test_resumed_request_swapping_in_keeps_its_fcfs_place():
     def step():
         return {c.request_id for c in step_sampling_every_chunk(sched).chunks}
 
-    def params(n):
-        return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-
-    a = Request("a", list(range(100, 112)), params(8), arrival_time=0.0)  # 12 tokens: 3 blocks
+    a = Request("a", list(range(100, 112)), greedy(8), arrival_time=0.0)  # 12 tokens: 3 blocks
     sched.add(a)
     step()
     sched.pause(a, [])
     bm.swap_out("a", 3)  # what a swapping policy does while it is paused
-    c = Request("c", list(range(200, 221)), params(12), arrival_time=2.0)  # 21 tokens: 6 blocks, growing
+    c = Request("c", list(range(200, 221)), greedy(12), arrival_time=2.0)  # 21 tokens: 6 blocks, growing
     sched.add(c)
     step()
     sched.resume("a", [7, 7, 7, 7])
-    b = Request("b", list(range(300, 307)), params(2), arrival_time=1.0)  # 7 tokens: 2 blocks
+    b = Request("b", list(range(300, 307)), greedy(2), arrival_time=1.0)  # 7 tokens: 2 blocks
     sched.add(b)
     assert a.status is RequestStatus.SWAPPED and bm.num_free_blocks == 4
 
@@ -516,15 +517,12 @@ def test_min_waste_sends_a_swapping_in_request_back_to_the_host_for_an_older_one
         recomputed += out.num_recomputed_tokens
         swapped_out += len(out.swap_out)
 
-    def params(n):
-        return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-
-    b = Request("b", list(range(200, 216)), params(4), arrival_time=1.0)  # 16 tokens: 4 blocks
+    b = Request("b", list(range(200, 216)), greedy(4), arrival_time=1.0)  # 16 tokens: 4 blocks
     sched.add(b)
     step()
     sched.pause(b, [])
     bm.swap_out("b", 4)  # parked on the host while paused
-    a = Request("a", list(range(100, 112)), params(16), arrival_time=0.0)  # 12 tokens growing to 28: 7 blocks
+    a = Request("a", list(range(100, 112)), greedy(16), arrival_time=0.0)  # 12 tokens growing to 28: 7 blocks
     sched.add(a)
     step()
     sched.resume("b", [7])
