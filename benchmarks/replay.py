@@ -14,8 +14,8 @@ Three ways to talk to the server (`--api`):
   in the engine instead of finishing it; the next step sends the paused generation's whole token
   sequence (prompt + generated, from `return_token_ids`) + the returned tokens, which the server
   recognizes and resumes. `usage.prompt_tokens_details.cached_tokens` says how much was reused.
-- `session` (InferCept's native session API, `/v1/sessions`): create a session, then post each step's
-  new tokens to it (see `SessionApi` for the request shape this assumes).
+- `session` (InferCept's native session API, `/v1/sessions`, token-level): create a session, then post
+  each step's new tokens to it with `intercept`, so it stays paused between steps (`SessionApi`).
 - `discard` (any OpenAI-compatible server, e.g. `vllm serve`): every step is a fresh completion of the
   whole history (token ids), the way an agent framework talks to a server that cannot pause. A peer
   with prefix caching may still reuse the history's KV; `cached_tokens` reports it where the peer does.
@@ -128,15 +128,11 @@ class CompletionsApi:
 
 
 class SessionApi:
-    """InferCept's native session API, at token level: `POST /v1/sessions` {model} -> {id};
-    `POST /v1/sessions/{id}/messages` with `{"token_ids": [...new tokens...], "max_tokens", "ignore_eos",
-    "temperature", "intercept", "stream": true}` streaming completion-style SSE chunks and leaving the
-    session paused when `intercept` is given; `DELETE /v1/sessions/{id}` releases it.
-
-    The server's sessions (server/protocol_sessions.py) take text (`content`) or `tool_results` and
-    pause only on a parsed tool call, so a trace cannot dictate where a session pauses yet; this is the
-    token-level message shape they need for it (`token_ids` instead of `content`, a length stop with
-    `intercept` as a pause), and until then `--api session` reports the server's 4xx as the error."""
+    """InferCept's native session API at token level (server/session_tokens.py): `POST /v1/sessions`
+    {model} -> {id}; then per step `POST /v1/sessions/{id}/messages` with only the step's new tokens
+    (`token_ids`: the prompt, then each interception's returned tokens), streamed as session events
+    (`delta` {text, token_ids} ..., `done` {token_ids, usage}); `intercept` leaves the session paused
+    at the end of a non-final segment. `DELETE /v1/sessions/{id}` releases it."""
 
     def __init__(self, client: httpx.AsyncClient, model: str):
         self.client, self.model = client, model
@@ -157,11 +153,32 @@ class SessionApi:
     async def step(self, request_id: str, history: list[int], new_tokens: list[int], decode_tokens: int,
                    interception: dict | None) -> StepResult:
         body = {"token_ids": new_tokens, "max_tokens": decode_tokens, "temperature": 0, "ignore_eos": True,
-                "return_token_ids": True, "stream": True, "stream_options": {"include_usage": True}}
+                "stream": True}
         if interception is not None:
             body["intercept"] = {"kind": INTERCEPT_KINDS.get(interception["kind"], "tool")}
-        return await stream_step(self.client, f"/v1/sessions/{self.session_ids[request_id]}/messages", body,
-                                 request_id)
+        path = f"/v1/sessions/{self.session_ids[request_id]}/messages"
+        sent = time.monotonic()
+        ttft = outcome = None
+        async with self.client.stream("POST", path, json=body) as r:
+            if r.status_code != 200:
+                text = (await r.aread()).decode(errors="replace")[:300]
+                raise ApiError(f"{request_id}: HTTP {r.status_code} from {path}: {text}")
+            kind = None
+            async for line in r.aiter_lines():
+                if line.startswith("event:"):
+                    kind = line[6:].strip()
+                elif line.startswith("data:"):
+                    data = json.loads(line[5:].strip())
+                    if kind == "error":
+                        raise ApiError(f"{request_id}: {data['error'].get('message')}")
+                    if kind == "delta" and ttft is None:
+                        ttft = time.monotonic() - sent
+                    if kind == "done":
+                        outcome = data
+        if outcome is None:
+            raise ApiError(f"{request_id}: the session stream ended without a done event")
+        return checked_step(request_id, body, outcome["token_ids"], ttft if ttft is not None else time.monotonic() - sent,
+                            outcome["usage"])
 
 
 async def stream_step(client: httpx.AsyncClient, path: str, body: dict, request_id: str) -> StepResult:
@@ -190,12 +207,16 @@ async def stream_step(client: httpx.AsyncClient, path: str, body: dict, request_
                 # appending covers both.
                 token_ids += choice.get("token_ids") or []
             usage = chunk.get("usage") or usage
+    return checked_step(request_id, body, token_ids, ttft if ttft is not None else time.monotonic() - sent, usage)
+
+
+def checked_step(request_id: str, body: dict, token_ids: list[int], ttft: float, usage: dict | None) -> StepResult:
+    """A step's result, once it generated exactly the tokens the trace asked for."""
     if len(token_ids) != body["max_tokens"]:
         raise ApiError(f"{request_id}: got {len(token_ids)} token ids, asked for {body['max_tokens']} "
                        "(the server must support return_token_ids and ignore_eos)")
     details = (usage or {}).get("prompt_tokens_details") or {}
-    return StepResult(token_ids, ttft if ttft is not None else time.monotonic() - sent,
-                      (usage or {}).get("prompt_tokens", 0), details.get("cached_tokens") or 0)
+    return StepResult(token_ids, ttft, (usage or {}).get("prompt_tokens", 0), details.get("cached_tokens") or 0)
 
 
 # -- one request, the whole trace -------------------------------------------------------------------

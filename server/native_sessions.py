@@ -30,6 +30,7 @@ class NativeSession:
     defaults: dict[str, Any]  # sampling defaults: temperature, top_p, max_tokens
     created_at: int
     messages: list[Message] = field(default_factory=list)  # the conversation after the system prompt
+    token_ids: list[int] = field(default_factory=list)  # a token-level session's whole context
     state: SessionState = "idle"
     request_id: str | None = None  # the engine request generating now
     task: asyncio.Task | None = None  # the turn in flight (deleting the session cancels it)
@@ -37,7 +38,7 @@ class NativeSession:
 
     @property
     def pending_calls(self) -> tuple[Call, ...]:
-        """The calls a paused session waits for."""
+        """The calls a paused chat session waits for."""
         if self.state != "paused" or not self.messages:
             return ()
         return self.messages[-1].tool_calls

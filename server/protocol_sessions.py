@@ -28,10 +28,15 @@ class ToolResult(Strict):
 
 
 class SessionMessageRequest(SamplingDefaults):
-    """Exactly one of `content` (a user message) or `tool_results` (for a paused session); the sampling
+    """Exactly one of `content` (a user message), `tool_results` (for a paused session) or `token_ids`
+    (a token-level session: tokens appended to its context, see server/session_tokens.py); the sampling
     fields override the session's defaults for this turn."""
 
     content: str | None = None
     tool_results: list[ToolResult] | None = Field(default=None, min_length=1)
+    token_ids: list[int] | None = Field(default=None, min_length=1)
+    ignore_eos: bool = False  # token-level only: generate exactly max_tokens
     stream: bool = False
-    intercept: InterceptOptions | None = None  # what the tool calls this turn may end in are (a hint)
+    # Chat: what the tool calls this turn may end in are (a hint). Token-level: the turn's stop is an
+    # interception (the generation pauses; the next token_ids message resumes it).
+    intercept: InterceptOptions | None = None

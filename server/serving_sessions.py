@@ -5,7 +5,8 @@ A session is a conversation served turn by turn through the chat path (`ChatServ
 the post that brings their results resumes it (explicit continuation). Calls of *server tools* (named
 at creation, run by the server itself through the `infercept.tools` interface) never leave the server:
 when a turn calls only those, the server runs them while the generation waits paused, resumes it with
-the results and goes on (`tool_loop.serve_turns`).
+the results and goes on (`tool_loop.serve_turns`). A session that is sent `token_ids` instead is
+token-level: the client decides where it pauses (`session_tokens.TokenTurns`).
 
 Errors per DESIGN §6: 404 for an unknown session, 409 for tool results to a session that is not paused,
 or any message while it generates, or a user message while it waits for tool results.
@@ -30,6 +31,7 @@ from .protocol import APIError, ChatCompletionRequest, bad_request, new_id, now
 from .protocol_sessions import SessionCreateRequest, SessionMessageRequest
 from .serving_base import StreamResponse, logger, once, run_until_disconnect
 from .serving_chat import ChatServing
+from .session_tokens import TokenTurns
 from .sessions import SessionRegistry
 from .tool_loop import Emit, Opened, call_view, events_then_result, resolve_server_tools, serve_turns
 
@@ -41,6 +43,7 @@ class SessionServing:
         self.store = store
         self.registry = registry
         self.tool_lookup = tool_lookup
+        self.tokens = TokenTurns(chat)
 
     # -- create, inspect, delete -------------------------------------------------------------------
     async def create(self, req: SessionCreateRequest) -> Response:
@@ -112,6 +115,8 @@ class SessionServing:
                 "server_tools": list(session.server_tools), "defaults": session.defaults,
                 "messages": [chat_message(m) for m in session.messages],
                 "pending_calls": [call_view(c, session.server_tools) for c in session.pending_calls]}
+        if session.token_ids:
+            view["context_tokens"] = len(session.token_ids)  # a token-level session's context so far
         if kv is not None:
             view["kv"] = kv  # context tokens of the session's generation by where their KV lives
         return view
@@ -119,26 +124,22 @@ class SessionServing:
     # -- posting a message -------------------------------------------------------------------------
     async def post(self, session_id: str, req: SessionMessageRequest, raw: Request) -> Response:
         session = self._get(session_id)
-        if (req.content is None) == (req.tool_results is None):
-            raise bad_request("give exactly one of content (a user message) or tool_results")
+        if sum(x is not None for x in (req.content, req.tool_results, req.token_ids)) != 1:
+            raise bad_request("give exactly one of content (a user message), tool_results (for a paused session) "
+                              "or token_ids (a token-level session)")
+        self.tokens.check_kind(session, req)
         if session.state == "generating":
             raise APIError(409, f"session {session_id!r} is generating a turn", code="session_busy")
-        if req.tool_results is not None:
-            if session.state != "paused":
-                raise APIError(409, f"session {session_id!r} is not paused at tool calls", param="tool_results",
-                               code="session_not_paused")
-            self._check_results(session, req)
-            new = [Message("tool", r.content, tool_call_id=r.tool_call_id) for r in req.tool_results]
-        else:
-            if session.state == "paused":
-                raise APIError(409, f"session {session_id!r} waits for the results of its tool calls "
-                               f"({', '.join(c.id for c in session.pending_calls)})", code="session_paused")
-            new = [Message("user", req.content)]
+        new = None if req.token_ids is not None else self._new_messages(session, req)
 
         before = session.state
         session.state = "generating"
         try:
-            ctx, cleanup = await self._open(session, session.messages + new, req, raw)
+            if new is None:
+                turn, cleanup = await self.tokens.open(session, req, raw)
+                session.request_id = turn.request_id
+            else:
+                ctx, cleanup = await self._open(session, session.messages + new, req, raw)
         except BaseException:
             session.state = before
             raise
@@ -146,7 +147,11 @@ class SessionServing:
         cleanup = once(cleanup)
         events: asyncio.Queue[tuple[str, dict]] = asyncio.Queue()
         emit: Emit = (lambda kind, data: events.put_nowait((kind, data))) if req.stream else (lambda *_: None)
-        task = session.task = asyncio.create_task(self._converse(session, new, (ctx, cleanup), req, raw, emit))
+        if new is None:
+            work = self.tokens.converse(session, turn, emit)
+        else:
+            work = self._converse(session, new, (ctx, cleanup), req, raw, emit)
+        task = session.task = asyncio.create_task(work)
 
         async def settle() -> None:
             """The post is over, however it ended: a turn still running (its client is gone) is cancelled,
@@ -168,6 +173,20 @@ class SessionServing:
         if body is None:
             return Response(status_code=499)
         return JSONResponse(body, headers={"X-Session-Id": session_id})
+
+    def _new_messages(self, session: NativeSession, req: SessionMessageRequest) -> list[Message]:
+        """The chat messages a post adds: its tool results (409 unless paused) or its user message (409
+        while paused)."""
+        if req.tool_results is not None:
+            if session.state != "paused":
+                raise APIError(409, f"session {session.session_id!r} is not paused at tool calls",
+                               param="tool_results", code="session_not_paused")
+            self._check_results(session, req)
+            return [Message("tool", r.content, tool_call_id=r.tool_call_id) for r in req.tool_results]
+        if session.state == "paused":
+            raise APIError(409, f"session {session.session_id!r} waits for the results of its tool calls "
+                           f"({', '.join(c.id for c in session.pending_calls)})", code="session_paused")
+        return [Message("user", req.content)]
 
     @staticmethod
     def _check_results(session: NativeSession, req: SessionMessageRequest) -> None:

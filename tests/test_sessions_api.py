@@ -188,6 +188,67 @@ def test_server_tools_run_inside_the_server(srv):
     srv.assert_no_leak()
 
 
+def token_ids(srv, text: str) -> list[int]:
+    return srv.app.state.completions.tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_token_level_session_pauses_where_the_client_says(srv, http):
+    """`token_ids` + `intercept`: the turn's length stop pauses the generation; the next `token_ids`
+    resume it with only those tokens to compute, token for token what a from-scratch completion of the
+    whole context generates."""
+    sid = http.post("/sessions", json={"temperature": 0}).json()["id"]
+    prompt = token_ids(srv, "The three largest cities of France are Paris, Lyon and")
+    turn = {"max_tokens": 6, "ignore_eos": True}
+    first = http.post(f"/sessions/{sid}/messages", json={"token_ids": prompt, "intercept": {"kind": "tool"},
+                                                         **turn}).json()
+    assert first["state"] == "paused" and first["finish_reason"] == "length" and len(first["token_ids"]) == 6
+    state = http.get(f"/sessions/{sid}").json()
+    assert state["context_tokens"] == len(prompt) + 6 and state["pending_calls"] == []
+    assert state["kv"]["device"] >= len(prompt) + 5  # preserve: the paused context stays on the device
+
+    returned = token_ids(srv, " Observation: Marseille is second.")
+    second = http.post(f"/sessions/{sid}/messages", json={"token_ids": returned, **turn}).json()
+    context = prompt + first["token_ids"] + returned
+    assert second["state"] == "idle" and second["usage"]["prompt_tokens"] == len(context)
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt) + 5  # all but the last token
+    scratch = http.post("/completions", json={"model": MODEL, "prompt": context, "temperature": 0, "return_token_ids": True,
+                                              **turn}).json()["choices"][0]
+    assert second["token_ids"] == scratch["token_ids"]
+    assert http.get(f"/sessions/{sid}").json()["context_tokens"] == len(context) + 6
+    http.delete(f"/sessions/{sid}")
+    srv.assert_no_leak()
+
+
+def test_token_level_session_kinds_errors_and_stream(srv, http):
+    chat_sid = create(http)
+    prompt = token_ids(srv, "Count with me: one, two, three,")
+    assert_error(http.post(f"/sessions/{chat_sid}/messages", json={"token_ids": prompt}), 400, None)
+    sid = http.post("/sessions", json={"temperature": 0, "max_tokens": 3}).json()["id"]
+    for body in ({"token_ids": prompt, "content": "hi"}, {"token_ids": [10 ** 9]}, {"token_ids": []},
+                 {"content": "hi", "ignore_eos": True}):
+        assert_error(http.post(f"/sessions/{sid}/messages", json=body), 400, None)
+    assert http.get(f"/sessions/{sid}").json()["state"] == "idle"
+
+    with http.stream("POST", f"/sessions/{sid}/messages", json={"token_ids": prompt, "ignore_eos": True,
+                                                                "intercept": {"kind": "human"}, "stream": True}) as r:
+        events = sse(r)
+    kinds = [k for k, _ in events]
+    assert kinds[-2:] == ["paused", "done"] and set(kinds[:-2]) == {"delta"}, events
+    done = events[-1][1]
+    assert [t for k, d in events if k == "delta" for t in d["token_ids"]] == done["token_ids"] and len(done["token_ids"]) == 3
+    assert "".join(d["text"] for k, d in events if k == "delta") == done["text"]
+    assert_error(http.post(f"/sessions/{sid}/messages", json={"content": "hi"}), 400, None)  # token-level for life
+
+    # A paused generation that is gone (here: aborted as the TTL would) is served fresh from the session's context.
+    srv.abort_paused()
+    third = http.post(f"/sessions/{sid}/messages", json={"token_ids": token_ids(srv, " four,"), "ignore_eos": True}).json()
+    assert third["state"] == "idle" and len(third["token_ids"]) == 3
+    assert third["usage"]["prompt_tokens"] == len(prompt) + 3 + len(token_ids(srv, " four,"))
+    for sid_ in (sid, chat_sid):
+        http.delete(f"/sessions/{sid_}")
+    srv.assert_no_leak()
+
+
 def test_session_store_limit_and_ttl_on_a_clock():
     clock = [0.0]
     store = NativeSessionStore(ttl=10, max_sessions=2, clock=lambda: clock[0])
