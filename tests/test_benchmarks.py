@@ -4,6 +4,7 @@ model is not loaded again), and the sustainable-rate rule is right on synthetic 
 asserts on time."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import math
 
@@ -146,3 +147,21 @@ def test_sweep_reads_recompute_and_waste_from_metrics():
     text = sweep.report(results, [0.5, 1.0], slo=None, header="# t")
     assert "| infercept | ≥ 1.00 |" in text and "| discard | 0.62 |" in text
     assert "infercept / discard: 1.60x" in text
+
+
+def test_vllm_peer_gets_infercepts_kv_token_capacity_and_cores(default_model_dir):
+    """The peer's KV pool holds as many tokens as InferCept's `--kv-cache-gb` pool (in bf16), in vLLM's
+    block size, and runs on the same cores; the sweep skips it when no interpreter can import vllm."""
+    sweep = load_bench("sweep")
+    per_token = sweep.kv_bytes_per_token(default_model_dir)
+    assert per_token == 2 * 30 * 3 * 64 * 2  # SmolLM2-135M: 30 layers x 3 KV heads x 64, bf16
+    args = argparse.Namespace(kv_cache_gb=0.03, peer_python="/venv/bin/python", peer_dtype="float32",
+                              max_num_batched_tokens=128, threads=1)
+    argv, env = sweep.vllm_argv(8100, args)
+    flags = {flag: value for flag, value in zip(argv, argv[1:]) if flag.startswith("--")}
+    blocks = int(flags["--num-gpu-blocks-override"])
+    assert argv[0] == "/venv/bin/python" and flags["--block-size"] == str(sweep.VLLM_BLOCK)
+    assert blocks * sweep.VLLM_BLOCK <= 0.03 * 1024 ** 3 / per_token < (blocks + 1) * sweep.VLLM_BLOCK
+    assert int(flags["--max-model-len"]) < blocks * sweep.VLLM_BLOCK and flags["--dtype"] == "float32"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-0"
+    assert sweep.peer_python("/x/python") == "/x/python"
