@@ -265,6 +265,8 @@ class Scheduler:
         bs = self.blocks.block_size
         budget = None if budget_tokens is None else -(-budget_tokens // bs)
         for request in list(self.swapped):
+            if request.status is not RequestStatus.SWAPPED:
+                continue  # an older one's room discarded it meanwhile (it waits to be recomputed)
             want = self.blocks.num_host_blocks_of(request.request_id)
             n = want if budget is None else min(want, budget)
             reserve = self._growth_blocks(request)

@@ -95,15 +95,12 @@ class TokenTurns:
         sent_text, sent_tokens, last = "", 0, None
         async for out in turn.outputs():
             last = out
-            if out.turn_done:
-                break
-            text = out.text if out.text.startswith(sent_text) else sent_text
             if len(out.token_ids) > sent_tokens:
+                text = out.text if out.text.startswith(sent_text) else sent_text  # never take text back
                 emit("delta", {"text": text[len(sent_text):], "token_ids": list(out.token_ids[sent_tokens:])})
                 sent_text, sent_tokens = text, len(out.token_ids)
-        if len(last.token_ids) > sent_tokens:
-            emit("delta", {"text": last.text[len(sent_text):] if last.text.startswith(sent_text) else "",
-                           "token_ids": list(last.token_ids[sent_tokens:])})
+            if out.turn_done:
+                break
         finish = self._end(session, turn, last)
         generated = list(last.token_ids)
         session.token_ids = turn.prompt_ids + generated

@@ -535,3 +535,34 @@ def test_min_waste_sends_a_swapping_in_request_back_to_the_host_for_an_older_one
     assert discarded == 0 and recomputed == 0 and swapped_out > 0
     assert a.output_token_ids == [SAMPLED] * 16 and b.output_token_ids == [SAMPLED] * 4
     assert bm.num_free_blocks == 8 and bm.num_free_host_blocks == 16
+
+
+def test_swapping_in_request_discarded_for_an_older_one_leaves_the_swap_in_loop_alone():
+    """A half-swapped-in request that an older swapping-in one evicts by discard (the baselines' and,
+    when copies are dear, min-waste's choice) moves to the waiting queue in the middle of the swap-in
+    loop; the loop must skip it (a sweep of `--policy swap` failed every request with
+    "list.remove(x): x not in list" here)."""
+    bm = BlockManager(6, 16, BLOCK_SIZE, enable_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=1 << 20), bm)
+    for rid, arrival, n in (("b", 1.0, 16), ("a", 0.0, 12)):  # 4 and 3 blocks, parked on the host while paused
+        sched.add(Request(rid, list(range(100, 100 + n)), greedy(4), arrival_time=arrival))
+        step_sampling_every_chunk(sched)
+        sched.pause(sched.requests[rid], [])
+        bm.swap_out(rid, len(bm.block_table(rid)))
+    sched._swap_budget_tokens = lambda: BLOCK_SIZE  # b comes back one block per step
+    sched.resume("b", [7])
+    for _ in range(3):
+        step_sampling_every_chunk(sched)
+    assert len(bm.block_table("b")) == 3 and bm.num_host_blocks_of("b") == 1  # mostly swapped in
+    del sched._swap_budget_tokens
+    sched.resume("a", [7])
+    # a (older) needs 3 blocks + 1 for its next chunk: b's device part makes way, discarded with its
+    # host part (no policy), and the loop goes on with room left.
+    out = step_sampling_every_chunk(sched)
+    assert out.num_discarded_tokens > 0 and sched.requests["b"].status is RequestStatus.WAITING
+    for _ in range(100):
+        if not sched.has_unfinished():
+            break
+        step_sampling_every_chunk(sched)
+    assert not sched.has_unfinished()
+    assert bm.num_free_blocks == 6 and bm.num_free_host_blocks == 16
