@@ -389,7 +389,9 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
         self._preempted_this_step = False
         for request in list(self.running):
-            if budget <= 0:
+            # max_num_seqs bounds the batch. `running` itself may hold more for a while: a request
+            # resumed with its KV on the device (or swapped back in) joins it whatever the batch size.
+            if budget <= 0 or len(scheduled) == self.config.max_num_seqs:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
