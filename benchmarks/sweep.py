@@ -1,9 +1,9 @@
 """Rate sweep on the real server: every policy side by side, over HTTP, on one trace per rate.
 
-For each policy: start `infercept serve --policy P` on a free port (subprocess; wait for /health), and
-for each request rate replay the seeded mixed trace (`workload.py --cpu-scale`) through the implicit
-resume path (`replay.py --api resume`), reading /metrics before and after each run; then stop the
-server. If `vllm` is importable, the same traces run against `vllm serve` with prefix caching, in
+Start `infercept serve --policy P` for every policy on free ports (subprocesses; wait for /health);
+for each request rate, replay the seeded mixed trace (`workload.py --cpu-scale`) against each server in
+turn through the implicit resume path (`replay.py --api resume`), reading /metrics before and after
+each run; then stop the servers. If `vllm` is importable, the same traces run against `vllm serve` with prefix caching, in
 discard mode (every step a fresh request with the whole history), as the peer.
 
 Writes `benchmarks/results/sweep.md` (tables: normalized latency, completed requests/s, TTFT, cached
@@ -175,33 +175,64 @@ def engine_shares(before: dict, after: dict, seconds: float, pool_bytes: float) 
             "memory_waste_pct": 100 * waste / (pool_bytes * seconds) if seconds > 0 else math.nan}
 
 
-# -- one system, every rate ------------------------------------------------------------------------
-def run_system(name: str, argv: list[str], port: int, api: str, model: str | None, traces: dict, args,
-               metrics: bool, env: dict[str, str] | None = None) -> dict[float, dict]:
-    server = ServerProcess(argv, port, name, Path(args.logs) / f"{name.split()[0]}.log", env)
-    results = {}
+# -- the runs ----------------------------------------------------------------------------------------
+def run_rate(server: ServerProcess, name: str, api: str, served: str, rate: float, trace: list[dict], args,
+             metrics: bool) -> dict:
+    """Replay one rate's trace against a running server; its summary (with /metrics shares)."""
+    before = scrape(server.base_url) if metrics else {}
+    with tqdm(total=len(trace), desc=f"{name} @ {rate:g} req/s", unit="req", file=sys.stderr) as bar:
+        start = time.monotonic()
+        records = asyncio.run(replay(trace, server.base_url, api=api, model=served, until=args.window + args.drain,
+                                     seed=args.seed, progress=lambda done, total: bar.update(1)))
+        elapsed = time.monotonic() - start
+    summary = summarize(records, elapsed)
+    if metrics:
+        summary |= engine_shares(before, scrape(server.base_url), elapsed, args.kv_cache_gb * GIB)
+    print(f"  {name} @ {rate:g} req/s: {summary['finished']}/{summary['requests']} done, mean norm. latency "
+          f"{summary['normalized_latency_mean']:.3g} s/tok, cached {100 * summary['cached_share']:.0f}%"
+          + (f", errors {summary['errors']}: {summary['first_error']}" if summary["errors"] else ""),
+          file=sys.stderr, flush=True)
+    return summary
+
+
+def served_model(server: ServerProcess) -> str:
+    return httpx.get(f"{server.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def run_policies(policies: list[str], traces: dict, args) -> dict[str, dict[float, dict]]:
+    """Every policy's server up at once (idle ones cost no CPU), driven one at a time, rate by rate:
+    all policies at the lowest rate, then all at the next, ... On a shared machine whose speed drifts
+    over minutes, each rate's comparison is then between runs minutes apart, not a whole sweep apart;
+    every server still sees the rates in the same order (its first run pays its warm-up)."""
+    servers = {}
+    try:
+        for policy in policies:
+            port = free_port()
+            servers[policy] = ServerProcess(infercept_argv(policy, port, args), port, policy,
+                                            Path(args.logs) / f"{policy}.log")
+        for server in servers.values():
+            server.wait_ready(args.start_timeout)
+        served = {policy: served_model(server) for policy, server in servers.items()}
+        results: dict[str, dict[float, dict]] = {policy: {} for policy in policies}
+        for rate, trace in traces.items():
+            for policy, server in servers.items():
+                results[policy][rate] = run_rate(server, policy, "resume", served[policy], rate, trace, args,
+                                                 metrics=True)
+        return results
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+def run_peer(argv: list[str], env: dict[str, str], port: int, traces: dict, args) -> dict[float, dict]:
+    """The vLLM peer, after InferCept's servers are down (its engine process does not idle at no cost)."""
+    server = ServerProcess(argv, port, VLLM, Path(args.logs) / "vllm.log", env)
     try:
         server.wait_ready(args.start_timeout)
-        served = model or httpx.get(f"{server.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
-        for rate, trace in traces.items():
-            before = scrape(server.base_url) if metrics else {}
-            with tqdm(total=len(trace), desc=f"{name} @ {rate:g} req/s", unit="req", file=sys.stderr) as bar:
-                start = time.monotonic()
-                records = asyncio.run(replay(trace, server.base_url, api=api, model=served,
-                                             until=args.window + args.drain, seed=args.seed,
-                                             progress=lambda done, total: bar.update(1)))
-                elapsed = time.monotonic() - start
-            summary = summarize(records, elapsed)
-            if metrics:
-                summary |= engine_shares(before, scrape(server.base_url), elapsed, args.kv_cache_gb * GIB)
-            results[rate] = summary
-            print(f"  {name} @ {rate:g} req/s: {summary['finished']}/{summary['requests']} done, mean norm. latency "
-                  f"{summary['normalized_latency_mean']:.3g} s/tok, cached {100 * summary['cached_share']:.0f}%"
-                  + (f", errors {summary['errors']}: {summary['first_error']}" if summary["errors"] else ""),
-                  file=sys.stderr, flush=True)
+        return {rate: run_rate(server, VLLM, "discard", "peer", rate, trace, args, metrics=False)
+                for rate, trace in traces.items()}
     finally:
         server.stop()
-    return results
 
 
 # -- report ----------------------------------------------------------------------------------------
@@ -318,11 +349,7 @@ def main(argv: list[str] | None = None) -> dict:
     # so the TTL is what releases it: long enough for the longest interception of the traces, no longer.
     args.session_ttl = round(longest + 5.0, 1)
     start = time.monotonic()
-    results: dict[str, dict[float, dict]] = {}
-    for policy in policies:
-        port = free_port()
-        results[policy] = run_system(policy, infercept_argv(policy, port, args), port, "resume", None, traces,
-                                     args, metrics=True)
+    results = run_policies(policies, traces, args)
     args.peer_python = None if args.no_peer else peer_python(args.peer_python)
     if args.no_peer:
         print("vLLM peer: skipped (--no-peer)", file=sys.stderr)
@@ -332,7 +359,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         port = free_port()
         argv_, env = vllm_argv(port, args)
-        results[VLLM] = run_system(VLLM, argv_, port, "discard", "peer", traces, args, metrics=False, env=env)
+        results[VLLM] = run_peer(argv_, env, port, traces, args)
     elapsed = time.monotonic() - start
     n = {r: len(t) for r, t in traces.items()}
     header = (f"# Rate sweep on the real server (embedded SmolLM2-135M, bf16, CPU)\n\n"
