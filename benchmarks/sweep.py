@@ -3,8 +3,9 @@
 Start `infercept serve --policy P` for every policy on free ports (subprocesses; wait for /health);
 for each request rate, replay the seeded mixed trace (`workload.py --cpu-scale`) against each server in
 turn through the implicit resume path (`replay.py --api resume`), reading /metrics before and after
-each run; then stop the servers. If `vllm` is importable, the same traces run against `vllm serve` with prefix caching, in
-discard mode (every step a fresh request with the whole history), as the peer.
+each run; then stop the servers. With a vLLM CPU build (`--peer-python`, or `vllm` importable here),
+the same traces run against `vllm serve` with prefix caching, in discard mode (every step a fresh
+request with the whole history), as the peer.
 
 Writes `benchmarks/results/sweep.md` (tables: normalized latency, completed requests/s, TTFT, cached
 prompt share, recompute share of forward time, memory waste; sustainable rate and ratios) and
@@ -40,7 +41,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from replay import replay, summarize  # noqa: E402
+from replay import default_model, replay, summarize  # noqa: E402
 from sustain import ratio_text, sustainable_rate  # noqa: E402
 from workload import CPU_SCALE, generate_trace  # noqa: E402
 
@@ -195,10 +196,6 @@ def run_rate(server: ServerProcess, name: str, api: str, served: str, rate: floa
     return summary
 
 
-def served_model(server: ServerProcess) -> str:
-    return httpx.get(f"{server.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
-
-
 def run_policies(policies: list[str], traces: dict, args) -> dict[str, dict[float, dict]]:
     """Every policy's server up at once (idle ones cost no CPU), driven one at a time, rate by rate:
     all policies at the lowest rate, then all at the next, ... On a shared machine whose speed drifts
@@ -212,7 +209,7 @@ def run_policies(policies: list[str], traces: dict, args) -> dict[str, dict[floa
                                             Path(args.logs) / f"{policy}.log")
         for server in servers.values():
             server.wait_ready(args.start_timeout)
-        served = {policy: served_model(server) for policy, server in servers.items()}
+        served = {policy: default_model(server.base_url) for policy, server in servers.items()}
         results: dict[str, dict[float, dict]] = {policy: {} for policy in policies}
         for rate, trace in traces.items():
             for policy, server in servers.items():
@@ -225,7 +222,8 @@ def run_policies(policies: list[str], traces: dict, args) -> dict[str, dict[floa
 
 
 def run_peer(argv: list[str], env: dict[str, str], port: int, traces: dict, args) -> dict[float, dict]:
-    """The vLLM peer, after InferCept's servers are down (its engine process does not idle at no cost)."""
+    """The vLLM peer, after InferCept's servers are down (whether its engine idles at no CPU cost was
+    not measured, so it is not run beside them)."""
     server = ServerProcess(argv, port, VLLM, Path(args.logs) / "vllm.log", env)
     try:
         server.wait_ready(args.start_timeout)

@@ -319,12 +319,16 @@ class Scheduler:
     def _evict_newer_swapping_in(self, out: SchedulerOutput, request: Request) -> bool:
         """FCFS among swapping-in requests: the newest one newer than `request` that holds device
         blocks gives them up, so two half-swapped-in requests never wait for each other."""
-        newer = [r for r in self.swapped
-                 if r.arrival_time > request.arrival_time and self.blocks.block_table(r.request_id)]
+        newer = self._swapping_in_newer_than(request)
         if not newer:
             return False
         self._evict(out, max(newer, key=_by_arrival))
         return True
+
+    def _swapping_in_newer_than(self, request: Request) -> list[Request]:
+        """Resumed requests newer than `request` whose KV is partly back on the device."""
+        return [r for r in self.swapped
+                if r.arrival_time > request.arrival_time and self.blocks.block_table(r.request_id)]
 
     def _evict(self, out: SchedulerOutput, request: Request) -> None:
         """Take a paused or swapping-in request's device KV off the device. The policy says whether it
@@ -358,9 +362,7 @@ class Scheduler:
         older one) gives way. Returns False if `protect` itself had to be preempted."""
         if self._free_paused_for_room(out):
             return True
-        swapping_in = [r for r in self.swapped
-                       if r.arrival_time > protect.arrival_time and self.blocks.block_table(r.request_id)]
-        victim = max(swapping_in + [self.running[-1]], key=_by_arrival)
+        victim = max(self._swapping_in_newer_than(protect) + [self.running[-1]], key=_by_arrival)
         if victim.status is RequestStatus.SWAPPED:
             self._evict(out, victim)
             return True

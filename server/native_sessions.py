@@ -36,6 +36,12 @@ class NativeSession:
     task: asyncio.Task | None = None  # the turn in flight (deleting the session cancels it)
     last_used: float = field(default_factory=time.monotonic)
 
+    def turn_sampling(self, overrides: dict[str, Any]) -> dict[str, Any]:
+        """A turn's sampling fields: the session's defaults, overridden by the message's (None = unset)."""
+        merged = {k: v for k, v in self.defaults.items() if v is not None}
+        merged.update({k: v for k, v in overrides.items() if v is not None})
+        return merged
+
     @property
     def pending_calls(self) -> tuple[Call, ...]:
         """The calls a paused chat session waits for."""

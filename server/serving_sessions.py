@@ -84,11 +84,9 @@ class SessionServing:
             self._release_paused(session.session_id, reason="session TTL expired")
 
     def _release_paused(self, session_id: str, reason: str) -> None:
-        named = self.registry.get_session(session_id)
-        if named is not None and named.paused_request_id is not None:
-            entry = self.registry.take(named.paused_request_id)
-            if entry is not None:
-                self.chat.abort_all([entry.request_id], reason=reason)
+        entry = self.registry.take_for_session(session_id)
+        if entry is not None:
+            self.chat.abort_all([entry.request_id], reason=reason)
 
     async def _kv_location(self, request_id: str | None) -> dict[str, int]:
         engine = self.chat.async_engine.engine
@@ -205,8 +203,7 @@ class SessionServing:
                     raw: Request) -> Opened:
         """Open a turn of `messages` through the chat path, under the session's id."""
         system = [Message("system", session.system)] if session.system else []
-        sampling = {k: v for k, v in session.defaults.items() if v is not None}
-        sampling.update(req.model_dump(include={"temperature", "top_p", "max_tokens"}, exclude_none=True))
+        sampling = session.turn_sampling(req.model_dump(include={"temperature", "top_p", "max_tokens"}))
         try:
             chat_req = ChatCompletionRequest.model_validate(dict(
                 model=session.model, messages=[chat_message(m) for m in system + messages],

@@ -27,8 +27,7 @@ from .protocol import CompletionRequest, bad_request, new_id
 from .protocol_sessions import SessionMessageRequest
 from .serving_base import BaseServing, EngineTurn, logger
 from .sessions import PausedGeneration
-
-Emit = Callable[[str, dict], None]
+from .tool_loop import Emit
 
 
 class TokenTurns:
@@ -55,8 +54,7 @@ class TokenTurns:
         serving = self.serving
         context = session.token_ids + req.token_ids
         serving.check_prompt(context, "token_ids")
-        sampling = {k: v for k, v in session.defaults.items() if v is not None}
-        sampling.update(req.model_dump(include={"temperature", "top_p", "max_tokens"}, exclude_none=True))
+        sampling = session.turn_sampling(req.model_dump(include={"temperature", "top_p", "max_tokens"}))
         try:
             as_completion = CompletionRequest(model=session.model, prompt=context, ignore_eos=req.ignore_eos,
                                               temperature=sampling.get("temperature"), top_p=sampling.get("top_p"),
@@ -69,7 +67,7 @@ class TokenTurns:
             intercept = InterceptParams(pause_on_stop=True, expected_s=req.intercept.expected_s,
                                         kind=req.intercept.kind)
         serving.acquire()  # last check that can refuse: from here on the paused generation is resumed
-        entry = self._claim_paused(session)
+        entry = serving.registry.take_for_session(session.session_id)
         try:
             turn = await serving.open_turn(new_id("sess-tok-"), context, params, intercept, entry, started)
         except BaseException:
@@ -82,12 +80,6 @@ class TokenTurns:
             await turn.close()
             serving.release()
         return turn, cleanup
-
-    def _claim_paused(self, session: NativeSession) -> PausedGeneration | None:
-        named = self.serving.registry.get_session(session.session_id)
-        if named is None or named.paused_request_id is None:
-            return None
-        return self.serving.registry.take(named.paused_request_id)
 
     async def converse(self, session: NativeSession, turn: EngineTurn, emit: Emit) -> dict:
         """Serve the turn to its end, emitting `delta`s ({text, token_ids}) as it goes; the session takes

@@ -142,6 +142,13 @@ class SessionRegistry:
                 best = entry
         return best
 
+    def take_for_session(self, session_id: str) -> PausedGeneration | None:
+        """Claim the paused generation of the named session `session_id`, if it has one (see `take`)."""
+        session = self._sessions.get(session_id)
+        if session is None or session.paused_request_id is None:
+            return None
+        return self.take(session.paused_request_id)
+
     def expire(self) -> list[str]:
         """Abort what has been paused longer than the TTL; forget idle sessions. Returns request ids."""
         now = self.clock()
