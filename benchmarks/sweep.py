@@ -45,6 +45,8 @@ from replay import default_model, replay, summarize  # noqa: E402
 from sustain import ratio_text, sustainable_rate  # noqa: E402
 from workload import CPU_SCALE, generate_trace  # noqa: E402
 
+from infercept.engine.config import SchedulerConfig  # noqa: E402
+
 GIB = 1024 ** 3
 RESULTS = Path(__file__).with_name("results")
 DEFAULT_POLICIES = ("discard", "preserve", "swap", "prefix-cache", "infercept")
@@ -318,7 +320,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--slo", type=float, default=None, help="mean normalized-latency SLO, s/token")
     parser.add_argument("--kv-cache-gb", type=float, default=0.03, help="device KV pool of each server, GiB")
     parser.add_argument("--host-kv-gb", type=float, default=0.1)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens,
+                        help="token budget per step of every server (default: the server's own)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--start-timeout", type=float, default=900.0,
                         help="seconds to wait for /health (the first start on a machine measures a profile)")

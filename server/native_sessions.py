@@ -27,7 +27,7 @@ class NativeSession:
     system: str | None
     tools: tuple[ToolParam, ...]  # rendered into every prompt: the client's tools and the server's
     server_tools: dict[str, Any]  # name -> the tool object the server runs (infercept.tools interface)
-    defaults: dict[str, Any]  # sampling defaults: temperature, top_p, max_tokens
+    defaults: dict[str, Any]  # sampling defaults (protocol_sessions.SamplingDefaults)
     created_at: int
     messages: list[Message] = field(default_factory=list)  # the conversation after the system prompt
     token_ids: list[int] = field(default_factory=list)  # a token-level session's whole context

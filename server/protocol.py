@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # -- errors -----------------------------------------------------------------------------------------
 
@@ -79,6 +79,18 @@ class InterceptOptions(Strict):
     expected_s: float | None = Field(default=None, ge=0)
 
 
+def _check_stop(v: str | list[str] | None) -> str | list[str] | None:
+    items = [v] if isinstance(v, str) else (v or [])
+    if len(items) > 16:
+        raise ValueError("at most 16 stop sequences")
+    if any(not s for s in items):
+        raise ValueError("stop sequences must be non-empty")
+    return v
+
+
+Stop = Annotated[str | list[str] | None, AfterValidator(_check_stop)]  # OpenAI's `stop`: up to 16 strings
+
+
 class SamplingFields(Strict):
     """Fields common to both endpoints."""
 
@@ -88,7 +100,7 @@ class SamplingFields(Strict):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     n: int | None = Field(default=1, ge=1, le=128)
-    stop: str | list[str] | None = None
+    stop: Stop = None
     seed: int | None = None
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
@@ -102,16 +114,6 @@ class SamplingFields(Strict):
     # ours
     session_id: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")
     intercept: InterceptOptions | None = None
-
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v):
-        items = [v] if isinstance(v, str) else (v or [])
-        if len(items) > 16:
-            raise ValueError("at most 16 stop sequences")
-        if any(not s for s in items):
-            raise ValueError("stop sequences must be non-empty")
-        return v
 
 
 # -- chat completions request -----------------------------------------------------------------------

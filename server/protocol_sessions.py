@@ -4,13 +4,19 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from .protocol import InterceptOptions, Strict, ToolParam
+from .protocol import InterceptOptions, Stop, Strict, ToolParam
 
 
 class SamplingDefaults(Strict):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     max_tokens: int | None = Field(default=None, ge=1)
+    stop: Stop = None
+    seed: int | None = None
+
+    def sampling(self) -> dict:
+        """These fields alone (a message's other fields are not sampling defaults)."""
+        return self.model_dump(include=set(SamplingDefaults.model_fields))
 
 
 class SessionCreateRequest(SamplingDefaults):

@@ -55,7 +55,7 @@ class SessionServing:
         server_tools, definitions = resolve_server_tools(req.server_tools, self.tool_lookup, tools, "server_tools")
         tools += definitions
         session = NativeSession(new_id("sess_"), model, req.system, tuple(tools), server_tools,
-                                req.model_dump(include={"temperature", "top_p", "max_tokens"}), created_at=now())
+                                req.sampling(), created_at=now())
         for evicted in self.store.add(session):
             self._release_paused(evicted.session_id, reason="over the session limit")
         return JSONResponse(self._view(session, kv=None))
@@ -203,13 +203,13 @@ class SessionServing:
                     raw: Request) -> Opened:
         """Open a turn of `messages` through the chat path, under the session's id."""
         system = [Message("system", session.system)] if session.system else []
-        sampling = session.turn_sampling(req.model_dump(include={"temperature", "top_p", "max_tokens"}))
+        sampling = session.turn_sampling(req.sampling())
         try:
             chat_req = ChatCompletionRequest.model_validate(dict(
                 model=session.model, messages=[chat_message(m) for m in system + messages],
                 tools=[t.model_dump() for t in session.tools] or None, session_id=session.session_id,
                 intercept=req.intercept, temperature=sampling.get("temperature"), top_p=sampling.get("top_p"),
-                max_completion_tokens=sampling.get("max_tokens")))
+                max_completion_tokens=sampling.get("max_tokens"), stop=sampling.get("stop"), seed=sampling.get("seed")))
         except ValidationError as e:
             raise bad_request(f"the session's conversation is not valid: {e.errors()[0]['msg']}") from None
         return await self.chat.open(chat_req, raw)

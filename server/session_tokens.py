@@ -1,9 +1,10 @@
 """Token-level turns of a native session (`token_ids` messages): the session's context is token ids.
 
 Where a chat session pauses at a parsed tool call, a token-level session pauses where the client says:
-a message with `intercept` makes its turn's stop (EOS, or `max_tokens` - with `ignore_eos`, exactly
-that many tokens) an interception, so the generation stays paused in the engine, and the session's next
-`token_ids` message (the interception's result) resumes it with only those tokens to compute. This is
+a message with `intercept` makes its turn's stop (EOS, a `stop` string, or `max_tokens` - with
+`ignore_eos`, exactly that many tokens) an interception, so the generation stays paused in the engine,
+and the session's next `token_ids` message (the interception's result) resumes it with only those
+tokens to compute. This is
 how a benchmark replays a trace through the session API, and how a client with its own prompt format
 (its own tokenizer and template) uses sessions.
 
@@ -54,11 +55,12 @@ class TokenTurns:
         serving = self.serving
         context = session.token_ids + req.token_ids
         serving.check_prompt(context, "token_ids")
-        sampling = session.turn_sampling(req.model_dump(include={"temperature", "top_p", "max_tokens"}))
+        sampling = session.turn_sampling(req.sampling())
         try:
             as_completion = CompletionRequest(model=session.model, prompt=context, ignore_eos=req.ignore_eos,
                                               temperature=sampling.get("temperature"), top_p=sampling.get("top_p"),
-                                              max_tokens=sampling.get("max_tokens"))
+                                              max_tokens=sampling.get("max_tokens"), stop=sampling.get("stop"),
+                                              seed=sampling.get("seed"))
         except ValidationError as e:
             raise bad_request(f"invalid sampling fields: {e.errors()[0]['msg']}") from None
         params = serving.sampling_params(as_completion, len(context), as_completion.max_tokens, None)

@@ -165,3 +165,15 @@ def test_vllm_peer_gets_infercepts_kv_token_capacity_and_cores(default_model_dir
     assert int(flags["--max-model-len"]) < blocks * sweep.VLLM_BLOCK and flags["--dtype"] == "float32"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-0"
     assert sweep.peer_python("/x/python") == "/x/python"
+
+
+def test_spot_speed_measures_fresh_prefill_and_exact_decode(server):
+    """The speed spot check against the live server: every request decodes exactly the tokens asked for
+    and none of its prompt comes from the prefix cache (else `SpotCheckError`), over two rounds that
+    would hit the cache if the prompts repeated."""
+    spot_speed = load_bench("spot_speed")
+    speeds = asyncio.run(spot_speed.measure(server.base, MODEL, batches=(1, 3), prompt_tokens=40, new_tokens=3,
+                                            seed=0))
+    assert set(speeds) == {1, 3}
+    assert all(math.isfinite(v) and v > 0 for v in speeds.values())
+    server.assert_no_leak()

@@ -541,12 +541,14 @@ def test_resumed_request_swapping_in_keeps_its_fcfs_place():
 
 def test_min_waste_swaps_a_preserved_request_out_for_room_instead_of_discarding():
     """infercept preserves a paused request whose call looks short; when a running request then needs
-    its blocks and copying is cheap (a CPU's "host" is the same memory), the paused KV is swapped out,
-    not discarded, and comes back on resume without recomputation."""
+    its blocks and copying is cheaper than recomputing, the paused KV is swapped out, not discarded, and
+    comes back on resume without recomputation. The profile makes a decode iteration (1 ms) shorter
+    than the paused KV's round trip to the host (3.5 ms), so the fresh pause is preserved, and a
+    recompute (106 ms for 17 tokens) far dearer than the copy."""
     from infercept.engine.policy import Profile, make_policy
 
     profile = Profile(model="toy", device="cpu", dtype="bfloat16", bytes_per_token=100, block_size=BLOCK_SIZE,
-                      t_fwd_samples=((1, 0.01), (64, 0.02)), d2h_bytes_per_s=1e10, h2d_bytes_per_s=1e10,
+                      t_fwd_samples=((1, 0.001), (16, 0.1), (64, 0.4)), d2h_bytes_per_s=1e6, h2d_bytes_per_s=1e6,
                       saturation_point=64)
     bm = BlockManager(8, 8, BLOCK_SIZE, enable_caching=False)
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=1 << 20), bm,
@@ -561,18 +563,19 @@ def test_min_waste_swaps_a_preserved_request_out_for_room_instead_of_discarding(
         recomputed += out.num_recomputed_tokens
 
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    a = Request("a", list(range(100, 116)), params, arrival_time=0.0)  # 16 tokens: 4 blocks
+    a = Request("a", list(range(100, 116)), params, arrival_time=0.0)
     sched.add(a)
-    step()
+    step()  # prefill 16 tokens
+    step()  # one decode: 17 tokens of KV, 5 blocks
     sched.pause(a, [])
-    step()  # the clock stands still: elapsed 0, expected 0 -> preserve
-    assert len(bm.block_table("a")) == 4 and swapped_out == 0
+    step()  # the clock stands still: elapsed 0, expected 0, a 1 ms iteration -> preserve
+    assert len(bm.block_table("a")) == 5 and swapped_out == 0
     b = Request("b", list(range(200, 219)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                 arrival_time=1.0)  # 19 tokens + 8: needs 7 blocks of the 8
     sched.add(b)
     while b.status is not RequestStatus.FINISHED_LENGTH:
         step()
-    assert swapped_out == 4 and discarded == 0 and bm.num_host_blocks_of("a") == 4
+    assert swapped_out == 5 and discarded == 0 and bm.num_host_blocks_of("a") == 5
     sched.resume("a", [7])
     while sched.has_work():
         step()

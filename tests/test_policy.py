@@ -226,8 +226,7 @@ def test_min_waste_decision_matches_hand_computation():
     assert [d.waste_preserve for d in plan] == pytest.approx([6, 2000, 1000])
     assert [d.waste_discard for d in plan] == pytest.approx([80, 80, 35])
 
-    # Swap budget 200: most wasteful first is b (min waste 80 > c's 35); a's 3 ms is shorter than its
-    # 4 ms round trip, so it is not swapped whatever the budget.
+    # Swap budget 200: most wasteful first is b (min waste 80 > c's 35).
     plan = make_policy("infercept").plan([a, b, c], IterationInfo(300, 50, swap_out_budget=200), p)
     assert [(d.action, d.swap_out_tokens) for d in plan] == [
         (KVAction.PRESERVE, 0), (KVAction.SWAP_OUT, 200), (KVAction.DISCARD, 0)]
@@ -236,6 +235,14 @@ def test_min_waste_decision_matches_hand_computation():
     # the host pool caps the budget
     plan = make_policy("infercept").plan([a, b, c], IterationInfo(300, 50, 10_000, free_host_tokens=120), p)
     assert plan.swap_out_tokens == 120 and plan.get("b").swap_out_tokens == 120
+    # Budget for all: a's call (3 ms) is shorter than its 4 ms round trip, but paused now it idles
+    # through this 10 ms iteration anyway, so it is swapped too. With copies 10x slower (a 40 ms round
+    # trip, longer than the iteration) it is preserved: it would be back before its KV.
+    plan = make_policy("infercept").plan([a, b, c], IterationInfo(300, 50, swap_out_budget=10_000), p)
+    assert [d.action for d in plan] == [KVAction.SWAP_OUT] * 3
+    slow_copies = toy_profile(d2h_bytes_per_s=1e5, h2d_bytes_per_s=1e5)
+    plan = make_policy("infercept").plan([a, b, c], IterationInfo(300, 50, swap_out_budget=10_000), slow_copies)
+    assert [d.action for d in plan] == [KVAction.PRESERVE, KVAction.SWAP_OUT, KVAction.SWAP_OUT]
 
 
 def test_reclaim_under_pressure_swaps_when_that_wastes_less_than_recompute():

@@ -249,6 +249,35 @@ def test_token_level_session_kinds_errors_and_stream(srv, http):
     srv.assert_no_leak()
 
 
+def test_session_stop_and_seed_match_a_completion(srv, http):
+    """`stop` and `seed` (session defaults or per message) mean what they mean in a completion: a
+    token-level turn ends (here: pauses, with `intercept`) at the stop string with the same text, and a
+    seeded sampled turn draws the same tokens as a completion with that seed."""
+    prompt = token_ids(srv, "Count with me: one, two, three,")
+    scratch = http.post("/completions", json={"model": MODEL, "prompt": prompt, "temperature": 0, "max_tokens": 8,
+                                              "ignore_eos": True}).json()["choices"][0]["text"]
+    stop = scratch.split(",")[1] + ","  # e.g. " five,": two words in, so the turn stops early
+    want = http.post("/completions", json={"model": MODEL, "prompt": prompt, "temperature": 0, "max_tokens": 8,
+                                           "stop": [stop]}).json()["choices"][0]
+    assert want["finish_reason"] == "stop", (scratch, stop)
+    sid = http.post("/sessions", json={"temperature": 0, "max_tokens": 8, "stop": stop}).json()["id"]
+    turn = http.post(f"/sessions/{sid}/messages", json={"token_ids": prompt, "intercept": {"kind": "tool"}}).json()
+    assert turn["state"] == "paused" and turn["finish_reason"] == "stop" and turn["text"] == want["text"]
+    assert http.get(f"/sessions/{sid}").json()["defaults"]["stop"] == stop
+
+    seeded = {"temperature": 1.0, "max_tokens": 6, "seed": 1234, "ignore_eos": True}
+    sampled = http.post("/completions", json={"model": MODEL, "prompt": prompt, "return_token_ids": True,
+                                              **seeded}).json()["choices"][0]["token_ids"]
+    sid2 = http.post("/sessions", json={}).json()["id"]
+    assert http.post(f"/sessions/{sid2}/messages", json={"token_ids": prompt, **seeded}).json()["token_ids"] == sampled
+    assert_error(http.post("/sessions", json={"stop": [""]}), 400, None)
+    chat = http.post("/sessions", json={"temperature": 0, "max_tokens": 30}).json()["id"]
+    assert_error(http.post(f"/sessions/{chat}/messages", json={"content": "hi", "stop": ["a"] * 17}), 400, None)
+    for sid_ in (sid, sid2, chat):
+        http.delete(f"/sessions/{sid_}")
+    srv.assert_no_leak()
+
+
 def test_session_store_limit_and_ttl_on_a_clock():
     clock = [0.0]
     store = NativeSessionStore(ttl=10, max_sessions=2, clock=lambda: clock[0])

@@ -14,11 +14,13 @@ The min-waste rule (paper §4.3, `min_waste_plan`):
 
 Deviations from the paper, each for a stated reason:
 
-- A request is swapped only if it is expected to stay paused for at least the round trip
-  ``T_swap_out(device tokens) + T_swap_in(C)``; otherwise it would be back before its KV is, and the
-  swap-in would delay it for nothing (the paper's elapsed-time estimate makes every fresh interception
-  look short, so this rarely changes the paper's own behaviour, but it keeps a 1 ms calculator call
-  from being copied to the host and back).
+- A request is swapped only if its KV would otherwise sit idle for at least the round trip
+  ``T_swap_out(device tokens) + T_swap_in(C)``: its expected remaining pause, but at least this
+  iteration's forward time, since a request paused now runs again in the next iteration at the
+  earliest. Otherwise it would be back before its KV is, and the swap-in would delay it for nothing
+  (this keeps a 1 ms calculator call from being copied to the host and back when iterations are
+  shorter than the copies; where they are longer, as on a CPU, the copy hides behind the iteration the
+  KV would idle through anyway, and preserving it would only hold memory).
 - A request whose KV is partly on the host (``kv_state == "partial"``, a budgeted swap-out in progress)
   is never discarded: its device part is preserved until a later iteration's budget finishes the copy.
   Discarding the tail of a half-swapped context would make resumption a swap-in followed by a
@@ -165,10 +167,14 @@ def swap_amount(device_tokens: int, budget: int, block_size: int) -> int:
     return max(budget, 0) // block_size * block_size
 
 
-def worth_swapping(info: PausedInfo, profile: Profile) -> bool:
-    """True if the request should still be paused after its KV made the round trip to the host."""
+def worth_swapping(info: PausedInfo, profile: Profile, iteration_s: float = 0.0) -> bool:
+    """True if the request's KV would sit idle on the device for at least its round trip to the host.
+
+    It sits idle for its expected remaining pause, but never less than this iteration (`iteration_s`):
+    a request paused now cannot run before the next iteration, even if its result arrives at once.
+    """
     round_trip = profile.t_swap(info.num_device_tokens, "out") + profile.t_swap(info.num_tokens, "in")
-    return info.expected_s >= round_trip
+    return max(info.expected_s, iteration_s) >= round_trip
 
 
 def _swap_room(iteration: IterationInfo) -> int:
@@ -255,8 +261,9 @@ def min_waste_plan(paused: Sequence[PausedInfo], iteration: IterationInfo, profi
     scored = [score(p, iteration, profile, chunked=True) for p in _holding_device(paused)]
     # Most wasteful first; ties by original arrival (older first) so the order is deterministic.
     ordered = sorted(scored, key=lambda s: (-s.min_waste, s.info.arrival_time, s.info.request_id))
+    iteration_s = profile.t_fwd(iteration.num_batched_tokens)
     decisions, rest = _swap_in_order(ordered, _swap_room(iteration), profile,
-                                     eligible=lambda s: worth_swapping(s.info, profile))
+                                     eligible=lambda s: worth_swapping(s.info, profile, iteration_s))
     for s in rest:
         decisions[s.info.request_id] = s.decide(KVAction.PRESERVE) if s.cheaper_to_preserve else _drop(s)
     return _in_input_order(paused, decisions)
