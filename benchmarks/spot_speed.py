@@ -1,8 +1,10 @@
 """Spot check of a running server's generation speed at batch 1 and 8 (any OpenAI-compatible server).
 
-Each request sends a 150-token id prompt and asks for exactly 48 tokens (greedy, `ignore_eos`); a batch is
-that many concurrent requests. Tokens/s = generated tokens / wall time, prefill included. Used to compare
-InferCept with the vLLM peer's dtypes and to tell a machine's state before and after a sweep:
+Each request sends a 150-token id prompt no earlier request sent and asks for exactly 48 tokens (greedy,
+`ignore_eos`); a batch is that many concurrent requests. Tokens/s = generated tokens / wall time, prefill
+included. A request that decodes another number of tokens, or reports cached prompt tokens (vLLM does
+with `--enable-prompt-tokens-details`), fails the check. Used to compare InferCept with the vLLM peer's
+dtypes and to tell a machine's state before and after a sweep:
 
     python benchmarks/spot_speed.py --base-url http://127.0.0.1:8000
 """
