@@ -551,3 +551,18 @@ def test_renderer_extends_paused_tokens_exactly(tokenizer):
     # Without the remembered turns the same conversation renders from its text alone.
     plain = renderer.render(messages(conversation), tools)
     assert plain != context and tokenizer.decode(plain) == tokenizer.decode(context)
+
+
+def test_serve_flags_default_to_the_engine_config(monkeypatch):
+    """`infercept serve` spells its engine defaults as literals, so `--help` needs no torch import; they
+    must stay the engine config's (the benchmarks read the config for the server's defaults)."""
+    from infercept.engine.config import CacheConfig, SchedulerConfig
+    from infercept.server.cli import build_parser
+
+    for name in ("MAX_NUM_BATCHED_TOKENS", "MAX_NUM_SEQS", "HOST_KV_GB", "PREFIX_CACHING"):
+        monkeypatch.delenv(f"INFERCEPT_{name}", raising=False)
+    args = build_parser().parse_args(["serve"])
+    assert args.max_num_batched_tokens == SchedulerConfig.max_num_batched_tokens
+    assert args.max_num_seqs == SchedulerConfig.max_num_seqs
+    assert args.host_kv_gb == CacheConfig.host_kv_gb
+    assert args.prefix_caching == CacheConfig.enable_prefix_caching
