@@ -8,6 +8,8 @@ from .protocol import InterceptOptions, Stop, Strict, ToolParam
 
 
 class SamplingDefaults(Strict):
+    """Named as in a completion request, so a turn passes them on as they are."""
+
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     max_tokens: int | None = Field(default=None, ge=1)

@@ -208,8 +208,7 @@ class SessionServing:
             chat_req = ChatCompletionRequest.model_validate(dict(
                 model=session.model, messages=[chat_message(m) for m in system + messages],
                 tools=[t.model_dump() for t in session.tools] or None, session_id=session.session_id,
-                intercept=req.intercept, temperature=sampling.get("temperature"), top_p=sampling.get("top_p"),
-                max_completion_tokens=sampling.get("max_tokens"), stop=sampling.get("stop"), seed=sampling.get("seed")))
+                intercept=req.intercept, **sampling))
         except ValidationError as e:
             raise bad_request(f"the session's conversation is not valid: {e.errors()[0]['msg']}") from None
         return await self.chat.open(chat_req, raw)

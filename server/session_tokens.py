@@ -58,9 +58,7 @@ class TokenTurns:
         sampling = session.turn_sampling(req.sampling())
         try:
             as_completion = CompletionRequest(model=session.model, prompt=context, ignore_eos=req.ignore_eos,
-                                              temperature=sampling.get("temperature"), top_p=sampling.get("top_p"),
-                                              max_tokens=sampling.get("max_tokens"), stop=sampling.get("stop"),
-                                              seed=sampling.get("seed"))
+                                              **sampling)
         except ValidationError as e:
             raise bad_request(f"invalid sampling fields: {e.errors()[0]['msg']}") from None
         params = serving.sampling_params(as_completion, len(context), as_completion.max_tokens, None)

@@ -167,7 +167,7 @@ def swap_amount(device_tokens: int, budget: int, block_size: int) -> int:
     return max(budget, 0) // block_size * block_size
 
 
-def worth_swapping(info: PausedInfo, profile: Profile, iteration_s: float = 0.0) -> bool:
+def worth_swapping(info: PausedInfo, profile: Profile, iteration_s: float) -> bool:
     """True if the request's KV would sit idle on the device for at least its round trip to the host.
 
     It sits idle for its expected remaining pause, but never less than this iteration (`iteration_s`):
