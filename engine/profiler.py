@@ -6,6 +6,7 @@ start-up; `infercept profile` measures a fuller one and writes it wherever asked
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import time
 
@@ -20,7 +21,13 @@ from .outputs import ScheduledChunk, SchedulerOutput
 from .policy import Profile
 from .sampling_params import SamplingParams
 
+logger = logging.getLogger("infercept.engine")
+
 QUICK_SIZES = (1, 16, 64, 128, 256, 512)
+# A cached profile whose forward times are this many times slower than one pass timed at start-up was
+# measured on a busy machine and is measured again (see `_measured_on_a_busy_machine`).
+STALE_SLOWDOWN = 2.0
+SPOT_CHECK_TOKENS = 64
 FULL_SIZES = (1, 8, 16, 32, 64, 128, 256, 384, 512, 768, 1024)
 
 
@@ -93,6 +100,21 @@ def measure_profile(model: str, runner: ModelRunner, kv: KVCache, bytes_per_toke
                    h2d_bytes_per_s=h2d, notes=f"measured by infercept on {time.strftime('%Y-%m-%d')}")
 
 
+def _measured_on_a_busy_machine(profile: Profile, runner: ModelRunner) -> bool:
+    """Whether a cached profile's forward time is more than `STALE_SLOWDOWN` times one pass timed now.
+
+    A profile measured while other processes shared the cores (say, many servers starting at once) is
+    slow at every size, and the policy would keep pricing iterations and recomputation by it. Sharing
+    only ever slows a pass down, so the check is one-sided: a profile slower than now is replaced; one
+    faster than now is kept (it is this machine's speed when not busy; the machine may be busy now).
+    """
+    tokens = min(SPOT_CHECK_TOKENS, profile.t_fwd_samples[-1][0])
+    with torch.inference_mode():
+        now = _time_forward(runner, tokens, repeats=1)
+    runner.generators.pop("profile", None)
+    return profile.t_fwd(tokens) > STALE_SLOWDOWN * now
+
+
 def load_or_measure(model: str, runner: ModelRunner, kv: KVCache, bytes_per_token: int,
                     progress: bool = True) -> Profile:
     path = cached_profile_path(model, kv.device_kv.device, kv.device_kv.dtype)
@@ -100,7 +122,10 @@ def load_or_measure(model: str, runner: ModelRunner, kv: KVCache, bytes_per_toke
         try:
             profile = Profile.load(path)
             if profile.block_size == kv.block_size and profile.bytes_per_token == bytes_per_token:
-                return profile
+                if not _measured_on_a_busy_machine(profile, runner):
+                    return profile
+                logger.warning("cached profile %s is over %gx slower than a forward pass now (measured on a "
+                               "busy machine?); measuring it again", path, STALE_SLOWDOWN)
         except (ValueError, KeyError):
             pass  # a stale or corrupt file is measured again
     profile = measure_profile(model, runner, kv, bytes_per_token, progress=progress)
