@@ -100,7 +100,7 @@ def measure_profile(model: str, runner: ModelRunner, kv: KVCache, bytes_per_toke
                    h2d_bytes_per_s=h2d, notes=f"measured by infercept on {time.strftime('%Y-%m-%d')}")
 
 
-def _measured_on_a_busy_machine(profile: Profile, runner: ModelRunner) -> bool:
+def _measured_on_a_busy_machine(profile: Profile, runner: ModelRunner, kv: KVCache) -> bool:
     """Whether a cached profile's forward time is more than `STALE_SLOWDOWN` times one pass timed now.
 
     A profile measured while other processes shared the cores (say, many servers starting at once) is
@@ -108,7 +108,7 @@ def _measured_on_a_busy_machine(profile: Profile, runner: ModelRunner) -> bool:
     only ever slows a pass down, so the check is one-sided: a profile slower than now is replaced; one
     faster than now is kept (it is this machine's speed when not busy; the machine may be busy now).
     """
-    tokens = min(SPOT_CHECK_TOKENS, profile.t_fwd_samples[-1][0])
+    tokens = min(SPOT_CHECK_TOKENS, profile.t_fwd_samples[-1][0], kv.num_blocks * kv.block_size)
     with torch.inference_mode():
         now = _time_forward(runner, tokens, repeats=1)
     runner.generators.pop("profile", None)
@@ -122,7 +122,7 @@ def load_or_measure(model: str, runner: ModelRunner, kv: KVCache, bytes_per_toke
         try:
             profile = Profile.load(path)
             if profile.block_size == kv.block_size and profile.bytes_per_token == bytes_per_token:
-                if not _measured_on_a_busy_machine(profile, runner):
+                if not _measured_on_a_busy_machine(profile, runner, kv):
                     return profile
                 logger.warning("cached profile %s is over %gx slower than a forward pass now (measured on a "
                                "busy machine?); measuring it again", path, STALE_SLOWDOWN)
