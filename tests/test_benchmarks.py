@@ -146,7 +146,15 @@ def test_sweep_reads_recompute_and_waste_from_metrics():
                "infercept": {0.5: {"normalized_latency_mean": 0.1}, 1.0: {"normalized_latency_mean": 0.15}}}
     text = sweep.report(results, [0.5, 1.0], slo=None, header="# t")
     assert "| infercept | ≥ 1.00 |" in text and "| discard | 0.62 |" in text
-    assert "infercept / discard: 1.60x" in text
+    assert "infercept / discard: 1.60x" in text and "median normalized latency <=" not in text
+    # With medians, the paper's definition gets its own SLO (2x the best median at the lowest rate).
+    for by, medians in ((results["discard"], (0.08, 0.24)), (results["infercept"], (0.08, 0.1))):
+        for rate, median in zip((0.5, 1.0), medians):
+            by[rate]["normalized_latency_median"] = median
+    text = sweep.report(results, [0.5, 1.0], slo=None, header="# t")
+    median_part = text[text.index("median normalized latency <= 0.16 s/token"):]
+    assert "| discard | 0.75 |" in median_part and "infercept / discard: 1.33x" in median_part
+    assert "infercept / discard: 1.60x" in text[:text.index(median_part)]
 
 
 def test_vllm_peer_gets_infercepts_kv_token_capacity_and_cores(default_model_dir):
