@@ -193,7 +193,8 @@ def run_rate(server: ServerProcess, name: str, api: str, served: str, rate: floa
     # Every request's record, so a mean can be traced back to the requests that make it.
     records_dir = Path(args.out) / "records"
     records_dir.mkdir(parents=True, exist_ok=True)
-    (records_dir / f"{name}_{rate:g}.jsonl").write_text("".join(json.dumps(r.to_dict()) + "\n" for r in records))
+    slug = name.split()[0]  # "vllm (prefix caching, discard mode)" -> "vllm"
+    (records_dir / f"{slug}_{rate:g}.jsonl").write_text("".join(json.dumps(r.to_dict()) + "\n" for r in records))
     if metrics:
         summary |= engine_shares(before, scrape(server.base_url), elapsed, args.kv_cache_gb * GIB)
     print(f"  {name} @ {rate:g} req/s: {summary['finished']}/{summary['requests']} done, mean norm. latency "
