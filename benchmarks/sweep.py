@@ -8,8 +8,8 @@ the same traces run against `vllm serve` with prefix caching, in discard mode (e
 request with the whole history), as the peer.
 
 Writes `benchmarks/results/sweep.md` (tables: normalized latency, completed requests/s, TTFT, cached
-prompt share, recompute share of forward time, memory waste; sustainable rate and ratios) and
-`sweep_rates.png`, `sweep.json`.
+prompt share, recompute share of forward time, memory waste; sustainable rate and ratios),
+`sweep_rates.png`, `sweep.json`, and every request's record in `records/<system>_<rate>.jsonl`.
 
     python benchmarks/sweep.py            # = make bench; <= 20 min on 2 cores
     python benchmarks/sweep.py --quick    # ~2 min: 2 policies, 2 low rates, short windows
@@ -17,7 +17,8 @@ prompt share, recompute share of forward time, memory waste; sustainable rate an
 Sustainable rate: the highest rate whose MEAN normalized latency stays within the SLO (`--slo`, by
 default 2x the best mean any system reaches at the lowest rate), interpolated to the crossing
 (`sustain.sustainable_rate`); and again with the MEDIAN (`--median-slo`), the paper's definition of
-normalized latency. The mean is the stricter one: a few starved requests move it, not the median. From /metrics, per run: recompute share of forward time = engine forward
+normalized latency. The mean is the stricter one: a few starved requests move it, not the median.
+From /metrics, per run: recompute share of forward time = engine forward
 seconds x recomputed / computed tokens (each step's time split pro rata over its tokens), and memory
 waste = held-idle KV byte-seconds of paused generations / (device pool bytes x run time), the pool
 being `--kv-cache-gb` (small on purpose: paused agents must compete for it).
