@@ -49,7 +49,8 @@ def cached_profile_path(model: str, device: torch.device, dtype: torch.dtype) ->
 
 
 def _time_forward(runner: ModelRunner, num_tokens: int, repeats: int) -> float:
-    """Median seconds of one prefill pass of `num_tokens` tokens written into scratch blocks."""
+    """Median seconds of one prefill pass of `num_tokens` tokens written into scratch blocks (the runner
+    forgets the scratch request's sampling state afterwards)."""
     bs = runner.block_size
     table = list(range(-(-num_tokens // bs)))
     chunk = ScheduledChunk("profile", [100] * num_tokens, 0, table, True, SamplingParams(temperature=0), 0)
@@ -62,6 +63,7 @@ def _time_forward(runner: ModelRunner, num_tokens: int, repeats: int) -> float:
         if runner.device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+    runner.generators.pop("profile", None)
     return sorted(times)[len(times) // 2]
 
 
@@ -93,7 +95,6 @@ def measure_profile(model: str, runner: ModelRunner, kv: KVCache, bytes_per_toke
         d2h, h2d = _copy_bandwidth(kv, num_copy_blocks)
     else:
         d2h = h2d = 1e10  # no host pool: swapping never happens, any positive number will do
-    runner.generators.pop("profile", None)
     return Profile(model=os.path.abspath(model), device=device_name(kv.device_kv.device),
                    dtype=dtype_name(kv.device_kv.dtype), bytes_per_token=bytes_per_token,
                    block_size=kv.block_size, t_fwd_samples=tuple(samples), d2h_bytes_per_s=d2h,
@@ -111,7 +112,6 @@ def _measured_on_a_busy_machine(profile: Profile, runner: ModelRunner, kv: KVCac
     tokens = min(SPOT_CHECK_TOKENS, profile.t_fwd_samples[-1][0], kv.num_blocks * kv.block_size)
     with torch.inference_mode():
         now = _time_forward(runner, tokens, repeats=1)
-    runner.generators.pop("profile", None)
     return profile.t_fwd(tokens) > STALE_SLOWDOWN * now
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 from transformers import LlamaConfig
 
@@ -33,7 +34,7 @@ def test_a_cached_profile_too_slow_for_this_machine_is_measured_again(tmp_path, 
     scaled(measured, 100).save(path)
     again = load()
     assert again.t_fwd(SPOT_CHECK_TOKENS) < 10 * measured.t_fwd(SPOT_CHECK_TOKENS)
-    assert json.loads(open(path).read()) == again.to_dict()
+    assert json.loads(Path(path).read_text()) == again.to_dict()
 
     # Faster than a pass now: the machine may be the busy one, so the cached profile is kept.
     fast = scaled(measured, 0.01)
