@@ -69,7 +69,6 @@ def run_policy(policy: str, trace: list[dict], *, kv_cache_gb: float, host_kv_gb
     heapq.heapify(events)
     bm, stats = engine.block_manager, engine.stats
     pool_bytes = bm.device.num_blocks * bm.block_size * engine.profile.bytes_per_token
-    idle_held = recompute_seconds = 0.0
 
     def tool_of(spec):
         inter = next((s["interception"] for s in spec["segments"] if s["interception"]), None)
@@ -92,13 +91,10 @@ def run_policy(policy: str, trace: list[dict], *, kv_cache_gb: float, host_kv_gb
                 engine.resume(rid, ids(spec["segments"][rec["segment"] - 1]["returned_tokens"]),
                               params(seg["decode_tokens"]))
         if engine.has_unfinished_requests():
-            computed, recomputed, fwd = stats.num_computed_tokens, stats.num_recomputed_tokens, stats.forward_seconds
-            swaps = stats.num_swapped_in_blocks + stats.num_swapped_out_blocks
+            computed, swaps = stats.num_computed_tokens, stats.num_swapped_in_blocks + stats.num_swapped_out_blocks
             outputs = engine.step()
             now = time.monotonic()
             d_computed = stats.num_computed_tokens - computed
-            if d_computed:
-                recompute_seconds += (stats.forward_seconds - fwd) * (stats.num_recomputed_tokens - recomputed) / d_computed
             for out in outputs:
                 rec = recs[out.request_id]
                 if rec["first"] is None:
@@ -119,12 +115,13 @@ def run_policy(policy: str, trace: list[dict], *, kv_cache_gb: float, host_kv_gb
             progressed = d_computed or swaps != stats.num_swapped_in_blocks + stats.num_swapped_out_blocks
             if not progressed and events:
                 # Nothing could be scheduled (the pool is held by paused requests): wait a little.
-                idle_held += _sleep_until(engine, min(events[0][0], now + 0.005), pool_bytes)
+                _sleep_until(min(events[0][0], now + 0.005))
         elif events:
-            idle_held += _sleep_until(engine, events[0][0], pool_bytes)
+            _sleep_until(events[0][0])
         else:
             break
     duration = time.monotonic() - start
+    held = stats.memory_waste_until(engine.scheduler.clock())  # over wall-clock time, idle gaps included
     for rid in list(engine.scheduler.requests):
         engine.abort(rid)
     bm.check_integrity()
@@ -145,9 +142,9 @@ def run_policy(policy: str, trace: list[dict], *, kv_cache_gb: float, host_kv_gb
         "normalized_latency": statistics.median(norm) if norm else math.nan,
         "ttft_median": statistics.median(ttft) if ttft else math.nan,
         "completed_per_s": finished / duration,
-        "recompute_token_share": stats.recompute_share,
-        "recompute_time_share": recompute_seconds / stats.forward_seconds if stats.forward_seconds else 0.0,
-        "held_waste_pct": 100 * (stats.memory_waste_byte_seconds + idle_held) / (pool_bytes * duration),
+        "recompute_token_share": stats.recompute_token_share,
+        "recompute_time_share": stats.recompute_time_share,
+        "held_waste_pct": 100 * held / (pool_bytes * duration),
         "swapped_out_blocks": stats.num_swapped_out_blocks,
         "discarded_tokens": stats.num_discarded_tokens,
         "steps": stats.num_steps,
@@ -162,15 +159,9 @@ def run_policy(policy: str, trace: list[dict], *, kv_cache_gb: float, host_kv_gb
     return row
 
 
-def _sleep_until(engine, t: float, pool_bytes: int) -> float:
-    """Sleep until monotonic time `t`; returns the paused-KV byte·seconds held on the device meanwhile."""
-    gap = t - time.monotonic()
-    if gap <= 0:
-        return 0.0
-    sched = engine.scheduler
-    held = sum(sched.kv_tokens(r)[0] for r in sched.paused.values()) * engine.profile.bytes_per_token
-    time.sleep(gap)
-    return held * gap
+def _sleep_until(t: float) -> None:
+    """Sleep until monotonic time `t`."""
+    time.sleep(max(t - time.monotonic(), 0.0))
 
 
 def fmt(x, digits=3) -> str:

@@ -18,10 +18,13 @@ Sustainable rate: the highest rate whose MEAN normalized latency stays within th
 default 2x the best mean any system reaches at the lowest rate), interpolated to the crossing
 (`sustain.sustainable_rate`); and again with the MEDIAN (`--median-slo`), the paper's definition of
 normalized latency. The mean is the stricter one: a few starved requests move it, not the median.
-From /metrics, per run: recompute share of forward time = engine forward
-seconds x recomputed / computed tokens (each step's time split pro rata over its tokens), and memory
-waste = held-idle KV byte-seconds of paused generations / (device pool bytes x run time), the pool
-being `--kv-cache-gb` (small on purpose: paused agents must compete for it).
+From /metrics, per run: recompute share of step time = the engine's recompute seconds (a model: each
+step's time split pro rata over its tokens) / its step seconds; recompute share of tokens (recomputed /
+computed, a separate column: a recompute prefill token costs less time than a decode token); and memory
+waste = held-idle KV byte-seconds of paused generations over wall-clock time, between steps too /
+(device pool bytes x run time), the pool being `--kv-cache-gb` (small on purpose: paused agents must
+compete for it). Result files written before 2026-11-23 have only the token share, under the key
+`recompute_time_share`, and a waste counted during steps only.
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from machine import cpu_name, today  # noqa: E402
 from replay import default_model, replay, summarize  # noqa: E402
 from sustain import ratio_text, sustainable_rate  # noqa: E402
 from workload import CPU_SCALE, generate_trace  # noqa: E402
@@ -170,13 +174,15 @@ def engine_shares(before: dict, after: dict, seconds: float, pool_bytes: float) 
     computed = delta("infercept_computed_tokens_total")
     recomputed = delta("infercept_recomputed_tokens_total")
     forward = delta("infercept_engine_forward_seconds_total")
+    recompute_s = delta("infercept_recompute_seconds_total")
     waste = delta("infercept_memory_waste_byte_seconds_total")
     return {"forward_s": forward,
             "preemptions": delta("infercept_preemptions_total"),
             "preemptions_by_swap": delta("infercept_preemptions_by_swap_total"),
             "discarded_tokens": delta("infercept_discarded_tokens_total"),
-            "recompute_time_share": recomputed / computed if computed else 0.0,  # = forward x r/c over forward
-            "recompute_seconds": forward * recomputed / computed if computed else 0.0,
+            "recompute_token_share": recomputed / computed if computed else 0.0,
+            "recompute_time_share": recompute_s / forward if forward else 0.0,
+            "recompute_seconds": recompute_s,
             "memory_waste_pct": 100 * waste / (pool_bytes * seconds) if seconds > 0 else math.nan}
 
 
@@ -255,8 +261,11 @@ TABLES = (  # (heading, summary key, scale)
     ("Completed requests/s", "completed_per_s", 1),
     ("Median TTFT (s)", "ttft_median", 1),
     ("Cached prompt tokens (% of prompt tokens sent)", "cached_share", 100),
-    ("Recompute share of forward time (%, from /metrics)", "recompute_time_share", 100),
-    ("Memory waste: paused KV held idle, % of device pool x run time (from /metrics)", "memory_waste_pct", 1),
+    ("Recompute share of step time (%, from /metrics; each step's time split pro rata over its tokens)",
+     "recompute_time_share", 100),
+    ("Recompute share of computed tokens (%, from /metrics)", "recompute_token_share", 100),
+    ("Memory waste: paused KV held idle over wall-clock time, % of device pool x run time (from /metrics)",
+     "memory_waste_pct", 1),
     # Where recompute comes from (not plotted):
     ("Preemptions of running requests (from /metrics)", "preemptions", 1),
     ("Of those, preempted by swap (KV to the host, not recomputed)", "preemptions_by_swap", 1),
@@ -386,7 +395,7 @@ def main(argv: list[str] | None = None) -> dict:
     elapsed = time.monotonic() - start
     n = {r: len(t) for r, t in traces.items()}
     header = (f"# Rate sweep on the real server (embedded SmolLM2-135M, bf16, CPU)\n\n"
-              f"`python benchmarks/sweep.py {' '.join(argv if argv is not None else sys.argv[1:])}` took "
+              f"{cpu_name()}, {today()}. `python benchmarks/sweep.py {' '.join(argv if argv is not None else sys.argv[1:])}` took "
               f"{elapsed / 60:.1f} min. Mixed trace, `--cpu-scale` preset {CPU_SCALE}, seed {args.seed}, "
               f"{args.window:g} s arrival window (+{args.drain:g} s before the cut-off), requests per rate {n}. "
               f"Servers: `--kv-cache-gb {args.kv_cache_gb} --host-kv-gb {args.host_kv_gb} "
@@ -399,7 +408,9 @@ def main(argv: list[str] | None = None) -> dict:
     suffix = "_quick" if args.quick else ""
     (out / f"sweep{suffix}.md").write_text(text)
     (out / f"sweep{suffix}.json").write_text(json.dumps(
-        {name: {str(r): s for r, s in by.items()} for name, by in results.items()}, indent=1, default=str))
+        {"run": {"cpu": cpu_name(), "date": today(), "argv": argv if argv is not None else sys.argv[1:]},
+         "results": {name: {str(r): s for r, s in by.items()} for name, by in results.items()}},
+        indent=1, default=str))
     plot(results, out / f"sweep{suffix}_rates.png")
     print(f"wrote {out / f'sweep{suffix}.md'} and {out / f'sweep{suffix}_rates.png'}", file=sys.stderr)
     return results

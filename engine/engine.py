@@ -154,16 +154,21 @@ class Engine:
             request.sampling_params = params
         if intercept is not None:
             request.intercept = intercept
+        self.scheduler.decide_fresh_pause(request_id)
         location = self.kv_location(request_id)
         self.scheduler.resume(request_id, token_ids)
+        self._hold_paused_kv()
         p = request.sampling_params
         self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, request.token_ids,
                                                                p.skip_special_tokens, p.stop)
         return location
 
     def abort(self, request_id: str) -> None:
+        was_paused = request_id in self.scheduler.paused
         self.scheduler.abort(request_id)
         self.detokenizers.pop(request_id, None)
+        if was_paused:
+            self._hold_paused_kv()
 
     def kv_location(self, request_id: str) -> dict[str, int]:
         """Context tokens whose KV is on the device, on the host, or discarded (to recompute; `cached`
@@ -177,11 +182,19 @@ class Engine:
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
+        self.stats.hold(self.scheduler.clock())  # the paused KV held idle since the last change
         scheduler_output = self.scheduler.schedule()
+        self.stats.hold(self.scheduler.clock(), scheduler_output.num_paused_device_tokens)  # after the plan
         runner_output = self.runner.run(scheduler_output)
         outputs = self._update(scheduler_output, runner_output)
         self.stats.record(scheduler_output, time.perf_counter() - start)
+        self._hold_paused_kv()  # this step's pauses
         return outputs
+
+    def _hold_paused_kv(self) -> None:
+        """The paused requests' device KV changed (a pause, resume or abort): charge the idle memory held
+        until now, then hold the new amount (`EngineStats.hold`)."""
+        self.stats.hold(self.scheduler.clock(), self.scheduler.paused_device_tokens())
 
     def _update(self, scheduler_output: SchedulerOutput, runner_output) -> list[RequestOutput]:
         outputs = []

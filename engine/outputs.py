@@ -32,6 +32,7 @@ class SchedulerOutput:
     num_discarded_tokens: int = 0  # KV tokens of paused requests dropped this iteration
     num_preempted: int = 0  # running requests taken off the device for room
     num_preempted_by_swap: int = 0  # of those, the ones whose KV went to the host (not recomputed)
+    num_fresh_pauses_planned: int = 0  # paused since the last step: the policy decided their KV now
 
     @property
     def num_batched_tokens(self) -> int:

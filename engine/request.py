@@ -58,7 +58,7 @@ class Request:
     num_turns: int = 1
     # Content hashes of the context's full blocks, computed once (a context only grows at its end).
     block_hashes: list[int] = field(default_factory=list)
-    num_cached_tokens: int = 0  # this turn's context tokens whose KV was reused, not computed
+    num_cached_tokens: int = 0  # this turn's context tokens whose KV was reused: never computed this turn
 
     def __post_init__(self):
         if not self.token_ids:

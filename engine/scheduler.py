@@ -63,12 +63,16 @@ class Scheduler:
         self._last_batched_tokens = 1
         self._preempted_this_step = False
         self._swapped_in_this_step: set[str] = set()
+        # Paused since the policy last planned: the engine owes them a step even when nothing else
+        # runs, so a decision made at the interception (discard, swap out) never waits for new work.
+        self._undecided: set[str] = set()
 
     # -- admission, pause, resume, removal ---------------------------------------------------------
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        request.num_cached_tokens = request.num_tokens  # nothing computed yet; admission lowers it
         self._enqueue(self.waiting, request, RequestStatus.WAITING)
 
     @staticmethod
@@ -81,6 +85,7 @@ class Scheduler:
             if request in queue:
                 queue.remove(request)
         self.paused.pop(request.request_id, None)
+        self._undecided.discard(request.request_id)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a request in any state and release its blocks."""
@@ -104,9 +109,12 @@ class Scheduler:
         request.paused_at = self.clock()
         request.tool_calls = list(tool_calls)
         self.paused[request.request_id] = request
+        if self.policy is not None:
+            self._undecided.add(request.request_id)
 
     def resume(self, request_id: str, appended_token_ids: list[int]) -> Request:
         """Continue a paused request with the tokens the interception returned."""
+        self.decide_fresh_pause(request_id)
         request = self.paused.pop(request_id)
         now = self.clock()
         self.estimator.observe(request.tool_name or (request.intercept.kind if request.intercept else None),
@@ -117,7 +125,9 @@ class Scheduler:
         request.paused_at = None
         request.num_turns += 1
         device, host = self.kv_tokens(request)
-        request.num_cached_tokens = device + host  # a discarded context may still hit the prefix cache
+        # The turn reuses what it kept; a discarded context is admitted again and reuses what the prefix
+        # cache still holds (admission lowers this bound to that).
+        request.num_cached_tokens = device + host or request.num_tokens
         if host:
             self._enqueue(self.swapped, request, RequestStatus.SWAPPED)
         elif request.num_computed_tokens == 0:  # discarded: recompute through the waiting queue
@@ -129,12 +139,29 @@ class Scheduler:
             self._enqueue(self.running, request, RequestStatus.RUNNING)
         return request
 
+    def decide_fresh_pause(self, request_id: str) -> None:
+        """Before a resume: a pause no step has planned yet (the synchronous API, or a client faster
+        than the engine thread) still gets the policy's decision at the interception, so a discarding
+        policy drops the KV and the turn recomputes as the system it stands for would. A swap-out is not
+        carried out: the request runs in the next step, so the copy would be undone at once (the
+        synchronous swap baseline is spared one round trip here, and only here)."""
+        if request_id not in self._undecided:
+            return
+        self._undecided.discard(request_id)
+        request = self.paused[request_id]
+        if self.policy is None or self.profile is None or not self.kv_tokens(request)[0]:
+            return
+        plan = self.policy.plan([self._paused_info(request)], self._iteration_info(0), self.profile)
+        if plan.action(request.request_id) is KVAction.DISCARD:
+            self._discard(request)
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
     def has_work(self) -> bool:
-        """Something to compute or copy: paused requests alone leave the engine idle."""
-        return bool(self.running or self.waiting or self.swapped)
+        """Something to compute or copy, or a fresh pause to plan: paused requests the policy has
+        seen leave the engine idle."""
+        return bool(self.running or self.waiting or self.swapped or self._undecided)
 
     # -- where KV lives ----------------------------------------------------------------------------
     def kv_tokens(self, request: Request) -> tuple[int, int]:
@@ -168,6 +195,10 @@ class Scheduler:
         if len(request.block_hashes) < full:
             request.block_hashes = chain_hashes(request.token_ids[:full * bs], bs, request.block_hashes)
         self.blocks.register_blocks(request.request_id, request.block_hashes[:full])
+
+    def paused_device_tokens(self) -> int:
+        """KV tokens paused requests hold on the device: idle memory."""
+        return sum(self.kv_tokens(r)[0] for r in self.paused.values())
 
     def _kv_state(self, request: Request) -> str:
         device, host = self.kv_tokens(request)
@@ -206,8 +237,12 @@ class Scheduler:
         self._enqueue(self.waiting, request, RequestStatus.WAITING)
 
     def _swap_budget_tokens(self) -> int | None:
-        """N_i: tokens whose copy time equals this iteration's forward time. None = unlimited."""
+        """N_i: tokens whose copy time equals this iteration's forward time. None = unlimited: also in a
+        step with nothing to run (it only plans fresh pauses), where no forward pass could hide the copy
+        and none waits for it; a budgeted swap would otherwise stop half-way until new work arrives."""
         if self.profile is None or (self.policy is not None and self.policy.swap_synchronous):
+            return None
+        if not (self.running or self.waiting or self.swapped):
             return None
         return self.profile.swap_budget_tokens(self.profile.t_fwd(self._last_batched_tokens))
 
@@ -384,6 +419,7 @@ class Scheduler:
         out = SchedulerOutput(chunks=[])
         swap_in_demand = sum(self.kv_tokens(r)[1] for r in self.swapped)
         swap_in_budget = self._plan_paused(out, swap_in_demand)
+        out.num_fresh_pauses_planned, self._undecided = len(self._undecided), set()
         self._swapped_in_this_step.clear()
         self._swap_in(out, swap_in_budget)
 
@@ -422,8 +458,11 @@ class Scheduler:
             self.blocks.allocate(request.request_id, computed + n, hit)
             if request.num_computed_tokens == 0 and self.blocks.enable_caching:
                 self.blocks.record_lookup((request.num_tokens - 1) // self.blocks.block_size, len(hit))
-            if hit and request.num_output_tokens == 0:  # the turn's prompt: report what was reused
-                request.num_cached_tokens = max(request.num_cached_tokens, computed)
+            if request.num_output_tokens == 0:
+                # Reused = the turn's context below the lowest position it ever computed from. KV dropped
+                # before the first token (a preemption by recompute, a swapping-in request discarded) is
+                # computed again from `computed`, however much was reused before the drop.
+                request.num_cached_tokens = min(request.num_cached_tokens, computed)
             request.num_computed_tokens = computed
             self._enqueue(self.running, request, RequestStatus.RUNNING)
             scheduled.append((request, n))
@@ -441,7 +480,7 @@ class Scheduler:
                 sampling_params=r.sampling_params,
                 num_output_tokens=r.num_output_tokens,
             ))
-        out.num_paused_device_tokens = sum(self.kv_tokens(r)[0] for r in self.paused.values())
+        out.num_paused_device_tokens = self.paused_device_tokens()
         out.finished_request_ids, self._finished_ids = self._finished_ids, []
         self._last_batched_tokens = max(out.num_batched_tokens, 1)
         return out

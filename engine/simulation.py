@@ -14,11 +14,11 @@ Metrics (paper §5, DESIGN §7), computed by `TraceResult.summary()`:
   has so far (like the paper's artifact, which stops at the end of its window); one with no token yet
   counts as infinitely slow, so an overloaded system cannot look fast by never starting requests.
 - completed requests/s: requests finished by the end of the arrival window, divided by the window.
-- recompute share: of the tokens the forward passes processed (`EngineStats.recompute_share`), and of
-  modeled forward time, attributing each iteration's T_fwd to its tokens pro rata.
+- recompute share: of the tokens the forward passes processed (`EngineStats.recompute_token_share`),
+  and of modeled forward time, attributing each iteration's T_fwd to its tokens pro rata.
 - memory waste: bytes paused requests hold on the device x seconds they hold them
-  (`EngineStats.memory_waste_byte_seconds`, plus the idle gaps between iterations, when a paused
-  request's KV is just as idle), over device pool bytes x duration, as a %. The paper's accounting
+  (`EngineStats.memory_waste_byte_seconds`, over the virtual clock: iterations and the idle gaps between
+  them, when a paused request's KV is just as idle), over device pool bytes x duration, as a %. The paper's accounting
   (Eqs. 1 and 3) also charges recomputation and synchronous-swap stalls with the memory of the whole
   running batch, which waits for them; that sum is reported as "total waste".
 
@@ -79,7 +79,6 @@ class SimAccounting:
     stall_seconds: float = 0.0  # copy time not hidden behind forward passes
     copy_seconds: float = 0.0  # all copy time, hidden or not
     idle_seconds: float = 0.0  # no work: the clock jumped to the next event
-    idle_held_byte_seconds: float = 0.0  # paused KV held on the device during idle gaps
     recompute_waste_byte_seconds: float = 0.0  # Eq. 1: recompute time x the running batch's KV
     stall_waste_byte_seconds: float = 0.0  # Eq. 3: stall time x the running batch's KV
 
@@ -95,7 +94,7 @@ class StepResult:
     @property
     def made_progress(self) -> bool:
         out = self.output
-        return bool(out.chunks or out.swap_out or out.swap_in or out.num_discarded_tokens)
+        return bool(out.chunks or out.swap_out or out.swap_in or out.num_discarded_tokens or out.num_fresh_pauses_planned)
 
 
 class SimulatedEngine:
@@ -158,6 +157,7 @@ class SimulatedEngine:
         request = self.scheduler.paused[request_id]
         request.sampling_params = _greedy(max_tokens)
         self.scheduler.resume(request_id, [APPENDED_TOKEN_ID] * num_appended_tokens)
+        self.stats.hold(self.clock.now(), self.paused_device_tokens())
         if request.intercept is not None and request.intercept.expected_s != expected_s:
             request.intercept = InterceptParams(pause_on_stop=True, expected_s=expected_s,
                                                 kind=request.intercept.kind)
@@ -167,6 +167,7 @@ class SimulatedEngine:
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
         self._last_turn.discard(request_id)
+        self.stats.hold(self.clock.now(), self.paused_device_tokens())
 
     def _set_last_turn(self, request_id: str, last_turn: bool) -> None:
         if last_turn:
@@ -185,7 +186,9 @@ class SimulatedEngine:
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> StepResult:
+        self.stats.hold(self.clock.now())
         out = self.scheduler.schedule()
+        self.stats.hold(self.clock.now(), out.num_paused_device_tokens)
         runner_output = self.runner.run(out)
         cost = self.runner.last
         sampled = self.scheduler.update(out, runner_output)
@@ -201,6 +204,7 @@ class SimulatedEngine:
                 self.scheduler.pause(request, [])
                 paused.append(request)
         self.stats.record(out, cost.seconds)
+        self.stats.hold(self.clock.now(), self.paused_device_tokens())
         self._account(out, cost)
         return StepResult(out, cost, sampled, paused, finished)
 
@@ -219,15 +223,15 @@ class SimulatedEngine:
             acc.stall_waste_byte_seconds += cost.t_stall * batch_bytes
 
     def paused_device_tokens(self) -> int:
-        return sum(self.scheduler.kv_tokens(r)[0] for r in self.scheduler.paused.values())
+        return self.scheduler.paused_device_tokens()
 
     def idle_until(self, t: float) -> None:
-        """No work until `t`: jump the clock, charging the paused KV held on the device meanwhile."""
+        """No work until `t`: jump the clock (the paused KV held meanwhile is charged by `EngineStats.hold`
+        at the next change)."""
         gap = t - self.clock.now()
         if gap <= 0:
             return
         self.acc.idle_seconds += gap
-        self.acc.idle_held_byte_seconds += self.paused_device_tokens() * self.profile.bytes_per_token * gap
         self.clock.advance_to(t)
 
     # -- traces -----------------------------------------------------------------------------------
@@ -395,7 +399,7 @@ class TraceResult:
         recs = self.records
         norm = [r.normalized_latency(self.duration) for r in recs]
         ttft = [r.first_token - r.arrival for r in recs if r.first_token is not None]
-        held = self.stats.memory_waste_byte_seconds + self.acc.idle_held_byte_seconds
+        held = self.stats.memory_waste_until(self.duration)
         pool_time = self.device_pool_bytes * self.duration if self.duration > 0 else math.inf
         done_in_window = sum(r.finish is not None and r.finish <= self.window for r in recs)
         return {
@@ -405,7 +409,7 @@ class TraceResult:
             "normalized_latency": statistics.median(norm) if norm else math.nan,
             "ttft_median": statistics.median(ttft) if ttft else math.nan,
             "completed_per_s": done_in_window / self.window if self.window > 0 else math.nan,
-            "recompute_token_share": self.stats.recompute_share,
+            "recompute_token_share": self.stats.recompute_token_share,
             "recompute_time_share": (self.acc.recompute_seconds / self.acc.forward_seconds
                                      if self.acc.forward_seconds else 0.0),
             "held_waste_pct": 100 * held / pool_time,

@@ -13,29 +13,56 @@ class EngineStats:
     forward_seconds: float = 0.0
     num_computed_tokens: int = 0  # every token a forward pass processed
     num_recomputed_tokens: int = 0  # of those, tokens whose KV had been computed before
+    # Step seconds spent on recomputation, modeled: each step's time split over its tokens pro rata (a
+    # recomputed prefill token costs what any other token of its step costs; attention's growth with
+    # context length and the fixed per-step cost are not apportioned).
+    recompute_seconds: float = 0.0
     num_swapped_out_blocks: int = 0
     num_swapped_in_blocks: int = 0
     num_discarded_tokens: int = 0
     num_preemptions: int = 0
     num_preemptions_by_swap: int = 0
-    # Held-but-idle KV: bytes paused requests keep on the device x seconds they keep them.
+    # Held-but-idle KV: bytes paused requests keep on the device x the seconds they keep them, over the
+    # engine's clock, between steps as well as during them (the paper's Eqs. 1-4 integrate over the
+    # whole interception, not just over the iterations that happen to run meanwhile).
     memory_waste_byte_seconds: float = 0.0
-    last_paused_device_tokens: int = 0
+    paused_device_tokens: int = 0  # held since `held_since`
+    held_since: float | None = None
 
     def record(self, out: SchedulerOutput, seconds: float) -> None:
         self.num_steps += 1
         self.forward_seconds += seconds
         self.num_computed_tokens += out.num_batched_tokens
         self.num_recomputed_tokens += out.num_recomputed_tokens
+        if out.num_batched_tokens:
+            self.recompute_seconds += seconds * out.num_recomputed_tokens / out.num_batched_tokens
         self.num_swapped_out_blocks += len(out.swap_out)
         self.num_swapped_in_blocks += len(out.swap_in)
         self.num_discarded_tokens += out.num_discarded_tokens
         self.num_preemptions += out.num_preempted
         self.num_preemptions_by_swap += out.num_preempted_by_swap
-        self.memory_waste_byte_seconds += out.num_paused_device_tokens * self.bytes_per_token * seconds
-        self.last_paused_device_tokens = out.num_paused_device_tokens
+
+    def hold(self, now: float, paused_device_tokens: int | None = None) -> None:
+        """Charge the paused device KV held since the last call up to `now`; from `now` on, paused
+        requests hold `paused_device_tokens` (None: as many as before). Call whenever that changes."""
+        self.memory_waste_byte_seconds = self.memory_waste_until(now)
+        self.held_since = now
+        if paused_device_tokens is not None:
+            self.paused_device_tokens = paused_device_tokens
+
+    def memory_waste_until(self, now: float) -> float:
+        """Held-but-idle byte-seconds up to `now` (what `hold(now)` would make the total)."""
+        if self.held_since is None:
+            return self.memory_waste_byte_seconds
+        return self.memory_waste_byte_seconds + self.paused_device_tokens * self.bytes_per_token * (
+            now - self.held_since)
 
     @property
-    def recompute_share(self) -> float:
-        """Share of computed tokens that were recomputation (a proxy for forward time spent on it)."""
+    def recompute_token_share(self) -> float:
+        """Share of computed tokens that were recomputation (not of time: see `recompute_time_share`)."""
         return self.num_recomputed_tokens / self.num_computed_tokens if self.num_computed_tokens else 0.0
+
+    @property
+    def recompute_time_share(self) -> float:
+        """Share of step time spent recomputing, as modeled by `recompute_seconds`."""
+        return self.recompute_seconds / self.forward_seconds if self.forward_seconds else 0.0

@@ -38,7 +38,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=_env("THREADS", None), help="torch CPU threads")
     g.add_argument("--policy", default=_env("POLICY", "infercept"),
                    help="how paused requests keep their KV: infercept (min-waste, default), preserve, swap, "
-                        "discard, improved-discard, prefix-cache, or a Figure 3 ablation step")
+                        "discard, improved-discard, prefix-cache, or a Figure 3 ablation step; +swap-preemption or "
+                        "+recompute-preemption (e.g. swap+swap-preemption) changes how KV leaves the device "
+                        "under memory pressure")
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    default=_env("PREFIX_CACHING", "1").lower() not in ("0", "false", "no", "off"),
                    help="do not keep freed KV blocks addressable by content (INFERCEPT_PREFIX_CACHING=0)")

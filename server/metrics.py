@@ -24,6 +24,7 @@ class EngineSnapshot:
     forward_seconds: float = 0.0
     num_computed_tokens: int = 0
     num_recomputed_tokens: int = 0
+    recompute_seconds: float = 0.0
     num_swapped_out_blocks: int = 0
     num_swapped_in_blocks: int = 0
     num_discarded_tokens: int = 0
@@ -59,7 +60,8 @@ def snapshot_engine(engine) -> EngineSnapshot:
         num_steps=stats.num_steps, forward_seconds=stats.forward_seconds,
         num_computed_tokens=stats.num_computed_tokens, num_recomputed_tokens=stats.num_recomputed_tokens,
         num_swapped_out_blocks=stats.num_swapped_out_blocks, num_swapped_in_blocks=stats.num_swapped_in_blocks,
-        num_discarded_tokens=stats.num_discarded_tokens, memory_waste_byte_seconds=stats.memory_waste_byte_seconds,
+        recompute_seconds=stats.recompute_seconds, num_discarded_tokens=stats.num_discarded_tokens,
+        memory_waste_byte_seconds=stats.memory_waste_until(sched.clock()),
         num_preemptions=stats.num_preemptions, num_preemptions_by_swap=stats.num_preemptions_by_swap,
         device_blocks_total=bm.device.num_blocks, device_blocks_used=bm.device.num_blocks - bm.num_free_blocks,
         host_blocks_total=bm.host.num_blocks, host_blocks_used=bm.host.num_blocks - bm.num_free_host_blocks,
@@ -92,6 +94,8 @@ class _EngineCollector:
         yield counter("infercept_computed_tokens", "Tokens processed by forward passes", s.num_computed_tokens)
         yield counter("infercept_recomputed_tokens", "Computed tokens whose KV had been computed before",
                       s.num_recomputed_tokens)
+        yield counter("infercept_recompute_seconds", "Seconds of engine steps spent recomputing, modeled: each "
+                      "step's time split over its tokens pro rata", s.recompute_seconds)
         yield counter("infercept_swapped_out_blocks", "KV blocks copied device -> host", s.num_swapped_out_blocks)
         yield counter("infercept_swapped_in_blocks", "KV blocks copied host -> device", s.num_swapped_in_blocks)
         yield counter("infercept_discarded_tokens", "KV tokens of paused requests dropped", s.num_discarded_tokens)
@@ -100,7 +104,8 @@ class _EngineCollector:
         yield counter("infercept_preemptions_by_swap", "Preemptions whose KV went to the host instead of "
                       "being recomputed", s.num_preemptions_by_swap)
         yield counter("infercept_memory_waste_byte_seconds",
-                      "Held-but-idle KV of paused requests: bytes x seconds", s.memory_waste_byte_seconds)
+                      "Held-but-idle KV of paused requests: bytes x wall-clock seconds (between steps too)",
+                      s.memory_waste_byte_seconds)
         yield gauge("infercept_kv_device_blocks_total", "Device KV pool size in blocks", s.device_blocks_total)
         yield gauge("infercept_kv_device_blocks_used", "Device KV blocks in use", s.device_blocks_used)
         yield gauge("infercept_kv_device_usage", "Share of the device KV pool in use",

@@ -71,6 +71,17 @@ class LiveServer:
                     "host_free": bm.num_free_host_blocks, "host_total": bm.host.num_blocks}
         return self.on_engine(read)
 
+    def paused_kv_locations(self, timeout: float = 15.0) -> list[dict]:
+        """Where each paused generation's KV is once the engine has planned every pause (the step it
+        owes a fresh pause runs right after the pausing one, engine idle or not)."""
+        engine, deadline = self.engine, time.monotonic() + timeout
+        while True:
+            busy, located = self.on_engine(lambda: (engine.has_unfinished_requests(),
+                                                    [engine.kv_location(r) for r in engine.scheduler.paused]))
+            if not busy or time.monotonic() > deadline:
+                return located
+            time.sleep(0.01)
+
     def assert_no_leak(self, timeout: float = 15.0) -> dict:
         """Nothing runs; every request the engine still holds is a paused generation the registry knows;
         only those hold blocks (block_manager.check_integrity passes on the engine thread)."""

@@ -77,7 +77,7 @@ def test_pause_and_resume_stream(async_engine, llm_fp32):
             intercept=InterceptParams(pause_on_stop=True))]
         assert first[-1].paused and not first[-1].finished
         location = await async_engine.call(lambda: async_engine.engine.kv_location("tool-loop"))
-        assert location["device"] > 0
+        assert location["device"] + location["host"] > 0  # kept (min-waste may park it on the host)
         context = list(first[-1].prompt_token_ids) + first[-1].token_ids
         appended = async_engine.engine.tokenizer.encode(" Also,")
         second = [o async for o in async_engine.resume("tool-loop", appended, GREEDY)]

@@ -136,11 +136,15 @@ def test_sustainable_rate():
 def test_sweep_reads_recompute_and_waste_from_metrics():
     sweep = load_bench("sweep")
     before = {"infercept_computed_tokens_total": 100, "infercept_recomputed_tokens_total": 10,
-              "infercept_engine_forward_seconds_total": 5.0, "infercept_memory_waste_byte_seconds_total": 0.0}
+              "infercept_engine_forward_seconds_total": 5.0, "infercept_recompute_seconds_total": 1.0,
+              "infercept_memory_waste_byte_seconds_total": 0.0}
     after = {"infercept_computed_tokens_total": 300, "infercept_recomputed_tokens_total": 60,
-             "infercept_engine_forward_seconds_total": 15.0, "infercept_memory_waste_byte_seconds_total": 200.0}
+             "infercept_engine_forward_seconds_total": 15.0, "infercept_recompute_seconds_total": 2.0,
+             "infercept_memory_waste_byte_seconds_total": 200.0}
     shares = sweep.engine_shares(before, after, seconds=10.0, pool_bytes=1000.0)
-    assert shares["recompute_time_share"] == pytest.approx(0.25) and shares["recompute_seconds"] == pytest.approx(2.5)
+    # Time share from the engine's recompute seconds (1 s of 10), token share apart (50 of 200).
+    assert shares["recompute_time_share"] == pytest.approx(0.1) and shares["recompute_seconds"] == pytest.approx(1.0)
+    assert shares["recompute_token_share"] == pytest.approx(0.25)
     assert shares["memory_waste_pct"] == pytest.approx(2.0)
     results = {"discard": {0.5: {"normalized_latency_mean": 0.1}, 1.0: {"normalized_latency_mean": 0.5}},
                "infercept": {0.5: {"normalized_latency_mean": 0.1}, 1.0: {"normalized_latency_mean": 0.15}}}

@@ -652,3 +652,36 @@ def test_swapping_in_request_discarded_for_an_older_one_leaves_the_swap_in_loop_
         step_sampling_every_chunk(sched)
     assert not sched.has_unfinished()
     assert bm.num_free_blocks == 6 and bm.num_free_host_blocks == 16
+
+
+def test_cached_tokens_count_only_what_the_turn_reused():
+    """A resumed request reports its kept KV as cached; if that KV is dropped before its first token (a
+    swapping-in request discarded for an older one) and recomputed, the turn reused nothing and says
+    so (it reported the dropped KV as reused, 41 cached of which 37 recomputed, in a simulated sweep)."""
+    bm = BlockManager(6, 16, BLOCK_SIZE, enable_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=1 << 20), bm)
+    for rid, arrival, n in (("b", 1.0, 16), ("a", 0.0, 12)):
+        sched.add(Request(rid, list(range(100, 100 + n)), greedy(4), arrival_time=arrival))
+        step_sampling_every_chunk(sched)
+        sched.pause(sched.requests[rid], [])
+        bm.swap_out(rid, len(bm.block_table(rid)))
+    b = sched.requests["b"]
+    sched._swap_budget_tokens = lambda: BLOCK_SIZE
+    sched.resume("b", [7])
+    assert b.num_cached_tokens == 16  # its 16 prompt tokens, on the host (the sampled token has no KV yet)
+    for _ in range(3):
+        step_sampling_every_chunk(sched)
+    del sched._swap_budget_tokens
+    sched.resume("a", [7])
+    assert sched.requests["a"].num_cached_tokens == 12
+    step_sampling_every_chunk(sched)
+    assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0  # dropped before its first token
+    while b.num_output_tokens == 0:
+        out = step_sampling_every_chunk(sched)
+    assert out.num_recomputed_tokens >= 16
+    assert b.num_cached_tokens == 0
+    for _ in range(100):
+        if not sched.has_unfinished():
+            break
+        step_sampling_every_chunk(sched)
+    assert bm.num_free_blocks == 6 and bm.num_free_host_blocks == 16

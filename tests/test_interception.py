@@ -157,17 +157,18 @@ def test_budgeted_swap_moves_one_block_per_iteration_and_abort_mid_swap_frees_al
     engine = make_engine(default_model_dir, "infercept")
     intercept = InterceptParams(pause_on_stop=True, expected_s=30.0)  # a long human turn
     rid = engine.add_request(OTHERS[0], greedy(4), intercept=intercept)
-    drain(engine)
-    assert engine.kv_location(rid)["device"] > 32  # several blocks
-    # Each step with other work swaps out at most one block (the budget).
-    engine.add_request("Count to ten: one, two,", greedy(8))
+    # Other work runs on while it pauses: each step swaps out at most one block (the budget). (With
+    # nothing else to run, the step that plans the pause copies it whole: no forward pass to hide behind.)
+    engine.add_request("Count to ten: one, two,", greedy(30))
     hosts = []
     while engine.has_unfinished_requests():
         out = engine.scheduler.schedule()
         assert len(out.swap_out) <= 1 and len(out.swap_in) <= 1
         engine._update(out, engine.runner.run(out))
         engine.block_manager.check_integrity()
-        hosts.append(engine.kv_location(rid)["host"])
+        if rid in engine.scheduler.paused:
+            hosts.append(engine.kv_location(rid)["host"])
+    assert engine.scheduler.requests[rid].num_computed_tokens > 32  # several blocks
     assert hosts == sorted(hosts) and hosts[-1] > 16, hosts  # monotone progress, chunked across steps
     # Resume while (partly) on the host: swap-in, also one block per step; abort half-way through it.
     engine.resume(rid, engine.tokenizer.encode(" Then"), greedy(4))
@@ -212,4 +213,79 @@ def test_resume_errors(default_model_dir):
     with pytest.raises(ValueError, match="unknown"):
         engine.add_request("Hi", greedy(2), intercept=InterceptParams(tool_parser="nope"))
     engine.abort(paused)
+    assert_all_free(engine)
+
+
+# Where each policy puts a paused context's KV at the interception, for a call expected to take 30 s.
+AT_INTERCEPTION = {"discard": "discarded", "improved-discard": "discarded", "chunked-discard": "discarded",
+                   "prefix-cache": "discarded", "swap": "host", "budgeted-swap": "host",
+                   "heuristic-preserve": "host", "infercept": "host", "preserve": "device"}
+
+
+@pytest.mark.parametrize("policy", sorted(AT_INTERCEPTION))
+def test_the_policy_decides_at_the_interception_with_the_engine_idle(default_model_dir, policy):
+    """Nothing else runs, so no later step would ever plan the pause: the engine owes it one step,
+    and the KV is where the policy puts it before the tool result comes back (a discard baseline that
+    kept its KV on an idle engine measured as fast as InferCept)."""
+    engine = make_engine(default_model_dir, policy)
+    slow_call = InterceptParams(tool_parser="hermes", expected_s=30.0)
+    rid = engine.add_request(FEW_SHOT, SamplingParams(temperature=0, max_tokens=40), intercept=slow_call)
+    while not any(o.paused for o in engine.step()):
+        pass
+    assert engine.has_unfinished_requests(), "a fresh pause must get its plan step"
+    drain(engine)
+    context = engine.scheduler.requests[rid].num_tokens
+    location = engine.kv_location(rid)
+    where = AT_INTERCEPTION[policy]
+    held = {"device": location["device"], "host": location["host"],
+            "discarded": location["discarded"]}[where]
+    assert held >= context - 1, (policy, location)  # all of it (the last sampled token has no KV yet)
+    engine.abort(rid)
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("policy", ["discard", "infercept"])
+def test_a_resume_before_the_next_step_still_gets_the_decision(default_model_dir, fresh_reference, policy):
+    """The synchronous API may resume before any step planned the pause: a discarding policy still
+    drops the KV (the turn recomputes: nothing reported cached), and the tokens equal a fresh run."""
+    engine = make_engine(default_model_dir, policy, enable_prefix_caching=False)
+    rid = engine.add_request(FEW_SHOT, SamplingParams(temperature=0, max_tokens=40), intercept=HERMES)
+    while not any(o.paused for o in engine.step()):
+        pass
+    context = list(engine.scheduler.requests[rid].token_ids)
+    appended = engine.tokenizer.encode(TOOL_RESULT)
+    location = engine.resume(rid, appended, greedy(6))
+    outs = drain(engine)
+    resumed = last_output(outs, rid)
+    first = next(o for o in outs if o.request_id == rid)
+    if policy == "discard":
+        assert location["device"] == location["host"] == 0
+        assert first.num_cached_tokens == 0
+    else:  # a fresh call with no history: min-waste keeps it for the next iteration
+        assert location["device"] == len(context) - 1
+        assert first.num_cached_tokens == len(context) - 1
+    assert resumed.token_ids == fresh_reference(context + appended, 6)
+    assert_all_free(engine)
+
+
+def test_paused_kv_held_on_an_idle_engine_counts_as_waste(default_model_dir):
+    """Memory waste is integrated over the engine's clock, not just over the steps that happen to run:
+    a preserved context held through a 10 s tool call with no step meanwhile costs 10 s of its bytes."""
+    engine = make_engine(default_model_dir, "preserve")
+    now = [1000.0]
+    engine.scheduler.clock = lambda: now[0]  # frozen while steps run: only the idle time is charged
+    rid = engine.add_request(FEW_SHOT, SamplingParams(temperature=0, max_tokens=40), intercept=HERMES)
+    drain(engine)
+    held = engine.kv_location(rid)["device"]
+    assert held > 0
+    stats = engine.stats
+    before = stats.memory_waste_until(now[0])
+    now[0] += 10.0  # the tool runs; no step does
+    assert stats.memory_waste_until(now[0]) - before == pytest.approx(held * stats.bytes_per_token * 10.0)
+    engine.resume(rid, engine.tokenizer.encode(TOOL_RESULT), greedy(2))
+    at_resume = stats.memory_waste_byte_seconds
+    assert at_resume - before == pytest.approx(held * stats.bytes_per_token * 10.0)
+    drain(engine)
+    now[0] += 5.0  # nothing paused now: nothing held
+    assert stats.memory_waste_until(now[0]) == pytest.approx(at_resume)
     assert_all_free(engine)

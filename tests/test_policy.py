@@ -261,6 +261,33 @@ def test_reclaim_under_pressure_swaps_when_that_wastes_less_than_recompute():
         assert make_policy(name).reclaim(a, it, toy_profile()) is KVAction.DISCARD
 
 
+@pytest.mark.parametrize("name", ["swap", "prefix-cache", "discard", "heuristic-preserve"])
+def test_preemption_variants_change_only_the_reclaim_rule(name):
+    """The ablation's variants: a baseline with infercept's swap-preemption swaps where infercept
+    would (and still discards where copies are dear), infercept with recompute-preemption always
+    discards; the pause-time plan is the base policy's."""
+    it = IterationInfo(num_running_tokens=300, num_batched_tokens=50, swap_out_budget=0)
+    a = paused("a", 200, 0.003)
+    slow = toy_profile(d2h_bytes_per_s=1e5, h2d_bytes_per_s=1e5)
+    variant = make_policy(f"{name}+swap-preemption")
+    assert variant.reclaim(a, it, toy_profile()) is KVAction.SWAP_OUT
+    assert variant.reclaim(a, it, slow) is KVAction.DISCARD
+    assert variant.label == f"{name}+swap-preemption" and make_policy(variant.label).preemption == "swap"
+    base = make_policy(name)
+    infos = [paused("p", 200, 30.0), paused("q", 100, 0.001, arrival=1.0)]
+    assert variant.plan(infos, it, toy_profile()) == base.plan(infos, it, toy_profile())
+    recompute = make_policy("infercept+recompute-preemption")
+    assert recompute.reclaim(a, it, toy_profile()) is KVAction.DISCARD
+    assert recompute.plan(infos, it, toy_profile()) == make_policy("infercept").plan(infos, it, toy_profile())
+    assert make_policy("infercept+swap-preemption").label == "infercept"  # its own rule: no suffix
+
+
+@pytest.mark.parametrize("bad", ["swap+", "swap+swap", "swap+fast-preemption", "nope+swap-preemption"])
+def test_unknown_policy_variants_are_refused_with_the_choices(bad):
+    with pytest.raises(ValueError, match="preemption|choose one of"):
+        make_policy(bad)
+
+
 def test_partial_swap_is_never_discarded_and_host_or_discarded_get_no_decision():
     p = toy_profile()
     half = paused("half", 200, 100.0, state="partial", device=100)

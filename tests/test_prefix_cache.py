@@ -235,11 +235,13 @@ def test_paused_session_resumes_after_partial_eviction(default_model_dir, tokeni
     bm = engine.block_manager
     prompt = tokenizer.encode(SYSTEM + "Q: What should I pack for a weekend in Bergen in October?\nA:")
     a = engine.add_request(prompt, greedy(4), intercept=InterceptParams(pause_on_stop=True))
+    out = []
     while engine.has_unfinished_requests():
-        out = engine.step()
+        out += engine.step()  # the last step plans the fresh pause and outputs nothing
     assert out[-1].paused
     context = prompt + out[-1].token_ids
-    computed_before = engine.scheduler.requests[a].num_computed_tokens
+    computed_before = len(context) - 1  # KV at the pause (the last sampled token has none), dropped since
+    assert engine.scheduler.requests[a].num_computed_tokens == 0  # lazily discarded at the tool call
 
     # Another request that needs every never-used block and two of a's (freed, still cached).
     unused = bm.device.num_blocks - bm.blocks_for(computed_before)

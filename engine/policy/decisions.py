@@ -40,6 +40,7 @@ from .profile import Profile
 from .waste import waste_chunk_discard, waste_discard, waste_preserve, waste_swap
 
 KV_STATES = ("device", "host", "discarded", "partial")
+PREEMPTIONS = ("recompute", "swap")  # Policy.preemption
 
 
 class KVAction(str, enum.Enum):
@@ -294,6 +295,10 @@ class Policy:
       False means swaps are budgeted per iteration and overlap the forward pass.
     - ``lazy_discard``: a discarded context's blocks stay content-addressed and reusable until evicted
       (DESIGN §4); False frees them for good (the paper's baselines, vLLM 0.2).
+    - ``preemption``: how KV forced off the device under memory pressure leaves it (`reclaim`):
+      "recompute" (freed, recomputed later: the paper's baselines, vLLM) or "swap" (copied to the host
+      when that wastes less than recomputing). Overridable per instance, for the ablation that
+      separates this from the pause-time plan (`make_policy("swap+swap-preemption")`).
     """
 
     name: ClassVar[str] = ""
@@ -301,10 +306,15 @@ class Policy:
     chunked_recompute: ClassVar[bool] = False
     swap_synchronous: ClassVar[bool] = False
     lazy_discard: bool = False
+    preemption: str = "recompute"
 
-    def __init__(self, *, lazy_discard: bool | None = None):
+    def __init__(self, *, lazy_discard: bool | None = None, preemption: str | None = None):
         if lazy_discard is not None:
             self.lazy_discard = lazy_discard  # per-instance override, e.g. for ablations
+        if preemption is not None:
+            if preemption not in PREEMPTIONS:
+                raise ValueError(f"preemption must be one of {', '.join(PREEMPTIONS)}, not {preemption!r}")
+            self.preemption = preemption
 
     def plan(self, paused: Sequence[PausedInfo], iteration: IterationInfo, profile: Profile) -> KVPlan:
         raise NotImplementedError
@@ -312,12 +322,22 @@ class Policy:
     def reclaim(self, info: PausedInfo, iteration: IterationInfo, profile: Profile) -> KVAction:
         """A running request needs device blocks and this request's KV must leave the device now: the
         newest paused holder, or, when no paused KV is left, the newest running request (preemption;
-        its `info` then has no expected time away). DISCARD (recompute later: the paper's baselines and
-        vLLM's preemption) or SWAP_OUT (whole device part, if the host pool has room)."""
+        its `info` then has no expected time away). DISCARD (recompute later) or SWAP_OUT (whole device
+        part, if the host pool has room), by `preemption`: with "swap", min-waste under pressure (an
+        extension of the paper, whose fallback under pressure is vLLM's discard and preemption by
+        recompute): swapped when a synchronous copy wastes less than chunked recomputation."""
+        if self.preemption == "swap" and cheaper_to_swap_than_discard(info, iteration, profile):
+            return KVAction.SWAP_OUT
         return KVAction.DISCARD
 
+    @property
+    def label(self) -> str:
+        """The name `make_policy` takes to build this policy again."""
+        default = type(self).preemption
+        return self.name if self.preemption == default else f"{self.name}+{self.preemption}-preemption"
+
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(name={self.name!r})"
+        return f"{type(self).__name__}(name={self.label!r})"
 
     def _score_all(self, paused, iteration, profile) -> list[_Scored]:
         return [score(p, iteration, profile, chunked=self.chunked_recompute) for p in _holding_device(paused)]
@@ -375,8 +395,9 @@ class HeuristicPreservePolicy(BudgetedSwapPolicy):
 
     name = "heuristic-preserve"
 
-    def __init__(self, *, long_threshold_s: float = 2.0, lazy_discard: bool | None = None):
-        super().__init__(lazy_discard=lazy_discard)
+    def __init__(self, *, long_threshold_s: float = 2.0, lazy_discard: bool | None = None,
+                 preemption: str | None = None):
+        super().__init__(lazy_discard=lazy_discard, preemption=preemption)
         self.long_threshold_s = long_threshold_s
 
     def plan(self, paused, iteration, profile):
@@ -395,18 +416,12 @@ class InferCeptPolicy(Policy):
     name = "infercept"
     chunked_recompute = True
     lazy_discard = True
+    # Min-waste under pressure too: a request preserved because its interception looked short, or a
+    # running request preempted for room, is swapped out rather than discarded when that wastes less.
+    preemption = "swap"
 
     def plan(self, paused, iteration, profile):
         return min_waste_plan(paused, iteration, profile)
-
-    def reclaim(self, info, iteration, profile):
-        """Min-waste under pressure too: a request preserved because its interception looked short, or
-        a running request preempted for room, is swapped out rather than discarded when that wastes
-        less (an extension of the paper, whose fallback under pressure is vLLM's discard and
-        preemption by recompute)."""
-        if cheaper_to_swap_than_discard(info, iteration, profile):
-            return KVAction.SWAP_OUT
-        return KVAction.DISCARD
 
 
 class PreservePolicy(Policy):
@@ -476,9 +491,19 @@ FIGURE3_ABLATION = ("vllm", "improved-discard", "chunked-discard", "budgeted-swa
 
 
 def make_policy(name: str, **kwargs) -> Policy:
-    """The policy registered under ``name``; ValueError naming the choices if there is none."""
+    """The policy registered under ``name``, optionally with another preemption rule
+    (``"infercept+recompute-preemption"``, ``"swap+swap-preemption"``: the ablation that credits the
+    pause-time plan and the preemption rule separately); ValueError naming the choices if unknown."""
+    base, plus, variant = name.partition("+")
+    if plus:
+        preemption = variant.removesuffix("-preemption")
+        if preemption not in PREEMPTIONS or not variant.endswith("-preemption"):
+            raise ValueError(f"unknown policy variant {variant!r}; use "
+                             f"{' or '.join(f'+{p}-preemption' for p in PREEMPTIONS)}")
+        kwargs["preemption"] = preemption
     try:
-        cls = POLICIES[name]
+        cls = POLICIES[base]
     except KeyError:
-        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(sorted(POLICIES))}") from None
+        raise ValueError(f"unknown policy {base!r}; choose one of {', '.join(sorted(POLICIES))} "
+                         f"(optionally +recompute-preemption or +swap-preemption)") from None
     return cls(**kwargs)

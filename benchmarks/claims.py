@@ -1,0 +1,224 @@
+"""The README's headline numbers, computed from the result files in `benchmarks/results/`.
+
+Every number in the README's "Measured" table is a line of this script's output, and every line names
+the files it came from, so a reader can check a claim without trusting anyone's arithmetic:
+
+    python benchmarks/claims.py            # prints the table (markdown)
+    python benchmarks/claims.py --check    # exit 1 unless README.md holds the table as printed
+
+Latency and sustainable rates are recomputed from the per-request records of each sweep
+(`<folder>/records/<system>_<rate>.jsonl`), with the sweep's own rule: per rate the mean (and the
+median, the paper's definition) of normalized latency over the requests that arrived; the SLO is 2x
+the best any system reaches at the lowest rate; the sustainable rate is where a system's latency
+first crosses it (`sustain.sustainable_rate`; "≥" when it never did: a lower bound). Engine shares
+(recompute, idle memory) come from the sweep's `sweep.json`, which holds what /metrics said.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from replay import RequestRecord, summarize  # noqa: E402
+from sustain import sustainable_rate  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+README = ROOT / "README.md"
+BEGIN, END = "<!-- claims.py: begin -->", "<!-- claims.py: end -->"
+SEEDS = (0, 1, 2)
+# Machines of result folders written before sweeps recorded their machine and date (from the commits
+# that added them; the machine from those commits' notes).
+EARLIER = {"sweep_avx2": "AMD EPYC (Zen 3), AVX2, 2 cores, 2026-11-23"}
+
+
+# -- reading results -------------------------------------------------------------------------------
+def load_records(path: Path) -> list[RequestRecord]:
+    names = {f.name for f in fields(RequestRecord)}
+    return [RequestRecord(**{k: v for k, v in json.loads(line).items() if k in names})
+            for line in path.read_text().splitlines() if line.strip()]
+
+
+@dataclass
+class Sweep:
+    """One sweep folder: latency per system and rate, recomputed from its request records."""
+
+    folder: Path
+    latency: dict[str, dict[float, dict]]  # system -> rate -> replay.summarize(...)
+    metrics: dict[str, dict[str, dict]]  # system -> rate (as written) -> /metrics shares, if sweep.json has them
+    machine: str
+
+    @classmethod
+    def load(cls, folder: Path) -> "Sweep":
+        latency: dict[str, dict[float, dict]] = {}
+        for path in sorted((folder / "records").glob("*.jsonl")):
+            system, _, rate = path.stem.rpartition("_")
+            latency.setdefault(system, {})[float(rate)] = summarize(load_records(path), elapsed=1.0)
+        if not latency:
+            raise FileNotFoundError(f"{folder}/records holds no request records")
+        metrics, machine = {}, next((m for prefix, m in EARLIER.items() if folder.name.startswith(prefix)), "")
+        if (folder / "sweep.json").exists():
+            data = json.loads((folder / "sweep.json").read_text())
+            if "run" in data:
+                machine = f"{data['run']['cpu']}, {data['run']['date']}"
+                metrics = data["results"]
+        return cls(folder, latency, metrics, machine)
+
+    @property
+    def rates(self) -> list[float]:
+        return sorted({r for by in self.latency.values() for r in by})
+
+    def sustainable(self, key: str = "normalized_latency_mean") -> dict[str, tuple[float, bool]]:
+        """System -> (sustainable rate, crossed) at 2x the best `key` at the lowest rate."""
+        lowest = self.rates[0]
+        best = min(s[key] for by in self.latency.values() for r, s in by.items() if r == lowest)
+        return {system: sustainable_rate({r: s[key] for r, s in by.items()}, 2 * best)
+                for system, by in self.latency.items()}
+
+    def source(self) -> str:
+        return f"`{self.folder.relative_to(ROOT)}/records/`"
+
+
+def ratio(a: tuple[float, bool], b: tuple[float, bool]) -> str:
+    """a / b of two sustainable rates; "≥" when only a lower bound is known (a never crossed the SLO
+    and b did), "≈" when neither crossed (both are lower bounds: no ratio is measured)."""
+    (ra, crossed_a), (rb, crossed_b) = a, b
+    if rb == 0:
+        return f"∞ ({rate_text(a)} vs 0 req/s)" if ra > 0 else "– (both over the SLO at the lowest rate)"
+    if not crossed_a and not crossed_b:
+        return f"≈ (both ≥ {min(ra, rb):g} req/s)"
+    return f"{'≥ ' if not crossed_a else ''}{ra / rb:.2f}x"
+
+
+def rate_text(r: tuple[float, bool]) -> str:
+    return f"{'≥ ' if not r[1] else ''}{r[0]:.2f}"
+
+
+# -- the claims ------------------------------------------------------------------------------------
+def tool_loop_rows() -> list[tuple[str, str, str, str]]:
+    path = RESULTS / "tool_loop" / "tool_loop.json"
+    if not path.exists():
+        return []
+    data = json.loads(path.read_text())
+    s = data["summaries"]
+    rows = []
+    for name in (n for n in s if n != "infercept"):
+        if "infercept" not in s:
+            break
+        rows.append((f"One agent's tool loop (openai SDK, idle server): resumed-step TTFT, {name} / infercept",
+                     f"{s[name]['resumed_ttft_median_s'] / s['infercept']['resumed_ttft_median_s']:.2f}x "
+                     f"({s[name]['resumed_ttft_median_s']:.3f} vs {s['infercept']['resumed_ttft_median_s']:.3f} s); "
+                     f"cached {100 * s[name]['resumed_cached_share']:.0f}% vs "
+                     f"{100 * s['infercept']['resumed_cached_share']:.0f}% of the resumed prompts",
+                     f"{data['cpu']}, {data['date']}", f"`{path.relative_to(ROOT)}`"))
+    return rows
+
+
+ABLATION = ("infercept", "infercept+recompute-preemption", "swap", "swap+swap-preemption", "prefix-cache",
+            "prefix-cache+swap-preemption")
+SINGLE = ("swap", "prefix-cache")  # single strategies in the ablation (today's servers: prefix-cache)
+
+
+def ablation_rows() -> list[tuple[str, str, str, str]]:
+    sweeps = [Sweep.load(RESULTS / f"ablation_seed{seed}") for seed in SEEDS
+              if (RESULTS / f"ablation_seed{seed}" / "records").exists()]
+    if not sweeps:
+        return []
+    rows = []
+    machine = sweeps[0].machine
+    sources = ", ".join(s.source() for s in sweeps)
+    for key, label in (("normalized_latency_mean", "mean"), ("normalized_latency_median", "median (the paper's)")):
+        per_seed = [s.sustainable(key) for s in sweeps]
+
+        def each(a: str, b: str) -> str:
+            return " / ".join(ratio(sus[a], sus[b]) for sus in per_seed)
+
+        def best_single(sus: dict) -> str:
+            return max(SINGLE, key=lambda n: sus[n][0])
+
+        rows.append((f"Sustainable rate at 2x the best {label} normalized latency, infercept / the better of "
+                     f"swap and prefix-cache, seeds {', '.join(str(s) for s in SEEDS[:len(sweeps)])}",
+                     " / ".join(f"{ratio(sus['infercept'], sus[best_single(sus)])} ({best_single(sus)})"
+                                for sus in per_seed), machine, sources))
+        rows.append((f"... infercept / infercept with recompute-preemption ({label}): what swapping preempted "
+                     f"and evicted KV adds", each("infercept", "infercept+recompute-preemption"), machine, sources))
+        rows.append((f"... swap with swap-preemption / swap ({label})", each("swap+swap-preemption", "swap"),
+                     machine, sources))
+        rows.append((f"... prefix-cache with swap-preemption / prefix-cache ({label})",
+                     each("prefix-cache+swap-preemption", "prefix-cache"), machine, sources))
+    shares = [(s, m) for s in sweeps for m in [s.metrics] if m]
+    if shares:
+        def span(system: str, key: str, scale: float = 100.0) -> str:
+            xs = [by[key] * scale for _, m in shares for by in m.get(system, {}).values() if key in by]
+            return f"{min(xs):.1f}-{max(xs):.1f}%" if xs else "–"
+
+        rows.append(("Recompute share of step time (of computed tokens), every rate and seed",
+                     "; ".join(f"{n} {span(n, 'recompute_time_share')} ({span(n, 'recompute_token_share')})"
+                               for n in ("infercept", "swap", "prefix-cache")),
+                     machine, ", ".join(f"`{s.folder.relative_to(ROOT)}/sweep.json`" for s, _ in shares)))
+        rows.append(("Paused KV held idle on the device over wall-clock time, % of pool x time, every rate and seed",
+                     "; ".join(f"{n} {span(n, 'memory_waste_pct', 1.0)}" for n in ("infercept", "swap", "prefix-cache")),
+                     machine, ", ".join(f"`{s.folder.relative_to(ROOT)}/sweep.json`" for s, _ in shares)))
+    return rows
+
+
+def earlier_rows() -> list[tuple[str, str, str, str]]:
+    """The 120 s-window swap vs infercept runs and the vLLM peer run on the AVX2 machine, as recorded."""
+    rows = []
+    long = [RESULTS / f"sweep_avx2_long_seed{seed}_b256" for seed in SEEDS]
+    if all((f / "records").exists() for f in long):
+        sweeps = [Sweep.load(f) for f in long]
+        for key, label in (("normalized_latency_mean", "mean"), ("normalized_latency_median", "median")):
+            rows.append((f"120 s windows, infercept / swap at 2x the best {label}, seeds 0 / 1 / 2 (one run each)",
+                         " / ".join(ratio(s.sustainable(key)["infercept"], s.sustainable(key)["swap"]) for s in sweeps),
+                         sweeps[0].machine, ", ".join(s.source() for s in sweeps)))
+    peer = RESULTS / "sweep_avx2_peer_b256_knee"
+    if (peer / "records").exists():
+        sweep = Sweep.load(peer)
+        by = {n: sweep.latency[n] for n in ("infercept", "vllm") if n in sweep.latency}
+        if len(by) == 2:
+            cells = "; ".join(f"{r:g} req/s: {by['infercept'][r]['normalized_latency_mean']:.3f} vs "
+                              f"{by['vllm'][r]['normalized_latency_mean']:.2f} s/tok, finished "
+                              f"{by['infercept'][r]['finished']}/{by['infercept'][r]['requests']} vs "
+                              f"{by['vllm'][r]['finished']}/{by['vllm'][r]['requests']}"
+                              for r in sorted(set(by["infercept"]) & set(by["vllm"])))
+            rows.append(("vLLM 0.32 CPU peer past the knee, mean normalized latency, infercept vs vLLM. NOT like for "
+                         "like: vLLM in fp32 with 1,376 KV tokens in all, InferCept in bf16 with that device pool "
+                         "plus a host pool (~4,660 tokens in all)", cells, sweep.machine, sweep.source()))
+    return rows
+
+
+def table() -> str:
+    rows = tool_loop_rows() + ablation_rows() + earlier_rows()
+    lines = ["| claim | measured | machine, date | from |", "|---|---|---|---|"]
+    lines += [f"| {claim} | {value} | {machine} | {source} |" for claim, value, machine, source in rows]
+    return "\n".join(lines) + "\n"
+
+
+def readme_table(text: str) -> str | None:
+    """The table between the README's claims markers, or None."""
+    if BEGIN not in text or END not in text:
+        return None
+    return text.split(BEGIN, 1)[1].split(END, 1)[0].strip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 unless README.md holds this table")
+    args = parser.parse_args(argv)
+    text = table()
+    print(text, end="")
+    if args.check:
+        held = readme_table(README.read_text())
+        if held != text:
+            print(f"README.md does not hold this table between {BEGIN} and {END}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
