@@ -5,6 +5,7 @@ the files it came from, so a reader can check a claim without trusting anyone's 
 
     python benchmarks/claims.py            # prints the table (markdown)
     python benchmarks/claims.py --check    # exit 1 unless README.md holds the table as printed
+    python benchmarks/claims.py --ablation # the ablation's sustainable rates per seed (benchmarks/README.md)
 
 Latency and sustainable rates are recomputed from the per-request records of each sweep
 (`<folder>/records/<system>_<rate>.jsonl`), with the sweep's own rule: per rate the mean (and the
@@ -105,17 +106,12 @@ def tool_loop_rows() -> list[tuple[str, str, str, str]]:
         return []
     data = json.loads(path.read_text())
     s = data["summaries"]
-    rows = []
-    for name in (n for n in s if n != "infercept"):
-        if "infercept" not in s:
-            break
-        rows.append((f"One agent's tool loop (openai SDK, idle server): resumed-step TTFT, {name} / infercept",
-                     f"{s[name]['resumed_ttft_median_s'] / s['infercept']['resumed_ttft_median_s']:.2f}x "
-                     f"({s[name]['resumed_ttft_median_s']:.3f} vs {s['infercept']['resumed_ttft_median_s']:.3f} s); "
-                     f"cached {100 * s[name]['resumed_cached_share']:.0f}% vs "
-                     f"{100 * s['infercept']['resumed_cached_share']:.0f}% of the resumed prompts",
-                     f"{data['cpu']}, {data['date']}", f"`{path.relative_to(ROOT)}`"))
-    return rows
+    base = s["infercept"]["resumed_ttft_median_s"]
+    cells = "; ".join(f"{name} {x['resumed_ttft_median_s']:.3f} s ({x['resumed_ttft_median_s'] / base:.2f}x), "
+                      f"{100 * x['resumed_cached_share']:.0f}% cached" for name, x in s.items())
+    return [("One agent's forced tool loop over the openai SDK, idle server: resumed-step TTFT (median, and / "
+             "infercept's) and share of resumed prompt tokens reported cached", cells,
+             f"{data['cpu']}, {data['date']}", f"`{path.relative_to(ROOT)}`")]
 
 
 ABLATION = ("infercept", "infercept+recompute-preemption", "swap", "swap+swap-preemption", "prefix-cache",
@@ -125,13 +121,13 @@ SINGLE = ("swap", "prefix-cache")  # single strategies in the ablation (today's 
 
 def ablation_rows() -> list[tuple[str, str, str, str]]:
     sweeps = [Sweep.load(RESULTS / f"ablation_seed{seed}") for seed in SEEDS
-              if (RESULTS / f"ablation_seed{seed}" / "records").exists()]
+              if (RESULTS / f"ablation_seed{seed}" / "sweep.json").exists()]  # written when a sweep completes
     if not sweeps:
         return []
     rows = []
     machine = sweeps[0].machine
     sources = ", ".join(s.source() for s in sweeps)
-    for key, label in (("normalized_latency_mean", "mean"), ("normalized_latency_median", "median (the paper's)")):
+    for key, label in (("normalized_latency_mean", "mean"), ("normalized_latency_median", "median")):
         per_seed = [s.sustainable(key) for s in sweeps]
 
         def each(a: str, b: str) -> str:
@@ -140,29 +136,37 @@ def ablation_rows() -> list[tuple[str, str, str, str]]:
         def best_single(sus: dict) -> str:
             return max(SINGLE, key=lambda n: sus[n][0])
 
-        rows.append((f"Sustainable rate at 2x the best {label} normalized latency, infercept / the better of "
-                     f"swap and prefix-cache, seeds {', '.join(str(s) for s in SEEDS[:len(sweeps)])}",
+        paper = " (the paper's metric)" if label == "median" else ""
+        rows.append((f"Sustainable rate at 2x the best {label} normalized latency{paper}, "
+                     f"infercept / the better of swap and prefix-cache, seeds "
+                     f"{' / '.join(s.folder.name.removeprefix('ablation_seed') for s in sweeps)}",
                      " / ".join(f"{ratio(sus['infercept'], sus[best_single(sus)])} ({best_single(sus)})"
                                 for sus in per_seed), machine, sources))
+        rows.append((f"... infercept / prefix-cache, today's servers ({label})", each("infercept", "prefix-cache"),
+                     machine, sources))
         rows.append((f"... infercept / infercept with recompute-preemption ({label}): what swapping preempted "
                      f"and evicted KV adds", each("infercept", "infercept+recompute-preemption"), machine, sources))
+        rows.append((f"... infercept / swap with swap-preemption ({label}): what the min-waste pause-time plan "
+                     f"adds over swapping every paused context", each("infercept", "swap+swap-preemption"),
+                     machine, sources))
         rows.append((f"... swap with swap-preemption / swap ({label})", each("swap+swap-preemption", "swap"),
                      machine, sources))
         rows.append((f"... prefix-cache with swap-preemption / prefix-cache ({label})",
                      each("prefix-cache+swap-preemption", "prefix-cache"), machine, sources))
-    shares = [(s, m) for s in sweeps for m in [s.metrics] if m]
-    if shares:
+    measured = [s for s in sweeps if s.metrics]  # sweeps whose sweep.json holds what /metrics said
+    if measured:
+        files = ", ".join(f"`{s.folder.relative_to(ROOT)}/sweep.json`" for s in measured)
+
         def span(system: str, key: str, scale: float = 100.0) -> str:
-            xs = [by[key] * scale for _, m in shares for by in m.get(system, {}).values() if key in by]
-            return f"{min(xs):.1f}-{max(xs):.1f}%" if xs else "–"
+            xs = [by[key] * scale for s in measured for by in s.metrics.get(system, {}).values() if key in by]
+            return f"{min(xs):.2g}-{max(xs):.2g}%" if xs else "–"
 
         rows.append(("Recompute share of step time (of computed tokens), every rate and seed",
                      "; ".join(f"{n} {span(n, 'recompute_time_share')} ({span(n, 'recompute_token_share')})"
-                               for n in ("infercept", "swap", "prefix-cache")),
-                     machine, ", ".join(f"`{s.folder.relative_to(ROOT)}/sweep.json`" for s, _ in shares)))
+                               for n in ("infercept", "swap", "prefix-cache")), machine, files))
         rows.append(("Paused KV held idle on the device over wall-clock time, % of pool x time, every rate and seed",
                      "; ".join(f"{n} {span(n, 'memory_waste_pct', 1.0)}" for n in ("infercept", "swap", "prefix-cache")),
-                     machine, ", ".join(f"`{s.folder.relative_to(ROOT)}/sweep.json`" for s, _ in shares)))
+                     machine, files))
     return rows
 
 
@@ -186,16 +190,66 @@ def earlier_rows() -> list[tuple[str, str, str, str]]:
                               f"{by['infercept'][r]['finished']}/{by['infercept'][r]['requests']} vs "
                               f"{by['vllm'][r]['finished']}/{by['vllm'][r]['requests']}"
                               for r in sorted(set(by["infercept"]) & set(by["vllm"])))
-            rows.append(("vLLM 0.32 CPU peer past the knee, mean normalized latency, infercept vs vLLM. NOT like for "
-                         "like: vLLM in fp32 with 1,376 KV tokens in all, InferCept in bf16 with that device pool "
-                         "plus a host pool (~4,660 tokens in all)", cells, sweep.machine, sweep.source()))
+            rows.append(("vLLM 0.32 CPU peer past the knee, mean normalized latency, infercept vs vLLM, run after "
+                         "InferCept's runs. NOT like for like: vLLM in fp32 with 1,376 KV tokens in all, InferCept "
+                         "in bf16 with a 1,392-token device pool plus a 4,656-token host pool", cells, sweep.machine,
+                         sweep.source()))
     return rows
 
 
+def peer_rows() -> list[tuple[str, str, str, str]]:
+    """The vLLM CPU peer in the rotation with InferCept, given InferCept's device pool and given its
+    device + host pools (`sweep.py --peer-pool both`)."""
+    sweeps = [Sweep.load(RESULTS / f"peer_seed{seed}") for seed in SEEDS
+              if (RESULTS / f"peer_seed{seed}" / "sweep.json").exists()]
+    if not sweeps:
+        return []
+    rows = []
+    argv = json.loads((sweeps[0].folder / "sweep.json").read_text())["run"]["argv"]
+    dtype = argv[argv.index("--peer-dtype") + 1] if "--peer-dtype" in argv else "bfloat16"
+    sources = ", ".join(s.source() for s in sweeps)
+    seeds = " / ".join(s.folder.name.removeprefix("peer_seed") for s in sweeps)
+    for key, label in (("normalized_latency_mean", "mean"), ("normalized_latency_median", "median")):
+        per_seed = [s.sustainable(key) for s in sweeps]
+        for peer, what in (("vllm-device", "vLLM given InferCept's device pool (vLLM has no host tier on a CPU)"),
+                           ("vllm-total", "vLLM given InferCept's device + host pools")):
+            rows.append((f"Sustainable rate at 2x the best {label}, infercept (bf16) / {what}, vLLM 0.32 CPU in "
+                         f"{dtype}, in the rotation, seeds {seeds}",
+                         " / ".join(f"{ratio(sus['infercept'], sus[peer])} ({rate_text(sus['infercept'])} vs "
+                                    f"{rate_text(sus[peer])} req/s)" for sus in per_seed),
+                         sweeps[0].machine, sources))
+    return rows
+
+
+def throughput_rows() -> list[tuple[str, str, str, str]]:
+    path = RESULTS / "throughput" / "throughput.json"
+    if not path.exists():
+        return []
+    data = json.loads(path.read_text())
+    cells = "; ".join(f"{r['workload']}: {r['infercept_tok_s']:.0f} vs {r['transformers_tok_s']:.0f} tok/s "
+                      f"({r['infercept_tok_s'] / r['transformers_tok_s']:.2f}x)" for r in data["rows"])
+    return [(f"Engine vs transformers `generate`, {data['dtype']}, {data['threads']} threads, one process "
+             f"at a time", cells, f"{data['cpu']}, {data['date']}", f"`{path.relative_to(ROOT)}`")]
+
+
 def table() -> str:
-    rows = tool_loop_rows() + ablation_rows() + earlier_rows()
+    rows = tool_loop_rows() + ablation_rows() + peer_rows() + throughput_rows() + earlier_rows()
     lines = ["| claim | measured | machine, date | from |", "|---|---|---|---|"]
     lines += [f"| {claim} | {value} | {machine} | {source} |" for claim, value, machine, source in rows]
+    return "\n".join(lines) + "\n"
+
+
+def ablation_table() -> str:
+    """Sustainable rate of every ablation policy per seed (benchmarks/README.md's ablation table)."""
+    sweeps = {seed: Sweep.load(RESULTS / f"ablation_seed{seed}") for seed in SEEDS
+              if (RESULTS / f"ablation_seed{seed}" / "sweep.json").exists()}
+    lines = ["| sustainable req/s, mean / median SLO | " + " | ".join(f"seed {seed}" for seed in sweeps) + " |",
+             "|---|" + "---|" * len(sweeps)]
+    rates = {seed: (s.sustainable("normalized_latency_mean"), s.sustainable("normalized_latency_median"))
+             for seed, s in sweeps.items()}
+    for name in ABLATION:
+        lines.append(f"| {name} | " + " | ".join(f"{rate_text(mean[name])} / {rate_text(median[name])}"
+                                                  for mean, median in rates.values()) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -209,7 +263,11 @@ def readme_table(text: str) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 unless README.md holds this table")
+    parser.add_argument("--ablation", action="store_true", help="print the ablation's per-seed table instead")
     args = parser.parse_args(argv)
+    if args.ablation:
+        print(ablation_table(), end="")
+        return 0
     text = table()
     print(text, end="")
     if args.check:

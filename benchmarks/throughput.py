@@ -2,7 +2,9 @@
 
 Same model, dtype and thread count for both. Decode throughput at several batch sizes (every
 sequence starts from a short prompt and decodes a fixed number of tokens with EOS ignored), and
-prefill throughput of one long prompt. Prints a markdown table with tokens/s and the ratio.
+prefill throughput of one long prompt. Prints a markdown table with tokens/s and the ratio, and
+writes it with the machine and date to `<out>/throughput.md` and `.json` (`benchmarks/claims.py` reads
+the JSON).
 
     python benchmarks/throughput.py                      # embedded model, bf16, batches 1 8 32
     python benchmarks/throughput.py --batches 1 8 --decode-tokens 64 --dtype float32
@@ -10,9 +12,16 @@ prefill throughput of one long prompt. Prints a markdown table with tokens/s and
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from machine import cpu_name, today  # noqa: E402
 
 
 def engine_decode(llm, batch: int, prompt_len: int, new_tokens: int) -> float:
@@ -80,6 +89,7 @@ def main() -> None:
     ap.add_argument("--prefill-len", type=int, default=1000)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--out", default=str(Path(__file__).with_name("results") / "throughput"))
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -104,11 +114,19 @@ def main() -> None:
     ours, theirs = engine_prefill(llm, args.prefill_len), hf_prefill(hf, args.prefill_len)
     rows.append((f"prefill, {args.prefill_len}-token prompt", ours, theirs))
 
-    print(f"\nmodel {model_dir}, {args.dtype}, {args.threads} threads, torch {torch.__version__}\n")
-    print("| workload | infercept tok/s | transformers tok/s | ratio |")
-    print("|---|---:|---:|---:|")
-    for name, ours, theirs in rows:
-        print(f"| {name} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x |")
+    lines = [f"# Engine vs transformers, side by side\n", f"{cpu_name()}, {today()}; model {Path(model_dir).name}, "
+             f"{args.dtype}, {args.threads} threads, torch {torch.__version__}. Command: `python "
+             f"benchmarks/throughput.py {' '.join(sys.argv[1:])}`\n",
+             "| workload | infercept tok/s | transformers tok/s | ratio |", "|---|---:|---:|---:|"]
+    lines += [f"| {name} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x |" for name, ours, theirs in rows]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "throughput.md").write_text(text)
+    (out / "throughput.json").write_text(json.dumps(
+        {"cpu": cpu_name(), "date": today(), "dtype": args.dtype, "threads": args.threads,
+         "rows": [{"workload": n, "infercept_tok_s": a, "transformers_tok_s": b} for n, a, b in rows]}, indent=1))
 
 
 if __name__ == "__main__":

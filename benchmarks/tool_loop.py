@@ -2,8 +2,8 @@
 step costs when nothing else runs (the regime of a single developer's agent, not of a loaded server).
 
 Every policy's server is started as a user would start it (`infercept serve --policy P`, defaults
-otherwise, one thread), then loops run interleaved (policy after policy, repeat after repeat): a
-~1,200-token system prompt (unique per loop, so no loop hits another's prefix cache), a forced call
+otherwise but one thread and a 0.5 GiB device pool, ample for one agent), then loops run interleaved (policy after policy, repeat after repeat): a
+~1,800-token system prompt (unique per loop, so no loop hits another's prefix cache), a forced call
 of `get_weather`, the tool result, and so on for `--steps` steps. Streamed; the time to the first
 generated delta (text or tool call) is the step's TTFT; `cached_tokens` is the server's own report.
 
@@ -35,8 +35,12 @@ WEATHER = {"name": "get_weather", "description": "Current weather of a city",
 TOOLS = [{"type": "function", "function": WEATHER}]
 FORCED = {"type": "function", "function": {"name": "get_weather"}}
 CITIES = ["Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Quito", "Hanoi", "Perth"]
-DOCUMENT = " ".join(f"Section {i + 1}: {CITIES[i % 8]} has markets, museums, a river, old streets and parks."
-                    for i in range(70))
+
+
+def document(sections: int) -> str:
+    """A reference text of ~26 tokens per section (70 sections: a ~1,800-token system prompt)."""
+    return " ".join(f"Section {i + 1}: {CITIES[i % 8]} has markets, museums, a river, old streets and parks."
+                    for i in range(sections))
 
 
 def streamed_step(client: openai.OpenAI, model: str, messages: list, max_tokens: int) -> dict:
@@ -66,10 +70,10 @@ def streamed_step(client: openai.OpenAI, model: str, messages: list, max_tokens:
             "calls": [calls[i] for i in sorted(calls)]}
 
 
-def run_loop(client: openai.OpenAI, model: str, steps: int, max_tokens: int) -> list[dict]:
+def run_loop(client: openai.OpenAI, model: str, steps: int, max_tokens: int, sections: int = 70) -> list[dict]:
     nonce = uuid.uuid4().hex[:12]  # no loop reuses another's prefix
     messages = [{"role": "system", "content": f"Session {nonce}. You are a travel assistant; use the tools. "
-                                              f"Reference:\n{DOCUMENT}"},
+                                              f"Reference:\n{document(sections)}"},
                 {"role": "user", "content": "What is the weather in each city of the reference? Check them one by one."}]
     records = []
     for step in range(steps):
@@ -116,6 +120,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=4, help="tool calls per loop (all but the first resume)")
     p.add_argument("--max-tokens", type=int, default=40, help="per step: enough for one forced call")
     p.add_argument("--threads", type=int, default=1, help="torch threads per server (the others stay idle)")
+    p.add_argument("--kv-cache-gb", type=float, default=0.5,
+                   help="device KV pool of every server (the default takes a share of free memory, so "
+                        "several servers at once would not fit)")
     p.add_argument("--out", default=str(Path(__file__).with_name("results") / "tool_loop"))
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -126,7 +133,8 @@ def main(argv: list[str] | None = None) -> None:
         for policy in args.policies:
             port = free_port()
             servers[policy] = ServerProcess([exe, "serve", "--policy", policy, "--port", str(port), "--threads",
-                                             str(args.threads), "--log-level", "warning"], port, policy,
+                                             str(args.threads), "--kv-cache-gb", str(args.kv_cache_gb),
+                                             "--log-level", "warning"], port, policy,
                                             out / f"{policy}.log")
         for server in servers.values():
             server.wait_ready(timeout=600)
@@ -146,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
             server.stop()
     summaries = {policy: summarize(runs) for policy, runs in loops.items()}
     header = (f"# Tool loop over the openai SDK, one agent, idle server\n\n{cpu_name()}, {args.threads} thread(s) "
-              f"per server, {today()}; {args.loops} loops x {args.steps} forced calls per policy, "
+              f"and {args.kv_cache_gb} GiB of device KV per server, {today()}; {args.loops} loops x {args.steps} forced calls per policy, "
               f"interleaved. Command: `python benchmarks/tool_loop.py --policies {' '.join(args.policies)} "
               f"--loops {args.loops} --steps {args.steps}`")
     (out / "tool_loop.json").write_text(json.dumps({"cpu": cpu_name(), "date": today(),

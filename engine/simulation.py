@@ -17,10 +17,11 @@ Metrics (paper §5, DESIGN §7), computed by `TraceResult.summary()`:
 - recompute share: of the tokens the forward passes processed (`EngineStats.recompute_token_share`),
   and of modeled forward time, attributing each iteration's T_fwd to its tokens pro rata.
 - memory waste: bytes paused requests hold on the device x seconds they hold them
-  (`EngineStats.memory_waste_byte_seconds`, over the virtual clock: iterations and the idle gaps between
-  them, when a paused request's KV is just as idle), over device pool bytes x duration, as a %. The paper's accounting
-  (Eqs. 1 and 3) also charges recomputation and synchronous-swap stalls with the memory of the whole
-  running batch, which waits for them; that sum is reported as "total waste".
+  (`EngineStats.memory_waste_byte_seconds`, over the virtual clock: iterations and the idle gaps
+  between them, when a paused request's KV is just as idle), over device pool bytes x duration, as a
+  %. The paper's accounting (Eqs. 1 and 3) also charges recomputation and synchronous-swap stalls
+  with the memory of the whole running batch, which waits for them; that sum is reported as "total
+  waste".
 
 Coarse simulation (`token_scale` k > 1, optional): one simulated token stands for k real tokens and one
 iteration for k identical real iterations. `coarsen_profile` scales the profile so that every quantity
@@ -94,7 +95,8 @@ class StepResult:
     @property
     def made_progress(self) -> bool:
         out = self.output
-        return bool(out.chunks or out.swap_out or out.swap_in or out.num_discarded_tokens or out.num_fresh_pauses_planned)
+        return bool(out.chunks or out.swap_out or out.swap_in or out.num_discarded_tokens
+                    or out.num_fresh_pauses_planned)
 
 
 class SimulatedEngine:

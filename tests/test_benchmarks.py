@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 
 import pytest
@@ -162,20 +163,23 @@ def test_sweep_reads_recompute_and_waste_from_metrics():
 
 
 def test_vllm_peer_gets_infercepts_kv_token_capacity_and_cores(default_model_dir):
-    """The peer's KV pool holds as many tokens as InferCept's `--kv-cache-gb` pool (in bf16), in vLLM's
-    block size, and runs on the same cores; the sweep skips it when no interpreter can import vllm."""
+    """The peer's KV pool holds as many tokens as InferCept's `--kv-cache-gb` pool (in bf16), or as its
+    device and host pools together, in vLLM's block size, and runs on the same cores; the sweep skips it
+    when no interpreter can import vllm."""
     sweep = load_bench("sweep")
     per_token = sweep.kv_bytes_per_token(default_model_dir)
     assert per_token == 2 * 30 * 3 * 64 * 2  # SmolLM2-135M: 30 layers x 3 KV heads x 64, bf16
-    args = argparse.Namespace(kv_cache_gb=0.03, peer_python="/venv/bin/python", peer_dtype="float32",
-                              max_num_batched_tokens=128, threads=1)
-    argv, env = sweep.vllm_argv(8100, args)
-    flags = {flag: value for flag, value in zip(argv, argv[1:]) if flag.startswith("--")}
-    blocks = int(flags["--num-gpu-blocks-override"])
-    assert argv[0] == "/venv/bin/python" and flags["--block-size"] == str(sweep.VLLM_BLOCK)
-    assert blocks * sweep.VLLM_BLOCK <= 0.03 * 1024 ** 3 / per_token < (blocks + 1) * sweep.VLLM_BLOCK
-    assert int(flags["--max-model-len"]) < blocks * sweep.VLLM_BLOCK and flags["--dtype"] == "float32"
-    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-0"
+    args = argparse.Namespace(kv_cache_gb=0.03, host_kv_gb=0.1, peer_python="/venv/bin/python",
+                              peer_dtype="float32", max_num_batched_tokens=128, threads=1)
+    for pool, gib in (("device", 0.03), ("total", 0.13)):  # the device pool alone, or device + host
+        argv, env = sweep.vllm_argv(8100, args, pool)
+        flags = {flag: value for flag, value in zip(argv, argv[1:]) if flag.startswith("--")}
+        blocks = int(flags["--num-gpu-blocks-override"])
+        assert argv[0] == "/venv/bin/python" and flags["--block-size"] == str(sweep.VLLM_BLOCK)
+        assert blocks * sweep.VLLM_BLOCK <= gib * 1024 ** 3 / per_token < (blocks + 1) * sweep.VLLM_BLOCK
+        assert int(flags["--max-model-len"]) < blocks * sweep.VLLM_BLOCK and flags["--dtype"] == "float32"
+        assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-0"
+    assert set(sweep.PEER_POOLS) == {"device", "total"}
     assert sweep.peer_python("/x/python") == "/x/python"
 
 
@@ -189,3 +193,48 @@ def test_spot_speed_measures_fresh_prefill_and_exact_decode(server):
     assert set(speeds) == {1, 3}
     assert all(math.isfinite(v) and v > 0 for v in speeds.values())
     server.assert_no_leak()
+
+
+def test_tool_loop_resumes_a_forced_call_loop(server):
+    """The tool-loop benchmark's loop against the live test server (preserve policy): every step makes
+    a forced call, and the resumed step reuses the paused context."""
+    import openai
+
+    tool_loop = load_bench("tool_loop")
+    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    records = tool_loop.run_loop(client, MODEL, steps=2, max_tokens=40, sections=6)
+    assert [r["step"] for r in records] == [0, 1]
+    assert all(r["calls"] and r["calls"][0]["name"] == "get_weather" and r["ttft_s"] > 0 for r in records)
+    assert records[0]["cached_tokens"] == 0  # a fresh nonce: nothing to reuse
+    assert records[1]["cached_tokens"] >= 0.9 * records[1]["prompt_tokens"]
+    summary = tool_loop.summarize([records])
+    assert summary["resumed_steps"] == 1 and summary["resumed_cached_share"] >= 0.9
+    server.abort_paused()
+
+
+def test_claims_recompute_sustainable_rates_from_request_records(tmp_path, monkeypatch):
+    claims = load_bench("claims")
+    records = tmp_path / "sweep_x" / "records"
+    records.mkdir(parents=True)
+    # (system, rate) -> normalized latencies of its requests (e2e = latency x 10 tokens, no interception)
+    runs = {("swap", 0.5): [0.1, 0.1], ("swap", 1.0): [0.3, 0.5], ("infercept", 0.5): [0.1, 0.1],
+            ("infercept", 1.0): [0.15, 0.15]}
+    for (system, rate), latencies in runs.items():
+        lines = [replay.RequestRecord(f"r{i}", "mixed", 0.0, e2e=x * 10, output_tokens=10, finished=True).to_dict()
+                 for i, x in enumerate(latencies)]
+        (records / f"{system}_{rate:g}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in lines))
+    sweep = claims.Sweep.load(tmp_path / "sweep_x")
+    sustainable = sweep.sustainable()  # SLO 0.2: swap crosses between 0.5 and 1.0, infercept never
+    assert sustainable["swap"] == (pytest.approx(0.5 + 0.5 * (0.2 - 0.1) / (0.4 - 0.1)), True)
+    assert sustainable["infercept"] == (1.0, False)
+    assert claims.ratio(sustainable["infercept"], sustainable["swap"]) == "≥ 1.50x"
+    assert claims.ratio((0.8, True), (0.4, True)) == "2.00x"
+    assert claims.ratio((1.0, False), (1.0, False)).startswith("≈")
+    assert claims.ratio((0.45, True), (0.0, True)).startswith("∞")
+
+
+def test_readme_headline_table_is_what_claims_prints():
+    """The README's "Measured" table is pasted from `benchmarks/claims.py`: a number in it that the
+    result files do not give fails here."""
+    claims = load_bench("claims")
+    assert claims.main(["--check"]) == 0
