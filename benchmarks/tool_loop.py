@@ -2,9 +2,10 @@
 step costs when nothing else runs (the regime of a single developer's agent, not of a loaded server).
 
 Every policy's server is started as a user would start it (`infercept serve --policy P`, defaults
-otherwise but one thread and a 0.5 GiB device pool, ample for one agent), then loops run interleaved (policy after policy, repeat after repeat): a
-~1,800-token system prompt (unique per loop, so no loop hits another's prefix cache), a forced call
-of `get_weather`, the tool result, and so on for `--steps` steps. Streamed; the time to the first
+otherwise but one thread and a 0.5 GiB device pool, ample for one agent), then loops run interleaved
+(policy after policy, repeat after repeat): a ~1,800-token system prompt (unique per loop, so no loop
+hits another's prefix cache), a forced call of `get_weather`, the tool result, and so on for `--steps`
+steps. Streamed; the time to the first
 generated delta (text or tool call) is the step's TTFT; `cached_tokens` is the server's own report.
 
     python benchmarks/tool_loop.py                     # discard vs infercept, 3 loops of 4 steps
@@ -28,6 +29,7 @@ import openai
 sys.path.insert(0, str(Path(__file__).parent))
 
 from machine import cpu_name, today  # noqa: E402
+from replay import default_model  # noqa: E402
 from sweep import ServerProcess, free_port  # noqa: E402
 
 WEATHER = {"name": "get_weather", "description": "Current weather of a city",
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
             server.wait_ready(timeout=600)
         clients = {policy: openai.OpenAI(base_url=f"{s.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
                    for policy, s in servers.items()}
-        models = {policy: c.models.list().data[0].id for policy, c in clients.items()}
+        models = {policy: default_model(s.base_url) for policy, s in servers.items()}
         loops: dict[str, list] = {policy: [] for policy in servers}
         for i in range(args.loops):
             for policy, client in clients.items():
