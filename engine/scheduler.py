@@ -28,15 +28,22 @@ resume only the evicted part is recomputed.
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from collections.abc import Callable
 
 from .block_manager import BlockManager, chain_hashes
 from .config import SchedulerConfig
 from .outputs import RunnerOutput, ScheduledChunk, SchedulerOutput
+from .paused_kv import PausedKV
 from .policy import (DurationEstimator, IterationInfo, KVAction, PausedInfo, Policy, Profile,
-                     split_swap_budget)
+                     split_swap_budget, swap_room)
 from .request import Request, RequestStatus
+
+
+# A settled paused request wakes this much before its guard could be crossed: clock arithmetic rounds,
+# and waking early only costs a plan.
+WAKE_EARLY_S = 1e-6
 
 
 def _by_arrival(r: Request) -> float:
@@ -46,7 +53,7 @@ def _by_arrival(r: Request) -> float:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, policy: Policy | None = None,
                  profile: Profile | None = None, clock: Callable[[], float] = time.monotonic,
-                 estimator: DurationEstimator | None = None):
+                 estimator: DurationEstimator | None = None, event_driven: bool = True):
         self.config = config
         self.blocks = block_manager
         # No policy: paused requests keep their KV on the device until memory runs short.
@@ -58,6 +65,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.paused: dict[str, Request] = {}
+        # Where the paused requests' KV is, and which of them the next plan must see (`paused_kv.py`);
+        # `event_driven=False` plans every holder every step (the reference the tests compare with).
+        self.paused_kv = PausedKV(event_driven)
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []  # dropped since the last step, for the runner
         self._last_batched_tokens = 1
@@ -85,6 +95,7 @@ class Scheduler:
             if request in queue:
                 queue.remove(request)
         self.paused.pop(request.request_id, None)
+        self.paused_kv.remove(request.request_id)
         self._undecided.discard(request.request_id)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
@@ -109,6 +120,7 @@ class Scheduler:
         request.paused_at = self.clock()
         request.tool_calls = list(tool_calls)
         self.paused[request.request_id] = request
+        self.paused_kv.add(request, *self.kv_tokens(request))
         if self.policy is not None:
             self._undecided.add(request.request_id)
 
@@ -116,6 +128,7 @@ class Scheduler:
         """Continue a paused request with the tokens the interception returned."""
         self.decide_fresh_pause(request_id)
         request = self.paused.pop(request_id)
+        self.paused_kv.remove(request_id)
         now = self.clock()
         self.estimator.observe(request.tool_name or (request.intercept.kind if request.intercept else None),
                                now - request.paused_at)
@@ -198,7 +211,12 @@ class Scheduler:
 
     def paused_device_tokens(self) -> int:
         """KV tokens paused requests hold on the device: idle memory."""
-        return sum(self.kv_tokens(r)[0] for r in self.paused.values())
+        return self.paused_kv.device_tokens
+
+    def _kv_moved(self, request: Request) -> None:
+        """A request's KV changed place: keep the paused index in step (no-op for unpaused ones)."""
+        if request.request_id in self.paused_kv:
+            self.paused_kv.moved(request.request_id, *self.kv_tokens(request))
 
     def _kv_state(self, request: Request) -> str:
         device, host = self.kv_tokens(request)
@@ -212,6 +230,7 @@ class Scheduler:
         dropped = request.num_computed_tokens
         self.blocks.free(request.request_id, keep_cached=self.policy is None or self.policy.lazy_discard)
         request.num_computed_tokens = 0
+        self._kv_moved(request)
         if request.status is RequestStatus.SWAPPED:
             self.swapped.remove(request)
             request.recompute_all = self.policy is not None and not self.policy.chunked_recompute
@@ -266,21 +285,49 @@ class Scheduler:
         free_host = self.blocks.num_free_host_blocks * bs
         if self.policy is None or self.profile is None or not self.paused:
             return total
-        infos = [self._paused_info(r) for r in self.paused.values()]
-        swap_out_demand = sum(i.num_device_tokens for i in infos)
+        swap_out_demand = self.paused_kv.device_tokens
         if total is None:
             swap_in_budget, swap_out_budget = None, swap_out_demand
         else:
             split = split_swap_budget(total, swap_in_demand, swap_out_demand, free_device, free_host)
             swap_in_budget, swap_out_budget = split.swap_in, split.swap_out
-        plan = self.policy.plan(infos, self._iteration_info(swap_out_budget), self.profile)
+        if not swap_out_demand:
+            return swap_in_budget  # no paused request holds device KV: nothing to decide
+        iteration = self._iteration_info(swap_out_budget)
+        # The holders whose decision could differ from "preserve" now; the others sleep (paused_kv.py).
+        due = self.paused_kv.to_plan(self.clock(), iteration.num_running_tokens, swap_room(iteration) > 0,
+                                     self.profile.t_fwd(iteration.num_batched_tokens), self.estimator.version)
+        infos = {r.request_id: self._paused_info(r) for r in due}
+        plan = self.policy.plan(list(infos.values()), iteration, self.profile)
         for decision in plan:
             request = self.paused[decision.request_id]
             if decision.action is KVAction.DISCARD:
                 out.num_discarded_tokens += self._discard(request)
             elif decision.action is KVAction.SWAP_OUT:
                 self._swap_out_or_discard(out, request, -(-decision.swap_out_tokens // bs))
+            else:
+                self._settle(request, infos[request.request_id], iteration)
         return swap_in_budget
+
+    def _settle(self, request: Request, info: PausedInfo, iteration: IterationInfo) -> None:
+        """A preserved request sleeps until its policy's guard may be crossed (`PreserveGuard`): the
+        expected remaining time grows at most as fast as the clock until its next jump
+        (`DurationEstimator.next_jump`), so each bound gets a timer."""
+        guard = self.policy.preserve_guard(info, iteration, self.profile)
+        if guard is None or not info.expected_s < guard.expected_s:
+            return  # planned again next step
+        now = request.paused_at + info.elapsed_s
+        hint = request.intercept.expected_s if request.intercept else None
+        jump = self.estimator.next_jump(now, request.paused_at, request.tool_name, hint)
+
+        def wake(bound: float) -> float:
+            if bound == math.inf:
+                return math.inf
+            return min(now + max(bound - info.expected_s, 0.0), jump) - WAKE_EARLY_S
+
+        self.paused_kv.settle(request.request_id, wake(guard.expected_s), wake(guard.swap_expected_s),
+                              guard.swap_iteration_s, guard.min_running_tokens, request.tool_name,
+                              self.estimator.version(request.tool_name))
 
     def _iteration_info(self, swap_out_budget: int) -> IterationInfo:
         running_tokens = sum(r.num_computed_tokens for r in self.running)
@@ -291,6 +338,7 @@ class Scheduler:
         """Swap `blocks` of a paused request's device KV to the host; discard it if the host is full."""
         if self.blocks.can_swap_out(blocks):
             out.swap_out += self.blocks.swap_out(request.request_id, blocks)
+            self._kv_moved(request)
         else:
             out.num_discarded_tokens += self._discard(request)
 
@@ -345,10 +393,10 @@ class Scheduler:
     def _free_paused_for_room(self, out: SchedulerOutput) -> bool:
         """Memory pressure: the newest paused request's device KV leaves the device (idle memory goes
         first). False if no paused request holds device KV."""
-        holders = [r for r in self.paused.values() if self.kv_tokens(r)[0]]
-        if not holders:
+        newest = self.paused_kv.newest_holder()
+        if newest is None:
             return False
-        self._evict(out, max(holders, key=_by_arrival))
+        self._evict(out, newest)
         return True
 
     def _evict_newer_swapping_in(self, out: SchedulerOutput, request: Request) -> bool:

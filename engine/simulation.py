@@ -105,7 +105,7 @@ class SimulatedEngine:
     def __init__(self, policy_name: str, profile: Profile, num_device_blocks: int, num_host_blocks: int,
                  block_size: int | None = None, max_num_batched_tokens: int | None = None,
                  max_num_seqs: int = 256, max_model_len: int = UNLIMITED_MODEL_LEN,
-                 estimator: DurationEstimator | None = None):
+                 estimator: DurationEstimator | None = None, event_driven: bool = True):
         self.profile = profile
         self.block_size = block_size or profile.block_size
         self.clock = VirtualClock()
@@ -116,7 +116,7 @@ class SimulatedEngine:
         config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens or profile.saturation_point,
                                  max_num_seqs=max_num_seqs, max_model_len=max_model_len)
         self.scheduler = Scheduler(config, self.block_manager, self.policy, profile, clock=self.clock.now,
-                                   estimator=estimator)
+                                   estimator=estimator, event_driven=event_driven)
         self.runner = ModeledRunner(profile, self.clock, self.block_size,
                                     swap_synchronous=self.policy.swap_synchronous)
         self.stats = EngineStats(bytes_per_token=profile.bytes_per_token)

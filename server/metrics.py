@@ -48,14 +48,9 @@ class EngineSnapshot:
 def snapshot_engine(engine) -> EngineSnapshot:
     """Read the engine's numbers; call on the engine thread (AsyncEngine.call)."""
     stats, bm, sched = engine.stats, engine.block_manager, engine.scheduler
-    by_state = dict.fromkeys(KV_STATES, 0)
-    tokens = {"device": 0, "host": 0, "discarded": 0}
-    for request_id in list(sched.paused):
-        loc = sched.kv_location(request_id)
-        for k in tokens:
-            tokens[k] += loc[k]
-        by_state["partial" if loc["device"] and loc["host"] else
-                 "device" if loc["device"] else "host" if loc["host"] else "discarded"] += 1
+    paused = sched.paused_kv  # totals kept as KV moves: O(1) however many agents wait
+    by_state = {state: paused.count_by_state[state] for state in KV_STATES}
+    tokens = {"device": paused.device_tokens, "host": paused.host_tokens, "discarded": paused.discarded_tokens}
     return EngineSnapshot(
         num_steps=stats.num_steps, forward_seconds=stats.forward_seconds,
         num_computed_tokens=stats.num_computed_tokens, num_recomputed_tokens=stats.num_recomputed_tokens,

@@ -10,15 +10,15 @@ without a model (DESIGN §2). Modules:
   the baseline and ablation policies, `make_policy`.
 """
 from .decisions import (FIGURE3_ABLATION, KV_STATES, POLICIES, IterationInfo, KVAction, KVDecision, KVPlan,
-                        PausedInfo, Policy, SwapBudget, make_policy, min_waste_plan, recompute_chunk_size,
-                        split_swap_budget)
+                        PausedInfo, Policy, PreserveGuard, SwapBudget, make_policy, min_waste_plan, recompute_chunk_size,
+                        split_swap_budget, swap_room)
 from .estimator import DurationEstimator
 from .profile import Profile, a100_gptj_6b, detect_saturation_point
 from .waste import waste_chunk_discard, waste_discard, waste_preserve, waste_swap
 
 __all__ = [
     "FIGURE3_ABLATION", "KV_STATES", "POLICIES", "DurationEstimator", "IterationInfo", "KVAction", "KVDecision",
-    "KVPlan", "PausedInfo", "Policy", "Profile", "SwapBudget", "a100_gptj_6b", "detect_saturation_point",
-    "make_policy", "min_waste_plan", "recompute_chunk_size", "split_swap_budget", "waste_chunk_discard",
+    "KVPlan", "PausedInfo", "Policy", "PreserveGuard", "Profile", "SwapBudget", "a100_gptj_6b", "detect_saturation_point",
+    "make_policy", "min_waste_plan", "recompute_chunk_size", "split_swap_budget", "swap_room", "waste_chunk_discard",
     "waste_discard", "waste_preserve", "waste_swap",
 ]

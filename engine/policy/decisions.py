@@ -33,11 +33,12 @@ Ties between preserve and discard go to preserve: equal waste, and preserve need
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
 from .profile import Profile
-from .waste import waste_chunk_discard, waste_discard, waste_preserve, waste_swap
+from .waste import num_chunks, waste_chunk_discard, waste_discard, waste_preserve, waste_swap
 
 KV_STATES = ("device", "host", "discarded", "partial")
 PREEMPTIONS = ("recompute", "swap")  # Policy.preemption
@@ -121,6 +122,23 @@ class KVPlan:
         return sum(d.swap_out_tokens for d in self.decisions)
 
 
+@dataclass(frozen=True)
+class PreserveGuard:
+    """How long a PRESERVE decision stands, whatever else the iterations hold (other requests, the
+    running batch, the budget): the policy's plan would preserve the request again at every iteration
+    while its expected remaining time stays below `expected_s`, and, in iterations with swap room,
+    below `swap_expected_s` with the iteration's forward time below `swap_iteration_s`. The scheduler
+    asks again only once one of them is crossed (or the tool's duration history changes), so requests
+    waiting on slow tools cost no work per iteration (`Policy.preserve_guard`). `expected_s` may rest
+    on the running requests' KV (the more memory waits for a recompute, the dearer a discard): then it
+    holds only while that stays at least `min_running_tokens`."""
+
+    expected_s: float = math.inf
+    swap_expected_s: float = math.inf
+    swap_iteration_s: float = math.inf
+    min_running_tokens: int = 0
+
+
 # -- budgets and chunks ---------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -168,18 +186,23 @@ def swap_amount(device_tokens: int, budget: int, block_size: int) -> int:
     return max(budget, 0) // block_size * block_size
 
 
+def swap_round_trip(info: PausedInfo, profile: Profile) -> float:
+    """Seconds to copy the request's device KV to the host and its whole context back."""
+    return profile.t_swap(info.num_device_tokens, "out") + profile.t_swap(info.num_tokens, "in")
+
+
 def worth_swapping(info: PausedInfo, profile: Profile, iteration_s: float) -> bool:
     """True if the request's KV would sit idle on the device for at least its round trip to the host.
 
     It sits idle for its expected remaining pause, but never less than this iteration (`iteration_s`):
     a request paused now cannot run before the next iteration, even if its result arrives at once.
     """
-    round_trip = profile.t_swap(info.num_device_tokens, "out") + profile.t_swap(info.num_tokens, "in")
-    return max(info.expected_s, iteration_s) >= round_trip
+    return max(info.expected_s, iteration_s) >= swap_round_trip(info, profile)
 
 
-def _swap_room(iteration: IterationInfo) -> int:
-    """Swap-out tokens this iteration may use: the budget, capped by the host pool."""
+def swap_room(iteration: IterationInfo) -> int:
+    """Swap-out tokens this iteration may use: the budget, capped by the host pool. With none, no plan
+    swaps anything out."""
     if iteration.free_host_tokens is None:
         return max(iteration.swap_out_budget, 0)
     return max(min(iteration.swap_out_budget, iteration.free_host_tokens), 0)
@@ -263,7 +286,7 @@ def min_waste_plan(paused: Sequence[PausedInfo], iteration: IterationInfo, profi
     # Most wasteful first; ties by original arrival (older first) so the order is deterministic.
     ordered = sorted(scored, key=lambda s: (-s.min_waste, s.info.arrival_time, s.info.request_id))
     iteration_s = profile.t_fwd(iteration.num_batched_tokens)
-    decisions, rest = _swap_in_order(ordered, _swap_room(iteration), profile,
+    decisions, rest = _swap_in_order(ordered, swap_room(iteration), profile,
                                      eligible=lambda s: worth_swapping(s.info, profile, iteration_s))
     for s in rest:
         decisions[s.info.request_id] = s.decide(KVAction.PRESERVE) if s.cheaper_to_preserve else _drop(s)
@@ -318,6 +341,13 @@ class Policy:
 
     def plan(self, paused: Sequence[PausedInfo], iteration: IterationInfo, profile: Profile) -> KVPlan:
         raise NotImplementedError
+
+    def preserve_guard(self, info: PausedInfo, iteration: IterationInfo, profile: Profile) -> PreserveGuard | None:
+        """For a request this policy's plan just preserved in `iteration`: bounds within which every later plan
+        preserves it too (`PreserveGuard`), or None if it must be planned again every iteration. The
+        bounds must be sound, not tight: a guard that ends early only costs a plan; one that ends late
+        would change decisions (tests replay traces with and without guards and compare every one)."""
+        return None
 
     def reclaim(self, info: PausedInfo, iteration: IterationInfo, profile: Profile) -> KVAction:
         """A running request needs device blocks and this request's KV must leave the device now: the
@@ -379,7 +409,7 @@ class BudgetedSwapPolicy(ChunkedDiscardPolicy):
 
     def plan(self, paused, iteration, profile):
         ordered = sorted(self._score_all(paused, iteration, profile), key=_swap_fcfs_key)
-        decisions, rest = _swap_in_order(ordered, _swap_room(iteration), profile)
+        decisions, rest = _swap_in_order(ordered, swap_room(iteration), profile)
         decisions.update({s.info.request_id: _drop(s) for s in rest})
         return _in_input_order(paused, decisions)
 
@@ -404,10 +434,14 @@ class HeuristicPreservePolicy(BudgetedSwapPolicy):
         scored = self._score_all(paused, iteration, profile)
         short = [s for s in scored if s.info.expected_s < self.long_threshold_s]
         long = sorted((s for s in scored if s.info.expected_s >= self.long_threshold_s), key=_swap_fcfs_key)
-        decisions, rest = _swap_in_order(long, _swap_room(iteration), profile)
+        decisions, rest = _swap_in_order(long, swap_room(iteration), profile)
         decisions.update({s.info.request_id: _drop(s) for s in rest})
         decisions.update({s.info.request_id: s.decide(KVAction.PRESERVE) for s in short})
         return _in_input_order(paused, decisions)
+
+    def preserve_guard(self, info, iteration, profile):
+        # Short interceptions are preserved, whatever the iteration, until they look long.
+        return None if info.kv_state == "partial" else PreserveGuard(expected_s=self.long_threshold_s)
 
 
 class InferCeptPolicy(Policy):
@@ -423,6 +457,22 @@ class InferCeptPolicy(Policy):
     def plan(self, paused, iteration, profile):
         return min_waste_plan(paused, iteration, profile)
 
+    def preserve_guard(self, info, iteration, profile):
+        """Preserve beats chunked discard (Eq. 4) whatever the recompute chunk while
+        ``T_int < T_fwd(C) / 2 + b · C_other`` with ``b = min over n of n · T_fwd(C / n) / C``; the
+        guard takes half of this iteration's ``C_other`` as a floor (so the running batch may shrink to
+        half before the request is planned again). No swap is worth it while both the expected time and
+        the iteration stay below the round trip (`worth_swapping`). The factor below 1 keeps the bound
+        strict under float rounding."""
+        if info.kv_state == "partial":
+            return None  # a swap in progress: planned every iteration until it completes
+        C = info.num_device_tokens
+        per_other_token = min(n * profile.t_fwd(C / n) for n in range(1, num_chunks(C, profile.block_size) + 1)) / C
+        floor = iteration.num_running_tokens // 2
+        round_trip = swap_round_trip(info, profile)
+        return PreserveGuard(expected_s=(profile.t_fwd(C) / 2 + per_other_token * floor) * (1 - 1e-9),
+                             swap_expected_s=round_trip, swap_iteration_s=round_trip, min_running_tokens=floor)
+
 
 class PreservePolicy(Policy):
     """Preserve (§3.2): keep every paused request's KV on the device."""
@@ -432,6 +482,9 @@ class PreservePolicy(Policy):
     def plan(self, paused, iteration, profile):
         return _in_input_order(paused, {s.info.request_id: s.decide(KVAction.PRESERVE)
                                         for s in self._score_all(paused, iteration, profile)})
+
+    def preserve_guard(self, info, iteration, profile):
+        return PreserveGuard()  # always
 
 
 class SwapPolicy(Policy):

@@ -24,6 +24,7 @@ start; with history the human turn is swapped or discarded at once and the calcu
 """
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 from collections import deque
@@ -41,6 +42,7 @@ class DurationEstimator:
         self.history_size = history_size
         self.min_history = min_history
         self._history: dict[str, deque[float]] = {}
+        self._versions: dict[str, int] = {}  # per tool: bumped by every observation
         # observe() runs where tool results arrive (server side), estimate() in the engine loop.
         self._lock = threading.Lock()
 
@@ -51,6 +53,12 @@ class DurationEstimator:
         with self._lock:
             history = self._history.setdefault(tool_name, deque(maxlen=self.history_size))
             history.append(float(duration))
+            self._versions[tool_name] = self._versions.get(tool_name, 0) + 1
+
+    def version(self, tool_name: str | None) -> int:
+        """How many observations of `tool_name` were recorded: an estimate made at one version holds
+        (as a function of time) until the version changes."""
+        return self._versions.get(tool_name, 0) if tool_name is not None else 0
 
     def history(self, tool_name: str) -> list[float]:
         with self._lock:
@@ -75,6 +83,25 @@ class DurationEstimator:
             if from_history is not None:
                 return from_history
         return elapsed
+
+    def next_jump(self, now: float, call_start: float, tool_name: str | None = None,
+                  hint_seconds: float | None = None) -> float:
+        """The first time after `now` at which `estimate` may jump up (math.inf: never, until the tool's
+        history changes). Between `now` and that time the estimate grows at most as fast as the clock:
+        ``estimate(t) <= estimate(now) + (t - now)``. Each rule is either falling with time (a hint, a
+        mean residual over a fixed set of past calls) or the elapsed time itself; a jump comes only when
+        a hint is outlived or the elapsed time passes a past call's duration. The scheduler uses this to
+        wake a paused request's decision when it could change, instead of asking every iteration."""
+        elapsed = max(now - call_start, 0.0)
+        if hint_seconds is not None and elapsed < hint_seconds:
+            return call_start + hint_seconds
+        if tool_name is not None:
+            samples = self.history(tool_name)
+            if len(samples) >= self.min_history:
+                later = [d for d in samples if d > elapsed]
+                if later:
+                    return call_start + min(later)
+        return math.inf
 
     def _mean_residual(self, tool_name: str, elapsed: float) -> float | None:
         samples = self.history(tool_name)

@@ -1,0 +1,223 @@
+"""Where paused requests' KV lives, kept as it moves, and which paused requests a step must plan.
+
+An agent platform holds many more waiting agents than running ones, so nothing a step does may walk
+every paused request. This index (mechanism; the scheduler owns it) keeps:
+
+- per paused request its (device, host) KV tokens, updated by the scheduler whenever they change
+  (`add`, `moved`, `remove`), and totals by location and by state, so the idle-memory clock, the
+  `/metrics` gauges and the swap-out demand are O(1) per step;
+- the *holders* (paused requests with device KV: the only ones a plan decides anything for), with the
+  newest one on a heap, for memory pressure;
+- which holders the next plan must see. A holder is *live* (planned every step) until the policy
+  preserves it with a `PreserveGuard`: then it is *settled* and sleeps until a guard may be crossed:
+  its expected remaining time may reach a bound (a timer, from `DurationEstimator.next_jump` and the
+  estimate's growth rate), the running requests' KV falls below the floor its bound rests on, the
+  iteration's forward time reaches its swap bound (heaps keyed by those), or its tool's duration
+  history changes (a version per tool). Swap bounds are watched only in
+  steps with swap room: without room no plan swaps. A step then plans the live holders and those that
+  woke: O(live + woken + log n), never O(paused).
+
+Every wake is conservative (early rather than late), so a step plans exactly the requests whose
+decision could differ from PRESERVE; `Scheduler(event_driven=False)` plans every holder every step, and
+tests compare the two decision by decision.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .request import Request
+
+PAUSED_KV_STATES = ("device", "host", "partial", "discarded")
+
+
+def kv_state(device: int, host: int) -> str:
+    if device and host:
+        return "partial"
+    return "device" if device else "host" if host else "discarded"
+
+
+@dataclass
+class _Entry:
+    request: Request
+    seq: int  # pause order: plans see holders in this order, as they would see the paused dict
+    device: int = 0
+    host: int = 0
+    settled: int = 0  # 0: live (if a holder); else the version of its current wake entries
+    tool: str | None = None  # settled with an estimate from this tool's history
+
+
+class PausedKV:
+    def __init__(self, event_driven: bool = True):
+        self.event_driven = event_driven
+        self._entries: dict[str, _Entry] = {}
+        self._seq = itertools.count()
+        self._versions = itertools.count(1)
+        self.device_tokens = 0
+        self.host_tokens = 0
+        self.discarded_tokens = 0
+        self.count_by_state = dict.fromkeys(PAUSED_KV_STATES, 0)
+        self._live: set[str] = set()  # holders planned every step
+        self._newest: list[tuple[float, int, str]] = []  # (-arrival, seq, id) of holders, lazily pruned
+        # Wakes of settled holders, lazily pruned by version: (time or seconds, seq, id, version).
+        self._expected_wake: list[tuple[float, int, str, int]] = []
+        self._swap_wake: list[tuple[float, int, str, int]] = []
+        self._swap_iteration: list[tuple[float, int, str, int]] = []
+        self._running_floor: list[tuple[float, int, str, int]] = []  # keyed by -min_running_tokens
+        self._num_settled = 0
+        # Settled holders by the tool whose duration history their estimate read, and the history
+        # version they all read (a new observation wakes them all: an event, not a per-step cost).
+        self._by_tool: dict[str, set[str]] = {}
+        self._tool_version: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._entries
+
+    # -- where the KV is ----------------------------------------------------------------------------
+    def add(self, request: Request, device: int, host: int) -> None:
+        entry = _Entry(request, next(self._seq))
+        self._entries[request.request_id] = entry
+        self.count_by_state[kv_state(0, 0)] += 1
+        self.discarded_tokens += request.num_tokens
+        self.moved(request.request_id, device, host)
+
+    def moved(self, request_id: str, device: int, host: int) -> None:
+        """The request's KV is now `device` + `host` tokens (the rest of its context is discarded). A
+        holder whose device KV changed is planned again (live)."""
+        e = self._entries[request_id]
+        if (device, host) == (e.device, e.host):
+            return
+        self._account(e, -1)
+        was_holder = e.device > 0
+        e.device, e.host = device, host
+        self._account(e, +1)
+        self._unsettle(request_id, e)
+        if device:
+            self._live.add(request_id)
+            if not was_holder:
+                heapq.heappush(self._newest, (-e.request.arrival_time, e.seq, request_id))
+                self._compact()
+        else:
+            self._live.discard(request_id)
+
+    def remove(self, request_id: str) -> None:
+        e = self._entries.pop(request_id, None)
+        if e is None:
+            return
+        self._account(e, -1)
+        self._unsettle(request_id, e)
+        self._live.discard(request_id)
+
+    def _account(self, e: _Entry, sign: int) -> None:
+        self.device_tokens += sign * e.device
+        self.host_tokens += sign * e.host
+        self.discarded_tokens += sign * (e.request.num_tokens - e.device - e.host)
+        self.count_by_state[kv_state(e.device, e.host)] += sign
+
+    def kv(self, request_id: str) -> tuple[int, int]:
+        """(device, host) tokens of a paused request's KV."""
+        e = self._entries[request_id]
+        return e.device, e.host
+
+    def newest_holder(self) -> Request | None:
+        """The paused request with device KV that arrived last (ties: paused first)."""
+        while self._newest:
+            _, seq, request_id = self._newest[0]
+            e = self._entries.get(request_id)
+            if e is not None and e.seq == seq and e.device:
+                return e.request
+            heapq.heappop(self._newest)
+        return None
+
+    # -- which holders to plan ----------------------------------------------------------------------
+    def to_plan(self, now: float, running_tokens: int, swap_room: bool, iteration_s: float,
+                tool_version: Callable[[str], int]) -> list[Request]:
+        """The holders this step's plan must see, in pause order: the live ones and the settled ones
+        whose guard may be crossed now. Without event-driven planning: every holder."""
+        if not self.event_driven:
+            return [e.request for e in self._entries.values() if e.device]
+        self._wake_due(self._expected_wake, now)
+        self._wake_due(self._running_floor, -running_tokens - 0.5)  # floors above the running KV
+        if swap_room:
+            self._wake_due(self._swap_wake, now)
+            self._wake_due(self._swap_iteration, iteration_s)
+        for tool in [t for t, ids in self._by_tool.items() if ids]:
+            self._check_tool(tool, tool_version(tool))
+        entries = sorted((self._entries[i] for i in self._live), key=lambda e: e.seq)
+        return [e.request for e in entries]
+
+    def settle(self, request_id: str, expected_wake: float, swap_wake: float, swap_iteration_s: float,
+               min_running_tokens: int, tool: str | None, tool_version: int) -> None:
+        """The plan preserved this holder under a guard: plan it again only once `expected_wake` (a
+        time) passes, the running requests' KV falls below `min_running_tokens`, or, in steps with swap
+        room, `swap_wake` passes or the iteration's forward time reaches `swap_iteration_s`, or
+        `tool`'s history moves past `tool_version`."""
+        e = self._entries[request_id]
+        if not self.event_driven or not e.device:
+            return
+        self._unsettle(request_id, e)
+        self._live.discard(request_id)
+        e.settled = version = next(self._versions)
+        self._num_settled += 1
+        heapq.heappush(self._expected_wake, (expected_wake, e.seq, request_id, version))
+        heapq.heappush(self._swap_wake, (swap_wake, e.seq, request_id, version))
+        heapq.heappush(self._swap_iteration, (swap_iteration_s, e.seq, request_id, version))
+        if min_running_tokens > 0:
+            heapq.heappush(self._running_floor, (-min_running_tokens, e.seq, request_id, version))
+        if tool is not None:
+            self._check_tool(tool, tool_version)
+            e.tool = tool
+            self._by_tool.setdefault(tool, set()).add(request_id)
+        self._compact()
+
+    def _check_tool(self, tool: str, version: int) -> None:
+        """Wake the holders settled on an older history of `tool` than `version`."""
+        if self._tool_version.get(tool) != version:
+            for request_id in list(self._by_tool.get(tool, ())):
+                self._wake(request_id)
+            self._tool_version[tool] = version
+
+    def _wake_due(self, heap: list[tuple[float, int, str, int]], limit: float) -> None:
+        while heap and heap[0][0] <= limit:
+            _, _, request_id, version = heapq.heappop(heap)
+            e = self._entries.get(request_id)
+            if e is not None and e.settled == version:
+                self._wake(request_id)
+
+    def _wake(self, request_id: str) -> None:
+        e = self._entries[request_id]
+        self._unsettle(request_id, e)
+        if e.device:
+            self._live.add(request_id)
+
+    def _unsettle(self, request_id: str, e: _Entry) -> None:
+        """Forget a settled holder's wakes (their heap entries go stale: dropped when reached, or by
+        `_compact`)."""
+        if e.settled:
+            self._num_settled -= 1
+            if e.tool is not None:
+                self._by_tool[e.tool].discard(request_id)
+        e.settled, e.tool = 0, None
+
+    def _compact(self) -> None:
+        """Drop stale heap entries once they outnumber the valid ones: a heap whose top is valid keeps
+        its stale entries otherwise, and a long-running server pauses without end."""
+        valid = self._num_settled
+        for heap in (self._expected_wake, self._swap_wake, self._swap_iteration, self._running_floor):
+            if len(heap) > 2 * valid + 64:
+                heap[:] = [x for x in heap if (e := self._entries.get(x[2])) is not None and e.settled == x[3]]
+                heapq.heapify(heap)
+        holders = self.count_by_state["device"] + self.count_by_state["partial"]
+        if len(self._newest) > 2 * holders + 64:
+            self._newest[:] = [x for x in self._newest
+                               if (e := self._entries.get(x[2])) is not None and e.seq == x[1] and e.device]
+            heapq.heapify(self._newest)
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)

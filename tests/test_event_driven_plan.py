@@ -1,0 +1,221 @@
+"""Event-driven planning (`paused_kv.py`) decides exactly what planning every paused request every step
+decides, and costs nothing per step for paused requests whose decision cannot change.
+
+The reference is the same scheduler with `event_driven=False` (every holder of device KV planned every
+step, as before). Random agent traces run through both on the virtual clock, and every step's work
+(chunks, copies, discards, preemptions) and every paused request's KV location must be equal.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bench_modules import load_bench
+from infercept.engine.paused_kv import PausedKV, kv_state
+from infercept.engine.policy import DurationEstimator, Profile
+from infercept.engine.policy.profile import h100_llama3_8b
+from infercept.engine.request import InterceptParams, Request
+from infercept.engine.sampling_params import SamplingParams
+from infercept.engine.simulation import SimulatedEngine
+
+workload = load_bench("workload")
+BS = 16
+
+
+def toy_profile() -> Profile:
+    """10 ms iterations, swap budget of two blocks per iteration: short calls stay preserved."""
+    bw = 2 * BS * 1000 / 0.01
+    return Profile(model="toy", device="sim", dtype="float16", bytes_per_token=1000, block_size=BS,
+                   t_fwd_samples=((1, 0.010), (64, 0.012), (128, 0.020)), d2h_bytes_per_s=bw,
+                   h2d_bytes_per_s=bw, saturation_point=64)
+
+
+def cpu_like_profile() -> Profile:
+    """Iterations far longer than copies, as on a CPU: every paused context is worth swapping."""
+    return Profile(model="toy-cpu", device="cpu", dtype="bfloat16", bytes_per_token=1000, block_size=BS,
+                   t_fwd_samples=((1, 0.05), (64, 0.2), (256, 0.8)), d2h_bytes_per_s=1e10,
+                   h2d_bytes_per_s=1e10, saturation_point=64)
+
+
+PROFILES = {"toy": toy_profile, "cpu": cpu_like_profile, "h100": h100_llama3_8b}
+POLICIES = ("infercept", "heuristic-preserve", "preserve", "budgeted-swap", "swap", "prefix-cache",
+            "discard", "infercept+recompute-preemption")
+
+
+def assert_totals_match(sched) -> None:
+    """The index's incremental totals equal a walk over every paused request."""
+    kv = [sched.kv_tokens(r) for r in sched.paused.values()]
+    index = sched.paused_kv
+    assert index.device_tokens == sum(d for d, _ in kv) == sched.paused_device_tokens()
+    assert index.host_tokens == sum(h for _, h in kv)
+    assert index.discarded_tokens == sum(r.num_tokens for r in sched.paused.values()) - sum(d + h for d, h in kv)
+    states = [kv_state(d, h) for d, h in kv]
+    assert index.count_by_state == {s: states.count(s) for s in index.count_by_state}
+
+
+def step_log(engine: SimulatedEngine, log: list, planned: list) -> callable:
+    def on_step(eng, result) -> None:
+        out = result.output
+        sched = eng.scheduler
+        log.append((
+            round(eng.clock.now(), 12),
+            tuple((c.request_id, c.start_pos, len(c.token_ids), c.sample) for c in out.chunks),
+            tuple(out.swap_out), tuple(out.swap_in), out.num_discarded_tokens, out.num_preempted,
+            out.num_preempted_by_swap,
+            tuple(sorted((rid, sched.kv_tokens(r)) for rid, r in sched.paused.items())),
+            sched.paused_device_tokens(),
+        ))
+        assert_totals_match(sched)
+    return on_step
+
+
+def run(policy: str, profile_name: str, trace: list[dict], device_blocks: int, host_blocks: int,
+        event_driven: bool, oracle_hints: bool) -> tuple[list, int, object]:
+    profile = PROFILES[profile_name]()
+    engine = SimulatedEngine(policy, profile, num_device_blocks=device_blocks, num_host_blocks=host_blocks,
+                             max_num_seqs=16, event_driven=event_driven)
+    planned = [0]
+    plan = engine.policy.plan
+
+    def counting_plan(paused, iteration, prof):
+        planned[0] += len(paused)
+        return plan(paused, iteration, prof)
+
+    engine.policy.plan = counting_plan
+    log: list = []
+    result = engine.run_trace(trace, oracle_hints=oracle_hints, on_step=step_log(engine, log, planned))
+    return log, planned[0], result
+
+
+def trace_for(seed: int, profile_name: str, rate: float, n: int) -> list[dict]:
+    if profile_name == "h100":  # full-size contexts, short tools and long human turns
+        return workload.generate_trace(rate, num_requests=n, seed=seed, context_scale=0.3, decode_scale=0.2,
+                                       interception_scale=0.05, max_interceptions=3)
+    return workload.generate_trace(rate, num_requests=n, seed=seed, context_scale=0.05, decode_scale=0.1,
+                                   interception_scale=0.02, max_interceptions=3)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), policy=st.sampled_from(POLICIES), profile_name=st.sampled_from(sorted(PROFILES)),
+       rate=st.sampled_from([1.0, 4.0, 12.0]), device_blocks=st.integers(40, 160), host_blocks=st.integers(0, 120),
+       oracle_hints=st.booleans())
+def test_event_driven_plan_makes_every_decision_the_per_step_plan_makes(seed, policy, profile_name, rate,
+                                                                         device_blocks, host_blocks, oracle_hints):
+    trace = trace_for(seed, profile_name, rate, 14)
+    if profile_name == "h100":
+        device_blocks *= 8
+    reference, _, ref_result = run(policy, profile_name, trace, device_blocks, host_blocks, False, oracle_hints)
+    events, _, ev_result = run(policy, profile_name, trace, device_blocks, host_blocks, True, oracle_hints)
+    assert len(events) == len(reference)
+    for i, (a, b) in enumerate(zip(reference, events)):
+        assert a == b, f"step {i} differs"
+    assert ev_result.summary() == ref_result.summary()
+
+
+@pytest.mark.parametrize("policy,host_blocks", [("infercept", 0), ("heuristic-preserve", 4000), ("preserve", 4000)])
+def test_preserved_paused_requests_are_not_planned_every_step(policy, host_blocks):
+    """Forty agents paused on a 0.5 s tool while four long requests decode, on the H100 profile: the
+    reference plans every holder every step; the event-driven scheduler plans each only when its guard
+    may be crossed, a small fraction of that, with the same decisions. (`infercept` with no host pool:
+    with one it would swap them all out; without, it preserves them while a discard would cost more.)"""
+    trace = [{"id": f"p{i}", "augment": "test", "arrival": 0.01 * i, "prompt_tokens": 40,
+              "segments": [{"decode_tokens": 2, "interception": {"kind": "tool", "tool": "calc", "duration_s": 0.5},
+                            "returned_tokens": 4}, {"decode_tokens": 2, "interception": None, "returned_tokens": 0}]}
+             for i in range(40)]
+    trace += [{"id": f"d{i}", "augment": "test", "arrival": 0.0, "prompt_tokens": 2000,
+               "segments": [{"decode_tokens": 300, "interception": None, "returned_tokens": 0}]} for i in range(4)]
+    reference, planned_ref, _ = run(policy, "h100", trace, 4000, host_blocks, False, oracle_hints=False)
+    events, planned_ev, _ = run(policy, "h100", trace, 4000, host_blocks, True, oracle_hints=False)
+    assert events == reference
+    assert planned_ref > 2000, "the scenario never held many paused requests across steps"
+    assert planned_ev * 10 < planned_ref, (planned_ev, planned_ref)
+
+
+def _request(rid: str, arrival: float, tokens: int = 32) -> Request:
+    return Request(rid, [1] * tokens, SamplingParams(), arrival_time=arrival, intercept=InterceptParams())
+
+
+def test_paused_kv_totals_and_newest_holder_follow_every_move():
+    index = PausedKV()
+    a, b, c = _request("a", 1.0), _request("b", 3.0), _request("c", 2.0)
+    index.add(a, 32, 0)
+    index.add(b, 16, 16)
+    index.add(c, 0, 0)
+    assert (index.device_tokens, index.host_tokens, index.discarded_tokens) == (48, 16, 32)
+    assert index.count_by_state == {"device": 1, "host": 0, "partial": 1, "discarded": 1}
+    assert index.newest_holder() is b
+    index.moved("b", 0, 32)
+    assert index.newest_holder() is a
+    assert index.count_by_state == {"device": 1, "host": 1, "partial": 0, "discarded": 1}
+    index.remove("a")
+    assert index.newest_holder() is None
+    assert (index.device_tokens, index.host_tokens, index.discarded_tokens) == (0, 32, 32)
+
+
+def test_settled_holders_wake_on_their_timer_swap_room_and_tool_history():
+    index = PausedKV()
+    versions = {"calc": 0}
+    for i, rid in enumerate("abc"):
+        index.add(_request(rid, float(i)), 32, 0)
+    assert [r.request_id for r in index.to_plan(0.0, 0, True, 0.01, versions.get)] == ["a", "b", "c"]
+    index.settle("a", expected_wake=5.0, swap_wake=math.inf, swap_iteration_s=math.inf, min_running_tokens=0, tool=None, tool_version=0)
+    index.settle("b", expected_wake=math.inf, swap_wake=1.0, swap_iteration_s=0.5, min_running_tokens=0, tool=None, tool_version=0)
+    index.settle("c", expected_wake=math.inf, swap_wake=math.inf, swap_iteration_s=math.inf, min_running_tokens=0, tool="calc",
+                 tool_version=0)
+    assert index.to_plan(2.0, 0, False, 0.01, versions.get) == []  # b's swap wake waits for swap room
+    assert [r.request_id for r in index.to_plan(2.0, 0, True, 0.01, versions.get)] == ["b"]
+    index.settle("b", expected_wake=math.inf, swap_wake=math.inf, swap_iteration_s=0.5, min_running_tokens=0, tool=None, tool_version=0)
+    assert [r.request_id for r in index.to_plan(2.0, 0, True, 0.6, versions.get)] == ["b"]  # a long iteration
+    index.settle("b", expected_wake=math.inf, swap_wake=math.inf, swap_iteration_s=math.inf, min_running_tokens=0,
+                 tool=None, tool_version=0)
+    index.add(_request("d", 4.0), 16, 0)
+    index.settle("d", expected_wake=math.inf, swap_wake=math.inf, swap_iteration_s=math.inf,
+                 min_running_tokens=100, tool=None, tool_version=0)
+    assert index.to_plan(2.0, 100, False, 0.01, versions.get) == []
+    assert [r.request_id for r in index.to_plan(2.0, 99, False, 0.01, versions.get)] == ["d"]
+    index.remove("d")
+    versions["calc"] = 1
+    assert [r.request_id for r in index.to_plan(2.0, 0, False, 0.01, versions.get)] == ["c"]
+    assert [r.request_id for r in index.to_plan(5.0, 0, False, 0.01, versions.get)] == ["a", "c"]  # a's timer; c stays live
+
+
+def test_next_jump_bounds_every_estimate_rule():
+    est = DurationEstimator(min_history=2)
+    assert est.next_jump(10.0, 9.0) == math.inf  # elapsed rule: grows with the clock, never jumps
+    assert est.next_jump(10.0, 9.0, hint_seconds=5.0) == 14.0  # the hint is outlived at 9 + 5
+    est.observe("calc", 2.0)
+    est.observe("calc", 6.0)
+    assert est.version("calc") == 2 and est.version("other") == 0
+    assert est.next_jump(10.0, 9.0, "calc") == 11.0  # elapsed 1 s: the 2 s call drops out at 9 + 2
+    assert est.next_jump(10.0, 6.0, "calc") == 12.0  # elapsed 4 s: the 6 s call is next
+    assert est.next_jump(10.0, 0.0, "calc") == math.inf  # outlived all history: the elapsed rule
+    # between jumps the estimate grows no faster than the clock
+    for start in (9.0, 6.0, 0.0):
+        for hint in (None, 5.0):
+            t0, e0 = 10.0, est.estimate(10.0, start, "calc", hint)
+            jump = est.next_jump(t0, start, "calc", hint)
+            for k in range(1, 50):
+                t = t0 + k * 0.1
+                if t >= jump:
+                    break
+                assert est.estimate(t, start, "calc", hint) <= e0 + (t - t0) + 1e-9
+
+
+@pytest.mark.parametrize("oracle_hints", [False, True])
+def test_paused_requests_leave_the_device_when_their_guard_is_crossed(oracle_hints):
+    """Calls of 0.1 s on the toy profile (a 25 ms round trip to the host): a fresh pause is preserved, and
+    swapped once its expected time reaches the round trip, at the same step as under the reference."""
+    trace = [{"id": f"p{i}", "augment": "test", "arrival": 0.003 * i, "prompt_tokens": 40,
+              "segments": [{"decode_tokens": 3, "interception": {"kind": "tool", "tool": "t", "duration_s": 0.1},
+                            "returned_tokens": 4}] * 3 + [{"decode_tokens": 2, "interception": None,
+                                                            "returned_tokens": 0}]}
+             for i in range(12)]
+    trace.append({"id": "long", "augment": "test", "arrival": 0.0, "prompt_tokens": 30,
+                  "segments": [{"decode_tokens": 120, "interception": None, "returned_tokens": 0}]})
+    reference, planned_ref, _ = run("infercept", "toy", trace, 200, 200, False, oracle_hints)
+    events, planned_ev, _ = run("infercept", "toy", trace, 200, 200, True, oracle_hints)
+    assert sum(len(step[2]) for step in reference) > 0, "nothing was swapped out"
+    assert events == reference
