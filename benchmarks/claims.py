@@ -86,13 +86,15 @@ class Sweep:
 
 def ratio(a: tuple[float, bool], b: tuple[float, bool]) -> str:
     """a / b of two sustainable rates; "≥" when only a lower bound is known (a never crossed the SLO
-    and b did), "≈" when neither crossed (both are lower bounds: no ratio is measured)."""
+    and b did), "≤" when only an upper bound is (b never crossed), "≈" when neither crossed (both are
+    lower bounds: no ratio is measured)."""
     (ra, crossed_a), (rb, crossed_b) = a, b
     if rb == 0:
         return f"∞ ({rate_text(a)} vs 0 req/s)" if ra > 0 else "– (both over the SLO at the lowest rate)"
     if not crossed_a and not crossed_b:
         return f"≈ (both ≥ {min(ra, rb):g} req/s)"
-    return f"{'≥ ' if not crossed_a else ''}{ra / rb:.2f}x"
+    bound = "≥ " if not crossed_a else "≤ " if not crossed_b else ""
+    return f"{bound}{ra / rb:.2f}x"
 
 
 def rate_text(r: tuple[float, bool]) -> str:
@@ -197,27 +199,34 @@ def earlier_rows() -> list[tuple[str, str, str, str]]:
     return rows
 
 
+def peer_dtype(sweep: Sweep) -> str:
+    argv = json.loads((sweep.folder / "sweep.json").read_text())["run"]["argv"]
+    return argv[argv.index("--peer-dtype") + 1] if "--peer-dtype" in argv else "bfloat16"
+
+
 def peer_rows() -> list[tuple[str, str, str, str]]:
     """The vLLM CPU peer in the rotation with InferCept, given InferCept's device pool and given its
-    device + host pools (`sweep.py --peer-pool both`)."""
+    device + host pools (`sweep.py --peer-pool both`); one group of rows per machine and vLLM dtype
+    (vLLM runs in the dtype that is fastest for it on the machine at hand)."""
     sweeps = [Sweep.load(RESULTS / f"peer_seed{seed}") for seed in SEEDS
               if (RESULTS / f"peer_seed{seed}" / "sweep.json").exists()]
-    if not sweeps:
-        return []
+    groups: dict[tuple[str, str], list[Sweep]] = {}
+    for sweep in sweeps:
+        groups.setdefault((sweep.machine.rsplit(", ", 1)[0], peer_dtype(sweep)), []).append(sweep)
     rows = []
-    argv = json.loads((sweeps[0].folder / "sweep.json").read_text())["run"]["argv"]
-    dtype = argv[argv.index("--peer-dtype") + 1] if "--peer-dtype" in argv else "bfloat16"
-    sources = ", ".join(s.source() for s in sweeps)
-    seeds = " / ".join(s.folder.name.removeprefix("peer_seed") for s in sweeps)
-    for key, label in (("normalized_latency_mean", "mean"), ("normalized_latency_median", "median")):
-        per_seed = [s.sustainable(key) for s in sweeps]
-        for peer, what in (("vllm-device", "vLLM given InferCept's device pool (vLLM has no host tier on a CPU)"),
-                           ("vllm-total", "vLLM given InferCept's device + host pools")):
-            rows.append((f"Sustainable rate at 2x the best {label}, infercept (bf16) / {what}, vLLM 0.32 CPU in "
-                         f"{dtype}, in the rotation, seeds {seeds}",
-                         " / ".join(f"{ratio(sus['infercept'], sus[peer])} ({rate_text(sus['infercept'])} vs "
-                                    f"{rate_text(sus[peer])} req/s)" for sus in per_seed),
-                         sweeps[0].machine, sources))
+    for (_, dtype), group in groups.items():
+        sources = ", ".join(s.source() for s in group)
+        seeds = " / ".join(s.folder.name.removeprefix("peer_seed") for s in group)
+        machine = " / ".join(dict.fromkeys(s.machine for s in group))
+        for key, label in (("normalized_latency_mean", "mean"), ("normalized_latency_median", "median")):
+            per_seed = [s.sustainable(key) for s in group]
+            for peer, what in (("vllm-device", "vLLM given InferCept's device pool (vLLM has no host tier on a CPU)"),
+                               ("vllm-total", "vLLM given InferCept's device + host pools")):
+                rows.append((f"Sustainable rate at 2x the best {label}, infercept (bf16) / {what}, vLLM 0.32 CPU "
+                             f"in {dtype}, in the rotation, seed{'s' if len(group) > 1 else ''} {seeds}",
+                             " / ".join(f"{ratio(sus['infercept'], sus[peer])} ({rate_text(sus['infercept'])} vs "
+                                        f"{rate_text(sus[peer])} req/s)" for sus in per_seed),
+                             machine, sources))
     return rows
 
 

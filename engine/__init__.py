@@ -1,8 +1,28 @@
-"""InferCept engine: a paged-KV, continuously batched Llama-family engine."""
-from .async_engine import AsyncEngine
-from .engine import Engine
-from .llm import LLM
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+"""InferCept engine: a paged-KV, continuously batched Llama-family engine.
 
-__all__ = ["AsyncEngine", "Engine", "LLM", "RequestOutput", "SamplingParams"]
+The names below load on first use, so `import infercept.engine.policy` (the cost model, waste
+equations, duration estimate and KV decisions), the scheduler, its configs and the simulation import
+without torch; only the engine that runs a model needs it.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {"AsyncEngine": ".async_engine", "Engine": ".engine", "LLM": ".llm", "RequestOutput": ".outputs",
+            "SamplingParams": ".sampling_params", "NativeBackend": ".backend", "EngineBackend": ".backend",
+            "ensure_default_model": ".download", "profile_model": ".profiler"}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

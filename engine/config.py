@@ -1,29 +1,37 @@
 """Frozen configuration, one dataclass per concern.
 
-Values that depend on the model or the machine are resolved once, in `EngineConfig.create`, so the
-rest of the engine only reads plain numbers.
+Values that depend on the model or the machine are resolved once, when the engine starts, so the
+rest of the engine only reads plain numbers. Importing this module does not import torch (the
+scheduler and the simulation use its configs without a model); the resolvers import it when called.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+# Accepted dtype names -> torch attribute names.
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
 
 
 def resolve_dtype(name: str | torch.dtype, model_default: torch.dtype | None) -> torch.dtype:
+    import torch
+
     if isinstance(name, torch.dtype):
         return name
     if name == "auto":
         return model_default or torch.float32
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(sorted(DTYPES))}")
-    return DTYPES[name]
+    return getattr(torch, DTYPES[name])
 
 
 def resolve_device(name: str) -> torch.device:
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:

@@ -175,6 +175,16 @@ class Engine:
         of those are still in the prefix cache and reused unless evicted first)."""
         return self.scheduler.kv_location(request_id)
 
+    def paused_kv_tokens(self, request_id: str) -> int:
+        """KV tokens (device + host) a paused request still keeps: what releasing it would make its
+        resume recompute. 0 if it is not paused. Safe to call from any thread (may lag a step)."""
+        return self.scheduler.paused_kv.kept(request_id)
+
+    def kv_capacity_tokens(self) -> int:
+        """Tokens of KV the device and host pools hold together."""
+        bm = self.block_manager
+        return (bm.device.num_blocks + bm.host.num_blocks) * bm.block_size
+
     def has_unfinished_requests(self) -> bool:
         """Requests that still need steps; paused ones wait for `resume` and need none."""
         return self.scheduler.has_work()

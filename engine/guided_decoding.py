@@ -16,7 +16,7 @@ recompute keep the matcher: it has consumed exactly the turn's output tokens, wh
 change. A matcher is freed when its request finishes or is aborted, when its grammar ended
 (end-of-sequence consumed), or when the next turn replaces it.
 
-**Errors.** A grammar is compiled and checked when its `SamplingParams` is made (`compile_grammar`), so
+**Errors.** A grammar is compiled and checked when its `SamplingParams` is made (`sampling_params.compile_grammar`), so
 bad grammars are refused up front. A matcher that still fails mid-turn (a parser limit) allows only
 end-of-sequence from then on: the turn ends rather than leaving the grammar.
 """
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 import llguidance
 import llguidance.hf
@@ -36,18 +35,6 @@ from .sampler import AllowedTokens
 logger = logging.getLogger("infercept.engine")
 
 _BIT = torch.arange(32, dtype=torch.int32)
-
-
-def compile_grammar(lark: str | None, json_schema: dict[str, Any] | str | None) -> str:
-    """llguidance's grammar for a Lark grammar or a JSON schema; ValueError when it does not compile."""
-    if lark is not None:
-        grammar = llguidance.LLMatcher.grammar_from_lark(lark)
-    else:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(json_schema)
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    if is_error:
-        raise ValueError(f"invalid grammar: {messages[0]}")
-    return grammar
 
 
 def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -124,6 +124,12 @@ class PausedKV:
         e = self._entries[request_id]
         return e.device, e.host
 
+    def kept(self, request_id: str) -> int:
+        """KV tokens (device + host) a paused request keeps; 0 if it is not paused. A plain read of
+        numbers the engine thread updates: another thread may see them a step late."""
+        e = self._entries.get(request_id)
+        return e.device + e.host if e is not None else 0
+
     def newest_holder(self) -> Request | None:
         """The paused request with device KV that arrived last (ties: paused first)."""
         while self._newest:

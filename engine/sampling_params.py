@@ -19,11 +19,24 @@ class GuidedDecodingParams:
     grammar: str = field(init=False, repr=False, compare=False)  # llguidance's serialized grammar
 
     def __post_init__(self):
-        from .guided_decoding import compile_grammar
-
         if (self.lark is None) == (self.json_schema is None):
             raise ValueError("guided decoding takes exactly one of lark and json_schema")
         object.__setattr__(self, "grammar", compile_grammar(self.lark, self.json_schema))
+
+
+def compile_grammar(lark: str | None, json_schema: dict[str, Any] | str | None) -> str:
+    """llguidance's grammar for a Lark grammar or a JSON schema; ValueError when it does not compile.
+    (Here, not in guided_decoding.py, which imports torch and this module: no import circle.)"""
+    import llguidance
+
+    if lark is not None:
+        grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+    else:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(json_schema)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise ValueError(f"invalid grammar: {messages[0]}")
+    return grammar
 
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (as vLLM does)

@@ -7,8 +7,11 @@ its uncomputed tokens, so prefill, chunked prefill, decode, resume and recompute
 one path.
 
 A step, in order (three queues, each FCFS by arrival time, paper §4.3):
-  1. paused requests: the policy decides preserve / swap out / discard (`policy.plan`); swap-out is
-     limited by the iteration's swap budget, split with swap-in (`split_swap_budget`);
+  1. paused requests: the policy decides preserve / swap out / discard (`policy.plan`) for those
+     holding device KV whose decision could differ from last time (fresh pauses, swaps in progress,
+     preserved ones whose `PreserveGuard` may be crossed: `paused_kv.py`), so waiting agents cost a
+     step nothing; swap-out is limited by the iteration's swap budget, split with swap-in
+     (`split_swap_budget`);
   2. swapped: resumed requests whose KV is on the host get it back within the swap-in budget;
   3. running, oldest first; when blocks run out, paused requests' KV leaves the device first
      (discarded, or swapped out when the policy finds that less wasteful: `Policy.reclaim`), then the
@@ -91,17 +94,20 @@ class Scheduler:
         bisect.insort(queue, request, key=_by_arrival)
 
     def _dequeue(self, request: Request) -> None:
-        for queue in (self.running, self.waiting, self.swapped):
-            if request in queue:
-                queue.remove(request)
+        """Take the request out of the queue its status names (only that one: a long waiting queue
+        is not searched for a running request that pauses)."""
+        queue = {RequestStatus.RUNNING: self.running, RequestStatus.WAITING: self.waiting,
+                 RequestStatus.SWAPPED: self.swapped}.get(request.status)
+        if queue is not None and request in queue:
+            queue.remove(request)
         self.paused.pop(request.request_id, None)
         self.paused_kv.remove(request.request_id)
         self._undecided.discard(request.request_id)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a request in any state and release its blocks."""
-        request.status = status
         self._dequeue(request)
+        request.status = status
         self.blocks.free(request.request_id)
         self.requests.pop(request.request_id, None)
         self._finished_ids.append(request.request_id)

@@ -1,4 +1,4 @@
-"""The FastAPI app: `build_app(async_engine, settings)`.
+"""The FastAPI app: `build_app(backend, settings)`, over an `EngineBackend` (infercept.engine.backend).
 
 Wires the serving objects (chat with and without server tools, completions, Responses, native sessions), the session registry, the
 stored responses and metrics into `app.state`; adds authentication,
@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import time
 import uuid
 from collections.abc import Callable
@@ -24,8 +23,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
-from infercept.engine import AsyncEngine
-from infercept.engine.tool_parsers import get_tool_parser, parser_for_model
+from infercept.engine.backend import EngineBackend, get_tool_parser, parser_for_model
 from infercept.tools import get_tool
 
 from .chat import ChatRenderer
@@ -46,31 +44,35 @@ from .settings import ServerSettings
 logger = logging.getLogger("infercept.server")
 
 
-def served_model_name(async_engine: AsyncEngine, settings: ServerSettings) -> str:
-    return settings.served_model_name or os.path.basename(os.path.normpath(async_engine.engine.config.model))
+def served_model_name(backend: EngineBackend, settings: ServerSettings) -> str:
+    return settings.served_model_name or backend.info.model_name
 
 
-def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None,
+def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
               tool_lookup: Callable[[str], Any] = get_tool) -> FastAPI:
     """`tool_lookup(name)` gives the server tool a request may enable by name (KeyError if unknown)."""
     settings = settings or ServerSettings()
-    engine = async_engine.engine
-    model_name = served_model_name(async_engine, settings)
-    tool_parser = settings.tool_parser or parser_for_model(engine.spec.model_type, engine.tokenizer.chat_template)
+    info = backend.info
+    model_name = served_model_name(backend, settings)
+    tool_parser = settings.tool_parser or parser_for_model(info.model_type, info.chat_template)
     get_tool_parser(tool_parser)  # an unknown name fails at start-up
-    registry = SessionRegistry(settings.session_ttl, settings.max_sessions, settings.max_paused_tokens,
-                               settings.max_remembered_turns)
+    # Paused generations are limited by memory: by default as many context tokens as the engine's KV
+    # pools hold; releases go to the one keeping the least KV (backend.paused_kv_tokens).
+    max_paused_tokens = settings.max_paused_tokens if settings.max_paused_tokens is not None \
+        else info.kv_capacity_tokens
+    registry = SessionRegistry(settings.session_ttl, settings.max_paused, max_paused_tokens,
+                               settings.max_remembered_turns, kept_tokens=backend.paused_kv_tokens)
     metrics = ServerMetrics(model_name)
-    admission = Admission(async_engine, settings.max_concurrent_requests)
+    admission = Admission(backend, settings.max_concurrent_requests)
     # The event loop tokenizes and renders while the engine thread detokenizes: separate instances, so
     # the two threads never share a tokenizer's mutable state.
-    tokenizer = AutoTokenizer.from_pretrained(engine.config.model)
+    tokenizer = AutoTokenizer.from_pretrained(info.model)
     common = dict(settings=settings, registry=registry, metrics=metrics, model_name=model_name, admission=admission,
                   tokenizer=tokenizer)
-    completions = CompletionServing(async_engine, **common)
+    completions = CompletionServing(backend, **common)
     chat = chat_server_tools = responses = sessions = None
     if tokenizer.chat_template:
-        chat = ChatServing(async_engine, renderer=ChatRenderer(tokenizer, engine.eos_token_ids, tool_parser), **common)
+        chat = ChatServing(backend, renderer=ChatRenderer(tokenizer, info.eos_token_ids, tool_parser), **common)
         chat_server_tools = ChatServerTools(chat, tool_lookup)
         responses = ResponsesServing(chat, ResponseStore(settings.response_ttl, settings.max_stored_responses),
                                      registry)
@@ -79,7 +81,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None,
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        async_engine.start()
+        backend.start()
         reaper = asyncio.create_task(_reap(registry, completions, responses, sessions))
         try:
             yield
@@ -87,11 +89,11 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None,
             reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reaper
-            completions.abort_all(registry.clear(), reason="server shutdown")
-            await asyncio.to_thread(async_engine.shutdown)
+            completions.abort_all(registry.clear(), reason="server shutdown", cause="shutdown")
+            await asyncio.to_thread(backend.shutdown)
 
     app = FastAPI(title="InferCept", version="0.1.0", lifespan=lifespan)
-    app.state.async_engine = async_engine
+    app.state.backend = backend
     app.state.settings = settings
     app.state.model_name = model_name
     app.state.registry = registry
@@ -115,7 +117,7 @@ async def _reap(registry: SessionRegistry, serving: CompletionServing, responses
         await asyncio.sleep(interval)
         expired = registry.expire()
         if expired:
-            serving.abort_all(expired, reason="session TTL expired")
+            serving.abort_all(expired, reason="session TTL expired", cause="ttl")
         if sessions is not None:
             sessions.expire()
         if responses is not None:

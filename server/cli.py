@@ -21,6 +21,10 @@ def _env(name: str, default):
     return os.environ.get(f"INFERCEPT_{name}") or default
 
 
+def _optional_int(value) -> int | None:
+    return None if value is None else int(value)
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=_env("MODEL", None),
@@ -57,7 +61,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def cmd_download(args: argparse.Namespace) -> None:
-    from infercept.engine.download import ensure_default_model
+    from infercept.engine import ensure_default_model
 
     print(ensure_default_model())
 
@@ -96,16 +100,9 @@ def cmd_chat(args: argparse.Namespace) -> None:
 
 
 def cmd_profile(args: argparse.Namespace) -> None:
-    from infercept.engine import Engine
-    from infercept.engine.profiler import FULL_SIZES, cached_profile_path, measure_profile
+    from infercept.engine import profile_model
 
-    engine = Engine(args.model, **{**engine_kwargs(args), "policy": "preserve"})
-    cfg = engine.config
-    profile = measure_profile(cfg.model, engine.runner, engine.kv_cache, engine.spec.kv_bytes_per_token(cfg.dtype),
-                              sizes=FULL_SIZES, repeats=args.repeats)
-    path = args.output or cached_profile_path(cfg.model, cfg.device, cfg.dtype)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    profile.save(path)
+    profile, path = profile_model(args.model, args.repeats, args.output, **engine_kwargs(args))
     print(f"saturation point {profile.saturation_point} tokens, "
           f"d2h {profile.d2h_bytes_per_s / 1e9:.1f} GB/s, h2d {profile.h2d_bytes_per_s / 1e9:.1f} GB/s")
     print(path)
@@ -122,10 +119,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--session-ttl", type=float, default=float(_env("SESSION_TTL", 600.0)),
                    help="seconds a generation paused at a tool call waits for its result before it is aborted "
                         "(default 600)")
-    g.add_argument("--max-sessions", type=int, default=int(_env("MAX_SESSIONS", 256)),
-                   help="paused generations kept at most; beyond, the oldest is aborted (default 256)")
-    g.add_argument("--max-paused-tokens", type=int, default=int(_env("MAX_PAUSED_TOKENS", 1_000_000)),
-                   help="context tokens of all paused generations at most; beyond, the oldest is aborted")
+    g.add_argument("--max-paused", "--max-sessions", dest="max_paused", type=int,
+                   default=_optional_int(_env("MAX_PAUSED", _env("MAX_SESSIONS", None))),
+                   help="paused generations kept at most (default: no count limit, memory decides; "
+                        "--max-sessions is the old name)")
+    g.add_argument("--max-paused-tokens", type=int, default=_optional_int(_env("MAX_PAUSED_TOKENS", None)),
+                   help="context tokens of all paused generations at most (default: as many as the device and "
+                        "host KV pools hold); beyond either limit the one keeping the least KV is aborted")
     g.add_argument("--response-ttl", type=float, default=float(_env("RESPONSE_TTL", 3600.0)),
                    help="seconds a stored Responses-API response stays retrievable and chainable (default 3600)")
     g.add_argument("--max-stored-responses", type=int, default=int(_env("MAX_STORED_RESPONSES", 1024)),
@@ -142,7 +142,7 @@ def server_settings(args: argparse.Namespace):
 
     return ServerSettings(host=args.host, port=args.port, api_key=args.api_key or None,
                           served_model_name=args.served_model_name, session_ttl=args.session_ttl,
-                          max_sessions=args.max_sessions, max_paused_tokens=args.max_paused_tokens,
+                          max_paused=args.max_paused, max_paused_tokens=args.max_paused_tokens,
                           max_concurrent_requests=args.max_concurrent_requests, tool_parser=args.tool_parser,
                           response_ttl=args.response_ttl, max_stored_responses=args.max_stored_responses)
 
@@ -152,16 +152,16 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     import uvicorn
 
-    from infercept.engine import AsyncEngine, Engine
+    from infercept.engine import NativeBackend
     from infercept.server.app import build_app, served_model_name
 
     settings = server_settings(args)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("infercept.server").setLevel(args.log_level.upper())
     print(f"infercept: loading {args.model or 'the embedded SmolLM2-135M-Instruct'} ...", file=sys.stderr, flush=True)
-    async_engine = AsyncEngine(Engine(args.model, **engine_kwargs(args)))
-    app = build_app(async_engine, settings)
-    name = served_model_name(async_engine, settings)
+    backend = NativeBackend.create(args.model, **engine_kwargs(args))
+    app = build_app(backend, settings)
+    name = served_model_name(backend, settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=10)
 
@@ -170,8 +170,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
             await super().startup(sockets)
             if not self.should_exit:
                 host, port = self.servers[0].sockets[0].getsockname()[:2]
-                cfg = async_engine.engine.config
-                print(f"infercept: serving {name} ({cfg.dtype}, {cfg.device}, policy {args.policy}) "
+                info = backend.info
+                print(f"infercept: serving {name} ({info.dtype}, {info.device}, policy {args.policy}) "
                       f"on http://{host}:{port}", flush=True)
 
     Server(config).run()  # SIGTERM/SIGINT: stop accepting, finish or cut streams, shut the engine down

@@ -1,69 +1,20 @@
 """Prometheus metrics: request counters and TTFT kept by the server, engine state read at scrape time.
 
 Each app has its own `CollectorRegistry`, so several apps (tests) can live in one process. Engine
-numbers (`EngineStats`, block pools, where paused KV lives) are read on the engine thread when
-/metrics is scraped (`snapshot_engine`), then exported by a custom collector.
+numbers (its counters, block pools, where paused KV lives) come from the backend's `snapshot()` when
+/metrics is scraped, then are exported by a custom collector.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from infercept.engine.backend import PAUSED_KV_STATES as KV_STATES, EngineSnapshot
 
 disable_created_metrics()  # no `*_created` series next to every counter
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
-KV_STATES = ("device", "host", "partial", "discarded")
-
-
-@dataclass
-class EngineSnapshot:
-    num_steps: int = 0
-    forward_seconds: float = 0.0
-    num_computed_tokens: int = 0
-    num_recomputed_tokens: int = 0
-    recompute_seconds: float = 0.0
-    num_swapped_out_blocks: int = 0
-    num_swapped_in_blocks: int = 0
-    num_discarded_tokens: int = 0
-    num_preemptions: int = 0
-    num_preemptions_by_swap: int = 0
-    memory_waste_byte_seconds: float = 0.0
-    device_blocks_total: int = 0
-    device_blocks_used: int = 0
-    host_blocks_total: int = 0
-    host_blocks_used: int = 0
-    prefix_queried_blocks: int = 0
-    prefix_hit_blocks: int = 0
-    prefix_evicted_blocks: int = 0
-    prefix_cached_blocks: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
-    paused_by_state: dict[str, int] = field(default_factory=dict)
-    paused_tokens_by_location: dict[str, int] = field(default_factory=dict)
-
-
-def snapshot_engine(engine) -> EngineSnapshot:
-    """Read the engine's numbers; call on the engine thread (AsyncEngine.call)."""
-    stats, bm, sched = engine.stats, engine.block_manager, engine.scheduler
-    paused = sched.paused_kv  # totals kept as KV moves: O(1) however many agents wait
-    by_state = {state: paused.count_by_state[state] for state in KV_STATES}
-    tokens = {"device": paused.device_tokens, "host": paused.host_tokens, "discarded": paused.discarded_tokens}
-    return EngineSnapshot(
-        num_steps=stats.num_steps, forward_seconds=stats.forward_seconds,
-        num_computed_tokens=stats.num_computed_tokens, num_recomputed_tokens=stats.num_recomputed_tokens,
-        num_swapped_out_blocks=stats.num_swapped_out_blocks, num_swapped_in_blocks=stats.num_swapped_in_blocks,
-        recompute_seconds=stats.recompute_seconds, num_discarded_tokens=stats.num_discarded_tokens,
-        memory_waste_byte_seconds=stats.memory_waste_until(sched.clock()),
-        num_preemptions=stats.num_preemptions, num_preemptions_by_swap=stats.num_preemptions_by_swap,
-        device_blocks_total=bm.device.num_blocks, device_blocks_used=bm.device.num_blocks - bm.num_free_blocks,
-        host_blocks_total=bm.host.num_blocks, host_blocks_used=bm.host.num_blocks - bm.num_free_host_blocks,
-        prefix_queried_blocks=bm.device.counters.queried, prefix_hit_blocks=bm.device.counters.hits,
-        prefix_evicted_blocks=bm.device.counters.evictions, prefix_cached_blocks=bm.device.num_cached,
-        num_running=len(sched.running) + len(sched.swapped), num_waiting=len(sched.waiting),
-        paused_by_state=by_state, paused_tokens_by_location=tokens)
 
 
 class _EngineCollector:
@@ -148,16 +99,24 @@ class ServerMetrics:
         self.resume_fallbacks = Counter("infercept_resume_fallbacks",
                                         "Requests that named or matched a paused generation but were served fresh",
                                         ["model"], registry=r)
-        self.evictions = Counter("infercept_paused_evictions", "Paused generations aborted by TTL or limits",
-                                 ["model"], registry=r)
+        self.evictions = Counter("infercept_paused_evictions", "Paused generations aborted, by cause: limits "
+                                 "(--max-paused-tokens / --max-paused: the one keeping the least KV goes), ttl "
+                                 "(--session-ttl), shutdown, client (deleted or continued differently)",
+                                 ["model", "cause"], registry=r)
+        self.released_kv_tokens = Counter("infercept_paused_released_kv_tokens",
+                                          "KV tokens (device + host) the aborted paused generations still kept: "
+                                          "what their agents' next turns recompute", ["model", "cause"], registry=r)
         self.ttft = Histogram("infercept_time_to_first_token_seconds", "Time to first token", ["model"],
                               buckets=TTFT_BUCKETS, registry=r)
         self.inter_token = Histogram("infercept_inter_token_latency_seconds",
                                      "Time between consecutive generated tokens of a request", ["model"],
                                      buckets=ITL_BUCKETS, registry=r)
         for metric in (self.prompt_tokens, self.cached_tokens, self.generation_tokens, self.resume_fallbacks,
-                       self.evictions, self.ttft, self.inter_token):
+                       self.ttft, self.inter_token):
             metric.labels(model)  # exported (as zero) before the first request
+        for cause in ("limits", "ttl"):
+            self.evictions.labels(model, cause)
+            self.released_kv_tokens.labels(model, cause)
         self.engine = _EngineCollector(model)
         r.register(self.engine)
 

@@ -5,7 +5,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from .metrics import snapshot_engine
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from .protocol_responses import ResponsesRequest
 from .protocol_sessions import SessionCreateRequest, SessionMessageRequest
@@ -15,7 +14,7 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    if not request.app.state.async_engine.is_running:
+    if not request.app.state.backend.is_running:
         raise APIError(503, "the engine is not running", headers={"Retry-After": "5"})
     return JSONResponse({"status": "ok"})
 
@@ -23,17 +22,16 @@ async def health(request: Request) -> Response:
 @router.get("/v1/models")
 async def models(request: Request) -> Response:
     state = request.app.state
-    engine = state.async_engine.engine
-    card = ModelCard(id=state.model_name, root=engine.config.model, max_model_len=engine.config.scheduler.max_model_len)
+    info = state.backend.info
+    card = ModelCard(id=state.model_name, root=info.model, max_model_len=info.max_model_len)
     return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
 
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     state = request.app.state
-    engine = state.async_engine.engine
-    if state.async_engine.is_running:
-        state.metrics.engine.snapshot = await state.async_engine.call(lambda: snapshot_engine(engine))
+    if state.backend.is_running:
+        state.metrics.engine.snapshot = await state.backend.snapshot()
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -13,8 +12,7 @@ from dataclasses import dataclass
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 
-from infercept.engine import AsyncEngine, RequestOutput, SamplingParams
-from infercept.engine.request import InterceptParams
+from infercept.engine.backend import EngineBackend, InterceptParams, RequestOutput, SamplingParams
 
 from .metrics import ServerMetrics
 from .protocol import APIError, SamplingFields, bad_request
@@ -64,14 +62,14 @@ class EngineTurn:
 class Admission:
     """Requests generating at once, across endpoints."""
 
-    def __init__(self, async_engine: AsyncEngine, limit: int):
-        self.async_engine = async_engine
+    def __init__(self, backend: EngineBackend, limit: int):
+        self.backend = backend
         self.limit = limit
         self.in_flight = 0
 
     def acquire(self) -> None:
         """Count a request in; 503 if the engine is down, 429 over the concurrency limit."""
-        if not self.async_engine.is_running:
+        if not self.backend.is_running:
             raise APIError(503, "the engine is not running", headers={"Retry-After": "5"})
         if self.in_flight >= self.limit:
             raise APIError(429, f"too many concurrent requests (limit {self.limit})", code="rate_limit_exceeded",
@@ -85,18 +83,18 @@ class Admission:
 class BaseServing:
     endpoint = "base"
 
-    def __init__(self, async_engine: AsyncEngine, settings: ServerSettings, registry: SessionRegistry,
+    def __init__(self, backend: EngineBackend, settings: ServerSettings, registry: SessionRegistry,
                  metrics: ServerMetrics, model_name: str, admission: Admission, tokenizer):
-        self.async_engine = async_engine
-        engine = async_engine.engine
+        self.backend = backend
+        info = backend.info
         self.settings = settings
         self.registry = registry
         self.metrics = metrics
         self.model_name = model_name
-        self.model_aliases = {model_name, engine.config.model, os.path.basename(os.path.normpath(engine.config.model))}
+        self.model_aliases = {model_name, info.model, info.model_name}
         self.tokenizer = tokenizer  # the server's own instance: the engine thread decodes with the engine's
-        self.max_model_len = engine.config.scheduler.max_model_len
-        self.vocab_size = engine.spec.vocab_size
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
         self.admission = admission
         self.acquire, self.release = admission.acquire, admission.release
 
@@ -156,18 +154,18 @@ class BaseServing:
             appended = prompt_ids[len(entry.token_ids):]
             try:
                 # The new turn's own interception rule (none: it finishes at its stop, not pauses again).
-                stream = self.async_engine.resume(entry.request_id, appended, params, intercept or InterceptParams())
+                stream = self.backend.resume(entry.request_id, appended, params, intercept or InterceptParams())
                 first = await anext(stream)
             except (KeyError, ValueError) as e:
                 logger.info("request %s: resume of %s failed (%s); serving it fresh", request_id, entry.request_id, e)
                 self.metrics.resume_fallbacks.labels(self.model_name).inc()
-                self.async_engine.abort(entry.request_id)
+                self.backend.abort(entry.request_id)
             else:
                 self._observe_ttft(started)
                 # Reused: the paused KV on the device or host, or what the prefix cache kept of a discarded one.
                 return EngineTurn(entry.request_id, prompt_ids, stream, first, cached_tokens=first.num_cached_tokens,
                                   resumed=True, started=started, observe_gap=self._observe_gap)
-        stream = self.async_engine.generate(prompt_ids, params, request_id, intercept)
+        stream = self.backend.generate(prompt_ids, params, request_id, intercept)
         try:
             first = await anext(stream)
         except ValueError as e:
@@ -186,13 +184,16 @@ class BaseServing:
         self.metrics.ttft.labels(self.model_name).observe(max(time.monotonic() - started, 0.0))
 
     def register_paused(self, entry: PausedGeneration) -> None:
-        self.abort_all(self.registry.add(entry), reason="over the paused-generation limits")
+        self.abort_all(self.registry.add(entry), reason="over the paused-generation limits", cause="limits")
 
-    def abort_all(self, request_ids: Sequence[str], reason: str) -> None:
+    def abort_all(self, request_ids: Sequence[str], reason: str, cause: str = "client") -> None:
+        """Abort paused generations; `cause` labels the metrics (limits, ttl, shutdown, client)."""
         for request_id in request_ids:
-            logger.info("aborting paused generation %s: %s", request_id, reason)
-            self.metrics.evictions.labels(self.model_name).inc()
-            self.async_engine.abort(request_id)
+            kept = self.registry.kept_tokens(request_id)
+            logger.info("aborting paused generation %s (%d KV tokens kept): %s", request_id, kept, reason)
+            self.metrics.evictions.labels(self.model_name, cause).inc()
+            self.metrics.released_kv_tokens.labels(self.model_name, cause).inc(kept)
+            self.backend.abort(request_id)
 
     @staticmethod
     def finish_reason(out: RequestOutput) -> str:

@@ -32,10 +32,8 @@ from dataclasses import dataclass, field, replace
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
-from infercept.engine import RequestOutput
-from infercept.engine.request import InterceptParams
-from infercept.engine.sampling_params import GuidedDecodingParams, SamplingParams
-from infercept.engine.tool_parsers import get_tool_parser
+from infercept.engine.backend import (GuidedDecodingParams, InterceptParams, RequestOutput, SamplingParams,
+                                     get_tool_parser)
 
 from .chat import (AssistantTurn, Call, ChatRenderer, Message, canonical_json, hermes_partial_calls,
                    json_grammar_schema, normalize_messages, tool_validators, validate_tool_flow)
@@ -324,7 +322,7 @@ class ChatServing(BaseServing):
                 if len(calls) < len(parsed.tool_calls):
                     # Calls the model made were dropped (invalid, or cut by parallel_tool_calls=false): the
                     # paused context would show calls that never get results, so it cannot be continued.
-                    self.async_engine.abort(turn.request_id)
+                    self.backend.abort(turn.request_id)
                 else:
                     turn_ids = tuple(turn.prompt_ids[len(turn.prompt_ids) - len(self.renderer.encode(ctx.prefill)):]
                                      + out.token_ids) if ctx.prefill else tuple(out.token_ids)
@@ -334,7 +332,7 @@ class ChatServing(BaseServing):
                 self._remember_session(ctx, message)
                 return TurnResult(content or None, issued, "tool_calls", message)
         if out.paused:  # no valid call (e.g. a forced one cut by max_tokens), or a stop marked as an interception
-            self.async_engine.abort(turn.request_id)
+            self.backend.abort(turn.request_id)
         # Paused right after calls that then failed validation: the model chose to end there, a stop.
         finish = "stop" if out.paused and out.tool_calls else self.finish_reason(out)
         message = Message("assistant", text)

@@ -17,8 +17,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
-from infercept.engine import RequestOutput
-from infercept.engine.request import InterceptParams
+from infercept.engine.backend import InterceptParams, RequestOutput
 
 from .protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                        PromptTokensDetails, Usage, bad_request, new_id, now, APIError)
@@ -119,7 +118,7 @@ class CompletionServing(BaseServing):
         return self.finish_reason(out)
 
     def _stop_reason(self, out: RequestOutput) -> str | int | None:
-        eos = self.async_engine.engine.eos_token_ids
+        eos = self.backend.info.eos_token_ids
         return None if isinstance(out.stop_reason, int) and out.stop_reason in eos else out.stop_reason
 
     def _logprobs(self, req: CompletionRequest, out: RequestOutput, start: int, end: int,

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.requests import Request
 
-from infercept.engine import RequestOutput
+from infercept.engine.backend import RequestOutput
 
 from .chat import Call, Message
 from .chat_wire import chat_message

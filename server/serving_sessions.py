@@ -57,7 +57,7 @@ class SessionServing:
         session = NativeSession(new_id("sess_"), model, req.system, tuple(tools), server_tools,
                                 req.sampling(), created_at=now())
         for evicted in self.store.add(session):
-            self._release_paused(evicted.session_id, reason="over the session limit")
+            self._release_paused(evicted.session_id, reason="over the session limit", cause="limits")
         return JSONResponse(self._view(session, kv=None))
 
     async def retrieve(self, session_id: str) -> Response:
@@ -81,18 +81,17 @@ class SessionServing:
     def expire(self) -> None:
         """Forget sessions idle past the TTL, releasing their paused generations (the app's reaper)."""
         for session in self.store.expire():
-            self._release_paused(session.session_id, reason="session TTL expired")
+            self._release_paused(session.session_id, reason="session TTL expired", cause="ttl")
 
-    def _release_paused(self, session_id: str, reason: str) -> None:
+    def _release_paused(self, session_id: str, reason: str, cause: str = "client") -> None:
         entry = self.registry.take_for_session(session_id)
         if entry is not None:
-            self.chat.abort_all([entry.request_id], reason=reason)
+            self.chat.abort_all([entry.request_id], reason=reason, cause=cause)
 
     async def _kv_location(self, request_id: str | None) -> dict[str, int]:
-        engine = self.chat.async_engine.engine
         if request_id is not None:
             with contextlib.suppress(KeyError):  # the generation ended (or was aborted) meanwhile
-                return await self.chat.async_engine.call(lambda: engine.kv_location(request_id))
+                return (await self.chat.backend.kv_location(request_id)).as_dict()
         return {"device": 0, "host": 0, "discarded": 0}
 
     def _get(self, session_id: str) -> NativeSession:

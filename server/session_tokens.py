@@ -20,8 +20,7 @@ from collections.abc import Awaitable, Callable
 from pydantic import ValidationError
 from starlette.requests import Request
 
-from infercept.engine import RequestOutput
-from infercept.engine.request import InterceptParams
+from infercept.engine.backend import InterceptParams, RequestOutput
 
 from .native_sessions import NativeSession
 from .protocol import CompletionRequest, bad_request, new_id

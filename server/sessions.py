@@ -12,10 +12,13 @@ remembers what a later request must repeat to continue it:
 
 Recognizing is an optimization: whatever does not match exactly is served as a fresh request.
 
-Paused generations hold KV blocks (or host blocks, or nothing once discarded), so they are bounded:
-older than the TTL, or beyond `max_sessions` entries or `max_paused_tokens` tokens, they are aborted
-oldest first. The registry is pure bookkeeping: it returns the engine request ids to abort and the
-caller aborts them. All methods run on the event loop (no locks).
+Paused generations hold KV blocks (or host blocks, or nothing once discarded), so they are bounded by
+memory: beyond `max_paused_tokens` context tokens (by default what the engine's device and host pools
+hold) or, if the operator sets one, `max_paused` entries, the one whose release wastes least goes: the
+one keeping the least KV (`kept_tokens`: its resume would recompute what it keeps; one already discarded
+loses nothing), oldest first among equals. Older than the TTL they are aborted too. The registry is pure
+bookkeeping: it returns the engine request ids to abort and the caller aborts them. All methods run on
+the event loop (no locks), and none walks every paused generation except a release over the limits.
 
 It also keeps a bounded LRU of assistant tool-call turns the server generated (`AssistantTurn`), kept
 beyond their pause: a later turn of the same conversation renders them as the exact generated tokens.
@@ -67,16 +70,33 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
 
 
+TOKEN_BLOCK = 16  # paused token sequences are found by the chained hashes of their full blocks
+NAMED_SESSIONS_KEPT = 16_384  # named sessions remembered without a paused-generation count limit
+
+
+def _block_keys(token_ids: Sequence[int], num_blocks: int) -> list[int | None]:
+    """Key of each prefix of `num_blocks` full blocks: None for zero blocks, then chained hashes."""
+    keys: list[int | None] = [None]
+    for k in range(num_blocks):
+        keys.append(hash((keys[-1], tuple(token_ids[k * TOKEN_BLOCK:(k + 1) * TOKEN_BLOCK]))))
+    return keys
+
+
 class SessionRegistry:
-    def __init__(self, ttl: float, max_paused: int, max_paused_tokens: int, max_turns: int = 4096,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(self, ttl: float, max_paused: int | None, max_paused_tokens: int | None, max_turns: int = 4096,
+                 clock: Callable[[], float] = time.monotonic, kept_tokens: Callable[[str], int] = lambda rid: 0):
         self.ttl = ttl
-        self.max_paused = max_paused
-        self.max_paused_tokens = max_paused_tokens
+        self.max_paused = max_paused  # None: no count limit
+        self.max_paused_tokens = max_paused_tokens  # None: no token limit
         self.max_turns = max_turns
         self.clock = clock
+        # KV tokens (device + host) a paused generation still keeps: what releasing it throws away.
+        self.kept_tokens = kept_tokens
         self._paused: OrderedDict[str, PausedGeneration] = OrderedDict()  # oldest first
         self._by_call_id: dict[str, str] = {}  # first call id -> request id
+        # Paused token sequences by the key of their full blocks (`_block_keys`), for `find_for_tokens`.
+        self._by_blocks: dict[int | None, dict[str, None]] = {}
+        self._block_key: dict[str, int | None] = {}  # request id -> its key there
         self._sessions: dict[str, Session] = {}
         self._turns: OrderedDict[tuple[str, ...], AssistantTurn] = OrderedDict()
         self.num_paused_tokens = 0
@@ -93,6 +113,9 @@ class SessionRegistry:
         entry.paused_at = self.clock()
         self._paused[entry.request_id] = entry
         self.num_paused_tokens += len(entry.token_ids)
+        n = len(entry.token_ids) // TOKEN_BLOCK
+        key = self._block_key[entry.request_id] = _block_keys(entry.token_ids, n)[n]
+        self._by_blocks.setdefault(key, {})[entry.request_id] = None
         if entry.call_ids:
             self._by_call_id[entry.call_ids[0]] = entry.request_id
             self.remember_turn(entry.turn)
@@ -100,10 +123,17 @@ class SessionRegistry:
             session = self.session(entry.session_id)
             session.paused_request_id = entry.request_id
         evicted = []
-        while self._paused and (len(self._paused) > self.max_paused
-                                or self.num_paused_tokens > self.max_paused_tokens):
-            evicted.append(self._drop(next(iter(self._paused))))
+        while self._paused and self._over_limits():
+            evicted.append(self._drop(self._cheapest_to_release()))
         return evicted
+
+    def _over_limits(self) -> bool:
+        return ((self.max_paused is not None and len(self._paused) > self.max_paused)
+                or (self.max_paused_tokens is not None and self.num_paused_tokens > self.max_paused_tokens))
+
+    def _cheapest_to_release(self) -> str:
+        """The paused generation whose release wastes least: the least KV kept (oldest among equals)."""
+        return min(self._paused, key=self.kept_tokens)  # min keeps the first (oldest) of equal keys
 
     def get(self, request_id: str) -> PausedGeneration | None:
         return self._paused.get(request_id)
@@ -133,14 +163,20 @@ class SessionRegistry:
         return entry if entry is not None and entry.continues(messages) else None
 
     def find_for_tokens(self, token_ids: Sequence[int]) -> PausedGeneration | None:
-        """The paused generation whose whole token sequence `token_ids` strictly extends (the longest)."""
-        best = None
-        for entry in self._paused.values():
-            n = len(entry.token_ids)
-            if n < len(token_ids) and (best is None or n > len(best.token_ids)) \
-                    and token_ids[0] == entry.token_ids[0] and list(token_ids[:n]) == entry.token_ids:
-                best = entry
-        return best
+        """The paused generation whose whole token sequence `token_ids` strictly extends (the longest).
+        Candidates share `token_ids`' first full blocks, found by key, longest first: O(len(token_ids))."""
+        keys = _block_keys(token_ids, max(len(token_ids) - 1, 0) // TOKEN_BLOCK)
+        for key in reversed(keys):
+            best = None
+            for request_id in self._by_blocks.get(key, ()):
+                entry = self._paused[request_id]
+                n = len(entry.token_ids)
+                if n < len(token_ids) and (best is None or n > len(best.token_ids)) \
+                        and list(token_ids[:n]) == entry.token_ids:
+                    best = entry
+            if best is not None:
+                return best
+        return None
 
     def take_for_session(self, session_id: str) -> PausedGeneration | None:
         """Claim the paused generation of the named session `session_id`, if it has one (see `take`)."""
@@ -169,6 +205,11 @@ class SessionRegistry:
     def _drop(self, request_id: str) -> str:
         entry = self._paused.pop(request_id)
         self.num_paused_tokens -= len(entry.token_ids)
+        key = self._block_key.pop(request_id)
+        bucket = self._by_blocks[key]
+        del bucket[request_id]
+        if not bucket:
+            del self._by_blocks[key]
         if entry.call_ids and self._by_call_id.get(entry.call_ids[0]) == request_id:
             del self._by_call_id[entry.call_ids[0]]
         if entry.session_id is not None:
@@ -189,7 +230,7 @@ class SessionRegistry:
     @property
     def max_sessions_kept(self) -> int:
         """Named sessions remembered at most (their conversations are held in memory)."""
-        return max(4 * self.max_paused, 1024)
+        return NAMED_SESSIONS_KEPT if self.max_paused is None else max(4 * self.max_paused, 1024)
 
     def _forget_idle_sessions(self, keep: int) -> None:
         idle = sorted((s for s in self._sessions.values() if not s.busy and s.paused_request_id is None),

@@ -12,12 +12,14 @@ class ServerSettings:
     served_model_name: str | None = None
     # Bearer token every /v1 request must carry; None = no authentication.
     api_key: str | None = None
-    # Paused generations (a tool call in flight) are aborted, oldest first, once they are older than
-    # session_ttl seconds, or when more than max_sessions of them (or more than max_paused_tokens context
-    # tokens in all) are held. Aborting frees their blocks; a late tool result is then served fresh.
+    # Paused generations (a tool call in flight) wait for their tool results up to session_ttl seconds.
+    # They are limited by memory: past max_paused_tokens context tokens in all (None: as many as the
+    # engine's device and host KV pools hold) or, if set, past max_paused of them, the one whose release
+    # wastes least (the least KV kept; oldest among equals) is aborted. Aborting frees its blocks; a
+    # late tool result is then served fresh.
     session_ttl: float = 600.0
-    max_sessions: int = 256
-    max_paused_tokens: int = 1_000_000
+    max_paused: int | None = None
+    max_paused_tokens: int | None = None
     # Assistant tool-call turns remembered token-exactly, so later turns of the same conversation render
     # them as the model generated them (implicit resume needs this prefix to match token for token).
     max_remembered_turns: int = 4096
@@ -35,8 +37,8 @@ class ServerSettings:
     def __post_init__(self):
         if self.session_ttl <= 0:
             raise ValueError("--session-ttl must be positive")
-        if self.max_sessions < 0 or self.max_paused_tokens < 0:
-            raise ValueError("--max-sessions and --max-paused-tokens must be >= 0")
+        if (self.max_paused or 0) < 0 or (self.max_paused_tokens or 0) < 0:
+            raise ValueError("--max-paused and --max-paused-tokens must be >= 0")
         if self.response_ttl <= 0 or self.max_stored_responses < 0:
             raise ValueError("--response-ttl must be positive and --max-stored-responses >= 0")
         if self.max_concurrent_requests < 1:

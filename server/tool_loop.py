@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from infercept.engine import RequestOutput
+from infercept.engine.backend import RequestOutput
 
 from .chat import Call, Message
 from .protocol import ToolParam, bad_request

@@ -136,32 +136,17 @@ def agent_server_url(default_model_dir):
 
     A hand-written profile skips the start-up measurement; the model is served as "smol".
     """
-    import threading
-    import time
+    from live_server import profile, serve_in_thread
 
-    import uvicorn
-
-    from infercept.engine import AsyncEngine, Engine
-    from infercept.engine.policy import Profile
+    from infercept.engine import AsyncEngine, Engine, NativeBackend
     from infercept.server.app import build_app
     from infercept.server.settings import ServerSettings
 
-    profile = Profile(model="test", device="cpu", dtype="float32", bytes_per_token=2 * 30 * 3 * 64 * 4, block_size=16,
-                      t_fwd_samples=((1, 0.01), (64, 0.01), (128, 0.02)), d2h_bytes_per_s=1e9, h2d_bytes_per_s=1e9,
-                      saturation_point=64)
     engine = Engine(default_model_dir, dtype="float32", kv_cache_gb=0.1, host_kv_gb=0.02, max_num_batched_tokens=512,
-                    policy="infercept", profile=profile, progress=False, num_threads=1)
+                    policy="infercept", profile=profile(), progress=False, num_threads=1)
     async_engine = AsyncEngine(engine)
-    app = build_app(async_engine, ServerSettings(served_model_name="smol"))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on",
-                                           timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the agent server did not start"
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}/v1"
+    app = build_app(NativeBackend(async_engine), ServerSettings(served_model_name="smol"))
+    server, thread, base = serve_in_thread(app)
+    yield base + "/v1"
     server.should_exit = True
     thread.join(timeout=10)

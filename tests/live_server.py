@@ -9,12 +9,29 @@ import time
 
 import openai
 
-from infercept.engine import AsyncEngine, Engine
+from infercept.engine import AsyncEngine, Engine, NativeBackend
 from infercept.engine.policy import Profile
 from infercept.server.app import build_app
 from infercept.server.settings import ServerSettings
 
 MODEL = "smol"
+
+
+def serve_in_thread(app) -> tuple:
+    """uvicorn with its lifespan in a daemon thread on a free loopback port: (server, thread, base URL).
+    Stop with `server.should_exit = True` and join the thread."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on",
+                                           timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return server, thread, f"http://127.0.0.1:{port}"
 
 
 def profile() -> Profile:
@@ -29,24 +46,14 @@ class LiveServer:
     """build_app + uvicorn in a thread on a free loopback port; `url` is the OpenAI base URL."""
 
     def __init__(self, model_dir: str, policy: str, prefix_caching: bool = True, **settings):
-        import uvicorn
-
         engine = Engine(model_dir, dtype="float32", kv_cache_gb=0.06, host_kv_gb=0.02, max_num_batched_tokens=512,
                         policy=policy, profile=profile(), progress=False, num_threads=1,
                         enable_prefix_caching=prefix_caching)
         self.async_engine = AsyncEngine(engine)
         self.engine = engine
-        self.app = build_app(self.async_engine, ServerSettings(served_model_name=MODEL, **settings))
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
-                                                    lifespan="on", timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.base = f"http://127.0.0.1:{port}"
+        self.backend = NativeBackend(self.async_engine)
+        self.app = build_app(self.backend, ServerSettings(served_model_name=MODEL, **settings))
+        self.server, self.thread, self.base = serve_in_thread(self.app)
         self.url = self.base + "/v1"
 
     def client(self) -> openai.OpenAI:

@@ -231,6 +231,7 @@ def test_claims_recompute_sustainable_rates_from_request_records(tmp_path, monke
     assert claims.ratio((0.8, True), (0.4, True)) == "2.00x"
     assert claims.ratio((1.0, False), (1.0, False)).startswith("≈")
     assert claims.ratio((0.45, True), (0.0, True)).startswith("∞")
+    assert claims.ratio((1.05, True), (1.25, False)) == "≤ 0.84x"  # the peer never crossed: an upper bound
 
 
 def test_readme_headline_table_is_what_claims_prints():

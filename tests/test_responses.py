@@ -180,7 +180,7 @@ def test_bad_input_is_4xx_in_openai_shape(srv):
 def test_stored_responses_are_bounded_and_expire(srv):
     """A second app on the running engine, over ASGI: at most 2 stored responses, each for 60 s of its
     store's clock (moved by hand)."""
-    app = build_app(srv.async_engine, ServerSettings(served_model_name=MODEL, max_stored_responses=2,
+    app = build_app(srv.backend, ServerSettings(served_model_name=MODEL, max_stored_responses=2,
                                                      response_ttl=60))
     clock = [0.0]
     app.state.responses.store.clock = lambda: clock[0]

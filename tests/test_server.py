@@ -401,7 +401,7 @@ def test_bad_input_is_4xx_in_openai_shape_and_leaks_nothing(srv, path, cases):
 
 def test_auth_body_limit_and_paused_limits(srv):
     """A second app on the same running engine, over ASGI (no lifespan: the engine stays the module's)."""
-    app = build_app(srv.async_engine, ServerSettings(served_model_name=MODEL, api_key="sekret", max_sessions=1,
+    app = build_app(srv.backend, ServerSettings(served_model_name=MODEL, api_key="sekret", max_paused=1,
                                                      max_body_bytes=4096))
 
     async def run():
@@ -415,27 +415,45 @@ def test_auth_body_limit_and_paused_limits(srv):
             assert (await http.get("/v1/models", headers=auth)).status_code == 200
             big = {"model": MODEL, "prompt": "x" * 5000}
             assert (await http.post("/v1/completions", json=big, headers=auth)).status_code == 413
-            # max_sessions=1: a second paused generation aborts the first (oldest first).
+            # max_paused=1: of two paused generations the one keeping less KV goes (here the newer one,
+            # with a shorter context), and says so in the metrics.
             ids = []
-            for prompt in ("One, two,", "Red, green,"):
+            for prompt in ("Count with me, slowly and carefully, from one to ten: one, two,", "Red, green,"):
                 r = await http.post("/v1/completions", headers=auth, json=greedy(
                     prompt=prompt, max_tokens=2, intercept={"kind": "tool", "expected_s": 1.0}))
                 assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
                 ids.append(r.json()["id"] + "-0")
             registry = app.state.registry
-            assert [e.request_id for e in registry.paused()] == [ids[1]]
+            assert [e.request_id for e in registry.paused()] == [ids[0]]
+            metrics = (await http.get("/metrics")).text
+            assert 'infercept_paused_evictions_total{cause="limits",model="smol"} 1.0' in metrics
+            released = next(line for line in metrics.splitlines()
+                            if line.startswith('infercept_paused_released_kv_tokens_total{cause="limits"'))
+            assert float(released.split()[-1]) > 0
             state = await srv.async_engine.call(lambda: dict(srv.engine.scheduler.requests))
             for _ in range(100):  # the abort is posted to the engine thread
                 if ids[0] not in state:
                     break
                 await asyncio.sleep(0.02)
                 state = await srv.async_engine.call(lambda: dict(srv.engine.scheduler.requests))
-            assert list(state) == [ids[1]]
+            assert list(state) == [ids[0]]
             for rid in registry.clear():
                 srv.async_engine.abort(rid)
 
     asyncio.run(run())
     srv.assert_no_leak()
+
+
+def test_paused_generations_are_limited_by_memory_by_default(srv):
+    """No count limit unless the operator sets one; the token limit is what the KV pools hold."""
+    registry = build_app(srv.backend, ServerSettings(served_model_name=MODEL)).state.registry
+    bm = srv.engine.block_manager
+    assert registry.max_paused is None
+    assert registry.max_paused_tokens == (bm.device.num_blocks + bm.host.num_blocks) * bm.block_size
+    assert registry.max_sessions_kept >= 4096  # named sessions are not capped by a paused count either
+    capped = build_app(srv.backend, ServerSettings(served_model_name=MODEL, max_paused=5,
+                                                        max_paused_tokens=1000)).state.registry
+    assert (capped.max_paused, capped.max_paused_tokens) == (5, 1000)
 
 
 def test_client_disconnect_aborts_and_frees_blocks(srv):
@@ -477,11 +495,44 @@ def test_registry_matching_ttl_and_limits():
     assert reg.find_for_tokens([1, 2, 3, 7, 8, 2]) is None  # nothing to append
     clock[0] = 1
     reg.add(PausedGeneration("r2", [5] * 50))
-    assert reg.add(PausedGeneration("r3", [6] * 10)) == ["r1"]  # over max_paused: the oldest goes
+    assert reg.add(PausedGeneration("r3", [6] * 10)) == ["r1"]  # over max_paused: the oldest of equals goes
     assert reg.add(PausedGeneration("r4", [6] * 45)) == ["r2"]  # over max_paused_tokens
     assert reg.take("r3").request_id == "r3" and reg.take("r3") is None
     clock[0] = 20
     assert reg.expire() == ["r4"] and len(reg) == 0 and reg.num_paused_tokens == 0
+
+
+def test_registry_releases_the_paused_generation_keeping_least_kv():
+    kept = {"old-on-host": 60, "discarded": 0, "new-on-device": 40}
+    reg = SessionRegistry(ttl=10, max_paused=None, max_paused_tokens=140, kept_tokens=lambda rid: kept.get(rid, 0))
+    reg.add(PausedGeneration("old-on-host", [1] * 60))
+    reg.add(PausedGeneration("discarded", [2] * 50))
+    assert reg.add(PausedGeneration("new-on-device", [3] * 40)) == ["discarded"]  # 150 > 140 tokens: a discarded one
+    kept["newest"] = 45
+    assert reg.add(PausedGeneration("newest", [4] * 45)) == ["new-on-device"]  # then the least KV kept
+    assert [e.request_id for e in reg.paused()] == ["old-on-host", "newest"]
+    unlimited = SessionRegistry(ttl=10, max_paused=None, max_paused_tokens=None)
+    assert all(unlimited.add(PausedGeneration(f"r{i}", [i % 7, i]) ) == [] for i in range(3000))
+    assert len(unlimited) == 3000
+
+
+def test_registry_finds_the_longest_paused_sequence_a_prompt_extends():
+    reg = SessionRegistry(ttl=10, max_paused=None, max_paused_tokens=None)
+    system = list(range(100, 140))  # 40 shared tokens: two full blocks and a part
+    reg.add(PausedGeneration("short", system[:5]))
+    reg.add(PausedGeneration("a", system + [1, 2, 3]))
+    reg.add(PausedGeneration("b", system + [1, 2, 3] + list(range(20))))
+    reg.add(PausedGeneration("other", system + [9]))
+    assert reg.find_for_tokens(system + [1, 2, 3] + list(range(20)) + [7]).request_id == "b"
+    assert reg.find_for_tokens(system + [1, 2, 3] + list(range(19))).request_id == "a"
+    assert reg.find_for_tokens(system + [1, 2, 3]).request_id == "short"  # "a" is not strictly extended
+    assert reg.find_for_tokens(system[:5]) is None
+    assert reg.find_for_tokens(system + [9, 9]).request_id == "other"
+    reg.take("b")
+    assert reg.find_for_tokens(system + [1, 2, 3] + list(range(20)) + [7]).request_id == "a"
+    for rid in ("a", "short", "other"):
+        reg.take(rid)
+    assert reg.find_for_tokens(system + [9, 9]) is None and not reg._by_blocks
 
 
 def test_example_exchanges_follow_the_tool_schema():
@@ -503,7 +554,7 @@ def test_serve_cli_flags_and_environment(monkeypatch):
     args = cli.build_parser().parse_args(["serve", "--port", "0", "--policy", "discard", "--api-key", "k",
                                           "--max-sessions", "3", "--served-model-name", "m"])
     settings = cli.server_settings(args)
-    assert (settings.host, settings.port, settings.api_key, settings.session_ttl, settings.max_sessions,
+    assert (settings.host, settings.port, settings.api_key, settings.session_ttl, settings.max_paused,
             settings.served_model_name) == ("127.0.0.1", 0, "k", 30.0, 3, "m")
     assert cli.engine_kwargs(args)["policy"] == "discard"
     with pytest.raises(ValueError):

@@ -160,7 +160,7 @@ class FakeWeather:
 def test_server_tools_run_inside_the_server(srv):
     """A second app on the running engine (over ASGI) whose tool lookup knows the fake tool."""
     tool = FakeWeather()
-    app = build_app(srv.async_engine, ServerSettings(served_model_name=MODEL),
+    app = build_app(srv.backend, ServerSettings(served_model_name=MODEL),
                     tool_lookup=lambda name: {tool.name: tool}[name])
 
     async def run():
@@ -314,7 +314,7 @@ def test_session_walkthrough_example_runs(srv):
 def test_chat_completions_with_server_tools(srv):
     """The same server tool through /v1/chat/completions (`server_tools` in the body), sync and streamed."""
     tool = FakeWeather()
-    app = build_app(srv.async_engine, ServerSettings(served_model_name=MODEL),
+    app = build_app(srv.backend, ServerSettings(served_model_name=MODEL),
                     tool_lookup=lambda name: {tool.name: tool}[name])
     body = {"model": MODEL, "temperature": 0, "max_tokens": 40, "server_tools": ["get_weather"],
             "messages": [{"role": "user", "content": QUESTION}]}

@@ -1,0 +1,210 @@
+"""The one boundary between the server and an engine: `EngineBackend`.
+
+The server (`infercept.server`) imports nothing of the engine but this module: the backend interface,
+the typed values that cross it, and the request-level types a caller builds (`SamplingParams`,
+`InterceptParams`, the tool-call formats). `NativeBackend` is InferCept's own engine behind it, run on
+its engine thread (`AsyncEngine`). The interface is shaped for a backend whose engine runs in another
+process (vLLM's `AsyncLLM`): everything that reads engine state is async, and a snapshot may lag the
+engine by a step.
+
+    backend = NativeBackend.create(model=None, policy="infercept")   # the embedded default model
+    app = build_app(backend, settings)
+"""
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from .outputs import RequestOutput
+from .paused_kv import PAUSED_KV_STATES
+from .request import InterceptParams
+from .sampling_params import GuidedDecodingParams, SamplingParams
+from .tool_parsers import get_tool_parser, parser_for_model
+
+__all__ = ["EngineBackend", "EngineInfo", "EngineSnapshot", "GuidedDecodingParams", "InterceptParams",
+           "KVLocation", "NativeBackend", "PAUSED_KV_STATES", "RequestOutput", "SamplingParams",
+           "get_tool_parser", "parser_for_model"]
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the server needs to know of the model and the engine, fixed for the backend's life."""
+
+    model: str  # the model folder (or hub-style id) the engine loaded
+    model_type: str  # config.json's model_type: picks the tool-call format
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    chat_template: str | None
+    dtype: str
+    device: str
+    kv_capacity_tokens: int  # KV the device and host pools hold together (the paused-token default)
+
+    @property
+    def model_name(self) -> str:
+        """The default served name: the model folder's name."""
+        return os.path.basename(os.path.normpath(self.model))
+
+
+@dataclass(frozen=True)
+class KVLocation:
+    """Where a request's context has KV: tokens on the device, on the host, or not computed
+    (`discarded`; `cached` of those are still in the prefix cache and reused unless evicted first)."""
+
+    device: int = 0
+    host: int = 0
+    discarded: int = 0
+    cached: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"device": self.device, "host": self.host, "discarded": self.discarded, "cached": self.cached}
+
+
+@dataclass
+class EngineSnapshot:
+    """Engine counters and gauges for /metrics (cumulative since start; may lag a step)."""
+
+    num_steps: int = 0
+    forward_seconds: float = 0.0
+    num_computed_tokens: int = 0
+    num_recomputed_tokens: int = 0
+    recompute_seconds: float = 0.0
+    num_swapped_out_blocks: int = 0
+    num_swapped_in_blocks: int = 0
+    num_discarded_tokens: int = 0
+    num_preemptions: int = 0
+    num_preemptions_by_swap: int = 0
+    memory_waste_byte_seconds: float = 0.0
+    device_blocks_total: int = 0
+    device_blocks_used: int = 0
+    host_blocks_total: int = 0
+    host_blocks_used: int = 0
+    prefix_queried_blocks: int = 0
+    prefix_hit_blocks: int = 0
+    prefix_evicted_blocks: int = 0
+    prefix_cached_blocks: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    paused_by_state: dict[str, int] = field(default_factory=dict)  # PAUSED_KV_STATES -> generations
+    paused_tokens_by_location: dict[str, int] = field(default_factory=dict)  # device / host / discarded
+
+
+class EngineBackend(ABC):
+    """An engine as the server uses it. Streams end with the turn (`RequestOutput.turn_done`: finished,
+    or paused at an interception); leaving a stream early aborts its request."""
+
+    info: EngineInfo
+
+    @property
+    @abstractmethod
+    def is_running(self) -> bool: ...
+
+    @abstractmethod
+    def start(self) -> None: ...
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Abort everything in flight and stop (blocking; the server calls it off the event loop)."""
+
+    @abstractmethod
+    def generate(self, prompt: list[int], params: SamplingParams, request_id: str,
+                 intercept: InterceptParams | None = None) -> AsyncIterator[RequestOutput]:
+        """Start a request; its first output arrives once it has its first token. ValueError (bad
+        input) and RuntimeError (engine not running) surface from the first `anext`."""
+
+    @abstractmethod
+    def resume(self, request_id: str, appended: list[int], params: SamplingParams | None = None,
+               intercept: InterceptParams | None = None) -> AsyncIterator[RequestOutput]:
+        """Continue a paused request with `appended` tokens (its interception's result); KeyError /
+        ValueError from the first `anext` if it is not paused."""
+
+    @abstractmethod
+    def abort(self, request_id: str) -> None:
+        """End a request in any state, paused included, and free its KV. Unknown ids are ignored."""
+
+    @abstractmethod
+    async def kv_location(self, request_id: str) -> KVLocation:
+        """Where the request's KV is now; KeyError if the engine does not know it."""
+
+    @abstractmethod
+    async def snapshot(self) -> EngineSnapshot: ...
+
+    @abstractmethod
+    def paused_kv_tokens(self, request_id: str) -> int:
+        """KV tokens (device + host) a paused request still keeps; 0 if it is not paused. Synchronous
+        and cheap: the server calls it to choose which paused generation to release (may lag)."""
+
+
+class NativeBackend(EngineBackend):
+    """InferCept's own engine (`Engine`) on its engine thread (`AsyncEngine`)."""
+
+    def __init__(self, async_engine):
+        self.async_engine = async_engine
+        engine = async_engine.engine
+        self.info = EngineInfo(
+            model=engine.config.model, model_type=engine.spec.model_type,
+            max_model_len=engine.config.scheduler.max_model_len, vocab_size=engine.spec.vocab_size,
+            eos_token_ids=frozenset(engine.eos_token_ids), chat_template=engine.tokenizer.chat_template,
+            dtype=str(engine.config.dtype).removeprefix("torch."), device=str(engine.config.device),
+            kv_capacity_tokens=engine.kv_capacity_tokens())
+
+    @classmethod
+    def create(cls, model: str | None = None, **engine_kwargs) -> "NativeBackend":
+        """Load `model` (None: the embedded default) with `Engine`'s keyword arguments."""
+        from .async_engine import AsyncEngine
+
+        return cls(AsyncEngine.from_args(model, **engine_kwargs))
+
+    @property
+    def is_running(self) -> bool:
+        return self.async_engine.is_running
+
+    def start(self) -> None:
+        self.async_engine.start()
+
+    def shutdown(self) -> None:
+        self.async_engine.shutdown()
+
+    def generate(self, prompt, params, request_id, intercept=None):
+        return self.async_engine.generate(prompt, params, request_id, intercept)
+
+    def resume(self, request_id, appended, params=None, intercept=None):
+        return self.async_engine.resume(request_id, appended, params, intercept)
+
+    def abort(self, request_id: str) -> None:
+        self.async_engine.abort(request_id)
+
+    async def kv_location(self, request_id: str) -> KVLocation:
+        engine = self.async_engine.engine
+        return KVLocation(**await self.async_engine.call(lambda: engine.kv_location(request_id)))
+
+    async def snapshot(self) -> EngineSnapshot:
+        engine = self.async_engine.engine
+        return await self.async_engine.call(lambda: _snapshot(engine))
+
+    def paused_kv_tokens(self, request_id: str) -> int:
+        return self.async_engine.engine.paused_kv_tokens(request_id)
+
+
+def _snapshot(engine) -> EngineSnapshot:
+    """Read the engine's numbers; runs on the engine thread. O(1) in the paused generations: the
+    paused-KV index keeps its totals as KV moves."""
+    stats, bm, sched = engine.stats, engine.block_manager, engine.scheduler
+    paused = sched.paused_kv
+    return EngineSnapshot(
+        num_steps=stats.num_steps, forward_seconds=stats.forward_seconds,
+        num_computed_tokens=stats.num_computed_tokens, num_recomputed_tokens=stats.num_recomputed_tokens,
+        num_swapped_out_blocks=stats.num_swapped_out_blocks, num_swapped_in_blocks=stats.num_swapped_in_blocks,
+        recompute_seconds=stats.recompute_seconds, num_discarded_tokens=stats.num_discarded_tokens,
+        memory_waste_byte_seconds=stats.memory_waste_until(sched.clock()),
+        num_preemptions=stats.num_preemptions, num_preemptions_by_swap=stats.num_preemptions_by_swap,
+        device_blocks_total=bm.device.num_blocks, device_blocks_used=bm.device.num_blocks - bm.num_free_blocks,
+        host_blocks_total=bm.host.num_blocks, host_blocks_used=bm.host.num_blocks - bm.num_free_host_blocks,
+        prefix_queried_blocks=bm.device.counters.queried, prefix_hit_blocks=bm.device.counters.hits,
+        prefix_evicted_blocks=bm.device.counters.evictions, prefix_cached_blocks=bm.device.num_cached,
+        num_running=len(sched.running) + len(sched.swapped), num_waiting=len(sched.waiting),
+        paused_by_state={state: paused.count_by_state[state] for state in PAUSED_KV_STATES},
+        paused_tokens_by_location={"device": paused.device_tokens, "host": paused.host_tokens,
+                                   "discarded": paused.discarded_tokens})

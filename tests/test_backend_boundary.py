@@ -1,0 +1,184 @@
+"""The server over a scripted `EngineBackend`: the boundary is the whole contract between them.
+
+No model runs here: a fake backend answers from a script (a plain answer, a tool call that pauses, a
+resume, bad input, a failure mid-stream) and reports snapshots one scrape late, as a backend running
+its engine in another process may. The real server (uvicorn on a loopback port, its lifespan included)
+is driven by the official openai SDK and plain HTTP.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+from live_server import serve_in_thread
+from transformers import AutoTokenizer
+
+from infercept.engine.backend import EngineBackend, EngineInfo, EngineSnapshot, KVLocation, RequestOutput
+from infercept.server.app import build_app
+from infercept.server.settings import ServerSettings
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+class ScriptedBackend(EngineBackend):
+    """Answers by what the prompt asks: "weather" -> a tool call that pauses; "bad" -> ValueError;
+    "crash" -> one token, then the engine fails; anything else -> "Hello there." Resumes answer
+    "It is sunny." and report the paused context as cached."""
+
+    def __init__(self, model_dir: str):
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        eos = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.info = EngineInfo(model=model_dir, model_type="llama", max_model_len=2048,
+                               vocab_size=len(self.tokenizer), eos_token_ids=frozenset({eos}),
+                               chat_template=self.tokenizer.chat_template, dtype="bfloat16", device="fake",
+                               kv_capacity_tokens=100_000)
+        self.running = False
+        self.paused: dict[str, int] = {}  # request id -> context tokens
+        self.calls: list[tuple] = []
+        self.scrapes = 0
+
+    @property
+    def is_running(self) -> bool:
+        return self.running
+
+    def start(self) -> None:
+        self.running = True
+
+    def shutdown(self) -> None:
+        self.running = False
+
+    def _out(self, request_id, prompt, text, *, finished=False, paused=False, cached=0, tool_calls=()):
+        return RequestOutput(request_id, list(prompt), self.tokenizer.encode(text, add_special_tokens=False), text,
+                             finished, "stop" if finished else None, num_cached_tokens=cached, paused=paused,
+                             tool_calls=list(tool_calls))
+
+    async def generate(self, prompt, params, request_id, intercept=None):
+        self.calls.append(("generate", request_id))
+        asked = self.tokenizer.decode(prompt).rsplit("<|im_start|>user", 1)[-1]
+        if "bad" in asked:
+            raise ValueError("the scripted engine refuses this prompt")
+        if "crash" in asked:
+            yield self._out(request_id, prompt, "Hel")
+            raise RuntimeError("the scripted engine failed mid-step")
+        if "weather" in asked and intercept is not None:
+            out = self._out(request_id, prompt, CALL, paused=True, tool_calls=[SimpleNamespace(name="get_weather")])
+            self.paused[request_id] = len(prompt) + len(out.token_ids)
+            yield out
+            return
+        yield self._out(request_id, prompt, "Hello", cached=0)
+        yield self._out(request_id, prompt, "Hello there.", finished=True)
+
+    async def resume(self, request_id, appended, params=None, intercept=None):
+        self.calls.append(("resume", request_id))
+        if request_id not in self.paused:
+            raise KeyError(request_id)
+        context = self.paused.pop(request_id)
+        yield self._out(request_id, [0] * (context + len(appended)), "It is sunny.", finished=True, cached=context)
+
+    def abort(self, request_id):
+        self.calls.append(("abort", request_id))
+        self.paused.pop(request_id, None)
+
+    async def kv_location(self, request_id):
+        if request_id not in self.paused:
+            raise KeyError(request_id)
+        return KVLocation(device=self.paused[request_id])
+
+    async def snapshot(self):
+        """One scrape late: the numbers of the previous scrape."""
+        await asyncio.sleep(0)
+        self.scrapes += 1
+        return EngineSnapshot(num_steps=self.scrapes - 1, paused_by_state={"device": len(self.paused)})
+
+    def paused_kv_tokens(self, request_id):
+        return self.paused.get(request_id, 0)
+
+
+@pytest.fixture(scope="module")
+def fake(default_model_dir):
+    backend = ScriptedBackend(default_model_dir)
+    server, thread, base = serve_in_thread(build_app(backend, ServerSettings(served_model_name="fake")))
+    yield SimpleNamespace(backend=backend, base=base,
+                          client=openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=30))
+    server.should_exit = True
+    thread.join(timeout=10)
+    assert not backend.running, "the lifespan did not shut the backend down"
+
+
+def test_info_reaches_models_and_health(fake):
+    assert httpx.get(fake.base + "/health").json() == {"status": "ok"}
+    card = fake.client.models.list().data[0]
+    assert card.id == "fake" and card.model_extra["max_model_len"] == 2048
+
+
+def test_a_plain_answer(fake):
+    r = fake.client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "Hi"}])
+    assert r.choices[0].message.content == "Hello there." and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == len(fake.backend.tokenizer.encode("Hello there.", add_special_tokens=False))
+
+
+def test_a_tool_call_pauses_and_the_result_resumes_the_same_generation(fake):
+    messages = [{"role": "user", "content": "What is the weather in Rome?"}]
+    first = fake.client.chat.completions.create(model="fake", messages=messages, tools=[WEATHER])
+    call = first.choices[0].message.tool_calls[0]
+    assert first.choices[0].finish_reason == "tool_calls"
+    assert (call.function.name, call.function.arguments) == ("get_weather", '{"city": "Rome"}')
+    paused_id = fake.backend.calls[-1][1]
+    assert fake.backend.paused_kv_tokens(paused_id) > 0
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "sunny, 24 C"}]
+    second = fake.client.chat.completions.create(model="fake", messages=messages, tools=[WEATHER])
+    assert second.choices[0].message.content == "It is sunny."
+    assert fake.backend.calls[-1] == ("resume", paused_id)
+    assert second.usage.prompt_tokens_details.cached_tokens > 0  # what the backend said it reused
+
+
+def test_bad_input_is_a_400_and_a_failure_mid_stream_ends_the_stream_with_an_error(fake):
+    with pytest.raises(openai.BadRequestError, match="refuses"):
+        fake.client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "bad"}])
+    with pytest.raises(openai.APIStatusError) as failed:
+        fake.client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "crash"}])
+    assert failed.value.status_code == 503
+    events = []
+    with httpx.stream("POST", fake.base + "/v1/chat/completions", timeout=30, json={
+            "model": "fake", "messages": [{"role": "user", "content": "crash"}], "stream": True}) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert '"error"' in events[-1] or '"error"' in events[-2], events[-3:]
+
+
+def test_metrics_show_the_backend_snapshot_even_when_it_lags(fake):
+    def steps() -> float:
+        text = httpx.get(fake.base + "/metrics").text
+        line = next(x for x in text.splitlines() if x.startswith("infercept_engine_steps_total"))
+        return float(line.split()[-1])
+
+    first, second = steps(), steps()
+    assert second == first + 1  # each scrape shows the backend's previous numbers, as it gave them
+
+
+def test_the_server_imports_no_engine_internals():
+    """Every `infercept.engine` import under server/ is the boundary module or the package's public names."""
+    import ast
+    from pathlib import Path
+
+    server_dir = Path(__file__).resolve().parent.parent / "server"
+    offenders = []
+    for path in sorted(server_dir.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            offenders += [(path.name, n) for n in names
+                          if n.startswith("infercept.engine.") and n != "infercept.engine.backend"]
+    assert not offenders, offenders
+
+
+def test_snapshot_and_kv_location_are_plain_typed_values():
+    snap = EngineSnapshot(num_steps=3)
+    assert dataclasses.asdict(snap)["num_steps"] == 3
+    assert KVLocation(device=4, cached=1).as_dict() == {"device": 4, "host": 0, "discarded": 0, "cached": 1}
