@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 
@@ -207,6 +209,37 @@ class BaseServing:
     # -- logprobs ----------------------------------------------------------------------------------
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+async def respond(raw: Request, stream: bool, events: Callable[[], AsyncIterator[dict]],
+                  body: Callable[[], Awaitable[dict]], cleanup: Callable[[], Awaitable[None]],
+                  headers: dict[str, str]) -> Response:
+    """How every generation endpoint answers: an SSE stream of `events()` (cleanup once it ends, however
+    it ends), or the JSON `body()`, cancelled if the client disconnects first (499), cleanup after."""
+    if stream:
+        return StreamResponse(events(), cleanup, headers)
+    try:
+        result = await run_until_disconnect(raw, body())
+    finally:
+        await cleanup()
+    if result is None:
+        return Response(status_code=499)
+    return JSONResponse(result, headers=headers)
+
+
+async def openai_sse(chunks: AsyncIterator[dict], what: str) -> AsyncIterator[dict]:
+    """An OpenAI-style stream: the chunks, then `[DONE]`; a failure mid-stream becomes one error chunk
+    before it (a client never sees a hung or silently cut stream). Closing this closes `chunks`."""
+    async with contextlib.aclosing(chunks):
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except APIError as e:
+            yield {"data": json.dumps(e.body())}
+        except Exception as e:  # an engine failure mid-stream
+            logger.exception("%s failed mid-stream", what)
+            yield {"data": json.dumps(APIError(500, f"internal error: {e}").body())}
+    yield {"data": "[DONE]"}
 
 
 async def run_until_disconnect(raw: Request, work: Awaitable):

@@ -29,7 +29,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.requests import Request
 
 from infercept.engine.backend import (GuidedDecodingParams, InterceptParams, RequestOutput, SamplingParams,
@@ -40,7 +40,7 @@ from .chat import (AssistantTurn, Call, ChatRenderer, Message, canonical_json, h
 from .protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatMessage, ChoiceLogprobs, FunctionCall, PromptTokensDetails,
                        TokenLogprob, ToolCall, ToolParam, TopLogprob, Usage, bad_request, new_id, now)
-from .serving_base import BaseServing, EngineTurn, StreamResponse, logger, run_until_disconnect
+from .serving_base import BaseServing, EngineTurn, logger, openai_sse, respond
 from .sessions import PausedGeneration
 
 SESSION_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
@@ -78,6 +78,11 @@ class ChatContext:
     guided_calls: bool = False  # grammar-constrained calls: any call the turn writes has valid arguments
     call_ids: list[str] = field(default_factory=list)  # ids of this turn's calls, by index
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """The response headers that name this request (and its session)."""
+        return {"X-Request-Id": self.response_id} | ({"X-Session-Id": self.session_id} if self.session_id else {})
+
 
 @dataclass(frozen=True)
 class StreamedCall:
@@ -99,16 +104,8 @@ class ChatServing(BaseServing):
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         ctx, cleanup = await self.open(req, raw)
-        headers = {"X-Request-Id": ctx.response_id} | ({"X-Session-Id": ctx.session_id} if ctx.session_id else {})
-        if req.stream:
-            return StreamResponse(self._stream(ctx), cleanup, headers)
-        try:
-            body = await run_until_disconnect(raw, self._full(ctx))
-        finally:
-            await cleanup()
-        if body is None:
-            return Response(status_code=499)
-        return JSONResponse(body, headers=headers)
+        return await respond(raw, req.stream, lambda: openai_sse(self._stream(ctx), f"request {ctx.response_id}"),
+                             lambda: self._full(ctx), cleanup, ctx.headers)
 
     async def open(self, req: ChatCompletionRequest, raw: Request) -> tuple[ChatContext, Callable[[], Awaitable[None]]]:
         """Validate and render `req`, then start its engine turn or resume the paused one it continues.
@@ -472,43 +469,36 @@ class ChatServing(BaseServing):
         streamed = ""  # content sent so far
         sent_tokens = 0  # tokens whose logprobs were sent
         sent_calls: dict[int, str] = {}  # index -> arguments sent so far, for each call announced
-        try:
-            yield chunk({"role": "assistant", "content": "", "refusal": None})
-            last = None
-            async for out in ctx.turn.outputs():
-                last = out
-                if out.turn_done:
-                    break
-                for delta in self._call_deltas(self.streamable_calls(ctx, out.text), sent_calls):
-                    yield chunk({"tool_calls": [delta]})
-                visible = self.streamable_text(ctx, out.text)
-                if len(visible) > len(streamed) and visible.startswith(streamed):
-                    lp = self._logprobs(ctx, out, sent_tokens, len(out.token_ids))
-                    sent_tokens = len(out.token_ids)
-                    yield chunk({"content": visible[len(streamed):]}, logprobs=lp)
-                    streamed = visible
-            result = self._end_turn(ctx, last)
-            self._log(ctx, last, result)
-            content = result.content or ""
-            # Once calls were shown, a turn that ends as text (a guided call cut by max_tokens) is that
-            # call's text: the client already has it as a call, and the finish reason says "length".
-            if not sent_calls and len(content) > len(streamed) and content.startswith(streamed):
-                lp = self._logprobs(ctx, last, sent_tokens, len(last.token_ids))
-                sent_tokens = len(last.token_ids)
-                yield chunk({"content": content[len(streamed):]}, logprobs=lp)
-            final = [StreamedCall(i, call.id, call.name, call.arguments) for i, call in enumerate(result.calls)]
-            for delta in self._call_deltas(final, sent_calls):
+        yield chunk({"role": "assistant", "content": "", "refusal": None})
+        last = None
+        async for out in ctx.turn.outputs():
+            last = out
+            if out.turn_done:
+                break
+            for delta in self._call_deltas(self.streamable_calls(ctx, out.text), sent_calls):
                 yield chunk({"tool_calls": [delta]})
-            yield chunk({}, finish_reason=result.finish_reason,
-                        logprobs=self._logprobs(ctx, last, sent_tokens, len(last.token_ids)),
-                        token_ids=list(last.token_ids) if ctx.request.return_token_ids else None)
-            if include_usage:
-                usage = ChatCompletionChunk(id=ctx.response_id, created=created, model=ctx.request.model, choices=[],
-                                            usage=self._usage(ctx, last))
-                yield {"data": usage.model_dump_json()}
-        except APIError as e:
-            yield {"data": json.dumps(e.body())}
-        except Exception as e:  # an engine failure mid-stream: report it in the stream, never hang
-            logger.exception("request %s failed mid-stream", ctx.response_id)
-            yield {"data": json.dumps(APIError(500, f"internal error: {e}").body())}
-        yield {"data": "[DONE]"}
+            visible = self.streamable_text(ctx, out.text)
+            if len(visible) > len(streamed) and visible.startswith(streamed):
+                lp = self._logprobs(ctx, out, sent_tokens, len(out.token_ids))
+                sent_tokens = len(out.token_ids)
+                yield chunk({"content": visible[len(streamed):]}, logprobs=lp)
+                streamed = visible
+        result = self._end_turn(ctx, last)
+        self._log(ctx, last, result)
+        content = result.content or ""
+        # Once calls were shown, a turn that ends as text (a guided call cut by max_tokens) is that
+        # call's text: the client already has it as a call, and the finish reason says "length".
+        if not sent_calls and len(content) > len(streamed) and content.startswith(streamed):
+            lp = self._logprobs(ctx, last, sent_tokens, len(last.token_ids))
+            sent_tokens = len(last.token_ids)
+            yield chunk({"content": content[len(streamed):]}, logprobs=lp)
+        final = [StreamedCall(i, call.id, call.name, call.arguments) for i, call in enumerate(result.calls)]
+        for delta in self._call_deltas(final, sent_calls):
+            yield chunk({"tool_calls": [delta]})
+        yield chunk({}, finish_reason=result.finish_reason,
+                    logprobs=self._logprobs(ctx, last, sent_tokens, len(last.token_ids)),
+                    token_ids=list(last.token_ids) if ctx.request.return_token_ids else None)
+        if include_usage:
+            usage = ChatCompletionChunk(id=ctx.response_id, created=created, model=ctx.request.model, choices=[],
+                                        usage=self._usage(ctx, last))
+            yield {"data": usage.model_dump_json()}

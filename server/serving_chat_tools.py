@@ -10,19 +10,18 @@ to continue after client-tool calls, name a session (`session_id`), which holds 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.requests import Request
 
 from .chat import Message
 from .chat_wire import chat_message
-from .protocol import (APIError, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+from .protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                        ChatChunkChoice, ChatMessage, ChatMessageParam, FunctionCall, PromptTokensDetails, ToolCall,
                        Usage, bad_request, now)
-from .serving_base import StreamResponse, logger, once, run_until_disconnect
+from .serving_base import once, openai_sse, respond
 from .serving_chat import ChatContext, ChatServing
 from .tool_loop import LoopOutcome, Opened, events_then_result, resolve_server_tools, serve_turns
 
@@ -50,15 +49,14 @@ class ChatServerTools:
         events: asyncio.Queue[tuple[str, dict]] = asyncio.Queue()
         emit = (lambda kind, data: events.put_nowait((kind, data))) if req.stream else (lambda *_: None)
         work = serve_turns(self.chat, (ctx, cleanup), open_turn, list(ctx.messages), server_tools, emit)
-        headers = {"X-Request-Id": ctx.response_id} | ({"X-Session-Id": ctx.session_id} if ctx.session_id else {})
-        if req.stream:
-            return StreamResponse(self._stream(ctx, work, events), cleanup, headers)
-        try:
-            outcome = await run_until_disconnect(raw, work)
-        finally:
-            await cleanup()
-        if outcome is None:
-            return Response(status_code=499)
+        return await respond(raw, req.stream,
+                             lambda: openai_sse(self._stream(ctx, work, events), f"request {ctx.response_id}"),
+                             lambda: self._full(ctx, work), cleanup, ctx.headers)
+
+    @staticmethod
+    async def _full(ctx: ChatContext, work) -> dict:
+        req = ctx.request
+        outcome = await work
         result = outcome.result
         tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
                       for c in result.calls] or None
@@ -68,7 +66,7 @@ class ChatServerTools:
                                 finish_reason=result.finish_reason)])
         exclude = {"prompt_token_ids": True, "choices": {0: {"token_ids"}}} | (
             {"session_id": True} if ctx.session_id is None else {})
-        return JSONResponse(response.model_dump(mode="json", exclude=exclude), headers=headers)
+        return response.model_dump(mode="json", exclude=exclude)
 
     async def _stream(self, ctx: ChatContext, work, events: asyncio.Queue) -> AsyncIterator[dict]:
         req = ctx.request
@@ -80,28 +78,21 @@ class ChatServerTools:
                                     choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
             return {"data": c.model_dump_json(exclude={"usage": True, "choices": {0: {"token_ids"}}})}
 
-        try:
-            yield chunk({"role": "assistant", "content": "", "refusal": None})
-            outcome: LoopOutcome | None = None
-            async for kind, data in events_then_result(work, events):
-                if kind == "delta":
-                    yield chunk({"content": data["content"]})
-                elif kind == "done":
-                    outcome = data
-            for i, call in enumerate(outcome.result.calls):
-                yield chunk({"tool_calls": [{"index": i, "id": call.id, "type": "function",
-                                             "function": {"name": call.name, "arguments": call.arguments}}]})
-            yield chunk({}, finish_reason=outcome.result.finish_reason)
-            if include_usage:
-                usage = ChatCompletionChunk(id=ctx.response_id, created=created, model=req.model, choices=[],
-                                            usage=_usage(outcome))
-                yield {"data": usage.model_dump_json()}
-        except APIError as e:
-            yield {"data": json.dumps(e.body())}
-        except Exception as e:  # an engine failure mid-stream: report it in the stream, never hang
-            logger.exception("request %s failed mid-stream", ctx.response_id)
-            yield {"data": json.dumps(APIError(500, f"internal error: {e}").body())}
-        yield {"data": "[DONE]"}
+        yield chunk({"role": "assistant", "content": "", "refusal": None})
+        outcome: LoopOutcome | None = None
+        async for kind, data in events_then_result(work, events):
+            if kind == "delta":
+                yield chunk({"content": data["content"]})
+            elif kind == "done":
+                outcome = data
+        for i, call in enumerate(outcome.result.calls):
+            yield chunk({"tool_calls": [{"index": i, "id": call.id, "type": "function",
+                                         "function": {"name": call.name, "arguments": call.arguments}}]})
+        yield chunk({}, finish_reason=outcome.result.finish_reason)
+        if include_usage:
+            usage = ChatCompletionChunk(id=ctx.response_id, created=created, model=req.model, choices=[],
+                                        usage=_usage(outcome))
+            yield {"data": usage.model_dump_json()}
 
 
 def _usage(outcome: LoopOutcome) -> Usage:

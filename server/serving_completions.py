@@ -14,14 +14,14 @@ import json
 import time
 from collections.abc import AsyncIterator
 
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.requests import Request
 
 from infercept.engine.backend import InterceptParams, RequestOutput
 
 from .protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
-                       PromptTokensDetails, Usage, bad_request, new_id, now, APIError)
-from .serving_base import BaseServing, EngineTurn, StreamResponse, logger, once, run_until_disconnect
+                       PromptTokensDetails, Usage, bad_request, new_id, now)
+from .serving_base import BaseServing, EngineTurn, logger, once, openai_sse, respond
 from .sessions import PausedGeneration
 
 
@@ -60,17 +60,10 @@ class CompletionServing(BaseServing):
             await self._close(turns)
             raise
         echoes = [self._echo_text(req, ids, text) for ids, text in zip(prompts, self._prompt_texts(req.prompt))]
-        headers = {"X-Request-Id": response_id}
-        cleanup = once(lambda: self._close(turns))
-        if req.stream:
-            return StreamResponse(self._stream(response_id, req, turns, echoes), cleanup, headers)
-        try:
-            body = await run_until_disconnect(raw, self._full(response_id, req, turns, echoes))
-        finally:
-            await cleanup()
-        if body is None:
-            return Response(status_code=499)
-        return JSONResponse(body, headers=headers)
+        return await respond(
+            raw, req.stream, lambda: openai_sse(self._stream(response_id, req, turns, echoes), f"request {response_id}"),
+            lambda: self._full(response_id, req, turns, echoes), once(lambda: self._close(turns)),
+            {"X-Request-Id": response_id})
 
     # -- pieces ------------------------------------------------------------------------------------
     def _prompts(self, prompt) -> list[list[int]]:
@@ -244,15 +237,9 @@ class CompletionServing(BaseServing):
                 yield {"data": json.dumps({"id": response_id, "object": "text_completion", "created": created,
                                            "model": req.model, "system_fingerprint": None, "choices": [],
                                            "usage": usage.model_dump(mode="json")})}
-        except APIError as e:
-            yield {"data": json.dumps(e.body())}
-        except Exception as e:
-            logger.exception("request %s failed mid-stream", response_id)
-            yield {"data": json.dumps(APIError(500, f"internal error: {e}").body())}
         finally:
             for task in tasks:
                 task.cancel()
             for task in tasks:
                 with contextlib.suppress(BaseException):
                     await task
-        yield {"data": "[DONE]"}

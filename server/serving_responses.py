@@ -28,7 +28,7 @@ from .protocol_responses import (DeletedResponse, FunctionCallItem, FunctionCall
                                  InputTokensDetails, OutputFunctionCall, OutputItem, OutputMessage, OutputText,
                                  ResponseObject, ResponsesRequest, ResponseUsage, TextPart)
 from .responses_store import ResponseStore, StoredResponse
-from .serving_base import StreamResponse, logger, run_until_disconnect
+from .serving_base import logger, respond
 from .serving_chat import ChatContext, ChatServing, TurnResult
 from .sessions import SessionRegistry
 
@@ -111,16 +111,8 @@ class ResponsesServing:
         model = req.model or self.chat.model_name
         ctx, cleanup = await self.chat.open(chat_request(req, model, system + conversation), raw)
         turn = ResponseTurn(req, new_id("resp_"), new_id("msg_"), now(), conversation, ctx)
-        headers = {"X-Request-Id": turn.response_id}
-        if req.stream:
-            return StreamResponse(self._events(turn), cleanup, headers)
-        try:
-            body = await run_until_disconnect(raw, self._full(turn))
-        finally:
-            await cleanup()
-        if body is None:
-            return Response(status_code=499)
-        return JSONResponse(body, headers=headers)
+        return await respond(raw, req.stream, lambda: self._events(turn), lambda: self._full(turn), cleanup,
+                             {"X-Request-Id": turn.response_id})
 
     async def retrieve(self, response_id: str) -> Response:
         return JSONResponse(self._stored(response_id).body)

@@ -29,7 +29,7 @@ from .chat_wire import chat_message
 from .native_sessions import NativeSession, NativeSessionStore
 from .protocol import APIError, ChatCompletionRequest, bad_request, new_id, now
 from .protocol_sessions import SessionCreateRequest, SessionMessageRequest
-from .serving_base import StreamResponse, logger, once, run_until_disconnect
+from .serving_base import logger, once, respond
 from .serving_chat import ChatServing
 from .session_tokens import TokenTurns
 from .sessions import SessionRegistry
@@ -161,15 +161,8 @@ class SessionServing:
                 session.state = before
             session.task = session.request_id = None
 
-        if req.stream:
-            return StreamResponse(self._sse(session, task, events), settle, {"X-Session-Id": session_id})
-        try:
-            body = await run_until_disconnect(raw, self._outcome(session, task))
-        finally:
-            await settle()
-        if body is None:
-            return Response(status_code=499)
-        return JSONResponse(body, headers={"X-Session-Id": session_id})
+        return await respond(raw, req.stream, lambda: self._sse(session, task, events),
+                             lambda: self._outcome(session, task), settle, {"X-Session-Id": session_id})
 
     def _new_messages(self, session: NativeSession, req: SessionMessageRequest) -> list[Message]:
         """The chat messages a post adds: its tool results (409 unless paused) or its user message (409
