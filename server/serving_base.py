@@ -17,7 +17,7 @@ from starlette.requests import Request
 from infercept.engine.backend import EngineBackend, InterceptParams, RequestOutput, SamplingParams
 
 from .metrics import ServerMetrics
-from .protocol import APIError, SamplingFields, bad_request
+from .protocol import APIError, InterceptOptions, SamplingFields, bad_request
 from .sessions import PausedGeneration, SessionRegistry
 from .settings import ServerSettings
 
@@ -145,6 +145,29 @@ class BaseServing:
             raise bad_request(str(e)) from None
 
     # -- engine turns ------------------------------------------------------------------------------
+    async def admitted_turn(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                            intercept: InterceptParams | None, claim: Callable[[], PausedGeneration | None],
+                            started: float, resumed_how: str, release: Callable[[], None] | None = None,
+                            ) -> tuple[EngineTurn, Callable[[], Awaitable[None]]]:
+        """Admission, then the turn: count the request in (429 / 503 refuse here, before anything is
+        claimed), `claim` the paused generation it continues, resume it or start fresh (`open_turn`).
+        Returns the turn and its cleanup, which closes the turn (aborting it if unfinished) and then
+        calls `release` (default: admission's); `release` also runs if the turn never opens."""
+        release = release or self.release
+        self.acquire()  # last check that can refuse: from here on a claimed paused generation is resumed
+        try:
+            turn = await self.open_turn(request_id, prompt_ids, params, intercept, claim(), started)
+        except BaseException:
+            release()
+            raise
+        if turn.resumed:
+            self.metrics.resumes.labels(self.model_name, resumed_how).inc()
+
+        async def cleanup() -> None:
+            await turn.close()
+            release()
+        return turn, cleanup
+
     async def open_turn(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                         intercept: InterceptParams | None, entry: PausedGeneration | None,
                         started: float) -> EngineTurn:
@@ -209,6 +232,13 @@ class BaseServing:
     # -- logprobs ----------------------------------------------------------------------------------
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def pause_on_stops(options: InterceptOptions | None) -> InterceptParams | None:
+    """A token-level request's `intercept` extension: every stop of its turn pauses the generation."""
+    if options is None:
+        return None
+    return InterceptParams(pause_on_stop=True, expected_s=options.expected_s, kind=options.kind)
 
 
 async def respond(raw: Request, stream: bool, events: Callable[[], AsyncIterator[dict]],

@@ -142,23 +142,18 @@ class ChatServing(BaseServing):
             intercept = InterceptParams(tool_parser=self.renderer.tool_parser, pause_on_stop=mode.forced,
                                         expected_s=hint.expected_s if hint else None, kind=hint.kind if hint else "tool")
         response_id = new_id("chatcmpl-")
-        self.acquire()  # last check that can refuse: from here on a claimed paused generation is resumed
-        entry = self._claim_paused(messages, prompt_ids, session_id)
-        if session is not None:
-            session.busy = True
-        try:
-            turn = await self.open_turn(response_id, prompt_ids, params, intercept, entry, started)
-        except BaseException:
-            self._release(session)
-            raise
-        if turn.resumed:
-            self.metrics.resumes.labels(self.model_name, "explicit" if session_id else "implicit").inc()
+
+        def claim() -> PausedGeneration | None:
+            entry = self._claim_paused(messages, prompt_ids, session_id)
+            if session is not None:
+                session.busy = True
+            return entry
+
+        turn, cleanup = await self.admitted_turn(response_id, prompt_ids, params, intercept, claim, started,
+                                                 "explicit" if session_id else "implicit",
+                                                 release=lambda: self._release(session))
         ctx = ChatContext(response_id, req, messages, mode, prefill, turn, session_id,
                           guided_calls=mode.parse and params.guided is not None)
-
-        async def cleanup() -> None:
-            await turn.close()
-            self._release(session)
         return ctx, cleanup
 
     def streamable_text(self, ctx: ChatContext, text: str) -> str:

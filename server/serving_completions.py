@@ -17,11 +17,11 @@ from collections.abc import AsyncIterator
 from fastapi.responses import Response
 from starlette.requests import Request
 
-from infercept.engine.backend import InterceptParams, RequestOutput
+from infercept.engine.backend import RequestOutput
 
 from .protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                        PromptTokensDetails, Usage, bad_request, new_id, now)
-from .serving_base import BaseServing, EngineTurn, logger, once, openai_sse, respond
+from .serving_base import BaseServing, EngineTurn, logger, once, openai_sse, pause_on_stops, respond
 from .sessions import PausedGeneration
 
 
@@ -41,10 +41,7 @@ class CompletionServing(BaseServing):
         prompts = self._prompts(req.prompt)
         for ids in prompts:
             self.check_prompt(ids, "prompt")
-        intercept = None
-        if req.intercept is not None:
-            intercept = InterceptParams(pause_on_stop=True, expected_s=req.intercept.expected_s,
-                                        kind=req.intercept.kind)
+        intercept = pause_on_stops(req.intercept)
         params = [self.sampling_params(req, len(ids), req.max_tokens, req.logprobs) for ids in prompts]
         response_id = new_id("cmpl-")
         self.acquire()

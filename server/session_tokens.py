@@ -20,12 +20,12 @@ from collections.abc import Awaitable, Callable
 from pydantic import ValidationError
 from starlette.requests import Request
 
-from infercept.engine.backend import InterceptParams, RequestOutput
+from infercept.engine.backend import RequestOutput
 
 from .native_sessions import NativeSession
 from .protocol import CompletionRequest, bad_request, new_id
 from .protocol_sessions import SessionMessageRequest
-from .serving_base import BaseServing, EngineTurn, logger
+from .serving_base import BaseServing, EngineTurn, logger, pause_on_stops
 from .sessions import PausedGeneration
 from .tool_loop import Emit
 
@@ -61,24 +61,9 @@ class TokenTurns:
         except ValidationError as e:
             raise bad_request(f"invalid sampling fields: {e.errors()[0]['msg']}") from None
         params = serving.sampling_params(as_completion, len(context), as_completion.max_tokens, None)
-        intercept = None
-        if req.intercept is not None:
-            intercept = InterceptParams(pause_on_stop=True, expected_s=req.intercept.expected_s,
-                                        kind=req.intercept.kind)
-        serving.acquire()  # last check that can refuse: from here on the paused generation is resumed
-        entry = serving.registry.take_for_session(session.session_id)
-        try:
-            turn = await serving.open_turn(new_id("sess-tok-"), context, params, intercept, entry, started)
-        except BaseException:
-            serving.release()
-            raise
-        if turn.resumed:
-            serving.metrics.resumes.labels(serving.model_name, "explicit").inc()
-
-        async def cleanup() -> None:
-            await turn.close()
-            serving.release()
-        return turn, cleanup
+        return await serving.admitted_turn(new_id("sess-tok-"), context, params, pause_on_stops(req.intercept),
+                                           lambda: serving.registry.take_for_session(session.session_id), started,
+                                           "explicit")
 
     async def converse(self, session: NativeSession, turn: EngineTurn, emit: Emit) -> dict:
         """Serve the turn to its end, emitting `delta`s ({text, token_ids}) as it goes; the session takes
