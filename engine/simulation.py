@@ -144,7 +144,7 @@ class SimulatedEngine:
             if isinstance(prompt, int) and prompt > 0 else list(prompt or [])
         if not token_ids:
             raise ValueError("the prompt is empty")
-        request = _SimRequest(request_id, token_ids, _greedy(max_tokens),
+        request = Request(request_id, token_ids, _greedy(max_tokens),
                           arrival_time=self.clock.now() if arrival_time is None else arrival_time,
                           intercept=InterceptParams(pause_on_stop=True, expected_s=expected_s, kind=kind))
         self.scheduler.add(request)
@@ -340,17 +340,6 @@ class SimulatedEngine:
         window = window if window is not None else max((r.arrival for r in records.values()), default=0.0)
         return TraceResult(self.policy_name, list(records.values()), self.stats, self.acc, end, window,
                            self.device_pool_bytes, k)
-
-
-class _SimRequest(Request):
-    """A `Request` compared by identity. `Request` is a dataclass with generated (field-by-field)
-    equality, and the scheduler finds requests in its queues with `in` / `list.remove`, so each lookup
-    builds and compares field tuples against every queued request: with thousands of queued requests
-    (an overloaded baseline) that dominated the simulation's run time. Requests are entities (unique
-    ids), so identity is the right equality anyway."""
-
-    __eq__ = object.__eq__
-    __hash__ = object.__hash__
 
 
 def _greedy(max_tokens: int) -> SamplingParams:
