@@ -44,6 +44,7 @@ class AsyncEngine:
         self._streams_lock = threading.Lock()
         self._ids = itertools.count()
         self._running = False
+        self._died: BaseException | None = None  # what killed the engine thread, if anything did
         self._thread = threading.Thread(target=self._loop, name="infercept-engine", daemon=True)
 
     @classmethod
@@ -52,7 +53,12 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._running
+        return self._running and self._died is None
+
+    @property
+    def failed(self) -> bool:
+        """The engine thread died of an error (not a shutdown): nothing will be served any more."""
+        return self._died is not None
 
     def start(self) -> None:
         if not self._running:
@@ -89,10 +95,10 @@ class AsyncEngine:
             yield out
 
     async def _stream(self, request_id: str, command: Callable[[], object]) -> AsyncIterator[RequestOutput]:
-        if not self._running:
-            raise RuntimeError("the engine is not running")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        with self._streams_lock:
+        with self._streams_lock:  # the same lock the dying engine thread takes: no stream is left behind
+            if not self.is_running:
+                raise RuntimeError("the engine is not running")
             self._streams[request_id] = stream
 
         def run_command() -> None:
@@ -160,6 +166,17 @@ class AsyncEngine:
         self._fail_all(RuntimeError("the server is shutting down"))
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # a bug outside a step: the engine is gone, say so (is_running, failed)
+            logger.critical("the engine thread died", exc_info=True)
+            with self._streams_lock:
+                self._died = e
+                streams, self._streams = self._streams, {}
+            for stream in streams.values():
+                stream.put(RuntimeError("the engine stopped after an internal error"))
+
+    def _serve(self) -> None:
         while self._running:
             while not self._commands.empty():
                 self._commands.get()()

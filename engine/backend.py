@@ -101,6 +101,12 @@ class EngineBackend(ABC):
     @abstractmethod
     def is_running(self) -> bool: ...
 
+    @property
+    def failed(self) -> bool:
+        """The engine stopped on an error and will serve nothing more (the server then exits non-zero
+        so a supervisor restarts it). A shutdown is not a failure."""
+        return False
+
     @abstractmethod
     def start(self) -> None: ...
 
@@ -160,6 +166,10 @@ class NativeBackend(EngineBackend):
     @property
     def is_running(self) -> bool:
         return self.async_engine.is_running
+
+    @property
+    def failed(self) -> bool:
+        return self.async_engine.failed
 
     def start(self) -> None:
         self.async_engine.start()

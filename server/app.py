@@ -49,8 +49,11 @@ def served_model_name(backend: EngineBackend, settings: ServerSettings) -> str:
 
 
 def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
-              tool_lookup: Callable[[str], Any] = get_tool) -> FastAPI:
-    """`tool_lookup(name)` gives the server tool a request may enable by name (KeyError if unknown)."""
+              tool_lookup: Callable[[str], Any] = get_tool,
+              on_engine_failure: Callable[[], None] | None = None) -> FastAPI:
+    """`tool_lookup(name)` gives the server tool a request may enable by name (KeyError if unknown).
+    `on_engine_failure` runs once if the engine fails for good (`infercept serve` stops the process with
+    a non-zero exit, so a supervisor restarts it); /health answers 503 from then on either way."""
     settings = settings or ServerSettings()
     info = backend.info
     model_name = served_model_name(backend, settings)
@@ -82,18 +85,21 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         backend.start()
-        reaper = asyncio.create_task(_reap(registry, completions, responses, sessions))
+        tasks = [asyncio.create_task(_reap(registry, completions, responses, sessions)),
+                 asyncio.create_task(_watch(backend, app, on_engine_failure))]
         try:
             yield
         finally:
-            reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reaper
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             completions.abort_all(registry.clear(), reason="server shutdown", cause="shutdown")
             await asyncio.to_thread(backend.shutdown)
 
     app = FastAPI(title="InferCept", version="0.1.0", lifespan=lifespan)
     app.state.backend = backend
+    app.state.engine_failed = False
     app.state.settings = settings
     app.state.model_name = model_name
     app.state.registry = registry
@@ -107,6 +113,16 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
     _add_error_handlers(app)
     app.add_middleware(_Gate, settings=settings)
     return app
+
+
+async def _watch(backend: EngineBackend, app: FastAPI, on_failure: Callable[[], None] | None) -> None:
+    """Notice, within a second, an engine that failed for good."""
+    while not backend.failed:
+        await asyncio.sleep(1.0)
+    logger.critical("the engine failed; the server can serve nothing more")
+    app.state.engine_failed = True
+    if on_failure is not None:
+        on_failure()
 
 
 async def _reap(registry: SessionRegistry, serving: CompletionServing, responses: ResponsesServing | None,

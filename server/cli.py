@@ -160,7 +160,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     logging.getLogger("infercept.server").setLevel(args.log_level.upper())
     print(f"infercept: loading {args.model or 'the embedded SmolLM2-135M-Instruct'} ...", file=sys.stderr, flush=True)
     backend = NativeBackend.create(args.model, **engine_kwargs(args))
-    app = build_app(backend, settings)
+    # An engine that failed for good stops the server (uvicorn's graceful shutdown) and the exit status
+    # below says so, so Docker or Kubernetes restarts it instead of a 503 forever.
+    app = build_app(backend, settings, on_engine_failure=lambda: setattr(server, "should_exit", True))
     name = served_model_name(backend, settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=10)
@@ -174,7 +176,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
                 print(f"infercept: serving {name} ({info.dtype}, {info.device}, policy {args.policy}) "
                       f"on http://{host}:{port}", flush=True)
 
-    Server(config).run()  # SIGTERM/SIGINT: stop accepting, finish or cut streams, shut the engine down
+    server = Server(config)
+    server.run()  # SIGTERM/SIGINT: stop accepting, finish or cut streams, shut the engine down
+    if app.state.engine_failed:
+        print("infercept: the engine failed; exiting with status 1", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -96,3 +96,40 @@ def test_resume_unknown_request_raises(async_engine):
 
     with pytest.raises(KeyError):
         run(main())
+
+
+class _DyingEngine:
+    """An engine whose loop bookkeeping breaks (a bug outside a step) once a request is in flight."""
+
+    def __init__(self):
+        self.requests = []
+
+    def add_request(self, prompt, params, request_id, intercept=None):
+        self.requests.append(request_id)
+
+    def has_unfinished_requests(self):
+        if self.requests:
+            raise RuntimeError("a bug outside the step")
+        return False
+
+    def abort(self, request_id):
+        pass
+
+
+def test_a_dead_engine_thread_fails_its_requests_and_says_so():
+    """Not a hang, not a 503 forever: the in-flight request gets the error, `is_running` turns false and
+    `failed` true (the server exits on it), and a new request is refused at once."""
+    engine = AsyncEngine(_DyingEngine())
+    engine.start()
+
+    async def main():
+        with pytest.raises(RuntimeError, match="internal error"):
+            async for _ in engine.generate([1, 2, 3], GREEDY, "doomed"):
+                pass
+        with pytest.raises(RuntimeError, match="not running"):
+            async for _ in engine.generate([1, 2, 3], GREEDY, "later"):
+                pass
+
+    run(asyncio.wait_for(main(), timeout=10))
+    assert engine.failed and not engine.is_running
+    engine.shutdown()

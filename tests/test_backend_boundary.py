@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -39,13 +40,18 @@ class ScriptedBackend(EngineBackend):
                                chat_template=self.tokenizer.chat_template, dtype="bfloat16", device="fake",
                                kv_capacity_tokens=100_000)
         self.running = False
+        self.dead = False
         self.paused: dict[str, int] = {}  # request id -> context tokens
         self.calls: list[tuple] = []
         self.scrapes = 0
 
     @property
     def is_running(self) -> bool:
-        return self.running
+        return self.running and not self.dead
+
+    @property
+    def failed(self) -> bool:
+        return self.dead
 
     def start(self) -> None:
         self.running = True
@@ -160,6 +166,26 @@ def test_metrics_show_the_backend_snapshot_even_when_it_lags(fake):
 
     first, second = steps(), steps()
     assert second == first + 1  # each scrape shows the backend's previous numbers, as it gave them
+
+
+def test_an_engine_that_fails_for_good_fails_health_and_calls_the_exit_hook(default_model_dir):
+    """`infercept serve` passes a hook that ends the process (exit status 1); here it is recorded."""
+    backend = ScriptedBackend(default_model_dir)
+    called = []
+    server, thread, base = serve_in_thread(build_app(backend, ServerSettings(served_model_name="fake"),
+                                                     on_engine_failure=lambda: called.append(True)))
+    try:
+        assert httpx.get(base + "/health").status_code == 200
+        backend.dead = True
+        deadline = time.monotonic() + 10
+        while not called and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert called == [True]
+        r = httpx.get(base + "/health")
+        assert r.status_code == 503 and r.headers["Retry-After"]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
 
 
 def test_the_server_imports_no_engine_internals():
