@@ -233,9 +233,10 @@ class Engine:
         calls = []
         if intercept.tool_parser is not None:
             parser = get_tool_parser(intercept.tool_parser)
-            if request.pending_stop is None and not parser.turn_done(detok.text):
+            text = intercept.text_prefix + detok.text
+            if request.pending_stop is None and not parser.turn_done(text):
                 return
-            calls = parser.parse(detok.text).tool_calls
+            calls = parser.parse(text).tool_calls
             if request.pending_stop is None and not calls:
                 return
         if calls or (request.pending_stop is not None and intercept.pause_on_stop):

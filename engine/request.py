@@ -28,6 +28,9 @@ class InterceptParams:
     """When a request pauses instead of finishing."""
 
     tool_parser: str | None = None  # pause when the model completes a tool call in this format
+    # Text the tool parser reads before the generated text: the opening of a forced call, which the
+    # caller put at the end of the prompt (so a forced call pauses like any other, by its parse).
+    text_prefix: str = ""
     pause_on_stop: bool = False  # any stop (EOS, stop string or token, length) pauses instead of finishing
     expected_s: float | None = None  # client hint: how long the interception will take
     kind: str = "tool"  # tool / human / model, for the duration estimate's history

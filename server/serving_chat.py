@@ -139,7 +139,7 @@ class ChatServing(BaseServing):
         intercept = None
         if mode.parse:
             hint = req.intercept
-            intercept = InterceptParams(tool_parser=self.renderer.tool_parser, pause_on_stop=mode.forced,
+            intercept = InterceptParams(tool_parser=self.renderer.tool_parser, text_prefix=prefill,
                                         expected_s=hint.expected_s if hint else None, kind=hint.kind if hint else "tool")
         response_id = new_id("chatcmpl-")
 
