@@ -88,6 +88,7 @@ def sim_step_ms(policy: str, num_paused: int, loop: str) -> dict:
 
 
 def kv_state(device: int, host: int) -> str:
+    """engine.paused_kv.kv_state, here too because the "before" run imports a checkout without it."""
     return "partial" if device and host else "device" if device else "host" if host else "discarded"
 
 

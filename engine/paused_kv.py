@@ -119,11 +119,6 @@ class PausedKV:
         self.discarded_tokens += sign * (e.request.num_tokens - e.device - e.host)
         self.count_by_state[kv_state(e.device, e.host)] += sign
 
-    def kv(self, request_id: str) -> tuple[int, int]:
-        """(device, host) tokens of a paused request's KV."""
-        e = self._entries[request_id]
-        return e.device, e.host
-
     def kept(self, request_id: str) -> int:
         """KV tokens (device + host) a paused request keeps; 0 if it is not paused. A plain read of
         numbers the engine thread updates: another thread may see them a step late."""
@@ -223,7 +218,3 @@ class PausedKV:
             self._newest[:] = [x for x in self._newest
                                if (e := self._entries.get(x[2])) is not None and e.seq == x[1] and e.device]
             heapq.heapify(self._newest)
-
-    @property
-    def num_live(self) -> int:
-        return len(self._live)

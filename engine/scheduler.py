@@ -38,7 +38,7 @@ from collections.abc import Callable
 from .block_manager import BlockManager, chain_hashes
 from .config import SchedulerConfig
 from .outputs import RunnerOutput, ScheduledChunk, SchedulerOutput
-from .paused_kv import PausedKV
+from .paused_kv import PausedKV, kv_state
 from .policy import (DurationEstimator, IterationInfo, KVAction, PausedInfo, Policy, Profile,
                      split_swap_budget, swap_room)
 from .request import Request, RequestStatus
@@ -225,10 +225,7 @@ class Scheduler:
             self.paused_kv.moved(request.request_id, *self.kv_tokens(request))
 
     def _kv_state(self, request: Request) -> str:
-        device, host = self.kv_tokens(request)
-        if device and host:
-            return "partial"
-        return "device" if device else "host" if host else "discarded"
+        return kv_state(*self.kv_tokens(request))
 
     # -- schedule ---------------------------------------------------------------------------------
     def _discard(self, request: Request) -> int:
