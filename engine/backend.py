@@ -2,7 +2,7 @@
 
 The server (`infercept.server`) imports nothing of the engine but this module: the backend interface,
 the typed values that cross it, and the request-level types a caller builds (`SamplingParams`,
-`InterceptParams`, the tool-call formats). `NativeBackend` is InferCept's own engine behind it, run on
+`InterceptParams`, the tool-call formats: `ToolFormat`, `ToolSpec`). `NativeBackend` is InferCept's own engine behind it, run on
 its engine thread (`AsyncEngine`). The interface is shaped for a backend whose engine runs in another
 process (vLLM's `AsyncLLM`): everything that reads engine state is async, and a snapshot may lag the
 engine by a step.
@@ -21,11 +21,12 @@ from .outputs import RequestOutput
 from .paused_kv import PAUSED_KV_STATES
 from .request import InterceptParams
 from .sampling_params import GuidedDecodingParams, SamplingParams
-from .tool_parsers import get_tool_parser, parser_for_model
+from .tool_format import ToolFormat, ToolSpec
+from .tool_parsers import ToolCall, parser_for_model
 
 __all__ = ["EngineBackend", "EngineInfo", "EngineSnapshot", "GuidedDecodingParams", "InterceptParams",
-           "KVLocation", "NativeBackend", "PAUSED_KV_STATES", "RequestOutput", "SamplingParams",
-           "get_tool_parser", "parser_for_model"]
+           "KVLocation", "NativeBackend", "PAUSED_KV_STATES", "RequestOutput", "SamplingParams", "ToolCall",
+           "ToolFormat", "ToolSpec", "parser_for_model"]
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from .request import InterceptParams, Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .stats import EngineStats
-from .tool_parsers import get_tool_parser
+from .tool_format import CallJudge, TurnCalls
 
 logger = logging.getLogger("infercept.engine")
 
@@ -92,6 +92,7 @@ class Engine:
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager, self.policy, self.profile)
         self.stats = EngineStats(bytes_per_token=self.profile.bytes_per_token)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.call_judges: dict[str, CallJudge] = {}  # requests whose turns may end in tool calls
         self._ids = itertools.count()
         logger.info("engine ready: %s on %s in %s, %d KV blocks of %d tokens (%.2f GiB)", model, device_,
                     dtype_, num_blocks, block_size, num_blocks * block_bytes / GIB)
@@ -110,15 +111,27 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}"
         token_ids = self.tokenize_prompt(prompt)
         self._validate(token_ids)
-        if intercept is not None and intercept.tool_parser is not None:
-            get_tool_parser(intercept.tool_parser)  # unknown names fail here, not mid-generation
+        judge = self._call_judge(intercept)  # an unknown format fails here, not mid-generation
         request = Request(request_id, token_ids, params, self.eos_token_ids,
                           arrival_time=self.scheduler.clock() if arrival_time is None else arrival_time,
                           intercept=intercept)
         self.scheduler.add(request)
         self.detokenizers[request_id] = IncrementalDetokenizer(
             self.tokenizer, token_ids, params.skip_special_tokens, params.stop)
+        self._set_judge(request_id, judge)
         return request_id
+
+    @staticmethod
+    def _call_judge(intercept: InterceptParams | None) -> CallJudge | None:
+        if intercept is None or intercept.tool_parser is None:
+            return None
+        return CallJudge(intercept.tool_parser, intercept.tools, intercept.parallel_calls, intercept.text_prefix)
+
+    def _set_judge(self, request_id: str, judge: CallJudge | None) -> None:
+        if judge is None:
+            self.call_judges.pop(request_id, None)
+        else:
+            self.call_judges[request_id] = judge
 
     def _validate(self, token_ids: list[int]) -> None:
         limit = self.config.scheduler.max_model_len
@@ -150,6 +163,7 @@ class Engine:
             raise ValueError(f"the context would exceed this model's limit of {self.config.scheduler.max_model_len}")
         if any(not 0 <= t < self.spec.vocab_size for t in token_ids):
             raise ValueError(f"token ids must be in [0, {self.spec.vocab_size})")
+        judge = self._call_judge(intercept or request.intercept)
         if params is not None:
             request.sampling_params = params
         if intercept is not None:
@@ -161,12 +175,14 @@ class Engine:
         p = request.sampling_params
         self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, request.token_ids,
                                                                p.skip_special_tokens, p.stop)
+        self._set_judge(request_id, judge)
         return location
 
     def abort(self, request_id: str) -> None:
         was_paused = request_id in self.scheduler.paused
         self.scheduler.abort(request_id)
         self.detokenizers.pop(request_id, None)
+        self.call_judges.pop(request_id, None)
         if was_paused:
             self._hold_paused_kv()
 
@@ -219,40 +235,46 @@ class Engine:
                 request.pending_stop = RequestStatus.FINISHED_STOPPED
                 if request.intercept is None:
                     self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
-            if request.intercept is not None:
-                self._intercept_or_finish(request, detok)
-            outputs.append(self._output(request, detok))
+            judged = self._intercept_or_finish(request, detok) if request.intercept is not None else None
+            outputs.append(self._output(request, detok, judged))
             if request.status.finished or request.status is RequestStatus.INTERCEPTED:
                 del self.detokenizers[request.request_id]
+                self.call_judges.pop(request.request_id, None)
         return outputs
 
-    def _intercept_or_finish(self, request: Request, detok: IncrementalDetokenizer) -> None:
-        """Pause at a completed tool call (once the model has moved past it, so parallel calls stay
-        together) or at a stop the request marked as an interception; otherwise finish on a stop."""
-        intercept = request.intercept
-        calls = []
-        if intercept.tool_parser is not None:
-            parser = get_tool_parser(intercept.tool_parser)
-            text = intercept.text_prefix + detok.text
-            if request.pending_stop is None and not parser.turn_done(text):
-                return
-            calls = parser.parse(text).tool_calls
-            if request.pending_stop is None and not calls:
-                return
-        if calls or (request.pending_stop is not None and intercept.pause_on_stop):
-            self.scheduler.pause(request, calls)
-        elif request.pending_stop is not None:
-            self.scheduler.finish(request, request.pending_stop)
+    def _intercept_or_finish(self, request: Request, detok: IncrementalDetokenizer) -> TurnCalls | None:
+        """Pause at tool calls that all count (once the model has moved past them, so parallel calls
+        stay together) or at a stop the request marked as an interception; otherwise finish on a stop,
+        or as soon as the turn's calls are done but do not all count (an unknown tool, arguments its
+        schema refuses, a second call without parallel calls): nobody could answer them. Returns the
+        verdict on the calls once the turn ends with some."""
+        judge = self.call_judges.get(request.request_id)
+        judged = None
+        if judge is not None:
+            if request.pending_stop is None and not judge.turn_done(detok.text):
+                return None
+            judged = judge.judge(detok.text)
+            if request.pending_stop is None and judged is None:
+                return None  # call-shaped text that is no call: it is content, the turn goes on
+        if judged is not None and judged.calls and judged.complete:
+            self.scheduler.pause(request, list(judged.calls))
+        elif judged is None and request.pending_stop is not None and request.intercept.pause_on_stop:
+            self.scheduler.pause(request, [])
+        elif request.pending_stop is not None or judged is not None:
+            self.scheduler.finish(request, request.pending_stop or RequestStatus.FINISHED_STOPPED)
+        return judged
 
-    def _output(self, request: Request, detok: IncrementalDetokenizer) -> RequestOutput:
+    def _output(self, request: Request, detok: IncrementalDetokenizer, judged: TurnCalls | None) -> RequestOutput:
         finished = request.status.finished
         paused = request.status is RequestStatus.INTERCEPTED
         reason = request.finish_reason
-        if paused:
-            reason = "tool_calls" if request.tool_calls else "intercept"
+        calls = list(judged.calls) if judged is not None else []
+        if paused or (finished and calls):
+            reason = "tool_calls" if calls else "intercept"
         return RequestOutput(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
             token_ids=list(request.output_token_ids), text=detok.visible_text(finished or paused),
             finished=finished, finish_reason=reason, stop_reason=request.stop_reason,
             logprobs=list(request.output_logprobs) if request.sampling_params.logprobs is not None else None,
-            num_cached_tokens=request.num_cached_tokens, paused=paused, tool_calls=list(request.tool_calls))
+            num_cached_tokens=request.num_cached_tokens, paused=paused,
+            tool_calls=calls, content=judged.content if judged is not None else None)

@@ -65,7 +65,10 @@ class RequestOutput:
     logprobs: list[SampledToken] | None = None
     num_cached_tokens: int = 0
     paused: bool = False  # the turn ended in an interception; the request waits for `resume`
-    tool_calls: list = field(default_factory=list)  # the parsed calls that paused it
+    # At the end of a turn with tool calls (tool_format.CallJudge): the calls that count (tool_parsers.
+    # ToolCall; they paused the request unless some other call did not count) and the text outside them.
+    tool_calls: list = field(default_factory=list)
+    content: str | None = None
 
     @property
     def turn_done(self) -> bool:

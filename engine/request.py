@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from .sampling_params import SamplingParams
+from .tool_format import ToolSpec
 
 
 class RequestStatus(enum.Enum):
@@ -28,6 +29,11 @@ class InterceptParams:
     """When a request pauses instead of finishing."""
 
     tool_parser: str | None = None  # pause when the model completes a tool call in this format
+    # The calls that count (tool_format.CallJudge): None, any well-formed call; else a call must name
+    # one of these tools with arguments valid under its schema. Without parallel_calls only the first
+    # counts. A turn whose calls do not all count finishes instead of pausing (nobody could answer them).
+    tools: tuple[ToolSpec, ...] | None = None
+    parallel_calls: bool = True
     # Text the tool parser reads before the generated text: the opening of a forced call, which the
     # caller put at the end of the prompt (so a forced call pauses like any other, by its parse).
     text_prefix: str = ""
@@ -57,7 +63,7 @@ class Request:
     recompute_all: bool = False  # recompute a discarded context in one iteration (discard baseline)
     pending_stop: RequestStatus | None = None  # a stop the engine may turn into a pause
     paused_at: float | None = None
-    tool_calls: list = field(default_factory=list)  # the calls that paused it
+    tool_calls: list = field(default_factory=list)  # the calls that paused it (tool_parsers.ToolCall)
     num_turns: int = 1
     # Content hashes of the context's full blocks, computed once (a context only grows at its end).
     block_hashes: list[int] = field(default_factory=list)

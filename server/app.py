@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
-from infercept.engine.backend import EngineBackend, get_tool_parser, parser_for_model
+from infercept.engine.backend import EngineBackend, ToolFormat, parser_for_model
 from infercept.tools import get_tool
 
 from .chat import ChatRenderer
@@ -58,7 +58,7 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
     info = backend.info
     model_name = served_model_name(backend, settings)
     tool_parser = settings.tool_parser or parser_for_model(info.model_type, info.chat_template)
-    get_tool_parser(tool_parser)  # an unknown name fails at start-up
+    tool_format = ToolFormat(tool_parser)  # an unknown name fails at start-up
     # Paused generations are limited by memory: by default as many context tokens as the engine's KV
     # pools hold; releases go to the one keeping the least KV (backend.paused_kv_tokens).
     max_paused_tokens = settings.max_paused_tokens if settings.max_paused_tokens is not None \
@@ -75,7 +75,7 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
     completions = CompletionServing(backend, **common)
     chat = chat_server_tools = responses = sessions = None
     if tokenizer.chat_template:
-        chat = ChatServing(backend, renderer=ChatRenderer(tokenizer, info.eos_token_ids, tool_parser), **common)
+        chat = ChatServing(backend, renderer=ChatRenderer(tokenizer, info.eos_token_ids, tool_format), **common)
         chat_server_tools = ChatServerTools(chat, tool_lookup)
         responses = ResponsesServing(chat, ResponseStore(settings.response_ttl, settings.max_stored_responses),
                                      registry)

@@ -1,21 +1,14 @@
 """Chat messages -> prompt token ids, with the model's chat template.
 
-Four jobs:
+Three jobs:
 
 * **Normalize and validate** OpenAI messages into `Message` values (plain, hashable, comparable: the
   session registry compares conversations by equality; tool-call arguments compare as JSON).
 * **Tools.** A template with a tool section (Qwen2.5, Llama 3.1, Mistral...) gets `tools=` and the
-  tool calls as structured data. A template without one (SmolLM2) gets a Hermes-style tool system
-  prompt, two example exchanges built from the first tool, assistant tool calls rendered as
-  ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`` and tool results as ``tool`` turns.
-* **Forced calls** (``tool_choice`` required or named, Hermes format): the turn starts with a prefill of
-  the call's fixed opening, and a grammar (`hermes_calls_grammar`, enforced by the engine) takes it from
-  there: names of the allowed tools only, arguments that follow each tool's schema, written as
-  ``json.dumps`` writes them, so `hermes_partial_calls` can follow them while they stream. An auto
-  turn under a JSON ``response_format`` gets the same call grammar or a JSON answer
-  (`answer_or_call_grammar`); a ``tool_choice`` "none" turn still sees the tools (the prompt is the
-  same as the other steps', so its prefix is reused) and gets text that never opens a call
-  (`no_call_grammar`).
+  tool calls as structured data. A template without one (SmolLM2) gets the tool format's prompt
+  (engine/tool_format.py: a Hermes-style tool system prompt and two example exchanges built from the
+  first tool), assistant tool calls written as the model writes them and tool results as ``tool`` turns.
+  Tools are the engine's `ToolSpec`s; forced-call prefills and grammars are the tool format's.
 * **Exact turns.** An assistant tool-call turn this server generated is rendered as the very tokens the
   model generated (`AssistantTurn.token_ids`), not re-rendered from the message. The prompt is then
   the concatenation of text segments (each tokenized on its own) and those token runs::
@@ -33,6 +26,8 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from infercept.engine.backend import ToolFormat, ToolSpec
 
 from .protocol import ChatMessageParam, ToolParam, bad_request
 
@@ -146,6 +141,11 @@ def validate_tool_flow(messages: Sequence[Message]) -> None:
                           + ", ".join(sorted(open_calls)), param="messages")
 
 
+def tool_specs(tools: Sequence[ToolParam]) -> list[ToolSpec]:
+    """The request's tools as the engine's tool format takes them."""
+    return [ToolSpec(t.function.name, t.function.parameters, t.model_dump(exclude_none=True)) for t in tools]
+
+
 # -- assistant turns the server generated ------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -159,181 +159,6 @@ class AssistantTurn:
 TurnLookup = Callable[[Message], "AssistantTurn | None"]
 
 
-# -- tool prompt for templates without a tool section ----------------------------------------------
-
-HERMES_OPENER = "<tool_call>"
-HERMES_CALL = HERMES_OPENER + "\n{body}\n</tool_call>"
-HERMES_CALL_HEAD = HERMES_OPENER + '\n{"name": '  # json.dumps of {"name": ..., "arguments": ...} starts so
-HERMES_CALL_TAIL = "}\n</tool_call>"
-
-
-def hermes_call_text(name: str, arguments: Any) -> str:
-    return HERMES_CALL.format(body=json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False))
-
-
-def hermes_call_start(name: str) -> str:
-    """A Hermes call's text up to its arguments (which follow, then `HERMES_CALL_TAIL`)."""
-    return HERMES_CALL_HEAD + json.dumps(name, ensure_ascii=False) + ', "arguments": '
-
-
-# -- tool-call grammars and schemas ------------------------------------------------------------------
-
-# The arguments' JSON is written as json.dumps writes it, as in the tool prompt's examples; flexible
-# whitespace would also let a small model wander into endless blank lines.
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-def arguments_schema(tool: ToolParam) -> dict:
-    """The tool's parameters schema (a call's arguments are always an object)."""
-    return {"type": "object", **(tool.function.parameters or {})}
-
-
-def json_grammar_schema(schema: dict) -> dict:
-    """`schema` with llguidance's JSON style of the tool prompt (see `JSON_STYLE`)."""
-    return schema | {"x-guidance": JSON_STYLE}
-
-
-def hermes_calls_grammar(tools: Sequence[ToolParam], prefill: str, parallel: bool,
-                         answer_schema: dict | None = None) -> str:
-    """Lark grammar (llguidance) of what a turn generates after `prefill`: the rest of a call of one of
-    the `tools` whose call text starts with `prefill`, then, with `parallel`, more calls, one per line.
-    Each call's arguments follow its tool's parameters schema. With `answer_schema` (a turn that may
-    answer instead of calling, under a JSON response_format), the turn may also be a JSON answer that
-    follows it."""
-    def call(i: int, before_arguments: str) -> str:  # a JSON string literal is a Lark one too
-        return " ".join(([json.dumps(before_arguments)] if before_arguments else [])
-                        + [f"args{i}", json.dumps(HERMES_CALL_TAIL)])
-
-    starts = [hermes_call_start(tool.function.name) for tool in tools]
-    first = [i for i, start in enumerate(starts) if start.startswith(prefill)]
-    if not first:
-        raise ValueError(f"no tool's call starts with {prefill!r}")
-    if answer_schema is not None and prefill:
-        raise ValueError("a prefilled turn is a call: it cannot answer instead")
-    lines = ["start: calls" + (" | answer" if answer_schema is not None else ""),
-             "calls: first" + (' ("\\n" call)*' if parallel else ""),
-             "first: " + " | ".join(call(i, starts[i][len(prefill):]) for i in first)]
-    if parallel:
-        lines.append("call: " + " | ".join(call(i, start) for i, start in enumerate(starts)))
-    for i in range(len(tools)) if parallel else first:
-        lines.append(f"args{i}: %json {json.dumps(json_grammar_schema(arguments_schema(tools[i])))}")
-    if answer_schema is not None:
-        lines.append(f"answer: %json {json.dumps(json_grammar_schema(answer_schema))}")
-    return "\n".join(lines)
-
-
-def text_without_grammar(opener: str) -> str:
-    """Lark grammar (llguidance) of text that never writes `opener` and does not start (after blanks)
-    with its first character. A model that means to call starts its turn with the opener: refused the
-    first character, its next choice is the answer itself. Later in the text only the whole opener is
-    refused, at the token that would complete it (which leaves an odd fragment, but no call)."""
-    return (f"start: TEXT\nTEXT: /(?s:\\s*([^{re.escape(opener[0])}\\s].*)?)/"
-            f" & ~/(?s:.*{re.escape(opener)}.*)/")
-
-
-@dataclass(frozen=True)
-class PartialCall:
-    """A Hermes call as far as it is written: its name is complete, its arguments maybe not."""
-
-    name: str
-    arguments: str  # JSON text written so far
-    complete: bool  # the arguments object is closed
-
-
-_CALL_HEAD = re.compile(re.escape(HERMES_CALL_HEAD) + r'("(?:[^"\\]|\\.)*"), "arguments": ')
-_JSON = json.JSONDecoder()
-
-
-def hermes_partial_calls(text: str) -> list[PartialCall]:
-    """The calls in `text` written in exactly the form `hermes_calls_grammar` allows, in order: those
-    whose name is complete, the last one possibly still being written."""
-    calls: list[PartialCall] = []
-    pos = 0
-    while (head := _CALL_HEAD.search(text, pos)) is not None:
-        name = json.loads(head.group(1))
-        try:
-            _, end = _JSON.raw_decode(text, head.end())
-        except ValueError:  # still open: everything after the head is arguments so far
-            calls.append(PartialCall(name, text[head.end():], False))
-            break
-        calls.append(PartialCall(name, text[head.end():end], True))
-        pos = end
-    return calls
-
-
-def tool_validators(tools: Sequence[ToolParam]) -> dict[str, Callable[[Any], bool]]:
-    """For each tool name, whether given arguments validate against its parameters schema.
-
-    A schema that is not a valid JSON schema cannot judge arguments: its tool still serves (an odd
-    schema is not a reason to refuse a request; a forced call of it is refused by the grammar compiler
-    instead), and its calls need only be objects, which the parser already ensures."""
-    from jsonschema.exceptions import SchemaError
-    from jsonschema.validators import validator_for
-
-    validators = {}
-    for tool in tools:
-        schema = arguments_schema(tool)
-        cls = validator_for(schema)
-        try:
-            cls.check_schema(schema)
-        except SchemaError:
-            validators[tool.function.name] = lambda arguments: isinstance(arguments, dict)
-        else:
-            validators[tool.function.name] = cls(schema).is_valid
-    return validators
-
-
-def hermes_tool_prompt(tools: Sequence[ToolParam]) -> str:
-    signatures = "\n".join(json.dumps(t.model_dump(exclude_none=True), ensure_ascii=False) for t in tools)
-    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-            "You are provided with function signatures within <tools></tools> XML tags:\n"
-            f"<tools>\n{signatures}\n</tools>\n\n"
-            "For each function call, return a json object with function name and arguments within "
-            "<tool_call></tool_call> XML tags:\n"
-            "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>")
-
-
-_VERB_PREFIX = re.compile(r"^(get|fetch|lookup|look_up|find|search|query|check|read|retrieve|compute)[_\-]")
-_LOCATION_WORDS = ("city", "location", "place", "country", "region", "town", "where", "address")
-_SAMPLES = {"string": ("Rome", "Berlin"), "integer": (3, 7), "number": (2.5, 4.0), "boolean": (True, False),
-            "array": ([], []), "object": ({}, {})}
-
-
-def _sample_value(schema: dict, k: int) -> Any:
-    for key in ("examples", "enum"):
-        values = schema.get(key)
-        if isinstance(values, list) and values:
-            return values[k % len(values)]
-    if "default" in schema:
-        return schema["default"]
-    kind = schema.get("type")
-    kind = kind[0] if isinstance(kind, list) and kind else kind
-    return _SAMPLES.get(kind if isinstance(kind, str) else "string", _SAMPLES["string"])[k]
-
-
-def example_exchanges(tool: ToolParam) -> list[dict]:
-    """Two user questions, each answered by a call of `tool`, arguments built from its schema.
-
-    Small models follow a demonstration far better than an instruction: with these, SmolLM2-135M
-    answers "What is the weather in Paris?" with a well-formed get_weather call. (Examples that also
-    show a tool result and an answer make it imitate the tool result instead, so there are none.)
-    """
-    fn = tool.function
-    params = fn.parameters or {}
-    props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
-    required = [p for p in params.get("required") or [] if p in props] or list(props)[:1]
-    subject = _VERB_PREFIX.sub("", fn.name).replace("_", " ").replace("-", " ").strip() or fn.name
-    prep = "in" if any(w in p.lower() for p in required for w in _LOCATION_WORDS) else "for"
-    messages = []
-    for k in range(2):
-        args = {p: _sample_value(props[p] if isinstance(props[p], dict) else {}, k) for p in required}
-        shown = [v for v in args.values() if isinstance(v, (str, int, float)) and not isinstance(v, bool)]
-        question = f"What is the {subject}" + (f" {prep} {' and '.join(map(str, shown))}" if shown else "") + "?"
-        messages += [{"role": "user", "content": question},
-                     {"role": "assistant", "content": hermes_call_text(fn.name, args)}]
-    return messages
-
-
 # -- the renderer -----------------------------------------------------------------------------------
 
 _SENTINEL = "\x00INFERCEPT-SENTINEL\x00"
@@ -342,10 +167,10 @@ _SENTINEL = "\x00INFERCEPT-SENTINEL\x00"
 class ChatRenderer:
     """Renders conversations for one tokenizer (thread-safe: holds no per-request state)."""
 
-    def __init__(self, tokenizer, eos_token_ids: frozenset[int], tool_parser: str):
+    def __init__(self, tokenizer, eos_token_ids: frozenset[int], tool_format: ToolFormat):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
-        self.tool_parser = tool_parser
+        self.tool_format = tool_format
         template = tokenizer.chat_template or ""
         if not template:
             raise ValueError("the model has no chat template; /v1/chat/completions needs one")
@@ -355,44 +180,10 @@ class ChatRenderer:
         self.turn_end = probe[probe.rfind(_SENTINEL) + len(_SENTINEL):] if _SENTINEL in probe else ""
 
     # -- public ------------------------------------------------------------------------------------
-    def forced_prefill(self, tool_name: str | None) -> str:
-        """Text that starts the assistant turn when a call is required (`tool_name` None: any tool).
-
-        Only for the Hermes format; other formats get no prefill (best effort by prompting).
-        """
-        if self.tool_parser != "hermes":
-            return ""
-        return HERMES_CALL_HEAD + '"' if tool_name is None else hermes_call_start(tool_name)
-
-    def forced_grammar(self, tools: Sequence[ToolParam], tool_name: str | None, parallel: bool) -> str | None:
-        """Lark grammar of the rest of a forced turn after `forced_prefill(tool_name)`: calls of the
-        allowed tools with arguments that follow their schemas. Only for the Hermes format (None: other
-        formats are forced by prompting alone)."""
-        if self.tool_parser != "hermes":
-            return None
-        allowed = [t for t in tools if tool_name is None or t.function.name == tool_name]
-        return hermes_calls_grammar(allowed, self.forced_prefill(tool_name), parallel)
-
-    def answer_or_call_grammar(self, tools: Sequence[ToolParam], parallel: bool, answer_schema: dict) -> str | None:
-        """Lark grammar of an auto-mode turn under a JSON response_format: calls of the tools (arguments
-        per schema) or a JSON answer that follows `answer_schema`. Only for the Hermes format (None:
-        the other formats' calls are not written by a grammar here)."""
-        if self.tool_parser != "hermes":
-            return None
-        return hermes_calls_grammar(tools, "", parallel, answer_schema)
-
-    def no_call_grammar(self) -> str | None:
-        """Lark grammar of a turn that sees the tools but may not call them (tool_choice "none"): text
-        that never opens a call. Only for the Hermes format (None: other formats' openers, such as
-        llama3_json's bare "{", are also ordinary text, so a call written there stays content)."""
-        if self.tool_parser != "hermes":
-            return None
-        return text_without_grammar(HERMES_OPENER)
-
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
 
-    def render(self, messages: Sequence[Message], tools: Sequence[ToolParam] | None,
+    def render(self, messages: Sequence[Message], tools: Sequence[ToolSpec] | None,
                known_turn: TurnLookup | None = None, prefill: str = "") -> list[int]:
         """Prompt token ids for `messages` + the generation prompt (+ `prefill`), with every assistant
         turn `known_turn` recognizes rendered as its exact generated tokens."""
@@ -427,24 +218,24 @@ class ChatRenderer:
     def _apply(self, prepared: list[dict], add_generation_prompt: bool, tools=None) -> str:
         kwargs = {}
         if tools and self.native_tools:
-            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+            kwargs["tools"] = [dict(t.definition) for t in tools]
         return self.tokenizer.apply_chat_template(prepared, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt, **kwargs)
 
-    def _prepare(self, messages: Sequence[Message], tools: Sequence[ToolParam] | None) -> tuple[list[dict], list[int]]:
+    def _prepare(self, messages: Sequence[Message], tools: Sequence[ToolSpec] | None) -> tuple[list[dict], list[int]]:
         """Template-ready dicts, and for each message its index among them. Depends on a message and the
         tools only, never on later messages, so a conversation's prefix prepares to a prefix."""
         prepared: list[dict] = []
         index: list[int] = []
         start = 0
         if tools and not self.native_tools:
-            system = hermes_tool_prompt(tools)
+            system, examples = self.tool_format.prompt_messages(tools)
             if messages and messages[0].role == "system":
                 system = messages[0].content + "\n\n" + system
                 index.append(0)
                 start = 1
             prepared.append({"role": "system", "content": system})
-            prepared += example_exchanges(tools[0])
+            prepared += examples
         for m in messages[start:]:
             index.append(len(prepared))
             prepared.append(self._message_dict(m))
@@ -460,7 +251,7 @@ class ChatRenderer:
                                     "function": {"name": c.name, "arguments": c.arguments_value()}}
                                    for c in m.tool_calls]
             else:
-                calls = "\n".join(hermes_call_text(c.name, c.arguments_value()) for c in m.tool_calls)
+                calls = "\n".join(self.tool_format.call_text(c.name, c.arguments_value()) for c in m.tool_calls)
                 d["content"] = (m.content + "\n" + calls) if m.content else calls
         if m.role == "tool":
             d["tool_call_id"] = m.tool_call_id

@@ -4,12 +4,14 @@ A turn that ends in tool calls stays paused in the engine and is registered (`Se
 request that brings the tool results resumes it, with only the tokens a fresh rendering adds after the
 paused context (the tool results and the next generation prompt) to compute.
 
-Tool calls are never reported broken. With `tool_choice` "required" or a named function (Hermes
-format), the turn is grammar-constrained (engine/guided_decoding.py): it can only be calls of the
-allowed tools whose arguments follow their schemas, so streams send each call's arguments token by
-token as they are generated. With "auto" the model writes freely; a call counts once its turn ends and
-it parses, names a tool of the request and its arguments validate against that tool's schema
-(jsonschema) -- anything else is content -- so auto-mode streams send calls only then, whole.
+Tool calls are never reported broken, and they are decided once, by the engine (its tool format,
+engine/tool_format.py): a call counts when it parses, names a tool of the request and its arguments
+validate against that tool's schema; anything else is content. The engine pauses only on calls that
+all count; this module renders its verdict (`RequestOutput.tool_calls` / `.content`). With
+`tool_choice` "required" or a named function (Hermes format), the turn is grammar-constrained
+(engine/guided_decoding.py): it can only be calls of the allowed tools whose arguments follow their
+schemas, so streams send each call's arguments token by token as they are generated. With "auto" the
+model writes freely, so auto-mode streams send calls only once the engine has judged them, whole.
 
 `tool_choice` "none" keeps the tools in the prompt (as vLLM does), so an agent's last, answering step
 renders the same prefix as its calling steps and resumes or reuses it; a grammar then keeps the turn
@@ -32,14 +34,12 @@ from dataclasses import dataclass, field, replace
 from fastapi.responses import Response
 from starlette.requests import Request
 
-from infercept.engine.backend import (GuidedDecodingParams, InterceptParams, RequestOutput, SamplingParams,
-                                     get_tool_parser)
+from infercept.engine.backend import GuidedDecodingParams, InterceptParams, RequestOutput, SamplingParams, ToolSpec
 
-from .chat import (AssistantTurn, Call, ChatRenderer, Message, canonical_json, hermes_partial_calls,
-                   json_grammar_schema, normalize_messages, tool_validators, validate_tool_flow)
+from .chat import AssistantTurn, Call, ChatRenderer, Message, normalize_messages, tool_specs, validate_tool_flow
 from .protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatMessage, ChoiceLogprobs, FunctionCall, PromptTokensDetails,
-                       TokenLogprob, ToolCall, ToolParam, TopLogprob, Usage, bad_request, new_id, now)
+                       TokenLogprob, ToolCall, TopLogprob, Usage, bad_request, new_id, now)
 from .serving_base import BaseServing, EngineTurn, logger, openai_sse, respond
 from .sessions import PausedGeneration
 
@@ -48,12 +48,11 @@ SESSION_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 @dataclass
 class ToolMode:
-    tools: list[ToolParam] | None  # rendered into the prompt
+    tools: list[ToolSpec] | None  # rendered into the prompt
     parse: bool  # turns may end in tool calls (with tools but not this: tool_choice "none")
     forced: bool = False  # a call is required (tool_choice "required" or named)
     forced_name: str | None = None  # named tool_choice
     parallel: bool = True
-    validators: dict[str, Callable] = field(default_factory=dict)  # tool name -> arguments valid?
 
 
 @dataclass
@@ -100,7 +99,7 @@ class ChatServing(BaseServing):
     def __init__(self, *args, renderer: ChatRenderer, **kwargs):
         super().__init__(*args, **kwargs)
         self.renderer = renderer
-        self.parser = get_tool_parser(renderer.tool_parser)
+        self.format = renderer.tool_format
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         ctx, cleanup = await self.open(req, raw)
@@ -122,7 +121,7 @@ class ChatServing(BaseServing):
             messages, session = self._session_messages(session_id, messages)
         validate_tool_flow(messages)
 
-        prefill = self.renderer.forced_prefill(mode.forced_name) if mode.forced else ""
+        prefill = self.format.forced_prefill(mode.forced_name) if mode.forced else ""
         try:
             prompt_ids = self.renderer.render(messages, mode.tools, self.registry.known_turn, prefill)
         except APIError:
@@ -134,13 +133,14 @@ class ChatServing(BaseServing):
         max_tokens = req.max_completion_tokens or req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, len(prompt_ids), max_tokens, logprobs,
-                                      skip_special_tokens=not mode.parse or self.renderer.tool_parser == "hermes")
+                                      skip_special_tokens=not (mode.parse and self.format.keeps_special_tokens))
         params = self._with_grammar(params, mode, req.response_format.answer_schema() if req.response_format else None)
         intercept = None
         if mode.parse:
             hint = req.intercept
-            intercept = InterceptParams(tool_parser=self.renderer.tool_parser, text_prefix=prefill,
-                                        expected_s=hint.expected_s if hint else None, kind=hint.kind if hint else "tool")
+            intercept = InterceptParams(tool_parser=self.format.family, tools=tuple(mode.tools), parallel_calls=mode.parallel,
+                                        text_prefix=prefill, expected_s=hint.expected_s if hint else None,
+                                        kind=hint.kind if hint else "tool")
         response_id = new_id("chatcmpl-")
 
         def claim() -> PausedGeneration | None:
@@ -160,7 +160,7 @@ class ChatServing(BaseServing):
         """The part of a turn's text so far that is surely content, never part of a tool call."""
         if ctx.mode.forced:
             return ""
-        return self._safe_content(text) if ctx.mode.parse else text
+        return self.format.safe_content(text) if ctx.mode.parse else text
 
     def streamable_calls(self, ctx: ChatContext, text: str) -> list[StreamedCall]:
         """The tool calls of a turn's text so far that a stream may show while they are written: in a
@@ -169,7 +169,7 @@ class ChatServing(BaseServing):
         if not ctx.guided_calls:
             return []
         return [StreamedCall(i, self._call_id(ctx, i), c.name, c.arguments)
-                for i, c in enumerate(hermes_partial_calls(ctx.prefill + text))]
+                for i, c in enumerate(self.format.partial_calls(ctx.prefill + text))]
 
     def end_turn(self, ctx: ChatContext, out: RequestOutput) -> TurnResult:
         """End a turn opened with `open` from its last output: pause or finish it, and record it."""
@@ -197,19 +197,20 @@ class ChatServing(BaseServing):
         auto + JSON answer -> calls or that JSON; JSON answer alone (no tools, or tool_choice none)
         -> that JSON; tool_choice none -> text that never opens a call."""
         if mode.forced:
-            lark, param = self.renderer.forced_grammar(mode.tools, mode.forced_name, mode.parallel), "tool_choice"
+            lark, param = self.format.forced_grammar(mode.tools, mode.forced_name, mode.parallel), "tool_choice"
         elif mode.parse and answer_schema is not None:
-            lark, param = self.renderer.answer_or_call_grammar(mode.tools, mode.parallel, answer_schema), "response_format"
+            lark, param = self.format.answer_or_call_grammar(mode.tools, mode.parallel, answer_schema), "response_format"
             if lark is None:
                 raise bad_request("response_format json_object/json_schema with tools and tool_choice auto needs the "
-                                  f"Hermes tool-call format (this model's is {self.renderer.tool_parser}); send "
+                                  f"Hermes tool-call format (this model's is {self.format.family}); send "
                                   "tool_choice none for a JSON answer", param="response_format")
         elif answer_schema is not None:
-            return self._compile("response_format", json_schema=json_grammar_schema(answer_schema)), "response_format"
+            return (self._compile("response_format", json_schema=self.format.json_grammar_schema(answer_schema)),
+                    "response_format")
         elif mode.tools is not None and not mode.parse and not (params.min_tokens or params.ignore_eos):
             # tool_choice none; with vLLM's min_tokens / ignore_eos the turn must not end where it wants,
             # which a grammar cannot combine with, so there it stays unconstrained (a call is content).
-            lark, param = self.renderer.no_call_grammar(), "tool_choice"
+            lark, param = self.format.no_call_grammar(), "tool_choice"
         else:
             return None
         return None if lark is None else (self._compile(param, lark=lark), param)
@@ -235,18 +236,17 @@ class ChatServing(BaseServing):
             return ToolMode(None, False)
         if len({t.function.name for t in tools}) != len(tools):
             raise bad_request("tool names must be unique", param="tools")
+        specs = tool_specs(tools)
         if choice == "none":  # still rendered: the prompt stays the one the other steps of the loop share
-            return ToolMode(tools, False)
-        validators = tool_validators(tools)
+            return ToolMode(specs, False)
         if choice in (None, "auto"):
-            return ToolMode(tools, True, parallel=parallel, validators=validators)
+            return ToolMode(specs, True, parallel=parallel)
         if choice == "required":
-            return ToolMode(tools, True, forced=True, parallel=parallel, validators=validators)
-        if choice.function.name not in validators:
+            return ToolMode(specs, True, forced=True, parallel=parallel)
+        if choice.function.name not in {t.name for t in specs}:
             raise bad_request(f"tool_choice names {choice.function.name!r}, which is not in tools",
                               param="tool_choice")
-        return ToolMode(tools, True, forced=True, forced_name=choice.function.name, parallel=False,
-                        validators=validators)
+        return ToolMode(specs, True, forced=True, forced_name=choice.function.name, parallel=False)
 
     @staticmethod
     def _session_id(req: ChatCompletionRequest, raw: Request) -> str | None:
@@ -300,66 +300,31 @@ class ChatServing(BaseServing):
 
     # -- the end of a turn -------------------------------------------------------------------------
     def _end_turn(self, ctx: ChatContext, out: RequestOutput) -> TurnResult:
-        """Valid tool calls -> keep the generation paused and register it; anything else ends it."""
-        text = ctx.prefill + out.text
+        """The engine's verdict on the turn, rendered. Tool calls that all count keep the generation
+        paused: register it for the request that brings their results (calls of which some did not
+        count end it: the paused context would show calls that never get results)."""
         turn = ctx.turn
-        if out.paused and ctx.mode.parse:
-            parsed = self.parser.parse(text)
-            valid = [c for c in parsed.tool_calls if self._valid_call(ctx.mode, c)]
-            calls = valid if ctx.mode.parallel else valid[:1]
-            if calls:
-                content = parsed.content if len(valid) == len(parsed.tool_calls) else self._without(text, valid)
-                issued = self._issue(ctx, text, calls)
-                message = Message("assistant", content, None, tuple(issued))
-                if len(calls) < len(parsed.tool_calls):
-                    # Calls the model made were dropped (invalid, or cut by parallel_tool_calls=false): the
-                    # paused context would show calls that never get results, so it cannot be continued.
-                    self.backend.abort(turn.request_id)
-                else:
-                    turn_ids = tuple(turn.prompt_ids[len(turn.prompt_ids) - len(self.renderer.encode(ctx.prefill)):]
-                                     + out.token_ids) if ctx.prefill else tuple(out.token_ids)
-                    self.register_paused(PausedGeneration(
-                        turn.request_id, turn.prompt_ids + list(out.token_ids), tuple(ctx.messages),
-                        AssistantTurn(message, turn_ids), ctx.session_id))
-                self._remember_session(ctx, message)
-                return TurnResult(content or None, issued, "tool_calls", message)
-        if out.paused:  # no valid call (e.g. a forced one cut by max_tokens), or a stop marked as an interception
-            self.backend.abort(turn.request_id)
-        # Paused right after calls that then failed validation: the model chose to end there, a stop.
-        finish = "stop" if out.paused and out.tool_calls else self.finish_reason(out)
+        if out.tool_calls:
+            issued = [Call.make(self._call_id(ctx, i), c.name, c.arguments) for i, c in enumerate(out.tool_calls)]
+            message = Message("assistant", out.content or "", None, tuple(issued))
+            if out.paused:
+                turn_ids = tuple(turn.prompt_ids[len(turn.prompt_ids) - len(self.renderer.encode(ctx.prefill)):]
+                                 + out.token_ids) if ctx.prefill else tuple(out.token_ids)
+                self.register_paused(PausedGeneration(
+                    turn.request_id, turn.prompt_ids + list(out.token_ids), tuple(ctx.messages),
+                    AssistantTurn(message, turn_ids), ctx.session_id))
+            self._remember_session(ctx, message)
+            return TurnResult(out.content or None, issued, "tool_calls", message)
+        text = ctx.prefill + out.text
         message = Message("assistant", text)
         self._remember_session(ctx, message)
-        return TurnResult(text, [], finish, message)
-
-    @staticmethod
-    def _valid_call(mode: ToolMode, call) -> bool:
-        """The call names a tool of the request and its arguments validate against that tool's schema."""
-        validate = mode.validators.get(call.name)
-        return validate is not None and validate(json.loads(call.arguments))
-
-    @staticmethod
-    def _without(text: str, calls) -> str:
-        """The content of `text` once `calls` are taken out; the text of rejected calls stays in place."""
-        for call in calls:
-            text = text.replace(call.raw, "", 1)
-        return text.strip()
+        return TurnResult(text, [], self.finish_reason(out), message)
 
     def _call_id(self, ctx: ChatContext, index: int) -> str:
         """The id of the turn's call `index`, the same for stream deltas and the final message."""
         while len(ctx.call_ids) <= index:
             ctx.call_ids.append(f"call_{uuid.uuid4().hex[:24]}")
         return ctx.call_ids[index]
-
-    def _issue(self, ctx: ChatContext, text: str, calls) -> list[Call]:
-        """The calls as the client gets them. A guided turn's arguments are reported as written, which
-        is how they were streamed (the parser's are re-serialized, JSON-equal but maybe not byte-equal)."""
-        written = hermes_partial_calls(text) if ctx.guided_calls else []
-        issued = []
-        for i, call in enumerate(calls):
-            as_written = written[i].arguments if i < len(written) and written[i].complete else None
-            same = as_written is not None and canonical_json(as_written) == canonical_json(call.arguments)
-            issued.append(Call.make(self._call_id(ctx, i), call.name, as_written if same else call.arguments))
-        return issued
 
     def _remember_session(self, ctx: ChatContext, message: Message) -> None:
         if ctx.session_id is not None:
@@ -418,20 +383,6 @@ class ChatServing(BaseServing):
         return body
 
     # -- streaming ---------------------------------------------------------------------------------
-    def _safe_content(self, text: str) -> str:
-        """The part of `text` that cannot belong to a tool call: before the first call opener (or a
-        trailing piece that may still become one), trailing whitespace held back."""
-        cut = len(text)
-        for opener in self.parser.openers:
-            at = text.find(opener)
-            if at >= 0:
-                cut = min(cut, at)
-            for k in range(min(len(opener) - 1, len(text)), 0, -1):
-                if text.endswith(opener[:k]):
-                    cut = min(cut, len(text) - k)
-                    break
-        return text[:cut].rstrip()
-
     @staticmethod
     def _call_deltas(calls: list[StreamedCall], sent: dict[int, str]) -> list[dict]:
         """OpenAI tool-call deltas that take a client from `sent` (index -> arguments sent) to `calls`:

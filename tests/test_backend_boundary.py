@@ -18,7 +18,7 @@ import pytest
 from live_server import serve_in_thread
 from transformers import AutoTokenizer
 
-from infercept.engine.backend import EngineBackend, EngineInfo, EngineSnapshot, KVLocation, RequestOutput
+from infercept.engine.backend import EngineBackend, EngineInfo, EngineSnapshot, KVLocation, RequestOutput, ToolCall
 from infercept.server.app import build_app
 from infercept.server.settings import ServerSettings
 
@@ -59,10 +59,10 @@ class ScriptedBackend(EngineBackend):
     def shutdown(self) -> None:
         self.running = False
 
-    def _out(self, request_id, prompt, text, *, finished=False, paused=False, cached=0, tool_calls=()):
+    def _out(self, request_id, prompt, text, *, finished=False, paused=False, cached=0, tool_calls=(), content=None):
         return RequestOutput(request_id, list(prompt), self.tokenizer.encode(text, add_special_tokens=False), text,
                              finished, "stop" if finished else None, num_cached_tokens=cached, paused=paused,
-                             tool_calls=list(tool_calls))
+                             tool_calls=list(tool_calls), content=content)
 
     async def generate(self, prompt, params, request_id, intercept=None):
         self.calls.append(("generate", request_id))
@@ -73,7 +73,8 @@ class ScriptedBackend(EngineBackend):
             yield self._out(request_id, prompt, "Hel")
             raise RuntimeError("the scripted engine failed mid-step")
         if "weather" in asked and intercept is not None:
-            out = self._out(request_id, prompt, CALL, paused=True, tool_calls=[SimpleNamespace(name="get_weather")])
+            out = self._out(request_id, prompt, CALL, paused=True, content="",
+                            tool_calls=[ToolCall("get_weather", '{"city": "Rome"}', CALL)])
             self.paused[request_id] = len(prompt) + len(out.token_ids)
             yield out
             return

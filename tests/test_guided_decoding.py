@@ -17,7 +17,7 @@ from infercept.engine import SamplingParams
 from infercept.engine.guided_decoding import unpack_bitmask
 from infercept.engine.request import InterceptParams
 from infercept.engine.sampling_params import GuidedDecodingParams
-from infercept.server.chat import text_without_grammar
+from infercept.engine.hermes_format import text_without_grammar
 from live_server import MODEL
 
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

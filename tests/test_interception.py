@@ -10,6 +10,7 @@ import pytest
 from infercept.engine import Engine, SamplingParams
 from infercept.engine.policy import POLICIES, Profile
 from infercept.engine.request import InterceptParams
+from infercept.engine.tool_format import ToolSpec
 
 FEW_SHOT = ('Q: weather in Tokyo\nA: <tool_call>{"name": "get_weather", "arguments": {"city": "Tokyo"}}</tool_call>\n'
             'Q: weather in Rome\nA: <tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>\n'
@@ -91,6 +92,28 @@ def test_tool_call_pauses_with_parsed_calls(default_model_dir):
     assert location["device"] + location["discarded"] == engine.scheduler.requests[rid].num_tokens
     engine.abort(rid)
     assert_all_free(engine)
+
+
+def test_calls_that_do_not_count_end_the_turn_instead_of_pausing(default_model_dir):
+    """The engine judges the turn's calls against the request's tools (tool_format.CallJudge): it pauses
+    only on calls the client can answer; otherwise the turn finishes and its KV is freed at once."""
+    engine = make_engine(default_model_dir, "preserve", kv_cache_gb=0.1)
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    needs_days = {"type": "object", "properties": {"days": {"type": "integer"}}, "required": ["days"]}
+    cases = {"other tool": (ToolSpec.function("get_time", city), False),
+             "schema refuses": (ToolSpec.function("get_weather", needs_days), False),
+             "counts": (ToolSpec.function("get_weather", city), True)}
+    for what, (tool, pauses) in cases.items():
+        intercept = InterceptParams(tool_parser="hermes", tools=(tool,))
+        rid = engine.add_request(FEW_SHOT, SamplingParams(temperature=0, max_tokens=40), intercept=intercept)
+        out = last_output(drain(engine), rid)
+        assert out.paused is pauses and out.finished is not pauses, what
+        assert out.finish_reason == ("tool_calls" if pauses else "stop"), what
+        assert [c.name for c in out.tool_calls] == (["get_weather"] if pauses else []), what
+        if pauses:
+            assert "<tool_call>" not in out.content  # the text outside the call
+            engine.abort(rid)
+        assert_all_free(engine)
 
 
 @pytest.mark.parametrize("policy", sorted(set(POLICIES) - {"vllm"}))

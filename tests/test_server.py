@@ -16,7 +16,9 @@ import openai
 import pytest
 
 from infercept.server.app import build_app
-from infercept.server.chat import AssistantTurn, Call, Message, example_exchanges
+from infercept.engine.backend import ToolFormat
+from infercept.engine.hermes_format import example_exchanges
+from infercept.server.chat import AssistantTurn, Call, Message, tool_specs
 from infercept.server.protocol import ToolParam
 from infercept.server.sessions import PausedGeneration, SessionRegistry
 from infercept.server.settings import ServerSettings
@@ -536,13 +538,13 @@ def test_registry_finds_the_longest_paused_sequence_a_prompt_extends():
 
 
 def test_example_exchanges_follow_the_tool_schema():
-    tool = ToolParam.model_validate(TOOLS[0])
+    (tool,) = tool_specs([ToolParam.model_validate(TOOLS[0])])
     (q1, c1, q2, c2) = example_exchanges(tool)
     assert q1 == {"role": "user", "content": "What is the weather in Rome?"}
     assert c1["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
     assert q2["content"] == "What is the weather in Berlin?"
-    enum_tool = ToolParam.model_validate({"type": "function", "function": {"name": "convert", "parameters": {
-        "type": "object", "properties": {"unit": {"type": "string", "enum": ["C", "F"]}, "n": {"type": "integer"}}}}})
+    (enum_tool,) = tool_specs([ToolParam.model_validate({"type": "function", "function": {"name": "convert", "parameters": {
+        "type": "object", "properties": {"unit": {"type": "string", "enum": ["C", "F"]}, "n": {"type": "integer"}}}}})])
     q, c, *_ = example_exchanges(enum_tool)
     assert q["content"] == "What is the convert for C?" and '"arguments": {"unit": "C"}' in c["content"]
 
@@ -569,9 +571,9 @@ def test_renderer_extends_paused_tokens_exactly(tokenizer):
     from infercept.server.protocol import ChatCompletionRequest
 
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    renderer = ChatRenderer(tokenizer, frozenset({eos}), "hermes")
+    renderer = ChatRenderer(tokenizer, frozenset({eos}), ToolFormat("hermes"))
     assert renderer.turn_end == "<|im_end|>\n" and not renderer.native_tools
-    tools = [ToolParam.model_validate(t) for t in TOOLS]
+    tools = tool_specs([ToolParam.model_validate(t) for t in TOOLS])
     reg = SessionRegistry(ttl=60, max_paused=8, max_paused_tokens=10 ** 6)
 
     def messages(raw):

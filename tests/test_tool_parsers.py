@@ -481,3 +481,39 @@ def test_module_loads_without_torch():
     """)
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+# -- the judge: which calls count ------------------------------------------------------------------
+
+def test_call_judge_keeps_calls_of_known_tools_with_valid_arguments():
+    from infercept.engine.tool_format import CallJudge, ToolSpec
+
+    schema = {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}
+    search, clock = ToolSpec.function("search", schema), ToolSpec.function("clock")
+    good, bad = hermes_call("search", {"q": "x"}), hermes_call("search", {"q": 3})
+    unknown = hermes_call("launch", {})
+    judge = CallJudge("hermes", (search, clock))
+    verdict = judge.judge(f"First. {good}\n{hermes_call('clock', {})}")
+    assert [c.name for c in verdict.calls] == ["search", "clock"] and verdict.complete
+    assert verdict.content == "First."
+    verdict = judge.judge(f"{good}\n{bad}\n{unknown}")  # the others' text stays, in place
+    assert [c.name for c in verdict.calls] == ["search"] and not verdict.complete
+    assert verdict.content == f"{bad}\n{unknown}"
+    assert judge.judge("no call here") is None
+    assert not judge.judge(unknown).calls
+    one = CallJudge("hermes", (search, clock), parallel=False).judge(f"{good}\n{good}")
+    assert len(one.calls) == 1 and not one.complete  # the second call would never get a result
+    anything = CallJudge("hermes").judge(unknown)  # no tools given: every well-formed call counts
+    assert [c.name for c in anything.calls] == ["launch"] and anything.complete
+    prefixed = CallJudge("hermes", (search,), text_prefix=good[:20])
+    assert prefixed.turn_done(good[20:] + "\nDone") and prefixed.judge(good[20:]).calls[0].name == "search"
+
+
+def test_hermes_arguments_as_written_when_spaced_as_json_dumps():
+    """A guided turn writes its arguments as json.dumps spaces them, and a stream shows them as written:
+    the call reports them as written (number spelling and escapes kept), anything else normalized."""
+    written = '{"n": 1.50, "s": "\\u00e9"}'
+    text = '<tool_call>\n{"name": "f", "arguments": ' + written + '}\n</tool_call>'
+    assert hermes.parse(text).tool_calls[0].arguments == written
+    loose = '<tool_call>\n{"name": "f", "arguments": {"n":1.50}}\n</tool_call>'
+    assert hermes.parse(loose).tool_calls[0].arguments == '{"n": 1.5}'

@@ -1,0 +1,189 @@
+"""One owner of "this turn ended in tool calls": a tool format per chat family, run once, by the engine.
+
+A `ToolFormat` is everything about one chat family's calls: its parser (tool_parsers.py), how a call is
+written and prompted, the grammars that force or forbid calls, and what a stream may show while calls
+are written. The server asks it for prompts and grammars; the engine judges every turn with it
+(`CallJudge`, built from a request's `InterceptParams`) in its output stage, beside the detokenizer and
+the stop strings: a turn's calls are parsed once, checked against the request's tools (a known name,
+arguments valid under its parameters schema), and the engine pauses only on calls the client can
+answer. `RequestOutput.tool_calls` / `.content` carry the verdict; the server only renders it.
+
+Only the Hermes family (``<tool_call>...</tool_call>``) can be forced by a grammar, streamed call by call,
+and prompted for templates without a tool section (hermes_format.py); the others are parsed and judged
+alike, and forced by prompting alone.
+
+Pure standard library (jsonschema imported when a request's tools are compiled): importable without
+torch, so a backend in another process can run the same judge.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import hermes_format as hermes
+from .tool_parsers import ToolCall, get_tool_parser
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A tool as the engine needs it: its name, its arguments' schema, and its definition as prompts
+    show it (OpenAI's function-tool object)."""
+
+    name: str
+    parameters: Mapping[str, Any] | None = None  # JSON schema of the arguments object
+    definition: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def function(cls, name: str, parameters: Mapping[str, Any] | None = None,
+                 description: str | None = None) -> "ToolSpec":
+        fn = {"name": name} | ({"description": description} if description else {}) \
+            | ({"parameters": dict(parameters)} if parameters is not None else {})
+        return cls(name, parameters, {"type": "function", "function": fn})
+
+    @property
+    def arguments_schema(self) -> dict:
+        """The parameters schema (a call's arguments are always an object)."""
+        return {"type": "object", **(self.parameters or {})}
+
+
+@dataclass(frozen=True)
+class TurnCalls:
+    """The verdict on a turn's tool calls."""
+
+    calls: tuple[ToolCall, ...]  # the valid calls, as the client gets them
+    content: str  # the turn's text outside them (the text of calls not kept stays, in place)
+    complete: bool  # every call the model wrote is in `calls`: the generation may wait for their results
+
+
+def _validator(schema: dict) -> Callable[[Any], bool]:
+    """Whether arguments validate against `schema`. A schema that is not a valid JSON schema cannot
+    judge arguments: its tool still serves (an odd schema is not a reason to refuse a request; a forced
+    call of it is refused by the grammar compiler instead), and its calls need only be objects."""
+    from jsonschema.exceptions import SchemaError
+    from jsonschema.validators import validator_for
+
+    cls = validator_for(schema)
+    try:
+        cls.check_schema(schema)
+    except SchemaError:
+        return lambda arguments: isinstance(arguments, dict)
+    return cls(schema).is_valid
+
+
+class ToolFormat:
+    """One chat family's tool calls (stateless; one instance serves every request)."""
+
+    def __init__(self, family: str):
+        self.parser = get_tool_parser(family)  # ValueError for an unknown family
+        self.family = family
+        # Calls written by a grammar and followed while they stream: the Hermes form only.
+        self.guided = family == "hermes"
+        # Llama's <|python_tag|> and Mistral's [TOOL_CALLS] are special tokens the parser must see.
+        self.keeps_special_tokens = family != "hermes"
+
+    @property
+    def openers(self) -> tuple[str, ...]:
+        return self.parser.openers
+
+    # -- the prompt side --
+    def forced_prefill(self, tool_name: str | None) -> str:
+        """Text that starts a turn that must call `tool_name` (None: any tool); "" where calls are
+        forced by prompting alone."""
+        return hermes.forced_prefill(tool_name) if self.guided else ""
+
+    def forced_grammar(self, tools: Sequence[ToolSpec], tool_name: str | None, parallel: bool) -> str | None:
+        """Lark grammar of the rest of a forced turn after `forced_prefill(tool_name)`: calls of the
+        allowed tools with arguments that follow their schemas (None: forced by prompting alone)."""
+        if not self.guided:
+            return None
+        allowed = [t for t in tools if tool_name is None or t.name == tool_name]
+        return hermes.calls_grammar(allowed, self.forced_prefill(tool_name), parallel)
+
+    def answer_or_call_grammar(self, tools: Sequence[ToolSpec], parallel: bool, answer_schema: dict) -> str | None:
+        """Lark grammar of an auto turn under a JSON response_format: calls of the tools (arguments per
+        schema) or a JSON answer that follows `answer_schema` (None: not expressible in this format)."""
+        return hermes.calls_grammar(tools, "", parallel, answer_schema) if self.guided else None
+
+    def no_call_grammar(self) -> str | None:
+        """Lark grammar of a turn that sees the tools but may not call them: text that never opens a
+        call. None for other formats: their openers (llama3_json's bare "{") are also ordinary text, so a
+        call written there stays content."""
+        return hermes.text_without_grammar(hermes.OPENER) if self.guided else None
+
+    @staticmethod
+    def json_grammar_schema(schema: dict) -> dict:
+        return hermes.json_grammar_schema(schema)
+
+    @staticmethod
+    def prompt_messages(tools: Sequence[ToolSpec]) -> tuple[str, list[dict]]:
+        """For a chat template without a tool section: the tool system prompt and example exchanges.
+        Hermes-style whatever the family (`parser_for_model` picks hermes for such templates)."""
+        return hermes.tool_prompt(tools), hermes.example_exchanges(tools[0])
+
+    @staticmethod
+    def call_text(name: str, arguments: Any) -> str:
+        """A past call as a template without a tool section shows it."""
+        return hermes.call_text(name, arguments)
+
+    # -- the stream side --
+    def partial_calls(self, text: str) -> list[hermes.PartialCall]:
+        """Calls a stream may show while they are written (guided Hermes turns); [] otherwise."""
+        return hermes.partial_calls(text) if self.guided else []
+
+    def safe_content(self, text: str) -> str:
+        """The part of `text` that cannot belong to a tool call: before the first call opener (or a
+        trailing piece that may still become one), trailing whitespace held back."""
+        cut = len(text)
+        for opener in self.openers:
+            at = text.find(opener)
+            if at >= 0:
+                cut = min(cut, at)
+            for k in range(min(len(opener) - 1, len(text)), 0, -1):
+                if text.endswith(opener[:k]):
+                    cut = min(cut, len(text) - k)
+                    break
+        return text[:cut].rstrip()
+
+
+class CallJudge:
+    """A request's turn rule: when its turn is done, and which of its calls count.
+
+    `tools` None accepts every well-formed call (the engine's own API, benchmarks); otherwise a call must
+    name one of them and its arguments must validate. `text_prefix` is read before the generated text:
+    the opening of a forced call, which the caller put at the end of the prompt."""
+
+    def __init__(self, family: str, tools: Sequence[ToolSpec] | None = None, parallel: bool = True,
+                 text_prefix: str = ""):
+        self.parser = get_tool_parser(family)
+        self.validators = None if tools is None else {t.name: _validator(t.arguments_schema) for t in tools}
+        self.parallel = parallel
+        self.text_prefix = text_prefix
+
+    def turn_done(self, text: str) -> bool:
+        """The parser's pause rule: a call is closed and the model has moved past it (tool_parsers.py)."""
+        return self.parser.turn_done(self.text_prefix + text)
+
+    def judge(self, text: str) -> TurnCalls | None:
+        """The verdict on the turn's text so far; None when it holds no well-formed call at all."""
+        text = self.text_prefix + text
+        parsed = self.parser.parse(text)
+        if not parsed.tool_calls:
+            return None
+        valid = [c for c in parsed.tool_calls if self._valid(c)]
+        kept = valid if self.parallel else valid[:1]
+        if len(kept) == len(parsed.tool_calls):
+            content = parsed.content
+        else:  # take out the kept calls only: the text of the others stays in place
+            content = text
+            for call in kept:
+                content = content.replace(call.raw, "", 1)
+            content = content.strip()
+        return TurnCalls(tuple(kept), content, complete=len(kept) == len(parsed.tool_calls))
+
+    def _valid(self, call: ToolCall) -> bool:
+        if self.validators is None:
+            return True
+        validate = self.validators.get(call.name)
+        return validate is not None and validate(json.loads(call.arguments))
