@@ -144,6 +144,11 @@ class AsyncEngine:
         self._retire(request_id)
         self._call(lambda: self.engine.abort(request_id))
 
+    def cancel_in_flight(self, reason: str) -> None:
+        """End every stream in flight with RuntimeError(reason) (aborting its request); paused
+        requests, which have no stream, stay."""
+        self._call(lambda: self._fail_all(RuntimeError(reason)))
+
     def _retire(self, request_id: str) -> "_Stream | None":
         """Stop delivering outputs of `request_id`; returns its stream if it had one."""
         with self._streams_lock:

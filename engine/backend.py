@@ -132,6 +132,11 @@ class EngineBackend(ABC):
         """End a request in any state, paused included, and free its KV. Unknown ids are ignored."""
 
     @abstractmethod
+    def cancel_in_flight(self, reason: str) -> None:
+        """End every turn being generated: each stream raises RuntimeError(reason) to its caller (the
+        server's shutdown, past its grace period). Paused generations are left alone."""
+
+    @abstractmethod
     async def kv_location(self, request_id: str) -> KVLocation:
         """Where the request's KV is now; KeyError if the engine does not know it."""
 
@@ -186,6 +191,9 @@ class NativeBackend(EngineBackend):
 
     def abort(self, request_id: str) -> None:
         self.async_engine.abort(request_id)
+
+    def cancel_in_flight(self, reason: str) -> None:
+        self.async_engine.cancel_in_flight(reason)
 
     async def kv_location(self, request_id: str) -> KVLocation:
         engine = self.async_engine.engine

@@ -32,7 +32,7 @@ from .native_sessions import NativeSessionStore
 from .protocol import APIError
 from .responses_store import ResponseStore
 from .routes import router
-from .serving_base import Admission
+from .serving_base import SHUTDOWN_GRACE_S, Admission
 from .serving_chat import ChatServing
 from .serving_chat_tools import ChatServerTools
 from .serving_completions import CompletionServing
@@ -50,10 +50,13 @@ def served_model_name(backend: EngineBackend, settings: ServerSettings) -> str:
 
 def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
               tool_lookup: Callable[[str], Any] = get_tool,
-              on_engine_failure: Callable[[], None] | None = None) -> FastAPI:
+              on_engine_failure: Callable[[], None] | None = None,
+              shutting_down: Callable[[], bool] | None = None) -> FastAPI:
     """`tool_lookup(name)` gives the server tool a request may enable by name (KeyError if unknown).
     `on_engine_failure` runs once if the engine fails for good (`infercept serve` stops the process with
-    a non-zero exit, so a supervisor restarts it); /health answers 503 from then on either way."""
+    a non-zero exit, so a supervisor restarts it); /health answers 503 from then on either way.
+    `shutting_down()` turns true once the HTTP server stops accepting (SIGTERM): turns in flight then
+    have `SHUTDOWN_GRACE_S` to finish before they end with a 503 in their own stream or response."""
     settings = settings or ServerSettings()
     info = backend.info
     model_name = served_model_name(backend, settings)
@@ -87,6 +90,8 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
         backend.start()
         tasks = [asyncio.create_task(_reap(registry, completions, responses, sessions)),
                  asyncio.create_task(_watch(backend, app, on_engine_failure))]
+        if shutting_down is not None:
+            tasks.append(asyncio.create_task(_end_turns_after_grace(backend, shutting_down)))
         try:
             yield
         finally:
@@ -123,6 +128,17 @@ async def _watch(backend: EngineBackend, app: FastAPI, on_failure: Callable[[], 
     app.state.engine_failed = True
     if on_failure is not None:
         on_failure()
+
+
+async def _end_turns_after_grace(backend: EngineBackend, shutting_down: Callable[[], bool]) -> None:
+    """Past the grace period after the server stopped accepting, end the turns still generating: each
+    ends through its front end's error path (an error event and [DONE], or a 503), never as a cut
+    connection; paused generations are released by the lifespan's shutdown after that."""
+    while not shutting_down():
+        await asyncio.sleep(0.25)
+    await asyncio.sleep(SHUTDOWN_GRACE_S)
+    logger.info("shutdown grace period over: ending the turns still generating")
+    backend.cancel_in_flight("the server is shutting down")
 
 
 async def _reap(registry: SessionRegistry, serving: CompletionServing, responses: ResponsesServing | None,

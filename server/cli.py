@@ -149,11 +149,13 @@ def server_settings(args: argparse.Namespace):
 
 def cmd_serve(args: argparse.Namespace) -> None:
     import logging
+    import signal
 
     import uvicorn
 
     from infercept.engine import NativeBackend
     from infercept.server.app import build_app, served_model_name
+    from infercept.server.serving_base import STREAM_CUT_S
 
     settings = server_settings(args)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -162,10 +164,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
     backend = NativeBackend.create(args.model, **engine_kwargs(args))
     # An engine that failed for good stops the server (uvicorn's graceful shutdown) and the exit status
     # below says so, so Docker or Kubernetes restarts it instead of a 503 forever.
-    app = build_app(backend, settings, on_engine_failure=lambda: setattr(server, "should_exit", True))
+    app = build_app(backend, settings, on_engine_failure=lambda: setattr(server, "should_exit", True),
+                    shutting_down=lambda: server.should_exit)
     name = served_model_name(backend, settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=10)
+                            timeout_graceful_shutdown=int(STREAM_CUT_S) + 2)
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
@@ -177,6 +180,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
                       f"on http://{host}:{port}", flush=True)
 
     server = Server(config)
+    # SIGTERM is how Docker and Kubernetes stop a container: a graceful stop is a success, status 0.
+    # (uvicorn restores the handler it found and raises the signal again after its shutdown; with the
+    # default handler the process would die by it, status 143.)
+    signal.signal(signal.SIGTERM, lambda sig, frame: None)
     server.run()  # SIGTERM/SIGINT: stop accepting, finish or cut streams, shut the engine down
     if app.state.engine_failed:
         print("infercept: the engine failed; exiting with status 1", file=sys.stderr, flush=True)

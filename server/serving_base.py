@@ -23,9 +23,11 @@ from .settings import ServerSettings
 
 logger = logging.getLogger("infercept.server")
 
-# On SIGTERM a stream in flight may finish for this long before it is cut (uvicorn's own graceful
-# shutdown timeout, set by `infercept serve`, is a little longer).
-SHUTDOWN_GRACE_S = 8.0
+# On SIGTERM a turn in flight may finish for this long; then it ends with a 503 in its own stream or
+# response (app.py). The SSE library's own cut comes later (STREAM_CUT_S) and uvicorn's graceful
+# shutdown timeout, set by `infercept serve`, later still.
+SHUTDOWN_GRACE_S = 6.0
+STREAM_CUT_S = SHUTDOWN_GRACE_S + 2.0
 
 
 @dataclass
@@ -305,7 +307,7 @@ class StreamResponse(EventSourceResponse):
     not run then)."""
 
     def __init__(self, content: AsyncIterator[dict], cleanup: Callable[[], Awaitable[None]], headers: dict):
-        super().__init__(content, headers=headers, sep="\n", ping=15, shutdown_grace_period=SHUTDOWN_GRACE_S)
+        super().__init__(content, headers=headers, sep="\n", ping=15, shutdown_grace_period=STREAM_CUT_S)
         self._cleanup = once(cleanup)
 
     async def __call__(self, scope, receive, send) -> None:

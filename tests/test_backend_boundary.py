@@ -92,6 +92,9 @@ class ScriptedBackend(EngineBackend):
         self.calls.append(("abort", request_id))
         self.paused.pop(request_id, None)
 
+    def cancel_in_flight(self, reason):
+        self.calls.append(("cancel_in_flight", reason))
+
     async def kv_location(self, request_id):
         if request_id not in self.paused:
             raise KeyError(request_id)
