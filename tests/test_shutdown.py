@@ -1,6 +1,7 @@
-"""SIGTERM on a real `infercept serve` process while a stream is generating and a generation is paused
-at a tool call: the stream finishes (or, past the grace period, ends with an error event and [DONE]),
-the paused generation is released, and the process exits 0."""
+"""How a real `infercept serve` process ends. SIGTERM while streams are generating and a generation is
+paused at a tool call: the streams finish (or, past the grace period, end with an error event and
+[DONE]), the paused generation is released, and the process exits 0. An engine thread that dies: the
+process exits 1 on its own, so a supervisor restarts it."""
 from __future__ import annotations
 
 import json
@@ -20,16 +21,35 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
+SERVE = ["serve", "--port", "0", "--dtype", "float32", "--kv-cache-gb", "0.05", "--host-kv-gb", "0.02",
+         "--threads", "1", "--served-model-name", "smol"]
+# `infercept serve` whose engine thread dies once a request arrives: a bug outside a step.
+DYING_ENGINE = """
+import sys
+from infercept.engine import async_engine
+from infercept.server.cli import main
+
+def serve(self):
+    while self._running and self._commands.empty():
+        self._wake.wait(timeout=0.1)
+    raise RuntimeError("injected: the engine thread's loop failed")
+
+async_engine.AsyncEngine._serve = serve
+main(sys.argv[1:])
+"""
+
+
+def start(argv: list[str], log) -> subprocess.Popen:
+    with open(log, "w") as err:
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True,
+                                env=os.environ | {"PYTHONUNBUFFERED": "1"})
+
+
 @pytest.fixture
 def served(default_model_dir, tmp_path):
     """`infercept serve` in its own process on a free port: (process, base URL, path of its log)."""
     log = tmp_path / "serve.log"
-    with open(log, "w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "infercept.server.cli", "serve", "--model", default_model_dir, "--port", "0",
-             "--dtype", "float32", "--kv-cache-gb", "0.05", "--host-kv-gb", "0.02", "--threads", "1",
-             "--served-model-name", "smol"],
-            stdout=subprocess.PIPE, stderr=err, text=True, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    proc = start([sys.executable, "-m", "infercept.server.cli", *SERVE, "--model", default_model_dir], log)
     base = None
     deadline = time.monotonic() + 240  # a fresh machine measures the policy's profile first
     while base is None:
@@ -90,3 +110,22 @@ def test_sigterm_finishes_streams_releases_paused_generations_and_exits_0(served
     text = log.read_text()
     released = [line for line in text.splitlines() if paused.id in line and "shutdown" in line]
     assert released, text[-3000:]
+
+
+def test_an_engine_that_dies_stops_the_process_with_status_1(default_model_dir, tmp_path):
+    log = tmp_path / "serve.log"
+    proc = start([sys.executable, "-c", DYING_ENGINE, *SERVE, "--model", default_model_dir], log)
+    try:
+        line = ""
+        while " on http://" not in line:
+            line = proc.stdout.readline()
+            assert line, f"infercept serve exited before serving: {log.read_text()[-2000:]}"
+        base = line.rsplit(" on ", 1)[1].strip()
+        response = httpx.post(base + "/v1/completions", json={"model": "smol", "prompt": "Hi", "max_tokens": 4},
+                              timeout=60)
+        assert response.status_code == 503 and "internal error" in response.json()["error"]["message"]
+        assert proc.wait(timeout=30) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "the engine failed; exiting with status 1" in log.read_text()
