@@ -1,5 +1,5 @@
 """What both generation endpoints share: admission, sampling parameters, starting or resuming an engine
-turn, paused-generation bookkeeping, disconnect handling and logprob formatting."""
+turn, disconnect handling and logprob formatting."""
 from __future__ import annotations
 
 import asyncio
@@ -18,7 +18,7 @@ from infercept.engine.backend import EngineBackend, InterceptParams, RequestOutp
 
 from .metrics import ServerMetrics
 from .protocol import APIError, InterceptOptions, SamplingFields, bad_request
-from .sessions import PausedGeneration, SessionRegistry
+from .conversations import ConversationStore, Paused
 from .settings import ServerSettings
 
 logger = logging.getLogger("infercept.server")
@@ -85,7 +85,7 @@ class Admission:
 class BaseServing:
     endpoint = "base"
 
-    def __init__(self, backend: EngineBackend, settings: ServerSettings, registry: SessionRegistry,
+    def __init__(self, backend: EngineBackend, settings: ServerSettings, registry: ConversationStore,
                  metrics: ServerMetrics, model_name: str, admission: Admission, tokenizer):
         self.backend = backend
         info = backend.info
@@ -146,7 +146,7 @@ class BaseServing:
 
     # -- engine turns ------------------------------------------------------------------------------
     async def admitted_turn(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                            intercept: InterceptParams | None, claim: Callable[[], PausedGeneration | None],
+                            intercept: InterceptParams | None, claim: Callable[[], Paused | None],
                             started: float, resumed_how: str, release: Callable[[], None] | None = None,
                             ) -> tuple[EngineTurn, Callable[[], Awaitable[None]]]:
         """Admission, then the turn: count the request in (429 / 503 refuse here, before anything is
@@ -169,7 +169,7 @@ class BaseServing:
         return turn, cleanup
 
     async def open_turn(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                        intercept: InterceptParams | None, entry: PausedGeneration | None,
+                        intercept: InterceptParams | None, entry: Paused | None,
                         started: float) -> EngineTurn:
         """Resume `entry` with the prompt's tokens after its paused context, or start a fresh request.
 
@@ -207,18 +207,6 @@ class BaseServing:
     def _observe_ttft(self, started: float) -> None:
         """The engine reports a request once it has its first token: that is the time to first token."""
         self.metrics.ttft.labels(self.model_name).observe(max(time.monotonic() - started, 0.0))
-
-    def register_paused(self, entry: PausedGeneration) -> None:
-        self.abort_all(self.registry.add(entry), reason="over the paused-generation limits", cause="limits")
-
-    def abort_all(self, request_ids: Sequence[str], reason: str, cause: str = "client") -> None:
-        """Abort paused generations; `cause` labels the metrics (limits, ttl, shutdown, client)."""
-        for request_id in request_ids:
-            kept = self.registry.kept_tokens(request_id)
-            logger.info("aborting paused generation %s (%d KV tokens kept): %s", request_id, kept, reason)
-            self.metrics.evictions.labels(self.model_name, cause).inc()
-            self.metrics.released_kv_tokens.labels(self.model_name, cause).inc(kept)
-            self.backend.abort(request_id)
 
     @staticmethod
     def finish_reason(out: RequestOutput) -> str:
