@@ -18,7 +18,7 @@ from infercept.engine.backend import EngineBackend, InterceptParams, RequestOutp
 
 from .metrics import ServerMetrics
 from .protocol import APIError, InterceptOptions, SamplingFields, bad_request
-from .conversations import ConversationStore, Paused
+from .conversations import Conversation, ConversationStore, Paused
 from .settings import ServerSettings
 
 logger = logging.getLogger("infercept.server")
@@ -36,12 +36,16 @@ class EngineTurn:
     prompt_ids: list[int]  # the whole context before this turn's output
     stream: AsyncIterator[RequestOutput]
     first: RequestOutput
+    abort: Callable[[str], None]  # the backend's: `close` lets a paused turn nobody kept go
     cached_tokens: int = 0  # prompt tokens whose KV was reused
     resumed: bool = False
     started: float = 0.0  # monotonic time the request arrived
     observe_gap: Callable[[float], None] | None = None  # inter-token latency, per output after the first
+    last: RequestOutput | None = None  # the last output handed out
+    kept: bool = False  # its pause was handed to the conversation store (`BaseServing.keep_paused`)
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
+        self.last = self.first
         yield self.first
         if not self.first.turn_done:
             last, num_tokens = time.monotonic(), len(self.first.token_ids)
@@ -51,14 +55,18 @@ class EngineTurn:
                     if self.observe_gap is not None and len(out.token_ids) > num_tokens:
                         self.observe_gap((now - last) / (len(out.token_ids) - num_tokens))
                     last, num_tokens = now, len(out.token_ids)
+                    self.last = out
                     yield out
             except RuntimeError as e:  # the engine is shutting down (or a step failed)
                 raise APIError(503, str(e), headers={"Retry-After": "5"}) from None
 
     async def close(self) -> None:
-        """Leave the stream: a turn that has not ended is aborted (frees its blocks)."""
+        """Leave the stream: a turn that has not ended is aborted (frees its blocks), and so is one that
+        ended paused but was left before the store kept it (its request cut off in between)."""
         with contextlib.suppress(Exception):
             await self.stream.aclose()
+        if self.last is not None and self.last.paused and not self.kept:
+            self.abort(self.request_id)
 
 
 class Admission:
@@ -188,8 +196,9 @@ class BaseServing:
             else:
                 self._observe_ttft(started)
                 # Reused: the paused KV on the device or host, or what the prefix cache kept of a discarded one.
-                return EngineTurn(entry.request_id, prompt_ids, stream, first, cached_tokens=first.num_cached_tokens,
-                                  resumed=True, started=started, observe_gap=self._observe_gap)
+                return EngineTurn(entry.request_id, prompt_ids, stream, first, self.backend.abort,
+                                  cached_tokens=first.num_cached_tokens, resumed=True, started=started,
+                                  observe_gap=self._observe_gap)
         stream = self.backend.generate(prompt_ids, params, request_id, intercept)
         try:
             first = await anext(stream)
@@ -198,8 +207,13 @@ class BaseServing:
         except RuntimeError as e:
             raise APIError(503, str(e), headers={"Retry-After": "5"}) from None
         self._observe_ttft(started)
-        return EngineTurn(request_id, prompt_ids, stream, first, cached_tokens=first.num_cached_tokens, started=started,
-                          observe_gap=self._observe_gap)
+        return EngineTurn(request_id, prompt_ids, stream, first, self.backend.abort,
+                          cached_tokens=first.num_cached_tokens, started=started, observe_gap=self._observe_gap)
+
+    def keep_paused(self, turn: EngineTurn, handle: Paused, holder: Conversation | None = None) -> None:
+        """The store keeps `turn`'s paused generation (for `holder`, or a new implicit record)."""
+        turn.kept = True
+        self.registry.pause(handle, holder)
 
     def _observe_gap(self, seconds: float) -> None:
         self.metrics.inter_token.labels(self.model_name).observe(seconds)

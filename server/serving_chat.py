@@ -314,9 +314,9 @@ class ChatServing(BaseServing):
                 else:
                     turn_ids = tuple(turn.prompt_ids[len(turn.prompt_ids) - len(self.renderer.encode(ctx.prefill)):]
                                      + out.token_ids) if ctx.prefill else tuple(out.token_ids)
-                    self.registry.pause(Paused(turn.request_id, turn.prompt_ids + list(out.token_ids),
-                                               AssistantTurn(message, turn_ids), tuple(ctx.messages)),
-                                        self._session(ctx))
+                    self.keep_paused(turn, Paused(turn.request_id, turn.prompt_ids + list(out.token_ids),
+                                                  AssistantTurn(message, turn_ids), tuple(ctx.messages)),
+                                     self._session(ctx))
                 self._remember_session(ctx, message)
                 return TurnResult(content or None, issued, "tool_calls", message)
         if out.paused:  # no valid call (e.g. a forced one cut by max_tokens), or a stop marked as an interception

@@ -100,7 +100,7 @@ class CompletionServing(BaseServing):
     def _end_turn(self, turn: EngineTurn, out: RequestOutput) -> str:
         """A paused generation stays paused and registered (token-level resume); returns the finish reason."""
         if out.paused:
-            self.registry.pause(Paused(turn.request_id, turn.prompt_ids + list(out.token_ids)))
+            self.keep_paused(turn, Paused(turn.request_id, turn.prompt_ids + list(out.token_ids)))
         return self.finish_reason(out)
 
     def _stop_reason(self, out: RequestOutput) -> str | int | None:

@@ -91,7 +91,7 @@ class TokenTurns:
         """Keep a paused generation for the session; count and log the turn; its finish reason."""
         serving = self.serving
         if out.paused:
-            serving.registry.pause(Paused(turn.request_id, turn.prompt_ids + list(out.token_ids)), session)
+            serving.keep_paused(turn, Paused(turn.request_id, turn.prompt_ids + list(out.token_ids)), session)
         finish = serving.finish_reason(out)
         serving.metrics.observe_request("sessions", finish, len(turn.prompt_ids), turn.cached_tokens,
                                         len(out.token_ids))

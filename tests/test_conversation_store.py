@@ -28,20 +28,21 @@ RESPONSE_TOOLS = [{"type": "function", **WEATHER["function"]}]
 
 class EngineFake(ScriptedBackend):
     """The scripted engine (a question about the weather pauses at a call; a resume answers), plus: a
-    token-level interception (`intercept` on a token prompt) pauses after two words, and a prompt
-    asking for something "slow" generates until its stream is closed."""
+    prompt asking for something "slow" generates until its stream is closed, and any other token-level
+    interception (`intercept` on a token prompt) pauses after two words."""
 
     def __init__(self, model_dir: str):
         super().__init__(model_dir)
         self.generating: set[str] = set()
 
     async def generate(self, prompt, params, request_id, intercept=None):
-        if intercept is not None and intercept.pause_on_stop:
+        slow = "slow" in self.tokenizer.decode(prompt).rsplit("<|im_start|>user", 1)[-1]
+        if not slow and intercept is not None and intercept.pause_on_stop:
             out = self._out(request_id, prompt, " four, five", paused=True)
             self.paused[request_id] = len(prompt) + len(out.token_ids)
             yield out
             return
-        if "slow" not in self.tokenizer.decode(prompt).rsplit("<|im_start|>user", 1)[-1]:
+        if not slow:
             async for out in super().generate(prompt, params, request_id, intercept):
                 yield out
             return
@@ -157,6 +158,14 @@ def test_the_engines_paused_set_is_the_stores_in_every_state(fake_server):
     assert turn["state"] == "paused"
     in_step(1)
     assert resumed(http.post(f"/sessions/{t}/messages", json={"token_ids": c["token_ids"]}).json()["usage"])
+    in_step(0)
+
+    # Cut off between the pause and the store: of a batch, one prompt pauses at once and the other
+    # generates on; the client leaves before the answer, so the pause is never kept (and is aborted).
+    with pytest.raises(httpx.ReadTimeout):
+        http.post("/completions", timeout=0.5, json={"model": "fake", "prompt": ["Count: one, two,", "a slow count"],
+                                                     "intercept": {"kind": "tool"}})
+    wait_for(lambda: not fake.generating and not fake.paused)
     in_step(0)
 
     # Responses: a stored response holds its generation; the chained request resumes it (the first
