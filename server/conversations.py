@@ -59,10 +59,10 @@ Release = Callable[[str, str, str], None]  # (request id, cause, reason): abort 
 
 
 class Kind(enum.Enum):
-    IMPLICIT = "implicit"
-    CHAT = "chat"
-    SESSION = "session"
-    RESPONSE = "response"
+    IMPLICIT = "implicit"  # a paused turn nobody named (id: its request id)
+    CHAT = "chat"  # a chat completion's session_id
+    SESSION = "session"  # /v1/sessions
+    RESPONSE = "response"  # a stored Responses-API response
 
 
 class State(enum.StrEnum):
@@ -119,6 +119,8 @@ class SessionSpec:
 
 @dataclass(eq=False)
 class Conversation:
+    """One conversation the server keeps between requests (its kinds and states: the module docstring)."""
+
     id: str
     kind: Kind
     state: State = State.IDLE

@@ -16,9 +16,9 @@ from starlette.requests import Request
 
 from infercept.engine.backend import EngineBackend, InterceptParams, RequestOutput, SamplingParams
 
+from .conversations import Conversation, ConversationStore, Paused
 from .metrics import ServerMetrics
 from .protocol import APIError, InterceptOptions, SamplingFields, bad_request
-from .conversations import Conversation, ConversationStore, Paused
 from .settings import ServerSettings
 
 logger = logging.getLogger("infercept.server")

@@ -37,10 +37,10 @@ from infercept.engine.backend import (GuidedDecodingParams, InterceptParams, Req
 
 from .chat import (AssistantTurn, Call, ChatRenderer, Message, canonical_json, hermes_partial_calls,
                    json_grammar_schema, normalize_messages, tool_validators, validate_tool_flow)
+from .conversations import Conversation, Kind, Paused, State
 from .protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatMessage, ChoiceLogprobs, FunctionCall, PromptTokensDetails,
                        TokenLogprob, ToolCall, ToolParam, TopLogprob, Usage, bad_request, new_id, now)
-from .conversations import Conversation, Kind, Paused, State
 from .serving_base import BaseServing, EngineTurn, logger, openai_sse, respond
 
 SESSION_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")

@@ -19,9 +19,9 @@ from starlette.requests import Request
 
 from infercept.engine.backend import RequestOutput
 
+from .conversations import Paused
 from .protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                        PromptTokensDetails, Usage, bad_request, new_id, now)
-from .conversations import Paused
 from .serving_base import BaseServing, EngineTurn, logger, once, openai_sse, pause_on_stops, respond
 
 

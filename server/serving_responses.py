@@ -24,11 +24,11 @@ from infercept.engine.backend import RequestOutput
 
 from .chat import Call, Message
 from .chat_wire import chat_message
+from .conversations import Conversation, ConversationStore
 from .protocol import APIError, ChatCompletionRequest, bad_request, new_id, now
 from .protocol_responses import (DeletedResponse, FunctionCallItem, FunctionCallOutputItem, IncompleteDetails,
                                  InputTokensDetails, OutputFunctionCall, OutputItem, OutputMessage, OutputText,
                                  ResponseObject, ResponsesRequest, ResponseUsage, TextPart)
-from .conversations import Conversation, ConversationStore
 from .serving_base import logger, respond
 from .serving_chat import ChatContext, ChatServing, TurnResult
 
