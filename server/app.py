@@ -1,10 +1,10 @@
 """The FastAPI app: `build_app(backend, settings)`, over an `EngineBackend` (infercept.engine.backend).
 
-Wires the serving objects (chat with and without server tools, completions, Responses, native sessions), the session registry, the
-stored responses and metrics into `app.state`; adds authentication,
-a body-size limit and an access log with request ids (one small ASGI middleware); turns every error
-into OpenAI's error JSON (validation errors are 400, never 422 or 5xx); runs the engine and a reaper
-of expired paused generations, sessions and stored responses for the app's lifetime.
+Wires the serving objects (chat with and without server tools, completions, Responses, native
+sessions), the conversation store and metrics into `app.state`; adds authentication, a body-size limit
+and an access log with request ids (one small ASGI middleware); turns every error into OpenAI's error
+JSON (validation errors are 400, never 422 or 5xx); runs the engine and the store's reaper for the
+app's lifetime.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI
@@ -27,10 +28,9 @@ from infercept.engine.backend import EngineBackend, ToolFormat, parser_for_model
 from infercept.tools import get_tool
 
 from .chat import ChatRenderer
+from .conversations import ConversationStore, engine_release
 from .metrics import ServerMetrics
-from .native_sessions import NativeSessionStore
 from .protocol import APIError
-from .responses_store import ResponseStore
 from .routes import router
 from .serving_base import SHUTDOWN_GRACE_S, Admission
 from .serving_chat import ChatServing
@@ -38,7 +38,6 @@ from .serving_chat_tools import ChatServerTools
 from .serving_completions import CompletionServing
 from .serving_responses import ResponsesServing
 from .serving_sessions import SessionServing
-from .sessions import SessionRegistry
 from .settings import ServerSettings
 
 logger = logging.getLogger("infercept.server")
@@ -64,11 +63,11 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
     tool_format = ToolFormat(tool_parser)  # an unknown name fails at start-up
     # Paused generations are limited by memory: by default as many context tokens as the engine's KV
     # pools hold; releases go to the one keeping the least KV (backend.paused_kv_tokens).
-    max_paused_tokens = settings.max_paused_tokens if settings.max_paused_tokens is not None \
-        else info.kv_capacity_tokens
-    registry = SessionRegistry(settings.session_ttl, settings.max_paused, max_paused_tokens,
-                               settings.max_remembered_turns, kept_tokens=backend.paused_kv_tokens)
+    policy = settings.conversations
+    if policy.max_paused_tokens is None:
+        policy = replace(policy, max_paused_tokens=info.kv_capacity_tokens)
     metrics = ServerMetrics(model_name)
+    registry = ConversationStore(policy, engine_release(backend, metrics), kept_tokens=backend.paused_kv_tokens)
     admission = Admission(backend, settings.max_concurrent_requests)
     # The event loop tokenizes and renders while the engine thread detokenizes: separate instances, so
     # the two threads never share a tokenizer's mutable state.
@@ -80,16 +79,13 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
     if tokenizer.chat_template:
         chat = ChatServing(backend, renderer=ChatRenderer(tokenizer, info.eos_token_ids, tool_format), **common)
         chat_server_tools = ChatServerTools(chat, tool_lookup)
-        responses = ResponsesServing(chat, ResponseStore(settings.response_ttl, settings.max_stored_responses),
-                                     registry)
-        sessions = SessionServing(chat, NativeSessionStore(settings.session_ttl, registry.max_sessions_kept),
-                                  registry, tool_lookup)
+        responses = ResponsesServing(chat, registry)
+        sessions = SessionServing(chat, registry, tool_lookup)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         backend.start()
-        tasks = [asyncio.create_task(_reap(registry, completions, responses, sessions)),
-                 asyncio.create_task(_watch(backend, app, on_engine_failure))]
+        tasks = [asyncio.create_task(registry.reap()), asyncio.create_task(_watch(backend, app, on_engine_failure))]
         if shutting_down is not None:
             tasks.append(asyncio.create_task(_end_turns_after_grace(backend, shutting_down)))
         try:
@@ -99,7 +95,7 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            completions.abort_all(registry.clear(), reason="server shutdown", cause="shutdown")
+            registry.release_all("shutdown", "server shutdown")
             await asyncio.to_thread(backend.shutdown)
 
     app = FastAPI(title="InferCept", version="0.1.0", lifespan=lifespan)
@@ -139,21 +135,6 @@ async def _end_turns_after_grace(backend: EngineBackend, shutting_down: Callable
     await asyncio.sleep(SHUTDOWN_GRACE_S)
     logger.info("shutdown grace period over: ending the turns still generating")
     backend.cancel_in_flight("the server is shutting down")
-
-
-async def _reap(registry: SessionRegistry, serving: CompletionServing, responses: ResponsesServing | None,
-                sessions: SessionServing | None) -> None:
-    """Abort paused generations past the TTL (frees their blocks); forget expired sessions and responses."""
-    interval = min(max(registry.ttl / 4, 0.05), 5.0)
-    while True:
-        await asyncio.sleep(interval)
-        expired = registry.expire()
-        if expired:
-            serving.abort_all(expired, reason="session TTL expired", cause="ttl")
-        if sessions is not None:
-            sessions.expire()
-        if responses is not None:
-            responses.store.expire()
 
 
 class _NoChat:

@@ -116,35 +116,46 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 routes")
     g.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME", None),
                    help="model name clients use (default: the model folder's name)")
-    g.add_argument("--session-ttl", type=float, default=float(_env("SESSION_TTL", 600.0)),
-                   help="seconds a generation paused at a tool call waits for its result before it is aborted "
-                        "(default 600)")
-    g.add_argument("--max-paused", "--max-sessions", dest="max_paused", type=int,
-                   default=_optional_int(_env("MAX_PAUSED", _env("MAX_SESSIONS", None))),
-                   help="paused generations kept at most (default: no count limit, memory decides; "
-                        "--max-sessions is the old name)")
-    g.add_argument("--max-paused-tokens", type=int, default=_optional_int(_env("MAX_PAUSED_TOKENS", None)),
-                   help="context tokens of all paused generations at most (default: as many as the device and "
-                        "host KV pools hold); beyond either limit the one keeping the least KV is aborted")
-    g.add_argument("--response-ttl", type=float, default=float(_env("RESPONSE_TTL", 3600.0)),
-                   help="seconds a stored Responses-API response stays retrievable and chainable (default 3600)")
-    g.add_argument("--max-stored-responses", type=int, default=int(_env("MAX_STORED_RESPONSES", 1024)),
-                   help="stored Responses-API responses kept at most; beyond, the oldest is forgotten (default 1024)")
     g.add_argument("--max-concurrent-requests", type=int, default=int(_env("MAX_CONCURRENT_REQUESTS", 512)),
                    help="requests generating at once; beyond, 429 with Retry-After (default 512)")
     g.add_argument("--tool-parser", default=_env("TOOL_PARSER", None),
                    help="tool-call format: hermes, llama3_json or mistral (default: from the model's chat template)")
     g.add_argument("--log-level", default=_env("LOG_LEVEL", "info"), help="server log level (default info)")
+    c = p.add_argument_group("conversations", "What the server keeps between requests (server/conversations.py). "
+                             "Each flag also reads INFERCEPT_<NAME> (INFERCEPT_IDLE_TTL, ...); the old names "
+                             "--session-ttl / INFERCEPT_SESSION_TTL and --max-sessions / INFERCEPT_MAX_SESSIONS "
+                             "still work.")
+    c.add_argument("--idle-ttl", "--session-ttl", dest="idle_ttl", type=float,
+                   default=float(_env("IDLE_TTL", _env("SESSION_TTL", 600.0))),
+                   help="seconds a generation paused at a tool call waits for its result before it is aborted, "
+                        "and a chat session_id or /v1/sessions session is kept unused (default 600; "
+                        "--session-ttl is the old name)")
+    c.add_argument("--max-paused-tokens", type=int, default=_optional_int(_env("MAX_PAUSED_TOKENS", None)),
+                   help="context tokens of all paused generations at most (default: as many as the device and "
+                        "host KV pools hold); beyond it or --max-paused, the one keeping the least KV is aborted")
+    c.add_argument("--max-paused", "--max-sessions", dest="max_paused", type=int,
+                   default=_optional_int(_env("MAX_PAUSED", _env("MAX_SESSIONS", None))),
+                   help="paused generations kept at most (default: no count limit, memory decides; "
+                        "--max-sessions is the old name)")
+    c.add_argument("--max-named-sessions", type=int, default=int(_env("MAX_NAMED_SESSIONS", 16_384)),
+                   help="chat session_id conversations and /v1/sessions sessions kept at most; beyond, the least "
+                        "recently used one that is not generating is closed (default 16384)")
+    c.add_argument("--response-ttl", type=float, default=float(_env("RESPONSE_TTL", 3600.0)),
+                   help="seconds a stored Responses-API response stays retrievable and chainable after its "
+                        "creation (default 3600)")
+    c.add_argument("--max-stored-responses", type=int, default=int(_env("MAX_STORED_RESPONSES", 1024)),
+                   help="stored Responses-API responses kept at most; beyond, the oldest is forgotten (default 1024)")
 
 
 def server_settings(args: argparse.Namespace):
-    from infercept.server.settings import ServerSettings
+    from infercept.server.settings import ConversationPolicy, ServerSettings
 
+    policy = ConversationPolicy(idle_ttl=args.idle_ttl, max_paused_tokens=args.max_paused_tokens,
+                                max_paused=args.max_paused, max_named_sessions=args.max_named_sessions,
+                                response_ttl=args.response_ttl, max_stored_responses=args.max_stored_responses)
     return ServerSettings(host=args.host, port=args.port, api_key=args.api_key or None,
-                          served_model_name=args.served_model_name, session_ttl=args.session_ttl,
-                          max_paused=args.max_paused, max_paused_tokens=args.max_paused_tokens,
-                          max_concurrent_requests=args.max_concurrent_requests, tool_parser=args.tool_parser,
-                          response_ttl=args.response_ttl, max_stored_responses=args.max_stored_responses)
+                          served_model_name=args.served_model_name, conversations=policy,
+                          max_concurrent_requests=args.max_concurrent_requests, tool_parser=args.tool_parser)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:

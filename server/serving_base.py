@@ -1,5 +1,5 @@
 """What both generation endpoints share: admission, sampling parameters, starting or resuming an engine
-turn, paused-generation bookkeeping, disconnect handling and logprob formatting."""
+turn, disconnect handling and logprob formatting."""
 from __future__ import annotations
 
 import asyncio
@@ -16,9 +16,9 @@ from starlette.requests import Request
 
 from infercept.engine.backend import EngineBackend, InterceptParams, RequestOutput, SamplingParams
 
+from .conversations import Conversation, ConversationStore, Paused
 from .metrics import ServerMetrics
 from .protocol import APIError, InterceptOptions, SamplingFields, bad_request
-from .sessions import PausedGeneration, SessionRegistry
 from .settings import ServerSettings
 
 logger = logging.getLogger("infercept.server")
@@ -38,12 +38,16 @@ class EngineTurn:
     prompt_ids: list[int]  # the whole context before this turn's output
     stream: AsyncIterator[RequestOutput]
     first: RequestOutput
+    abort: Callable[[str], None]  # the backend's: `close` lets a paused turn nobody kept go
     cached_tokens: int = 0  # prompt tokens whose KV was reused
     resumed: bool = False
     started: float = 0.0  # monotonic time the request arrived
     observe_gap: Callable[[float], None] | None = None  # inter-token latency, per output after the first
+    last: RequestOutput | None = None  # the last output handed out
+    kept: bool = False  # its pause was handed to the conversation store (`BaseServing.keep_paused`)
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
+        self.last = self.first
         yield self.first
         if not self.first.turn_done:
             last, num_tokens = time.monotonic(), len(self.first.token_ids)
@@ -53,14 +57,18 @@ class EngineTurn:
                     if self.observe_gap is not None and len(out.token_ids) > num_tokens:
                         self.observe_gap((now - last) / (len(out.token_ids) - num_tokens))
                     last, num_tokens = now, len(out.token_ids)
+                    self.last = out
                     yield out
             except RuntimeError as e:  # the engine is shutting down (or a step failed)
                 raise APIError(503, str(e), headers={"Retry-After": "5"}) from None
 
     async def close(self) -> None:
-        """Leave the stream: a turn that has not ended is aborted (frees its blocks)."""
+        """Leave the stream: a turn that has not ended is aborted (frees its blocks), and so is one that
+        ended paused but was left before the store kept it (its request cut off in between)."""
         with contextlib.suppress(Exception):
             await self.stream.aclose()
+        if self.last is not None and self.last.paused and not self.kept:
+            self.abort(self.request_id)
 
 
 class Admission:
@@ -87,7 +95,7 @@ class Admission:
 class BaseServing:
     endpoint = "base"
 
-    def __init__(self, backend: EngineBackend, settings: ServerSettings, registry: SessionRegistry,
+    def __init__(self, backend: EngineBackend, settings: ServerSettings, registry: ConversationStore,
                  metrics: ServerMetrics, model_name: str, admission: Admission, tokenizer):
         self.backend = backend
         info = backend.info
@@ -148,7 +156,7 @@ class BaseServing:
 
     # -- engine turns ------------------------------------------------------------------------------
     async def admitted_turn(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                            intercept: InterceptParams | None, claim: Callable[[], PausedGeneration | None],
+                            intercept: InterceptParams | None, claim: Callable[[], Paused | None],
                             started: float, resumed_how: str, release: Callable[[], None] | None = None,
                             ) -> tuple[EngineTurn, Callable[[], Awaitable[None]]]:
         """Admission, then the turn: count the request in (429 / 503 refuse here, before anything is
@@ -171,7 +179,7 @@ class BaseServing:
         return turn, cleanup
 
     async def open_turn(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                        intercept: InterceptParams | None, entry: PausedGeneration | None,
+                        intercept: InterceptParams | None, entry: Paused | None,
                         started: float) -> EngineTurn:
         """Resume `entry` with the prompt's tokens after its paused context, or start a fresh request.
 
@@ -190,8 +198,9 @@ class BaseServing:
             else:
                 self._observe_ttft(started)
                 # Reused: the paused KV on the device or host, or what the prefix cache kept of a discarded one.
-                return EngineTurn(entry.request_id, prompt_ids, stream, first, cached_tokens=first.num_cached_tokens,
-                                  resumed=True, started=started, observe_gap=self._observe_gap)
+                return EngineTurn(entry.request_id, prompt_ids, stream, first, self.backend.abort,
+                                  cached_tokens=first.num_cached_tokens, resumed=True, started=started,
+                                  observe_gap=self._observe_gap)
         stream = self.backend.generate(prompt_ids, params, request_id, intercept)
         try:
             first = await anext(stream)
@@ -200,8 +209,13 @@ class BaseServing:
         except RuntimeError as e:
             raise APIError(503, str(e), headers={"Retry-After": "5"}) from None
         self._observe_ttft(started)
-        return EngineTurn(request_id, prompt_ids, stream, first, cached_tokens=first.num_cached_tokens, started=started,
-                          observe_gap=self._observe_gap)
+        return EngineTurn(request_id, prompt_ids, stream, first, self.backend.abort,
+                          cached_tokens=first.num_cached_tokens, started=started, observe_gap=self._observe_gap)
+
+    def keep_paused(self, turn: EngineTurn, handle: Paused, holder: Conversation | None = None) -> None:
+        """The store keeps `turn`'s paused generation (for `holder`, or a new implicit record)."""
+        turn.kept = True
+        self.registry.pause(handle, holder)
 
     def _observe_gap(self, seconds: float) -> None:
         self.metrics.inter_token.labels(self.model_name).observe(seconds)
@@ -209,18 +223,6 @@ class BaseServing:
     def _observe_ttft(self, started: float) -> None:
         """The engine reports a request once it has its first token: that is the time to first token."""
         self.metrics.ttft.labels(self.model_name).observe(max(time.monotonic() - started, 0.0))
-
-    def register_paused(self, entry: PausedGeneration) -> None:
-        self.abort_all(self.registry.add(entry), reason="over the paused-generation limits", cause="limits")
-
-    def abort_all(self, request_ids: Sequence[str], reason: str, cause: str = "client") -> None:
-        """Abort paused generations; `cause` labels the metrics (limits, ttl, shutdown, client)."""
-        for request_id in request_ids:
-            kept = self.registry.kept_tokens(request_id)
-            logger.info("aborting paused generation %s (%d KV tokens kept): %s", request_id, kept, reason)
-            self.metrics.evictions.labels(self.model_name, cause).inc()
-            self.metrics.released_kv_tokens.labels(self.model_name, cause).inc(kept)
-            self.backend.abort(request_id)
 
     @staticmethod
     def finish_reason(out: RequestOutput) -> str:

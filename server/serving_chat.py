@@ -1,6 +1,6 @@
 """POST /v1/chat/completions: render, start or resume the generation, answer (JSON or SSE).
 
-A turn that ends in tool calls stays paused in the engine and is registered (`SessionRegistry`): the
+A turn that ends in tool calls stays paused in the engine and is kept (`ConversationStore`): the
 request that brings the tool results resumes it, with only the tokens a fresh rendering adds after the
 paused context (the tool results and the next generation prompt) to compute.
 
@@ -37,11 +37,11 @@ from starlette.requests import Request
 from infercept.engine.backend import GuidedDecodingParams, InterceptParams, RequestOutput, SamplingParams, ToolSpec
 
 from .chat import AssistantTurn, Call, ChatRenderer, Message, normalize_messages, tool_specs, validate_tool_flow
+from .conversations import Conversation, Kind, Paused, State
 from .protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatMessage, ChoiceLogprobs, FunctionCall, PromptTokensDetails,
                        TokenLogprob, ToolCall, TopLogprob, Usage, bad_request, new_id, now)
 from .serving_base import BaseServing, EngineTurn, logger, openai_sse, respond
-from .sessions import PausedGeneration
 
 SESSION_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
@@ -143,10 +143,10 @@ class ChatServing(BaseServing):
                                         kind=hint.kind if hint else "tool")
         response_id = new_id("chatcmpl-")
 
-        def claim() -> PausedGeneration | None:
-            entry = self._claim_paused(messages, prompt_ids, session_id)
+        def claim() -> Paused | None:
+            entry = self._claim_paused(messages, prompt_ids, session)
             if session is not None:
-                session.busy = True
+                session.state = State.GENERATING
             return entry
 
         turn, cleanup = await self.admitted_turn(response_id, prompt_ids, params, intercept, claim, started,
@@ -261,42 +261,38 @@ class ChatServing(BaseServing):
     def _session_messages(self, session_id: str, messages: list[Message]):
         """Explicit continuation. Messages that start with tool results continue the session's stored
         conversation (which must be paused at tool calls); any other list is the whole conversation."""
-        session = self.registry.get_session(session_id)
-        if session is not None and session.busy:
+        session = self.registry.named(Kind.CHAT, session_id)
+        if session is not None and session.state is State.GENERATING:
             raise APIError(409, f"session {session_id!r} has a request in flight", param="session_id",
                            code="session_busy")
         if messages[0].role == "tool":
             if session is None:
                 raise APIError(404, f"unknown session {session_id!r}", param="session_id", code="session_not_found")
-            if session.paused_request_id is None:
+            if session.paused is None:
                 raise APIError(409, f"session {session_id!r} is not paused at a tool call", param="session_id",
                                code="session_not_paused")
             messages = list(session.messages) + messages
-        return messages, self.registry.session(session_id)
+        return messages, session or self.registry.open_named(Kind.CHAT, session_id)
 
-    def _claim_paused(self, messages: list[Message], prompt_ids: list[int], session_id: str | None):
+    def _claim_paused(self, messages: list[Message], prompt_ids: list[int], session: Conversation | None):
         """The paused generation this request continues, if its rendering extends the paused tokens."""
-        entry = self.registry.find_for_messages(messages, session_id)
+        entry = self.registry.find_for_messages(messages, session)
         if entry is None:
-            if session_id is not None:  # the session moved on: its paused generation is of no further use
-                session = self.registry.get_session(session_id)
-                if session is not None and session.paused_request_id is not None:
-                    stale = self.registry.take(session.paused_request_id)
-                    if stale is not None:
-                        self.abort_all([stale.request_id], reason=f"session {session_id} continued differently")
+            if session is not None:  # the session moved on: its paused generation is of no further use
+                self.registry.release_paused(session, f"session {session.id} continued differently")
             return None
         n = len(entry.token_ids)
         if len(prompt_ids) > n and prompt_ids[:n] == entry.token_ids:
-            return self.registry.take(entry.request_id)
+            return self.registry.take(entry)
         logger.info("conversation matches paused %s but its rendering does not extend the paused tokens; "
                     "serving it fresh", entry.request_id)
         self.metrics.resume_fallbacks.labels(self.model_name).inc()
         return None
 
-    def _release(self, session) -> None:
+    def _release(self, session: Conversation | None) -> None:
         self.release()
         if session is not None:
-            session.busy = False
+            session.state = State.PAUSED if session.paused is not None else State.IDLE
 
     # -- the end of a turn -------------------------------------------------------------------------
     def _end_turn(self, ctx: ChatContext, out: RequestOutput) -> TurnResult:
@@ -310,9 +306,9 @@ class ChatServing(BaseServing):
             if out.paused:
                 turn_ids = tuple(turn.prompt_ids[len(turn.prompt_ids) - len(self.renderer.encode(ctx.prefill)):]
                                  + out.token_ids) if ctx.prefill else tuple(out.token_ids)
-                self.register_paused(PausedGeneration(
-                    turn.request_id, turn.prompt_ids + list(out.token_ids), tuple(ctx.messages),
-                    AssistantTurn(message, turn_ids), ctx.session_id))
+                self.keep_paused(turn, Paused(turn.request_id, turn.prompt_ids + list(out.token_ids),
+                                              AssistantTurn(message, turn_ids), tuple(ctx.messages)),
+                                 self._session(ctx))
             self._remember_session(ctx, message)
             return TurnResult(out.content or None, issued, "tool_calls", message)
         text = ctx.prefill + out.text
@@ -326,9 +322,13 @@ class ChatServing(BaseServing):
             ctx.call_ids.append(f"call_{uuid.uuid4().hex[:24]}")
         return ctx.call_ids[index]
 
+    def _session(self, ctx: ChatContext) -> Conversation | None:
+        return self.registry.named(Kind.CHAT, ctx.session_id) if ctx.session_id is not None else None
+
     def _remember_session(self, ctx: ChatContext, message: Message) -> None:
-        if ctx.session_id is not None:
-            self.registry.session(ctx.session_id).messages = tuple(ctx.messages) + (message,)
+        session = self._session(ctx)
+        if session is not None:
+            session.messages = tuple(ctx.messages) + (message,)
 
     def _usage(self, ctx: ChatContext, out: RequestOutput) -> Usage:
         n_prompt, n_out = len(ctx.turn.prompt_ids), len(out.token_ids)

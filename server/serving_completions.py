@@ -19,10 +19,10 @@ from starlette.requests import Request
 
 from infercept.engine.backend import RequestOutput
 
+from .conversations import Paused
 from .protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                        PromptTokensDetails, Usage, bad_request, new_id, now)
 from .serving_base import BaseServing, EngineTurn, logger, once, openai_sse, pause_on_stops, respond
-from .sessions import PausedGeneration
 
 
 class CompletionServing(BaseServing):
@@ -48,7 +48,7 @@ class CompletionServing(BaseServing):
         turns: list[EngineTurn] = []
         try:
             for i, ids in enumerate(prompts):
-                entry = self._claim_paused(ids)
+                entry = self.registry.take(self.registry.find_for_tokens(ids))
                 turn = await self.open_turn(f"{response_id}-{i}", ids, params[i], intercept, entry, started)
                 if turn.resumed:
                     self.metrics.resumes.labels(self.model_name, "tokens").inc()
@@ -92,10 +92,6 @@ class CompletionServing(BaseServing):
             return ""
         return text if text is not None else self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def _claim_paused(self, ids: list[int]) -> PausedGeneration | None:
-        entry = self.registry.find_for_tokens(ids)
-        return self.registry.take(entry.request_id) if entry is not None else None
-
     async def _close(self, turns: list[EngineTurn]) -> None:
         for turn in turns:
             await turn.close()
@@ -104,7 +100,7 @@ class CompletionServing(BaseServing):
     def _end_turn(self, turn: EngineTurn, out: RequestOutput) -> str:
         """A paused generation stays paused and registered (token-level resume); returns the finish reason."""
         if out.paused:
-            self.register_paused(PausedGeneration(turn.request_id, turn.prompt_ids + list(out.token_ids)))
+            self.keep_paused(turn, Paused(turn.request_id, turn.prompt_ids + list(out.token_ids)))
         return self.finish_reason(out)
 
     def _stop_reason(self, out: RequestOutput) -> str | int | None:

@@ -7,7 +7,8 @@ tool messages), `instructions` a leading system message, and the turn is served 
 function calls leaves its generation paused; the request that brings the `function_call_output` items
 (after `previous_response_id`, or repeating the items itself) repeats that conversation, so the chat
 path's implicit resume continues the paused generation, and `usage.input_tokens_details.cached_tokens`
-counts the input tokens whose KV was reused.
+counts the input tokens whose KV was reused. A stored response is a record of the conversation store
+(`Kind.RESPONSE`) and holds the generation it paused until a chained request resumes it.
 """
 from __future__ import annotations
 
@@ -23,14 +24,13 @@ from infercept.engine.backend import RequestOutput
 
 from .chat import Call, Message
 from .chat_wire import chat_message
+from .conversations import Conversation, ConversationStore
 from .protocol import APIError, ChatCompletionRequest, bad_request, new_id, now
 from .protocol_responses import (DeletedResponse, FunctionCallItem, FunctionCallOutputItem, IncompleteDetails,
                                  InputTokensDetails, OutputFunctionCall, OutputItem, OutputMessage, OutputText,
                                  ResponseObject, ResponsesRequest, ResponseUsage, TextPart)
-from .responses_store import ResponseStore, StoredResponse
 from .serving_base import logger, respond
 from .serving_chat import ChatContext, ChatServing, TurnResult
-from .sessions import SessionRegistry
 
 ARGUMENT_FRAGMENT_CHARS = 16  # a call's arguments stream in pieces of this size once the call is parsed
 
@@ -91,19 +91,18 @@ class ResponseTurn:
 
 
 class ResponsesServing:
-    def __init__(self, chat: ChatServing, store: ResponseStore, registry: SessionRegistry):
+    def __init__(self, chat: ChatServing, registry: ConversationStore):
         self.chat = chat
-        self.store = store
         self.registry = registry
 
     async def create(self, req: ResponsesRequest, raw: Request) -> Response:
         history: tuple[Message, ...] = ()
         if req.previous_response_id is not None:
-            previous = self.store.get(req.previous_response_id)
+            previous = self.registry.response(req.previous_response_id)
             if previous is None:
                 raise APIError(404, f"Previous response with id '{req.previous_response_id}' not found.",
                                param="previous_response_id", code="previous_response_not_found")
-            history = previous.conversation
+            history = previous.messages
         conversation = history + tuple(input_messages(req.input))
         if not conversation:
             raise bad_request("input must not be empty", param="input")
@@ -118,17 +117,12 @@ class ResponsesServing:
         return JSONResponse(self._stored(response_id).body)
 
     async def delete(self, response_id: str) -> Response:
-        stored = self._stored(response_id)
-        self.store.pop(response_id)
-        # Its paused generation is released too, unless a later response of the chain paused it again.
-        entry = self.registry.get(stored.request_id) if stored.request_id else None
-        if entry is not None and entry.call_ids == stored.call_ids:
-            self.registry.take(entry.request_id)
-            self.chat.abort_all([entry.request_id], reason=f"response {response_id} deleted")
+        # Its paused generation is released too, unless a later response of the chain resumed it.
+        self.registry.close(self._stored(response_id), reason=f"response {response_id} deleted")
         return JSONResponse(DeletedResponse(id=response_id).model_dump())
 
-    def _stored(self, response_id: str) -> StoredResponse:
-        stored = self.store.get(response_id)
+    def _stored(self, response_id: str) -> Conversation:
+        stored = self.registry.response(response_id)
         if stored is None:
             raise APIError(404, f"Response with id '{response_id}' not found.", code="response_not_found")
         return stored
@@ -169,12 +163,8 @@ class ResponsesServing:
         status = "incomplete" if result.finish_reason == "length" else "completed"
         body = self._response(turn, status, output, out).model_dump(mode="json")
         if turn.request.store is not False:
-            paused = self.registry.get(turn.chat.turn.request_id)
-            call_ids = tuple(c.id for c in result.calls)
-            self.store.add(turn.response_id, StoredResponse(
-                body, turn.conversation + (result.message,),
-                request_id=paused.request_id if paused is not None and paused.call_ids == call_ids else None,
-                call_ids=call_ids))
+            self.registry.store_response(turn.response_id, body, turn.conversation + (result.message,),
+                                         turn.chat.turn.request_id)
         return body
 
     # -- non-streaming -----------------------------------------------------------------------------

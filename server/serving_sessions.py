@@ -1,8 +1,9 @@
 """Native sessions under /v1/sessions: create, post a message or tool results, inspect, delete.
 
-A session is a conversation served turn by turn through the chat path (`ChatServing.open` /
-`end_turn`) under the session's id, so a turn that ends in tool calls stays paused in the engine and
-the post that brings their results resumes it (explicit continuation). Calls of *server tools* (named
+A session is a record of the conversation store (`Kind.SESSION`) served turn by turn through the chat
+path (`ChatServing.open` / `end_turn`): a turn that ends in tool calls stays paused in the engine, the
+session adopts that paused generation, and the post that brings the results resumes it (the chat path
+finds it by the call ids). Calls of *server tools* (named
 at creation, run by the server itself through the `infercept.tools` interface) never leave the server:
 when a turn calls only those, the server runs them while the generation waits paused, resumes it with
 the results and goes on (`tool_loop.serve_turns`). A session that is sent `token_ids` instead is
@@ -26,21 +27,18 @@ from starlette.requests import Request
 
 from .chat import Message
 from .chat_wire import chat_message
-from .native_sessions import NativeSession, NativeSessionStore
+from .conversations import Conversation, ConversationStore, Kind, SessionSpec, State
 from .protocol import APIError, ChatCompletionRequest, bad_request, new_id, now
 from .protocol_sessions import SessionCreateRequest, SessionMessageRequest
 from .serving_base import logger, once, respond
 from .serving_chat import ChatServing
 from .session_tokens import TokenTurns
-from .sessions import SessionRegistry
 from .tool_loop import Emit, Opened, call_view, events_then_result, resolve_server_tools, serve_turns
 
 
 class SessionServing:
-    def __init__(self, chat: ChatServing, store: NativeSessionStore, registry: SessionRegistry,
-                 tool_lookup: Callable[[str], Any]):
+    def __init__(self, chat: ChatServing, registry: ConversationStore, tool_lookup: Callable[[str], Any]):
         self.chat = chat
-        self.store = store
         self.registry = registry
         self.tool_lookup = tool_lookup
         self.tokens = TokenTurns(chat)
@@ -54,39 +52,22 @@ class SessionServing:
             raise bad_request("tool names must be unique", param="tools")
         server_tools, definitions = resolve_server_tools(req.server_tools, self.tool_lookup, tools, "server_tools")
         tools += definitions
-        session = NativeSession(new_id("sess_"), model, req.system, tuple(tools), server_tools,
-                                req.sampling(), created_at=now())
-        for evicted in self.store.add(session):
-            self._release_paused(evicted.session_id, reason="over the session limit", cause="limits")
+        spec = SessionSpec(model, req.system, tuple(tools), server_tools, req.sampling(), created_at=now())
+        session = self.registry.open_named(Kind.SESSION, new_id("sess_"), spec=spec)
         return JSONResponse(self._view(session, kv=None))
 
     async def retrieve(self, session_id: str) -> Response:
         session = self._get(session_id)
-        request_id = session.request_id
-        if request_id is None:
-            named = self.registry.get_session(session_id)
-            request_id = named.paused_request_id if named is not None else None
+        request_id = session.request_id or (session.paused.request_id if session.paused else None)
         return JSONResponse(self._view(session, kv=await self._kv_location(request_id)))
 
     async def delete(self, session_id: str) -> Response:
-        session = self.store.pop(session_id)
-        if session is None:
-            raise self._not_found(session_id)
+        session = self._get(session_id)
+        self.registry.close(session, reason=f"session {session_id} deleted")  # releases its paused generation
         if session.task is not None and not session.task.done():
             session.task.cancel()  # its turn's cleanup aborts the generation
             await asyncio.wait([session.task])
-        self._release_paused(session_id, reason=f"session {session_id} deleted")
         return JSONResponse({"id": session_id, "object": "session.deleted", "deleted": True})
-
-    def expire(self) -> None:
-        """Forget sessions idle past the TTL, releasing their paused generations (the app's reaper)."""
-        for session in self.store.expire():
-            self._release_paused(session.session_id, reason="session TTL expired", cause="ttl")
-
-    def _release_paused(self, session_id: str, reason: str, cause: str = "client") -> None:
-        entry = self.registry.take_for_session(session_id)
-        if entry is not None:
-            self.chat.abort_all([entry.request_id], reason=reason, cause=cause)
 
     async def _kv_location(self, request_id: str | None) -> dict[str, int]:
         if request_id is not None:
@@ -94,8 +75,8 @@ class SessionServing:
                 return (await self.chat.backend.kv_location(request_id)).as_dict()
         return {"device": 0, "host": 0, "discarded": 0}
 
-    def _get(self, session_id: str) -> NativeSession:
-        session = self.store.get(session_id)
+    def _get(self, session_id: str) -> Conversation:
+        session = self.registry.named(Kind.SESSION, session_id)
         if session is None:
             raise self._not_found(session_id)
         return session
@@ -105,13 +86,14 @@ class SessionServing:
         return APIError(404, f"unknown session {session_id!r}", param="session_id", code="session_not_found")
 
     @staticmethod
-    def _view(session: NativeSession, kv: dict[str, int] | None) -> dict:
-        view = {"id": session.session_id, "object": "session", "created_at": session.created_at,
-                "model": session.model, "state": session.state, "system": session.system,
-                "tools": [t.function.name for t in session.tools if t.function.name not in session.server_tools],
-                "server_tools": list(session.server_tools), "defaults": session.defaults,
+    def _view(session: Conversation, kv: dict[str, int] | None) -> dict:
+        spec = session.spec
+        view = {"id": session.id, "object": "session", "created_at": spec.created_at, "model": spec.model,
+                "state": session.state, "system": spec.system,
+                "tools": [t.function.name for t in spec.tools if t.function.name not in spec.server_tools],
+                "server_tools": list(spec.server_tools), "defaults": spec.defaults,
                 "messages": [chat_message(m) for m in session.messages],
-                "pending_calls": [call_view(c, session.server_tools) for c in session.pending_calls]}
+                "pending_calls": [call_view(c, spec.server_tools) for c in session.pending_calls]}
         if session.token_ids:
             view["context_tokens"] = len(session.token_ids)  # a token-level session's context so far
         if kv is not None:
@@ -125,18 +107,18 @@ class SessionServing:
             raise bad_request("give exactly one of content (a user message), tool_results (for a paused session) "
                               "or token_ids (a token-level session)")
         self.tokens.check_kind(session, req)
-        if session.state == "generating":
+        if session.state is State.GENERATING:
             raise APIError(409, f"session {session_id!r} is generating a turn", code="session_busy")
         new = None if req.token_ids is not None else self._new_messages(session, req)
 
         before = session.state
-        session.state = "generating"
+        session.state = State.GENERATING
         try:
             if new is None:
                 turn, cleanup = await self.tokens.open(session, req, raw)
                 session.request_id = turn.request_id
             else:
-                ctx, cleanup = await self._open(session, session.messages + new, req, raw)
+                ctx, cleanup = await self._open(session, [*session.messages, *new], req, raw)
         except BaseException:
             session.state = before
             raise
@@ -157,29 +139,29 @@ class SessionServing:
                 task.cancel()
                 await asyncio.wait([task])
             await cleanup()
-            if session.state == "generating":
+            if session.state is State.GENERATING:
                 session.state = before
             session.task = session.request_id = None
 
         return await respond(raw, req.stream, lambda: self._sse(session, task, events),
                              lambda: self._outcome(session, task), settle, {"X-Session-Id": session_id})
 
-    def _new_messages(self, session: NativeSession, req: SessionMessageRequest) -> list[Message]:
+    def _new_messages(self, session: Conversation, req: SessionMessageRequest) -> list[Message]:
         """The chat messages a post adds: its tool results (409 unless paused) or its user message (409
         while paused)."""
         if req.tool_results is not None:
-            if session.state != "paused":
-                raise APIError(409, f"session {session.session_id!r} is not paused at tool calls",
+            if session.state is not State.PAUSED:
+                raise APIError(409, f"session {session.id!r} is not paused at tool calls",
                                param="tool_results", code="session_not_paused")
             self._check_results(session, req)
             return [Message("tool", r.content, tool_call_id=r.tool_call_id) for r in req.tool_results]
-        if session.state == "paused":
-            raise APIError(409, f"session {session.session_id!r} waits for the results of its tool calls "
+        if session.state is State.PAUSED:
+            raise APIError(409, f"session {session.id!r} waits for the results of its tool calls "
                            f"({', '.join(c.id for c in session.pending_calls)})", code="session_paused")
         return [Message("user", req.content)]
 
     @staticmethod
-    def _check_results(session: NativeSession, req: SessionMessageRequest) -> None:
+    def _check_results(session: Conversation, req: SessionMessageRequest) -> None:
         """Each result answers a call the session waits for, once (400 naming the result, not the
         rendered conversation's message index)."""
         pending = {c.id for c in session.pending_calls}
@@ -191,21 +173,21 @@ class SessionServing:
                                   param=f"tool_results[{i}].tool_call_id")
             answered.add(result.tool_call_id)
 
-    async def _open(self, session: NativeSession, messages: list[Message], req: SessionMessageRequest,
+    async def _open(self, session: Conversation, messages: list[Message], req: SessionMessageRequest,
                     raw: Request) -> Opened:
-        """Open a turn of `messages` through the chat path, under the session's id."""
-        system = [Message("system", session.system)] if session.system else []
-        sampling = session.turn_sampling(req.sampling())
+        """Open a turn of `messages` through the chat path."""
+        spec = session.spec
+        system = [Message("system", spec.system)] if spec.system else []
+        sampling = spec.turn_sampling(req.sampling())
         try:
             chat_req = ChatCompletionRequest.model_validate(dict(
-                model=session.model, messages=[chat_message(m) for m in system + messages],
-                tools=[t.model_dump() for t in session.tools] or None, session_id=session.session_id,
-                intercept=req.intercept, **sampling))
+                model=spec.model, messages=[chat_message(m) for m in system + messages],
+                tools=[t.model_dump() for t in spec.tools] or None, intercept=req.intercept, **sampling))
         except ValidationError as e:
             raise bad_request(f"the session's conversation is not valid: {e.errors()[0]['msg']}") from None
         return await self.chat.open(chat_req, raw)
 
-    async def _converse(self, session: NativeSession, new: list[Message], opened: Opened,
+    async def _converse(self, session: Conversation, new: list[Message], opened: Opened,
                         req: SessionMessageRequest, raw: Request, emit: Emit) -> dict:
         """Serve the post's turns (server-tool rounds included); the session moves on once all are done."""
         async def open_turn(messages: list[Message]) -> Opened:
@@ -214,28 +196,30 @@ class SessionServing:
             return opened
 
         session.request_id = opened[0].turn.request_id
-        outcome = await serve_turns(self.chat, opened, open_turn, session.messages + new, session.server_tools, emit)
+        server_tools = session.spec.server_tools
+        outcome = await serve_turns(self.chat, opened, open_turn, [*session.messages, *new], server_tools, emit,
+                                    holder=session)
         result = outcome.result
-        session.messages = outcome.messages
-        session.state = "paused" if result.calls else "idle"
-        pending = [call_view(c, session.server_tools) for c in result.calls]
+        session.messages = tuple(outcome.messages)
+        session.state = State.PAUSED if result.calls else State.IDLE
+        pending = [call_view(c, server_tools) for c in result.calls]
         if pending:
             emit("paused", {"pending_calls": pending})
-        return {"session_id": session.session_id, "state": session.state, "message": chat_message(result.message),
+        return {"session_id": session.id, "state": session.state, "message": chat_message(result.message),
                 "finish_reason": result.finish_reason, "pending_calls": pending,
                 "steps": [asdict(s) for s in outcome.steps], "usage": outcome.usage()}
 
     # -- answering ---------------------------------------------------------------------------------
-    async def _outcome(self, session: NativeSession, task: asyncio.Task) -> dict:
+    async def _outcome(self, session: Conversation, task: asyncio.Task) -> dict:
         try:
             return await task
         except asyncio.CancelledError:
-            if task.cancelled() and session.session_id not in self.store:
-                raise APIError(409, f"session {session.session_id!r} was deleted while generating",
+            if task.cancelled() and session.state is State.CLOSED:
+                raise APIError(409, f"session {session.id!r} was deleted while generating",
                                code="session_deleted") from None
             raise
 
-    async def _sse(self, session: NativeSession, task: asyncio.Task,
+    async def _sse(self, session: Conversation, task: asyncio.Task,
                    events: asyncio.Queue) -> AsyncIterator[dict]:
         """Events as the turns produce them, then `done` with the outcome (or `error`)."""
         try:
@@ -244,5 +228,5 @@ class SessionServing:
         except APIError as e:
             yield {"event": "error", "data": json.dumps(e.body())}
         except Exception as e:  # an engine failure mid-stream: report it in the stream, never hang
-            logger.exception("session %s failed mid-stream", session.session_id)
+            logger.exception("session %s failed mid-stream", session.id)
             yield {"event": "error", "data": json.dumps(APIError(500, f"internal error: {e}").body())}

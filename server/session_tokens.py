@@ -22,11 +22,10 @@ from starlette.requests import Request
 
 from infercept.engine.backend import RequestOutput
 
-from .native_sessions import NativeSession
+from .conversations import Conversation, Paused, State
 from .protocol import CompletionRequest, bad_request, new_id
 from .protocol_sessions import SessionMessageRequest
 from .serving_base import BaseServing, EngineTurn, logger, pause_on_stops
-from .sessions import PausedGeneration
 from .tool_loop import Emit
 
 
@@ -35,9 +34,9 @@ class TokenTurns:
         self.serving = serving
 
     @staticmethod
-    def check_kind(session: NativeSession, req: SessionMessageRequest) -> None:
+    def check_kind(session: Conversation, req: SessionMessageRequest) -> None:
         """A session is chat-level or token-level for its whole life: 400 on the other kind's message."""
-        chat_session = bool(session.system or session.tools or session.messages)
+        chat_session = bool(session.spec.system or session.spec.tools or session.messages)
         if req.token_ids is not None and chat_session:
             raise bad_request("token_ids need a token-level session: this one has a system prompt, tools or chat "
                               "messages (post content or tool_results)", param="token_ids")
@@ -46,7 +45,7 @@ class TokenTurns:
         if req.token_ids is None and req.ignore_eos:
             raise bad_request("ignore_eos is for token-level messages (token_ids)", param="ignore_eos")
 
-    async def open(self, session: NativeSession, req: SessionMessageRequest,
+    async def open(self, session: Conversation, req: SessionMessageRequest,
                    raw: Request) -> tuple[EngineTurn, Callable[[], Awaitable[None]]]:
         """Start the message's turn, resuming the session's paused generation if it still has one.
         The returned cleanup must run once the turn is left (it aborts an unfinished turn)."""
@@ -54,18 +53,17 @@ class TokenTurns:
         serving = self.serving
         context = session.token_ids + req.token_ids
         serving.check_prompt(context, "token_ids")
-        sampling = session.turn_sampling(req.sampling())
+        sampling = session.spec.turn_sampling(req.sampling())
         try:
-            as_completion = CompletionRequest(model=session.model, prompt=context, ignore_eos=req.ignore_eos,
+            as_completion = CompletionRequest(model=session.spec.model, prompt=context, ignore_eos=req.ignore_eos,
                                               **sampling)
         except ValidationError as e:
             raise bad_request(f"invalid sampling fields: {e.errors()[0]['msg']}") from None
         params = serving.sampling_params(as_completion, len(context), as_completion.max_tokens, None)
         return await serving.admitted_turn(new_id("sess-tok-"), context, params, pause_on_stops(req.intercept),
-                                           lambda: serving.registry.take_for_session(session.session_id), started,
-                                           "explicit")
+                                           lambda: serving.registry.take(session.paused), started, "explicit")
 
-    async def converse(self, session: NativeSession, turn: EngineTurn, emit: Emit) -> dict:
+    async def converse(self, session: Conversation, turn: EngineTurn, emit: Emit) -> dict:
         """Serve the turn to its end, emitting `delta`s ({text, token_ids}) as it goes; the session takes
         the turn's tokens into its context and is paused (an interception) or idle."""
         sent_text, sent_tokens, last = "", 0, None
@@ -80,25 +78,24 @@ class TokenTurns:
         finish = self._end(session, turn, last)
         generated = list(last.token_ids)
         session.token_ids = turn.prompt_ids + generated
-        session.state = "paused" if last.paused else "idle"
+        session.state = State.PAUSED if last.paused else State.IDLE
         if last.paused:
             emit("paused", {"context_tokens": len(session.token_ids)})
         usage = {"prompt_tokens": len(turn.prompt_ids), "completion_tokens": len(generated),
                  "total_tokens": len(turn.prompt_ids) + len(generated),
                  "prompt_tokens_details": {"cached_tokens": turn.cached_tokens}}
-        return {"session_id": session.session_id, "state": session.state, "text": last.text,
+        return {"session_id": session.id, "state": session.state, "text": last.text,
                 "token_ids": generated, "finish_reason": finish, "usage": usage}
 
-    def _end(self, session: NativeSession, turn: EngineTurn, out: RequestOutput) -> str:
-        """Register a paused generation under the session; count and log the turn; its finish reason."""
+    def _end(self, session: Conversation, turn: EngineTurn, out: RequestOutput) -> str:
+        """Keep a paused generation for the session; count and log the turn; its finish reason."""
         serving = self.serving
         if out.paused:
-            serving.register_paused(PausedGeneration(turn.request_id, turn.prompt_ids + list(out.token_ids),
-                                                     session_id=session.session_id))
+            serving.keep_paused(turn, Paused(turn.request_id, turn.prompt_ids + list(out.token_ids)), session)
         finish = serving.finish_reason(out)
         serving.metrics.observe_request("sessions", finish, len(turn.prompt_ids), turn.cached_tokens,
                                         len(out.token_ids))
         logger.info("session %s (engine %s%s): prompt %d tokens (%d cached), %d generated, finish %s%s",
-                    session.session_id, turn.request_id, ", resumed" if turn.resumed else "", len(turn.prompt_ids),
+                    session.id, turn.request_id, ", resumed" if turn.resumed else "", len(turn.prompt_ids),
                     turn.cached_tokens, len(out.token_ids), finish, ", paused" if out.paused else "")
         return finish

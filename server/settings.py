@@ -1,7 +1,45 @@
-"""Server settings: one frozen dataclass, built by the CLI (flags and INFERCEPT_* variables) or by tests."""
+"""Server settings: frozen dataclasses, built by the CLI (flags and INFERCEPT_* variables) or by tests."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ConversationPolicy:
+    """How long the server keeps conversations between requests, and how many (applied by
+    server/conversations.py). Two clocks, not one: stored responses are documented to last an hour
+    from their creation, everything else ten minutes unused."""
+
+    # Seconds a paused generation (a tool call in flight), a chat `session_id` conversation or a
+    # /v1/sessions session may stay unused (--idle-ttl; --session-ttl is its old name). Past it the
+    # paused generation is aborted, freeing its blocks (a late tool result is then served fresh), and
+    # the session is forgotten.
+    idle_ttl: float = 600.0
+    # Paused generations are limited by memory: past max_paused_tokens context tokens in all (None: as
+    # many as the engine's device and host KV pools hold) or, if set, past max_paused of them, the one
+    # whose release wastes least (the least KV kept; oldest among equals) is aborted.
+    max_paused_tokens: int | None = None
+    max_paused: int | None = None
+    # Chat `session_id` conversations and /v1/sessions sessions kept at most (their messages are held in
+    # memory); creating one more closes the least recently used one that is not generating (its paused
+    # generation is aborted), or is refused with 429 if every one is generating.
+    max_named_sessions: int = 16_384
+    # Responses stored for previous_response_id and GET /v1/responses/{id}: at most this many (the
+    # oldest is forgotten first, its paused generation aborted), each for response_ttl seconds after
+    # its creation.
+    response_ttl: float = 3600.0
+    max_stored_responses: int = 1024
+    # Assistant tool-call turns remembered token-exactly, so later turns of the same conversation render
+    # them as the model generated them (implicit resume needs this prefix to match token for token).
+    max_remembered_turns: int = 4096
+
+    def __post_init__(self):
+        if self.idle_ttl <= 0 or self.response_ttl <= 0:
+            raise ValueError("--idle-ttl and --response-ttl must be positive")
+        if (self.max_paused or 0) < 0 or (self.max_paused_tokens or 0) < 0 or self.max_stored_responses < 0:
+            raise ValueError("--max-paused, --max-paused-tokens and --max-stored-responses must be >= 0")
+        if self.max_named_sessions < 1:
+            raise ValueError("--max-named-sessions must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -12,21 +50,7 @@ class ServerSettings:
     served_model_name: str | None = None
     # Bearer token every /v1 request must carry; None = no authentication.
     api_key: str | None = None
-    # Paused generations (a tool call in flight) wait for their tool results up to session_ttl seconds.
-    # They are limited by memory: past max_paused_tokens context tokens in all (None: as many as the
-    # engine's device and host KV pools hold) or, if set, past max_paused of them, the one whose release
-    # wastes least (the least KV kept; oldest among equals) is aborted. Aborting frees its blocks; a
-    # late tool result is then served fresh.
-    session_ttl: float = 600.0
-    max_paused: int | None = None
-    max_paused_tokens: int | None = None
-    # Assistant tool-call turns remembered token-exactly, so later turns of the same conversation render
-    # them as the model generated them (implicit resume needs this prefix to match token for token).
-    max_remembered_turns: int = 4096
-    # Responses stored for previous_response_id and GET /v1/responses/{id}: at most this many (the
-    # oldest is forgotten first), each for response_ttl seconds after its creation.
-    response_ttl: float = 3600.0
-    max_stored_responses: int = 1024
+    conversations: ConversationPolicy = field(default_factory=ConversationPolicy)
     # Requests generating at once; beyond this the server answers 429 with Retry-After.
     max_concurrent_requests: int = 512
     # Request bodies larger than this are refused with 413.
@@ -35,11 +59,5 @@ class ServerSettings:
     tool_parser: str | None = None
 
     def __post_init__(self):
-        if self.session_ttl <= 0:
-            raise ValueError("--session-ttl must be positive")
-        if (self.max_paused or 0) < 0 or (self.max_paused_tokens or 0) < 0:
-            raise ValueError("--max-paused and --max-paused-tokens must be >= 0")
-        if self.response_ttl <= 0 or self.max_stored_responses < 0:
-            raise ValueError("--response-ttl must be positive and --max-stored-responses >= 0")
         if self.max_concurrent_requests < 1:
             raise ValueError("max_concurrent_requests must be >= 1")

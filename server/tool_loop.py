@@ -1,9 +1,9 @@
 """Server tools: turns served back to back while the model calls only tools the server runs itself.
 
-A turn that ends in calls pauses its generation (the chat path registers it). When every call names an
-enabled server tool, the tools run here while the generation waits paused, their results extend the
-conversation, and the next turn is opened on it: the chat path recognizes the paused generation and
-resumes it, so the interception never leaves the server. The loop stops at a turn without calls, at a
+A turn that ends in calls pauses its generation (the chat path keeps it; a native session adopts it,
+`holder`). When every call names an enabled server tool, the tools run here while the generation waits
+paused, their results extend the conversation, and the next turn is opened on it: the chat path
+recognizes the paused generation and resumes it, so the interception never leaves the server. The loop stops at a turn without calls, at a
 call of a client tool (the client answers all of that turn's calls), or after `MAX_SERVER_TOOL_ROUNDS`.
 
 Server tools follow the `infercept.tools` interface: `.name`, `.description`, `.parameters` (a JSON
@@ -19,6 +19,7 @@ from typing import Any
 from infercept.engine.backend import RequestOutput
 
 from .chat import Call, Message
+from .conversations import Conversation
 from .protocol import ToolParam, bad_request
 from .serving_base import logger
 from .serving_chat import ChatContext, ChatServing, TurnResult
@@ -76,15 +77,17 @@ class LoopOutcome:
 
 
 async def serve_turns(chat: ChatServing, opened: Opened, open_turn: OpenTurn, messages: list[Message],
-                      server_tools: Mapping[str, Any], emit: Emit) -> LoopOutcome:
-    """Serve the opened turn of `messages`, and the turns after each round of server-tool calls."""
+                      server_tools: Mapping[str, Any], emit: Emit,
+                      holder: Conversation | None = None) -> LoopOutcome:
+    """Serve the opened turn of `messages`, and the turns after each round of server-tool calls; each
+    turn's paused generation goes to `holder` if given."""
     messages = list(messages)
     steps: list[Step] = []
     rounds = 0
     while True:
         ctx, cleanup = opened
         try:
-            result, last = await _serve_turn(chat, ctx, emit)
+            result, last = await _serve_turn(chat, ctx, emit, holder)
         finally:
             await cleanup()
         messages.append(result.message)
@@ -102,7 +105,8 @@ async def serve_turns(chat: ChatServing, opened: Opened, open_turn: OpenTurn, me
         opened = await open_turn(messages)
 
 
-async def _serve_turn(chat: ChatServing, ctx: ChatContext, emit: Emit) -> tuple[TurnResult, RequestOutput]:
+async def _serve_turn(chat: ChatServing, ctx: ChatContext, emit: Emit,
+                      holder: Conversation | None) -> tuple[TurnResult, RequestOutput]:
     """One turn to its end, its content emitted as `delta`s while it is generated."""
     streamed, last = "", None
     async for out in ctx.turn.outputs():
@@ -114,6 +118,8 @@ async def _serve_turn(chat: ChatServing, ctx: ChatContext, emit: Emit) -> tuple[
             emit("delta", {"content": visible[len(streamed):]})
             streamed = visible
     result = chat.end_turn(ctx, last)
+    if holder is not None:  # at once: no await between the pause and its new holder
+        chat.registry.adopt(holder, ctx.turn.request_id)
     content = result.content or ""
     if len(content) > len(streamed) and content.startswith(streamed):
         emit("delta", {"content": content[len(streamed):]})

@@ -90,7 +90,7 @@ class LiveServer:
             time.sleep(0.01)
 
     def assert_no_leak(self, timeout: float = 15.0) -> dict:
-        """Nothing runs; every request the engine still holds is a paused generation the registry knows;
+        """Nothing runs; every request the engine still holds is a paused generation the store holds;
         only those hold blocks (block_manager.check_integrity passes on the engine thread)."""
         deadline = time.monotonic() + timeout
         while True:
@@ -108,12 +108,7 @@ class LiveServer:
 
     def abort_paused(self) -> None:
         """Drop every paused generation (as the TTL would), so a test starts from an empty engine."""
-        registry = self.app.state.registry
-
-        async def clear():
-            for rid in registry.clear():
-                self.async_engine.abort(rid)
-        asyncio.run(clear())
+        self.app.state.registry.release_all("ttl", "the test starts afresh")
 
     def close(self) -> None:
         self.server.should_exit = True

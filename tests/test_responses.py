@@ -15,8 +15,8 @@ import pytest
 
 from infercept.server.app import build_app
 from infercept.server.chat import Message
-from infercept.server.responses_store import ResponseStore, StoredResponse
-from infercept.server.settings import ServerSettings
+from infercept.server.conversations import ConversationStore
+from infercept.server.settings import ConversationPolicy, ServerSettings
 from live_server import MODEL
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Get the current weather in a city",
@@ -130,10 +130,10 @@ def test_streamed_events_follow_the_official_order(srv):
 def test_delete_releases_the_paused_generation(srv):
     client = srv.client()
     first, _ = call_step(client)
-    assert len(srv.app.state.registry) == 1
+    assert len(srv.app.state.registry.paused()) == 1
     deleted = client.responses.delete(first.id)
     assert deleted is None or getattr(deleted, "deleted", True)
-    assert len(srv.app.state.registry) == 0
+    assert len(srv.app.state.registry.paused()) == 0
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
     with pytest.raises(openai.NotFoundError):
@@ -180,10 +180,10 @@ def test_bad_input_is_4xx_in_openai_shape(srv):
 def test_stored_responses_are_bounded_and_expire(srv):
     """A second app on the running engine, over ASGI: at most 2 stored responses, each for 60 s of its
     store's clock (moved by hand)."""
-    app = build_app(srv.backend, ServerSettings(served_model_name=MODEL, max_stored_responses=2,
-                                                     response_ttl=60))
+    app = build_app(srv.backend, ServerSettings(served_model_name=MODEL, conversations=ConversationPolicy(
+        max_stored_responses=2, response_ttl=60)))
     clock = [0.0]
-    app.state.responses.store.clock = lambda: clock[0]
+    app.state.registry.clock = lambda: clock[0]
 
     async def run():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app/v1") as http:
@@ -204,14 +204,16 @@ def test_stored_responses_are_bounded_and_expire(srv):
 
 def test_response_store_ttl_and_limit_on_a_clock():
     clock = [0.0]
-    store = ResponseStore(ttl=10, max_responses=2, clock=lambda: clock[0])
+    store = ConversationStore(ConversationPolicy(response_ttl=10, max_stored_responses=2), lambda *_: None,
+                              clock=lambda: clock[0])
     for i in range(3):
         clock[0] = i
-        store.add(f"r{i}", StoredResponse({"id": f"r{i}"}, (Message("user", str(i)),)))
-    assert store.get("r0") is None and store.get("r1").body == {"id": "r1"} and len(store) == 2
+        store.store_response(f"r{i}", {"id": f"r{i}"}, (Message("user", str(i)),), request_id=f"req{i}")
+    assert store.response("r0") is None and store.response("r1").body == {"id": "r1"} and len(store._responses) == 2
     clock[0] = 11.5  # r1 (created at 1) is past the TTL, r2 (at 2) is not
-    assert store.get("r1") is None and store.get("r2") is not None
-    assert store.pop("r2") is not None and len(store) == 0
+    assert store.response("r1") is None and store.response("r2") is not None
+    store.close(store.response("r2"))
+    assert store.response("r2") is None and len(store._responses) == 0
 
 
 def test_responses_chain_example_runs(srv):

@@ -20,8 +20,8 @@ from infercept.engine.backend import ToolFormat
 from infercept.engine.hermes_format import example_exchanges
 from infercept.server.chat import AssistantTurn, Call, Message, tool_specs
 from infercept.server.protocol import ToolParam
-from infercept.server.sessions import PausedGeneration, SessionRegistry
-from infercept.server.settings import ServerSettings
+from infercept.server.conversations import ConversationStore, Paused
+from infercept.server.settings import ConversationPolicy, ServerSettings
 from live_server import MODEL
 
 TOOLS = [{"type": "function", "function": {
@@ -301,7 +301,7 @@ def test_completions_token_prompts_and_token_level_resume(srv):
         "return_token_ids": True, "intercept": {"kind": "human", "expected_s": 0.5}}, **greedy())
     generated = first.choices[0].model_extra["token_ids"]
     assert first.choices[0].finish_reason == "length" and generated == ids.choices[0].model_extra["token_ids"]
-    assert len(srv.app.state.registry) == 1
+    assert len(srv.app.state.registry.paused()) == 1
     extended = prompt + generated + tok.encode(" Also,")
     resumed = client.completions.create(prompt=extended, max_tokens=6, extra_body={"return_token_ids": True},
                                         **greedy())
@@ -403,8 +403,8 @@ def test_bad_input_is_4xx_in_openai_shape_and_leaks_nothing(srv, path, cases):
 
 def test_auth_body_limit_and_paused_limits(srv):
     """A second app on the same running engine, over ASGI (no lifespan: the engine stays the module's)."""
-    app = build_app(srv.backend, ServerSettings(served_model_name=MODEL, api_key="sekret", max_paused=1,
-                                                     max_body_bytes=4096))
+    app = build_app(srv.backend, ServerSettings(served_model_name=MODEL, api_key="sekret", max_body_bytes=4096,
+                                                conversations=ConversationPolicy(max_paused=1)))
 
     async def run():
         transport = httpx.ASGITransport(app=app)
@@ -439,8 +439,7 @@ def test_auth_body_limit_and_paused_limits(srv):
                 await asyncio.sleep(0.02)
                 state = await srv.async_engine.call(lambda: dict(srv.engine.scheduler.requests))
             assert list(state) == [ids[0]]
-            for rid in registry.clear():
-                srv.async_engine.abort(rid)
+            registry.release_all("shutdown", "the test is over")
 
     asyncio.run(run())
     srv.assert_no_leak()
@@ -448,13 +447,13 @@ def test_auth_body_limit_and_paused_limits(srv):
 
 def test_paused_generations_are_limited_by_memory_by_default(srv):
     """No count limit unless the operator sets one; the token limit is what the KV pools hold."""
-    registry = build_app(srv.backend, ServerSettings(served_model_name=MODEL)).state.registry
+    policy = build_app(srv.backend, ServerSettings(served_model_name=MODEL)).state.registry.policy
     bm = srv.engine.block_manager
-    assert registry.max_paused is None
-    assert registry.max_paused_tokens == (bm.device.num_blocks + bm.host.num_blocks) * bm.block_size
-    assert registry.max_sessions_kept >= 4096  # named sessions are not capped by a paused count either
-    capped = build_app(srv.backend, ServerSettings(served_model_name=MODEL, max_paused=5,
-                                                        max_paused_tokens=1000)).state.registry
+    assert policy.max_paused is None
+    assert policy.max_paused_tokens == (bm.device.num_blocks + bm.host.num_blocks) * bm.block_size
+    assert policy.max_named_sessions >= 4096  # named sessions are not capped by a paused count either
+    capped = build_app(srv.backend, ServerSettings(served_model_name=MODEL, conversations=ConversationPolicy(
+        max_paused=5, max_paused_tokens=1000))).state.registry.policy
     assert (capped.max_paused, capped.max_paused_tokens) == (5, 1000)
 
 
@@ -476,15 +475,25 @@ def test_client_disconnect_aborts_and_frees_blocks(srv):
     srv.assert_no_leak(timeout=10)
 
 
-# -- pure pieces: the registry, the example prompt, the CLI ------------------------------------------
+# -- pure pieces: the conversation store, the example prompt, the CLI -----------------------------
 
-def test_registry_matching_ttl_and_limits():
-    clock = [0.0]
-    reg = SessionRegistry(ttl=10, max_paused=2, max_paused_tokens=100, clock=lambda: clock[0])
+def store(released: list | None = None, clock: list | None = None, kept_tokens=lambda rid: 0,
+          **policy) -> ConversationStore:
+    """A store whose releases are recorded as (request id, cause), on a clock moved by hand."""
+    released = [] if released is None else released
+    clock = [0.0] if clock is None else clock
+    return ConversationStore(ConversationPolicy(**policy), lambda rid, cause, reason: released.append((rid, cause)),
+                             kept_tokens, clock=lambda: clock[0])
+
+
+def test_store_matching_ttl_and_limits():
+    clock, released = [0.0], []
+    reg = store(released, clock, idle_ttl=10, max_paused=2, max_paused_tokens=100)
     user = Message("user", "hi")
     call = Call.make("call_1", "f", '{"a": 1}')
     turn = AssistantTurn(Message("assistant", "", None, (call,)), (7, 8, 2))
-    assert reg.add(PausedGeneration("r1", [1, 2, 3, 7, 8, 2], (user,), turn)) == []
+    reg.pause(Paused("r1", [1, 2, 3, 7, 8, 2], turn, (user,)))
+    assert released == []
     result = Message("tool", "42", tool_call_id="call_1")
     same_args = Message("assistant", "", None, (Call.make("call_1", "f", '{ "a":1 }'),))
     assert reg.find_for_messages([user, same_args, result]).request_id == "r1"
@@ -496,44 +505,53 @@ def test_registry_matching_ttl_and_limits():
     assert reg.find_for_tokens([1, 2, 3, 7, 8, 2, 9]).request_id == "r1"
     assert reg.find_for_tokens([1, 2, 3, 7, 8, 2]) is None  # nothing to append
     clock[0] = 1
-    reg.add(PausedGeneration("r2", [5] * 50))
-    assert reg.add(PausedGeneration("r3", [6] * 10)) == ["r1"]  # over max_paused: the oldest of equals goes
-    assert reg.add(PausedGeneration("r4", [6] * 45)) == ["r2"]  # over max_paused_tokens
-    assert reg.take("r3").request_id == "r3" and reg.take("r3") is None
+    reg.pause(Paused("r2", [5] * 50))
+    r3 = Paused("r3", [6] * 10)
+    reg.pause(r3)
+    assert released == [("r1", "limits")]  # over max_paused: the oldest of equals goes
+    reg.pause(Paused("r4", [6] * 45))
+    assert released == [("r1", "limits"), ("r2", "limits")]  # over max_paused_tokens
+    assert reg.take(r3) is r3 and reg.take(r3) is None
     clock[0] = 20
-    assert reg.expire() == ["r4"] and len(reg) == 0 and reg.num_paused_tokens == 0
+    reg.expire()
+    assert released[2:] == [("r4", "ttl")] and reg.paused() == [] and reg.num_paused_tokens == 0
 
 
-def test_registry_releases_the_paused_generation_keeping_least_kv():
-    kept = {"old-on-host": 60, "discarded": 0, "new-on-device": 40}
-    reg = SessionRegistry(ttl=10, max_paused=None, max_paused_tokens=140, kept_tokens=lambda rid: kept.get(rid, 0))
-    reg.add(PausedGeneration("old-on-host", [1] * 60))
-    reg.add(PausedGeneration("discarded", [2] * 50))
-    assert reg.add(PausedGeneration("new-on-device", [3] * 40)) == ["discarded"]  # 150 > 140 tokens: a discarded one
+def test_store_releases_the_paused_generation_keeping_least_kv():
+    kept, released = {"old-on-host": 60, "discarded": 0, "new-on-device": 40}, []
+    reg = store(released, max_paused_tokens=140, kept_tokens=lambda rid: kept.get(rid, 0))
+    reg.pause(Paused("old-on-host", [1] * 60))
+    reg.pause(Paused("discarded", [2] * 50))
+    reg.pause(Paused("new-on-device", [3] * 40))
+    assert released == [("discarded", "limits")]  # 150 > 140 tokens: a discarded one
     kept["newest"] = 45
-    assert reg.add(PausedGeneration("newest", [4] * 45)) == ["new-on-device"]  # then the least KV kept
+    reg.pause(Paused("newest", [4] * 45))
+    assert released[1:] == [("new-on-device", "limits")]  # then the least KV kept
     assert [e.request_id for e in reg.paused()] == ["old-on-host", "newest"]
-    unlimited = SessionRegistry(ttl=10, max_paused=None, max_paused_tokens=None)
-    assert all(unlimited.add(PausedGeneration(f"r{i}", [i % 7, i]) ) == [] for i in range(3000))
-    assert len(unlimited) == 3000
+    unlimited_released = []
+    unlimited = store(unlimited_released)
+    for i in range(3000):
+        unlimited.pause(Paused(f"r{i}", [i % 7, i]))
+    assert unlimited_released == [] and len(unlimited.paused()) == 3000
 
 
-def test_registry_finds_the_longest_paused_sequence_a_prompt_extends():
-    reg = SessionRegistry(ttl=10, max_paused=None, max_paused_tokens=None)
+def test_store_finds_the_longest_paused_sequence_a_prompt_extends():
+    reg = store()
     system = list(range(100, 140))  # 40 shared tokens: two full blocks and a part
-    reg.add(PausedGeneration("short", system[:5]))
-    reg.add(PausedGeneration("a", system + [1, 2, 3]))
-    reg.add(PausedGeneration("b", system + [1, 2, 3] + list(range(20))))
-    reg.add(PausedGeneration("other", system + [9]))
+    handles = {rid: Paused(rid, ids) for rid, ids in (
+        ("short", system[:5]), ("a", system + [1, 2, 3]), ("b", system + [1, 2, 3] + list(range(20))),
+        ("other", system + [9]))}
+    for handle in handles.values():
+        reg.pause(handle)
     assert reg.find_for_tokens(system + [1, 2, 3] + list(range(20)) + [7]).request_id == "b"
     assert reg.find_for_tokens(system + [1, 2, 3] + list(range(19))).request_id == "a"
     assert reg.find_for_tokens(system + [1, 2, 3]).request_id == "short"  # "a" is not strictly extended
     assert reg.find_for_tokens(system[:5]) is None
     assert reg.find_for_tokens(system + [9, 9]).request_id == "other"
-    reg.take("b")
+    reg.take(handles["b"])
     assert reg.find_for_tokens(system + [1, 2, 3] + list(range(20)) + [7]).request_id == "a"
     for rid in ("a", "short", "other"):
-        reg.take(rid)
+        reg.take(handles[rid])
     assert reg.find_for_tokens(system + [9, 9]) is None and not reg._by_blocks
 
 
@@ -552,15 +570,25 @@ def test_example_exchanges_follow_the_tool_schema():
 def test_serve_cli_flags_and_environment(monkeypatch):
     from infercept.server import cli
 
-    monkeypatch.setenv("INFERCEPT_SESSION_TTL", "30")
+    monkeypatch.setenv("INFERCEPT_SESSION_TTL", "30")  # the old names still work
     args = cli.build_parser().parse_args(["serve", "--port", "0", "--policy", "discard", "--api-key", "k",
                                           "--max-sessions", "3", "--served-model-name", "m"])
     settings = cli.server_settings(args)
-    assert (settings.host, settings.port, settings.api_key, settings.session_ttl, settings.max_paused,
-            settings.served_model_name) == ("127.0.0.1", 0, "k", 30.0, 3, "m")
+    assert (settings.host, settings.port, settings.api_key, settings.conversations.idle_ttl,
+            settings.conversations.max_paused, settings.served_model_name) == ("127.0.0.1", 0, "k", 30.0, 3, "m")
     assert cli.engine_kwargs(args)["policy"] == "discard"
     with pytest.raises(ValueError):
-        ServerSettings(session_ttl=0)
+        ConversationPolicy(idle_ttl=0)
+    monkeypatch.setenv("INFERCEPT_IDLE_TTL", "40")  # the new name wins over the old
+    monkeypatch.setenv("INFERCEPT_MAX_NAMED_SESSIONS", "7")
+    args = cli.build_parser().parse_args(["serve", "--session-ttl", "50", "--max-paused", "4", "--max-paused-tokens",
+                                          "900", "--response-ttl", "60", "--max-stored-responses", "8"])
+    assert cli.server_settings(args).conversations == ConversationPolicy(
+        idle_ttl=50.0, max_paused=4, max_paused_tokens=900, max_named_sessions=7, response_ttl=60.0,
+        max_stored_responses=8)
+    args = cli.build_parser().parse_args(["serve", "--idle-ttl", "45", "--max-named-sessions", "9"])
+    assert (cli.server_settings(args).conversations.idle_ttl, args.max_named_sessions) == (45.0, 9)
+    assert cli.build_parser().parse_args(["serve"]).idle_ttl == 40.0
 
 
 def test_renderer_extends_paused_tokens_exactly(tokenizer):
@@ -574,7 +602,7 @@ def test_renderer_extends_paused_tokens_exactly(tokenizer):
     renderer = ChatRenderer(tokenizer, frozenset({eos}), ToolFormat("hermes"))
     assert renderer.turn_end == "<|im_end|>\n" and not renderer.native_tools
     tools = tool_specs([ToolParam.model_validate(t) for t in TOOLS])
-    reg = SessionRegistry(ttl=60, max_paused=8, max_paused_tokens=10 ** 6)
+    reg = store(max_paused=8, max_paused_tokens=10 ** 6)
 
     def messages(raw):
         return normalize_messages(ChatCompletionRequest(model=MODEL, messages=raw).messages)

@@ -236,7 +236,7 @@ def test_resuming_twice_serves_the_repeat_fresh_and_equal(srv):
     assert repeat.model_extra["prompt_token_ids"] == resumed.model_extra["prompt_token_ids"]
     assert repeat.choices[0].model_extra["token_ids"] == resumed.choices[0].model_extra["token_ids"]
     assert repeat.choices[0].message.content == resumed.choices[0].message.content
-    assert len(srv.app.state.registry) == 0
+    assert len(srv.app.state.registry.paused()) == 0
     srv.assert_no_leak()
 
     # Responses: chaining onto the same response twice.
@@ -283,7 +283,7 @@ def test_concurrent_resumes_of_one_generation(srv):
     assert resumes(srv) == before + 1
     assert first.usage.total_tokens - 1 in (usage_a.prompt_tokens_details.cached_tokens,
                                             usage_b.prompt_tokens_details.cached_tokens)
-    assert len(srv.app.state.registry) == 0
+    assert len(srv.app.state.registry.paused()) == 0
     srv.assert_no_leak()
 
 

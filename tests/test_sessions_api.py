@@ -15,9 +15,9 @@ import httpx
 import pytest
 
 from infercept.server.app import build_app
-from infercept.server.native_sessions import NativeSession, NativeSessionStore
+from infercept.server.conversations import ConversationStore, Kind, Paused, State
 from infercept.server.protocol import APIError
-from infercept.server.settings import ServerSettings
+from infercept.server.settings import ConversationPolicy, ServerSettings
 from live_server import MODEL
 
 WEATHER = {"name": "get_weather", "description": "Get the current weather in a city",
@@ -94,9 +94,9 @@ def test_tool_loop_pauses_resumes_and_reports_kv(srv, http):
 def test_deleting_a_paused_session_frees_its_generation(srv, http):
     sid = create(http)
     assert http.post(f"/sessions/{sid}/messages", json={"content": QUESTION}).json()["state"] == "paused"
-    assert len(srv.app.state.registry) == 1
+    assert len(srv.app.state.registry.paused()) == 1
     http.delete(f"/sessions/{sid}")
-    assert len(srv.app.state.registry) == 0
+    assert len(srv.app.state.registry.paused()) == 0
     srv.assert_no_leak()
     assert srv.engine_state()["requests"] == {}
 
@@ -184,7 +184,7 @@ def test_server_tools_run_inside_the_server(srv):
     assert second["cached_tokens"] >= 0.9 * second["prompt_tokens"], turn["steps"]
     assert [m["role"] for m in state["messages"]][:3] == ["user", "assistant", "tool"]
     assert state["messages"][2]["content"] == RESULT
-    assert len(app.state.registry) == 0  # nothing of the second app is left paused
+    assert len(app.state.registry.paused()) == 0  # nothing of the second app is left paused
     srv.assert_no_leak()
 
 
@@ -279,24 +279,31 @@ def test_session_stop_and_seed_match_a_completion(srv, http):
 
 
 def test_session_store_limit_and_ttl_on_a_clock():
-    clock = [0.0]
-    store = NativeSessionStore(ttl=10, max_sessions=2, clock=lambda: clock[0])
+    clock, released = [0.0], []
+    store = ConversationStore(ConversationPolicy(idle_ttl=10, max_named_sessions=2),
+                              lambda rid, cause, reason: released.append((rid, cause)), clock=lambda: clock[0])
 
-    def session(i: int, state: str = "idle") -> NativeSession:
-        return NativeSession(f"s{i}", MODEL, None, (), {}, {}, created_at=0, state=state)
+    def session(i: int, state: State = State.IDLE):
+        record = store.open_named(Kind.SESSION, f"s{i}")
+        record.state = state
+        return record
 
-    assert store.add(session(0, "generating")) == [] and store.add(session(1)) == []
+    s0, s1 = session(0, State.GENERATING), session(1, State.PAUSED)
+    store.pause(Paused("r1", [1, 2, 3]), s1)
     clock[0] = 1
-    assert [s.session_id for s in store.add(session(2))] == ["s1"]  # the least recently used, never a generating one
-    s3 = session(3, "generating")
-    assert [s.session_id for s in store.add(s3)] == ["s2"]
+    s2 = session(2)  # the least recently used is closed, never a generating one; its paused generation goes
+    assert s1.state is State.CLOSED and released == [("r1", "limits")] and store.paused() == []
+    s3 = session(3, State.GENERATING)
+    assert s2.state is State.CLOSED and released == [("r1", "limits")]
     with pytest.raises(APIError) as refused:  # every session is generating
-        store.add(session(4))
+        session(4)
     assert refused.value.status == 429
     clock[0] = 20
-    assert store.expire() == []  # generating sessions do not expire
-    s3.state = "paused"
-    assert store.expire() == [s3] and "s0" in store and "s3" not in store
+    store.expire()  # generating sessions do not expire
+    assert s0.state is State.GENERATING and s3.state is State.GENERATING
+    s3.state = State.PAUSED
+    store.expire()
+    assert s3.state is State.CLOSED and store.named(Kind.SESSION, "s3") is None and store.named(Kind.SESSION, "s0") is s0
 
 
 def test_session_walkthrough_example_runs(srv):
@@ -343,7 +350,7 @@ def test_chat_completions_with_server_tools(srv):
     streamed_usage = chunks[-1]["usage"]  # the same tokens (the prefix cache may find more of the first turn)
     assert (streamed_usage["prompt_tokens"], streamed_usage["completion_tokens"]) == \
         (usage["prompt_tokens"], usage["completion_tokens"])
-    assert len(app.state.registry) == 0
+    assert len(app.state.registry.paused()) == 0
     srv.assert_no_leak()
 
 

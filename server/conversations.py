@@ -1,0 +1,378 @@
+"""The conversation store: what the server keeps between requests, and the paused generations it holds.
+
+Every conversation is one record (`Conversation`) of one of four kinds (`Kind`):
+
+* implicit -- a generation paused at tool calls (or at a token-level interception) that nobody named,
+  found by its call ids (a chat request repeating that conversation, that turn and one result per call)
+  or by its tokens (a `/v1/completions` prompt strictly extending them); it closes once resumed;
+* chat -- a chat completion's `session_id`: its messages, so a request may bring only tool results;
+* session -- a native session (`/v1/sessions`): its spec, its messages or, token-level, its context;
+* response -- a stored Responses-API response (`store: true`): its body and the conversation it closes.
+
+A record is in one state (`State`): idle, generating (a request of it is being served), paused (its
+last turn ended in tool calls or an interception and waits for the results) or closed (gone). A paused
+record may hold the engine generation it paused at, one handle (`Paused`: request id, whole token
+sequence, the assistant turn), so the request bringing the results resumes it instead of recomputing;
+a handle released by the limits or the TTL leaves the record paused, and that request is served fresh.
+Each handle has exactly one holder: the chat path gives a turn's handle to its `session_id` record or
+to a new implicit one, from which a native session or a stored response adopts the handle of the turn
+it just served. Resuming takes the handle out (a concurrent request for it finds nothing, served fresh).
+
+Lookups are O(1) or O(prompt), never a walk over every record: call id -> handle; the chained hashes
+of a token sequence's 16-token blocks -> handles (`find_for_tokens`); (kind, id) -> record.
+
+The policy (`settings.ConversationPolicy`) is one object with two clocks, because the documented
+defaults differ: handles, chat sessions and native sessions go after `idle_ttl` unused (600 s),
+stored responses `response_ttl` after their creation (3600 s). Handles are bounded by memory: past
+`max_paused_tokens` context tokens (or `max_paused` handles) the one keeping the least KV goes
+(`kept_tokens`: its resume recomputes what it keeps; oldest among equals). Named records (chat and
+native sessions) are bounded by `max_named_sessions` (least recently used first, never one generating),
+stored responses by `max_stored_responses` (oldest first). Closing a record releases its handle.
+
+Releasing goes through one function, `release(request_id, cause, reason)` (`engine_release`: abort in
+the engine, counted by cause -- limits, ttl, shutdown, client -- with the KV it kept), and resuming
+takes a handle out before the engine resumes it: the engine's paused set and the store do not drift.
+All methods run on the event loop (no locks); `reap` is the TTL loop.
+
+The store also keeps a bounded LRU of assistant tool-call turns the server generated (`AssistantTurn`),
+kept beyond their pause: a later turn of the same conversation renders them as the generated tokens.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .chat import AssistantTurn, Call, Message
+from .protocol import APIError, ToolParam
+from .settings import ConversationPolicy
+
+logger = logging.getLogger("infercept.server")
+
+TOKEN_BLOCK = 16  # paused token sequences are found by the chained hashes of their full blocks
+Release = Callable[[str, str, str], None]  # (request id, cause, reason): abort a paused generation
+
+
+class Kind(enum.Enum):
+    IMPLICIT = "implicit"  # a paused turn nobody named (id: its request id)
+    CHAT = "chat"  # a chat completion's session_id
+    SESSION = "session"  # /v1/sessions
+    RESPONSE = "response"  # a stored Responses-API response
+
+
+class State(enum.StrEnum):
+    IDLE = "idle"
+    GENERATING = "generating"
+    PAUSED = "paused"
+    CLOSED = "closed"
+
+
+@dataclass(eq=False)
+class Paused:
+    """A generation kept paused in the engine for the record holding it."""
+
+    request_id: str  # the engine request, paused
+    token_ids: list[int]  # its whole context: every prompt, generated and appended token so far
+    turn: AssistantTurn | None = None  # chat: the assistant tool-call turn it paused at
+    history: tuple[Message, ...] = ()  # chat: the conversation before `turn`
+    since: float = 0.0  # when it paused, on the store's clock
+
+    @property
+    def call_ids(self) -> tuple[str, ...]:
+        return tuple(c.id for c in self.turn.message.tool_calls) if self.turn else ()
+
+    def continues(self, messages: Sequence[Message]) -> bool:
+        """`messages` is `history` + the same assistant turn + exactly one tool result per call
+        (tool_call ids equal, arguments JSON-equal, earlier messages unchanged)."""
+        n = len(self.history)
+        if self.turn is None or len(messages) < n + 2:
+            return False
+        if tuple(messages[:n]) != self.history or messages[n] != self.turn.message:
+            return False
+        results = messages[n + 1:]
+        return (all(m.role == "tool" for m in results)
+                and sorted(m.tool_call_id for m in results) == sorted(self.call_ids))
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    """What a native session is created with."""
+
+    model: str
+    system: str | None
+    tools: tuple[ToolParam, ...]  # rendered into every prompt: the client's tools and the server's
+    server_tools: dict[str, Any]  # name -> the tool object the server runs (infercept.tools interface)
+    defaults: dict[str, Any]  # sampling defaults (protocol_sessions.SamplingDefaults)
+    created_at: int
+
+    def turn_sampling(self, overrides: dict[str, Any]) -> dict[str, Any]:
+        """A turn's sampling fields: the session's defaults, overridden by the message's (None = unset)."""
+        merged = {k: v for k, v in self.defaults.items() if v is not None}
+        merged.update({k: v for k, v in overrides.items() if v is not None})
+        return merged
+
+
+@dataclass(eq=False)
+class Conversation:
+    """One conversation the server keeps between requests (its kinds and states: the module docstring)."""
+
+    id: str
+    kind: Kind
+    state: State = State.IDLE
+    paused: Paused | None = None  # the generation it holds paused (None: none, or released, or resumed)
+    # chat: the conversation so far; session: after the system prompt; response: the chain's input
+    # messages and this response's turn. Each ends with the last assistant turn.
+    messages: tuple[Message, ...] = ()
+    token_ids: list[int] = field(default_factory=list)  # a token-level session's whole context
+    spec: SessionSpec | None = None  # native sessions
+    body: dict | None = None  # stored responses: the response object as returned
+    request_id: str | None = None  # native sessions: the engine request generating now
+    task: asyncio.Task | None = None  # native sessions: the post in flight (deleting the session cancels it)
+    last_used: float = 0.0  # named records: last use; responses: creation
+
+    @property
+    def pending_calls(self) -> tuple[Call, ...]:
+        """The calls a paused conversation waits for."""
+        return self.messages[-1].tool_calls if self.state is State.PAUSED and self.messages else ()
+
+
+def _block_keys(token_ids: Sequence[int], num_blocks: int) -> list[int | None]:
+    """Key of each prefix of `num_blocks` full blocks: None for zero blocks, then chained hashes."""
+    keys: list[int | None] = [None]
+    for k in range(num_blocks):
+        keys.append(hash((keys[-1], tuple(token_ids[k * TOKEN_BLOCK:(k + 1) * TOKEN_BLOCK]))))
+    return keys
+
+
+def engine_release(backend, metrics) -> Release:
+    """How the server lets a paused generation go: abort it in the engine (freeing its blocks), counted
+    by cause with the KV tokens it still kept (what its agent's next turn recomputes)."""
+    def release(request_id: str, cause: str, reason: str) -> None:
+        kept = backend.paused_kv_tokens(request_id)
+        logger.info("aborting paused generation %s (%d KV tokens kept): %s", request_id, kept, reason)
+        metrics.evictions.labels(metrics.model, cause).inc()
+        metrics.released_kv_tokens.labels(metrics.model, cause).inc(kept)
+        backend.abort(request_id)
+    return release
+
+
+class ConversationStore:
+    def __init__(self, policy: ConversationPolicy, release: Release,
+                 kept_tokens: Callable[[str], int] = lambda rid: 0, clock: Callable[[], float] = time.monotonic):
+        self.policy = policy  # its max_paused_tokens None: no token limit
+        self.release = release
+        self.kept_tokens = kept_tokens  # KV tokens (device + host) a paused generation still keeps
+        self.clock = clock
+        self._paused: OrderedDict[str, Conversation] = OrderedDict()  # request id -> holder, oldest first
+        self._by_call_id: dict[str, str] = {}  # first call id -> request id
+        self._by_blocks: dict[int | None, dict[str, None]] = {}  # block key (`_block_keys`) -> request ids
+        self._block_key: dict[str, int | None] = {}  # request id -> its key there
+        self._named: OrderedDict[tuple[Kind, str], Conversation] = OrderedDict()  # least recently used first
+        self._responses: OrderedDict[str, Conversation] = OrderedDict()  # oldest first
+        self._turns: OrderedDict[tuple[str, ...], AssistantTurn] = OrderedDict()
+        self.num_paused_tokens = 0
+
+    # -- paused generations ------------------------------------------------------------------------
+    def paused(self) -> list[Paused]:
+        """Every handle, oldest first: the generations the engine holds paused for the server."""
+        return [holder.paused for holder in self._paused.values()]
+
+    def pause(self, handle: Paused, holder: Conversation | None = None) -> None:
+        """Keep `handle` for `holder` (None: a new implicit record), then release what is over the limits."""
+        handle.since = self.clock()
+        self.num_paused_tokens += len(handle.token_ids)
+        n = len(handle.token_ids) // TOKEN_BLOCK
+        key = self._block_key[handle.request_id] = _block_keys(handle.token_ids, n)[n]
+        self._by_blocks.setdefault(key, {})[handle.request_id] = None
+        if handle.call_ids:
+            self._by_call_id[handle.call_ids[0]] = handle.request_id
+            self.remember_turn(handle.turn)
+        self._give(holder or Conversation(handle.request_id, Kind.IMPLICIT, State.PAUSED), handle)
+        policy = self.policy
+        while self._paused and ((policy.max_paused is not None and len(self._paused) > policy.max_paused) or (
+                policy.max_paused_tokens is not None and self.num_paused_tokens > policy.max_paused_tokens)):
+            cheapest = min(self._paused, key=self.kept_tokens)  # min keeps the first (oldest) of equal keys
+            self._unpause(self._paused[cheapest], "limits", "over the paused-generation limits")
+
+    def adopt(self, holder: Conversation, request_id: str) -> None:
+        """`holder` takes the handle of `request_id` if an implicit record holds it (the turn it served)."""
+        current = self._paused.get(request_id)
+        if current is not None and current.kind is Kind.IMPLICIT:
+            handle, current.paused, current.state = current.paused, None, State.CLOSED
+            self._give(holder, handle)
+
+    def _give(self, holder: Conversation, handle: Paused) -> None:
+        if holder.paused is not None and holder.paused is not handle:  # it moved on from its old one
+            self._unpause(holder, "client", f"{holder.kind.value} {holder.id} continued differently")
+        self._paused[handle.request_id] = holder
+        holder.paused = handle
+        if holder.state is State.CLOSED:  # closed while its turn ran: nothing will resume this
+            self._unpause(holder, "client", f"{holder.kind.value} {holder.id} closed")
+
+    def take(self, handle: Paused | None) -> Paused | None:
+        """Claim `handle` for resuming: it leaves the store (a concurrent claim gets None)."""
+        holder = self._paused.get(handle.request_id) if handle is not None else None
+        if holder is None or holder.paused is not handle:
+            return None
+        self._drop(holder)
+        return handle
+
+    def release_paused(self, holder: Conversation, reason: str, cause: str = "client") -> None:
+        """Abort the generation `holder` holds, if any."""
+        if holder.paused is not None:
+            self._unpause(holder, cause, reason)
+
+    def release_all(self, cause: str, reason: str) -> None:
+        for holder in list(self._paused.values()):
+            self._unpause(holder, cause, reason)
+
+    def _unpause(self, holder: Conversation, cause: str, reason: str) -> None:
+        self.release(self._drop(holder).request_id, cause, reason)
+
+    def _drop(self, holder: Conversation) -> Paused:
+        handle, holder.paused = holder.paused, None
+        del self._paused[handle.request_id]
+        self.num_paused_tokens -= len(handle.token_ids)
+        key = self._block_key.pop(handle.request_id)
+        bucket = self._by_blocks[key]
+        del bucket[handle.request_id]
+        if not bucket:
+            del self._by_blocks[key]
+        if handle.call_ids and self._by_call_id.get(handle.call_ids[0]) == handle.request_id:
+            del self._by_call_id[handle.call_ids[0]]
+        if holder.kind is Kind.IMPLICIT:
+            holder.state = State.CLOSED
+        return handle
+
+    def find_for_messages(self, messages: Sequence[Message], holder: Conversation | None = None) -> Paused | None:
+        """The handle `messages` continues: `holder`'s, or found by the last assistant turn's call ids."""
+        if holder is not None:
+            handle = holder.paused
+        else:
+            k = len(messages) - 1
+            while k >= 0 and messages[k].role == "tool":
+                k -= 1
+            if k < 0 or k == len(messages) - 1 or not messages[k].tool_calls:
+                return None
+            found = self._paused.get(self._by_call_id.get(messages[k].tool_calls[0].id))
+            handle = found.paused if found is not None else None
+        return handle if handle is not None and handle.continues(messages) else None
+
+    def find_for_tokens(self, token_ids: Sequence[int]) -> Paused | None:
+        """The handle whose whole token sequence `token_ids` strictly extends (the longest). Candidates
+        share `token_ids`' first full blocks, found by key, longest first: O(len(token_ids))."""
+        keys = _block_keys(token_ids, max(len(token_ids) - 1, 0) // TOKEN_BLOCK)
+        for key in reversed(keys):
+            best = None
+            for request_id in self._by_blocks.get(key, ()):
+                handle = self._paused[request_id].paused
+                n = len(handle.token_ids)
+                if n < len(token_ids) and (best is None or n > len(best.token_ids)) \
+                        and list(token_ids[:n]) == handle.token_ids:
+                    best = handle
+            if best is not None:
+                return best
+        return None
+
+    # -- named records (chat `session_id`, native sessions) and stored responses -------------------
+    def named(self, kind: Kind, id: str) -> Conversation | None:
+        record = self._named.get((kind, id))
+        if record is not None:
+            record.last_used = self.clock()
+            self._named.move_to_end((kind, id))
+        return record
+
+    def open_named(self, kind: Kind, id: str, **fields) -> Conversation:
+        """The named record (kind, id), created if new: past `max_named_sessions` the least recently used
+        one that is not generating is closed (429 when every one is generating)."""
+        record = self.named(kind, id)
+        if record is None:
+            while len(self._named) >= self.policy.max_named_sessions:
+                victim = next((r for r in self._named.values() if r.state is not State.GENERATING), None)
+                if victim is None:
+                    raise APIError(429, f"too many sessions generating (limit {self.policy.max_named_sessions})",
+                                   code="rate_limit_exceeded", headers={"Retry-After": "1"})
+                self.close(victim, "limits", "over the session limit")
+            record = self._named[(kind, id)] = Conversation(id, kind, last_used=self.clock(), **fields)
+        return record
+
+    def store_response(self, response_id: str, body: dict, conversation: tuple[Message, ...],
+                       request_id: str) -> None:
+        """Store a finished response; it takes the generation `request_id` paused at its calls, if any."""
+        if self.policy.max_stored_responses == 0:
+            return
+        self._expire_responses()
+        while len(self._responses) >= self.policy.max_stored_responses:
+            self.close(next(iter(self._responses.values())), "limits", "over the stored-response limit")
+        state = State.PAUSED if conversation[-1].tool_calls else State.IDLE
+        record = self._responses[response_id] = Conversation(response_id, Kind.RESPONSE, state, messages=conversation,
+                                                             body=body, last_used=self.clock())
+        self.adopt(record, request_id)
+
+    def response(self, response_id: str) -> Conversation | None:
+        self._expire_responses()
+        return self._responses.get(response_id)
+
+    def close(self, record: Conversation, cause: str = "client", reason: str | None = None) -> None:
+        """Forget `record`, releasing the generation it holds."""
+        record.state = State.CLOSED
+        if record.kind is Kind.RESPONSE:
+            del self._responses[record.id]
+        elif record.kind is not Kind.IMPLICIT:
+            del self._named[(record.kind, record.id)]
+        self.release_paused(record, reason or f"{record.kind.value} {record.id} closed", cause)
+
+    # -- time --------------------------------------------------------------------------------------
+    def expire(self) -> None:
+        """Release handles paused longer than `idle_ttl`, close named records unused that long (never
+        one generating) and responses past `response_ttl`. O(what expires): each order is age order."""
+        now, ttl = self.clock(), self.policy.idle_ttl
+        while self._paused:
+            holder = next(iter(self._paused.values()))
+            if now - holder.paused.since <= ttl:
+                break
+            self._unpause(holder, "ttl", "paused longer than the TTL")
+        stale = []
+        for record in self._named.values():
+            if now - record.last_used <= ttl:
+                break
+            if record.state is not State.GENERATING:
+                stale.append(record)
+        for record in stale:
+            self.close(record, "ttl", f"{record.kind.value} {record.id} unused longer than the TTL")
+        self._expire_responses()
+
+    def _expire_responses(self) -> None:
+        now = self.clock()
+        while self._responses:
+            oldest = next(iter(self._responses.values()))
+            if now - oldest.last_used <= self.policy.response_ttl:
+                break
+            self.close(oldest, "ttl", f"response {oldest.id} past its TTL")
+
+    async def reap(self) -> None:
+        """The TTL loop, for the app's lifetime."""
+        interval = min(max(min(self.policy.idle_ttl, self.policy.response_ttl) / 4, 0.05), 5.0)
+        while True:
+            await asyncio.sleep(interval)
+            self.expire()
+
+    # -- generated assistant turns -----------------------------------------------------------------
+    def remember_turn(self, turn: AssistantTurn) -> None:
+        key = tuple(c.id for c in turn.message.tool_calls)
+        self._turns[key] = turn
+        self._turns.move_to_end(key)
+        while len(self._turns) > self.policy.max_remembered_turns:
+            self._turns.popitem(last=False)
+
+    def known_turn(self, message: Message) -> AssistantTurn | None:
+        """The generated turn `message` repeats (same call ids, JSON-equal arguments, same content)."""
+        turn = self._turns.get(tuple(c.id for c in message.tool_calls))
+        if turn is None or turn.message != message:
+            return None
+        return turn
