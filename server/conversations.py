@@ -65,7 +65,7 @@ class Kind(enum.Enum):
     RESPONSE = "response"  # a stored Responses-API response
 
 
-class State(enum.StrEnum):
+class State(str, enum.Enum):  # (enum.StrEnum needs Python 3.11; we support 3.10)
     IDLE = "idle"
     GENERATING = "generating"
     PAUSED = "paused"

@@ -89,7 +89,7 @@ class SessionServing:
     def _view(session: Conversation, kv: dict[str, int] | None) -> dict:
         spec = session.spec
         view = {"id": session.id, "object": "session", "created_at": spec.created_at, "model": spec.model,
-                "state": session.state, "system": spec.system,
+                "state": session.state.value, "system": spec.system,
                 "tools": [t.function.name for t in spec.tools if t.function.name not in spec.server_tools],
                 "server_tools": list(spec.server_tools), "defaults": spec.defaults,
                 "messages": [chat_message(m) for m in session.messages],
@@ -205,7 +205,7 @@ class SessionServing:
         pending = [call_view(c, server_tools) for c in result.calls]
         if pending:
             emit("paused", {"pending_calls": pending})
-        return {"session_id": session.id, "state": session.state, "message": chat_message(result.message),
+        return {"session_id": session.id, "state": session.state.value, "message": chat_message(result.message),
                 "finish_reason": result.finish_reason, "pending_calls": pending,
                 "steps": [asdict(s) for s in outcome.steps], "usage": outcome.usage()}
 
