@@ -12,48 +12,27 @@ all count; this module renders its verdict (`RequestOutput.tool_calls` / `.conte
 (engine/guided_decoding.py): it can only be calls of the allowed tools whose arguments follow their
 schemas, so streams send each call's arguments token by token as they are generated. With "auto" the
 model writes freely, so auto-mode streams send calls only once the engine has judged them, whole.
-
-`tool_choice` "none" keeps the tools in the prompt (as vLLM does), so an agent's last, answering step
-renders the same prefix as its calling steps and resumes or reuses it; a grammar then keeps the turn
-from opening a call (Hermes format; in other formats a call the model writes anyway stays content).
-
-`response_format` json_object / json_schema constrains the answer (a turn without tool calls) to a
-JSON object / to JSON that follows the schema: with no tools or tool_choice "none", the turn is that
-JSON; with "auto" (Hermes format), it is either calls or that JSON, the model chooses; a forced turn is
-calls only, so the format has nothing to constrain there.
 """
 from __future__ import annotations
 
 import json
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from fastapi.responses import Response
 from starlette.requests import Request
 
-from infercept.engine.backend import GuidedDecodingParams, InterceptParams, RequestOutput, SamplingParams, ToolSpec
+from infercept.engine.backend import InterceptParams, RequestOutput
 
-from .chat import AssistantTurn, Call, ChatRenderer, Message, normalize_messages, tool_specs, validate_tool_flow
+from .chat import AssistantTurn, Call, ChatRenderer, Message, normalize_messages, validate_tool_flow
+from .chat_request import ToolMode, session_id_of, tool_mode, with_grammar
 from .conversations import Conversation, Kind, Paused, State
 from .protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatMessage, ChoiceLogprobs, FunctionCall, PromptTokensDetails,
                        TokenLogprob, ToolCall, TopLogprob, Usage, bad_request, new_id, now)
 from .serving_base import BaseServing, EngineTurn, logger, openai_sse, respond
-
-SESSION_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
-
-
-@dataclass
-class ToolMode:
-    tools: list[ToolSpec] | None  # rendered into the prompt
-    parse: bool  # turns may end in tool calls (with tools but not this: tool_choice "none")
-    forced: bool = False  # a call is required (tool_choice "required" or named)
-    forced_name: str | None = None  # named tool_choice
-    parallel: bool = True
-
 
 @dataclass
 class TurnResult:
@@ -113,8 +92,8 @@ class ChatServing(BaseServing):
         started = time.monotonic()
         self.check_model(req.model)
         self.check_unsupported(req)
-        mode = self._tool_mode(req)
-        session_id = self._session_id(req, raw)
+        mode = tool_mode(req)
+        session_id = session_id_of(req, raw)
         messages = normalize_messages(req.messages, validate=False)
         session = None
         if session_id is not None:
@@ -134,7 +113,7 @@ class ChatServing(BaseServing):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, len(prompt_ids), max_tokens, logprobs,
                                       skip_special_tokens=not (mode.parse and self.format.keeps_special_tokens))
-        params = self._with_grammar(params, mode, req.response_format.answer_schema() if req.response_format else None)
+        params = with_grammar(self.format, params, mode, req.response_format.answer_schema() if req.response_format else None)
         intercept = None
         if mode.parse:
             hint = req.intercept
@@ -176,87 +155,6 @@ class ChatServing(BaseServing):
         result = self._end_turn(ctx, out)
         self._log(ctx, out, result)
         return result
-
-    # -- request pieces ----------------------------------------------------------------------------
-    def _with_grammar(self, params: SamplingParams, mode: ToolMode, answer_schema: dict | None) -> SamplingParams:
-        """The turn's params constrained by its grammar, if it has one (see `_turn_grammar`)."""
-        grammar = self._turn_grammar(params, mode, answer_schema)
-        if grammar is None:
-            return params
-        guided, param = grammar
-        try:
-            return replace(params, guided=guided)
-        except ValueError as e:  # min_tokens / ignore_eos, which hold back the end a grammar decides
-            raise bad_request(f"{param} asks for a grammar-constrained turn: {e}", param=param) from None
-
-    def _turn_grammar(self, params: SamplingParams, mode: ToolMode,
-                      answer_schema: dict | None) -> tuple[GuidedDecodingParams, str] | None:
-        """The grammar of the turn and the request field that asks for it; None: the model writes freely.
-
-        forced calls -> the calls grammar (an answer never comes, so response_format has no say);
-        auto + JSON answer -> calls or that JSON; JSON answer alone (no tools, or tool_choice none)
-        -> that JSON; tool_choice none -> text that never opens a call."""
-        if mode.forced:
-            lark, param = self.format.forced_grammar(mode.tools, mode.forced_name, mode.parallel), "tool_choice"
-        elif mode.parse and answer_schema is not None:
-            lark, param = self.format.answer_or_call_grammar(mode.tools, mode.parallel, answer_schema), "response_format"
-            if lark is None:
-                raise bad_request("response_format json_object/json_schema with tools and tool_choice auto needs the "
-                                  f"Hermes tool-call format (this model's is {self.format.family}); send "
-                                  "tool_choice none for a JSON answer", param="response_format")
-        elif answer_schema is not None:
-            return (self._compile("response_format", json_schema=self.format.json_grammar_schema(answer_schema)),
-                    "response_format")
-        elif mode.tools is not None and not mode.parse and not (params.min_tokens or params.ignore_eos):
-            # tool_choice none; with vLLM's min_tokens / ignore_eos the turn must not end where it wants,
-            # which a grammar cannot combine with, so there it stays unconstrained (a call is content).
-            lark, param = self.format.no_call_grammar(), "tool_choice"
-        else:
-            return None
-        return None if lark is None else (self._compile(param, lark=lark), param)
-
-    @staticmethod
-    def _compile(param: str, **grammar) -> GuidedDecodingParams:
-        try:
-            return GuidedDecodingParams(**grammar)
-        except ValueError as e:  # a schema feature the grammar compiler does not support
-            what = ("the response_format schema (or, with tool_choice auto, a tool's parameters)"
-                    if param == "response_format" else "the tools' parameters")
-            raise bad_request(f"{what} cannot be enforced: {e}",
-                              param="tools" if param == "tool_choice" else param) from None
-
-    @staticmethod
-    def _tool_mode(req: ChatCompletionRequest) -> ToolMode:
-        tools = req.tools or None
-        choice = req.tool_choice
-        parallel = req.parallel_tool_calls is not False
-        if tools is None:
-            if choice not in (None, "none", "auto"):
-                raise bad_request("tool_choice requires tools", param="tool_choice")
-            return ToolMode(None, False)
-        if len({t.function.name for t in tools}) != len(tools):
-            raise bad_request("tool names must be unique", param="tools")
-        specs = tool_specs(tools)
-        if choice == "none":  # still rendered: the prompt stays the one the other steps of the loop share
-            return ToolMode(specs, False)
-        if choice in (None, "auto"):
-            return ToolMode(specs, True, parallel=parallel)
-        if choice == "required":
-            return ToolMode(specs, True, forced=True, parallel=parallel)
-        if choice.function.name not in {t.name for t in specs}:
-            raise bad_request(f"tool_choice names {choice.function.name!r}, which is not in tools",
-                              param="tool_choice")
-        return ToolMode(specs, True, forced=True, forced_name=choice.function.name, parallel=False)
-
-    @staticmethod
-    def _session_id(req: ChatCompletionRequest, raw: Request) -> str | None:
-        header = raw.headers.get("x-session-id")
-        if header is not None and req.session_id is not None and header != req.session_id:
-            raise bad_request("session_id in the body and the X-Session-Id header differ", param="session_id")
-        session_id = req.session_id or header
-        if session_id is not None and not SESSION_ID.fullmatch(session_id):
-            raise bad_request("session_id must be 1 to 128 characters of A-Z a-z 0-9 . _ : -", param="session_id")
-        return session_id
 
     def _session_messages(self, session_id: str, messages: list[Message]):
         """Explicit continuation. Messages that start with tool results continue the session's stored

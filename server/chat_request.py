@@ -1,0 +1,118 @@
+"""What a chat request asks of its turn: the tools it sees and whether it may, must or must not call
+them (`ToolMode`), the grammar that enforces that (`with_grammar`), and the session it continues.
+
+`tool_choice` "none" keeps the tools in the prompt (as vLLM does), so an agent's last, answering step
+renders the same prefix as its calling steps and resumes or reuses it; a grammar then keeps the turn
+from opening a call (Hermes format; in other formats a call the model writes anyway stays content).
+
+`response_format` json_object / json_schema constrains the answer (a turn without tool calls) to a
+JSON object / to JSON that follows the schema: with no tools or tool_choice "none", the turn is that
+JSON; with "auto" (Hermes format), it is either calls or that JSON, the model chooses; a forced turn is
+calls only, so the format has nothing to constrain there.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+from starlette.requests import Request
+
+from infercept.engine.backend import GuidedDecodingParams, SamplingParams, ToolFormat, ToolSpec
+
+from .chat import tool_specs
+from .protocol import ChatCompletionRequest, bad_request
+
+SESSION_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+@dataclass
+class ToolMode:
+    tools: list[ToolSpec] | None  # rendered into the prompt
+    parse: bool  # turns may end in tool calls (with tools but not this: tool_choice "none")
+    forced: bool = False  # a call is required (tool_choice "required" or named)
+    forced_name: str | None = None  # named tool_choice
+    parallel: bool = True
+
+
+def with_grammar(fmt: ToolFormat, params: SamplingParams, mode: ToolMode, answer_schema: dict | None) -> SamplingParams:
+    """The turn's params constrained by its grammar, if it has one (see `turn_grammar`)."""
+    grammar = turn_grammar(fmt, params, mode, answer_schema)
+    if grammar is None:
+        return params
+    guided, param = grammar
+    try:
+        return replace(params, guided=guided)
+    except ValueError as e:  # min_tokens / ignore_eos, which hold back the end a grammar decides
+        raise bad_request(f"{param} asks for a grammar-constrained turn: {e}", param=param) from None
+
+
+def turn_grammar(fmt: ToolFormat, params: SamplingParams, mode: ToolMode,
+                 answer_schema: dict | None) -> tuple[GuidedDecodingParams, str] | None:
+    """The grammar of the turn and the request field that asks for it; None: the model writes freely.
+
+    forced calls -> the calls grammar (an answer never comes, so response_format has no say);
+    auto + JSON answer -> calls or that JSON; JSON answer alone (no tools, or tool_choice none)
+    -> that JSON; tool_choice none -> text that never opens a call."""
+    if mode.forced:
+        lark, param = fmt.forced_grammar(mode.tools, mode.forced_name, mode.parallel), "tool_choice"
+    elif mode.parse and answer_schema is not None:
+        lark, param = fmt.answer_or_call_grammar(mode.tools, mode.parallel, answer_schema), "response_format"
+        if lark is None:
+            raise bad_request("response_format json_object/json_schema with tools and tool_choice auto needs the "
+                              f"Hermes tool-call format (this model's is {fmt.family}); send "
+                              "tool_choice none for a JSON answer", param="response_format")
+    elif answer_schema is not None:
+        return (_compile("response_format", json_schema=fmt.json_grammar_schema(answer_schema)),
+                "response_format")
+    elif mode.tools is not None and not mode.parse and not (params.min_tokens or params.ignore_eos):
+        # tool_choice none; with vLLM's min_tokens / ignore_eos the turn must not end where it wants,
+        # which a grammar cannot combine with, so there it stays unconstrained (a call is content).
+        lark, param = fmt.no_call_grammar(), "tool_choice"
+    else:
+        return None
+    return None if lark is None else (_compile(param, lark=lark), param)
+
+
+def _compile(param: str, **grammar) -> GuidedDecodingParams:
+    try:
+        return GuidedDecodingParams(**grammar)
+    except ValueError as e:  # a schema feature the grammar compiler does not support
+        what = ("the response_format schema (or, with tool_choice auto, a tool's parameters)"
+                if param == "response_format" else "the tools' parameters")
+        raise bad_request(f"{what} cannot be enforced: {e}",
+                          param="tools" if param == "tool_choice" else param) from None
+
+
+def tool_mode(req: ChatCompletionRequest) -> ToolMode:
+    """The request's tools and whether its turn may, must or must not call them (400 on contradictions)."""
+    tools = req.tools or None
+    choice = req.tool_choice
+    parallel = req.parallel_tool_calls is not False
+    if tools is None:
+        if choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice requires tools", param="tool_choice")
+        return ToolMode(None, False)
+    if len({t.function.name for t in tools}) != len(tools):
+        raise bad_request("tool names must be unique", param="tools")
+    specs = tool_specs(tools)
+    if choice == "none":  # still rendered: the prompt stays the one the other steps of the loop share
+        return ToolMode(specs, False)
+    if choice in (None, "auto"):
+        return ToolMode(specs, True, parallel=parallel)
+    if choice == "required":
+        return ToolMode(specs, True, forced=True, parallel=parallel)
+    if choice.function.name not in {t.name for t in specs}:
+        raise bad_request(f"tool_choice names {choice.function.name!r}, which is not in tools",
+                          param="tool_choice")
+    return ToolMode(specs, True, forced=True, forced_name=choice.function.name, parallel=False)
+
+
+def session_id_of(req: ChatCompletionRequest, raw: Request) -> str | None:
+    """The session the request names (body `session_id` or the X-Session-Id header), checked."""
+    header = raw.headers.get("x-session-id")
+    if header is not None and req.session_id is not None and header != req.session_id:
+        raise bad_request("session_id in the body and the X-Session-Id header differ", param="session_id")
+    session_id = req.session_id or header
+    if session_id is not None and not SESSION_ID.fullmatch(session_id):
+        raise bad_request("session_id must be 1 to 128 characters of A-Z a-z 0-9 . _ : -", param="session_id")
+    return session_id
