@@ -58,10 +58,8 @@ __all__ = ["PARSERS", "HermesToolParser", "Llama3JsonToolParser", "MistralToolPa
 class ToolCall:
     """One parsed tool call.
 
-    ``arguments`` is the JSON text of the arguments object: as the model wrote it when the call has the
-    form ``json.dumps`` writes (Hermes ``{"name": ..., "arguments": {...}}``, which is what a guided
-    turn writes and a stream already showed), else normalized with ``json.dumps(obj, ensure_ascii=False)``;
-    ``raw`` is the exact generated text of the call, markers
+    ``arguments`` is the JSON text of the arguments object, normalized with
+    ``json.dumps(obj, ensure_ascii=False)``; ``raw`` is the exact generated text of the call, markers
     included (``<tool_call>...</tool_call>``, ``<|python_tag|>{...}``, ``[TOOL_CALLS]f[ARGS]{...}``;
     for a Mistral JSON array, the array element).
     """
@@ -97,8 +95,6 @@ class _Span:
 # -- JSON scanning ----------------------------------------------------------------------------------
 
 _OUTSIDE_STRING = re.compile(r'["{}\[\]]')
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
-_DUMPS_SPACING = re.compile(r"(?:[^\s,:]|, |: )*")  # whitespace only as json.dumps writes it
 _INSIDE_STRING = re.compile(r'["\\]')
 
 
@@ -320,27 +316,10 @@ class HermesToolParser(ToolParser):
             spans.append(_Span(start, pos, True))
         return spans
 
-    _written_head = re.compile(r'\{"name": "(?:[^"\\]|\\.)*", "arguments": ')
-
     def _parse_span(self, raw: str) -> list[ToolCall | str]:
-        body = raw[len(self.OPEN):-len(self.CLOSE)].strip()
-        ok, obj = _try_loads(body)
+        ok, obj = _try_loads(raw[len(self.OPEN):-len(self.CLOSE)].strip())
         call = _make_call(obj, raw) if ok else None
-        if call is None:
-            return [raw]
-        written = self._written_arguments(body)
-        return [call if written is None else ToolCall(call.name, written, raw)]
-
-    def _written_arguments(self, body: str) -> str | None:
-        """The arguments object's text as written, if the body is ``{"name": "f", "arguments": {...}}``
-        spaced exactly as json.dumps spaces it (the body already parsed as a call)."""
-        head = self._written_head.match(body)
-        if head is None or not body.endswith("}") or not body[head.end():].startswith("{"):
-            return None
-        arguments = body[head.end():-1]
-        if _json_end(arguments, 0) != len(arguments):
-            return None
-        return arguments if _DUMPS_SPACING.fullmatch(_STRING.sub('""', arguments)) else None
+        return [call if call is not None else raw]
 
 
 class Llama3JsonToolParser(ToolParser):

@@ -336,7 +336,10 @@ class ChatServing(BaseServing):
             lp = self._logprobs(ctx, last, sent_tokens, len(last.token_ids))
             sent_tokens = len(last.token_ids)
             yield chunk({"content": content[len(streamed):]}, logprobs=lp)
-        final = [StreamedCall(i, call.id, call.name, call.arguments) for i, call in enumerate(result.calls)]
+        # A guided turn's calls were streamed as written: finish them so (the engine's calls are normalized,
+        # JSON-equal but maybe not byte-equal, and the client joins the deltas it got).
+        final = self.streamable_calls(ctx, last.text) if result.calls and ctx.guided_calls else \
+            [StreamedCall(i, call.id, call.name, call.arguments) for i, call in enumerate(result.calls)]
         for delta in self._call_deltas(final, sent_calls):
             yield chunk({"tool_calls": [delta]})
         yield chunk({}, finish_reason=result.finish_reason,

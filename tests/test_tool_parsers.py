@@ -508,12 +508,3 @@ def test_call_judge_keeps_calls_of_known_tools_with_valid_arguments():
     prefixed = CallJudge("hermes", (search,), text_prefix=good[:20])
     assert prefixed.turn_done(good[20:] + "\nDone") and prefixed.judge(good[20:]).calls[0].name == "search"
 
-
-def test_hermes_arguments_as_written_when_spaced_as_json_dumps():
-    """A guided turn writes its arguments as json.dumps spaces them, and a stream shows them as written:
-    the call reports them as written (number spelling and escapes kept), anything else normalized."""
-    written = '{"n": 1.50, "s": "\\u00e9"}'
-    text = '<tool_call>\n{"name": "f", "arguments": ' + written + '}\n</tool_call>'
-    assert hermes.parse(text).tool_calls[0].arguments == written
-    loose = '<tool_call>\n{"name": "f", "arguments": {"n":1.50}}\n</tool_call>'
-    assert hermes.parse(loose).tool_calls[0].arguments == '{"n": 1.5}'
