@@ -67,25 +67,25 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
     if policy.max_paused_tokens is None:
         policy = replace(policy, max_paused_tokens=info.kv_capacity_tokens)
     metrics = ServerMetrics(model_name)
-    registry = ConversationStore(policy, engine_release(backend, metrics), kept_tokens=backend.paused_kv_tokens)
+    conversations = ConversationStore(policy, engine_release(backend, metrics), kept_tokens=backend.paused_kv_tokens)
     admission = Admission(backend, settings.max_concurrent_requests)
     # The event loop tokenizes and renders while the engine thread detokenizes: separate instances, so
     # the two threads never share a tokenizer's mutable state.
     tokenizer = AutoTokenizer.from_pretrained(info.model)
-    common = dict(settings=settings, registry=registry, metrics=metrics, model_name=model_name, admission=admission,
+    common = dict(settings=settings, conversations=conversations, metrics=metrics, model_name=model_name, admission=admission,
                   tokenizer=tokenizer)
     completions = CompletionServing(backend, **common)
     chat = chat_server_tools = responses = sessions = None
     if tokenizer.chat_template:
         chat = ChatServing(backend, renderer=ChatRenderer(tokenizer, info.eos_token_ids, tool_format), **common)
         chat_server_tools = ChatServerTools(chat, tool_lookup)
-        responses = ResponsesServing(chat, registry)
-        sessions = SessionServing(chat, registry, tool_lookup)
+        responses = ResponsesServing(chat, conversations)
+        sessions = SessionServing(chat, conversations, tool_lookup)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         backend.start()
-        tasks = [asyncio.create_task(registry.reap()), asyncio.create_task(_watch(backend, app, on_engine_failure))]
+        tasks = [asyncio.create_task(conversations.reap()), asyncio.create_task(_watch(backend, app, on_engine_failure))]
         if shutting_down is not None:
             tasks.append(asyncio.create_task(_end_turns_after_grace(backend, shutting_down)))
         try:
@@ -95,7 +95,7 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            registry.release_all("shutdown", "server shutdown")
+            conversations.release_all("shutdown", "server shutdown")
             await asyncio.to_thread(backend.shutdown)
 
     app = FastAPI(title="InferCept", version="0.1.0", lifespan=lifespan)
@@ -103,7 +103,7 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
     app.state.engine_failed = False
     app.state.settings = settings
     app.state.model_name = model_name
-    app.state.registry = registry
+    app.state.conversations = conversations
     app.state.metrics = metrics
     app.state.chat = chat or _NoChat()
     app.state.chat_server_tools = chat_server_tools or _NoChat()

@@ -3,7 +3,7 @@
 Three jobs:
 
 * **Normalize and validate** OpenAI messages into `Message` values (plain, hashable, comparable: the
-  session registry compares conversations by equality; tool-call arguments compare as JSON).
+  conversation store compares conversations by equality; tool-call arguments compare as JSON).
 * **Tools.** A template with a tool section (Qwen2.5, Llama 3.1, Mistral...) gets `tools=` and the
   tool calls as structured data. A template without one (SmolLM2) gets the tool format's prompt
   (engine/tool_format.py: a Hermes-style tool system prompt and two example exchanges built from the

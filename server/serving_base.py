@@ -95,12 +95,12 @@ class Admission:
 class BaseServing:
     endpoint = "base"
 
-    def __init__(self, backend: EngineBackend, settings: ServerSettings, registry: ConversationStore,
+    def __init__(self, backend: EngineBackend, settings: ServerSettings, conversations: ConversationStore,
                  metrics: ServerMetrics, model_name: str, admission: Admission, tokenizer):
         self.backend = backend
         info = backend.info
         self.settings = settings
-        self.registry = registry
+        self.conversations = conversations
         self.metrics = metrics
         self.model_name = model_name
         self.model_aliases = {model_name, info.model, info.model_name}
@@ -215,7 +215,7 @@ class BaseServing:
     def keep_paused(self, turn: EngineTurn, handle: Paused, holder: Conversation | None = None) -> None:
         """The store keeps `turn`'s paused generation (for `holder`, or a new implicit record)."""
         turn.kept = True
-        self.registry.pause(handle, holder)
+        self.conversations.pause(handle, holder)
 
     def _observe_gap(self, seconds: float) -> None:
         self.metrics.inter_token.labels(self.model_name).observe(seconds)

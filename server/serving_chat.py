@@ -102,7 +102,7 @@ class ChatServing(BaseServing):
 
         prefill = self.format.forced_prefill(mode.forced_name) if mode.forced else ""
         try:
-            prompt_ids = self.renderer.render(messages, mode.tools, self.registry.known_turn, prefill)
+            prompt_ids = self.renderer.render(messages, mode.tools, self.conversations.known_turn, prefill)
         except APIError:
             raise
         except Exception as e:  # the template (jinja) or the tokenizer refused the input
@@ -159,7 +159,7 @@ class ChatServing(BaseServing):
     def _session_messages(self, session_id: str, messages: list[Message]):
         """Explicit continuation. Messages that start with tool results continue the session's stored
         conversation (which must be paused at tool calls); any other list is the whole conversation."""
-        session = self.registry.named(Kind.CHAT, session_id)
+        session = self.conversations.named(Kind.CHAT, session_id)
         if session is not None and session.state is State.GENERATING:
             raise APIError(409, f"session {session_id!r} has a request in flight", param="session_id",
                            code="session_busy")
@@ -170,18 +170,18 @@ class ChatServing(BaseServing):
                 raise APIError(409, f"session {session_id!r} is not paused at a tool call", param="session_id",
                                code="session_not_paused")
             messages = list(session.messages) + messages
-        return messages, session or self.registry.open_named(Kind.CHAT, session_id)
+        return messages, session or self.conversations.open_named(Kind.CHAT, session_id)
 
     def _claim_paused(self, messages: list[Message], prompt_ids: list[int], session: Conversation | None):
         """The paused generation this request continues, if its rendering extends the paused tokens."""
-        entry = self.registry.find_for_messages(messages, session)
+        entry = self.conversations.find_for_messages(messages, session)
         if entry is None:
             if session is not None:  # the session moved on: its paused generation is of no further use
-                self.registry.release_paused(session, f"session {session.id} continued differently")
+                self.conversations.release_paused(session, f"session {session.id} continued differently")
             return None
         n = len(entry.token_ids)
         if len(prompt_ids) > n and prompt_ids[:n] == entry.token_ids:
-            return self.registry.take(entry)
+            return self.conversations.take(entry)
         logger.info("conversation matches paused %s but its rendering does not extend the paused tokens; "
                     "serving it fresh", entry.request_id)
         self.metrics.resume_fallbacks.labels(self.model_name).inc()
@@ -221,7 +221,7 @@ class ChatServing(BaseServing):
         return ctx.call_ids[index]
 
     def _session(self, ctx: ChatContext) -> Conversation | None:
-        return self.registry.named(Kind.CHAT, ctx.session_id) if ctx.session_id is not None else None
+        return self.conversations.named(Kind.CHAT, ctx.session_id) if ctx.session_id is not None else None
 
     def _remember_session(self, ctx: ChatContext, message: Message) -> None:
         session = self._session(ctx)

@@ -48,7 +48,7 @@ class CompletionServing(BaseServing):
         turns: list[EngineTurn] = []
         try:
             for i, ids in enumerate(prompts):
-                entry = self.registry.take(self.registry.find_for_tokens(ids))
+                entry = self.conversations.take(self.conversations.find_for_tokens(ids))
                 turn = await self.open_turn(f"{response_id}-{i}", ids, params[i], intercept, entry, started)
                 if turn.resumed:
                     self.metrics.resumes.labels(self.model_name, "tokens").inc()

@@ -91,14 +91,14 @@ class ResponseTurn:
 
 
 class ResponsesServing:
-    def __init__(self, chat: ChatServing, registry: ConversationStore):
+    def __init__(self, chat: ChatServing, conversations: ConversationStore):
         self.chat = chat
-        self.registry = registry
+        self.conversations = conversations
 
     async def create(self, req: ResponsesRequest, raw: Request) -> Response:
         history: tuple[Message, ...] = ()
         if req.previous_response_id is not None:
-            previous = self.registry.response(req.previous_response_id)
+            previous = self.conversations.response(req.previous_response_id)
             if previous is None:
                 raise APIError(404, f"Previous response with id '{req.previous_response_id}' not found.",
                                param="previous_response_id", code="previous_response_not_found")
@@ -118,11 +118,11 @@ class ResponsesServing:
 
     async def delete(self, response_id: str) -> Response:
         # Its paused generation is released too, unless a later response of the chain resumed it.
-        self.registry.close(self._stored(response_id), reason=f"response {response_id} deleted")
+        self.conversations.close(self._stored(response_id), reason=f"response {response_id} deleted")
         return JSONResponse(DeletedResponse(id=response_id).model_dump())
 
     def _stored(self, response_id: str) -> Conversation:
-        stored = self.registry.response(response_id)
+        stored = self.conversations.response(response_id)
         if stored is None:
             raise APIError(404, f"Response with id '{response_id}' not found.", code="response_not_found")
         return stored
@@ -163,7 +163,7 @@ class ResponsesServing:
         status = "incomplete" if result.finish_reason == "length" else "completed"
         body = self._response(turn, status, output, out).model_dump(mode="json")
         if turn.request.store is not False:
-            self.registry.store_response(turn.response_id, body, turn.conversation + (result.message,),
+            self.conversations.store_response(turn.response_id, body, turn.conversation + (result.message,),
                                          turn.chat.turn.request_id)
         return body
 

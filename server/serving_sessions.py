@@ -37,9 +37,9 @@ from .tool_loop import Emit, Opened, call_view, events_then_result, resolve_serv
 
 
 class SessionServing:
-    def __init__(self, chat: ChatServing, registry: ConversationStore, tool_lookup: Callable[[str], Any]):
+    def __init__(self, chat: ChatServing, conversations: ConversationStore, tool_lookup: Callable[[str], Any]):
         self.chat = chat
-        self.registry = registry
+        self.conversations = conversations
         self.tool_lookup = tool_lookup
         self.tokens = TokenTurns(chat)
 
@@ -53,7 +53,7 @@ class SessionServing:
         server_tools, definitions = resolve_server_tools(req.server_tools, self.tool_lookup, tools, "server_tools")
         tools += definitions
         spec = SessionSpec(model, req.system, tuple(tools), server_tools, req.sampling(), created_at=now())
-        session = self.registry.open_named(Kind.SESSION, new_id("sess_"), spec=spec)
+        session = self.conversations.open_named(Kind.SESSION, new_id("sess_"), spec=spec)
         return JSONResponse(self._view(session, kv=None))
 
     async def retrieve(self, session_id: str) -> Response:
@@ -63,7 +63,7 @@ class SessionServing:
 
     async def delete(self, session_id: str) -> Response:
         session = self._get(session_id)
-        self.registry.close(session, reason=f"session {session_id} deleted")  # releases its paused generation
+        self.conversations.close(session, reason=f"session {session_id} deleted")  # releases its paused generation
         if session.task is not None and not session.task.done():
             session.task.cancel()  # its turn's cleanup aborts the generation
             await asyncio.wait([session.task])
@@ -76,7 +76,7 @@ class SessionServing:
         return {"device": 0, "host": 0, "discarded": 0}
 
     def _get(self, session_id: str) -> Conversation:
-        session = self.registry.named(Kind.SESSION, session_id)
+        session = self.conversations.named(Kind.SESSION, session_id)
         if session is None:
             raise self._not_found(session_id)
         return session

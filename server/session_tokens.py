@@ -61,7 +61,7 @@ class TokenTurns:
             raise bad_request(f"invalid sampling fields: {e.errors()[0]['msg']}") from None
         params = serving.sampling_params(as_completion, len(context), as_completion.max_tokens, None)
         return await serving.admitted_turn(new_id("sess-tok-"), context, params, pause_on_stops(req.intercept),
-                                           lambda: serving.registry.take(session.paused), started, "explicit")
+                                           lambda: serving.conversations.take(session.paused), started, "explicit")
 
     async def converse(self, session: Conversation, turn: EngineTurn, emit: Emit) -> dict:
         """Serve the turn to its end, emitting `delta`s ({text, token_ids}) as it goes; the session takes

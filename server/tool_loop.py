@@ -119,7 +119,7 @@ async def _serve_turn(chat: ChatServing, ctx: ChatContext, emit: Emit,
             streamed = visible
     result = chat.end_turn(ctx, last)
     if holder is not None:  # at once: no await between the pause and its new holder
-        chat.registry.adopt(holder, ctx.turn.request_id)
+        chat.conversations.adopt(holder, ctx.turn.request_id)
     content = result.content or ""
     if len(content) > len(streamed) and content.startswith(streamed):
         emit("delta", {"content": content[len(streamed):]})

@@ -99,7 +99,7 @@ class LiveServer:
                 break
             time.sleep(0.05)
         assert all(s == "intercepted" for s in state["requests"].values()), state["requests"]
-        registered = {e.request_id for e in self.app.state.registry.paused()}
+        registered = {e.request_id for e in self.app.state.conversations.paused()}
         assert set(state["requests"]) == registered
         assert state["tables"] <= registered
         if not registered:
@@ -108,7 +108,7 @@ class LiveServer:
 
     def abort_paused(self) -> None:
         """Drop every paused generation (as the TTL would), so a test starts from an empty engine."""
-        self.app.state.registry.release_all("ttl", "the test starts afresh")
+        self.app.state.conversations.release_all("ttl", "the test starts afresh")
 
     def close(self) -> None:
         self.server.should_exit = True

@@ -63,7 +63,7 @@ def fake_server(default_model_dir):
     policy = ConversationPolicy(idle_ttl=1.0, response_ttl=2.0, max_paused=3, max_named_sessions=4)
     app = build_app(fake, ServerSettings(served_model_name="fake", conversations=policy))
     clock = [0.0]
-    app.state.registry.clock = lambda: clock[0]
+    app.state.conversations.clock = lambda: clock[0]
     server, thread, base = serve_in_thread(app)
     try:
         yield fake, app, base, clock, server, thread
@@ -88,7 +88,7 @@ def wait_until_line(lines, text: str) -> None:
 
 def test_the_engines_paused_set_is_the_stores_in_every_state(fake_server):
     fake, app, base, clock, server, thread = fake_server
-    store = app.state.registry
+    store = app.state.conversations
     http = httpx.Client(base_url=base + "/v1", timeout=30)
 
     def record(kind: Kind, id: str):

@@ -130,10 +130,10 @@ def test_streamed_events_follow_the_official_order(srv):
 def test_delete_releases_the_paused_generation(srv):
     client = srv.client()
     first, _ = call_step(client)
-    assert len(srv.app.state.registry.paused()) == 1
+    assert len(srv.app.state.conversations.paused()) == 1
     deleted = client.responses.delete(first.id)
     assert deleted is None or getattr(deleted, "deleted", True)
-    assert len(srv.app.state.registry.paused()) == 0
+    assert len(srv.app.state.conversations.paused()) == 0
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
     with pytest.raises(openai.NotFoundError):
@@ -183,7 +183,7 @@ def test_stored_responses_are_bounded_and_expire(srv):
     app = build_app(srv.backend, ServerSettings(served_model_name=MODEL, conversations=ConversationPolicy(
         max_stored_responses=2, response_ttl=60)))
     clock = [0.0]
-    app.state.registry.clock = lambda: clock[0]
+    app.state.conversations.clock = lambda: clock[0]
 
     async def run():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app/v1") as http:

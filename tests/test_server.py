@@ -301,7 +301,7 @@ def test_completions_token_prompts_and_token_level_resume(srv):
         "return_token_ids": True, "intercept": {"kind": "human", "expected_s": 0.5}}, **greedy())
     generated = first.choices[0].model_extra["token_ids"]
     assert first.choices[0].finish_reason == "length" and generated == ids.choices[0].model_extra["token_ids"]
-    assert len(srv.app.state.registry.paused()) == 1
+    assert len(srv.app.state.conversations.paused()) == 1
     extended = prompt + generated + tok.encode(" Also,")
     resumed = client.completions.create(prompt=extended, max_tokens=6, extra_body={"return_token_ids": True},
                                         **greedy())
@@ -425,8 +425,8 @@ def test_auth_body_limit_and_paused_limits(srv):
                     prompt=prompt, max_tokens=2, intercept={"kind": "tool", "expected_s": 1.0}))
                 assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
                 ids.append(r.json()["id"] + "-0")
-            registry = app.state.registry
-            assert [e.request_id for e in registry.paused()] == [ids[0]]
+            store = app.state.conversations
+            assert [e.request_id for e in store.paused()] == [ids[0]]
             metrics = (await http.get("/metrics")).text
             assert 'infercept_paused_evictions_total{cause="limits",model="smol"} 1.0' in metrics
             released = next(line for line in metrics.splitlines()
@@ -439,7 +439,7 @@ def test_auth_body_limit_and_paused_limits(srv):
                 await asyncio.sleep(0.02)
                 state = await srv.async_engine.call(lambda: dict(srv.engine.scheduler.requests))
             assert list(state) == [ids[0]]
-            registry.release_all("shutdown", "the test is over")
+            store.release_all("shutdown", "the test is over")
 
     asyncio.run(run())
     srv.assert_no_leak()
@@ -447,13 +447,13 @@ def test_auth_body_limit_and_paused_limits(srv):
 
 def test_paused_generations_are_limited_by_memory_by_default(srv):
     """No count limit unless the operator sets one; the token limit is what the KV pools hold."""
-    policy = build_app(srv.backend, ServerSettings(served_model_name=MODEL)).state.registry.policy
+    policy = build_app(srv.backend, ServerSettings(served_model_name=MODEL)).state.conversations.policy
     bm = srv.engine.block_manager
     assert policy.max_paused is None
     assert policy.max_paused_tokens == (bm.device.num_blocks + bm.host.num_blocks) * bm.block_size
     assert policy.max_named_sessions >= 4096  # named sessions are not capped by a paused count either
     capped = build_app(srv.backend, ServerSettings(served_model_name=MODEL, conversations=ConversationPolicy(
-        max_paused=5, max_paused_tokens=1000))).state.registry.policy
+        max_paused=5, max_paused_tokens=1000))).state.conversations.policy
     assert (capped.max_paused, capped.max_paused_tokens) == (5, 1000)
 
 

@@ -161,7 +161,7 @@ def test_tool_results_for_calls_never_made(srv):
     first = call_turn(client)
     message = first.choices[0].message.model_dump(exclude_none=True)
     (call,) = first.choices[0].message.tool_calls
-    registered = [e.request_id for e in srv.app.state.registry.paused()]
+    registered = [e.request_id for e in srv.app.state.conversations.paused()]
     before = resumes(srv)
     with httpx.Client(base_url=srv.url, timeout=60) as http:
         for name, results in (("another id", [("call_other", RESULT)]),
@@ -178,7 +178,7 @@ def test_tool_results_for_calls_never_made(srv):
             made_up, {"role": "tool", "tool_call_id": "call_madeup", "content": RESULT}]})
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.text
     assert resumes(srv) == before
-    assert [e.request_id for e in srv.app.state.registry.paused()] == registered  # still paused
+    assert [e.request_id for e in srv.app.state.conversations.paused()] == registered  # still paused
     second = client.chat.completions.create(messages=with_results(first), tools=TOOLS, max_tokens=4, **GREEDY)
     assert second.usage.prompt_tokens_details.cached_tokens == first.usage.total_tokens - 1
     assert resumes(srv) == before + 1
@@ -236,7 +236,7 @@ def test_resuming_twice_serves_the_repeat_fresh_and_equal(srv):
     assert repeat.model_extra["prompt_token_ids"] == resumed.model_extra["prompt_token_ids"]
     assert repeat.choices[0].model_extra["token_ids"] == resumed.choices[0].model_extra["token_ids"]
     assert repeat.choices[0].message.content == resumed.choices[0].message.content
-    assert len(srv.app.state.registry.paused()) == 0
+    assert len(srv.app.state.conversations.paused()) == 0
     srv.assert_no_leak()
 
     # Responses: chaining onto the same response twice.
@@ -283,7 +283,7 @@ def test_concurrent_resumes_of_one_generation(srv):
     assert resumes(srv) == before + 1
     assert first.usage.total_tokens - 1 in (usage_a.prompt_tokens_details.cached_tokens,
                                             usage_b.prompt_tokens_details.cached_tokens)
-    assert len(srv.app.state.registry.paused()) == 0
+    assert len(srv.app.state.conversations.paused()) == 0
     srv.assert_no_leak()
 
 

@@ -94,9 +94,9 @@ def test_tool_loop_pauses_resumes_and_reports_kv(srv, http):
 def test_deleting_a_paused_session_frees_its_generation(srv, http):
     sid = create(http)
     assert http.post(f"/sessions/{sid}/messages", json={"content": QUESTION}).json()["state"] == "paused"
-    assert len(srv.app.state.registry.paused()) == 1
+    assert len(srv.app.state.conversations.paused()) == 1
     http.delete(f"/sessions/{sid}")
-    assert len(srv.app.state.registry.paused()) == 0
+    assert len(srv.app.state.conversations.paused()) == 0
     srv.assert_no_leak()
     assert srv.engine_state()["requests"] == {}
 
@@ -184,7 +184,7 @@ def test_server_tools_run_inside_the_server(srv):
     assert second["cached_tokens"] >= 0.9 * second["prompt_tokens"], turn["steps"]
     assert [m["role"] for m in state["messages"]][:3] == ["user", "assistant", "tool"]
     assert state["messages"][2]["content"] == RESULT
-    assert len(app.state.registry.paused()) == 0  # nothing of the second app is left paused
+    assert len(app.state.conversations.paused()) == 0  # nothing of the second app is left paused
     srv.assert_no_leak()
 
 
@@ -350,7 +350,7 @@ def test_chat_completions_with_server_tools(srv):
     streamed_usage = chunks[-1]["usage"]  # the same tokens (the prefix cache may find more of the first turn)
     assert (streamed_usage["prompt_tokens"], streamed_usage["completion_tokens"]) == \
         (usage["prompt_tokens"], usage["completion_tokens"])
-    assert len(app.state.registry.paused()) == 0
+    assert len(app.state.conversations.paused()) == 0
     srv.assert_no_leak()
 
 
