@@ -128,7 +128,7 @@ class CompletionsApi:
 
 
 class SessionApi:
-    """InferCept's native session API at token level (server/session_tokens.py): `POST /v1/sessions`
+    """InferCept's native session API at token level (server/serving_session_tokens.py): `POST /v1/sessions`
     {model} -> {id}; then per step `POST /v1/sessions/{id}/messages` with only the step's new tokens
     (`token_ids`: the prompt, then each interception's returned tokens), streamed as session events
     (`delta` {text, token_ids} ..., `done` {token_ids, usage}); `intercept` leaves the session paused

@@ -32,13 +32,15 @@ from .conversations import ConversationStore, engine_release
 from .metrics import ServerMetrics
 from .protocol import APIError
 from .routes import router
-from .serving_base import SHUTDOWN_GRACE_S, Admission
+from .engine_turn import Admission, EngineTurns
+from .serving_base import SHUTDOWN_GRACE_S
 from .serving_chat import ChatServing
-from .serving_chat_tools import ChatServerTools
 from .serving_completions import CompletionServing
 from .serving_responses import ResponsesServing
+from .serving_server_tools import ChatServerTools
 from .serving_sessions import SessionServing
 from .settings import ServerSettings
+from .turns import Turns
 
 logger = logging.getLogger("infercept.server")
 
@@ -72,15 +74,18 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
     # The event loop tokenizes and renders while the engine thread detokenizes: separate instances, so
     # the two threads never share a tokenizer's mutable state.
     tokenizer = AutoTokenizer.from_pretrained(info.model)
-    common = dict(settings=settings, conversations=conversations, metrics=metrics, model_name=model_name, admission=admission,
+    renderer = ChatRenderer(tokenizer, info.eos_token_ids, tool_format) if tokenizer.chat_template else None
+    turns = Turns(EngineTurns(backend, metrics, model_name), conversations, metrics, admission, renderer,
+                  info.max_model_len, info.vocab_size)
+    common = dict(turns=turns, model_name=model_name, model_aliases={model_name, info.model, info.model_name},
                   tokenizer=tokenizer)
-    completions = CompletionServing(backend, **common)
+    completions = CompletionServing(eos_token_ids=info.eos_token_ids, **common)
     chat = chat_server_tools = responses = sessions = None
-    if tokenizer.chat_template:
-        chat = ChatServing(backend, renderer=ChatRenderer(tokenizer, info.eos_token_ids, tool_format), **common)
+    if renderer is not None:
+        chat = ChatServing(**common)
         chat_server_tools = ChatServerTools(chat, tool_lookup)
-        responses = ResponsesServing(chat, conversations)
-        sessions = SessionServing(chat, conversations, tool_lookup)
+        responses = ResponsesServing(**common)
+        sessions = SessionServing(tool_lookup=tool_lookup, backend=backend, **common)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -104,6 +109,7 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
     app.state.settings = settings
     app.state.model_name = model_name
     app.state.conversations = conversations
+    app.state.turns = turns
     app.state.metrics = metrics
     app.state.chat = chat or _NoChat()
     app.state.chat_server_tools = chat_server_tools or _NoChat()

@@ -68,6 +68,16 @@ class Message:
     tool_calls: tuple[Call, ...] = ()
     tool_call_id: str | None = None
 
+    def wire(self) -> dict:
+        """The message in Chat Completions wire form (how the sessions API shows a conversation)."""
+        d: dict = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                               for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        return d
+
 
 def _content_text(m: ChatMessageParam, i: int) -> str:
     if m.content is None:

@@ -14,9 +14,9 @@ last turn ended in tool calls or an interception and waits for the results) or c
 record may hold the engine generation it paused at, one handle (`Paused`: request id, whole token
 sequence, the assistant turn), so the request bringing the results resumes it instead of recomputing;
 a handle released by the limits or the TTL leaves the record paused, and that request is served fresh.
-Each handle has exactly one holder: the chat path gives a turn's handle to its `session_id` record or
-to a new implicit one, from which a native session or a stored response adopts the handle of the turn
-it just served. Resuming takes the handle out (a concurrent request for it finds nothing, served fresh).
+Each handle has exactly one holder: a turn (server/turns.py) gives its handle to the named record it
+continues (a chat `session_id`, a native session) or to a new implicit one, from which a stored
+response adopts the handle of the turn it just served. Resuming takes the handle out (a concurrent request for it finds nothing, served fresh).
 
 Lookups are O(1) or O(prompt), never a walk over every record: call id -> handle; the chained hashes
 of a token sequence's 16-token blocks -> handles (`find_for_tokens`); (kind, id) -> record.

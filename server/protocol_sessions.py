@@ -37,7 +37,7 @@ class ToolResult(Strict):
 
 class SessionMessageRequest(SamplingDefaults):
     """Exactly one of `content` (a user message), `tool_results` (for a paused session) or `token_ids`
-    (a token-level session: tokens appended to its context, see server/session_tokens.py); the sampling
+    (a token-level session: tokens appended to its context, see server/serving_session_tokens.py); the sampling
     fields override the session's defaults for this turn."""
 
     content: str | None = None

@@ -11,27 +11,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi.responses import Response
 from starlette.requests import Request
 
 from infercept.engine.backend import RequestOutput
 
-from .conversations import Paused
 from .protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                        PromptTokensDetails, Usage, bad_request, new_id, now)
-from .serving_base import BaseServing, EngineTurn, logger, once, openai_sse, pause_on_stops, respond
+from .serving_base import Frontend, check_unsupported, once, respond
+from .turns import Sampling, TextDelta, Turn, TurnFinished, TurnSpec
 
 
-class CompletionServing(BaseServing):
-    endpoint = "completions"
+class CompletionServing(Frontend):
+    def __init__(self, *args, eos_token_ids: frozenset[int], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.eos_token_ids = eos_token_ids  # a stop at one of these reports no stop_reason
 
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
-        started = time.monotonic()
         self.check_model(req.model)
-        self.check_unsupported(req)
+        check_unsupported(req)
         if req.suffix:
             raise bad_request("suffix is not supported", param="suffix")
         if req.best_of not in (None, 1):
@@ -39,28 +39,16 @@ class CompletionServing(BaseServing):
         if req.echo and req.logprobs is not None:
             raise bad_request("echo with logprobs (prompt logprobs) is not supported", param="echo")
         prompts = self._prompts(req.prompt)
-        for ids in prompts:
-            self.check_prompt(ids, "prompt")
-        intercept = pause_on_stops(req.intercept)
-        params = [self.sampling_params(req, len(ids), req.max_tokens, req.logprobs) for ids in prompts]
         response_id = new_id("cmpl-")
-        self.acquire()
-        turns: list[EngineTurn] = []
-        try:
-            for i, ids in enumerate(prompts):
-                entry = self.conversations.take(self.conversations.find_for_tokens(ids))
-                turn = await self.open_turn(f"{response_id}-{i}", ids, params[i], intercept, entry, started)
-                if turn.resumed:
-                    self.metrics.resumes.labels(self.model_name, "tokens").inc()
-                turns.append(turn)
-        except BaseException:
-            await self._close(turns)
-            raise
+        sampling = Sampling.of(req, req.max_tokens, req.logprobs)
+        turns, release = await self.turns.open_batch([
+            TurnSpec("completions", sampling, prompt_ids=tuple(ids), intercept=req.intercept,
+                     request_id=f"{response_id}-{i}", param="prompt") for i, ids in enumerate(prompts)])
         echoes = [self._echo_text(req, ids, text) for ids, text in zip(prompts, self._prompt_texts(req.prompt))]
         return await respond(
-            raw, req.stream, lambda: openai_sse(self._stream(response_id, req, turns, echoes), f"request {response_id}"),
-            lambda: self._full(response_id, req, turns, echoes), once(lambda: self._close(turns)),
-            {"X-Request-Id": response_id})
+            raw, req.stream, lambda: self._stream(response_id, req, turns, echoes),
+            lambda: self._full(response_id, req, turns, echoes), once(lambda: self._close(turns, release)),
+            {"X-Request-Id": response_id}, f"request {response_id}")
 
     # -- pieces ------------------------------------------------------------------------------------
     def _prompts(self, prompt) -> list[list[int]]:
@@ -92,20 +80,14 @@ class CompletionServing(BaseServing):
             return ""
         return text if text is not None else self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    async def _close(self, turns: list[EngineTurn]) -> None:
+    @staticmethod
+    async def _close(turns: list[Turn], release: Callable[[], None]) -> None:
         for turn in turns:
             await turn.close()
-        self.release()
-
-    def _end_turn(self, turn: EngineTurn, out: RequestOutput) -> str:
-        """A paused generation stays paused and registered (token-level resume); returns the finish reason."""
-        if out.paused:
-            self.keep_paused(turn, Paused(turn.request_id, turn.prompt_ids + list(out.token_ids)))
-        return self.finish_reason(out)
+        release()
 
     def _stop_reason(self, out: RequestOutput) -> str | int | None:
-        eos = self.backend.info.eos_token_ids
-        return None if isinstance(out.stop_reason, int) and out.stop_reason in eos else out.stop_reason
+        return None if isinstance(out.stop_reason, int) and out.stop_reason in self.eos_token_ids else out.stop_reason
 
     def _logprobs(self, req: CompletionRequest, out: RequestOutput, start: int, end: int,
                   offset: int) -> CompletionLogprobs | None:
@@ -123,20 +105,15 @@ class CompletionServing(BaseServing):
             offset += len(text)
         return lp
 
-    def _usage(self, turns: list[EngineTurn], outs: list[RequestOutput]) -> Usage:
-        n_prompt = sum(len(t.prompt_ids) for t in turns)
-        n_out = sum(len(o.token_ids) for o in outs)
+    @staticmethod
+    def _usage(ends: list[TurnFinished]) -> Usage:
+        n_prompt = sum(e.usage.prompt_tokens for e in ends)
+        n_out = sum(e.usage.completion_tokens for e in ends)
         return Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(t.cached_tokens for t in turns)))
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(e.usage.cached_tokens for e in ends)))
 
-    def _log(self, response_id: str, turn: EngineTurn, out: RequestOutput, finish: str) -> None:
-        self.metrics.observe_request(self.endpoint, finish, len(turn.prompt_ids), turn.cached_tokens,
-                                     len(out.token_ids))
-        logger.info("request %s (engine %s%s): prompt %d tokens (%d cached), %d generated, finish %s%s",
-                    response_id, turn.request_id, ", resumed" if turn.resumed else "", len(turn.prompt_ids),
-                    turn.cached_tokens, len(out.token_ids), finish, ", paused" if out.paused else "")
-
-    def _choice_extras(self, req: CompletionRequest, choice: dict, turn: EngineTurn, out: RequestOutput) -> dict:
+    @staticmethod
+    def _choice_extras(req: CompletionRequest, choice: dict, turn: Turn, out: RequestOutput) -> dict:
         if req.return_token_ids:
             choice["prompt_token_ids"] = list(turn.prompt_ids)
             choice["token_ids"] = list(out.token_ids)
@@ -146,28 +123,22 @@ class CompletionServing(BaseServing):
         return choice
 
     # -- non-streaming -----------------------------------------------------------------------------
-    async def _full(self, response_id: str, req: CompletionRequest, turns: list[EngineTurn],
-                    echoes: list[str]) -> dict:
-        async def last_of(turn: EngineTurn) -> RequestOutput:
-            last = None
-            async for out in turn.outputs():
-                last = out
-            return last
-
-        outs = await asyncio.gather(*(last_of(t) for t in turns))
+    async def _full(self, response_id: str, req: CompletionRequest, turns: list[Turn], echoes: list[str]) -> dict:
+        ends = await asyncio.gather(*(turn.result(keep=False) for turn in turns))
+        for turn in turns:
+            turn.keep()
         choices = []
-        for i, (turn, out) in enumerate(zip(turns, outs)):
-            finish = self._end_turn(turn, out)
-            self._log(response_id, turn, out, finish)
-            choice = CompletionChoice(index=i, text=echoes[i] + out.text, finish_reason=finish,
+        for i, (turn, end) in enumerate(zip(turns, ends)):
+            out = end.output
+            choice = CompletionChoice(index=i, text=echoes[i] + out.text, finish_reason=end.result.finish_reason,
                                       stop_reason=self._stop_reason(out),
                                       logprobs=self._logprobs(req, out, 0, len(out.token_ids), len(echoes[i])))
             choices.append(self._choice_extras(req, choice.model_dump(mode="json"), turn, out))
-        body = CompletionResponse(id=response_id, model=req.model, choices=[], usage=self._usage(turns, outs))
+        body = CompletionResponse(id=response_id, model=req.model, choices=[], usage=self._usage(ends))
         return body.model_dump(mode="json") | {"choices": choices}
 
     # -- streaming ---------------------------------------------------------------------------------
-    async def _stream(self, response_id: str, req: CompletionRequest, turns: list[EngineTurn],
+    async def _stream(self, response_id: str, req: CompletionRequest, turns: list[Turn],
                       echoes: list[str]) -> AsyncIterator[dict]:
         created = now()
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -181,55 +152,56 @@ class CompletionServing(BaseServing):
 
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(i: int, turn: EngineTurn) -> None:
+        async def pump(i: int, turn: Turn) -> None:
             try:
-                async for out in turn.outputs():
-                    await queue.put((i, out))
+                async for event in turn.events():
+                    await queue.put((i, event))
             except Exception as e:
                 await queue.put((i, e))
             await queue.put((i, None))
 
         tasks = [asyncio.ensure_future(pump(i, t)) for i, t in enumerate(turns)]
-        sent_text = [""] * len(turns)
-        sent_tokens = [0] * len(turns)
-        last: list[RequestOutput | None] = [None] * len(turns)
+        sent_chars = [0] * len(turns)  # of each turn's text
+        sent_tokens = [0] * len(turns)  # whose logprobs were sent
+        pending = [""] * len(turns)  # text not sent yet: the last delta goes out with the finish reason
+        ends: list[TurnFinished] = []
         try:
             for i, echo in enumerate(echoes):
                 if echo:
                     yield chunk({"index": i, "text": echo, "logprobs": None, "finish_reason": None})
             done = 0
             while done < len(turns):
-                i, item = await queue.get()
-                if item is None:
+                i, event = await queue.get()
+                if event is None:
                     done += 1
                     continue
-                if isinstance(item, Exception):
-                    raise item
-                out = item
-                last[i] = out
-                finish = stop_reason = None
-                if out.turn_done:
-                    finish = self._end_turn(turns[i], out)
-                    stop_reason = self._stop_reason(out)
-                    self._log(response_id, turns[i], out, finish)
-                delta = out.text[len(sent_text[i]):] if out.text.startswith(sent_text[i]) else ""
-                if delta or finish:
-                    lp = self._logprobs(req, out, sent_tokens[i], len(out.token_ids),
-                                        len(echoes[i]) + len(sent_text[i]))
-                    choice = {"index": i, "text": delta, "logprobs": lp.model_dump() if lp else None,
-                              "finish_reason": finish}
-                    if finish:
-                        choice["stop_reason"] = stop_reason
-                        if req.return_token_ids:
-                            choice["prompt_token_ids"] = list(turns[i].prompt_ids)
-                            choice["token_ids"] = list(out.token_ids)
-                    yield chunk(choice)
-                    sent_text[i], sent_tokens[i] = out.text, len(out.token_ids)
+                if isinstance(event, Exception):
+                    raise event
+                if isinstance(event, TextDelta):
+                    pending[i] += event.text
+                    if event.output.turn_done or not pending[i]:
+                        continue
+                    out, finish = event.output, None
+                elif isinstance(event, TurnFinished):
+                    ends.append(event)
+                    out, finish = event.output, event.result.finish_reason
+                else:
+                    continue
+                lp = self._logprobs(req, out, sent_tokens[i], len(out.token_ids), len(echoes[i]) + sent_chars[i])
+                choice = {"index": i, "text": pending[i], "logprobs": lp.model_dump() if lp else None,
+                          "finish_reason": finish}
+                if finish:
+                    choice["stop_reason"] = self._stop_reason(out)
+                    if req.return_token_ids:
+                        choice["prompt_token_ids"] = list(turns[i].prompt_ids)
+                        choice["token_ids"] = list(out.token_ids)
+                yield chunk(choice)
+                sent_chars[i] += len(pending[i])
+                pending[i], sent_tokens[i] = "", len(out.token_ids)
             if include_usage:
-                usage = self._usage(turns, [o for o in last if o is not None])
                 yield {"data": json.dumps({"id": response_id, "object": "text_completion", "created": created,
                                            "model": req.model, "system_fingerprint": None, "choices": [],
-                                           "usage": usage.model_dump(mode="json")})}
+                                           "usage": self._usage(ends).model_dump(mode="json")})}
         finally:
             for task in tasks:
                 task.cancel()

@@ -2,12 +2,12 @@
 
 A Responses request is a chat turn in another shape: its input items become chat messages
 (`function_call` items join the assistant message they follow, `function_call_output` items become
-tool messages), `instructions` a leading system message, and the turn is served by `ChatServing.open`
-/ `end_turn`, so rendering, tool-call parsing and pausing are the chat path's. A response that ends in
+tool messages), `instructions` a leading system message, and its `TurnSpec` (turns.py) is served like
+any other, so rendering, tool-call parsing and pausing are the turn API's. A response that ends in
 function calls leaves its generation paused; the request that brings the `function_call_output` items
-(after `previous_response_id`, or repeating the items itself) repeats that conversation, so the chat
-path's implicit resume continues the paused generation, and `usage.input_tokens_details.cached_tokens`
-counts the input tokens whose KV was reused. A stored response is a record of the conversation store
+(after `previous_response_id`, or repeating the items itself) repeats that conversation, so its turn
+claims and resumes the paused generation, and `usage.input_tokens_details.cached_tokens` counts the
+input tokens whose KV was reused. A stored response is a record of the conversation store
 (`Kind.RESPONSE`) and holds the generation it paused until a chained request resumes it.
 """
 from __future__ import annotations
@@ -17,20 +17,19 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 from starlette.requests import Request
 
-from infercept.engine.backend import RequestOutput
+from infercept.engine.backend import ToolSpec
 
 from .chat import Call, Message
-from .chat_wire import chat_message
-from .conversations import Conversation, ConversationStore
-from .protocol import APIError, ChatCompletionRequest, bad_request, new_id, now
-from .protocol_responses import (DeletedResponse, FunctionCallItem, FunctionCallOutputItem, IncompleteDetails,
-                                 InputTokensDetails, OutputFunctionCall, OutputItem, OutputMessage, OutputText,
-                                 ResponseObject, ResponsesRequest, ResponseUsage, TextPart)
-from .serving_base import logger, respond
-from .serving_chat import ChatContext, ChatServing, TurnResult
+from .conversations import Conversation
+from .protocol import APIError, bad_request, new_id, now
+from .protocol_responses import (DeletedResponse, FunctionCallItem, FunctionCallOutputItem, FunctionTool,
+                                 IncompleteDetails, InputTokensDetails, OutputFunctionCall, OutputItem, OutputMessage,
+                                 OutputText, ResponseObject, ResponsesRequest, ResponseUsage, TextPart)
+from .serving_base import Frontend, respond
+from .tool_mode import tool_mode
+from .turns import Sampling, TextDelta, Turn, TurnFinished, TurnResult, TurnSpec
 
 ARGUMENT_FRAGMENT_CHARS = 16  # a call's arguments stream in pieces of this size once the call is parsed
 
@@ -61,19 +60,10 @@ def input_messages(input: str | Sequence) -> list[Message]:
     return messages
 
 
-def chat_request(req: ResponsesRequest, model: str, messages: Sequence[Message]) -> ChatCompletionRequest:
-    tool_choice = req.tool_choice
-    if tool_choice is not None and not isinstance(tool_choice, str):
-        tool_choice = {"type": "function", "function": {"name": tool_choice.name}}
-    tools = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
-             for t in req.tools or ()]
-    try:
-        return ChatCompletionRequest.model_validate(dict(
-            model=model, messages=[chat_message(m) for m in messages], tools=tools or None, tool_choice=tool_choice,
-            parallel_tool_calls=req.parallel_tool_calls, max_completion_tokens=req.max_output_tokens,
-            temperature=req.temperature, top_p=req.top_p))
-    except ValidationError as e:
-        raise bad_request(f"the input does not form a valid conversation: {e.errors()[0]['msg']}") from None
+def tool_spec(tool: FunctionTool) -> ToolSpec:
+    """A Responses function tool as the turn takes it (its definition as Chat Completions shows it)."""
+    return ToolSpec(tool.name, tool.parameters,
+                    {"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)})
 
 
 # -- serving ----------------------------------------------------------------------------------------
@@ -83,18 +73,27 @@ class ResponseTurn:
     """One Responses request while it is served."""
 
     request: ResponsesRequest
-    response_id: str
+    model: str
     message_id: str  # of the output message, known before its text streams
     created_at: int
     conversation: tuple[Message, ...]  # the chain's input messages, this request's included
-    chat: ChatContext
+    turn: Turn
+    sequence: int = 0  # of the next stream event
+
+    @property
+    def id(self) -> str:
+        return self.turn.id
+
+    def event(self, kind: str, **fields) -> dict:
+        payload = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return {"event": kind, "data": json.dumps(payload, ensure_ascii=False)}
+
+    def error(self, e: APIError) -> dict:
+        return self.event("error", code=e.code, message=e.message, param=e.param)
 
 
-class ResponsesServing:
-    def __init__(self, chat: ChatServing, conversations: ConversationStore):
-        self.chat = chat
-        self.conversations = conversations
-
+class ResponsesServing(Frontend):
     async def create(self, req: ResponsesRequest, raw: Request) -> Response:
         history: tuple[Message, ...] = ()
         if req.previous_response_id is not None:
@@ -106,12 +105,18 @@ class ResponsesServing:
         conversation = history + tuple(input_messages(req.input))
         if not conversation:
             raise bad_request("input must not be empty", param="input")
+        model = req.model or self.model_name
+        self.check_model(model)
+        choice = req.tool_choice if req.tool_choice is None or isinstance(req.tool_choice, str) else req.tool_choice.name
+        mode = tool_mode([tool_spec(t) for t in req.tools] if req.tools else None, choice,
+                         req.parallel_tool_calls is not False)
         system = (Message("system", req.instructions),) if req.instructions else ()
-        model = req.model or self.chat.model_name
-        ctx, cleanup = await self.chat.open(chat_request(req, model, system + conversation), raw)
-        turn = ResponseTurn(req, new_id("resp_"), new_id("msg_"), now(), conversation, ctx)
-        return await respond(raw, req.stream, lambda: self._events(turn), lambda: self._full(turn), cleanup,
-                             {"X-Request-Id": turn.response_id})
+        sampling = Sampling(temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_output_tokens)
+        turn = await self.turns.open(TurnSpec("chat", sampling, system + conversation, mode=mode, id_prefix="resp_",
+                                              param="input"))
+        rt = ResponseTurn(req, model, new_id("msg_"), now(), conversation, turn)
+        return await respond(raw, req.stream, lambda: self._events(rt), lambda: self._full(rt), turn.close,
+                             {"X-Request-Id": rt.id}, f"response {rt.id}", error=rt.error, done=None)
 
     async def retrieve(self, response_id: str) -> Response:
         return JSONResponse(self._stored(response_id).body)
@@ -128,28 +133,29 @@ class ResponsesServing:
         return stored
 
     # -- building the response ---------------------------------------------------------------------
-    def _output_items(self, turn: ResponseTurn, result: TurnResult, text_announced: bool) -> list[OutputItem]:
+    def _output_items(self, rt: ResponseTurn, result: TurnResult, text_announced: bool) -> list[OutputItem]:
         items: list[OutputItem] = []
         if result.content or text_announced:
             status = "incomplete" if result.finish_reason == "length" else "completed"
-            items.append(OutputMessage(id=turn.message_id, status=status,
+            items.append(OutputMessage(id=rt.message_id, status=status,
                                        content=[OutputText(text=result.content or "")]))
         items += [OutputFunctionCall(id=new_id("fc_"), call_id=c.id, name=c.name, arguments=c.arguments,
                                      status="completed") for c in result.calls]
         return items
 
-    def _response(self, turn: ResponseTurn, status: str, output: list[OutputItem] = (),
-                  out: RequestOutput | None = None) -> ResponseObject:
-        req = turn.request
+    def _response(self, rt: ResponseTurn, status: str, output: Sequence[OutputItem] = (),
+                  end: TurnFinished | None = None) -> ResponseObject:
+        req = rt.request
         usage = None
-        if out is not None:
-            n_input, n_output = len(turn.chat.turn.prompt_ids), len(out.token_ids)
-            usage = ResponseUsage(input_tokens=n_input, output_tokens=n_output, total_tokens=n_input + n_output,
-                                  input_tokens_details=InputTokensDetails(cached_tokens=turn.chat.turn.cached_tokens))
+        if end is not None:
+            u = end.usage
+            usage = ResponseUsage(input_tokens=u.prompt_tokens, output_tokens=u.completion_tokens,
+                                  total_tokens=u.prompt_tokens + u.completion_tokens,
+                                  input_tokens_details=InputTokensDetails(cached_tokens=u.cached_tokens))
         tool_choice = req.tool_choice.model_dump() if req.tool_choice is not None and not isinstance(
             req.tool_choice, str) else req.tool_choice or "auto"
         return ResponseObject(
-            id=turn.response_id, created_at=turn.created_at, status=status, model=turn.chat.request.model,
+            id=rt.id, created_at=rt.created_at, status=status, model=rt.model,
             incomplete_details=IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
             instructions=req.instructions, max_output_tokens=req.max_output_tokens, output=list(output),
             parallel_tool_calls=req.parallel_tool_calls is not False, previous_response_id=req.previous_response_id,
@@ -157,85 +163,68 @@ class ResponsesServing:
             tools=[t.model_dump(exclude_none=True) for t in req.tools or ()], usage=usage, user=req.user,
             metadata=req.metadata or {})
 
-    def _finish(self, turn: ResponseTurn, result: TurnResult, out: RequestOutput,
-                output: list[OutputItem]) -> dict:
+    def _finish(self, rt: ResponseTurn, end: TurnFinished, output: list[OutputItem]) -> dict:
         """The final response body; stored when the request asked for it."""
-        status = "incomplete" if result.finish_reason == "length" else "completed"
-        body = self._response(turn, status, output, out).model_dump(mode="json")
-        if turn.request.store is not False:
-            self.conversations.store_response(turn.response_id, body, turn.conversation + (result.message,),
-                                         turn.chat.turn.request_id)
+        status = "incomplete" if end.result.finish_reason == "length" else "completed"
+        body = self._response(rt, status, output, end).model_dump(mode="json")
+        if rt.request.store is not False:
+            self.conversations.store_response(rt.id, body, rt.conversation + (end.result.message,),
+                                              rt.turn.engine.request_id)
         return body
 
     # -- non-streaming -----------------------------------------------------------------------------
-    async def _full(self, turn: ResponseTurn) -> dict:
-        last = None
-        async for out in turn.chat.turn.outputs():
-            last = out
-        result = self.chat.end_turn(turn.chat, last)
-        return self._finish(turn, result, last, self._output_items(turn, result, text_announced=False))
+    async def _full(self, rt: ResponseTurn) -> dict:
+        end = await rt.turn.result()
+        return self._finish(rt, end, self._output_items(rt, end.result, text_announced=False))
 
     # -- streaming ---------------------------------------------------------------------------------
-    async def _events(self, turn: ResponseTurn) -> AsyncIterator[dict]:
+    async def _events(self, rt: ResponseTurn) -> AsyncIterator[dict]:
         """The official event sequence: created, in_progress, then per output item added ... done
         (text: content_part.added, output_text.delta*, output_text.done, content_part.done; a function
         call: function_call_arguments.delta*, .done), then completed (or incomplete)."""
-        sequence = 0
-
-        def event(kind: str, **fields) -> dict:
-            nonlocal sequence
-            payload = {"type": kind, "sequence_number": sequence, **fields}
-            sequence += 1
-            return {"event": kind, "data": json.dumps(payload, ensure_ascii=False)}
+        event = rt.event
 
         def text_item(status: str, text: str = "") -> dict:
-            return OutputMessage(id=turn.message_id, status=status,
+            return OutputMessage(id=rt.message_id, status=status,
                                  content=[OutputText(text=text)] if status != "in_progress" else []).model_dump()
 
-        part = {"item_id": turn.message_id, "output_index": 0, "content_index": 0}
-        try:
-            snapshot = self._response(turn, "in_progress").model_dump(mode="json")
-            yield event("response.created", response=snapshot)
-            yield event("response.in_progress", response=snapshot)
-            streamed, announced, last = "", False, None
-            async for out in turn.chat.turn.outputs():
-                last = out
-                if out.turn_done:
-                    break
-                visible = self.chat.streamable_text(turn.chat, out.text)
-                if len(visible) > len(streamed) and visible.startswith(streamed):
-                    if not announced:
-                        announced = True
-                        yield event("response.output_item.added", output_index=0, item=text_item("in_progress"))
-                        yield event("response.content_part.added", **part, part=OutputText(text="").model_dump())
-                    yield event("response.output_text.delta", **part, delta=visible[len(streamed):], logprobs=[])
-                    streamed = visible
-            result = self.chat.end_turn(turn.chat, last)
-            output = self._output_items(turn, result, announced)
-            for index, item in enumerate(output):
-                if isinstance(item, OutputMessage):
-                    text = item.content[0].text
-                    if not announced:
-                        yield event("response.output_item.added", output_index=0, item=text_item("in_progress"))
-                        yield event("response.content_part.added", **part, part=OutputText(text="").model_dump())
-                    if len(text) > len(streamed) and text.startswith(streamed):
-                        yield event("response.output_text.delta", **part, delta=text[len(streamed):], logprobs=[])
-                    yield event("response.output_text.done", **part, text=text, logprobs=[])
-                    yield event("response.content_part.done", **part, part=item.content[0].model_dump())
-                else:
-                    yield event("response.output_item.added", output_index=index,
-                                item=item.model_copy(update={"arguments": "", "status": "in_progress"}).model_dump())
-                    for k in range(0, len(item.arguments), ARGUMENT_FRAGMENT_CHARS):
-                        yield event("response.function_call_arguments.delta", item_id=item.id, output_index=index,
-                                    delta=item.arguments[k:k + ARGUMENT_FRAGMENT_CHARS])
-                    yield event("response.function_call_arguments.done", item_id=item.id, output_index=index,
-                                name=item.name, arguments=item.arguments)
-                yield event("response.output_item.done", output_index=index, item=item.model_dump())
-            body = self._finish(turn, result, last, output)
-            yield event("response.completed" if body["status"] == "completed" else "response.incomplete",
-                        response=body)
-        except APIError as e:
-            yield event("error", code=e.code, message=e.message, param=e.param)
-        except Exception as e:  # an engine failure mid-stream: report it in the stream, never hang
-            logger.exception("response %s failed mid-stream", turn.response_id)
-            yield event("error", code="server_error", message=f"internal error: {e}", param=None)
+        def announce() -> list[dict]:
+            return [event("response.output_item.added", output_index=0, item=text_item("in_progress")),
+                    event("response.content_part.added", **part, part=OutputText(text="").model_dump())]
+
+        part = {"item_id": rt.message_id, "output_index": 0, "content_index": 0}
+        snapshot = self._response(rt, "in_progress").model_dump(mode="json")
+        yield event("response.created", response=snapshot)
+        yield event("response.in_progress", response=snapshot)
+        streamed, end = "", None
+        async for e in rt.turn.events():
+            if isinstance(e, TextDelta):
+                if not streamed:
+                    for announcement in announce():
+                        yield announcement
+                yield event("response.output_text.delta", **part, delta=e.text, logprobs=[])
+                streamed += e.text
+            elif isinstance(e, TurnFinished):
+                end = e
+        output = self._output_items(rt, end.result, bool(streamed))
+        for index, item in enumerate(output):
+            if isinstance(item, OutputMessage):
+                text = item.content[0].text
+                if not streamed:
+                    for announcement in announce():
+                        yield announcement
+                if len(text) > len(streamed) and text.startswith(streamed):
+                    yield event("response.output_text.delta", **part, delta=text[len(streamed):], logprobs=[])
+                yield event("response.output_text.done", **part, text=text, logprobs=[])
+                yield event("response.content_part.done", **part, part=item.content[0].model_dump())
+            else:
+                yield event("response.output_item.added", output_index=index,
+                            item=item.model_copy(update={"arguments": "", "status": "in_progress"}).model_dump())
+                for k in range(0, len(item.arguments), ARGUMENT_FRAGMENT_CHARS):
+                    yield event("response.function_call_arguments.delta", item_id=item.id, output_index=index,
+                                delta=item.arguments[k:k + ARGUMENT_FRAGMENT_CHARS])
+                yield event("response.function_call_arguments.done", item_id=item.id, output_index=index,
+                            name=item.name, arguments=item.arguments)
+            yield event("response.output_item.done", output_index=index, item=item.model_dump())
+        body = self._finish(rt, end, output)
+        yield event("response.completed" if body["status"] == "completed" else "response.incomplete", response=body)

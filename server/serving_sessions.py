@@ -1,13 +1,12 @@
 """Native sessions under /v1/sessions: create, post a message or tool results, inspect, delete.
 
-A session is a record of the conversation store (`Kind.SESSION`) served turn by turn through the chat
-path (`ChatServing.open` / `end_turn`): a turn that ends in tool calls stays paused in the engine, the
-session adopts that paused generation, and the post that brings the results resumes it (the chat path
-finds it by the call ids). Calls of *server tools* (named
+A session is a record of the conversation store (`Kind.SESSION`) served turn by turn through the turn
+API (turns.py) as the holder of its turns: a turn that ends in tool calls stays paused in the engine,
+kept for the session, and the post that brings the results resumes it. Calls of *server tools* (named
 at creation, run by the server itself through the `infercept.tools` interface) never leave the server:
 when a turn calls only those, the server runs them while the generation waits paused, resumes it with
 the results and goes on (`tool_loop.serve_turns`). A session that is sent `token_ids` instead is
-token-level: the client decides where it pauses (`session_tokens.TokenTurns`).
+token-level: the client decides where it pauses (serving_session_tokens.py).
 
 Errors per DESIGN §6: 404 for an unknown session, 409 for tool results to a session that is not paused,
 or any message while it generates, or a user message while it waits for tool results.
@@ -22,31 +21,29 @@ from dataclasses import asdict
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 from starlette.requests import Request
 
-from .chat import Message
-from .chat_wire import chat_message
-from .conversations import Conversation, ConversationStore, Kind, SessionSpec, State
-from .protocol import APIError, ChatCompletionRequest, bad_request, new_id, now
+from .chat import Message, tool_specs
+from .conversations import Conversation, Kind, SessionSpec, State
+from .protocol import APIError, bad_request, new_id, now
 from .protocol_sessions import SessionCreateRequest, SessionMessageRequest
-from .serving_base import logger, once, respond
-from .serving_chat import ChatServing
-from .session_tokens import TokenTurns
-from .tool_loop import Emit, Opened, call_view, events_then_result, resolve_server_tools, serve_turns
+from .serving_base import Frontend, respond
+from .serving_session_tokens import check_kind, converse, token_turn
+from .tool_loop import Emit, call_view, events_then_result, resolve_server_tools, serve_turns
+from .tool_mode import tool_mode
+from .turns import Sampling, Turn, TurnSpec
 
 
-class SessionServing:
-    def __init__(self, chat: ChatServing, conversations: ConversationStore, tool_lookup: Callable[[str], Any]):
-        self.chat = chat
-        self.conversations = conversations
+class SessionServing(Frontend):
+    def __init__(self, *args, tool_lookup: Callable[[str], Any], backend, **kwargs):
+        super().__init__(*args, **kwargs)
         self.tool_lookup = tool_lookup
-        self.tokens = TokenTurns(chat)
+        self.backend = backend  # for where a session's KV lives
 
     # -- create, inspect, delete -------------------------------------------------------------------
     async def create(self, req: SessionCreateRequest) -> Response:
-        model = req.model or self.chat.model_name
-        self.chat.check_model(model)
+        model = req.model or self.model_name
+        self.check_model(model)
         tools = list(req.tools or ())
         if len({t.function.name for t in tools}) != len(tools):
             raise bad_request("tool names must be unique", param="tools")
@@ -72,7 +69,7 @@ class SessionServing:
     async def _kv_location(self, request_id: str | None) -> dict[str, int]:
         if request_id is not None:
             with contextlib.suppress(KeyError):  # the generation ended (or was aborted) meanwhile
-                return (await self.chat.backend.kv_location(request_id)).as_dict()
+                return (await self.backend.kv_location(request_id)).as_dict()
         return {"device": 0, "host": 0, "discarded": 0}
 
     def _get(self, session_id: str) -> Conversation:
@@ -92,7 +89,7 @@ class SessionServing:
                 "state": session.state.value, "system": spec.system,
                 "tools": [t.function.name for t in spec.tools if t.function.name not in spec.server_tools],
                 "server_tools": list(spec.server_tools), "defaults": spec.defaults,
-                "messages": [chat_message(m) for m in session.messages],
+                "messages": [m.wire() for m in session.messages],
                 "pending_calls": [call_view(c, spec.server_tools) for c in session.pending_calls]}
         if session.token_ids:
             view["context_tokens"] = len(session.token_ids)  # a token-level session's context so far
@@ -106,7 +103,7 @@ class SessionServing:
         if sum(x is not None for x in (req.content, req.tool_results, req.token_ids)) != 1:
             raise bad_request("give exactly one of content (a user message), tool_results (for a paused session) "
                               "or token_ids (a token-level session)")
-        self.tokens.check_kind(session, req)
+        check_kind(session, req)
         if session.state is State.GENERATING:
             raise APIError(409, f"session {session_id!r} is generating a turn", code="session_busy")
         new = None if req.token_ids is not None else self._new_messages(session, req)
@@ -114,22 +111,14 @@ class SessionServing:
         before = session.state
         session.state = State.GENERATING
         try:
-            if new is None:
-                turn, cleanup = await self.tokens.open(session, req, raw)
-                session.request_id = turn.request_id
-            else:
-                ctx, cleanup = await self._open(session, [*session.messages, *new], req, raw)
+            turn = await self.turns.open(token_turn(session, req) if new is None else self._chat_turn(session, new, req))
         except BaseException:
             session.state = before
             raise
-        # The first turn's cleanup also runs when the post ends, in case its task never got to start.
-        cleanup = once(cleanup)
+        session.request_id = turn.engine.request_id
         events: asyncio.Queue[tuple[str, dict]] = asyncio.Queue()
         emit: Emit = (lambda kind, data: events.put_nowait((kind, data))) if req.stream else (lambda *_: None)
-        if new is None:
-            work = self.tokens.converse(session, turn, emit)
-        else:
-            work = self._converse(session, new, (ctx, cleanup), req, raw, emit)
+        work = converse(session, turn, emit) if new is None else self._converse(session, turn, emit)
         task = session.task = asyncio.create_task(work)
 
         async def settle() -> None:
@@ -138,13 +127,15 @@ class SessionServing:
             if not task.done():
                 task.cancel()
                 await asyncio.wait([task])
-            await cleanup()
+            await turn.close()  # also when the task never got to start (the loop closes the later turns)
             if session.state is State.GENERATING:
                 session.state = before
             session.task = session.request_id = None
 
         return await respond(raw, req.stream, lambda: self._sse(session, task, events),
-                             lambda: self._outcome(session, task), settle, {"X-Session-Id": session_id})
+                             lambda: self._outcome(session, task), settle, {"X-Session-Id": session_id},
+                             f"session {session_id}", error=lambda e: {"event": "error", "data": json.dumps(e.body())},
+                             done=None)
 
     def _new_messages(self, session: Conversation, req: SessionMessageRequest) -> list[Message]:
         """The chat messages a post adds: its tool results (409 unless paused) or its user message (409
@@ -173,39 +164,29 @@ class SessionServing:
                                   param=f"tool_results[{i}].tool_call_id")
             answered.add(result.tool_call_id)
 
-    async def _open(self, session: Conversation, messages: list[Message], req: SessionMessageRequest,
-                    raw: Request) -> Opened:
-        """Open a turn of `messages` through the chat path."""
+    @staticmethod
+    def _chat_turn(session: Conversation, new: list[Message], req: SessionMessageRequest) -> TurnSpec:
+        """The post's turn: the session's system prompt, conversation and new messages, with its tools."""
         spec = session.spec
-        system = [Message("system", spec.system)] if spec.system else []
-        sampling = spec.turn_sampling(req.sampling())
-        try:
-            chat_req = ChatCompletionRequest.model_validate(dict(
-                model=spec.model, messages=[chat_message(m) for m in system + messages],
-                tools=[t.model_dump() for t in spec.tools] or None, intercept=req.intercept, **sampling))
-        except ValidationError as e:
-            raise bad_request(f"the session's conversation is not valid: {e.errors()[0]['msg']}") from None
-        return await self.chat.open(chat_req, raw)
+        system = (Message("system", spec.system),) if spec.system else ()
+        return TurnSpec("chat", Sampling(**spec.turn_sampling(req.sampling())),
+                        (*system, *session.messages, *new), mode=tool_mode(tool_specs(spec.tools) or None, None),
+                        intercept=req.intercept, holder=session, id_prefix="sess-")
 
-    async def _converse(self, session: Conversation, new: list[Message], opened: Opened,
-                        req: SessionMessageRequest, raw: Request, emit: Emit) -> dict:
+    async def _converse(self, session: Conversation, turn: Turn, emit: Emit) -> dict:
         """Serve the post's turns (server-tool rounds included); the session moves on once all are done."""
-        async def open_turn(messages: list[Message]) -> Opened:
-            opened = await self._open(session, messages, req, raw)
-            session.request_id = opened[0].turn.request_id
-            return opened
+        def on_turn(opened: Turn) -> None:
+            session.request_id = opened.engine.request_id
 
-        session.request_id = opened[0].turn.request_id
         server_tools = session.spec.server_tools
-        outcome = await serve_turns(self.chat, opened, open_turn, [*session.messages, *new], server_tools, emit,
-                                    holder=session)
+        outcome = await serve_turns(self.turns, turn, server_tools, emit, on_turn)
         result = outcome.result
-        session.messages = tuple(outcome.messages)
+        session.messages = tuple(outcome.messages[1 if session.spec.system else 0:])
         session.state = State.PAUSED if result.calls else State.IDLE
         pending = [call_view(c, server_tools) for c in result.calls]
         if pending:
             emit("paused", {"pending_calls": pending})
-        return {"session_id": session.id, "state": session.state.value, "message": chat_message(result.message),
+        return {"session_id": session.id, "state": session.state.value, "message": result.message.wire(),
                 "finish_reason": result.finish_reason, "pending_calls": pending,
                 "steps": [asdict(s) for s in outcome.steps], "usage": outcome.usage()}
 
@@ -221,12 +202,6 @@ class SessionServing:
 
     async def _sse(self, session: Conversation, task: asyncio.Task,
                    events: asyncio.Queue) -> AsyncIterator[dict]:
-        """Events as the turns produce them, then `done` with the outcome (or `error`)."""
-        try:
-            async for kind, data in events_then_result(self._outcome(session, task), events):
-                yield {"event": kind, "data": json.dumps(data, ensure_ascii=False)}
-        except APIError as e:
-            yield {"event": "error", "data": json.dumps(e.body())}
-        except Exception as e:  # an engine failure mid-stream: report it in the stream, never hang
-            logger.exception("session %s failed mid-stream", session.id)
-            yield {"event": "error", "data": json.dumps(APIError(500, f"internal error: {e}").body())}
+        """Events as the turns produce them, then `done` with the outcome."""
+        async for kind, data in events_then_result(self._outcome(session, task), events):
+            yield {"event": kind, "data": json.dumps(data, ensure_ascii=False)}

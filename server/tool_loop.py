@@ -1,9 +1,10 @@
 """Server tools: turns served back to back while the model calls only tools the server runs itself.
 
-A turn that ends in calls pauses its generation (the chat path keeps it; a native session adopts it,
-`holder`). When every call names an enabled server tool, the tools run here while the generation waits
-paused, their results extend the conversation, and the next turn is opened on it: the chat path
-recognizes the paused generation and resumes it, so the interception never leaves the server. The loop stops at a turn without calls, at a
+A turn that ends in calls pauses its generation (kept by the store: for the turn's holder, a chat or
+native session, or as an implicit record). When every call names an enabled server tool, the tools run
+here while the generation waits paused, their results extend the conversation, and the next turn is
+opened on it (the same `TurnSpec` with the longer conversation): it claims the paused generation and
+resumes it, so the interception never leaves the server. The loop stops at a turn without calls, at a
 call of a client tool (the client answers all of that turn's calls), or after `MAX_SERVER_TOOL_ROUNDS`.
 
 Server tools follow the `infercept.tools` interface: `.name`, `.description`, `.parameters` (a JSON
@@ -12,23 +13,22 @@ schema) and `async run(arguments: dict) -> str`.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from infercept.engine.backend import RequestOutput
 
 from .chat import Call, Message
-from .conversations import Conversation
 from .protocol import ToolParam, bad_request
-from .serving_base import logger
-from .serving_chat import ChatContext, ChatServing, TurnResult
+from .turns import CallDone, TextDelta, Turn, TurnFinished, TurnResult, Turns
+
+logger = logging.getLogger("infercept.server")
 
 MAX_SERVER_TOOL_ROUNDS = 8  # server-tool rounds per request before its calls go to the client anyway
 
 Emit = Callable[[str, dict], None]  # (event kind, payload): "delta", "tool_call", "tool_result"
-Opened = tuple[ChatContext, Callable[[], Awaitable[None]]]  # what ChatServing.open returns
-OpenTurn = Callable[[list[Message]], Awaitable[Opened]]
 
 
 def resolve_server_tools(names: list[str] | None, lookup: Callable[[str], Any], client_tools: list[ToolParam],
@@ -76,54 +76,43 @@ class LoopOutcome:
                 "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in self.steps)}}
 
 
-async def serve_turns(chat: ChatServing, opened: Opened, open_turn: OpenTurn, messages: list[Message],
-                      server_tools: Mapping[str, Any], emit: Emit,
-                      holder: Conversation | None = None) -> LoopOutcome:
-    """Serve the opened turn of `messages`, and the turns after each round of server-tool calls; each
-    turn's paused generation goes to `holder` if given."""
-    messages = list(messages)
+async def serve_turns(turns: Turns, turn: Turn, server_tools: Mapping[str, Any], emit: Emit,
+                      on_turn: Callable[[Turn], None] = lambda turn: None) -> LoopOutcome:
+    """Serve the opened `turn`, and after each round of server-tool calls the next turn of its spec with
+    the conversation so far (`on_turn` is told of each such turn as it opens)."""
+    messages = list(turn.spec.messages)
     steps: list[Step] = []
     rounds = 0
     while True:
-        ctx, cleanup = opened
         try:
-            result, last = await _serve_turn(chat, ctx, emit, holder)
+            end = await _serve_turn(turn, server_tools, emit)
         finally:
-            await cleanup()
+            await turn.close()
+        result = end.result
         messages.append(result.message)
-        steps.append(Step(len(ctx.turn.prompt_ids), ctx.turn.cached_tokens, len(last.token_ids), result.finish_reason))
-        for call in result.calls:
-            emit("tool_call", call_view(call, server_tools))
+        steps.append(Step(end.usage.prompt_tokens, end.usage.cached_tokens, end.usage.completion_tokens,
+                          result.finish_reason))
         if not result.calls or rounds == MAX_SERVER_TOOL_ROUNDS \
                 or any(c.name not in server_tools for c in result.calls):
-            return LoopOutcome(messages, result, last, steps)
+            return LoopOutcome(messages, result, end.output, steps)
         outputs = await asyncio.gather(*(run_tool(server_tools[c.name], c) for c in result.calls))
         for call, output in zip(result.calls, outputs):
             emit("tool_result", {"tool_call_id": call.id, "name": call.name, "content": output})
             messages.append(Message("tool", output, tool_call_id=call.id))
         rounds += 1
-        opened = await open_turn(messages)
+        turn = await turns.open(replace(turn.spec, messages=tuple(messages)))
+        on_turn(turn)
 
 
-async def _serve_turn(chat: ChatServing, ctx: ChatContext, emit: Emit,
-                      holder: Conversation | None) -> tuple[TurnResult, RequestOutput]:
-    """One turn to its end, its content emitted as `delta`s while it is generated."""
-    streamed, last = "", None
-    async for out in ctx.turn.outputs():
-        last = out
-        if out.turn_done:
-            break
-        visible = chat.streamable_text(ctx, out.text)
-        if len(visible) > len(streamed) and visible.startswith(streamed):
-            emit("delta", {"content": visible[len(streamed):]})
-            streamed = visible
-    result = chat.end_turn(ctx, last)
-    if holder is not None:  # at once: no await between the pause and its new holder
-        chat.conversations.adopt(holder, ctx.turn.request_id)
-    content = result.content or ""
-    if len(content) > len(streamed) and content.startswith(streamed):
-        emit("delta", {"content": content[len(streamed):]})
-    return result, last
+async def _serve_turn(turn: Turn, server_tools: Mapping[str, Any], emit: Emit) -> TurnFinished:
+    """One turn to its end, its content emitted as `delta`s while it is generated, then its calls."""
+    async for event in turn.events():
+        if isinstance(event, TextDelta):
+            emit("delta", {"content": event.text})
+        elif isinstance(event, CallDone):
+            emit("tool_call", call_view(event.call, server_tools))
+        elif isinstance(event, TurnFinished):
+            return event
 
 
 async def run_tool(tool, call: Call) -> str:

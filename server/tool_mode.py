@@ -1,5 +1,5 @@
-"""What a chat request asks of its turn: the tools it sees and whether it may, must or must not call
-them (`ToolMode`), the grammar that enforces that (`with_grammar`), and the session it continues.
+"""What a chat turn asks of its tools: the tools it sees and whether it may, must or must not call
+them (`ToolMode`), and the grammar that enforces that (`with_grammar`).
 
 `tool_choice` "none" keeps the tools in the prompt (as vLLM does), so an agent's last, answering step
 renders the same prefix as its calling steps and resumes or reuses it; a grammar then keeps the turn
@@ -12,17 +12,11 @@ calls only, so the format has nothing to constrain there.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
-
-from starlette.requests import Request
 
 from infercept.engine.backend import GuidedDecodingParams, SamplingParams, ToolFormat, ToolSpec
 
-from .chat import tool_specs
-from .protocol import ChatCompletionRequest, bad_request
-
-SESSION_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+from .protocol import bad_request
 
 
 @dataclass
@@ -83,36 +77,21 @@ def _compile(param: str, **grammar) -> GuidedDecodingParams:
                           param="tools" if param == "tool_choice" else param) from None
 
 
-def tool_mode(req: ChatCompletionRequest) -> ToolMode:
-    """The request's tools and whether its turn may, must or must not call them (400 on contradictions)."""
-    tools = req.tools or None
-    choice = req.tool_choice
-    parallel = req.parallel_tool_calls is not False
-    if tools is None:
+def tool_mode(tools: list[ToolSpec] | None, choice: str | None, parallel: bool = True) -> ToolMode:
+    """The turn's tools and whether it may, must or must not call them. `choice`: None, "none", "auto",
+    "required" or the name of the one tool to call (400 on contradictions)."""
+    if not tools:
         if choice not in (None, "none", "auto"):
             raise bad_request("tool_choice requires tools", param="tool_choice")
         return ToolMode(None, False)
-    if len({t.function.name for t in tools}) != len(tools):
+    if len({t.name for t in tools}) != len(tools):
         raise bad_request("tool names must be unique", param="tools")
-    specs = tool_specs(tools)
     if choice == "none":  # still rendered: the prompt stays the one the other steps of the loop share
-        return ToolMode(specs, False)
+        return ToolMode(tools, False)
     if choice in (None, "auto"):
-        return ToolMode(specs, True, parallel=parallel)
+        return ToolMode(tools, True, parallel=parallel)
     if choice == "required":
-        return ToolMode(specs, True, forced=True, parallel=parallel)
-    if choice.function.name not in {t.name for t in specs}:
-        raise bad_request(f"tool_choice names {choice.function.name!r}, which is not in tools",
-                          param="tool_choice")
-    return ToolMode(specs, True, forced=True, forced_name=choice.function.name, parallel=False)
-
-
-def session_id_of(req: ChatCompletionRequest, raw: Request) -> str | None:
-    """The session the request names (body `session_id` or the X-Session-Id header), checked."""
-    header = raw.headers.get("x-session-id")
-    if header is not None and req.session_id is not None and header != req.session_id:
-        raise bad_request("session_id in the body and the X-Session-Id header differ", param="session_id")
-    session_id = req.session_id or header
-    if session_id is not None and not SESSION_ID.fullmatch(session_id):
-        raise bad_request("session_id must be 1 to 128 characters of A-Z a-z 0-9 . _ : -", param="session_id")
-    return session_id
+        return ToolMode(tools, True, forced=True, parallel=parallel)
+    if choice not in {t.name for t in tools}:
+        raise bad_request(f"tool_choice names {choice!r}, which is not in tools", param="tool_choice")
+    return ToolMode(tools, True, forced=True, forced_name=choice, parallel=False)

@@ -16,14 +16,12 @@ from typing import Any
 from fastapi.responses import Response
 from starlette.requests import Request
 
-from .chat import Message
-from .chat_wire import chat_message
-from .protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                       ChatChunkChoice, ChatMessage, ChatMessageParam, FunctionCall, PromptTokensDetails, ToolCall,
-                       Usage, bad_request, now)
-from .serving_base import once, openai_sse, respond
-from .serving_chat import ChatContext, ChatServing
-from .tool_loop import LoopOutcome, Opened, events_then_result, resolve_server_tools, serve_turns
+from .protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+                       ChatMessage, PromptTokensDetails, Usage, bad_request, now)
+from .serving_base import once, respond
+from .serving_chat import ChatServing, headers, session_of, tool_calls
+from .tool_loop import LoopOutcome, events_then_result, resolve_server_tools, serve_turns
+from .turns import Turn
 
 
 class ChatServerTools:
@@ -38,43 +36,48 @@ class ChatServerTools:
         client_tools = list(req.tools or ())
         server_tools, definitions = resolve_server_tools(req.server_tools, self.tool_lookup, client_tools,
                                                          "server_tools")
-        base = req.model_copy(update={"tools": client_tools + definitions, "server_tools": None})
-        ctx, cleanup = await self.chat.open(base, raw)
-        cleanup = once(cleanup)  # also run when the request ends, in case the loop never got to start
+        chat = self.chat
+        turn = await chat.open(chat.spec(req.model_copy(update={"tools": client_tools + definitions}), raw))
+        current = turn
 
-        async def open_turn(messages: list[Message]) -> Opened:
-            params = [ChatMessageParam.model_validate(chat_message(m)) for m in messages]
-            return await self.chat.open(base.model_copy(update={"messages": params}), raw)
+        def on_turn(opened: Turn) -> None:
+            nonlocal current
+            current = opened
+
+        async def cleanup() -> None:  # whichever turn the loop is in when the request ends; then the session
+            await current.close()
+            await chat.close(turn)
 
         events: asyncio.Queue[tuple[str, dict]] = asyncio.Queue()
         emit = (lambda kind, data: events.put_nowait((kind, data))) if req.stream else (lambda *_: None)
-        work = serve_turns(self.chat, (ctx, cleanup), open_turn, list(ctx.messages), server_tools, emit)
-        return await respond(raw, req.stream,
-                             lambda: openai_sse(self._stream(ctx, work, events), f"request {ctx.response_id}"),
-                             lambda: self._full(ctx, work), cleanup, ctx.headers)
+
+        async def work() -> LoopOutcome:
+            outcome = await serve_turns(chat.turns, turn, server_tools, emit, on_turn)
+            chat.remember(turn, tuple(outcome.messages))
+            return outcome
+
+        loop = work()
+        return await respond(raw, req.stream, lambda: self._stream(req, turn, loop, events),
+                             lambda: self._full(req, turn, loop), once(cleanup), headers(turn), f"request {turn.id}")
 
     @staticmethod
-    async def _full(ctx: ChatContext, work) -> dict:
-        req = ctx.request
+    async def _full(req: ChatCompletionRequest, turn: Turn, work) -> dict:
         outcome = await work
         result = outcome.result
-        tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
-                      for c in result.calls] or None
         response = ChatCompletionResponse(
-            id=ctx.response_id, model=req.model, usage=_usage(outcome), session_id=ctx.session_id,
-            choices=[ChatChoice(message=ChatMessage(content=result.content, tool_calls=tool_calls),
+            id=turn.id, model=req.model, usage=_usage(outcome), session_id=session_of(turn),
+            choices=[ChatChoice(message=ChatMessage(content=result.content, tool_calls=tool_calls(result.calls)),
                                 finish_reason=result.finish_reason)])
         exclude = {"prompt_token_ids": True, "choices": {0: {"token_ids"}}} | (
-            {"session_id": True} if ctx.session_id is None else {})
+            {"session_id": True} if session_of(turn) is None else {})
         return response.model_dump(mode="json", exclude=exclude)
 
-    async def _stream(self, ctx: ChatContext, work, events: asyncio.Queue) -> AsyncIterator[dict]:
-        req = ctx.request
+    async def _stream(self, req: ChatCompletionRequest, turn: Turn, work, events: asyncio.Queue) -> AsyncIterator[dict]:
         created = now()
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         def chunk(delta: dict, finish_reason: str | None = None) -> dict:
-            c = ChatCompletionChunk(id=ctx.response_id, created=created, model=req.model,
+            c = ChatCompletionChunk(id=turn.id, created=created, model=req.model,
                                     choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
             return {"data": c.model_dump_json(exclude={"usage": True, "choices": {0: {"token_ids"}}})}
 
@@ -90,7 +93,7 @@ class ChatServerTools:
                                          "function": {"name": call.name, "arguments": call.arguments}}]})
         yield chunk({}, finish_reason=outcome.result.finish_reason)
         if include_usage:
-            usage = ChatCompletionChunk(id=ctx.response_id, created=created, model=req.model, choices=[],
+            usage = ChatCompletionChunk(id=turn.id, created=created, model=req.model, choices=[],
                                         usage=_usage(outcome))
             yield {"data": usage.model_dump_json()}
 

@@ -1,0 +1,120 @@
+"""The types of the turn API (turns.py): what a turn asks (`TurnSpec`, `Sampling`) and the events it
+yields (`TextDelta`, `CallOpened`, `CallArguments`, `CallDone`, `TurnPaused`, `TurnFinished`)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from infercept.engine.backend import RequestOutput
+
+from .chat import Call, Message
+from .conversations import Conversation, Paused
+from .protocol import APIError, InterceptOptions, SamplingFields
+from .tool_mode import ToolMode
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a turn samples, as its front end's request asked (already checked by its wire model)."""
+
+    temperature: float | None = None  # None: 1
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    max_tokens: int | None = None  # None: up to the context length
+    min_tokens: int = 0
+    stop: str | Sequence[str] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top logprobs per sampled token; None: no logprobs
+
+    @classmethod
+    def of(cls, req: SamplingFields, max_tokens: int | None, logprobs: int | None = None) -> Sampling:
+        return cls(req.temperature, req.top_p, req.top_k, req.seed, max_tokens, req.min_tokens, req.stop,
+                   req.ignore_eos, logprobs)
+
+
+@dataclass(frozen=True)
+class TurnSpec:
+    """One turn, whatever front end it came through: `messages` (a chat turn) or `prompt_ids` (a token turn)."""
+
+    endpoint: str  # the front end, for metrics and logs
+    sampling: Sampling
+    messages: tuple[Message, ...] = ()
+    prompt_ids: tuple[int, ...] | None = None
+    mode: ToolMode = field(default_factory=lambda: ToolMode(None, False))
+    answer_schema: dict | None = None  # JSON an answer without calls must follow
+    intercept: InterceptOptions | None = None  # chat: what its calls wait for; tokens: every stop pauses
+    holder: Conversation | None = None  # the named conversation it continues; it keeps the turn's pause
+    id_prefix: str = "chatcmpl-"
+    request_id: str | None = None  # instead of a new id with `id_prefix`
+    param: str = "messages"  # the request field that prompt errors name
+
+    @property
+    def is_chat(self) -> bool:
+        return self.prompt_ids is None
+
+
+# -- events -----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+    output: RequestOutput  # the engine output it came with (its tokens, logprobs)
+
+
+@dataclass(frozen=True)
+class CallOpened:
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class CallArguments:
+    index: int
+    delta: str  # JSON text that extends the arguments sent so far
+
+
+@dataclass(frozen=True)
+class CallDone:
+    index: int
+    call: Call
+
+
+@dataclass(frozen=True)
+class TurnPaused:
+    handle: Paused
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    content: str | None
+    calls: list[Call]
+    finish_reason: str
+    message: Message  # the assistant message the turn adds to its conversation
+
+
+@dataclass(frozen=True)
+class TurnUsage:
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens whose KV was reused
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class TurnFinished:
+    result: TurnResult
+    output: RequestOutput  # the turn's last engine output
+    usage: TurnUsage
+
+
+TurnEvent = TextDelta | CallOpened | CallArguments | CallDone | TurnPaused | TurnFinished
+
+
+def finish_reason(out: RequestOutput) -> str:
+    """OpenAI finish reason of a turn that ended without tool calls (a pause on a stop included)."""
+    if out.paused:
+        return "stop" if out.stop_reason is not None else "length"
+    if out.finish_reason == "abort":
+        raise APIError(503, "the request was aborted (the server is shutting down)")
+    return out.finish_reason or "stop"

@@ -1,0 +1,336 @@
+"""The typed turn API every front end serves through.
+
+A `TurnSpec` says what one turn asks: a chat conversation (rendered with the model's chat template) or
+token ids, its tools and tool mode, its sampling, and the named conversation it continues. `Turns.open`
+opens it: checks and renders it (400s come before anything is counted), admits it (429 / 503), claims
+the paused generation it continues from the conversation store and resumes it, or starts it fresh.
+`Turn.events()` then yields typed events until the turn ends:
+
+    TextDelta       text the client may be shown (a chat turn: never part of a tool call)
+    CallOpened      a tool call's id and name, as soon as it is certain (grammar-constrained turns stream
+    CallArguments   its arguments while they are written; otherwise a call shows once the engine judged it)
+    CallDone        a call that counts, whole, once the turn ended
+    TurnPaused      the turn's generation stays paused, kept by the store for the request that resumes it
+    TurnFinished    the turn's result (content, calls, finish reason, the assistant message) and usage
+
+Failures are raised (`APIError`); each front end renders them as its wire's error (serving_base). The
+front ends -- chat completions, completions, Responses, native sessions, the server-tool loop -- are
+sibling adapters: each maps its wire request to a `TurnSpec` and these events to its wire shape.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+from infercept.engine.backend import InterceptParams, RequestOutput, SamplingParams
+
+from .chat import AssistantTurn, Call, ChatRenderer, Message, validate_tool_flow
+from .conversations import ConversationStore, Paused
+from .engine_turn import Admission, EngineTurn, EngineTurns
+from .metrics import ServerMetrics
+from .protocol import APIError, bad_request, new_id
+from .tool_mode import with_grammar
+from .turn_types import (CallArguments, CallDone, CallOpened, Sampling, TextDelta, TurnEvent, TurnFinished,
+                         TurnPaused, TurnResult, TurnSpec, TurnUsage, finish_reason)
+
+__all__ = ["CallArguments", "CallDone", "CallOpened", "Sampling", "TextDelta", "Turn", "TurnEvent", "TurnFinished",
+           "TurnPaused", "TurnResult", "TurnSpec", "TurnUsage", "Turns"]
+
+logger = logging.getLogger("infercept.server")
+
+
+# -- a turn -----------------------------------------------------------------------------------------
+
+class Turn:
+    """One turn being served: its engine turn, what of its text a stream may show, and its end."""
+
+    def __init__(self, turns: Turns, spec: TurnSpec, id: str, engine: EngineTurn, prefill: str,
+                 guided_calls: bool):
+        self.turns = turns
+        self.spec = spec
+        self.id = id  # the front end's id of this turn (a resumed generation's engine id stays its first)
+        self.engine = engine
+        self.prefill = prefill  # text the server wrote for the model (a forced call's opening)
+        self.guided_calls = guided_calls  # grammar-constrained calls: every call written has valid arguments
+        self.call_ids: list[str] = []  # by index, the same in stream deltas and in the final calls
+        self._release: Callable[[], None] | None = None  # admission's, for a turn admitted on its own
+        self._unkept: Paused | None = None  # its paused generation, until the store keeps it
+        self._closed = False
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.engine.prompt_ids
+
+    async def close(self) -> None:
+        """Leave the turn (however it ended; idempotent): abort it unless it ended, release admission."""
+        if self._closed:
+            return
+        self._closed = True
+        await self.engine.close()
+        if self._release is not None:
+            self._release()
+
+    async def result(self, keep: bool = True) -> TurnFinished:
+        """Serve the turn to its end, without streaming (`keep`: see `events`)."""
+        async for event in self.events(keep):
+            if isinstance(event, TurnFinished):
+                return event
+
+    def keep(self) -> None:
+        """Hand the turn's paused generation, if it has one not kept yet, to the conversation store."""
+        if self._unkept is not None and not self._closed:
+            self.engine.kept = True
+            self.turns.conversations.pause(self._unkept, self.spec.holder)
+        self._unkept = None
+
+    async def events(self, keep: bool = True) -> AsyncIterator[TurnEvent]:
+        """The turn's events until it ends. A turn that ends paused is kept by the store at once (no await
+        between), unless `keep` is False: then only `keep()` keeps it, and closing the turn before that
+        aborts it (a batch keeps its pauses once every turn of it has ended: its client gets them all)."""
+        streamed = ""  # text shown so far
+        sent_tokens = 0
+        sent_calls: dict[int, str] = {}  # index -> arguments shown so far
+        last = None
+        async for out in self.engine.outputs():
+            last = out
+            if self.spec.is_chat:
+                if out.turn_done:  # its text is the result's content (or calls), below
+                    break
+                for event in self._call_events(self._streamable_calls(out.text), sent_calls):
+                    yield event
+                visible = self._streamable_text(out.text)
+                if len(visible) > len(streamed) and visible.startswith(streamed):
+                    yield TextDelta(visible[len(streamed):], out)
+                    streamed = visible
+            elif len(out.token_ids) > sent_tokens:  # a token turn shows every token, its text never taken back
+                text = out.text if out.text.startswith(streamed) else streamed
+                yield TextDelta(text[len(streamed):], out)
+                streamed, sent_tokens = text, len(out.token_ids)
+        result, handle = self._end(last)
+        self._unkept = handle
+        if keep:
+            self.keep()
+        content = result.content or ""
+        # Once calls were shown, a turn that ends as text (a guided call cut by max_tokens) is that
+        # call's text: the client already has it as a call, and the finish reason says "length".
+        if self.spec.is_chat and not sent_calls and len(content) > len(streamed) and content.startswith(streamed):
+            yield TextDelta(content[len(streamed):], last)
+        # A guided turn's calls were shown as written: finish them so (the engine's calls are normalized,
+        # JSON-equal but maybe not byte-equal, and a client joins the pieces it got).
+        final = self._streamable_calls(last.text) if result.calls and self.guided_calls else \
+            [(call.name, call.arguments) for call in result.calls]
+        for event in self._call_events(final, sent_calls):
+            yield event
+        for i, call in enumerate(result.calls):
+            yield CallDone(i, call)
+        if handle is not None:
+            yield TurnPaused(handle)
+        yield TurnFinished(result, last, self.usage(last))
+
+    def usage(self, out: RequestOutput) -> TurnUsage:
+        return TurnUsage(len(self.prompt_ids), self.engine.cached_tokens, len(out.token_ids))
+
+    # -- what a stream may show --------------------------------------------------------------------
+    def _streamable_text(self, text: str) -> str:
+        """The part of a chat turn's text so far that is surely content, never part of a tool call."""
+        mode, fmt = self.spec.mode, self.turns.format
+        if mode.forced:
+            return ""
+        return fmt.safe_content(text) if mode.parse else text
+
+    def _streamable_calls(self, text: str) -> list[tuple[str, str]]:
+        """(name, arguments so far) of the calls a stream may show while they are written: in a
+        grammar-constrained turn, every call whose name is complete (the grammar guarantees valid
+        arguments at the end); otherwise none (calls count only once the engine validated them)."""
+        if not self.guided_calls:
+            return []
+        return [(c.name, c.arguments) for c in self.turns.format.partial_calls(self.prefill + text)]
+
+    def _call_events(self, calls: list[tuple[str, str]], sent: dict[int, str]) -> list[TurnEvent]:
+        """The events that take a client from `sent` (index -> arguments shown) to `calls`."""
+        events: list[TurnEvent] = []
+        for index, (name, arguments) in enumerate(calls):
+            if index not in sent:
+                events.append(CallOpened(index, self._call_id(index), name))
+                sent[index] = ""
+            done = sent[index]
+            if len(arguments) > len(done) and arguments.startswith(done):
+                events.append(CallArguments(index, arguments[len(done):]))
+                sent[index] = arguments
+        return events
+
+    def _call_id(self, index: int) -> str:
+        while len(self.call_ids) <= index:
+            self.call_ids.append(f"call_{uuid.uuid4().hex[:24]}")
+        return self.call_ids[index]
+
+    # -- the end -----------------------------------------------------------------------------------
+    def _end(self, out: RequestOutput) -> tuple[TurnResult, Paused | None]:
+        """The engine's verdict on the turn, rendered, and the handle of its paused generation. Tool calls
+        that all count keep the generation paused for the request that brings their results (calls of
+        which some did not count end it: the paused context would show calls that never get results)."""
+        spec, engine = self.spec, self.engine
+        handle = None
+        if out.tool_calls:
+            calls = [Call.make(self._call_id(i), c.name, c.arguments) for i, c in enumerate(out.tool_calls)]
+            message = Message("assistant", out.content or "", None, tuple(calls))
+            result = TurnResult(out.content or None, calls, "tool_calls", message)
+            if out.paused:
+                prefill_ids = len(self.turns.renderer.encode(self.prefill)) if self.prefill else 0
+                turn_ids = tuple(engine.prompt_ids[len(engine.prompt_ids) - prefill_ids:] + out.token_ids)
+                handle = Paused(engine.request_id, engine.prompt_ids + list(out.token_ids),
+                                AssistantTurn(message, turn_ids), spec.messages)
+        else:
+            text = self.prefill + out.text
+            result = TurnResult(text, [], finish_reason(out), Message("assistant", text))
+            if out.paused:  # a token turn's interception (chat turns pause only at calls)
+                handle = Paused(engine.request_id, engine.prompt_ids + list(out.token_ids))
+        usage = self.usage(out)
+        self.turns.metrics.observe_request(spec.endpoint, result.finish_reason, usage.prompt_tokens,
+                                           usage.cached_tokens, usage.completion_tokens)
+        logger.info("%s %s (engine %s%s): prompt %d tokens (%d cached), %d generated, finish %s%s", spec.endpoint,
+                    self.id, engine.request_id, ", resumed" if engine.resumed else "", usage.prompt_tokens,
+                    usage.cached_tokens, usage.completion_tokens, result.finish_reason, ", paused" if handle else "")
+        return result, handle
+
+
+# -- opening turns ----------------------------------------------------------------------------------
+
+@dataclass
+class _Prepared:
+    spec: TurnSpec
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    intercept: InterceptParams | None
+    prefill: str = ""
+
+
+class Turns:
+    """Opens turns: the one place that renders, admits, claims paused generations and starts engine turns."""
+
+    def __init__(self, engine_turns: EngineTurns, conversations: ConversationStore, metrics: ServerMetrics,
+                 admission: Admission, renderer: ChatRenderer | None, max_model_len: int, vocab_size: int):
+        self.engine_turns = engine_turns
+        self.conversations = conversations
+        self.metrics = metrics
+        self.admission = admission
+        self.renderer = renderer  # None: the model has no chat template (token turns only)
+        self.format = renderer.tool_format if renderer is not None else None
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+
+    async def open(self, spec: TurnSpec) -> Turn:
+        """Open one turn; closing it releases its admission."""
+        (turn,) = await self._open([spec])
+        turn._release = self.admission.release
+        return turn
+
+    async def open_batch(self, specs: Sequence[TurnSpec]) -> tuple[list[Turn], Callable[[], None]]:
+        """Open turns admitted as one request (a completions batch): close each, then call the release."""
+        return await self._open(specs), self.admission.release
+
+    async def _open(self, specs: Sequence[TurnSpec]) -> list[Turn]:
+        started = time.monotonic()
+        prepared = [self._prepare(spec) for spec in specs]
+        self.admission.acquire()  # the last check that can refuse: from here on a claimed generation is resumed
+        turns: list[Turn] = []
+        try:
+            for p in prepared:
+                entry = self._claim(p.spec, p.prompt_ids)
+                engine = await self.engine_turns.open(p.id, p.prompt_ids, p.params, p.intercept, entry, started)
+                if engine.resumed:
+                    how = "explicit" if p.spec.holder is not None else "implicit" if p.spec.is_chat else "tokens"
+                    self.metrics.resumes.labels(self.metrics.model, how).inc()
+                turns.append(Turn(self, p.spec, p.id, engine, p.prefill,
+                                  guided_calls=p.spec.mode.parse and p.params.guided is not None))
+        except BaseException:
+            for turn in turns:
+                await turn.close()
+            self.admission.release()
+            raise
+        return turns
+
+    def _prepare(self, spec: TurnSpec) -> _Prepared:
+        """The turn's prompt, sampling parameters and interception rule (400 on bad input)."""
+        if not spec.is_chat:
+            prompt_ids = list(spec.prompt_ids)
+            self.check_prompt(prompt_ids, spec.param)
+            intercept = None if spec.intercept is None else InterceptParams(
+                pause_on_stop=True, expected_s=spec.intercept.expected_s, kind=spec.intercept.kind)
+            return _Prepared(spec, spec.request_id or new_id(spec.id_prefix), prompt_ids, self.sampling_params(spec, len(prompt_ids)),
+                             intercept)
+        if self.renderer is None:
+            raise APIError(400, "this model has no chat template; use /v1/completions", code="no_chat_template")
+        validate_tool_flow(spec.messages)
+        mode, fmt = spec.mode, self.format
+        prefill = fmt.forced_prefill(mode.forced_name) if mode.forced else ""
+        try:
+            prompt_ids = self.renderer.render(spec.messages, mode.tools, self.conversations.known_turn, prefill)
+        except APIError:
+            raise
+        except Exception as e:  # the template (jinja) or the tokenizer refused the input
+            raise bad_request(f"the conversation could not be rendered with the model's chat template: {e}",
+                              param=spec.param) from None
+        self.check_prompt(prompt_ids, spec.param)
+        params = self.sampling_params(spec, len(prompt_ids), skip_special_tokens=not (mode.parse and fmt.keeps_special_tokens))
+        params = with_grammar(fmt, params, mode, spec.answer_schema)
+        intercept = None
+        if mode.parse:
+            hint = spec.intercept
+            intercept = InterceptParams(tool_parser=fmt.family, tools=tuple(mode.tools), parallel_calls=mode.parallel,
+                                        text_prefix=prefill, expected_s=hint.expected_s if hint else None,
+                                        kind=hint.kind if hint else "tool")
+        return _Prepared(spec, spec.request_id or new_id(spec.id_prefix), prompt_ids, params, intercept, prefill)
+
+    def _claim(self, spec: TurnSpec, prompt_ids: list[int]) -> Paused | None:
+        """The paused generation the turn continues, taken out of the store: its holder's, or found by the
+        conversation's call ids (chat) or by the tokens (a prompt strictly extending its tokens)."""
+        store, holder = self.conversations, spec.holder
+        if spec.is_chat:
+            entry = store.find_for_messages(spec.messages, holder)
+        else:
+            entry = holder.paused if holder is not None else store.find_for_tokens(prompt_ids)
+        if entry is None:
+            if holder is not None:  # it moved on: its paused generation is of no further use
+                store.release_paused(holder, f"{holder.kind.value} {holder.id} continued differently")
+            return None
+        n = len(entry.token_ids)
+        if len(prompt_ids) > n and prompt_ids[:n] == entry.token_ids:
+            return store.take(entry)
+        logger.info("the turn matches paused %s but its prompt does not extend the paused tokens; serving it fresh",
+                    entry.request_id)
+        self.metrics.resume_fallbacks.labels(self.metrics.model).inc()
+        return None
+
+    # -- checks ------------------------------------------------------------------------------------
+    def check_prompt(self, ids: Sequence[int], param: str) -> None:
+        if not ids:
+            raise bad_request("the prompt is empty", param=param)
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
+            raise bad_request(f"prompt token ids must be integers in [0, {self.vocab_size})", param=param)
+        if len(ids) >= self.max_model_len:
+            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                              f"{len(ids)} tokens.", param=param, code="context_length_exceeded")
+
+    def sampling_params(self, spec: TurnSpec, num_prompt_tokens: int, skip_special_tokens: bool = True) -> SamplingParams:
+        s = spec.sampling
+        room = self.max_model_len - num_prompt_tokens
+        if s.max_tokens is not None and s.max_tokens > room:
+            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                              f"requested {num_prompt_tokens + s.max_tokens} tokens ({num_prompt_tokens} in the prompt, "
+                              f"{s.max_tokens} for the completion).", param="max_tokens",
+                              code="context_length_exceeded")
+        stop = [s.stop] if isinstance(s.stop, str) else list(s.stop or [])
+        try:
+            return SamplingParams(
+                temperature=1.0 if s.temperature is None else s.temperature,
+                top_p=1.0 if s.top_p is None else s.top_p,
+                top_k=max(s.top_k or 0, 0), seed=s.seed,
+                max_tokens=room if s.max_tokens is None else s.max_tokens, min_tokens=s.min_tokens,
+                stop=stop, ignore_eos=s.ignore_eos, logprobs=s.logprobs, skip_special_tokens=skip_special_tokens)
+        except ValueError as e:
+            raise bad_request(str(e)) from None
