@@ -40,6 +40,8 @@ from .serving_responses import ResponsesServing
 from .serving_server_tools import ChatServerTools
 from .serving_sessions import SessionServing
 from .settings import ServerSettings
+from .tenants import STATE_KEY as TENANT
+from .tenants import Authenticator
 from .turns import Turns
 
 logger = logging.getLogger("infercept.server")
@@ -69,7 +71,8 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
     if policy.max_paused_tokens is None:
         policy = replace(policy, max_paused_tokens=info.kv_capacity_tokens)
     metrics = ServerMetrics(model_name)
-    conversations = ConversationStore(policy, engine_release(backend, metrics), kept_tokens=backend.paused_kv_tokens)
+    conversations = ConversationStore(policy, engine_release(backend, metrics), kept_tokens=backend.paused_kv_tokens,
+                                      tenants=settings.all_tenants)
     admission = Admission(backend, settings.max_concurrent_requests)
     # The event loop tokenizes and renders while the engine thread detokenizes: separate instances, so
     # the two threads never share a tokenizer's mutable state.
@@ -204,6 +207,7 @@ class _Gate:
     def __init__(self, app, settings: ServerSettings):
         self.app = app
         self.settings = settings
+        self.auth = Authenticator(settings.all_tenants)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -228,7 +232,7 @@ class _Gate:
             await send(message)
 
         try:
-            error = self._check(path, headers)
+            error = self._check(scope, path, headers)
             if error is not None:
                 return await _send_error(send_logged, error)
             await self.app(scope, receive, send_logged)
@@ -236,14 +240,15 @@ class _Gate:
             logger.info("%s %s %d %.0fms request_id=%s", scope.get("method"), path, status,
                         (time.monotonic() - started) * 1000, request_id)
 
-    def _check(self, path: str, headers: dict[str, str]) -> APIError | None:
-        key = self.settings.api_key
-        if key and path.startswith("/v1"):
+    def _check(self, scope, path: str, headers: dict[str, str]) -> APIError | None:
+        if self.auth.enabled and path.startswith("/v1"):
             auth = headers.get("authorization", "")
-            if auth != f"Bearer {key}":
+            tenant = self.auth.tenant_for(auth)
+            if tenant is None:
                 return APIError(401, "Incorrect API key provided." if auth else "Missing bearer authentication "
                                 "in header: you need to provide an API key (Authorization: Bearer KEY).",
                                 code="invalid_api_key")
+            scope.setdefault("state", {})[TENANT] = tenant.name  # the request's owner (tenants.owner_of)
         length = headers.get("content-length")
         if length is not None:
             if not length.isdigit():

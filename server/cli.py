@@ -112,8 +112,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="address to listen on (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=int(_env("PORT", 8000)), help="port (default 8000; 0 = any free)")
-    g.add_argument("--api-key", default=_env("API_KEY", None),
-                   help="require 'Authorization: Bearer KEY' on /v1 routes")
+    g.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes; give it several times for several "
+                        "tenants, named key-1, key-2, ... (or INFERCEPT_API_KEY: one key, the tenant 'default')")
+    g.add_argument("--api-keys-file", default=_env("API_KEYS_FILE", None),
+                   help="tenants, one per line: KEY [NAME] [max_paused=N] [max_paused_tokens=N]; each tenant "
+                        "sees only its own sessions, responses and paused generations (docs/operators.md)")
     g.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME", None),
                    help="model name clients use (default: the model folder's name)")
     g.add_argument("--max-concurrent-requests", type=int, default=int(_env("MAX_CONCURRENT_REQUESTS", 512)),
@@ -148,12 +152,19 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 
 def server_settings(args: argparse.Namespace):
-    from infercept.server.settings import ConversationPolicy, ServerSettings
+    from infercept.server.settings import ConversationPolicy, ServerSettings, Tenant
 
     policy = ConversationPolicy(idle_ttl=args.idle_ttl, max_paused_tokens=args.max_paused_tokens,
                                 max_paused=args.max_paused, max_named_sessions=args.max_named_sessions,
                                 response_ttl=args.response_ttl, max_stored_responses=args.max_stored_responses)
-    return ServerSettings(host=args.host, port=args.port, api_key=args.api_key or None,
+    from infercept.server.tenants import load_keys_file
+
+    keys = args.api_key or []  # one key: the tenant "default"; several: key-1, key-2, ... by position
+    api_key = (keys[0] if len(keys) == 1 else None) if keys else _env("API_KEY", None)
+    tenants = tuple(Tenant(f"key-{i}", key) for i, key in enumerate(keys, 1)) if len(keys) > 1 else ()
+    if args.api_keys_file:
+        tenants += load_keys_file(args.api_keys_file)
+    return ServerSettings(host=args.host, port=args.port, api_key=api_key or None, tenants=tenants,
                           served_model_name=args.served_model_name, conversations=policy,
                           max_concurrent_requests=args.max_concurrent_requests, tool_parser=args.tool_parser)
 

@@ -50,7 +50,7 @@ from typing import Any
 
 from .chat import AssistantTurn, Call, Message
 from .protocol import APIError, ToolParam
-from .settings import ConversationPolicy
+from .settings import ConversationPolicy, Tenant
 
 logger = logging.getLogger("infercept.server")
 
@@ -134,6 +134,7 @@ class Conversation:
     request_id: str | None = None  # native sessions: the engine request generating now
     task: asyncio.Task | None = None  # native sessions: the post in flight (deleting the session cancels it)
     last_used: float = 0.0  # named records: last use; responses: creation
+    owner: str | None = None  # the tenant whose key created it (server/tenants.py); None: no API keys
 
     @property
     def pending_calls(self) -> tuple[Call, ...]:
@@ -163,8 +164,12 @@ def engine_release(backend, metrics) -> Release:
 
 class ConversationStore:
     def __init__(self, policy: ConversationPolicy, release: Release,
-                 kept_tokens: Callable[[str], int] = lambda rid: 0, clock: Callable[[], float] = time.monotonic):
+                 kept_tokens: Callable[[str], int] = lambda rid: 0, clock: Callable[[], float] = time.monotonic,
+                 tenants: Sequence[Tenant] = ()):
         self.policy = policy  # its max_paused_tokens None: no token limit
+        self.quotas = {t.name: t for t in tenants if t.max_paused is not None or t.max_paused_tokens is not None}
+        self._owned: dict[str | None, OrderedDict[str, None]] = {}  # owner -> its paused request ids, oldest first
+        self._owned_tokens: dict[str | None, int] = {}  # owner -> context tokens of its paused generations
         self.release = release
         self.kept_tokens = kept_tokens  # KV tokens (device + host) a paused generation still keeps
         self.clock = clock
@@ -172,7 +177,8 @@ class ConversationStore:
         self._by_call_id: dict[str, str] = {}  # first call id -> request id
         self._by_blocks: dict[int | None, dict[str, None]] = {}  # block key (`_block_keys`) -> request ids
         self._block_key: dict[str, int | None] = {}  # request id -> its key there
-        self._named: OrderedDict[tuple[Kind, str], Conversation] = OrderedDict()  # least recently used first
+        # (owner, kind, id) -> record, least recently used first: each tenant names its own chat sessions
+        self._named: OrderedDict[tuple[str | None, Kind, str], Conversation] = OrderedDict()
         self._responses: OrderedDict[str, Conversation] = OrderedDict()  # oldest first
         self._turns: OrderedDict[tuple[str, ...], AssistantTurn] = OrderedDict()
         self.num_paused_tokens = 0
@@ -182,9 +188,13 @@ class ConversationStore:
         """Every handle, oldest first: the generations the engine holds paused for the server."""
         return [holder.paused for holder in self._paused.values()]
 
-    def pause(self, handle: Paused, holder: Conversation | None = None) -> None:
-        """Keep `handle` for `holder` (None: a new implicit record), then release what is over the limits."""
+    def pause(self, handle: Paused, holder: Conversation | None = None, owner: str | None = None) -> None:
+        """Keep `handle` for `holder` (None: a new implicit record of `owner`), then release what is over
+        the limits: first the owner's quota (its own oldest), then the server's (the least KV kept)."""
         handle.since = self.clock()
+        holder = holder or Conversation(handle.request_id, Kind.IMPLICIT, State.PAUSED, owner=owner)
+        self._owned.setdefault(holder.owner, OrderedDict())[handle.request_id] = None
+        self._owned_tokens[holder.owner] = self._owned_tokens.get(holder.owner, 0) + len(handle.token_ids)
         self.num_paused_tokens += len(handle.token_ids)
         n = len(handle.token_ids) // TOKEN_BLOCK
         key = self._block_key[handle.request_id] = _block_keys(handle.token_ids, n)[n]
@@ -192,7 +202,13 @@ class ConversationStore:
         if handle.call_ids:
             self._by_call_id[handle.call_ids[0]] = handle.request_id
             self.remember_turn(handle.turn)
-        self._give(holder or Conversation(handle.request_id, Kind.IMPLICIT, State.PAUSED), handle)
+        self._give(holder, handle)
+        quota = self.quotas.get(holder.owner)
+        owned = self._owned.get(holder.owner)
+        while quota is not None and owned and (
+                (quota.max_paused is not None and len(owned) > quota.max_paused) or
+                (quota.max_paused_tokens is not None and self._owned_tokens[holder.owner] > quota.max_paused_tokens)):
+            self._unpause(self._paused[next(iter(owned))], "quota", f"over tenant {holder.owner}'s quota")
         policy = self.policy
         while self._paused and ((policy.max_paused is not None and len(self._paused) > policy.max_paused) or (
                 policy.max_paused_tokens is not None and self.num_paused_tokens > policy.max_paused_tokens)):
@@ -245,12 +261,19 @@ class ConversationStore:
             del self._by_blocks[key]
         if handle.call_ids and self._by_call_id.get(handle.call_ids[0]) == handle.request_id:
             del self._by_call_id[handle.call_ids[0]]
+        owned = self._owned[holder.owner]
+        del owned[handle.request_id]
+        self._owned_tokens[holder.owner] -= len(handle.token_ids)
+        if not owned:
+            del self._owned[holder.owner], self._owned_tokens[holder.owner]
         if holder.kind is Kind.IMPLICIT:
             holder.state = State.CLOSED
         return handle
 
-    def find_for_messages(self, messages: Sequence[Message], holder: Conversation | None = None) -> Paused | None:
-        """The handle `messages` continues: `holder`'s, or found by the last assistant turn's call ids."""
+    def find_for_messages(self, messages: Sequence[Message], holder: Conversation | None = None,
+                          owner: str | None = None) -> Paused | None:
+        """The handle `messages` continues: `holder`'s, or one of `owner`'s found by the last assistant
+        turn's call ids."""
         if holder is not None:
             handle = holder.paused
         else:
@@ -260,16 +283,18 @@ class ConversationStore:
             if k < 0 or k == len(messages) - 1 or not messages[k].tool_calls:
                 return None
             found = self._paused.get(self._by_call_id.get(messages[k].tool_calls[0].id))
-            handle = found.paused if found is not None else None
+            handle = found.paused if found is not None and found.owner == owner else None
         return handle if handle is not None and handle.continues(messages) else None
 
-    def find_for_tokens(self, token_ids: Sequence[int]) -> Paused | None:
-        """The handle whose whole token sequence `token_ids` strictly extends (the longest). Candidates
+    def find_for_tokens(self, token_ids: Sequence[int], owner: str | None = None) -> Paused | None:
+        """The handle of `owner`'s whose whole token sequence `token_ids` strictly extends (the longest). Candidates
         share `token_ids`' first full blocks, found by key, longest first: O(len(token_ids))."""
         keys = _block_keys(token_ids, max(len(token_ids) - 1, 0) // TOKEN_BLOCK)
         for key in reversed(keys):
             best = None
             for request_id in self._by_blocks.get(key, ()):
+                if self._paused[request_id].owner != owner:
+                    continue
                 handle = self._paused[request_id].paused
                 n = len(handle.token_ids)
                 if n < len(token_ids) and (best is None or n > len(best.token_ids)) \
@@ -280,17 +305,18 @@ class ConversationStore:
         return None
 
     # -- named records (chat `session_id`, native sessions) and stored responses -------------------
-    def named(self, kind: Kind, id: str) -> Conversation | None:
-        record = self._named.get((kind, id))
+    def named(self, kind: Kind, id: str, owner: str | None = None) -> Conversation | None:
+        """`owner`'s record (kind, id); None if there is none (another tenant's is none of its business)."""
+        record = self._named.get((owner, kind, id))
         if record is not None:
             record.last_used = self.clock()
-            self._named.move_to_end((kind, id))
+            self._named.move_to_end((owner, kind, id))
         return record
 
-    def open_named(self, kind: Kind, id: str, **fields) -> Conversation:
-        """The named record (kind, id), created if new: past `max_named_sessions` the least recently used
-        one that is not generating is closed (429 when every one is generating)."""
-        record = self.named(kind, id)
+    def open_named(self, kind: Kind, id: str, owner: str | None = None, **fields) -> Conversation:
+        """`owner`'s named record (kind, id), created if new: past `max_named_sessions` the least recently
+        used one that is not generating is closed (429 when every one is generating)."""
+        record = self.named(kind, id, owner)
         if record is None:
             while len(self._named) >= self.policy.max_named_sessions:
                 victim = next((r for r in self._named.values() if r.state is not State.GENERATING), None)
@@ -298,11 +324,12 @@ class ConversationStore:
                     raise APIError(429, f"too many sessions generating (limit {self.policy.max_named_sessions})",
                                    code="rate_limit_exceeded", headers={"Retry-After": "1"})
                 self.close(victim, "limits", "over the session limit")
-            record = self._named[(kind, id)] = Conversation(id, kind, last_used=self.clock(), **fields)
+            record = self._named[(owner, kind, id)] = Conversation(id, kind, last_used=self.clock(), owner=owner,
+                                                                   **fields)
         return record
 
     def store_response(self, response_id: str, body: dict, conversation: tuple[Message, ...],
-                       request_id: str) -> None:
+                       request_id: str, owner: str | None = None) -> None:
         """Store a finished response; it takes the generation `request_id` paused at its calls, if any."""
         if self.policy.max_stored_responses == 0:
             return
@@ -311,12 +338,13 @@ class ConversationStore:
             self.close(next(iter(self._responses.values())), "limits", "over the stored-response limit")
         state = State.PAUSED if conversation[-1].tool_calls else State.IDLE
         record = self._responses[response_id] = Conversation(response_id, Kind.RESPONSE, state, messages=conversation,
-                                                             body=body, last_used=self.clock())
+                                                             body=body, last_used=self.clock(), owner=owner)
         self.adopt(record, request_id)
 
-    def response(self, response_id: str) -> Conversation | None:
+    def response(self, response_id: str, owner: str | None = None) -> Conversation | None:
         self._expire_responses()
-        return self._responses.get(response_id)
+        record = self._responses.get(response_id)
+        return record if record is not None and record.owner == owner else None
 
     def close(self, record: Conversation, cause: str = "client", reason: str | None = None) -> None:
         """Forget `record`, releasing the generation it holds."""
@@ -324,7 +352,7 @@ class ConversationStore:
         if record.kind is Kind.RESPONSE:
             del self._responses[record.id]
         elif record.kind is not Kind.IMPLICIT:
-            del self._named[(record.kind, record.id)]
+            del self._named[(record.owner, record.kind, record.id)]
         self.release_paused(record, reason or f"{record.kind.value} {record.id} closed", cause)
 
     # -- time --------------------------------------------------------------------------------------

@@ -100,9 +100,9 @@ class ServerMetrics:
                                         "Requests that named or matched a paused generation but were served fresh",
                                         ["model"], registry=r)
         self.evictions = Counter("infercept_paused_evictions", "Paused generations aborted, by cause: limits "
-                                 "(--max-paused-tokens / --max-paused: the one keeping the least KV goes; or its session or "
-                                 "response over its own limit), ttl (--idle-ttl), shutdown, client (deleted or "
-                                 "continued differently)",
+                                 "(--max-paused-tokens / --max-paused: the one keeping the least KV goes; or its "
+                                 "session or response over its own limit), quota (a tenant over its own: its oldest "
+                                 "goes), ttl (--idle-ttl), shutdown, client (deleted or continued differently)",
                                  ["model", "cause"], registry=r)
         self.released_kv_tokens = Counter("infercept_paused_released_kv_tokens",
                                           "KV tokens (device + host) the aborted paused generations still kept: "

@@ -53,27 +53,27 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
 
 @router.get("/v1/responses/{response_id}")
 async def retrieve_response(response_id: str, request: Request) -> Response:
-    return await request.app.state.responses.retrieve(response_id)
+    return await request.app.state.responses.retrieve(response_id, request)
 
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, request: Request) -> Response:
-    return await request.app.state.responses.delete(response_id)
+    return await request.app.state.responses.delete(response_id, request)
 
 
 @router.post("/v1/sessions")
 async def create_session(body: SessionCreateRequest, request: Request) -> Response:
-    return await request.app.state.sessions.create(body)
+    return await request.app.state.sessions.create(body, request)
 
 
 @router.get("/v1/sessions/{session_id}")
 async def retrieve_session(session_id: str, request: Request) -> Response:
-    return await request.app.state.sessions.retrieve(session_id)
+    return await request.app.state.sessions.retrieve(session_id, request)
 
 
 @router.delete("/v1/sessions/{session_id}")
 async def delete_session(session_id: str, request: Request) -> Response:
-    return await request.app.state.sessions.delete(session_id)
+    return await request.app.state.sessions.delete(session_id, request)
 
 
 @router.post("/v1/sessions/{session_id}/messages")

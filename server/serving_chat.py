@@ -29,6 +29,7 @@ from .protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionChun
                        ChatCompletionResponse, ChatMessage, ChoiceLogprobs, FunctionCall, PromptTokensDetails,
                        TokenLogprob, ToolCall, TopLogprob, Usage, bad_request, now)
 from .serving_base import Frontend, check_unsupported, respond
+from .tenants import owner_of
 from .tool_mode import tool_mode
 from .turns import (CallArguments, CallOpened, Sampling, TextDelta, Turn, TurnFinished, TurnSpec, TurnUsage)
 
@@ -50,13 +51,14 @@ class ChatServing(Frontend):
             else req.tool_choice.function.name
         mode = tool_mode(tool_specs(req.tools) if req.tools else None, choice, req.parallel_tool_calls is not False)
         session_id = session_id_of(req, raw)
+        owner = owner_of(raw)
         messages = normalize_messages(req.messages, validate=False)
         session = None
         if session_id is not None:
-            messages, session = self._session_messages(session_id, messages)
+            messages, session = self._session_messages(session_id, messages, owner)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         return TurnSpec("chat", Sampling.of(req, req.max_completion_tokens or req.max_tokens, logprobs),
-                        tuple(messages), mode=mode, intercept=req.intercept, holder=session,
+                        tuple(messages), mode=mode, intercept=req.intercept, holder=session, owner=owner,
                         answer_schema=req.response_format.answer_schema() if req.response_format else None)
 
     async def open(self, spec: TurnSpec) -> Turn:
@@ -79,10 +81,11 @@ class ChatServing(Frontend):
         if session is not None and session.state is State.GENERATING:
             session.state = State.PAUSED if session.paused is not None else State.IDLE
 
-    def _session_messages(self, session_id: str, messages: list[Message]) -> tuple[list[Message], Conversation]:
+    def _session_messages(self, session_id: str, messages: list[Message],
+                          owner: str | None) -> tuple[list[Message], Conversation]:
         """Explicit continuation. Messages that start with tool results continue the session's stored
         conversation (which must be paused at tool calls); any other list is the whole conversation."""
-        session = self.conversations.named(Kind.CHAT, session_id)
+        session = self.conversations.named(Kind.CHAT, session_id, owner)
         if session is not None and session.state is State.GENERATING:
             raise APIError(409, f"session {session_id!r} has a request in flight", param="session_id",
                            code="session_busy")
@@ -93,7 +96,7 @@ class ChatServing(Frontend):
                 raise APIError(409, f"session {session_id!r} is not paused at a tool call", param="session_id",
                                code="session_not_paused")
             messages = list(session.messages) + messages
-        return messages, session or self.conversations.open_named(Kind.CHAT, session_id)
+        return messages, session or self.conversations.open_named(Kind.CHAT, session_id, owner)
 
     @staticmethod
     def remember(turn: Turn, messages: tuple[Message, ...]) -> None:

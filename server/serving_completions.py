@@ -21,6 +21,7 @@ from infercept.engine.backend import RequestOutput
 from .protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                        PromptTokensDetails, Usage, bad_request, new_id, now)
 from .serving_base import Frontend, check_unsupported, once, respond
+from .tenants import owner_of
 from .turns import Sampling, TextDelta, Turn, TurnFinished, TurnSpec
 
 
@@ -42,7 +43,7 @@ class CompletionServing(Frontend):
         response_id = new_id("cmpl-")
         sampling = Sampling.of(req, req.max_tokens, req.logprobs)
         turns, release = await self.turns.open_batch([
-            TurnSpec("completions", sampling, prompt_ids=tuple(ids), intercept=req.intercept,
+            TurnSpec("completions", sampling, prompt_ids=tuple(ids), intercept=req.intercept, owner=owner_of(raw),
                      request_id=f"{response_id}-{i}", param="prompt") for i, ids in enumerate(prompts)])
         echoes = [self._echo_text(req, ids, text) for ids, text in zip(prompts, self._prompt_texts(req.prompt))]
         return await respond(

@@ -28,6 +28,7 @@ from .protocol_responses import (DeletedResponse, FunctionCallItem, FunctionCall
                                  IncompleteDetails, InputTokensDetails, OutputFunctionCall, OutputItem, OutputMessage,
                                  OutputText, ResponseObject, ResponsesRequest, ResponseUsage, TextPart)
 from .serving_base import Frontend, respond
+from .tenants import owner_of
 from .tool_mode import tool_mode
 from .turns import Sampling, TextDelta, Turn, TurnFinished, TurnResult, TurnSpec
 
@@ -96,8 +97,9 @@ class ResponseTurn:
 class ResponsesServing(Frontend):
     async def create(self, req: ResponsesRequest, raw: Request) -> Response:
         history: tuple[Message, ...] = ()
+        owner = owner_of(raw)
         if req.previous_response_id is not None:
-            previous = self.conversations.response(req.previous_response_id)
+            previous = self.conversations.response(req.previous_response_id, owner)
             if previous is None:
                 raise APIError(404, f"Previous response with id '{req.previous_response_id}' not found.",
                                param="previous_response_id", code="previous_response_not_found")
@@ -113,21 +115,21 @@ class ResponsesServing(Frontend):
         system = (Message("system", req.instructions),) if req.instructions else ()
         sampling = Sampling(temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_output_tokens)
         turn = await self.turns.open(TurnSpec("chat", sampling, system + conversation, mode=mode, id_prefix="resp_",
-                                              param="input"))
+                                              param="input", owner=owner))
         rt = ResponseTurn(req, model, new_id("msg_"), now(), conversation, turn)
         return await respond(raw, req.stream, lambda: self._events(rt), lambda: self._full(rt), turn.close,
                              {"X-Request-Id": rt.id}, f"response {rt.id}", error=rt.error, done=None)
 
-    async def retrieve(self, response_id: str) -> Response:
-        return JSONResponse(self._stored(response_id).body)
+    async def retrieve(self, response_id: str, raw: Request) -> Response:
+        return JSONResponse(self._stored(response_id, raw).body)
 
-    async def delete(self, response_id: str) -> Response:
+    async def delete(self, response_id: str, raw: Request) -> Response:
         # Its paused generation is released too, unless a later response of the chain resumed it.
-        self.conversations.close(self._stored(response_id), reason=f"response {response_id} deleted")
+        self.conversations.close(self._stored(response_id, raw), reason=f"response {response_id} deleted")
         return JSONResponse(DeletedResponse(id=response_id).model_dump())
 
-    def _stored(self, response_id: str) -> Conversation:
-        stored = self.conversations.response(response_id)
+    def _stored(self, response_id: str, raw: Request) -> Conversation:
+        stored = self.conversations.response(response_id, owner_of(raw))
         if stored is None:
             raise APIError(404, f"Response with id '{response_id}' not found.", code="response_not_found")
         return stored
@@ -169,7 +171,7 @@ class ResponsesServing(Frontend):
         body = self._response(rt, status, output, end).model_dump(mode="json")
         if rt.request.store is not False:
             self.conversations.store_response(rt.id, body, rt.conversation + (end.result.message,),
-                                              rt.turn.engine.request_id)
+                                              rt.turn.engine.request_id, rt.turn.spec.owner)
         return body
 
     # -- non-streaming -----------------------------------------------------------------------------

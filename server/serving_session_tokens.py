@@ -38,7 +38,7 @@ def token_turn(session: Conversation, req: SessionMessageRequest) -> TurnSpec:
     generation if it still has one."""
     sampling = Sampling(**session.spec.turn_sampling(req.sampling()), ignore_eos=req.ignore_eos)
     return TurnSpec("sessions", sampling, prompt_ids=(*session.token_ids, *req.token_ids), intercept=req.intercept,
-                    holder=session, id_prefix="sess-tok-", param="token_ids")
+                    holder=session, owner=session.owner, id_prefix="sess-tok-", param="token_ids")
 
 
 async def converse(session: Conversation, turn: Turn, emit: Emit) -> dict:

@@ -28,6 +28,7 @@ from .conversations import Conversation, Kind, SessionSpec, State
 from .protocol import APIError, bad_request, new_id, now
 from .protocol_sessions import SessionCreateRequest, SessionMessageRequest
 from .serving_base import Frontend, respond
+from .tenants import owner_of
 from .serving_session_tokens import check_kind, converse, token_turn
 from .tool_loop import Emit, call_view, events_then_result, resolve_server_tools, serve_turns
 from .tool_mode import tool_mode
@@ -41,7 +42,7 @@ class SessionServing(Frontend):
         self.backend = backend  # for where a session's KV lives
 
     # -- create, inspect, delete -------------------------------------------------------------------
-    async def create(self, req: SessionCreateRequest) -> Response:
+    async def create(self, req: SessionCreateRequest, raw: Request) -> Response:
         model = req.model or self.model_name
         self.check_model(model)
         tools = list(req.tools or ())
@@ -50,16 +51,16 @@ class SessionServing(Frontend):
         server_tools, definitions = resolve_server_tools(req.server_tools, self.tool_lookup, tools, "server_tools")
         tools += definitions
         spec = SessionSpec(model, req.system, tuple(tools), server_tools, req.sampling(), created_at=now())
-        session = self.conversations.open_named(Kind.SESSION, new_id("sess_"), spec=spec)
+        session = self.conversations.open_named(Kind.SESSION, new_id("sess_"), owner_of(raw), spec=spec)
         return JSONResponse(self._view(session, kv=None))
 
-    async def retrieve(self, session_id: str) -> Response:
-        session = self._get(session_id)
+    async def retrieve(self, session_id: str, raw: Request) -> Response:
+        session = self._get(session_id, raw)
         request_id = session.request_id or (session.paused.request_id if session.paused else None)
         return JSONResponse(self._view(session, kv=await self._kv_location(request_id)))
 
-    async def delete(self, session_id: str) -> Response:
-        session = self._get(session_id)
+    async def delete(self, session_id: str, raw: Request) -> Response:
+        session = self._get(session_id, raw)
         self.conversations.close(session, reason=f"session {session_id} deleted")  # releases its paused generation
         if session.task is not None and not session.task.done():
             session.task.cancel()  # its turn's cleanup aborts the generation
@@ -72,8 +73,8 @@ class SessionServing(Frontend):
                 return (await self.backend.kv_location(request_id)).as_dict()
         return {"device": 0, "host": 0, "discarded": 0}
 
-    def _get(self, session_id: str) -> Conversation:
-        session = self.conversations.named(Kind.SESSION, session_id)
+    def _get(self, session_id: str, raw: Request) -> Conversation:
+        session = self.conversations.named(Kind.SESSION, session_id, owner_of(raw))
         if session is None:
             raise self._not_found(session_id)
         return session
@@ -99,7 +100,7 @@ class SessionServing(Frontend):
 
     # -- posting a message -------------------------------------------------------------------------
     async def post(self, session_id: str, req: SessionMessageRequest, raw: Request) -> Response:
-        session = self._get(session_id)
+        session = self._get(session_id, raw)
         if sum(x is not None for x in (req.content, req.tool_results, req.token_ids)) != 1:
             raise bad_request("give exactly one of content (a user message), tool_results (for a paused session) "
                               "or token_ids (a token-level session)")
@@ -171,7 +172,7 @@ class SessionServing(Frontend):
         system = (Message("system", spec.system),) if spec.system else ()
         return TurnSpec("chat", Sampling(**spec.turn_sampling(req.sampling())),
                         (*system, *session.messages, *new), mode=tool_mode(tool_specs(spec.tools) or None, None),
-                        intercept=req.intercept, holder=session, id_prefix="sess-")
+                        intercept=req.intercept, holder=session, owner=session.owner, id_prefix="sess-")
 
     async def _converse(self, session: Conversation, turn: Turn, emit: Emit) -> dict:
         """Serve the post's turns (server-tool rounds included); the session moves on once all are done."""

@@ -43,13 +43,33 @@ class ConversationPolicy:
 
 
 @dataclass(frozen=True)
+class Tenant:
+    """An API key and what its holder may keep: every conversation and paused generation belongs to the
+    tenant whose key created it. Quotas (None: only the server's limits) bound its paused generations;
+    over one, that tenant's oldest paused generation is released first, never another tenant's."""
+
+    name: str
+    key: str = field(repr=False)
+    max_paused: int | None = None
+    max_paused_tokens: int | None = None
+
+    def __post_init__(self):
+        if not self.key or any(c.isspace() for c in self.key):
+            raise ValueError(f"tenant {self.name!r}: an API key is one word, not empty")
+        if (self.max_paused or 0) < 0 or (self.max_paused_tokens or 0) < 0:
+            raise ValueError(f"tenant {self.name!r}: quotas must be >= 0")
+
+
+@dataclass(frozen=True)
 class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     # Model name clients pass as `model`; None = the model folder's name. The folder path is accepted too.
     served_model_name: str | None = None
-    # Bearer token every /v1 request must carry; None = no authentication.
+    # Bearer token every /v1 request must carry; None = no authentication. `tenants` adds more keys, each
+    # its own tenant (server/tenants.py); `api_key` alone is the tenant "default".
     api_key: str | None = None
+    tenants: tuple[Tenant, ...] = ()
     conversations: ConversationPolicy = field(default_factory=ConversationPolicy)
     # Requests generating at once; beyond this the server answers 429 with Retry-After.
     max_concurrent_requests: int = 512
@@ -58,6 +78,14 @@ class ServerSettings:
     # Tool-call format; None = the model's chat family (engine.tool_parsers.parser_for_model).
     tool_parser: str | None = None
 
+    @property
+    def all_tenants(self) -> tuple[Tenant, ...]:
+        return ((Tenant("default", self.api_key),) if self.api_key else ()) + self.tenants
+
     def __post_init__(self):
+        names = [t.name for t in self.all_tenants]
+        keys = [t.key for t in self.all_tenants]
+        if len(set(names)) != len(names) or len(set(keys)) != len(keys):
+            raise ValueError("tenant names and API keys must be unique")
         if self.max_concurrent_requests < 1:
             raise ValueError("max_concurrent_requests must be >= 1")

@@ -45,6 +45,7 @@ class TurnSpec:
     answer_schema: dict | None = None  # JSON an answer without calls must follow
     intercept: InterceptOptions | None = None  # chat: what its calls wait for; tokens: every stop pauses
     holder: Conversation | None = None  # the named conversation it continues; it keeps the turn's pause
+    owner: str | None = None  # the tenant asking (server/tenants.py): it finds and keeps only its own pauses
     id_prefix: str = "chatcmpl-"
     request_id: str | None = None  # instead of a new id with `id_prefix`
     param: str = "messages"  # the request field that prompt errors name

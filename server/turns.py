@@ -83,7 +83,7 @@ class Turn:
         """Hand the turn's paused generation, if it has one not kept yet, to the conversation store."""
         if self._unkept is not None and not self._closed:
             self.engine.kept = True
-            self.turns.conversations.pause(self._unkept, self.spec.holder)
+            self.turns.conversations.pause(self._unkept, self.spec.holder, self.spec.owner)
         self._unkept = None
 
     async def events(self, keep: bool = True) -> AsyncIterator[TurnEvent]:
@@ -174,7 +174,7 @@ class Turn:
         which some did not count end it: the paused context would show calls that never get results)."""
         spec, engine = self.spec, self.engine
         handle = None
-        if out.tool_calls:
+        if out.tool_calls and spec.is_chat:  # (token turns pause at stops, never at parsed calls)
             calls = [Call.make(self._call_id(i), c.name, c.arguments) for i, c in enumerate(out.tool_calls)]
             message = Message("assistant", out.content or "", None, tuple(calls))
             result = TurnResult(out.content or None, calls, "tool_calls", message)
@@ -291,9 +291,9 @@ class Turns:
         conversation's call ids (chat) or by the tokens (a prompt strictly extending its tokens)."""
         store, holder = self.conversations, spec.holder
         if spec.is_chat:
-            entry = store.find_for_messages(spec.messages, holder)
+            entry = store.find_for_messages(spec.messages, holder, spec.owner)
         else:
-            entry = holder.paused if holder is not None else store.find_for_tokens(prompt_ids)
+            entry = holder.paused if holder is not None else store.find_for_tokens(prompt_ids, spec.owner)
         if entry is None:
             if holder is not None:  # it moved on: its paused generation is of no further use
                 store.release_paused(holder, f"{holder.kind.value} {holder.id} continued differently")

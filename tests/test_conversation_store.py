@@ -93,7 +93,7 @@ def test_the_engines_paused_set_is_the_stores_in_every_state(fake_server):
 
     def record(kind: Kind, id: str):
         """A record as the store has it (read without touching its LRU order from this thread)."""
-        return store._responses.get(id) if kind is Kind.RESPONSE else store._named.get((kind, id))
+        return store._responses.get(id) if kind is Kind.RESPONSE else store._named.get((None, kind, id))
 
     def in_step(num_paused: int) -> None:
         held = [h.request_id for h in store.paused()]
