@@ -56,6 +56,7 @@ class _Generation:
     judge: CallJudge | None
     detok: IncrementalDetokenizer
     turn_start: int  # where this turn's generated tokens begin in `context`
+    session: bool  # a vLLM streaming-input session: its first turn may pause (fixed for its life)
     cached: int = 0  # this turn's context tokens whose KV was reused
     logprobs: list[SampledToken] = field(default_factory=list)
     paused: bool = False
@@ -63,10 +64,9 @@ class _Generation:
     loop: asyncio.AbstractEventLoop | None = None
 
     @property
-    def resumable(self) -> bool:
-        """The turn may pause, so the request is a vLLM session (set once, at `generate`)."""
-        i = self.intercept
-        return i is not None and (i.tool_parser is not None or i.pause_on_stop)
+    def may_pause(self) -> bool:
+        """This turn's rule lets it pause (a resumed turn has its own rule, often none)."""
+        return _may_pause(self.intercept)
 
     @property
     def output_ids(self) -> list[int]:
@@ -178,15 +178,15 @@ class VllmBackend(EngineBackend):
         if not prompt:
             raise ValueError("the prompt is empty")
         gen = _Generation(request_id, list(prompt), list(prompt), params, intercept, _judge(intercept),
-                          self._detokenizer(prompt, params), turn_start=len(prompt))
-        fields = vllm_sampling_fields(params, gen.resumable)
+                          self._detokenizer(prompt, params), turn_start=len(prompt), session=_may_pause(intercept))
+        fields = vllm_sampling_fields(params, gen.session)
         with self._lock:
             if request_id in self._generations:
                 raise ValueError(f"request id {request_id!r} is in use")
             self._generations[request_id] = gen
         self._open(gen)
         self.worker.send({"op": "generate", "id": request_id, "prompt": list(prompt), "params": fields,
-                          "resumable": gen.resumable})
+                          "resumable": gen.session})
         async for out in self._stream(gen):
             yield out
 
@@ -284,7 +284,7 @@ class VllmBackend(EngineBackend):
             return self._output(gen, finished=False), False
         judged = None
         paused = False
-        if gen.resumable:
+        if gen.may_pause:
             judged = gen.judge.judge(gen.detok.text) if gen.judge is not None else None
             paused = bool(judged is not None and judged.calls and judged.complete) or \
                 (judged is None and gen.intercept.pause_on_stop)
@@ -292,7 +292,7 @@ class VllmBackend(EngineBackend):
             gen.paused = True
         else:
             self._forget(gen)
-            if gen.resumable:
+            if gen.session:
                 self.worker.send({"op": "end", "id": gen.request_id})  # the session's input ends: vLLM frees it
             elif stop_string is not None and msg["finish_reason"] is None:
                 self.worker.send({"op": "abort", "id": gen.request_id})
@@ -373,6 +373,10 @@ class VllmBackend(EngineBackend):
             self._stats[seq] = (loop, future)
         self.worker.send({"op": "stats", "seq": seq})
         return await future
+
+
+def _may_pause(intercept: InterceptParams | None) -> bool:
+    return intercept is not None and (intercept.tool_parser is not None or intercept.pause_on_stop)
 
 
 def _judge(intercept: InterceptParams | None) -> CallJudge | None:
