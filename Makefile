@@ -24,7 +24,8 @@ download: install
 serve: download
 	$(BIN)/infercept serve
 
-test: download
+# The tests include the vLLM backend's (tests/test_vllm_backend.py), so this also sets up .venv-vllm.
+test: download vllm-env
 	$(BIN)/python -m pytest -q
 
 # The real-server rate sweep of every policy (<= 20 min; `benchmarks/sweep.py --quick` for ~2 min).

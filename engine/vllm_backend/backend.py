@@ -12,7 +12,7 @@ on EOS, a stop token or max_tokens; then vLLM keeps it waiting with its KV, and 
 
 vLLM drops a session's last sampled token when the next chunk arrives (it never computed its KV), so a
 resume sends that token again before the appended ones. Its KV stays where it is: "preserve", with no
-policy yet (discard, swap and min-waste come with a scheduler subclass; see VLLM_STEP_NOTES.md).
+policy yet (discard, swap and min-waste come with a scheduler subclass: docs/operators.md §7).
 
 Differences from our engine, by design of this step: a turn with tools is judged when it stops, not as
 soon as a call closes (a model that writes on after its call without EOS is judged at its stop), and
