@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # 3 GB CUDA build). Hosts with an NVIDIA driver get PyPI's CUDA build. Override with TORCH=...
 TORCH ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0+cpu)
 
-.PHONY: install serve test bench download clean vllm-env
+.PHONY: install serve test bench download clean vllm-env browser
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -24,9 +24,18 @@ download: install
 serve: download
 	$(BIN)/infercept serve
 
-# The tests include the vLLM backend's (tests/test_vllm_backend.py), so this also sets up .venv-vllm.
-test: download vllm-env
+# The tests include the vLLM backend's (tests/test_vllm_backend.py), so this also sets up .venv-vllm, and
+# the dashboard's in a headless browser (tests/test_dashboard.py), so Debian's chromium where it can.
+test: download vllm-env browser
 	$(BIN)/python -m pytest -q
+
+# Debian's chromium for tests/test_dashboard.py: installed as root where apt-get exists; elsewhere that
+# test skips (it says why).
+browser:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ apt-get install -y --no-install-recommends chromium >/dev/null 2>&1 || \
+		  { apt-get update >/dev/null && apt-get install -y --no-install-recommends chromium >/dev/null; }; }; } || \
+		echo "chromium is not installed (needs root and apt-get): tests/test_dashboard.py will skip"
 
 # The real-server rate sweep of every policy (<= 20 min; `benchmarks/sweep.py --quick` for ~2 min).
 bench: download

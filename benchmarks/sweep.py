@@ -141,7 +141,7 @@ def infercept_argv(policy: str, port: int, args) -> list[str]:
     exe = shutil.which("infercept", path=os.path.dirname(sys.executable)) or "infercept"
     return [exe, "serve", "--policy", policy, "--port", str(port), "--kv-cache-gb", str(args.kv_cache_gb),
             "--host-kv-gb", str(args.host_kv_gb), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--threads", str(args.threads), "--session-ttl", str(args.session_ttl), "--log-level", "warning",
+            "--threads", str(args.threads), "--idle-ttl", str(args.idle_ttl), "--log-level", "warning",
             # The paper's baseline is 2023's vLLM: no prefix cache. `prefix-cache` is today's servers.
             *(["--no-prefix-caching"] if policy in PAPER_BASELINES else [])]
 
@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> dict:
                    if s["interception"]), default=0.0)
     # Every last turn stays paused after it ends (the completion API cannot say "this is the last one"),
     # so the TTL is what releases it: long enough for the longest interception of the traces, no longer.
-    args.session_ttl = round(longest + 5.0, 1)
+    args.idle_ttl = round(longest + 5.0, 1)
     start = time.monotonic()
     args.peer_python = None if args.no_peer else peer_python(args.peer_python)
     peers = {}
@@ -441,7 +441,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{args.window:g} s arrival window (+{args.drain:g} s before the cut-off), requests per rate {n}. "
               f"Servers: `--kv-cache-gb {args.kv_cache_gb} --host-kv-gb {args.host_kv_gb} "
               f"--max-num-batched-tokens {args.max_num_batched_tokens} --threads {args.threads} "
-              f"--session-ttl {args.session_ttl}`; InferCept through implicit token-level resume "
+              f"--idle-ttl {args.idle_ttl}`; InferCept through implicit token-level resume "
               "(`replay.py --api resume`).")
     text = report(results, rates, args.slo, header, args.median_slo)
     print(text)

@@ -15,6 +15,8 @@ disable_created_metrics()  # no `*_created` series next to every counter
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+INTERCEPTION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)  # tools to humans
+MAX_TOOL_LABELS = 64
 
 
 class _EngineCollector:
@@ -112,6 +114,11 @@ class ServerMetrics:
         self.inter_token = Histogram("infercept_inter_token_latency_seconds",
                                      "Time between consecutive generated tokens of a request", ["model"],
                                      buckets=ITL_BUCKETS, registry=r)
+        self.interceptions = Histogram("infercept_interception_seconds", "How long paused generations waited for "
+                                       "their interception's result (pause to resume), by tool (`tokens`: a "
+                                       "token-level interception; `other` past MAX_TOOL_LABELS names)",
+                                       ["model", "tool"], buckets=INTERCEPTION_BUCKETS, registry=r)
+        self._tool_labels: set[str] = set()
         for metric in (self.prompt_tokens, self.cached_tokens, self.generation_tokens, self.resume_fallbacks,
                        self.ttft, self.inter_token):
             metric.labels(model)  # exported (as zero) before the first request
@@ -120,6 +127,15 @@ class ServerMetrics:
             self.released_kv_tokens.labels(model, cause)
         self.engine = _EngineCollector(model)
         r.register(self.engine)
+
+    def observe_interception(self, tool: str, seconds: float) -> None:
+        """Tool names come from clients: past MAX_TOOL_LABELS distinct ones, the rest count as `other`
+        (a label per name would let any client grow the scrape without bound)."""
+        if tool not in self._tool_labels:
+            if len(self._tool_labels) >= MAX_TOOL_LABELS:
+                tool = "other"
+            self._tool_labels.add(tool)
+        self.interceptions.labels(self.model, tool).observe(max(seconds, 0.0))
 
     def observe_request(self, endpoint: str, finish_reason: str, prompt_tokens: int, cached_tokens: int,
                         completion_tokens: int) -> None:

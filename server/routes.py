@@ -1,8 +1,10 @@
 """The HTTP routes: thin handlers that hand each request to its serving object (on `app.state`)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -17,6 +19,15 @@ async def health(request: Request) -> Response:
     if not request.app.state.backend.is_running:
         raise APIError(503, "the engine is not running", headers={"Retry-After": "5"})
     return JSONResponse({"status": "ok"})
+
+
+DASHBOARD = (Path(__file__).parent / "dashboard.html").read_text()
+
+
+@router.get("/dashboard")
+async def dashboard() -> Response:
+    """The live view (server/dashboard.html): open like /metrics, whose numbers it shows."""
+    return HTMLResponse(DASHBOARD)
 
 
 @router.get("/v1/models")

@@ -300,7 +300,11 @@ class Turns:
             return None
         n = len(entry.token_ids)
         if len(prompt_ids) > n and prompt_ids[:n] == entry.token_ids:
-            return store.take(entry)
+            taken = store.take(entry)
+            if taken is not None:
+                tool = taken.turn.message.tool_calls[0].name if taken.turn is not None else "tokens"
+                self.metrics.observe_interception(tool, store.clock() - taken.since)
+            return taken
         logger.info("the turn matches paused %s but its prompt does not extend the paused tokens; serving it fresh",
                     entry.request_id)
         self.metrics.resume_fallbacks.labels(self.metrics.model).inc()

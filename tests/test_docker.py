@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fnmatch
 import http.server
+import json
 import os
 import re
 import shlex
@@ -276,15 +277,33 @@ NOT_SERVER_FLAGS = {"--build-arg", "--entrypoint", "--gpus", "--profile", "--rm"
 
 
 def test_operator_guide_names_only_real_flags_and_metrics():
+    guide = (ROOT / "docs" / "operators.md").read_text()
+    flags = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", guide)) - NOT_SERVER_FLAGS
+    assert flags and flags <= serve_options(), flags - serve_options()
+    named = set(re.findall(r"(?<![$\w])infercept_\w+", guide))
+    assert named and named <= exported_metrics(), named - exported_metrics()
+    assert "docs/operators.md" in (ROOT / "README.md").read_text()
+
+
+def exported_metrics() -> set[str]:
+    """Every metric and sample name /metrics shows (a labelled histogram once it has a sample)."""
     from prometheus_client import generate_latest
 
     from infercept.server.metrics import ServerMetrics
 
-    guide = (ROOT / "docs" / "operators.md").read_text()
-    flags = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", guide)) - NOT_SERVER_FLAGS
-    assert flags and flags <= serve_options(), flags - serve_options()
-    exposition = generate_latest(ServerMetrics("m").registry).decode()
-    exported = set(re.findall(r"^# TYPE (\w+)", exposition, re.M)) | set(re.findall(r"^(\w+)[{ ]", exposition, re.M))
-    named = set(re.findall(r"(?<![$\w])infercept_\w+", guide))
-    assert named and named <= exported, named - exported
-    assert "docs/operators.md" in (ROOT / "README.md").read_text()
+    metrics = ServerMetrics("m")
+    metrics.observe_interception("get_weather", 1.0)
+    exposition = generate_latest(metrics.registry).decode()
+    return set(re.findall(r"^# TYPE (\w+)", exposition, re.M)) | set(re.findall(r"^(\w+)[{ ]", exposition, re.M))
+
+
+def test_the_grafana_dashboard_queries_real_metrics_and_compose_mounts_it(compose):
+    dashboard = json.loads((ROOT / "docker" / "monitoring" / "infercept-dashboard.json").read_text())
+    queried = {m for panel in dashboard["panels"] for target in panel["targets"]
+               for m in re.findall(r"infercept_\w+", target["expr"])}
+    assert queried and queried <= exported_metrics(), queried - exported_metrics()
+    for name in ("prometheus", "grafana"):
+        service = compose["services"][name]
+        assert service["profiles"] == ["monitoring"]
+        for mount in service["volumes"]:
+            assert (ROOT / "docker" / mount.split(":")[0]).resolve().exists(), mount
