@@ -167,6 +167,17 @@ def test_tools_of_unknown_or_unreachable_servers_are_a_400(mcp_server, name):
     assert httpx.get(mcp_server.base + "/health").status_code == 200  # the server is up all the same
 
 
+def test_an_unreachable_server_is_a_warning_at_start_up_not_a_failure(default_model_dir, caplog):
+    srv = _serve(default_model_dir, [McpServerConfig("down", url=f"http://127.0.0.1:{_free_port()}/mcp")], timeout=5)
+    try:
+        assert httpx.get(srv.base + "/health").status_code == 200
+        assert _ask(srv, "Hi", ["calculator"]).choices[0].message.content == "Hello there."  # other tools still work
+        assert any(r.levelname == "WARNING" and "MCP server down" in r.getMessage() and "ConnectError" in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        _stop(srv)
+
+
 def test_a_tool_that_hangs_past_the_timeout_is_an_error_result(default_model_dir, http_mcp):
     srv = _serve(default_model_dir, [McpServerConfig("web", url=http_mcp)], timeout=1.5)
     try:
@@ -178,15 +189,25 @@ def test_a_tool_that_hangs_past_the_timeout_is_an_error_result(default_model_dir
         _stop(srv)
 
 
-def test_shutdown_stops_the_stdio_server(default_model_dir, tmp_path):
+def test_the_lifespan_stops_the_stdio_server_before_the_engine(default_model_dir, tmp_path):
+    """Closed by the lifespan's shutdown (before the engine's), not left to the event loop's teardown."""
     pidfile = tmp_path / "calc.pid"
     srv = _serve(default_model_dir, [McpServerConfig("calc", command=sys.executable, args=(CALC_SERVER, "stdio"),
                                                      env={"MCP_CALC_PIDFILE": str(pidfile)})], timeout=30)
     pid = int(pidfile.read_text())
     os.kill(pid, 0)  # running while the server runs
+    alive_at_engine_shutdown = []
+    srv.backend.shutdown = lambda: alive_at_engine_shutdown.append(_alive(pid))
     _stop(srv)
-    with pytest.raises(ProcessLookupError):
+    assert alive_at_engine_shutdown == [False]
+
+
+def _alive(pid: int) -> bool:
+    try:
         os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_function_names_are_valid_and_tell_tools_apart():
