@@ -234,3 +234,20 @@ def test_the_config_file_shape(tmp_path):
         path.write_text(json.dumps(bad))
         with pytest.raises(ValueError, match=says):
             load_mcp_config(path)
+
+
+def test_serve_flags_and_environment(tmp_path, monkeypatch):
+    from infercept.server import cli
+
+    path = tmp_path / "mcp.json"
+    path.write_text(json.dumps({"mcpServers": {"calc": {"command": "python", "args": ["s.py"]}}}))
+    args = cli.build_parser().parse_args(["serve", "--mcp-config", str(path), "--mcp-timeout", "5"])
+    mcp = cli.server_settings(args).mcp
+    assert ([s.name for s in mcp.servers], mcp.call_timeout_s, mcp.tools_ttl_s) == (["calc"], 5.0, 300.0)
+    monkeypatch.setenv("INFERCEPT_MCP_CONFIG", str(path))
+    monkeypatch.setenv("INFERCEPT_MCP_TOOLS_TTL", "60")
+    mcp = cli.server_settings(cli.build_parser().parse_args(["serve"])).mcp
+    assert ([s.name for s in mcp.servers], mcp.call_timeout_s, mcp.tools_ttl_s) == (["calc"], 30.0, 60.0)
+    assert cli.server_settings(cli.build_parser().parse_args(["serve", "--mcp-config", ""])).mcp.servers == ()
+    with pytest.raises(ValueError, match="--mcp-timeout"):
+        cli.server_settings(cli.build_parser().parse_args(["serve", "--mcp-timeout", "0"]))
