@@ -7,8 +7,8 @@ clients share:
 
 An entry with `command` is started as a subprocess and spoken to over stdio; an entry with `url` over
 streamable HTTP. An optional `type` (`stdio`, `http`, `streamable-http`) must agree; `sse` (the old
-HTTP transport) is refused. Keys other clients add (`disabled`, `autoApprove`, ...) are ignored with a
-warning. This module only reads the file (no SDK import): server/mcp_tools.py connects.
+HTTP transport) is refused. `"disabled": true` leaves an entry out. Keys other clients add
+(`autoApprove`, ...) are ignored with a warning. This module only reads the file (no SDK import): server/mcp_tools.py connects.
 
 Server names become the prefix of the function names the model sees (`calc__multiply`), so they are
 letters, digits and `-`, with single `_` inside: never `__`, which separates server and tool.
@@ -27,7 +27,7 @@ from typing import Any
 logger = logging.getLogger("infercept.server")
 
 SERVER_NAME = re.compile(r"^[A-Za-z0-9-]+(?:_[A-Za-z0-9-]+)*$")
-_KNOWN_KEYS = {"command", "args", "env", "cwd", "url", "headers", "type"}
+_KNOWN_KEYS = {"command", "args", "env", "cwd", "url", "headers", "type", "disabled"}
 _HTTP_TYPES = {"http", "streamable-http", "streamable_http", "streamableHttp"}
 
 
@@ -57,7 +57,8 @@ def load_mcp_config(path: str | Path) -> tuple[McpServerConfig, ...]:
     servers = data.get("mcpServers") if isinstance(data, dict) else None
     if not isinstance(servers, dict):
         raise ValueError(f"--mcp-config {path}: expected a JSON object with an \"mcpServers\" object")
-    return tuple(_server(name, entry, f"--mcp-config {path}: mcpServers.{name}") for name, entry in servers.items())
+    return tuple(_server(name, entry, f"--mcp-config {path}: mcpServers.{name}") for name, entry in servers.items()
+                 if not (isinstance(entry, dict) and entry.get("disabled") is True))
 
 
 def _server(name: str, entry: Any, where: str) -> McpServerConfig:

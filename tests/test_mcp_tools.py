@@ -221,7 +221,8 @@ def test_the_config_file_shape(tmp_path):
     path = tmp_path / "mcp.json"
     path.write_text(json.dumps({"mcpServers": {
         "calc": {"command": "python", "args": ["s.py"], "env": {"K": "v"}, "autoApprove": []},
-        "web": {"type": "http", "url": "http://127.0.0.1:1/mcp", "headers": {"Authorization": "Bearer x"}}}}))
+        "web": {"type": "http", "url": "http://127.0.0.1:1/mcp", "headers": {"Authorization": "Bearer x"}},
+        "off": {"command": "python", "disabled": True}}}))
     calc, web = load_mcp_config(path)
     assert (calc.transport, calc.command, calc.args, dict(calc.env)) == ("stdio", "python", ("s.py",), {"K": "v"})
     assert (web.transport, web.url, dict(web.headers)) == ("http", "http://127.0.0.1:1/mcp", {"Authorization": "Bearer x"})
