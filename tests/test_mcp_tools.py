@@ -67,10 +67,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def http_mcp():
-    """The calc MCP server over streamable HTTP in a subprocess: its URL."""
-    port = _free_port()
+def _start_http_mcp(port: int) -> subprocess.Popen:
+    """The calc MCP server over streamable HTTP on `port`, in a subprocess, once it accepts connections."""
     proc = subprocess.Popen([sys.executable, CALC_SERVER, "http", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
@@ -78,17 +76,25 @@ def http_mcp():
         assert proc.poll() is None and time.monotonic() < deadline, "the HTTP MCP server did not start"
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
+            return proc
         except OSError:
             time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def http_mcp():
+    """The calc MCP server over streamable HTTP: its URL."""
+    port = _free_port()
+    proc = _start_http_mcp(port)
     yield f"http://127.0.0.1:{port}/mcp"
     proc.terminate()
     proc.wait(timeout=10)
 
 
-def _serve(default_model_dir, servers, timeout: float):
+def _serve(default_model_dir, servers, timeout: float, ttl: float = 300.0):
     backend = McpScriptedBackend(default_model_dir)
-    settings = ServerSettings(served_model_name="fake", mcp=McpSettings(servers=tuple(servers), call_timeout_s=timeout))
+    settings = ServerSettings(served_model_name="fake", mcp=McpSettings(servers=tuple(servers), call_timeout_s=timeout,
+                                                                         tools_ttl_s=ttl))
     app = build_app(backend, settings)
     server, thread, base = serve_in_thread(app)
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
@@ -176,6 +182,26 @@ def test_an_unreachable_server_is_a_warning_at_start_up_not_a_failure(default_mo
                    for r in caplog.records)
     finally:
         _stop(srv)
+
+
+def test_a_server_that_comes_up_later_is_connected_at_the_next_try(default_model_dir):
+    port = _free_port()
+    srv = _serve(default_model_dir, [McpServerConfig("late", url=f"http://127.0.0.1:{port}/mcp")], timeout=5, ttl=0.5)
+    proc = None
+    try:
+        with pytest.raises(openai.BadRequestError, match="unknown server tool"):
+            _ask(srv, MULTIPLY.format("late"), ["mcp:late/multiply"])
+        proc = _start_http_mcp(port)
+        deadline = time.monotonic() + 30
+        while srv.app.state.mcp_tools.connections["late"].client is None:
+            assert time.monotonic() < deadline, "not connected after the server came up"
+            time.sleep(0.1)
+        assert _ask(srv, MULTIPLY.format("late"), ["mcp:late/multiply"]).choices[0].message.content == "Result: 42"
+    finally:
+        _stop(srv)
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=10)
 
 
 def test_a_tool_that_hangs_past_the_timeout_is_an_error_result(default_model_dir, http_mcp):
