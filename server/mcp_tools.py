@@ -12,8 +12,9 @@ Connections. Each server is held by one long-lived task (`McpConnection._hold`):
 `Client` (a transport and anyio task groups) and leaves it, because an anyio cancel scope must be left
 by the task that entered it; requests only send calls through the connected client. Start-up waits for
 every server, each at most the timeout; a server that cannot be reached is logged, has no tools (a
-request naming them gets 400 unknown server tool) and is tried again every tools TTL. Nothing an MCP
-server does can stop the inference server.
+request naming them gets 400 unknown server tool) and is tried again every tools TTL, which is also how
+often a connected server's tools are listed again; a listing that fails drops the connection, which is
+then made again. Nothing an MCP server does can stop the inference server.
 
 Calls. `call_tool` is bounded by the timeout. A timeout, an error result (`isError`), a result with no
 text, a lost connection: each raises `McpCallError`, whose message the tool loop (`tool_loop.run_tool`)
@@ -130,7 +131,9 @@ class McpConnection:
                 if connecting.cancelled_caught:
                     raise TimeoutError(f"no answer within {self.timeout:g} s")
             except Exception as e:  # noqa: BLE001 -- whatever the server or its transport did, we go on
-                if not reported:
+                if self.client is not None:
+                    logger.warning("MCP server %s: connection lost, connecting again: %s", self.name, _reason(e))
+                elif not reported:
                     logger.warning("MCP server %s (%s) is unavailable, its tools are unknown until it answers "
                                    "(tried again every %g s): %s", self.name, self._where(), self.ttl, _reason(e))
                     reported = True
@@ -142,16 +145,14 @@ class McpConnection:
                 await self._stop.wait()
 
     async def _serve(self, client: Client) -> None:
-        """Until stopped: list the tools again every TTL (a failed listing keeps the last one)."""
+        """Until stopped: list the tools again every TTL. A listing that fails (the server died, or
+        stopped answering) ends the connection, and `_hold` connects again."""
         while True:
             with anyio.move_on_after(self.ttl):
                 await self._stop.wait()
                 return
-            try:
-                with anyio.fail_after(self.timeout):
-                    self.tools = await self._list(client)
-            except Exception as e:  # noqa: BLE001 -- a lost connection ends the transport's task group anyway
-                logger.warning("MCP server %s: listing its tools failed: %s", self.name, _reason(e))
+            with anyio.fail_after(self.timeout):
+                self.tools = await self._list(client)
 
     async def _client(self, stack: AsyncExitStack) -> Client:
         """The SDK client for this server's transport (its HTTP client, if any, entered on `stack`).

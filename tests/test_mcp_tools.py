@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -202,6 +203,28 @@ def test_a_server_that_comes_up_later_is_connected_at_the_next_try(default_model
         if proc is not None:
             proc.terminate()
             proc.wait(timeout=10)
+
+
+def test_a_stdio_server_that_dies_is_started_again(default_model_dir, tmp_path):
+    pidfile = tmp_path / "calc.pid"
+    srv = _serve(default_model_dir, [McpServerConfig("calc", command=sys.executable, args=(CALC_SERVER, "stdio"),
+                                                     env={"MCP_CALC_PIDFILE": str(pidfile)})], timeout=10, ttl=0.5)
+    try:
+        first = pidfile.read_text()
+        os.kill(int(first), signal.SIGKILL)
+        try:  # at once: an error result, or a 400 between connections; never a 5xx
+            r = _ask(srv, MULTIPLY.format("calc"), ["mcp:calc/multiply"])
+            assert r.choices[0].message.content.startswith(("Result: error: MCP tool calc/multiply", "Result: 42"))
+        except openai.BadRequestError:
+            pass
+        deadline = time.monotonic() + 30
+        while pidfile.read_text() == first or srv.app.state.mcp_tools.connections["calc"].client is None:
+            assert time.monotonic() < deadline, "the MCP server was not started again"
+            time.sleep(0.1)
+        r = _ask(srv, MULTIPLY.format("calc"), ["mcp:calc/multiply"])
+        assert r.choices[0].message.content == "Result: 42"
+    finally:
+        _stop(srv)
 
 
 def test_a_tool_that_hangs_past_the_timeout_is_an_error_result(default_model_dir, http_mcp):
