@@ -55,7 +55,8 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
               tool_lookup: Callable[[str], Any] = get_tool,
               on_engine_failure: Callable[[], None] | None = None,
               shutting_down: Callable[[], bool] | None = None) -> FastAPI:
-    """`tool_lookup(name)` gives the server tool a request may enable by name (KeyError if unknown).
+    """`tool_lookup(name)` gives the server tool a request may enable by name (KeyError if unknown);
+    names starting with `mcp:` are the tools of the MCP servers in `settings.mcp` (server/mcp_tools.py).
     `on_engine_failure` runs once if the engine fails for good (`infercept serve` stops the process with
     a non-zero exit, so a supervisor restarts it); /health answers 503 from then on either way.
     `shutting_down()` turns true once the HTTP server stops accepting (SIGTERM): turns in flight then
@@ -74,6 +75,12 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
     conversations = ConversationStore(policy, engine_release(backend, metrics), kept_tokens=backend.paused_kv_tokens,
                                       tenants=settings.all_tenants)
     admission = Admission(backend, settings.max_concurrent_requests)
+    mcp_tools = None
+    if settings.mcp.servers:
+        from .mcp_tools import McpTools  # the MCP SDK takes most of a second to import: only when configured
+
+        mcp_tools = McpTools(settings.mcp)
+        tool_lookup = mcp_tools.before(tool_lookup)
     # The event loop tokenizes and renders while the engine thread detokenizes: separate instances, so
     # the two threads never share a tokenizer's mutable state.
     tokenizer = AutoTokenizer.from_pretrained(info.model)
@@ -93,6 +100,8 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         backend.start()
+        if mcp_tools is not None:
+            await mcp_tools.start()  # each server at most --mcp-timeout; one that fails is logged, not fatal
         tasks = [asyncio.create_task(conversations.reap()), asyncio.create_task(_watch(backend, app, on_engine_failure))]
         if shutting_down is not None:
             tasks.append(asyncio.create_task(_end_turns_after_grace(backend, shutting_down)))
@@ -104,12 +113,15 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             conversations.release_all("shutdown", "server shutdown")
+            if mcp_tools is not None:
+                await mcp_tools.stop()
             await asyncio.to_thread(backend.shutdown)
 
     app = FastAPI(title="InferCept", version="0.1.0", lifespan=lifespan)
     app.state.backend = backend
     app.state.engine_failed = False
     app.state.settings = settings
+    app.state.mcp_tools = mcp_tools
     app.state.model_name = model_name
     app.state.conversations = conversations
     app.state.turns = turns

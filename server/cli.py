@@ -151,6 +151,17 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-parser", default=_env("TOOL_PARSER", None),
                    help="tool-call format: hermes, llama3_json or mistral (default: from the model's chat template)")
     g.add_argument("--log-level", default=_env("LOG_LEVEL", "info"), help="server log level (default info)")
+    m = p.add_argument_group("MCP", "MCP servers whose tools the server runs itself while the generation waits "
+                             "(docs/operators.md)")
+    m.add_argument("--mcp-config", default=_env("MCP_CONFIG", None),
+                   help="JSON file in the mcpServers shape (name -> command/args/env/cwd or url/headers); their tools "
+                        "are server_tools named mcp:<server>/<tool> or mcp:<server>")
+    m.add_argument("--mcp-timeout", type=float, default=float(_env("MCP_TIMEOUT", 30.0)),
+                   help="seconds an MCP tool call may take before the model reads a timeout error as its result; also "
+                        "the bound on connecting to a server (default 30)")
+    m.add_argument("--mcp-tools-ttl", type=float, default=float(_env("MCP_TOOLS_TTL", 300.0)),
+                   help="seconds an MCP server's tool list is kept before it is listed again, and between tries of "
+                        "a server that could not be reached (default 300)")
     c = p.add_argument_group("conversations", "What the server keeps between requests (server/conversations.py). "
                              "Each flag also reads INFERCEPT_<NAME> (INFERCEPT_IDLE_TTL, ...); the old names "
                              "--session-ttl / INFERCEPT_SESSION_TTL and --max-sessions / INFERCEPT_MAX_SESSIONS "
@@ -178,7 +189,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 
 def server_settings(args: argparse.Namespace):
-    from infercept.server.settings import ConversationPolicy, ServerSettings, Tenant
+    from infercept.server.mcp_config import load_mcp_config
+    from infercept.server.settings import ConversationPolicy, McpSettings, ServerSettings, Tenant
 
     policy = ConversationPolicy(idle_ttl=args.idle_ttl, max_paused_tokens=args.max_paused_tokens,
                                 max_paused=args.max_paused, max_named_sessions=args.max_named_sessions,
@@ -190,9 +202,11 @@ def server_settings(args: argparse.Namespace):
     tenants = tuple(Tenant(f"key-{i}", key) for i, key in enumerate(keys, 1)) if len(keys) > 1 else ()
     if args.api_keys_file:
         tenants += load_keys_file(args.api_keys_file)
+    mcp = McpSettings(servers=load_mcp_config(args.mcp_config) if args.mcp_config else (),
+                      call_timeout_s=args.mcp_timeout, tools_ttl_s=args.mcp_tools_ttl)
     return ServerSettings(host=args.host, port=args.port, api_key=api_key or None, tenants=tenants,
                           served_model_name=args.served_model_name, conversations=policy,
-                          max_concurrent_requests=args.max_concurrent_requests, tool_parser=args.tool_parser)
+                          max_concurrent_requests=args.max_concurrent_requests, tool_parser=args.tool_parser, mcp=mcp)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .mcp_config import McpServerConfig
+
 
 @dataclass(frozen=True)
 class ConversationPolicy:
@@ -61,6 +63,26 @@ class Tenant:
 
 
 @dataclass(frozen=True)
+class McpSettings:
+    """The operator's MCP servers, whose tools the server runs itself (server/mcp_tools.py)."""
+
+    servers: tuple[McpServerConfig, ...] = ()  # --mcp-config
+    # Seconds one tool call may take (then the model reads a timeout error as its result); also the
+    # bound on connecting to a server and listing its tools.
+    call_timeout_s: float = 30.0
+    # Seconds a server's tool list is kept before it is listed again (and a server that could not be
+    # reached is tried again).
+    tools_ttl_s: float = 300.0
+
+    def __post_init__(self):
+        if self.call_timeout_s <= 0 or self.tools_ttl_s <= 0:
+            raise ValueError("--mcp-timeout and --mcp-tools-ttl must be positive")
+        names = [s.name for s in self.servers]
+        if len(set(names)) != len(names):
+            raise ValueError("MCP server names must be unique")
+
+
+@dataclass(frozen=True)
 class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -77,6 +99,7 @@ class ServerSettings:
     max_body_bytes: int = 16 * 1024 * 1024
     # Tool-call format; None = the model's chat family (engine.tool_parsers.parser_for_model).
     tool_parser: str | None = None
+    mcp: McpSettings = field(default_factory=McpSettings)
 
     @property
     def all_tenants(self) -> tuple[Tenant, ...]:

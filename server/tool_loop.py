@@ -33,18 +33,24 @@ Emit = Callable[[str, dict], None]  # (event kind, payload): "delta", "tool_call
 
 def resolve_server_tools(names: list[str] | None, lookup: Callable[[str], Any], client_tools: list[ToolParam],
                          param: str) -> tuple[dict[str, Any], list[ToolParam]]:
-    """The tool objects `names` enable, and their definitions for the prompt (400 on unknown names or
-    on a name the client's tools use too)."""
+    """The tool objects `names` enable, by the name the model calls them, and their definitions for the
+    prompt (400 on unknown names or on a name the client's tools use too). A name may enable several
+    tools (`mcp:<server>`: all of that MCP server's), and its tools may be called by other names
+    (`mcp:calc/multiply` is the function `calc__multiply`)."""
     taken = {t.function.name for t in client_tools}
     tools: dict[str, Any] = {}
     for name in names or ():
         try:
-            tools[name] = lookup(name)
+            found = lookup(name)
         except KeyError:
             raise bad_request(f"unknown server tool {name!r}", param=param) from None
-        if name in taken:
-            raise bad_request(f"tool {name!r} is both a client tool and a server tool", param=param)
-        taken.add(name)
+        for tool in found if isinstance(found, list) else [found]:
+            if tools.get(tool.name) is tool:
+                continue  # enabled twice, by its own name and by its server's
+            if tool.name in taken:
+                raise bad_request(f"tool {tool.name!r} is both a client tool and a server tool", param=param)
+            taken.add(tool.name)
+            tools[tool.name] = tool
     definitions = [ToolParam.model_validate({"type": "function", "function": {
         "name": t.name, "description": t.description, "parameters": t.parameters}}) for t in tools.values()]
     return tools, definitions
