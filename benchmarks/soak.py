@@ -17,9 +17,10 @@ agent loops for the given time. Each loop step is, by weighted chance (seeded):
     probe       the other tenant reads, continues and deletes this tenant's session and response (404)
 
 At the end it drains (every client stops, the TTLs pass) and checks: no 5xx, no exception in a loop,
-every native session it left idle or paused (none generating), no paused generation left, device and
-host KV blocks in use back to 0 (what the prefix cache holds is free, evictable), the server's RSS
-flat (last window vs first window, +10% at most). Prints a table per policy and writes a JSON result.
+every native session idle or paused once its post was answered (never generating) and gone after the
+TTL if its client left it, no paused generation left, device and host KV blocks in use back to 0 (what
+the prefix cache holds is free, evictable), the server's RSS flat (last window vs first window, +10% at
+most), and exit status 0 on SIGTERM. Prints a table per policy and writes a JSON result.
 
     .venv/bin/python benchmarks/soak.py --minutes 10 --agents 32 --policies infercept prefix-cache
     .venv/bin/python benchmarks/soak.py --seconds 60 --agents 6          # the version `make test` runs
@@ -61,6 +62,7 @@ class Tally:
     statuses: collections.Counter = field(default_factory=collections.Counter)  # HTTP status -> count
     errors: list[str] = field(default_factory=list)  # exceptions in the loops, and 5xx
     sessions: set[str] = field(default_factory=set)  # native sessions left for the drain to check
+    session_states: collections.Counter = field(default_factory=collections.Counter)  # seen after their posts
 
     def status(self, code: int, what: str) -> None:
         self.statuses[code] += 1
@@ -175,7 +177,10 @@ class Agent:
             r = await self.http.post(f"/sessions/{sid}/messages", json={"tool_results": [
                 {"tool_call_id": c["id"], "content": "sunny"} for c in pending]})
             self.tally.status(r.status_code, "session results")
-        if self.rng.random() < 0.5:  # the rest are left for the drain to check, then deleted
+        r = await self.http.get(f"/sessions/{sid}")  # its post answered: idle or paused, never generating
+        self.tally.status(r.status_code, "session read")
+        self.tally.session_states[r.json()["state"]] += 1
+        if self.rng.random() < 0.5:  # the rest are left to the TTL: the drain checks they are gone
             self.tally.status((await self.http.delete(f"/sessions/{sid}")).status_code, "session delete")
         else:
             self.tally.sessions.add(sid)
@@ -275,20 +280,14 @@ async def soak_policy(policy: str, seconds: float, agents: int, model: str | Non
         sampler = asyncio.create_task(sample_rss())
         await asyncio.gather(*(agent_loop(a, i, started + seconds) for i, a in enumerate(crew)))
         sampler.cancel()
-        # The drain: the sessions left are idle or paused; then they go, and the TTLs release the rest.
-        states = collections.Counter()
-        for i, sid in enumerate(sorted(tally.sessions)):
-            agent = crew[0]
-            for a in crew:  # the session's own tenant answers; the other gets 404
-                r = await a.http.get(f"/sessions/{sid}")
-                if r.status_code == 200:
-                    agent = a
-                    states[r.json()["state"]] += 1
-                    break
-            await agent.http.delete(f"/sessions/{sid}")
+        # The drain: the TTLs release what the clients left (sessions, paused generations, responses).
+        await asyncio.sleep(IDLE_TTL_S * 2 + 1)
+        left_sessions = 0
+        for sid in sorted(tally.sessions):
+            for a in crew[:2]:  # one agent of each tenant: every session left must be gone for both
+                left_sessions += (await a.http.get(f"/sessions/{sid}")).status_code != 404
         for a in crew:
             await a.close()
-        await asyncio.sleep(IDLE_TTL_S * 2 + 1)
         after = metrics(base)
     finally:
         proc.terminate()
@@ -305,14 +304,17 @@ async def soak_policy(policy: str, seconds: float, agents: int, model: str | Non
                                                                      "requests_waiting")}
     checks = {
         "no 5xx and no loop exception": not tally.errors,
-        "sessions idle or paused at the drain": set(states) <= {"idle", "paused"},
+        "sessions idle or paused after each post": bool(tally.session_states)
+        and set(tally.session_states) <= {"idle", "paused"},
+        "sessions left to the TTL are gone": left_sessions == 0,
         "nothing left paused, running or in KV": not any(leaked.values()),
         "RSS flat (last window <= first + 10%)": max(last) <= max(first) * 1.10,
         "SIGTERM exit 0": exit_code == 0,
     }
     return {"policy": policy, "seconds": seconds, "agents": agents, "steps": dict(tally.steps),
             "statuses": {str(k): v for k, v in sorted(tally.statuses.items())}, "errors": tally.errors[:20],
-            "session_states_at_drain": dict(states), "left_after_drain": leaked,
+            "session_states_after_posts": dict(tally.session_states),
+            "sessions_left_to_ttl": len(tally.sessions), "sessions_not_gone": left_sessions, "left_after_drain": leaked,
             "rss_mb": {"first_window_max": round(max(first), 1), "last_window_max": round(max(last), 1)},
             "resumes": after.get("infercept_resumes_total", 0.0),
             "evictions": after.get("infercept_paused_evictions_total", 0.0),
