@@ -179,7 +179,7 @@ class Agent:
             self.tally.status(r.status_code, "session results")
         r = await self.http.get(f"/sessions/{sid}")  # its post answered: idle or paused, never generating
         self.tally.status(r.status_code, "session read")
-        self.tally.session_states[r.json()["state"]] += 1
+        self.tally.session_states[r.json()["state"] if r.status_code == 200 else f"HTTP {r.status_code}"] += 1
         if self.rng.random() < 0.5:  # the rest are left to the TTL: the drain checks they are gone
             self.tally.status((await self.http.delete(f"/sessions/{sid}")).status_code, "session delete")
         else:

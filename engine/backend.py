@@ -42,6 +42,9 @@ class EngineInfo:
     dtype: str
     device: str
     kv_capacity_tokens: int  # KV the device and host pools hold together (the paused-token default)
+    # Grammar-constrained decoding (forced tool calls, response_format); without it the server asks for
+    # a grammar only where the request needs one (and the backend refuses it: 400).
+    guided_decoding: bool = True
 
     @property
     def model_name(self) -> str:

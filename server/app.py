@@ -86,7 +86,7 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
     tokenizer = AutoTokenizer.from_pretrained(info.model)
     renderer = ChatRenderer(tokenizer, info.eos_token_ids, tool_format) if tokenizer.chat_template else None
     turns = Turns(EngineTurns(backend, metrics, model_name), conversations, metrics, admission, renderer,
-                  info.max_model_len, info.vocab_size)
+                  info.max_model_len, info.vocab_size, info.guided_decoding)
     common = dict(turns=turns, model_name=model_name, model_aliases={model_name, info.model, info.model_name},
                   tokenizer=tokenizer)
     completions = CompletionServing(eos_token_ids=info.eos_token_ids, **common)

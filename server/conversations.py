@@ -309,9 +309,15 @@ class ConversationStore:
         """`owner`'s record (kind, id); None if there is none (another tenant's is none of its business)."""
         record = self._named.get((owner, kind, id))
         if record is not None:
-            record.last_used = self.clock()
-            self._named.move_to_end((owner, kind, id))
+            self.touch(record)
         return record
+
+    def touch(self, record: Conversation) -> None:
+        """`record` was used now: its idle TTL starts again (also when its request ends, so a turn that
+        generated longer than the TTL does not leave its record to expire at once)."""
+        record.last_used = self.clock()
+        if record.kind in (Kind.CHAT, Kind.SESSION) and record.state is not State.CLOSED:
+            self._named.move_to_end((record.owner, record.kind, record.id))
 
     def open_named(self, kind: Kind, id: str, owner: str | None = None, **fields) -> Conversation:
         """`owner`'s named record (kind, id), created if new: past `max_named_sessions` the least recently

@@ -76,10 +76,10 @@ class ChatServing(Frontend):
         await turn.close()
         self._settle(turn.spec.holder)
 
-    @staticmethod
-    def _settle(session: Conversation | None) -> None:
+    def _settle(self, session: Conversation | None) -> None:
         if session is not None and session.state is State.GENERATING:
             session.state = State.PAUSED if session.paused is not None else State.IDLE
+            self.conversations.touch(session)
 
     def _session_messages(self, session_id: str, messages: list[Message],
                           owner: str | None) -> tuple[list[Message], Conversation]:

@@ -132,6 +132,7 @@ class SessionServing(Frontend):
             if session.state is State.GENERATING:
                 session.state = before
             session.task = session.request_id = None
+            self.conversations.touch(session)
 
         return await respond(raw, req.stream, lambda: self._sse(session, task, events),
                              lambda: self._outcome(session, task), settle, {"X-Session-Id": session_id},

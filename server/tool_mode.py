@@ -28,9 +28,12 @@ class ToolMode:
     parallel: bool = True
 
 
-def with_grammar(fmt: ToolFormat, params: SamplingParams, mode: ToolMode, answer_schema: dict | None) -> SamplingParams:
-    """The turn's params constrained by its grammar, if it has one (see `turn_grammar`)."""
-    grammar = turn_grammar(fmt, params, mode, answer_schema)
+def with_grammar(fmt: ToolFormat, params: SamplingParams, mode: ToolMode, answer_schema: dict | None,
+                 guided_decoding: bool = True) -> SamplingParams:
+    """The turn's params constrained by its grammar, if it has one (see `turn_grammar`). Without
+    `guided_decoding` (a backend that has none), tool_choice none goes unconstrained, as in formats
+    without that grammar: a call the model writes anyway stays content."""
+    grammar = turn_grammar(fmt, params, mode, answer_schema, guided_decoding)
     if grammar is None:
         return params
     guided, param = grammar
@@ -40,8 +43,8 @@ def with_grammar(fmt: ToolFormat, params: SamplingParams, mode: ToolMode, answer
         raise bad_request(f"{param} asks for a grammar-constrained turn: {e}", param=param) from None
 
 
-def turn_grammar(fmt: ToolFormat, params: SamplingParams, mode: ToolMode,
-                 answer_schema: dict | None) -> tuple[GuidedDecodingParams, str] | None:
+def turn_grammar(fmt: ToolFormat, params: SamplingParams, mode: ToolMode, answer_schema: dict | None,
+                 guided_decoding: bool = True) -> tuple[GuidedDecodingParams, str] | None:
     """The grammar of the turn and the request field that asks for it; None: the model writes freely.
 
     forced calls -> the calls grammar (an answer never comes, so response_format has no say);
@@ -58,7 +61,7 @@ def turn_grammar(fmt: ToolFormat, params: SamplingParams, mode: ToolMode,
     elif answer_schema is not None:
         return (_compile("response_format", json_schema=fmt.json_grammar_schema(answer_schema)),
                 "response_format")
-    elif mode.tools is not None and not mode.parse and not (params.min_tokens or params.ignore_eos):
+    elif mode.tools is not None and not mode.parse and guided_decoding and not (params.min_tokens or params.ignore_eos):
         # tool_choice none; with vLLM's min_tokens / ignore_eos the turn must not end where it wants,
         # which a grammar cannot combine with, so there it stays unconstrained (a call is content).
         lark, param = fmt.no_call_grammar(), "tool_choice"

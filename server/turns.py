@@ -213,7 +213,8 @@ class Turns:
     """Opens turns: the one place that renders, admits, claims paused generations and starts engine turns."""
 
     def __init__(self, engine_turns: EngineTurns, conversations: ConversationStore, metrics: ServerMetrics,
-                 admission: Admission, renderer: ChatRenderer | None, max_model_len: int, vocab_size: int):
+                 admission: Admission, renderer: ChatRenderer | None, max_model_len: int, vocab_size: int,
+                 guided_decoding: bool = True):
         self.engine_turns = engine_turns
         self.conversations = conversations
         self.metrics = metrics
@@ -222,6 +223,7 @@ class Turns:
         self.format = renderer.tool_format if renderer is not None else None
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.guided_decoding = guided_decoding  # the backend's (EngineInfo.guided_decoding)
 
     async def open(self, spec: TurnSpec) -> Turn:
         """Open one turn; closing it releases its admission."""
@@ -277,7 +279,7 @@ class Turns:
                               param=spec.param) from None
         self.check_prompt(prompt_ids, spec.param)
         params = self.sampling_params(spec, len(prompt_ids), skip_special_tokens=not (mode.parse and fmt.keeps_special_tokens))
-        params = with_grammar(fmt, params, mode, spec.answer_schema)
+        params = with_grammar(fmt, params, mode, spec.answer_schema, self.guided_decoding)
         intercept = None
         if mode.parse:
             hint = spec.intercept

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 from live_server import serve_in_thread
-from test_backend_boundary import WEATHER, ScriptedBackend
+from scripted_backend import WEATHER, ScriptedBackend
 
 from infercept.server.app import build_app
 from infercept.server.conversations import Kind, State
@@ -247,3 +247,26 @@ def test_the_engines_paused_set_is_the_stores_in_every_state(fake_server):
     thread.join(timeout=10)
     in_step(0)
     assert causes()["shutdown"] == 3 and not fake.running
+
+
+def test_the_idle_ttl_counts_from_the_end_of_a_request_not_its_start(fake_server):
+    """A chat session whose turn generated for longer than the TTL is not closed the moment it ends."""
+    fake, app, base, clock, server, thread = fake_server
+    store = app.state.conversations
+
+    def record():
+        return store._named.get((None, Kind.CHAT, "long"))
+
+    body = {"model": "fake", "messages": [{"role": "user", "content": "a slow count"}], "stream": True,
+            "session_id": "long"}
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        wait_until_line(lines, " la")
+        clock[0] += 1.5  # the turn runs past idle_ttl (1.0): a generating record is never reaped
+        time.sleep(0.5)  # two reaper ticks
+        assert record() is not None and record().state is State.GENERATING
+    wait_for(lambda: not fake.generating and record().state is State.IDLE)
+    time.sleep(0.5)  # the reaper ran since: the TTL starts from the end of the request
+    assert record() is not None
+    clock[0] += 1.5
+    wait_for(lambda: record() is None)

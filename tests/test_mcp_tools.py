@@ -23,7 +23,7 @@ import httpx
 import openai
 import pytest
 from live_server import serve_in_thread
-from test_backend_boundary import ScriptedBackend
+from scripted_backend import ScriptedBackend
 
 from infercept.engine.backend import ToolCall
 from infercept.server.app import build_app

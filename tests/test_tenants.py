@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 from live_server import serve_in_thread
-from test_backend_boundary import WEATHER, ScriptedBackend
+from scripted_backend import WEATHER, ScriptedBackend
 
 from infercept.server import tenants
 from infercept.server.app import build_app

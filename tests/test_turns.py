@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from test_backend_boundary import WEATHER, ScriptedBackend
+from scripted_backend import WEATHER, ScriptedBackend
 
 from infercept.server.app import build_app
 from infercept.server.chat import Message, tool_specs

@@ -228,3 +228,18 @@ def test_the_server_over_vllm_resumes_a_tool_call_through_the_openai_sdk(vllm):
     again = client.completions.create(model="smol", prompt=prompt_ids, max_tokens=len(output_ids), temperature=0,
                                       extra_body={"return_token_ids": True})
     assert again.choices[0].model_extra["token_ids"] == output_ids
+
+
+def test_tool_choice_none_answers_and_a_forced_call_is_a_400_on_vllm(vllm):
+    """vLLM's structured outputs are not wired yet: tool_choice none goes without its no-call grammar (a
+    call the model writes anyway stays content), and what needs a grammar is refused, not approximated."""
+    import openai
+
+    _, base = vllm
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    answer = client.chat.completions.create(model="smol", messages=QUESTION, tools=TOOLS, tool_choice="none",
+                                            max_tokens=8, temperature=0)
+    assert answer.choices[0].finish_reason in ("stop", "length") and not answer.choices[0].message.tool_calls
+    with pytest.raises(openai.BadRequestError, match="grammar-constrained decoding"):
+        client.chat.completions.create(model="smol", messages=QUESTION, tools=TOOLS, tool_choice="required",
+                                       max_tokens=8)

@@ -130,7 +130,8 @@ class VllmBackend(EngineBackend):
         info = EngineInfo(model=model, model_type=model_type, max_model_len=facts["max_model_len"],
                           vocab_size=facts["vocab_size"], eos_token_ids=eos_ids_of(model, tokenizer),
                           chat_template=tokenizer.chat_template, dtype=facts["dtype"], device=facts["device"],
-                          kv_capacity_tokens=facts["num_blocks"] * facts["block_size"])
+                          kv_capacity_tokens=facts["num_blocks"] * facts["block_size"],
+                          guided_decoding=False)  # not wired to vLLM's structured outputs yet (params.py)
         return cls(worker, info, tokenizer, facts["block_size"])
 
     # -- life cycle -------------------------------------------------------------------------------
