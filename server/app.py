@@ -85,7 +85,7 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
     # the two threads never share a tokenizer's mutable state.
     tokenizer = AutoTokenizer.from_pretrained(info.model)
     renderer = ChatRenderer(tokenizer, info.eos_token_ids, tool_format) if tokenizer.chat_template else None
-    turns = Turns(EngineTurns(backend, metrics, model_name), conversations, metrics, admission, renderer,
+    turns = Turns(EngineTurns(backend, metrics), conversations, metrics, admission, renderer,
                   info.max_model_len, info.vocab_size, info.guided_decoding)
     common = dict(turns=turns, model_name=model_name, model_aliases={model_name, info.model, info.model_name},
                   tokenizer=tokenizer)

@@ -84,10 +84,9 @@ class EngineTurn:
 class EngineTurns:
     """Starts and resumes generations, timing their first token and the gaps between tokens."""
 
-    def __init__(self, backend: EngineBackend, metrics: ServerMetrics, model_name: str):
+    def __init__(self, backend: EngineBackend, metrics: ServerMetrics):
         self.backend = backend
         self.metrics = metrics
-        self.model_name = model_name
 
     async def open(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                    intercept: InterceptParams | None, entry: Paused | None, started: float) -> EngineTurn:
@@ -103,7 +102,7 @@ class EngineTurns:
                 first = await anext(stream)
             except (KeyError, ValueError) as e:
                 logger.info("request %s: resume of %s failed (%s); serving it fresh", request_id, entry.request_id, e)
-                self.metrics.resume_fallbacks.labels(self.model_name).inc()
+                self.metrics.resume_fallbacks.labels(self.metrics.model).inc()
                 self.backend.abort(entry.request_id)
             else:
                 self._observe_ttft(started)
@@ -122,8 +121,8 @@ class EngineTurns:
                           cached_tokens=first.num_cached_tokens, observe_gap=self._observe_gap)
 
     def _observe_gap(self, seconds: float) -> None:
-        self.metrics.inter_token.labels(self.model_name).observe(seconds)
+        self.metrics.inter_token.labels(self.metrics.model).observe(seconds)
 
     def _observe_ttft(self, started: float) -> None:
         """The engine reports a request once it has its first token: that is the time to first token."""
-        self.metrics.ttft.labels(self.model_name).observe(max(time.monotonic() - started, 0.0))
+        self.metrics.ttft.labels(self.metrics.model).observe(max(time.monotonic() - started, 0.0))
