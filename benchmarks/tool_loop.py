@@ -10,6 +10,8 @@ generated delta (text or tool call) is the step's TTFT; `cached_tokens` is the s
 
     python benchmarks/tool_loop.py                     # discard vs infercept, 3 loops of 4 steps
     python benchmarks/tool_loop.py --policies discard prefix-cache swap infercept
+    python benchmarks/tool_loop.py --backend vllm      # the same on the vLLM backend (one server at a time:
+                                                       # vLLM's idle engine busy-polls its cores)
 
 Writes `<out>/tool_loop.json` (every step of every loop) and `<out>/tool_loop.md` (medians over the
 resumed steps, and each policy's ratio to infercept).
@@ -17,6 +19,7 @@ resumed steps, and each policy's ratio to infercept).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -115,6 +118,36 @@ def report(summaries: dict[str, dict], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+@contextlib.contextmanager
+def servers_of(policies: list[str], args, out: Path):
+    """`infercept serve` per policy, up and healthy; stopped on the way out."""
+    exe = str(Path(sys.executable).with_name("infercept"))
+    servers = {}
+    try:
+        for policy in policies:
+            port = free_port()
+            argv = [exe, "serve", "--policy", policy, "--port", str(port), "--threads", str(args.threads),
+                    "--kv-cache-gb", str(args.kv_cache_gb), "--log-level", "warning"]
+            if args.backend == "vllm":
+                argv += ["--backend", "vllm", *(["--vllm-python", args.vllm_python] if args.vllm_python else [])]
+            servers[policy] = ServerProcess(argv, port, policy, out / f"{policy}.log",
+                                            env={"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"})
+        for server in servers.values():
+            server.wait_ready(timeout=900)
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+def one_loop(server: ServerProcess, policy: str, i: int, args) -> list[dict]:
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    steps = run_loop(client, default_model(server.base_url), args.steps, args.max_tokens)
+    print(f"loop {i + 1}/{args.loops} {policy}: resumed TTFT " + ", ".join(f"{r['ttft_s']:.3f}" for r in steps[1:])
+          + " s; cached " + ", ".join(str(r["cached_tokens"]) for r in steps[1:]), file=sys.stderr)
+    return steps
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policies", nargs="+", default=["discard", "infercept"])
@@ -125,40 +158,31 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-cache-gb", type=float, default=0.5,
                    help="device KV pool of every server (the default takes a share of free memory, so "
                         "several servers at once would not fit)")
+    p.add_argument("--backend", choices=("native", "vllm"), default="native")
+    p.add_argument("--vllm-python", default=None, help="--backend vllm: the vLLM environment's python")
     p.add_argument("--out", default=str(Path(__file__).with_name("results") / "tool_loop"))
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    exe = str(Path(sys.executable).with_name("infercept"))
-    servers = {}
-    try:
+    loops: dict[str, list] = {policy: [] for policy in args.policies}
+    if args.backend == "native":  # every server up at once, loops interleaved
+        with servers_of(args.policies, args, out) as servers:
+            for i in range(args.loops):
+                for policy in args.policies:
+                    loops[policy].append(one_loop(servers[policy], policy, i, args))
+    else:  # one server at a time, all its loops
         for policy in args.policies:
-            port = free_port()
-            servers[policy] = ServerProcess([exe, "serve", "--policy", policy, "--port", str(port), "--threads",
-                                             str(args.threads), "--kv-cache-gb", str(args.kv_cache_gb),
-                                             "--log-level", "warning"], port, policy,
-                                            out / f"{policy}.log")
-        for server in servers.values():
-            server.wait_ready(timeout=600)
-        clients = {policy: openai.OpenAI(base_url=f"{s.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
-                   for policy, s in servers.items()}
-        models = {policy: default_model(s.base_url) for policy, s in servers.items()}
-        loops: dict[str, list] = {policy: [] for policy in servers}
-        for i in range(args.loops):
-            for policy, client in clients.items():
-                loops[policy].append(run_loop(client, models[policy], args.steps, args.max_tokens))
-                last = loops[policy][-1]
-                print(f"loop {i + 1}/{args.loops} {policy}: resumed TTFT "
-                      + ", ".join(f"{r['ttft_s']:.3f}" for r in last[1:]) + " s; cached "
-                      + ", ".join(str(r["cached_tokens"]) for r in last[1:]), file=sys.stderr)
-    finally:
-        for server in servers.values():
-            server.stop()
+            with servers_of([policy], args, out) as servers:
+                for i in range(args.loops):
+                    loops[policy].append(one_loop(servers[policy], policy, i, args))
     summaries = {policy: summarize(runs) for policy, runs in loops.items()}
-    header = (f"# Tool loop over the openai SDK, one agent, idle server\n\n{cpu_name()}, {args.threads} thread(s) "
-              f"and {args.kv_cache_gb} GiB of device KV per server, {today()}; {args.loops} loops x {args.steps} forced calls per policy, "
-              f"interleaved. Command: `python benchmarks/tool_loop.py --policies {' '.join(args.policies)} "
-              f"--loops {args.loops} --steps {args.steps}`")
+    backend = "" if args.backend == "native" else " --backend vllm"
+    header = (f"# Tool loop over the openai SDK, one agent, idle server ({args.backend} backend)\n\n{cpu_name()}, "
+              f"{args.threads} thread(s) and {args.kv_cache_gb} GiB of device KV per server, {today()}; "
+              f"{args.loops} loops x {args.steps} forced calls per policy, "
+              f"{'interleaved' if args.backend == 'native' else 'one server at a time'}. Command: "
+              f"`python benchmarks/tool_loop.py --policies {' '.join(args.policies)} --loops {args.loops} "
+              f"--steps {args.steps}{backend}`")
     (out / "tool_loop.json").write_text(json.dumps({"cpu": cpu_name(), "date": today(),
                                                     "args": vars(args), "summaries": summaries, "loops": loops},
                                                    indent=1))

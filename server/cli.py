@@ -41,11 +41,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN", None))
     g.add_argument("--threads", type=int, default=_env("THREADS", None), help="torch CPU threads")
     g.add_argument("--policy", default=_env("POLICY", None),
-                   help="how paused requests keep their KV: infercept (min-waste, the default), preserve (the "
-                        "default and so far the only one on --backend vllm), swap, "
+                   help="how paused requests keep their KV: infercept (min-waste, the default), preserve, swap, "
                         "discard, improved-discard, prefix-cache, or a Figure 3 ablation step; +swap-preemption or "
                         "+recompute-preemption (e.g. swap+swap-preemption) changes how KV leaves the device "
-                        "under memory pressure")
+                        "under memory pressure. --backend vllm: infercept, preserve, prefix-cache or discard "
+                        "(the last two are stock vLLM)")
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    default=_env("PREFIX_CACHING", "1").lower() not in ("0", "false", "no", "off"),
                    help="do not keep freed KV blocks addressable by content (INFERCEPT_PREFIX_CACHING=0)")
@@ -80,7 +80,7 @@ def build_backend(args: argparse.Namespace):
 
     # The vLLM worker takes the engine flags it has a meaning for; vLLM reads its own VLLM_* variables.
     return VllmBackend.create(
-        args.model, python=args.vllm_python, policy=args.policy or "preserve",
+        args.model, python=args.vllm_python, policy=args.policy or "infercept",
         dtype=args.dtype, max_model_len=None if args.max_model_len is None else int(args.max_model_len),
         kv_cache_gb=None if args.kv_cache_gb is None else float(args.kv_cache_gb), max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.prefix_caching)
@@ -237,7 +237,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
             if not self.should_exit:
                 host, port = self.servers[0].sockets[0].getsockname()[:2]
                 info = backend.info
-                policy = args.policy or ("infercept" if args.backend == "native" else "preserve")
+                policy = args.policy or "infercept"
                 print(f"infercept: serving {name} ({args.backend}, {info.dtype}, {info.device}, policy {policy}) "
                       f"on http://{host}:{port}", flush=True)
 

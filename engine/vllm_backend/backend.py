@@ -1,4 +1,4 @@
-"""`VllmBackend`: vLLM V1 (`AsyncLLM`, in a worker process) behind `EngineBackend`, policy `preserve`.
+"""`VllmBackend`: vLLM V1 (`AsyncLLM`, in a worker process) behind `EngineBackend`, with our KV policy.
 
 vLLM runs in its own environment (worker.py); this side keeps what the server must see exactly as our
 engine gives it: the text (our detokenizer, our stop strings), the turn's verdict on tool calls (our
@@ -11,8 +11,14 @@ on EOS, a stop token or max_tokens; then vLLM keeps it waiting with its KV, and 
             └──> otherwise ──────────────────────────> finished: the session's input ends, vLLM frees it
 
 vLLM drops a session's last sampled token when the next chunk arrives (it never computed its KV), so a
-resume sends that token again before the appended ones. Its KV stays where it is: "preserve", with no
-policy yet (discard, swap and min-waste come with a scheduler subclass: docs/operators.md §7).
+resume sends that token again before the appended ones.
+
+Where a paused session's KV waits is the policy's choice, made inside vLLM by `InterceptScheduler`
+(scheduler.py, the same `engine.policy` code as the native engine): `preserve` keeps it, `infercept`
+keeps or discards it by min-waste; both give paused KV up before vLLM preempts live work. `prefix-cache`
+and `discard` are stock vLLM as agent loops run on it today: no sessions and vLLM's own scheduler; a
+turn is a request that ends, and a resume is a new request of the whole context (prefix-cached, or for
+`discard` recomputed in full). `swap` needs a host tier this backend does not have yet: refused.
 
 Differences from our engine, by design of this step: a turn with tools is judged when it stops, not as
 soon as a call closes (a model that writes on after its call without EOS is judged at its stop), and
@@ -35,13 +41,18 @@ from ..tool_format import CallJudge, TurnCalls
 from .params import vllm_sampling_fields
 from .process import WorkerProcess
 
+# Policies on this backend: those run by our scheduler in vLLM over streaming sessions, and stock vLLM
+# (policy -> its prefix caching).
+SESSION_POLICIES = ("preserve", "infercept")
+STOCK_POLICIES = {"prefix-cache": True, "discard": False}
+SCHEDULER_CLS = "engine.vllm_backend.scheduler.InterceptScheduler"
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STARTUP_TIMEOUT_S = 600.0  # a large model's first load; vLLM CPU with SmolLM2 is ready in ~40 s here
 
 
 def default_vllm_python() -> str:
     """$INFERCEPT_VLLM_PYTHON, else the repository's .venv-vllm (`make vllm-env`)."""
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return os.environ.get("INFERCEPT_VLLM_PYTHON") or os.path.join(repo, ".venv-vllm", "bin", "python")
+    return os.environ.get("INFERCEPT_VLLM_PYTHON") or os.path.join(REPO_ROOT, ".venv-vllm", "bin", "python")
 
 
 @dataclass(eq=False)
@@ -57,7 +68,9 @@ class _Generation:
     detok: IncrementalDetokenizer
     turn_start: int  # where this turn's generated tokens begin in `context`
     session: bool  # a vLLM streaming-input session: its first turn may pause (fixed for its life)
+    wire_id: str  # vLLM's request id for this turn: the request id, or for stock policies one per turn
     cached: int = 0  # this turn's context tokens whose KV was reused
+    turn: int = 0
     logprobs: list[SampledToken] = field(default_factory=list)
     paused: bool = False
     inbox: asyncio.Queue | None = None  # the worker's messages for the turn being streamed
@@ -74,7 +87,7 @@ class _Generation:
 
     @property
     def kept_kv(self) -> int:
-        """KV tokens vLLM holds for it: the context but its last token (sampled, never fed back)."""
+        """KV tokens vLLM computed for it: the context but its last token (sampled, never fed back)."""
         return len(self.context) - 1
 
     def deliver(self, msg: dict) -> None:
@@ -84,13 +97,23 @@ class _Generation:
 
 
 class VllmBackend(EngineBackend):
-    def __init__(self, worker: WorkerProcess, info: EngineInfo, tokenizer, block_size: int):
+    def __init__(self, worker: WorkerProcess, info: EngineInfo, tokenizer, block_size: int,
+                 policy: str = "preserve", profile: dict | None = None):
         self.worker = worker
         self.info = info
         self.tokenizer = tokenizer
         self.block_size = block_size
+        self.policy = policy
+        self.sessions = policy in SESSION_POLICIES  # paused turns wait in vLLM as streaming sessions
+        self.profile = profile  # measured by the worker on this vLLM (session policies)
         self._generations: dict[str, _Generation] = {}
-        self._lock = threading.Lock()  # _generations: the event loop and the reader thread
+        self._wires: dict[str, _Generation] = {}  # vLLM request id -> its generation
+        self._lock = threading.Lock()  # _generations, _wires, _kv: the event loop and the reader thread
+        # The scheduler's last report (`kv` messages; lags vLLM by a step): paused sessions' KV
+        # ([device, discarded] tokens by vLLM id), prefix hits of turns resumed after a discard, counters.
+        self._kv_paused: dict[str, list[int]] = {}
+        self._resumed_hits: dict[str, int] = {}
+        self._counters: dict[str, int] = {}
         self._stats: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._seq = 0
         self._running = False
@@ -98,7 +121,7 @@ class VllmBackend(EngineBackend):
         worker.listen(self._on_message, self._on_worker_exit)
 
     @classmethod
-    def create(cls, model: str | None = None, *, python: str | None = None, policy: str = "preserve",
+    def create(cls, model: str | None = None, *, python: str | None = None, policy: str = "infercept",
                dtype: str = "auto", max_model_len: int | None = None, kv_cache_gb: float | None = None,
                max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
                enable_prefix_caching: bool = True, seed: int = 0, env: dict[str, str] | None = None,
@@ -109,8 +132,10 @@ class VllmBackend(EngineBackend):
 
         from ..engine import eos_ids_of
 
-        if policy != "preserve":
-            raise ValueError(f"the vLLM backend runs policy 'preserve' only (for now), not {policy!r}")
+        if policy not in SESSION_POLICIES and policy not in STOCK_POLICIES:
+            raise ValueError(f"policy {policy!r} is not available on the vLLM backend (it has no host tier to swap "
+                             f"to yet): choose one of {', '.join((*SESSION_POLICIES, *STOCK_POLICIES))}")
+        enable_prefix_caching = STOCK_POLICIES.get(policy, enable_prefix_caching)
         python = python or default_vllm_python()
         if not os.path.isfile(python):
             raise FileNotFoundError(f"no python for the vLLM backend at {python!r}: run `make vllm-env`, or pass "
@@ -121,8 +146,17 @@ class VllmBackend(EngineBackend):
         engine_args = {"model": model, "dtype": dtype, "seed": seed, "max_num_seqs": max_num_seqs,
                        "enable_prefix_caching": enable_prefix_caching, "max_model_len": max_model_len,
                        "max_num_batched_tokens": max_num_batched_tokens,
+                       # Grammars compiled by llguidance, as ours are (params.py)
+                       "structured_outputs_config": {"backend": "guidance"},
                        "kv_cache_memory_bytes": None if kv_cache_gb is None else int(kv_cache_gb * 2**30)}
-        worker = WorkerProcess(python, {k: v for k, v in engine_args.items() if v is not None}, env or {})
+        engine_args = {k: v for k, v in engine_args.items() if v is not None}
+        if policy in SESSION_POLICIES:
+            # Our scheduler subclasses vLLM's synchronous one (async scheduling would need its twin,
+            # AsyncInterceptScheduler, untested without a GPU); vLLM imports it from the repository root.
+            engine_args |= {"scheduler_cls": SCHEDULER_CLS, "async_scheduling": False,
+                            "additional_config": {"infercept": {"policy": policy}}}
+        env = {"PYTHONPATH": os.pathsep.join(filter(None, (REPO_ROOT, os.environ.get("PYTHONPATH"))))} | (env or {})
+        worker = WorkerProcess(python, {"engine": engine_args, "policy_channel": policy in SESSION_POLICIES}, env)
         facts = worker.start(startup_timeout)
         tokenizer = AutoTokenizer.from_pretrained(model)
         with open(os.path.join(model, "config.json")) as f:
@@ -130,9 +164,8 @@ class VllmBackend(EngineBackend):
         info = EngineInfo(model=model, model_type=model_type, max_model_len=facts["max_model_len"],
                           vocab_size=facts["vocab_size"], eos_token_ids=eos_ids_of(model, tokenizer),
                           chat_template=tokenizer.chat_template, dtype=facts["dtype"], device=facts["device"],
-                          kv_capacity_tokens=facts["num_blocks"] * facts["block_size"],
-                          guided_decoding=False)  # not wired to vLLM's structured outputs yet (params.py)
-        return cls(worker, info, tokenizer, facts["block_size"])
+                          kv_capacity_tokens=facts["num_blocks"] * facts["block_size"])
+        return cls(worker, info, tokenizer, facts["block_size"], policy, facts.get("profile"))
 
     # -- life cycle -------------------------------------------------------------------------------
     @property
@@ -170,7 +203,7 @@ class VllmBackend(EngineBackend):
         for g in chosen:
             g.deliver({"op": "error", "error": error})
             if self.worker.alive:
-                self.worker.send({"op": "abort", "id": g.request_id})
+                self.worker.send({"op": "abort", "id": g.wire_id})
 
     # -- requests ---------------------------------------------------------------------------------
     async def generate(self, prompt, params, request_id, intercept=None):
@@ -179,12 +212,14 @@ class VllmBackend(EngineBackend):
         if not prompt:
             raise ValueError("the prompt is empty")
         gen = _Generation(request_id, list(prompt), list(prompt), params, intercept, _judge(intercept),
-                          self._detokenizer(prompt, params), turn_start=len(prompt), session=_may_pause(intercept))
+                          self._detokenizer(prompt, params), turn_start=len(prompt),
+                          session=self.sessions and _may_pause(intercept), wire_id=request_id)
         fields = vllm_sampling_fields(params, gen.session)
         with self._lock:
-            if request_id in self._generations:
+            if request_id in self._generations or request_id in self._wires:
                 raise ValueError(f"request id {request_id!r} is in use")
             self._generations[request_id] = gen
+            self._wires[request_id] = gen
         self._open(gen)
         self.worker.send({"op": "generate", "id": request_id, "prompt": list(prompt), "params": fields,
                           "resumable": gen.session})
@@ -203,19 +238,31 @@ class VllmBackend(EngineBackend):
             raise ValueError("nothing to append: a resume needs at least one token")
         self._check_tokens(appended, len(gen.context) + len(appended))
         params = params or gen.params
-        fields = vllm_sampling_fields(params, resumable=True)  # still a session, whatever the turn's rule
+        # A session stays one, whatever the turn's rule; a stock turn is a request of its own.
+        fields = vllm_sampling_fields(params, resumable=gen.session)
         gen.params, gen.intercept = params, intercept or gen.intercept
         gen.judge = _judge(gen.intercept)
-        # vLLM dropped the last sampled token, whose KV it never computed: it leads the new chunk.
-        chunk = [gen.context[-1], *appended]
-        gen.cached = gen.kept_kv
+        gen.turn += 1
+        if gen.session:
+            # vLLM dropped the last sampled token, whose KV it never computed: it leads the new chunk.
+            msg = {"op": "resume", "id": gen.wire_id, "tokens": [gen.context[-1], *appended]}
+            with self._lock:  # reused as the scheduler last reported (a later discard corrects it: _advance)
+                gen.cached = self._kv_paused.get(gen.wire_id, [gen.kept_kv])[0]
+                self._resumed_hits.pop(gen.wire_id, None)
+        else:
+            with self._lock:
+                self._wires.pop(gen.wire_id, None)
+                gen.wire_id = f"{request_id}#{gen.turn}"
+                self._wires[gen.wire_id] = gen
+            msg = {"op": "generate", "id": gen.wire_id, "prompt": gen.context + list(appended), "resumable": False}
+            gen.cached = 0  # vLLM reports the prefix-cache hit with the first output
         gen.context += appended
         gen.turn_start = len(gen.context)
         gen.detok = self._detokenizer(gen.context, params)
         gen.logprobs = []
         gen.paused = False
         self._open(gen)
-        self.worker.send({"op": "resume", "id": request_id, "tokens": chunk, "params": fields})
+        self.worker.send(msg | {"params": fields})
         async for out in self._stream(gen):
             yield out
 
@@ -279,8 +326,14 @@ class VllmBackend(EngineBackend):
             reason, stop_reason = "stop", stop_string  # found here first: vLLM's own stop is moot
         elif reason == "stop" and stop_reason is None:
             stop_reason = gen.context[-1]  # EOS: our engine names the token, vLLM does not
-        if gen.turn_start == len(gen.context) - len(msg["tokens"]) and not gen.cached:
-            gen.cached = msg["cached"]  # a fresh request's prefix-cache hit, reported with its first output
+        first_output = gen.turn_start == len(gen.context) - len(msg["tokens"])
+        if first_output and (gen.turn == 0 or not gen.session):
+            gen.cached = msg["cached"]  # a new vLLM request's prefix-cache hit, reported with its first output
+        elif gen.session:
+            with self._lock:
+                hit = self._resumed_hits.get(gen.wire_id)
+            if hit is not None:  # resumed after our scheduler discarded it: reused what the cache still held
+                gen.cached = hit
         if reason is None:
             return self._output(gen, finished=False), False
         judged = None
@@ -291,12 +344,16 @@ class VllmBackend(EngineBackend):
                 (judged is None and gen.intercept.pause_on_stop)
         if paused:
             gen.paused = True
+            if gen.session:  # the duration estimate's key and the client's hint, for the scheduler
+                self.worker.send({"op": "pause", "id": gen.wire_id, "expected_s": gen.intercept.expected_s,
+                                  "tool": judged.calls[0].name if judged is not None and judged.calls else
+                                  gen.intercept.kind})
         else:
             self._forget(gen)
             if gen.session:
-                self.worker.send({"op": "end", "id": gen.request_id})  # the session's input ends: vLLM frees it
+                self.worker.send({"op": "end", "id": gen.wire_id})  # the session's input ends: vLLM frees it
             elif stop_string is not None and msg["finish_reason"] is None:
-                self.worker.send({"op": "abort", "id": gen.request_id})
+                self.worker.send({"op": "abort", "id": gen.wire_id})
         if paused or (judged is not None and judged.calls):
             reason = "tool_calls" if judged is not None and judged.calls else "intercept"
         return self._output(gen, finished=not paused, reason=reason, stop_reason=stop_reason, judged=judged), True
@@ -316,6 +373,8 @@ class VllmBackend(EngineBackend):
         with self._lock:
             if self._generations.get(gen.request_id) is gen:
                 del self._generations[gen.request_id]
+            if self._wires.get(gen.wire_id) is gen:
+                del self._wires[gen.wire_id]
 
     # -- the worker's messages (reader thread) ----------------------------------------------------
     def _on_message(self, msg: dict) -> None:
@@ -323,10 +382,19 @@ class VllmBackend(EngineBackend):
             loop, future = self._stats.pop(msg["seq"])
             loop.call_soon_threadsafe(future.set_result, msg["stats"])
             return
+        if msg["op"] == "kv":
+            with self._lock:
+                self._kv_paused, self._counters = msg["paused"], msg["counters"]
+                self._resumed_hits.update(msg["resumed"])
+            return
         with self._lock:
-            gen = self._generations.get(msg["id"])
-            if gen is not None and msg["op"] == "gone" and gen.inbox is None:
-                del self._generations[msg["id"]]  # a paused request vLLM ended: nothing to resume
+            gen = self._wires.get(msg["id"])
+            if gen is not None and msg["op"] == "gone":
+                del self._wires[msg["id"]]
+                if gen.inbox is None and gen.session:
+                    self._generations.pop(gen.request_id, None)  # a paused session vLLM ended: nothing to resume
+                elif gen.inbox is None:
+                    gen = None  # a stock turn's request ended, as it does after every turn
         if gen is not None:
             gen.deliver(msg)
 
@@ -335,33 +403,53 @@ class VllmBackend(EngineBackend):
         with self._lock:
             return [g for g in self._generations.values() if g.paused]
 
+    def _device_tokens(self, gen: _Generation) -> int:
+        """KV tokens vLLM holds on the device for `gen` (paused: as the scheduler last reported)."""
+        if not gen.paused:
+            return gen.kept_kv
+        if not gen.session:
+            return 0  # a stock turn's request ended; what the prefix cache still holds is not its own
+        with self._lock:
+            return self._kv_paused.get(gen.wire_id, [gen.kept_kv])[0]
+
     async def kv_location(self, request_id: str) -> KVLocation:
-        """Paused: the context's KV is on the device but its last token's (preserve; vLLM has no host
-        tier here). Generating: the same count as of the last output vLLM reported."""
+        """Generating: the context but its last token, as of the last output vLLM reported. Paused: on
+        the device, or discarded (to be recomputed past whatever the prefix cache still holds, which is
+        not known here: `cached` stays 0). No host tier on this backend."""
         with self._lock:
             gen = self._generations.get(request_id)
         if gen is None:
             raise KeyError(request_id)
-        return KVLocation(device=gen.kept_kv, discarded=len(gen.context) - gen.kept_kv)
+        device = self._device_tokens(gen)
+        return KVLocation(device=device, discarded=len(gen.context) - device)
 
     def paused_kv_tokens(self, request_id: str) -> int:
         with self._lock:
             gen = self._generations.get(request_id)
-        return gen.kept_kv if gen is not None and gen.paused else 0
+        return self._device_tokens(gen) if gen is not None and gen.paused else 0
 
     async def snapshot(self) -> EngineSnapshot:
-        """vLLM's numbers as of its last step (it reports after each one), and the paused requests."""
+        """vLLM's numbers as of its last step (it reports after each one), the paused requests, and what
+        our scheduler did (discarded and recomputed tokens, as of its last report)."""
         stats = await self._worker_stats()
         paused = self._paused()
+        device = {g.request_id: self._device_tokens(g) for g in paused}
+        held = sum(1 for n in device.values() if n)
+        with self._lock:
+            counters = dict(self._counters)
         total = self.info.kv_capacity_tokens // self.block_size
+        in_vllm = sum(1 for g in paused if g.session)  # paused sessions wait in vLLM's queues
         return EngineSnapshot(
             num_steps=stats["num_steps"], num_preemptions=stats["num_preemptions"],
+            num_discarded_tokens=counters.get("discarded_tokens", 0),
+            num_recomputed_tokens=counters.get("recomputed_tokens", 0),
             device_blocks_total=total, device_blocks_used=round(stats["kv_cache_usage"] * total),
             prefix_queried_blocks=stats["prefix_queried_tokens"] // self.block_size,
             prefix_hit_blocks=stats["prefix_hit_tokens"] // self.block_size,
-            num_running=stats["num_running"], num_waiting=max(stats["num_waiting"] - len(paused), 0),
-            paused_by_state={"device": len(paused), "host": 0, "partial": 0, "discarded": 0},
-            paused_tokens_by_location={"device": sum(g.kept_kv for g in paused), "host": 0, "discarded": 0})
+            num_running=stats["num_running"], num_waiting=max(stats["num_waiting"] - in_vllm, 0),
+            paused_by_state={"device": held, "host": 0, "partial": 0, "discarded": len(paused) - held},
+            paused_tokens_by_location={"device": sum(device.values()), "host": 0,
+                                       "discarded": sum(len(g.context) - device[g.request_id] for g in paused)})
 
     async def _worker_stats(self) -> dict:
         """The worker's stats message: vLLM's last reported numbers, and `num_requests` it still serves."""

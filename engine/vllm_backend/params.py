@@ -11,9 +11,6 @@ from ..sampling_params import SamplingParams
 def vllm_sampling_fields(params: SamplingParams, resumable: bool) -> dict:
     """`resumable`: the request may pause (a vLLM streaming-input session), which vLLM 0.32 allows only
     without stop strings: a turn there ends on EOS, a stop token or max_tokens."""
-    if params.guided is not None:
-        raise ValueError("grammar-constrained decoding (tool_choice required or named, response_format) is not "
-                         "supported on the vLLM backend yet")
     if resumable and params.stop:
         raise ValueError("stop strings are not supported on the vLLM backend in a generation that may pause "
                          "(tools, or an intercepted turn): vLLM ends such turns only on EOS, stop tokens or max_tokens")
@@ -32,4 +29,9 @@ def vllm_sampling_fields(params: SamplingParams, resumable: bool) -> dict:
         "ignore_eos": params.ignore_eos,
         "logprobs": params.logprobs,
         "skip_special_tokens": params.skip_special_tokens,
+        # Grammars (forced tool calls, response_format) as vLLM's structured outputs, compiled by the
+        # same library as ours (llguidance: the worker runs vLLM with its `guidance` backend), which
+        # takes our Lark dialect as a `grammar`.
+        "structured_outputs": None if params.guided is None else
+        {"grammar": params.guided.lark} if params.guided.lark is not None else {"json": params.guided.json_schema},
     }

@@ -6,23 +6,29 @@ fastapi than the server, so the two cannot share one environment):
     <vllm python> worker.py FD CONFIG_JSON
 
 FD is this end of a socket pair (a `multiprocessing.connection.Connection`); CONFIG_JSON holds vLLM's
-engine arguments. Imports only the standard library and vllm. Every message is a plain dict.
+engine arguments (`engine`) and whether vLLM runs our scheduler (`policy_channel`). Imports only the
+standard library and vllm (our scheduler is loaded by vLLM itself, by name). Every message is a dict.
 
     backend -> worker                                   worker -> backend
     {"op": "generate", "id", "prompt", "params",        {"op": "ready", "info"}            once, at start
      "resumable"}                                       {"op": "out", "id", "tokens", "logprobs",
     {"op": "resume", "id", "tokens", "params"}           "finish_reason", "stop_reason", "cached"}
-    {"op": "end", "id"}        a paused request ends    {"op": "gone", "id", "error",      vLLM let it go
-    {"op": "abort", "id"}                                "bad_input"}
+    {"op": "pause", "id", "tool", "expected_s"}         {"op": "gone", "id", "error",      vLLM let it go
+    {"op": "end", "id"}        a paused request ends     "bad_input"}
+    {"op": "abort", "id"}                               {"op": "kv", "paused", "resumed", "counters"}
     {"op": "stats", "seq"}                              {"op": "stats", "seq", "stats"}
     {"op": "shutdown"}
 
 A resumable request is one vLLM streaming-input session: each turn stops on EOS, a stop token or
-max_tokens and then waits in vLLM with its KV kept (`finish_reason` set, the request not finished) until
-the next chunk (`resume`) or the end of its input (`end`). `tokens` are the new tokens of each output
-(DELTA outputs), so the backend never slices cumulative lists. Token lists handed to vLLM are always
-fresh lists: vLLM 0.32 extends a session's first prompt list in place on every resume
-(benchmarks/vllm_session_probe.py).
+max_tokens and then waits in vLLM (`finish_reason` set, the request not finished) until the next chunk
+(`resume`) or the end of its input (`end`). `tokens` are the new tokens of each output (DELTA outputs),
+so the backend never slices cumulative lists. Token lists handed to vLLM are always fresh lists: vLLM
+0.32 extends a session's first prompt list in place on every resume (benchmarks/vllm_session_probe.py).
+
+With `policy_channel`, vLLM runs `InterceptScheduler` (scheduler.py) in its engine-core process, and a
+Unix socket (a `Listener` with a random key; its address goes to the scheduler in vLLM's
+`additional_config`) links it to this process: `pause` hints and the start-up profile go to it, and its
+`kv` state (where each paused session's KV is, what the policy did) comes back and is passed on.
 """
 from __future__ import annotations
 
@@ -30,9 +36,11 @@ import asyncio
 import gc
 import json
 import logging
+import os
 import sys
 import threading
-from multiprocessing.connection import Connection
+import time
+from multiprocessing.connection import Connection, Listener
 
 logger = logging.getLogger("infercept.vllm_worker")
 
@@ -79,25 +87,80 @@ class Stats:
 
         return Recorder
 
+    def reset(self) -> None:
+        """Zero every number (after the start-up profile's requests)."""
+        self.__dict__.update(Stats().__dict__)
+
     def as_dict(self) -> dict:
         return dict(vars(self))
+
+
+class PolicyChannel:
+    """This end of the link to `InterceptScheduler` in vLLM's engine-core process: a Unix socket with a
+    random key. Its reader thread passes the scheduler's `state` messages on to the backend as `kv`."""
+
+    def __init__(self, forward):
+        self.forward = forward
+        self.key = os.urandom(16)
+        self.listener = Listener(family="AF_UNIX", authkey=self.key)
+        self.conn: Connection | None = None
+        self.connected = threading.Event()
+        self.serving = threading.Event()  # set once `ready` went out: the start-up profile's states are not passed on
+        threading.Thread(target=self.accept, name="infercept-policy-channel", daemon=True).start()
+
+    def scheduler_config(self) -> dict:
+        return {"channel": self.listener.address, "authkey": self.key.hex()}
+
+    def accept(self) -> None:
+        self.conn = self.listener.accept()  # vLLM builds the scheduler while AsyncLLM starts
+        self.connected.set()
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                return
+            if msg["op"] == "state" and self.serving.is_set():
+                self.forward({"op": "kv", "paused": msg["paused"], "resumed": msg["resumed"],
+                              "counters": msg["counters"]})
+
+    def wait_connected(self, timeout: float = 60.0) -> None:
+        if not self.connected.wait(timeout):
+            raise RuntimeError("vLLM's scheduler never connected to the policy channel: is "
+                               "InterceptScheduler the scheduler_cls?")
+
+    def send(self, msg: dict) -> None:
+        if self.conn is not None:
+            self.conn.send(msg)  # only the event loop thread sends to the scheduler
 
 
 class Worker:
     def __init__(self, conn: Connection, config: dict):
         self.conn = conn
-        self.config = config
+        self.engine_args = dict(config["engine"])
         self.stats = Stats()
         self.inputs: dict[str, asyncio.Queue] = {}  # resumable request -> its next chunks (None: the end)
         self.tasks: dict[str, asyncio.Task] = {}  # request -> the task streaming its outputs
+        self.send_lock = threading.Lock()  # the event loop and the policy channel's reader both send
+        self.policy: PolicyChannel | None = None
+        if config.get("policy_channel"):
+            self.policy = PolicyChannel(self.send)
+            scheduler = self.engine_args.setdefault("additional_config", {}).setdefault("infercept", {})
+            scheduler.update(self.policy.scheduler_config())
 
     async def serve(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.config),
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args),
                                              stat_loggers=[self.stats.logger_factory()])
-        self.send({"op": "ready", "info": self.info()})
+        info = self.info()
+        if self.policy is not None:
+            self.policy.wait_connected()
+            info["profile"] = await self.measure_profile(info)
+            self.policy.send({"op": "profile", "profile": info["profile"]})
+        self.send({"op": "ready", "info": info})
+        if self.policy is not None:
+            self.policy.serving.set()
         commands: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         threading.Thread(target=self.read_commands, args=(loop, commands), daemon=True).start()
@@ -123,6 +186,46 @@ class Worker:
                 "block_size": cache.block_size, "num_blocks": cache.num_gpu_blocks or 0,
                 "vllm_version": vllm.__version__}
 
+    async def measure_profile(self, info: dict) -> dict:
+        """The forward-time profile the policy needs, measured on this vLLM instance (`Profile.to_dict`'s
+        shape): the time of a prefill of n tokens for a few n up to the step budget, and of one decode
+        step. Prompts of distinct tokens, so nothing hits the prefix cache; the cache and the counters
+        are reset afterwards. A few seconds on a CPU."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        model, sched = self.llm.model_config, self.llm.vllm_config.scheduler_config
+        budget = min(sched.max_num_batched_tokens, model.max_model_len - 16)
+        sizes = sorted({n for n in (16, 64, 256, 1024, 2048) if n <= budget} | {budget})
+        vocab = model.get_vocab_size()
+        seq = [0]
+
+        async def timed(n: int, max_tokens: int) -> float:
+            seq[0] += 1
+            start = 1000 + seq[0] * 4099
+            prompt = TokensPrompt(prompt_token_ids=[(start + i * 31) % vocab for i in range(n)])
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+            began = time.perf_counter()
+            async for _ in self.llm.generate(prompt, params, request_id=f"infercept-profile-{seq[0]}"):
+                pass
+            return time.perf_counter() - began
+
+        await timed(16, 1)  # warm-up
+        samples = [[n, min([await timed(n, 1) for _ in range(2)])] for n in sizes]
+        decode = min([(await timed(16, 9) - await timed(16, 1)) / 8 for _ in range(2)])
+        samples = [[1, max(decode, 1e-6)]] + [s for s in samples if s[0] > 1]
+        await self.llm.reset_prefix_cache()
+        self.stats.reset()
+        parallel = self.llm.vllm_config.parallel_config
+        bytes_per_token = (2 * model.get_num_layers(parallel) * model.get_num_kv_heads(parallel)
+                           * model.get_head_size() * model.dtype.itemsize)
+        return {"format": "infercept-profile/1", "model": model.model, "device": info["device"], "dtype": info["dtype"],
+                "bytes_per_token": bytes_per_token, "block_size": info["block_size"],
+                "t_fwd_fit": "piecewise-linear", "t_fwd_samples": samples, "saturation_point": None,
+                # No host tier on this backend yet (swap is refused): the copy rates are never used.
+                "d2h_bytes_per_s": 1e9, "h2d_bytes_per_s": 1e9,
+                "notes": f"measured by the vLLM worker at start-up (vLLM {info['vllm_version']})"}
+
     def read_commands(self, loop: asyncio.AbstractEventLoop, commands: asyncio.Queue) -> None:
         """Blocking reads off the event loop; a closed connection (the backend went away) shuts down."""
         while True:
@@ -135,17 +238,16 @@ class Worker:
                 return
 
     def send(self, msg: dict) -> None:
-        self.conn.send(msg)  # only the event loop thread sends
+        with self.send_lock:
+            self.conn.send(msg)
 
     def handle(self, msg: dict) -> None:
-        from vllm import SamplingParams
         from vllm.engine.protocol import StreamingInput
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
 
         op, rid = msg["op"], msg.get("id")
         if op == "generate":
-            params = SamplingParams(**msg["params"], output_kind=RequestOutputKind.DELTA)
+            params = sampling_params(msg["params"])
             prompt = TokensPrompt(prompt_token_ids=list(msg["prompt"]))
             if msg["resumable"]:
                 self.inputs[rid] = asyncio.Queue()
@@ -153,9 +255,12 @@ class Worker:
                 prompt = self.chunks(rid)
             self.tasks[rid] = asyncio.create_task(self.stream(rid, prompt, params))
         elif op == "resume":
-            params = SamplingParams(**msg["params"], output_kind=RequestOutputKind.DELTA)
+            params = sampling_params(msg["params"])
             if rid in self.inputs:
                 self.inputs[rid].put_nowait(StreamingInput(TokensPrompt(prompt_token_ids=list(msg["tokens"])), params))
+        elif op == "pause":
+            if self.policy is not None:
+                self.policy.send(msg)
         elif op == "end":
             if rid in self.inputs:
                 self.inputs[rid].put_nowait(None)
@@ -202,6 +307,16 @@ class Worker:
         return {"op": "out", "id": rid, "tokens": list(c.token_ids), "logprobs": logprobs,
                 "finish_reason": c.finish_reason, "stop_reason": stop if isinstance(stop, (int, str)) else None,
                 "cached": out.num_cached_tokens or 0}
+
+
+def sampling_params(fields: dict):
+    """vLLM's `SamplingParams` from the backend's fields (params.py), with DELTA outputs."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    grammar = fields.pop("structured_outputs", None)
+    return SamplingParams(**fields, output_kind=RequestOutputKind.DELTA,
+                          structured_outputs=None if grammar is None else StructuredOutputsParams(**grammar))
 
 
 def main() -> None:

@@ -1,0 +1,289 @@
+"""InferCept's policy inside vLLM: `InterceptScheduler`, a subclass of vLLM V1's `Scheduler`.
+
+vLLM loads it by name in its engine-core process (`SchedulerConfig.scheduler_cls`); it is configured by
+`additional_config["infercept"]` (`scheduler_config(...)` builds it): the policy's name and, optionally,
+the address of the policy channel to the worker (`PolicyChannel`). Runs on vLLM's python, with the
+repository root on `sys.path`: it imports vllm and our pure-python `engine.policy`, nothing else of ours.
+
+A paused generation is a vLLM streaming-input session waiting for its next chunk
+(`WAITING_FOR_STREAMING_REQ`). Stock vLLM keeps its KV blocks until the session ends ("preserve", and
+paused sessions can fill the pool). Here:
+
+- every step, before vLLM's own scheduling, the policy plans over the paused sessions that hold device
+  KV (`Policy.plan`, the same code the native engine runs) and the ones it discards leave the device;
+- when an allocation fails (a running request's next chunk, or a waiting request's admission), paused
+  KV is reclaimed first, newest paused first (`Policy.reclaim`), and only then does vLLM preempt a
+  running request: paused KV never blocks live work, so a pool of paused sessions cannot deadlock;
+- a discarded session is freed like a preempted request (blocks back to the pool, still in the prefix
+  cache until evicted: lazy discard; `num_computed_tokens` = 0, moved to the plain waiting queue). When
+  its next chunk arrives, vLLM's session update runs against the frontier it had, so the context is the
+  same; admission then looks up the prefix cache and recomputes only what was evicted.
+
+There is no host tier yet (swap needs a KV connector): the swap budget is 0 and the host pool empty, so
+`infercept` chooses between preserve and discard, and `swap` is refused by the backend.
+
+The forward-time profile the policy needs is measured by the worker on this vLLM instance at start-up
+and sent over the channel (`{"op": "profile"}`); until it arrives nothing is discarded by plan (reclaim
+under memory pressure needs no profile). Tool names and client hints for the duration estimate arrive
+the same way (`{"op": "pause"}`), after the server has judged the turn; the scheduler measures each
+pause itself (pause to the next chunk) and feeds the estimator.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Client, Connection
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request, RequestStatus
+
+from engine.policy import (DurationEstimator, IterationInfo, KVAction, PausedInfo, Profile, make_policy)
+
+logger = logging.getLogger("infercept.vllm_scheduler")
+
+CONFIG_KEY = "infercept"
+PAUSED = RequestStatus.WAITING_FOR_STREAMING_REQ
+# The vLLM internals this module overrides or calls: tests/test_vllm_scheduler.py checks their signatures
+# against the installed vLLM, so a version bump that changes one fails there, not in production.
+OVERRIDDEN = ("schedule", "add_request", "_handle_stopped_request", "_update_request_as_session",
+              "finish_requests")
+CALLED = ("_free_request_blocks", "_request_blocks_can_be_freed")
+KV_CACHE_MANAGER_CALLED = ("allocate_slots", "free")
+QUEUE_CALLED = ("add_request", "remove_request")
+
+
+def external_id(request_id: str) -> str:
+    """The id the worker gave a request: vLLM's input processor appends "-" and 8 random characters
+    (`InputProcessor.assign_request_id`; tests check that it still does), and the scheduler sees only
+    that. Messages to and from the worker use the worker's ids."""
+    head, dash, tail = request_id.rpartition("-")
+    return head if dash and len(tail) == 8 else request_id
+
+
+def scheduler_config(policy: str, channel: str | None = None, authkey: str | None = None) -> dict:
+    """`additional_config` for vLLM's engine arguments."""
+    return {CONFIG_KEY: {"policy": policy, "channel": channel, "authkey": authkey}}
+
+
+@dataclass
+class _Pause:
+    """A paused session as the scheduler follows it."""
+
+    request: Request
+    paused_at: float
+    tool: str | None = None
+    hint_s: float | None = None
+    frontier: int | None = None  # set while discarded: the computed tokens it had (vLLM's session update needs it)
+
+
+class _InterceptMixin:
+    """The policy hooks; mixed into vLLM's `Scheduler` and `AsyncScheduler` below."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        config = (self.vllm_config.additional_config or {}).get(CONFIG_KEY) or {}
+        self.intercept_policy = make_policy(config.get("policy") or "infercept")
+        self.profile: Profile | None = None
+        self.estimator = DurationEstimator()
+        self.pauses: dict[str, _Pause] = {}
+        self.recompute_from: dict[str, int] = {}  # resumed after a discard -> its frontier before
+        self.resumed_hits: dict[str, int] = {}  # resumed after a discard, this turn -> its prefix-cache hit
+        self.counters = {"discarded_tokens": 0, "reclaimed_tokens": 0, "recomputed_tokens": 0,
+                         "num_discards": 0, "num_reclaims": 0}
+        self._last_batched_tokens = self.max_num_scheduled_tokens
+        self._stock_allocate = self.kv_cache_manager.allocate_slots
+        self.kv_cache_manager.allocate_slots = self._allocate_or_reclaim
+        self.channel: Connection | None = None
+        if config.get("channel"):
+            self.channel = Client(config["channel"], authkey=bytes.fromhex(config["authkey"]))
+        self._reported: dict | None = None
+        self._next_grammar: dict = {}  # session -> its next chunk's StructuredOutputRequest (or None)
+        self._requeue: list[Request] = []  # discarded during a step, moved to `waiting` after it
+        self._scheduling = False
+
+    # -- vLLM's hooks -------------------------------------------------------------------------------
+    def schedule(self, *args, **kwargs):
+        try:
+            self._read_channel()
+            self._plan()
+        except Exception:  # a fault in our policy must not take vLLM down: this step runs as stock vLLM
+            logger.exception("the InferCept policy failed before this step; it runs without a plan")
+        self._scheduling = True
+        try:
+            out = super().schedule(*args, **kwargs)
+        finally:
+            self._scheduling = False
+            self._move_requeued()
+        self._last_batched_tokens = out.total_num_scheduled_tokens or self._last_batched_tokens
+        for new in out.scheduled_new_reqs:
+            frontier = self.recompute_from.pop(external_id(new.req_id), None)
+            if frontier is not None:
+                self.counters["recomputed_tokens"] += max(frontier - new.num_computed_tokens, 0)
+                self.resumed_hits[external_id(new.req_id)] = new.num_computed_tokens
+        self._report()
+        return out
+
+    def _handle_stopped_request(self, request: Request) -> bool:
+        finished = super()._handle_stopped_request(request)
+        self.resumed_hits.pop(external_id(request.request_id), None)
+        if not finished and request.status == PAUSED:
+            self.pauses[external_id(request.request_id)] = _Pause(request, time.monotonic())
+        return finished
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:  # a session's next chunk: its grammar, if any, is the turn's
+            self._next_grammar[external_id(request.request_id)] = request.structured_output_request
+        super().add_request(request)
+
+    def _update_request_as_session(self, session: Request, update) -> None:
+        rid = external_id(session.request_id)
+        pause = self.pauses.pop(rid, None)
+        if pause is not None:
+            self.estimator.observe(pause.tool, time.monotonic() - pause.paused_at)
+        if pause is None or pause.frontier is None:
+            super()._update_request_as_session(session, update)
+        else:
+            # Discarded: vLLM's update keeps the tokens up to the computed frontier and drops the rest (the
+            # last sampled token), so it runs against the frontier the session had; then nothing is computed.
+            session.num_computed_tokens = pause.frontier
+            super()._update_request_as_session(session, update)
+            session.num_computed_tokens = 0
+            self.recompute_from[rid] = pause.frontier
+            if not self.intercept_policy.keeps_arrival_time:  # requeued at the tail, like a new request
+                self.waiting.remove_request(session)
+                self.waiting.add_request(session)
+        # vLLM 0.32 keeps a session's first grammar for every later chunk (finished, it would end each
+        # turn at once); each turn gets its own, compiled as vLLM compiled it for the chunk, or none.
+        session.structured_output_request = self._next_grammar.pop(rid, None)
+        if session.structured_output_request is not None:
+            session.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR  # until it is compiled
+
+    def finish_requests(self, request_ids, finished_status):
+        finished = super().finish_requests(request_ids, finished_status)
+        for request in finished:
+            rid = external_id(request.request_id)
+            self.pauses.pop(rid, None)
+            self.recompute_from.pop(rid, None)
+            self.resumed_hits.pop(rid, None)
+            self._next_grammar.pop(rid, None)
+        return finished
+
+    # -- the policy ---------------------------------------------------------------------------------
+    def _plan(self) -> None:
+        holders = [p for p in self.pauses.values() if p.frontier is None]
+        if not holders or self.profile is None:
+            return
+        now = time.monotonic()
+        infos = [self._paused_info(p, now) for p in holders]
+        plan = self.intercept_policy.plan(infos, self._iteration_info(), self.profile)
+        for decision in plan:
+            if decision.action is KVAction.DISCARD:
+                self._discard(self.pauses[external_id(decision.request_id)], reclaimed=False)
+            # SWAP_OUT cannot be chosen: the swap budget is 0 (no host tier yet); PRESERVE keeps the blocks.
+
+    def _paused_info(self, pause: _Pause, now: float) -> PausedInfo:
+        request = pause.request
+        expected = self.estimator.estimate(now, pause.paused_at, pause.tool, pause.hint_s)
+        device = request.num_computed_tokens
+        return PausedInfo(request.request_id, request.arrival_time, max(request.num_tokens, device),
+                          "device" if device else "discarded", device, now - pause.paused_at, expected)
+
+    def _iteration_info(self) -> IterationInfo:
+        running = sum(r.num_computed_tokens for r in self.running)
+        return IterationInfo(num_running_tokens=running, num_batched_tokens=self._last_batched_tokens,
+                             swap_out_budget=0, free_host_tokens=0)
+
+    def _discard(self, pause: _Pause, reclaimed: bool) -> None:
+        """Free a paused session's blocks (they stay in the prefix cache until evicted)."""
+        request = pause.request
+        pause.frontier = request.num_computed_tokens
+        self._free_request_blocks(request)
+        request.num_computed_tokens = 0
+        self._requeue.append(request)
+        if not self._scheduling:
+            self._move_requeued()
+        self.counters["discarded_tokens"] += pause.frontier
+        self.counters["num_reclaims" if reclaimed else "num_discards"] += 1
+        if reclaimed:
+            self.counters["reclaimed_tokens"] += pause.frontier
+
+    def _move_requeued(self) -> None:
+        """Discarded sessions leave the queue of KV holders for the plain waiting queue (still blocked
+        until their next chunk: vLLM skips them until then). Done between steps: during one, vLLM's scan
+        may hold a session it skipped in a list of its own and put it back when the scan ends."""
+        for request in self._requeue:
+            if request in self.kv_holding_waiting:
+                self.kv_holding_waiting.remove_request(request)
+            if request not in self.waiting:  # (a scan that met it after the discard put it there)
+                self.waiting.add_request(request)
+        self._requeue.clear()
+
+    def _allocate_or_reclaim(self, request: Request, *args, **kwargs):
+        """vLLM's `allocate_slots`, but a failure first takes paused KV off the device, newest paused
+        first, before vLLM falls back to preempting a running request."""
+        while True:
+            blocks = self._stock_allocate(request, *args, **kwargs)
+            if blocks is not None:
+                return blocks
+            victim = self._newest_paused_holder(besides=request)
+            if victim is None:
+                return None
+            if self.profile is not None and self.intercept_policy.reclaim(
+                    self._paused_info(victim, time.monotonic()), self._iteration_info(), self.profile) \
+                    is KVAction.SWAP_OUT:
+                logger.debug("the policy would swap %s out; no host tier here, so it is discarded",
+                             victim.request.request_id)
+            self._discard(victim, reclaimed=True)
+
+    def _newest_paused_holder(self, besides: Request) -> _Pause | None:
+        holders = [p for p in self.pauses.values() if p.frontier is None and p.request is not besides
+                   and p.request.num_computed_tokens > 0 and self._request_blocks_can_be_freed(p.request)]
+        return max(holders, key=lambda p: p.request.arrival_time, default=None)
+
+    # -- the channel to the worker --------------------------------------------------------------------
+    def _read_channel(self) -> None:
+        if self.channel is None:
+            return
+        try:
+            while self.channel.poll():
+                self._on_message(self.channel.recv())
+        except (EOFError, OSError):
+            logger.warning("the policy channel closed; the scheduler goes on without hints")
+            self.channel = None
+
+    def _on_message(self, msg: dict) -> None:
+        if msg["op"] == "profile":
+            self.profile = Profile.from_dict(msg["profile"])
+            logger.info("policy %s, profile: %s", self.intercept_policy.label, msg["profile"]["t_fwd_samples"])
+        elif msg["op"] == "pause":
+            pause = self.pauses.get(msg["id"])
+            if pause is not None:
+                pause.tool, pause.hint_s = msg.get("tool"), msg.get("expected_s")
+
+    def state(self) -> dict:
+        """Sent to the worker on change: where each paused session's KV is ([device tokens, discarded
+        tokens]), the prefix-cache hit of each turn resumed after a discard, and the policy's counters."""
+        paused = {rid: [p.request.num_computed_tokens, 0 if p.frontier is None else p.frontier]
+                  for rid, p in self.pauses.items()}
+        return {"paused": paused, "resumed": dict(self.resumed_hits), "counters": dict(self.counters)}
+
+    def _report(self) -> None:
+        if self.channel is None:
+            return
+        state = self.state()
+        if state != self._reported:
+            self._reported = state
+            try:
+                self.channel.send({"op": "state", **state})
+            except OSError:
+                self.channel = None
+
+
+class InterceptScheduler(_InterceptMixin, Scheduler):
+    """vLLM's scheduler with InferCept's policy (synchronous scheduling: CPU, and GPU without it)."""
+
+
+class AsyncInterceptScheduler(_InterceptMixin, AsyncScheduler):
+    """The same, for vLLM's asynchronous scheduling (GPU)."""

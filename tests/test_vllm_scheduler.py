@@ -1,0 +1,58 @@
+"""`InterceptScheduler` (engine/vllm_backend/scheduler.py) on vLLM's own scheduler, without a model run.
+
+The cases live in tests/vllm_scheduler_cases.py and run once, in the vLLM environment's python (vLLM and
+the server cannot share one environment); each case is a test here. They cover: preserve keeps a paused
+session's blocks; discard frees them and the resume recomputes only past the prefix-cache hit; the
+resumed context is the same either way; paused KV is reclaimed before a running request is preempted; a
+pool full of paused sessions still admits new work (and stock vLLM, on the same pool, does not: the
+deadlock the reclaim prevents); min-waste discards a long pause and preserves a short one; and the
+signatures of every vLLM internal the scheduler overrides or calls (a vLLM bump that changes one fails
+here).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from infercept.engine.vllm_backend import default_vllm_python
+
+VLLM_PYTHON = default_vllm_python()
+CASES_SCRIPT = Path(__file__).resolve().parent / "vllm_scheduler_cases.py"
+CASES = ("preserve_keeps_a_paused_sessions_blocks",
+         "discard_frees_and_resume_recomputes_only_past_the_prefix_hit",
+         "a_resumed_discarded_session_has_the_same_tokens_as_a_preserved_one",
+         "reclaim_takes_paused_kv_before_preempting_a_running_request",
+         "a_pool_of_paused_sessions_never_deadlocks",
+         "stock_vllm_deadlocks_on_the_same_pool",
+         "infercept_discards_long_pauses_and_preserves_short_ones",
+         "no_profile_no_plan",
+         "ending_a_discarded_session_frees_everything",
+         "measured_pause_feeds_the_estimator",
+         "the_vllm_internals_we_use_have_the_signatures_we_were_written_against")
+
+pytestmark = pytest.mark.skipif(not os.path.isfile(VLLM_PYTHON),
+                                reason=f"no vLLM environment at {VLLM_PYTHON} (`make vllm-env`)")
+
+
+@pytest.fixture(scope="module")
+def results(default_model_dir) -> dict[str, str]:
+    proc = subprocess.run([VLLM_PYTHON, str(CASES_SCRIPT), default_model_dir], capture_output=True, text=True,
+                          timeout=600)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-4000:])
+        pytest.fail(f"the scheduler cases did not run (exit {proc.returncode})")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_every_case_in_the_script_is_a_test_here(results):
+    assert set(results) == set(CASES)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_scheduler_case(results, case):
+    assert results[case] == "ok", results[case]

@@ -1,0 +1,291 @@
+"""Scheduler cases for `InterceptScheduler`, run by the vLLM environment's python (no pytest there).
+
+    <vllm python> tests/vllm_scheduler_cases.py MODEL_DIR   ->  one JSON object: case name -> "ok" or why not
+
+In the style of vLLM's own tests/v1/core: a real `Scheduler` over a block pool of a given size, no model
+runs; each step feeds `update_from_output` a sampled token per scheduled request. tests/test_vllm_scheduler.py
+runs this once and turns every case into a test. MODEL_DIR is read for its config only.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import sys
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: `engine`
+
+import torch  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.request_queue import FCFSRequestQueue  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+from engine.policy import Profile  # noqa: E402
+from engine.vllm_backend import scheduler as ours  # noqa: E402
+
+BLOCK = 16
+SAMPLED = 7  # the token every step "samples"
+PAUSED = RequestStatus.WAITING_FOR_STREAMING_REQ
+init_none_hash(sha256)
+HASHER = get_request_block_hasher(BLOCK, sha256)
+# A CPU-like profile: a token of recompute costs ~1 ms, so long pauses of long contexts are discarded.
+PROFILE = Profile(model="test", device="cpu", dtype="float32", bytes_per_token=4096, block_size=BLOCK,
+                  t_fwd_samples=((1, 0.02), (64, 0.05), (256, 0.2), (1024, 0.8)),
+                  d2h_bytes_per_s=1e9, h2d_bytes_per_s=1e9)
+MODEL = sys.argv[1] if len(sys.argv) > 1 else None
+
+
+def make(policy: str | None = "infercept", num_blocks: int = 64, profile: Profile | None = PROFILE,
+         cls=ours.InterceptScheduler):
+    model = ModelConfig(model=MODEL, max_model_len=4096, dtype="float32", seed=0)
+    sched = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=4096,
+                            is_encoder_decoder=False, enable_chunked_prefill=True)
+    cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
+    cache.num_gpu_blocks = num_blocks
+    config = VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache,
+                        additional_config=ours.scheduler_config(policy) if policy else {})
+    kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1,
+                                                      dtype=torch.float32))])
+    s = cls(vllm_config=config, kv_cache_config=kv, structured_output_manager=StructuredOutputManager(config),
+            block_size=BLOCK, log_stats=True)
+    if profile is not None and cls is not Scheduler:
+        s._on_message({"op": "profile", "profile": profile.to_dict()})
+    return s
+
+
+def request(rid: str, prompt: list[int], max_tokens: int = 2) -> Request:
+    return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
+                   block_hasher=HASHER, resumable=True)
+
+
+def step(s):
+    out = s.schedule()
+    ids = list(out.num_scheduled_tokens)
+    runner = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                               sampled_token_ids=[[SAMPLED] for _ in ids])
+    s.update_from_output(out, runner)
+    return out
+
+
+def run_until_paused(s, rid: str, limit: int = 50) -> None:
+    for _ in range(limit):
+        step(s)
+        if s.requests[rid].status == PAUSED:
+            return
+    raise AssertionError(f"{rid} never paused")
+
+
+def resume(s, rid: str, appended: list[int], max_tokens: int = 2):
+    """The next chunk of a session: the last sampled token (vLLM drops it) and the tool's result."""
+    s.add_request(request(rid, [SAMPLED, *appended], max_tokens))
+    return step(s)
+
+
+def free_blocks(s) -> int:
+    return s.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+def prompt(n: int, base: int = 1000) -> list[int]:
+    return list(range(base, base + n))
+
+
+# -- cases ------------------------------------------------------------------------------------------
+
+def case_preserve_keeps_a_paused_sessions_blocks():
+    s = make("preserve")
+    s.add_request(request("a", prompt(100)))
+    run_until_paused(s, "a")
+    held = free_blocks(s)
+    for _ in range(5):
+        step(s)
+    assert free_blocks(s) == held, "a preserved session's blocks moved"
+    assert s.requests["a"].num_computed_tokens == 101
+    out = resume(s, "a", prompt(20, 5000))
+    assert out.num_scheduled_tokens["a"] == 21, f"resume computed {out.num_scheduled_tokens['a']} tokens, not 21"
+    assert s.counters["discarded_tokens"] == 0
+
+
+def case_discard_frees_and_resume_recomputes_only_past_the_prefix_hit():
+    s = make("discard")
+    start = free_blocks(s)
+    s.add_request(request("a", prompt(100)))
+    run_until_paused(s, "a")
+    step(s)  # the plan runs before each step's scheduling
+    assert free_blocks(s) == start, "a discarded session still holds blocks"
+    assert s.requests["a"].num_computed_tokens == 0
+    assert s.counters["discarded_tokens"] == 101
+    out = resume(s, "a", prompt(20, 5000))
+    # 101 tokens had KV; 6 full blocks (96 tokens) are still cached, so 122 - 96 tokens are computed.
+    new = {r.req_id: r for r in out.scheduled_new_reqs}
+    assert new["a"].num_computed_tokens == 96, f"prefix hit of {new['a'].num_computed_tokens}, not 96"
+    assert out.num_scheduled_tokens["a"] == 122 - 96
+    assert s.counters["recomputed_tokens"] == 101 - 96
+
+
+def case_a_resumed_discarded_session_has_the_same_tokens_as_a_preserved_one():
+    contexts = {}
+    for policy in ("preserve", "discard"):
+        s = make(policy)
+        s.add_request(request("a", prompt(50)))
+        run_until_paused(s, "a")
+        step(s)
+        resume(s, "a", prompt(10, 5000), max_tokens=3)
+        run_until_paused(s, "a")
+        contexts[policy] = list(s.requests["a"].all_token_ids)
+    assert contexts["discard"] == contexts["preserve"], "the context differs after a discard"
+    assert len(contexts["preserve"]) == 50 + 2 + 10 + 3
+
+
+def case_reclaim_takes_paused_kv_before_preempting_a_running_request():
+    s = make("preserve", num_blocks=16)  # 256 tokens
+    s.add_request(request("paused", prompt(120)))
+    run_until_paused(s, "paused")
+    s.add_request(request("running", prompt(100, 3000), max_tokens=60))
+    for _ in range(70):  # its decode needs more blocks than are left beside the paused session's
+        step(s)
+    assert s.requests["running"].num_preemptions == 0, "a running request was preempted"
+    assert s.counters["num_reclaims"] == 1 and s.counters["reclaimed_tokens"] == 121
+    assert s.requests["paused"].num_computed_tokens == 0
+
+
+def case_a_pool_of_paused_sessions_never_deadlocks():
+    s = make("preserve", num_blocks=16)
+    for i in range(3):
+        s.add_request(request(f"p{i}", prompt(70, 1000 * (i + 1))))
+    for _ in range(10):
+        step(s)
+    assert all(s.requests[f"p{i}"].status == PAUSED for i in range(3))
+    s.add_request(request("new", prompt(100, 9000), max_tokens=3))
+    for _ in range(10):
+        step(s)
+    assert "new" in s.requests and s.requests["new"].status == PAUSED, "a new request waited behind paused KV"
+    assert s.counters["num_reclaims"] >= 1
+
+
+def case_stock_vllm_deadlocks_on_the_same_pool():
+    """The same pool under vLLM's own scheduler: the new request never runs (the upstream report); this
+    is what the case above prevents, and shows that case can fail."""
+    s = make(None, num_blocks=16, cls=Scheduler)
+    for i in range(3):
+        s.add_request(request(f"p{i}", prompt(70, 1000 * (i + 1))))
+    for _ in range(10):
+        step(s)
+    s.add_request(request("new", prompt(100, 9000), max_tokens=3))
+    for _ in range(10):
+        step(s)
+    assert s.requests["new"].num_computed_tokens == 0, "stock vLLM admitted it: the deadlock is gone upstream"
+
+
+def case_infercept_discards_long_pauses_and_preserves_short_ones():
+    s = make("infercept")
+    s.add_request(request("short", prompt(200)))
+    s.add_request(request("long", prompt(200, 4000)))
+    run_until_paused(s, "short")
+    run_until_paused(s, "long")
+    s._on_message({"op": "pause", "id": "short", "tool": "calc", "expected_s": 0.001})
+    s._on_message({"op": "pause", "id": "long", "tool": "human", "expected_s": 600.0})
+    step(s)
+    assert s.requests["short"].num_computed_tokens == 201, "the short pause was not preserved"
+    assert s.requests["long"].num_computed_tokens == 0, "the long pause was not discarded"
+    assert s.state()["paused"] == {"short": [201, 0], "long": [0, 201]}
+
+
+def case_no_profile_no_plan():
+    s = make("discard", profile=None)
+    s.add_request(request("a", prompt(40)))
+    run_until_paused(s, "a")
+    step(s)
+    assert s.requests["a"].num_computed_tokens == 41, "discarded without a profile"
+
+
+def case_ending_a_discarded_session_frees_everything():
+    s = make("discard")
+    start = free_blocks(s)
+    s.add_request(request("a", prompt(100)))
+    run_until_paused(s, "a")
+    step(s)
+    s.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    step(s)
+    assert "a" not in s.requests and not s.pauses and free_blocks(s) == start
+    assert len(s.waiting) == 0 and len(s.kv_holding_waiting) == 0
+
+
+def case_measured_pause_feeds_the_estimator():
+    s = make("preserve")
+    s.add_request(request("a", prompt(20)))
+    run_until_paused(s, "a")
+    s._on_message({"op": "pause", "id": "a", "tool": "search"})
+    resume(s, "a", prompt(5, 5000))
+    assert len(s.estimator.history("search")) == 1
+
+
+# The vLLM 0.32.0 signatures of what the scheduler overrides or calls (a bump that changes one fails here).
+SIGNATURES = {
+    "Scheduler.schedule": "(self, throttle_prefills: bool = False) -> vllm.v1.core.sched.output.SchedulerOutput",
+    "Scheduler._handle_stopped_request": "(self, request: vllm.v1.request.Request) -> bool",
+    "Scheduler._update_request_as_session": "(self, session: vllm.v1.request.Request, update: "
+                                            "vllm.v1.request.StreamingUpdate) -> None",
+    "Scheduler.finish_requests": "(self, request_ids: str | collections.abc.Iterable[str] | None, "
+                                 "finished_status: vllm.v1.request.RequestStatus) -> list[vllm.v1.request.Request]",
+    "Scheduler.add_request": "(self, request: vllm.v1.request.Request) -> None",
+    "Scheduler._free_request_blocks": "(self, request: vllm.v1.request.Request)",
+    "Scheduler._request_blocks_can_be_freed": "(self, request: vllm.v1.request.Request) -> bool",
+    "KVCacheManager.free": "(self, request: vllm.v1.request.Request) -> None",
+    "FCFSRequestQueue.add_request": "(self, request: vllm.v1.request.Request) -> None",
+    "FCFSRequestQueue.remove_request": "(self, request: vllm.v1.request.Request) -> None",
+}
+
+
+def case_the_vllm_internals_we_use_have_the_signatures_we_were_written_against():
+    owners = {"Scheduler": Scheduler, "KVCacheManager": KVCacheManager, "FCFSRequestQueue": FCFSRequestQueue}
+    named = {f"Scheduler.{m}" for m in ours.OVERRIDDEN + ours.CALLED} | \
+        {f"KVCacheManager.{m}" for m in ours.KV_CACHE_MANAGER_CALLED} | {f"FCFSRequestQueue.{m}" for m in ours.QUEUE_CALLED}
+    named.discard("KVCacheManager.allocate_slots")  # checked by its parameters below: a long list
+    assert named == set(SIGNATURES), f"the scheduler's list of internals changed: {sorted(named ^ set(SIGNATURES))}"
+    changed = []
+    for name, expected in SIGNATURES.items():
+        owner, method = name.split(".")
+        got = str(inspect.signature(getattr(owners[owner], method)))
+        if got != expected:
+            changed.append(f"{name}{got}")
+    assert not changed, "changed in this vLLM: " + "; ".join(changed)
+    params = list(inspect.signature(KVCacheManager.allocate_slots).parameters)
+    assert params[:3] == ["self", "request", "num_new_tokens"], f"allocate_slots{params}"
+    # vLLM's internal request ids are the worker's id and a random suffix; the scheduler strips it.
+    from types import SimpleNamespace
+
+    from vllm.v1.engine.input_processor import InputProcessor
+    request = SimpleNamespace(request_id="chat-7f3a", external_req_id=None)
+    InputProcessor.assign_request_id(request)
+    assert request.request_id != "chat-7f3a" and ours.external_id(request.request_id) == "chat-7f3a", \
+        f"vLLM's internal id {request.request_id!r} no longer maps back"
+    for attr in ("kv_holding_waiting", "waiting", "running", "requests", "max_num_scheduled_tokens"):
+        assert hasattr(make("preserve"), attr), f"Scheduler has no {attr}"
+
+
+CASES = {name.removeprefix("case_"): fn for name, fn in globals().items() if name.startswith("case_")}
+
+
+def main() -> None:
+    results = {}
+    for name, fn in CASES.items():
+        try:
+            fn()
+            results[name] = "ok"
+        except Exception:  # noqa: BLE001 - every case reports, whatever failed
+            results[name] = traceback.format_exc(limit=3)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
