@@ -204,7 +204,7 @@ def test_bad_mcp_tools_are_4xx_never_5xx(mcp):
         refused.value.message and "ConnectError" in refused.value.message
     with pytest.raises(openai.BadRequestError) as refused:
         mcp.client.responses.create(input=QUESTION, tools=[{"type": "mcp", "server_label": "x",
-                                                            "server_url": "http://169.254.169.254/mcp"}], **GREEDY)
+                                                            "server_url": "http://mcp.example.invalid/mcp"}], **GREEDY)
     assert refused.value.body["code"] == "mcp_server_url_not_allowed"
     assert refused.value.body["param"] == "tools[0].server_url"
 
