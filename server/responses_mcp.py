@@ -132,6 +132,9 @@ class McpServerPool:
             if now_ - used > self.settings.tools_ttl_s:
                 del self._held[key]
                 await conn.stop()
+        for key, lock in list(self._locks.items()):  # one lock per URL ever named would add up
+            if key not in self._held and not lock.locked():
+                del self._locks[key]
 
     async def stop(self) -> None:
         held, self._held = self._held, OrderedDict()

@@ -77,7 +77,8 @@ def http_mcp_url():
 def mcp_app(server, http_mcp_url):
     backend = SpiedBackend(server.backend)
     settings = ServerSettings(served_model_name=MODEL, mcp=McpSettings(
-        servers=(McpServerConfig("calc", command=sys.executable, args=(CALC_SERVER, "stdio")),),
+        servers=(McpServerConfig("calc", command=sys.executable, args=(CALC_SERVER, "stdio")),
+                 McpServerConfig("down", url=f"http://127.0.0.1:{_free_port()}/mcp")),
         call_timeout_s=TIMEOUT_S, allow_urls=("http://127.0.0.1:*/mcp",)))
     app = build_app(backend, settings)
     uv, thread, base = serve_in_thread(app)
@@ -165,6 +166,41 @@ def test_approval_runs_the_call_and_resumes_the_same_generation(mcp):
             {"type": "mcp_approval_response", "approval_request_id": "mcpr_nope", "approve": True}])
 
 
+def test_a_stateless_client_sends_the_items_back_and_still_resumes(mcp):
+    """store=false: the client keeps the history, sending the output items back with its approval; the
+    approval request's id names the paused call, so the same paused generation resumes."""
+    tool = calc_tool(require_approval="always")
+    first = mcp.client.responses.create(input=QUESTION, tools=[tool], tool_choice=force("multiply"), store=False,
+                                        **GREEDY)
+    request = first.output[-1]
+    assert request.type == "mcp_approval_request"
+    with pytest.raises(openai.NotFoundError):
+        mcp.client.responses.retrieve(first.id)
+    items = [{"role": "user", "content": QUESTION}, *(o.model_dump(exclude_none=True) for o in first.output),
+             {"type": "mcp_approval_response", "approval_request_id": request.id, "approve": True}]
+    second = mcp.client.responses.create(input=items, tools=[tool], max_tool_calls=1, store=False, **GREEDY)
+    assert [o.type for o in second.output] == ["mcp_call", "message"], second.output  # listed already: not again
+    assert second.output[0].output == "42"
+    assert_resumed_once(mcp.backend.calls)
+
+
+def test_arguments_the_tool_refuses_are_an_error_item(mcp):
+    """A client sending an approval request back may change its arguments: the server runs what is
+    approved, and the tool's refusal of invalid arguments is the call's error (no resume: the call is not
+    the one the model made, so the conversation is computed afresh)."""
+    items = [{"role": "user", "content": QUESTION},
+             {"type": "mcp_approval_request", "id": "mcpr_0123456789abcdef01234567", "server_label": "calc",
+              "name": "multiply", "arguments": '{"a": 6}'},
+             {"type": "mcp_approval_response", "approval_request_id": "mcpr_0123456789abcdef01234567", "approve": True}]
+    r = mcp.client.responses.create(input=items, tools=[calc_tool()], max_tool_calls=1, store=False, **GREEDY)
+    assert [o.type for o in r.output] == ["mcp_list_tools", "mcp_call", "message"], r.output
+    call = r.output[1]
+    error = call.error.model_dump() if hasattr(call.error, "model_dump") else call.error
+    assert call.status == "failed" and error["type"] == "mcp_tool_execution_error", error
+    assert error["content"][0]["text"].startswith("Error executing tool multiply")
+    assert [kind for kind, *_ in mcp.backend.calls] == ["generate"]
+
+
 def test_a_refused_approval_resumes_with_the_refusal_and_ends_cleanly(mcp):
     tool = calc_tool(require_approval={"always": {"tool_names": ["multiply"]}})
     first = mcp.client.responses.create(input=QUESTION, tools=[tool], tool_choice=force("multiply"), **GREEDY)
@@ -198,10 +234,13 @@ def test_a_failed_call_is_an_error_item_the_model_reads(mcp, tool, error):
 def test_bad_mcp_tools_are_4xx_never_5xx(mcp):
     down = f"http://127.0.0.1:{_free_port()}/mcp"
     with pytest.raises(openai.APIStatusError) as refused:  # allowed, but nothing answers there
-        mcp.client.responses.create(input=QUESTION, tools=[{"type": "mcp", "server_label": "down", "server_url": down}],
+        mcp.client.responses.create(input=QUESTION, tools=[{"type": "mcp", "server_label": "gone", "server_url": down}],
                                     **GREEDY)
-    assert refused.value.status_code == 424 and "Error retrieving tool list from MCP server: 'down'" in \
+    assert refused.value.status_code == 424 and "Error retrieving tool list from MCP server: 'gone'" in \
         refused.value.message and "ConnectError" in refused.value.message
+    with pytest.raises(openai.APIStatusError) as refused:  # configured, but not connected
+        mcp.client.responses.create(input=QUESTION, tools=[{"type": "mcp", "server_label": "down"}], **GREEDY)
+    assert refused.value.status_code == 424 and "MCP server: 'down'" in refused.value.message
     with pytest.raises(openai.BadRequestError) as refused:
         mcp.client.responses.create(input=QUESTION, tools=[{"type": "mcp", "server_label": "x",
                                                             "server_url": "http://mcp.example.invalid/mcp"}], **GREEDY)
