@@ -13,6 +13,7 @@ Output items. `mcp_list_tools` per server (unless the previous response or the i
 then per server round the turn's text, if any, and an `mcp_call` per call (`output`, or `error`: the
 tool's own error result as `mcp_tool_execution_error`, a timeout, lost connection or refused call as
 `mcp_protocol_error`; the model reads `error: ...` as the result either way), then the last turn.
+`Output` builds them as the turns run, so a stream shows each as it happens (OpenAI's mcp events).
 
 Approvals. A call of a tool that `require_approval` covers (OpenAI's default: every tool) is not run:
 the response ends with an `mcp_approval_request` whose id is the call's (`mcpr_<x>` for `call_<x>`),
@@ -33,7 +34,7 @@ import fnmatch
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -45,10 +46,11 @@ from .mcp_config import function_name
 from .protocol import APIError, bad_request, new_id, now
 from .protocol_responses import (FunctionTool, FunctionToolChoice, McpApprovalRequestItem, McpApprovalResponseItem,
                                  McpCallItem, McpListToolsItem, McpToolChoice, McpToolFilter, McpToolParam,
-                                 OutputMcpApprovalRequest, OutputMcpCall, OutputMcpListTools, ResponsesRequest)
+                                 OutputFunctionCall, OutputMcpApprovalRequest, OutputMcpCall, OutputMcpListTools,
+                                 OutputMessage, OutputText, ResponsesRequest)
 from .settings import McpSettings
 from .tenants import owner_of
-from .tool_loop import LoopOutcome, serve_turns, tool_outcome
+from .tool_loop import LoopOutcome, events_then_result, serve_turns, tool_outcome
 from .tool_mode import tool_mode
 from .turns import Sampling, Turn, TurnFinished, TurnSpec, TurnUsage
 
@@ -278,8 +280,6 @@ class ResponsesMcp:
         from .serving_base import respond
         from .serving_responses import ResponseTurn, input_messages, tool_spec
 
-        if req.stream:
-            raise bad_request("stream=true is not supported yet with mcp tools; send stream=false", param="stream")
         owner = owner_of(raw)
         previous = None
         if req.previous_response_id is not None:
@@ -362,19 +362,37 @@ class ResponsesMcp:
             later = "none" if done else "auto" if choice not in (None, "none") else choice
             return replace(spec, messages=tuple(messages), mode=tool_mode(specs or None, later, parallel))
 
-        results: dict[str, tuple[str, Exception | None]] = {}
         runnable = {name: t for name, t in servers.tools.items() if not t.needs_approval}
+        out = Output(rt, servers, output)
+        queue: asyncio.Queue = asyncio.Queue()
+        emit = (lambda kind, data: queue.put_nowait(("event", data))) if req.stream else (lambda *_: None)
+        out.emit = emit
 
         async def work() -> dict:
-            outcome = await serve_turns(serving.turns, turn, runnable, lambda *_: None, on_turn, respec,
-                                        lambda call, content, error: results.__setitem__(call.id, (content, error)))
-            return await self._finish(serving, rt, current, servers, outcome, results, output, len(system))
+            outcome = await serve_turns(serving.turns, turn, runnable, out.on_loop_event, on_turn, respec, out.on_result)
+            return await out.finish(serving, current, outcome, len(system))
 
         async def cleanup() -> None:
             await current.close()
             await turn.close()
 
-        return await respond(raw, False, None, work, cleanup, {"X-Request-Id": rt.id}, f"response {rt.id}")
+        async def events():
+            snapshot = serving._response(rt, "in_progress").model_dump(mode="json")
+            _redact(snapshot)
+            yield rt.event("response.created", response=snapshot)
+            yield rt.event("response.in_progress", response=snapshot)
+            for index, item in enumerate(output):  # listed and approved before the first turn
+                for event in out.done_item_events(index, item):
+                    yield event
+            async for kind, data in events_then_result(work(), queue):
+                if kind == "event":
+                    yield data
+                else:
+                    yield rt.event("response.completed" if data["status"] == "completed" else "response.incomplete",
+                                   response=data)
+
+        return await respond(raw, bool(req.stream), events, work, cleanup, {"X-Request-Id": rt.id},
+                             f"response {rt.id}", error=rt.error, done=None)
 
     @staticmethod
     def _choice(req: ResponsesRequest, servers: RequestServers) -> str | None:
@@ -391,45 +409,142 @@ class ResponsesMcp:
             return choice.name
         return choice
 
-    async def _finish(self, serving, rt, last_turn: Turn, servers: RequestServers, outcome: LoopOutcome,
-                      results: dict, output: list, num_system: int) -> dict:
-        """The response: the rounds' text and mcp_calls, then the last turn (its text, function calls,
-        approval requests; calls of tools needing no approval that came with those run now)."""
+
+class Output:
+    """A response's output items, built as its turns run (the same for a stream and for JSON), and the
+    stream events that show them: text as it is generated, each mcp_call as it runs."""
+
+    def __init__(self, rt, servers: RequestServers, output: list):
+        self.rt = rt
+        self.servers = servers
+        self.output = output  # the items so far
+        self.emit: Callable[[str, dict], None] = lambda *_: None  # ("event", event): a stream's
+        self.text: OutputMessage | None = None  # the turn's message while its text streams
+        self.calls: dict[str, int] = {}  # call id -> index of its mcp_call item
+
+    def _event(self, kind: str, **fields) -> None:
+        self.emit("event", self.rt.event(kind, **fields))
+
+    # -- what the loop reports -----------------------------------------------------------------------
+    def on_loop_event(self, kind: str, data: dict) -> None:
+        if kind == "delta":
+            self._text_delta(data["content"])
+        elif kind == "tool_call":
+            self._close_text("completed")
+            if data["server"]:  # run now by the loop: its item opens, its result closes it
+                tool = self.servers.tools[data["name"]]
+                item = OutputMcpCall(id=mcp_call_id(data["id"]), server_label=tool.label, name=tool.remote_name,
+                                     arguments=data["arguments"])
+                index = self.calls[data["id"]] = self._add(item.model_copy(update={"status": "in_progress"}))
+                fields = {"item_id": item.id, "output_index": index}
+                self._event("response.mcp_call_arguments.delta", **fields, delta=item.arguments)
+                self._event("response.mcp_call_arguments.done", **fields, arguments=item.arguments)
+                self._event("response.mcp_call.in_progress", **fields)
+
+    def on_result(self, call: Call, content: str, error: Exception | None) -> None:
+        index = self.calls[call.id]
+        item = _call_item(self.servers.tools[call.name], call, content, error)
+        self.output[index] = item
+        self._event("response.mcp_call.failed" if error else "response.mcp_call.completed", item_id=item.id,
+                    output_index=index)
+        self._event("response.output_item.done", output_index=index, item=item.model_dump(mode="json"))
+
+    def _add(self, item) -> int:
+        self.output.append(item)
+        self._event("response.output_item.added", output_index=len(self.output) - 1, item=item.model_dump(mode="json"))
+        return len(self.output) - 1
+
+    def _text_delta(self, text: str) -> None:
+        if self.text is None:
+            self.text = OutputMessage(id=new_id("msg_"), status="in_progress", content=[])
+            index = self._add(self.text)
+            self._event("response.content_part.added", item_id=self.text.id, output_index=index, content_index=0,
+                        part=OutputText(text="").model_dump())
+            self.text.content.append(OutputText(text=""))
+        part = self.text.content[0]
+        part.text += text
+        self._event("response.output_text.delta", item_id=self.text.id, output_index=len(self.output) - 1,
+                    content_index=0, delta=text, logprobs=[])
+
+    def _close_text(self, status: str) -> None:
+        if self.text is None:
+            return
+        item, self.text = self.text, None
+        item.status = status
+        index = self.output.index(item)
+        fields = {"item_id": item.id, "output_index": index, "content_index": 0}
+        self._event("response.output_text.done", **fields, text=item.content[0].text, logprobs=[])
+        self._event("response.content_part.done", **fields, part=item.content[0].model_dump())
+        self._event("response.output_item.done", output_index=index, item=item.model_dump(mode="json"))
+
+    def done_item_events(self, index: int, item) -> list[dict]:
+        """The events of an item that is complete when shown (listings, approved calls, approval requests,
+        function calls)."""
+        rt, dump = self.rt, item.model_dump(mode="json")
+        events = []
+        if isinstance(item, OutputMcpListTools):
+            events.append(rt.event("response.output_item.added", output_index=index, item={**dump, "tools": []}))
+            events.append(rt.event("response.mcp_list_tools.in_progress", item_id=item.id, output_index=index))
+            events.append(rt.event("response.mcp_list_tools.completed", item_id=item.id, output_index=index))
+        elif isinstance(item, OutputMcpCall):
+            events.append(rt.event("response.output_item.added", output_index=index,
+                                   item={**dump, "output": None, "error": None, "status": "in_progress"}))
+            events.append(rt.event("response.mcp_call_arguments.done", item_id=item.id, output_index=index,
+                                   arguments=item.arguments))
+            events.append(rt.event("response.mcp_call.failed" if item.error else "response.mcp_call.completed",
+                                   item_id=item.id, output_index=index))
+        elif isinstance(item, OutputFunctionCall):
+            events.append(rt.event("response.output_item.added", output_index=index,
+                                   item={**dump, "arguments": "", "status": "in_progress"}))
+            events.append(rt.event("response.function_call_arguments.delta", item_id=item.id, output_index=index,
+                                   delta=item.arguments))
+            events.append(rt.event("response.function_call_arguments.done", item_id=item.id, output_index=index,
+                                   name=item.name, arguments=item.arguments))
+        else:
+            events.append(rt.event("response.output_item.added", output_index=index, item=dump))
+        events.append(rt.event("response.output_item.done", output_index=index, item=dump))
+        return events
+
+    # -- the end -------------------------------------------------------------------------------------
+    async def finish(self, serving, last_turn: Turn, outcome: LoopOutcome, num_system: int) -> dict:
+        """The last turn's items (its text, function calls, approval requests; calls of tools needing no
+        approval that came with those run now), the response stored."""
+        rt, result = self.rt, outcome.result
+        self._close_text("incomplete" if result.finish_reason == "length" else "completed")
         messages = list(outcome.messages)
-        start = len(rt.turn.spec.messages)
-        rounds = [m for m in messages[start:] if m.role == "assistant"][:-1]
-        for m in rounds:
-            if m.content:
-                output.append(_text_item(m.content))
-            for call in m.tool_calls:
-                content, error = results[call.id]
-                output.append(_call_item(servers.tools[call.name], call, content, error))
-        result = outcome.result
         calls = result.calls
-        functions = [c for c in calls if c.name not in servers.tools]
-        output += serving._output_items(rt, replace(result, calls=functions), text_announced=False)
+        functions = [c for c in calls if c.name not in self.servers.tools]
+        last = serving._output_items(rt, replace(result, content=None, calls=functions), text_announced=False)
         for call in calls:
-            tool = servers.tools.get(call.name)
+            tool = self.servers.tools.get(call.name)
             if tool is None:
                 continue
             if tool.needs_approval:
-                output.append(OutputMcpApprovalRequest(id=approval_id(call.id), server_label=tool.label,
-                                                       name=tool.remote_name, arguments=call.arguments))
+                last.append(OutputMcpApprovalRequest(id=approval_id(call.id), server_label=tool.label,
+                                                     name=tool.remote_name, arguments=call.arguments))
             else:  # it came with a call the client answers: it runs now, the generation waits on
                 content, error = await tool_outcome(tool, call)
-                output.append(_call_item(tool, call, content, error))
+                last.append(_call_item(tool, call, content, error))
                 messages.append(Message("tool", content, tool_call_id=call.id))
+        for item in last:
+            self.output.append(item)
+            for event in self.done_item_events(len(self.output) - 1, item):
+                self.emit("event", event)
         u = outcome.usage()
         usage = TurnUsage(u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"], u["completion_tokens"])
         end = TurnFinished(result, outcome.last, usage)
         status = "incomplete" if result.finish_reason == "length" else "completed"
-        body = serving._response(rt, status, output, end).model_dump(mode="json")
-        for tool in body["tools"]:  # credentials are not echoed
-            tool.pop("headers", None), tool.pop("authorization", None)
+        body = serving._response(rt, status, self.output, end).model_dump(mode="json")
+        _redact(body)
         if rt.request.store is not False:
             serving.conversations.store_response(rt.id, body, tuple(messages[num_system:]),
                                                  last_turn.engine.request_id, last_turn.spec.owner)
         return body
+
+
+def _redact(body: dict) -> None:
+    for tool in body["tools"]:  # credentials are not echoed
+        tool.pop("headers", None), tool.pop("authorization", None)
 
 
 def _pending_calls(history: Sequence[Message], items: list) -> dict[str, Call]:
@@ -464,12 +579,6 @@ def _call_item(tool: RequestTool, call: Call, content: str, error: Exception | N
     error_item = error.error_item() if hasattr(error, "error_item") else {
         "type": "mcp_protocol_error", "code": -32602, "message": str(error)}  # arguments that are no JSON object
     return item.model_copy(update={"error": error_item, "status": "failed"})
-
-
-def _text_item(text: str):
-    from .protocol_responses import OutputMessage, OutputText
-
-    return OutputMessage(id=new_id("msg_"), status="completed", content=[OutputText(text=text)])
 
 
 def _error_text(error: Any) -> str:

@@ -142,6 +142,46 @@ def test_an_mcp_call_runs_while_the_generation_waits_paused(mcp, http_mcp_url, t
     assert [o.type for o in r2.output] == ["message"]
 
 
+def test_a_stream_shows_the_listing_the_call_and_the_answer_as_they_happen(mcp):
+    events = list(mcp.client.responses.create(input=QUESTION, tools=[calc_tool()], tool_choice=force("multiply"),
+                                              max_tool_calls=1, stream=True, **GREEDY))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    deltas = kinds.count("response.output_text.delta")
+    assert deltas >= 1 and kinds == (
+        ["response.created", "response.in_progress",
+         "response.output_item.added", "response.mcp_list_tools.in_progress", "response.mcp_list_tools.completed",
+         "response.output_item.done",
+         "response.output_item.added", "response.mcp_call_arguments.delta", "response.mcp_call_arguments.done",
+         "response.mcp_call.in_progress", "response.mcp_call.completed", "response.output_item.done",
+         "response.output_item.added", "response.content_part.added"] + ["response.output_text.delta"] * deltas
+        + ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+           events[-1].type]), kinds
+    final = events[-1].response
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert [o.type for o in final.output] == ["mcp_list_tools", "mcp_call", "message"]
+    assert events[6].item.status == "in_progress" and events[11].item.output == "42" == final.output[1].output
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == final.output_text and final.output[2].id == events[12].item.id
+    assert mcp.client.responses.retrieve(final.id).output_text == text
+    assert_resumed_once(mcp.backend.calls)
+
+    # An approval request streams as a whole item, and its approval streams the call and the answer.
+    tool = calc_tool(require_approval="always")
+    events = list(mcp.client.responses.create(input=QUESTION, tools=[tool], tool_choice=force("multiply"),
+                                              stream=True, **GREEDY))
+    request = events[-1].response.output[-1]
+    assert request.type == "mcp_approval_request" and events[-3].item.id == request.id
+    events = list(mcp.client.responses.create(previous_response_id=events[-1].response.id, tools=[tool], stream=True,
+                                              max_tool_calls=1, **GREEDY, input=[{
+                                                  "type": "mcp_approval_response", "approval_request_id": request.id,
+                                                  "approve": True}]))
+    kinds = [e.type for e in events]
+    assert kinds[2:6] == ["response.output_item.added", "response.mcp_call_arguments.done",
+                          "response.mcp_call.completed", "response.output_item.done"], kinds
+    assert [o.type for o in events[-1].response.output] == ["mcp_call", "message"]
+
+
 def test_approval_runs_the_call_and_resumes_the_same_generation(mcp):
     tool = calc_tool(require_approval="always")
     first = mcp.client.responses.create(input=QUESTION, tools=[tool], tool_choice=force("multiply"), **GREEDY)
@@ -266,8 +306,7 @@ def test_bad_mcp_tools_are_4xx_never_5xx(mcp):
             r = http.post("/responses", json={"model": MODEL, "input": "hi", "tools": tools})
             if r.status_code != 400 or says not in r.json()["error"]["message"]:
                 failures.append((tools, r.status_code, r.text[:300]))
-        for body, says in [({"tools": [calc_tool()], "stream": True}, "stream"),
-                           ({"tools": [calc_tool()], "tool_choice": force("nope")}, "calc/nope"),
+        for body, says in [({"tools": [calc_tool()], "tool_choice": force("nope")}, "calc/nope"),
                            ({"input": [{"type": "mcp_approval_response", "approval_request_id": "mcpr_x",
                                         "approve": True}], "tools": [calc_tool()]}, "approval_request_id")]:
             r = http.post("/responses", json={"model": MODEL, "input": "hi", **body})
