@@ -41,7 +41,7 @@ from urllib.parse import urlsplit
 
 from infercept.engine.backend import ToolSpec
 
-from .chat import Call, Message
+from .chat import Call, Message, validate_tool_flow
 from .mcp_config import function_name
 from .protocol import APIError, bad_request, new_id, now
 from .protocol_responses import (FunctionTool, FunctionToolChoice, McpApprovalRequestItem, McpApprovalResponseItem,
@@ -297,27 +297,21 @@ class ResponsesMcp:
                                                                    if isinstance(i, McpListToolsItem)}
         servers = await self.resolve(req, {t.name for t in functions}, listed_before)
 
-        # Approvals: the approved calls run now (the generation still paused), refusals become results.
+        # Approvals: each answers a call waiting for one (of the previous response or of the input).
         pending = _pending_calls(history, items)
-        answers: dict[str, Message] = {}
-        output: list = list(servers.listings)
+        approvals: dict[str, tuple[McpApprovalResponseItem, Call, RequestTool]] = {}
         for item in items:
             if not isinstance(item, McpApprovalResponseItem):
                 continue
             call = pending.get(call_id_of(item.approval_request_id, "mcpr_"))
-            if call is None or item.approval_request_id in answers:
+            if call is None or item.approval_request_id in approvals:
                 raise bad_request(f"approval_request_id {item.approval_request_id!r} is not an mcp_approval_request "
                                   "waiting for an answer (of the previous response or of the input)", param="input")
             tool = servers.tools.get(call.name)
             if tool is None:
                 raise bad_request(f"the approval answers a call of {call.name!r}, which is not a tool of this request's "
                                   "mcp tools: send the mcp tool again with the approval", param="tools")
-            if item.approve:
-                content, error = await tool_outcome(tool, call)
-                output.append(_call_item(tool, call, content, error, item.approval_request_id))
-            else:
-                content = "error: the user did not approve this call" + (f": {item.reason}" if item.reason else "")
-            answers[item.approval_request_id] = Message("tool", content, tool_call_id=call.id)
+            approvals[item.approval_request_id] = (item, call, tool)
 
         def other(item, messages: list[Message]) -> None:
             if isinstance(item, McpApprovalResponseItem):
@@ -334,9 +328,21 @@ class ResponsesMcp:
                     result = item.output if item.output is not None else f"error: {_error_text(item.error)}"
                     messages.append(Message("tool", result, tool_call_id=call.id))
 
-        conversation = history + tuple(input_messages(req.input, other))
-        if not conversation:
+        system = (Message("system", req.instructions),) if req.instructions else ()
+        answers = {key: Message("tool", "", tool_call_id=call.id) for key, (_, call, _) in approvals.items()}
+        if not history + tuple(input_messages(req.input, other)):
             raise bad_request("input must not be empty", param="input")
+        validate_tool_flow(system + history + tuple(input_messages(req.input, other)))  # before a call runs
+        # The approved calls run now, while the generation waits paused; a refusal is the call's result.
+        output: list = list(servers.listings)
+        for key, (item, call, tool) in approvals.items():
+            if item.approve:
+                content, error = await tool_outcome(tool, call)
+                output.append(_call_item(tool, call, content, error, key))
+            else:
+                content = "error: the user did not approve this call" + (f": {item.reason}" if item.reason else "")
+            answers[key] = Message("tool", content, tool_call_id=call.id)
+        conversation = history + tuple(input_messages(req.input, other))
         specs = [tool_spec(t) for t in functions] + [t.spec() for t in servers.tools.values()]
         choice = self._choice(req, servers)
         num_approved = sum(isinstance(o, OutputMcpCall) for o in output)  # calls run already count
@@ -345,7 +351,6 @@ class ResponsesMcp:
                 raise bad_request("tool_choice forces a call, but max_tool_calls allows no more", param="tool_choice")
             choice = "none"
         parallel = req.parallel_tool_calls is not False
-        system = (Message("system", req.instructions),) if req.instructions else ()
         sampling = Sampling(temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_output_tokens)
         spec = TurnSpec("chat", sampling, system + conversation, mode=tool_mode(specs or None, choice, parallel),
                         id_prefix="resp_", param="input", owner=owner)
