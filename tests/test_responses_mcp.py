@@ -12,6 +12,7 @@ after it answer in text.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -137,6 +138,7 @@ def test_an_mcp_call_runs_while_the_generation_waits_paused(mcp, http_mcp_url, t
 
     # The chain goes on: the next request does not list the tools again.
     mcp.backend.calls.clear()
+    assert len(mcp.app.state.responses.mcp.pool._held) == (transport == "http")  # the request's server is kept
     r2 = mcp.client.responses.create(previous_response_id=r.id, input="Thanks.", tools=[tool], tool_choice="none",
                                      **GREEDY)
     assert [o.type for o in r2.output] == ["message"]
@@ -315,6 +317,30 @@ def test_bad_mcp_tools_are_4xx_never_5xx(mcp):
         assert http.get(mcp.base + "/health").status_code == 200
     assert not failures, failures
     assert mcp.backend.calls == []  # refused before any generation
+
+
+def test_request_servers_are_kept_per_url_and_headers_for_a_ttl(http_mcp_url):
+    from infercept.server.responses_mcp import McpServerPool, McpUnavailable
+
+    async def run():
+        pool = McpServerPool(McpSettings(call_timeout_s=5, tools_ttl_s=1.0, allow_urls=("http://127.0.0.1:*/mcp",)))
+        try:
+            first = await pool.connection(http_mcp_url, {})
+            assert first.client is not None and "multiply" in first.tools
+            assert await pool.connection(http_mcp_url, {}) is first  # listed once, kept
+            other = await pool.connection(http_mcp_url, {"Authorization": "Bearer b"})
+            assert other is not first  # other credentials, another connection
+            await asyncio.sleep(1.2)
+            again = await pool.connection(http_mcp_url, {})
+            assert again is not first and first.client is None and other.client is None  # unused past the TTL
+            with pytest.raises(McpUnavailable, match="ConnectError"):
+                await pool.connection(f"http://127.0.0.1:{_free_port()}/mcp", {})
+            assert len(pool._held) == 1  # a server that failed is not kept (nor tried again in the background)
+        finally:
+            await pool.stop()
+        assert again.client is None
+
+    asyncio.run(run())
 
 
 def test_the_allow_url_flag(monkeypatch):
