@@ -155,7 +155,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                              "(docs/operators.md)")
     m.add_argument("--mcp-config", default=_env("MCP_CONFIG", None),
                    help="JSON file in the mcpServers shape (name -> command/args/env/cwd or url/headers); their tools "
-                        "are server_tools named mcp:<server>/<tool> or mcp:<server>")
+                        "are server_tools named mcp:<server>/<tool> or mcp:<server>, and Responses API mcp tools by "
+                        "server_label")
     m.add_argument("--mcp-timeout", type=float, default=float(_env("MCP_TIMEOUT", 30.0)),
                    help="seconds an MCP tool call may take before the model reads a timeout error as its result; also "
                         "the bound on connecting to a server (default 30)")
