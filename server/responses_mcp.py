@@ -309,8 +309,8 @@ class ResponsesMcp:
                                   "waiting for an answer (of the previous response or of the input)", param="input")
             tool = servers.tools.get(call.name)
             if tool is None:
-                raise bad_request(f"the approval answers a call of {call.name!r}, which is not a tool of this request's "
-                                  "mcp tools: send the mcp tool again with the approval", param="tools")
+                raise bad_request(f"the approval answers a call of {call.name!r}, which is not a tool of this "
+                                  "request's mcp tools: send the mcp tool again with the approval", param="tools")
             approvals[item.approval_request_id] = (item, call, tool)
 
         def other(item, messages: list[Message]) -> None:
@@ -374,7 +374,8 @@ class ResponsesMcp:
         out.emit = emit
 
         async def work() -> dict:
-            outcome = await serve_turns(serving.turns, turn, runnable, out.on_loop_event, on_turn, respec, out.on_result)
+            outcome = await serve_turns(serving.turns, turn, runnable, out.on_loop_event, on_turn, respec,
+                                        out.on_result)
             return await out.finish(serving, current, outcome, len(system))
 
         async def cleanup() -> None:

@@ -352,4 +352,5 @@ def test_the_allow_url_flag(monkeypatch):
     args = cli.build_parser().parse_args(["serve", "--mcp-allow-url", "https://a/*", "--mcp-allow-url", "http://b/mcp"])
     assert cli.server_settings(args).mcp.allow_urls == ("https://a/*", "http://b/mcp")
     monkeypatch.setenv("INFERCEPT_MCP_ALLOW_URL", "https://c/* https://d/*")
-    assert cli.server_settings(cli.build_parser().parse_args(["serve"])).mcp.allow_urls == ("https://c/*", "https://d/*")
+    allowed = cli.server_settings(cli.build_parser().parse_args(["serve"])).mcp.allow_urls
+    assert allowed == ("https://c/*", "https://d/*")
