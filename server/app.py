@@ -36,6 +36,7 @@ from .engine_turn import Admission, EngineTurns
 from .serving_base import SHUTDOWN_GRACE_S
 from .serving_chat import ChatServing
 from .serving_completions import CompletionServing
+from .responses_mcp import ResponsesMcp
 from .serving_responses import ResponsesServing
 from .serving_server_tools import ChatServerTools
 from .serving_sessions import SessionServing
@@ -95,6 +96,7 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
         chat = ChatServing(**common)
         chat_server_tools = ChatServerTools(chat, tool_lookup)
         responses = ResponsesServing(**common)
+        responses.mcp = ResponsesMcp(settings.mcp, mcp_tools)
         sessions = SessionServing(tool_lookup=tool_lookup, backend=backend, **common)
 
     @contextlib.asynccontextmanager
@@ -113,6 +115,8 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             conversations.release_all("shutdown", "server shutdown")
+            if responses is not None:
+                await responses.mcp.stop()  # the request-named MCP servers' connections
             if mcp_tools is not None:
                 await mcp_tools.stop()
             await asyncio.to_thread(backend.shutdown)

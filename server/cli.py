@@ -155,13 +155,20 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                              "(docs/operators.md)")
     m.add_argument("--mcp-config", default=_env("MCP_CONFIG", None),
                    help="JSON file in the mcpServers shape (name -> command/args/env/cwd or url/headers); their tools "
-                        "are server_tools named mcp:<server>/<tool> or mcp:<server>")
+                        "are server_tools named mcp:<server>/<tool> or mcp:<server>, and Responses API mcp tools by "
+                        "server_label")
     m.add_argument("--mcp-timeout", type=float, default=float(_env("MCP_TIMEOUT", 30.0)),
                    help="seconds an MCP tool call may take before the model reads a timeout error as its result; also "
                         "the bound on connecting to a server (default 30)")
     m.add_argument("--mcp-tools-ttl", type=float, default=float(_env("MCP_TOOLS_TTL", 300.0)),
                    help="seconds an MCP server's tool list is kept before it is listed again, and between tries of "
                         "a server that could not be reached (default 300)")
+    m.add_argument("--mcp-allow-url", action="append", metavar="PATTERN",
+                   default=_env("MCP_ALLOW_URL", "").split(),
+                   help="a URL pattern (fnmatch glob over the whole URL, e.g. 'https://tools.internal/*') a "
+                        "Responses request may name as its own MCP server in {\"type\": \"mcp\", \"server_url\": "
+                        "...}; repeatable (INFERCEPT_MCP_ALLOW_URL: space-separated). Default: none, so per-request "
+                        "server URLs are refused with 400 and clients use only --mcp-config servers, by server_label")
     c = p.add_argument_group("conversations", "What the server keeps between requests (server/conversations.py). "
                              "Each flag also reads INFERCEPT_<NAME> (INFERCEPT_IDLE_TTL, ...); the old names "
                              "--session-ttl / INFERCEPT_SESSION_TTL and --max-sessions / INFERCEPT_MAX_SESSIONS "
@@ -203,7 +210,8 @@ def server_settings(args: argparse.Namespace):
     if args.api_keys_file:
         tenants += load_keys_file(args.api_keys_file)
     mcp = McpSettings(servers=load_mcp_config(args.mcp_config) if args.mcp_config else (),
-                      call_timeout_s=args.mcp_timeout, tools_ttl_s=args.mcp_tools_ttl)
+                      call_timeout_s=args.mcp_timeout, tools_ttl_s=args.mcp_tools_ttl,
+                      allow_urls=tuple(args.mcp_allow_url))
     return ServerSettings(host=args.host, port=args.port, api_key=api_key or None, tenants=tenants,
                           served_model_name=args.served_model_name, conversations=policy,
                           max_concurrent_requests=args.max_concurrent_requests, tool_parser=args.tool_parser, mcp=mcp)

@@ -15,6 +15,7 @@ letters, digits and `-`, with single `_` inside: never `__`, which separates ser
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -27,6 +28,8 @@ from typing import Any
 logger = logging.getLogger("infercept.server")
 
 SERVER_NAME = re.compile(r"^[A-Za-z0-9-]+(?:_[A-Za-z0-9-]+)*$")
+_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_\-.]{1,64}$")
+_OUTSIDE_NAME = re.compile(r"[^A-Za-z0-9_\-.]")
 _KNOWN_KEYS = {"command", "args", "env", "cwd", "url", "headers", "type", "disabled"}
 _HTTP_TYPES = {"http", "streamable-http", "streamable_http", "streamableHttp"}
 
@@ -95,3 +98,15 @@ def _strings(entry: dict, key: str, where: str) -> Mapping[str, str]:
     if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
         raise ValueError(f"{where}.{key}: expected an object of strings")
     return MappingProxyType(dict(value))
+
+
+def function_name(server: str, tool: str) -> str:
+    """The function name the model calls for `tool` of `server`: `<server>__<tool>` when that is a valid
+    function name; otherwise its characters outside [A-Za-z0-9_.-] become `_`, it is cut to 55
+    characters and `_` plus the first 8 hex digits of sha256("<server>/<tool>") are appended, so tools
+    whose names differ only in what was replaced or cut keep different names."""
+    name = f"{server}__{tool}"
+    if _FUNCTION_NAME.match(name):
+        return name
+    digest = hashlib.sha256(f"{server}/{tool}".encode()).hexdigest()[:8]
+    return f"{_OUTSIDE_NAME.sub('_', name)[:55]}_{digest}"

@@ -23,11 +23,9 @@ gives the model as the call's result, `error: ...`.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import math
-import re
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from typing import Any
@@ -40,32 +38,31 @@ from mcp.client.streamable_http import streamable_http_client
 
 from infercept.tools.base import Tool
 
-from .mcp_config import McpServerConfig
+from .mcp_config import McpServerConfig, function_name
 from .settings import McpSettings
 
 logger = logging.getLogger("infercept.server")
 
 PREFIX = "mcp:"  # how a request names MCP tools in server_tools
-_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_\-.]{1,64}$")
-_OUTSIDE_NAME = re.compile(r"[^A-Za-z0-9_\-.]")
 _MAX_PAGES = 100  # tools/list pages read per listing: a server whose cursor never ends cannot hang start-up
 _STOP_GRACE_S = 10.0  # a stdio server gets 2 s after its stdin closes, then SIGTERM, then SIGKILL (SDK)
 
 
-def function_name(server: str, tool: str) -> str:
-    """The function name the model calls for `tool` of `server`: `<server>__<tool>` when that is a valid
-    function name; otherwise its characters outside [A-Za-z0-9_.-] become `_`, it is cut to 55
-    characters and `_` plus the first 8 hex digits of sha256("<server>/<tool>") are appended, so tools
-    whose names differ only in what was replaced or cut keep different names."""
-    name = f"{server}__{tool}"
-    if _FUNCTION_NAME.match(name):
-        return name
-    digest = hashlib.sha256(f"{server}/{tool}".encode()).hexdigest()[:8]
-    return f"{_OUTSIDE_NAME.sub('_', name)[:55]}_{digest}"
-
-
 class McpCallError(Exception):
-    """A call that gave the model no result; the message says why (the model reads it)."""
+    """A call that gave the model no result; the message says why (the model reads it). `code` is the
+    JSON-RPC error code (the server's own, or -32001 for a timeout, -32000 for a transport failure);
+    `content` the text blocks of a tool that answered with an error result (`isError`), else None."""
+
+    def __init__(self, message: str, code: int = -32000, content: list[dict] | None = None):
+        super().__init__(message)
+        self.code = code
+        self.content = content
+
+    def error_item(self) -> dict:
+        """The Responses API's `mcp_call.error`: the tool's own error, or the protocol's."""
+        if self.content is not None:
+            return {"type": "mcp_tool_execution_error", "content": self.content}
+        return {"type": "mcp_protocol_error", "code": self.code, "message": str(self)}
 
 
 class McpTool(Tool):
@@ -77,6 +74,7 @@ class McpTool(Tool):
         self.name = function_name(connection.name, listed.name)
         self.description = listed.description or f"Tool {listed.name} of the MCP server {connection.name}."
         self.parameters = listed.input_schema
+        self.listed = listed  # as the server lists it (the Responses API's mcp_list_tools shows it)
 
     async def run(self, arguments: dict[str, Any]) -> str:
         return await self.connection.call(self.remote_name, arguments)
@@ -92,6 +90,7 @@ class McpConnection:
         self.ttl = settings.tools_ttl_s
         self.tools: dict[str, McpTool] = {}  # by the tool's name on the server; replaced whole on each listing
         self.client: Client | None = None  # set while connected
+        self.last_error: str | None = None  # why the last attempt to connect or list failed
         self._stop = anyio.Event()
         self._first_attempt = anyio.Event()
         self._task: asyncio.Task | None = None
@@ -131,6 +130,7 @@ class McpConnection:
                 if connecting.cancelled_caught:
                     raise TimeoutError(f"no answer within {self.timeout:g} s")
             except Exception as e:  # noqa: BLE001 -- whatever the server or its transport did, we go on
+                self.last_error = _reason(e)
                 if self.client is not None:
                     logger.warning("MCP server %s: connection lost, connecting again: %s", self.name, _reason(e))
                 elif not reported:
@@ -199,9 +199,9 @@ class McpConnection:
             with anyio.fail_after(self.timeout):
                 result = await client.call_tool(tool, arguments)
         except TimeoutError:
-            raise McpCallError(f"{where} gave no result within {self.timeout:g} s") from None
+            raise McpCallError(f"{where} gave no result within {self.timeout:g} s", code=-32001) from None
         except MCPError as e:
-            raise McpCallError(f"{where}: the MCP server refused the call: {e}") from None
+            raise McpCallError(f"{where}: the MCP server refused the call: {e}", code=e.code) from None
         except Exception as e:  # noqa: BLE001 -- a lost connection, a malformed result: the model is told
             raise McpCallError(f"{where} failed: {_reason(e)}") from None
         return result_text(result, where)
@@ -224,7 +224,8 @@ def result_text(result: mcp_types.CallToolResult, where: str) -> str:
         else:
             other.append(block.type)
     if result.is_error:
-        raise McpCallError(f"{where} failed: {' '.join(texts) or 'no message'}")
+        raise McpCallError(f"{where} failed: {' '.join(texts) or 'no message'}",
+                           content=[{"type": "text", "text": t} for t in texts])
     if not texts and result.structured_content is not None:
         return json.dumps(result.structured_content, ensure_ascii=False)
     if not texts:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, Discriminator, Field, Tag
+from pydantic import BaseModel, Discriminator, Field, Tag, field_validator
 
+from .mcp_config import SERVER_NAME
 from .protocol import Lenient, Strict
 
 # -- request ----------------------------------------------------------------------------------------
@@ -42,6 +43,52 @@ class FunctionCallOutputItem(Lenient):
     output: str | list[TextPart]
 
 
+class McpApprovalResponseItem(Lenient):
+    """The user's answer to an `mcp_approval_request` of the previous response (or of the input)."""
+
+    type: Literal["mcp_approval_response"]
+    approval_request_id: str = Field(min_length=1)
+    approve: bool
+    reason: str | None = None
+    id: str | None = None
+
+
+class McpApprovalRequestItem(Lenient):
+    """An `mcp_approval_request` output item sent back as input (a client keeping its own history)."""
+
+    type: Literal["mcp_approval_request"]
+    id: str = Field(min_length=1)
+    server_label: str
+    name: str
+    arguments: str
+
+
+class McpCallItem(Lenient):
+    """An `mcp_call` output item sent back as input."""
+
+    type: Literal["mcp_call"]
+    id: str = Field(min_length=1)
+    server_label: str
+    name: str
+    arguments: str
+    output: str | None = None
+    error: Any = None
+    approval_request_id: str | None = None
+
+
+class McpListToolsItem(Lenient):
+    """An `mcp_list_tools` output item sent back as input (nothing to render: tools come from `tools`)."""
+
+    type: Literal["mcp_list_tools"]
+    server_label: str
+    tools: list[dict] = Field(default_factory=list)
+    id: str | None = None
+    error: str | None = None
+
+
+McpInputItem = McpApprovalResponseItem | McpApprovalRequestItem | McpCallItem | McpListToolsItem
+
+
 def _item_type(value: Any) -> str:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
     return kind or "message"
@@ -49,7 +96,11 @@ def _item_type(value: Any) -> str:
 
 InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")],
                             Annotated[FunctionCallItem, Tag("function_call")],
-                            Annotated[FunctionCallOutputItem, Tag("function_call_output")]],
+                            Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+                            Annotated[McpApprovalResponseItem, Tag("mcp_approval_response")],
+                            Annotated[McpApprovalRequestItem, Tag("mcp_approval_request")],
+                            Annotated[McpCallItem, Tag("mcp_call")],
+                            Annotated[McpListToolsItem, Tag("mcp_list_tools")]],
                       Discriminator(_item_type)]
 
 
@@ -63,9 +114,56 @@ class FunctionTool(Strict):
     strict: bool | None = None
 
 
+class McpToolFilter(Strict):
+    tool_names: list[str] | None = None
+    read_only: bool | None = None  # matches tools whose server annotates them readOnlyHint
+
+
+class McpApprovalFilter(Strict):
+    always: McpToolFilter | None = None
+    never: McpToolFilter | None = None
+
+
+class McpToolParam(Strict):
+    """OpenAI's remote MCP tool (server/responses_mcp.py): the tools of the server `server_label` names, an
+    operator-configured one (--mcp-config) or the request's own `server_url` (if --mcp-allow-url allows it)."""
+
+    type: Literal["mcp"]
+    server_label: str
+    server_url: str | None = None
+    server_description: str | None = None
+    allowed_tools: list[str] | McpToolFilter | None = None
+    require_approval: Literal["always", "never"] | McpApprovalFilter | None = None  # None: always, as OpenAI
+    headers: dict[str, str] | None = None
+    authorization: str | None = None  # an OAuth access token: sent as `Authorization: Bearer ...`
+    connector_id: str | None = None  # OpenAI's hosted connectors: refused (responses_mcp.py)
+    tunnel_id: str | None = None  # likewise
+    defer_loading: bool | None = None
+    allowed_callers: list[str] | None = None
+
+    @field_validator("server_label")
+    @classmethod
+    def _label(cls, v: str) -> str:
+        # the label prefixes the function names the model sees (`<label>__<tool>`), like a config server name
+        if not SERVER_NAME.match(v) or len(v) > 32:
+            raise ValueError("server_label must be up to 32 letters, digits and '-', with single '_' inside")
+        return v
+
+
+ResponsesTool = Annotated[Union[FunctionTool, McpToolParam], Field(discriminator="type")]
+
+
 class FunctionToolChoice(Strict):
     type: Literal["function"]
     name: str
+
+
+class McpToolChoice(Strict):
+    """Force a call of `name` of the MCP server `server_label` (any of its tools without `name`)."""
+
+    type: Literal["mcp"]
+    server_label: str
+    name: str | None = None
 
 
 class TextFormat(Lenient):
@@ -80,8 +178,9 @@ class ResponsesRequest(Strict):
     model: str | None = None  # None = the served model
     input: str | list[InputItem]
     instructions: str | None = None
-    tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
+    tools: list[ResponsesTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | McpToolChoice | None = None
+    max_tool_calls: int | None = Field(default=None, ge=0)  # MCP calls the server runs in this response
     parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
@@ -126,7 +225,35 @@ class OutputFunctionCall(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"]
 
 
-OutputItem = OutputMessage | OutputFunctionCall
+class OutputMcpListTools(BaseModel):
+    id: str
+    type: Literal["mcp_list_tools"] = "mcp_list_tools"
+    server_label: str
+    tools: list[dict]  # name, input_schema, description, annotations: as the MCP server lists them
+    error: str | None = None
+
+
+class OutputMcpCall(BaseModel):
+    id: str
+    type: Literal["mcp_call"] = "mcp_call"
+    server_label: str
+    name: str  # the tool's name on its server
+    arguments: str
+    output: str | None = None
+    error: dict | None = None  # mcp_protocol_error (code, message) or mcp_tool_execution_error (content)
+    approval_request_id: str | None = None
+    status: Literal["completed", "failed"] = "completed"
+
+
+class OutputMcpApprovalRequest(BaseModel):
+    id: str
+    type: Literal["mcp_approval_request"] = "mcp_approval_request"
+    server_label: str
+    name: str
+    arguments: str
+
+
+OutputItem = OutputMessage | OutputFunctionCall | OutputMcpListTools | OutputMcpCall | OutputMcpApprovalRequest
 
 
 class InputTokensDetails(BaseModel):

@@ -13,8 +13,9 @@ input tokens whose KV was reused. A stored response is a record of the conversat
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
@@ -24,9 +25,11 @@ from infercept.engine.backend import ToolSpec
 from .chat import Call, Message
 from .conversations import Conversation
 from .protocol import APIError, bad_request, new_id, now
+from . import responses_mcp
 from .protocol_responses import (DeletedResponse, FunctionCallItem, FunctionCallOutputItem, FunctionTool,
-                                 IncompleteDetails, InputTokensDetails, OutputFunctionCall, OutputItem, OutputMessage,
-                                 OutputText, ResponseObject, ResponsesRequest, ResponseUsage, TextPart)
+                                 IncompleteDetails, InputTokensDetails, MessageItem, OutputFunctionCall, OutputItem,
+                                 OutputMessage, OutputText, ResponseObject, ResponsesRequest, ResponseUsage, TextPart)
+from .responses_mcp import ResponsesMcp
 from .serving_base import Frontend, respond
 from .tenants import owner_of
 from .tool_mode import tool_mode
@@ -41,9 +44,10 @@ def _text(content: str | Sequence[TextPart]) -> str:
     return content if isinstance(content, str) else "".join(part.text for part in content)
 
 
-def input_messages(input: str | Sequence) -> list[Message]:
+def input_messages(input: str | Sequence, other: Callable[[Any, list[Message]], None] | None = None) -> list[Message]:
     """Responses input -> chat messages. Consecutive `function_call` items are one assistant turn, with
-    the assistant message just before them as its content: the shape of the turn that made them."""
+    the assistant message just before them as its content: the shape of the turn that made them.
+    `other(item, messages)` adds the messages of the items of other kinds (MCP items: responses_mcp.py)."""
     if isinstance(input, str):
         return [Message("user", input)]
     messages: list[Message] = []
@@ -56,6 +60,8 @@ def input_messages(input: str | Sequence) -> list[Message]:
                 messages.append(Message("assistant", "", tool_calls=(call,)))
         elif isinstance(item, FunctionCallOutputItem):
             messages.append(Message("tool", _text(item.output), tool_call_id=item.call_id))
+        elif not isinstance(item, MessageItem) and other is not None:
+            other(item, messages)
         else:
             messages.append(Message("system" if item.role == "developer" else item.role, _text(item.content)))
     return messages
@@ -95,7 +101,13 @@ class ResponseTurn:
 
 
 class ResponsesServing(Frontend):
+    mcp: ResponsesMcp | None = None  # serves the requests with MCP tools or items (app.py sets it)
+
     async def create(self, req: ResponsesRequest, raw: Request) -> Response:
+        if responses_mcp.wanted(req):
+            if self.mcp is None:
+                raise bad_request("mcp tools are not available on this server", param="tools")
+            return await self.mcp.create(self, req, raw)
         history: tuple[Message, ...] = ()
         owner = owner_of(raw)
         if req.previous_response_id is not None:

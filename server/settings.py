@@ -73,6 +73,10 @@ class McpSettings:
     # Seconds a server's tool list is kept before it is listed again (and a server that could not be
     # reached is tried again).
     tools_ttl_s: float = 300.0
+    # URLs a Responses request may name as its own MCP server (`{"type": "mcp", "server_url": ...}`):
+    # fnmatch-style globs over the whole URL (--mcp-allow-url, repeatable). None by default, so a client
+    # cannot make the server reach a host the operator did not choose.
+    allow_urls: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.call_timeout_s <= 0 or self.tools_ttl_s <= 0:

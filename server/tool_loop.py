@@ -22,7 +22,7 @@ from infercept.engine.backend import RequestOutput
 
 from .chat import Call, Message
 from .protocol import ToolParam, bad_request
-from .turns import CallDone, TextDelta, Turn, TurnFinished, TurnResult, Turns
+from .turns import CallDone, TextDelta, Turn, TurnFinished, TurnResult, Turns, TurnSpec
 
 logger = logging.getLogger("infercept.server")
 
@@ -82,13 +82,23 @@ class LoopOutcome:
                 "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in self.steps)}}
 
 
+def _same_spec(spec: TurnSpec, messages: list[Message], num_calls: int) -> TurnSpec:
+    return replace(spec, messages=tuple(messages))
+
+
 async def serve_turns(turns: Turns, turn: Turn, server_tools: Mapping[str, Any], emit: Emit,
-                      on_turn: Callable[[Turn], None] = lambda turn: None) -> LoopOutcome:
+                      on_turn: Callable[[Turn], None] = lambda turn: None,
+                      respec: Callable[[TurnSpec, list[Message], int], TurnSpec] = _same_spec,
+                      on_result: Callable[[Call, str, Exception | None], None] = lambda *_: None) -> LoopOutcome:
     """Serve the opened `turn`, and after each round of server-tool calls the next turn of its spec with
-    the conversation so far (`on_turn` is told of each such turn as it opens)."""
+    the conversation so far (`on_turn` is told of each such turn as it opens). `respec(spec, messages,
+    num_calls)` makes the next turn's spec from the last one, the conversation and the number of server
+    calls run so far (the Responses API's MCP tools lift a forced tool_choice after the first round and
+    forbid calls past max_tool_calls; the tool mode changes, the rendered tools do not). `on_result` is
+    told of each server call's result and failure (None when it succeeded)."""
     messages = list(turn.spec.messages)
     steps: list[Step] = []
-    rounds = 0
+    rounds = num_calls = 0
     while True:
         try:
             end = await _serve_turn(turn, server_tools, emit)
@@ -101,12 +111,14 @@ async def serve_turns(turns: Turns, turn: Turn, server_tools: Mapping[str, Any],
         if not result.calls or rounds == MAX_SERVER_TOOL_ROUNDS \
                 or any(c.name not in server_tools for c in result.calls):
             return LoopOutcome(messages, result, end.output, steps)
-        outputs = await asyncio.gather(*(run_tool(server_tools[c.name], c) for c in result.calls))
-        for call, output in zip(result.calls, outputs):
+        outputs = await asyncio.gather(*(tool_outcome(server_tools[c.name], c) for c in result.calls))
+        for call, (output, error) in zip(result.calls, outputs):
             emit("tool_result", {"tool_call_id": call.id, "name": call.name, "content": output})
+            on_result(call, output, error)
             messages.append(Message("tool", output, tool_call_id=call.id))
         rounds += 1
-        turn = await turns.open(replace(turn.spec, messages=tuple(messages)))
+        num_calls += len(result.calls)
+        turn = await turns.open(respec(turn.spec, messages, num_calls))
         on_turn(turn)
 
 
@@ -123,14 +135,20 @@ async def _serve_turn(turn: Turn, server_tools: Mapping[str, Any], emit: Emit) -
 
 async def run_tool(tool, call: Call) -> str:
     """A server tool's result; a failure is reported to the model as the result, so it can answer."""
+    return (await tool_outcome(tool, call))[0]
+
+
+async def tool_outcome(tool, call: Call) -> tuple[str, Exception | None]:
+    """What the model reads of a server tool's call (a failure as `error: ...`), and the failure if any."""
     arguments = call.arguments_value()
     if not isinstance(arguments, dict):
-        return f"error: the arguments of {call.name} are not a JSON object"
+        error = ValueError(f"the arguments of {call.name} are not a JSON object")
+        return f"error: {error}", error
     try:
-        return str(await tool.run(arguments))
+        return str(await tool.run(arguments)), None
     except Exception as e:
         logger.info("server tool %s failed: %s", call.name, e)
-        return f"error: {e}"
+        return f"error: {e}", e
 
 
 async def events_then_result(work: Awaitable, events: asyncio.Queue) -> AsyncIterator[tuple[str, Any]]:

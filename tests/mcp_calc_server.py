@@ -3,7 +3,8 @@
     python tests/mcp_calc_server.py stdio          # over stdin/stdout
     python tests/mcp_calc_server.py http PORT      # streamable HTTP on http://127.0.0.1:PORT/mcp
 
-Tools: `multiply(a, b)`, `fail()` (raises), `hang(seconds)` (sleeps past a client's timeout) and
+Tools: `multiply(a, b)`, `fail()` (raises), `hang(seconds)` (sleeps past a client's timeout), `stall()`
+(sleeps an hour, whatever the arguments) and
 `picture()` (an image only, no text). With MCP_CALC_PIDFILE set, the server writes its process id there
 (so a test can check that the client stopped it).
 """
@@ -36,6 +37,13 @@ def fail() -> str:
 async def hang(seconds: float) -> str:
     """Answer after `seconds`."""
     await anyio.sleep(seconds)
+    return "done"
+
+
+@server.tool()
+async def stall() -> str:
+    """Never answers (within an hour): a call of it outlasts any client timeout, whatever the model asks."""
+    await anyio.sleep(3600)
     return "done"
 
 

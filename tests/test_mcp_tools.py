@@ -142,7 +142,8 @@ def test_a_session_enables_a_whole_server_and_keeps_the_mcp_result(mcp_server):
     http = httpx.Client(base_url=mcp_server.base + "/v1", timeout=60)
     r = http.post("/sessions", json={"server_tools": ["mcp:calc", "mcp:calc/multiply"]})  # the second: no double
     assert r.status_code == 200, r.text
-    assert sorted(r.json()["server_tools"]) == ["calc__fail", "calc__hang", "calc__multiply", "calc__picture"]
+    assert sorted(r.json()["server_tools"]) == ["calc__fail", "calc__hang", "calc__multiply", "calc__picture",
+                                                 "calc__stall"]
     session = r.json()["id"]
     r = http.post(f"/sessions/{session}/messages", json={"content": MULTIPLY.format("calc")})
     assert r.status_code == 200, r.text
