@@ -207,15 +207,38 @@ class ChatRenderer:
                 continue
             before = self._apply(prepared[:index[i]], True, tools)
             upto = self._apply(prepared[:index[i] + 1], False, tools)
-            if not (len(before) >= pos and upto.startswith(before) and full.startswith(upto)
-                    and upto.endswith(self.turn_end)):
+            end = self._turn_end_in(full, before, upto) if len(before) >= pos else None
+            if end is None:
                 return self.encode(full) + self.encode(prefill)  # a template that is not prefix-stable
             ids += self.encode(full[pos:len(before)])
             ids += turn.token_ids
-            pos = len(upto) - len(self._turn_end_left(turn.token_ids))
+            pos = end - len(self._turn_end_left(turn.token_ids))
         return ids + self.encode(full[pos:]) + self.encode(prefill)
 
     # -- internals ---------------------------------------------------------------------------------
+    def _turn_end_in(self, full: str, before: str, upto: str) -> int | None:
+        """Where, in `full` (the whole conversation), the assistant turn ends that `before` (the
+        conversation up to it, with the generation prompt) and `upto` (up to it, included, as the last
+        message) render; None if the template renders the conversation around it differently.
+
+        Thinking templates (Qwen3's) render a turn apart when it is the last message (an empty thinking
+        block) and drop the thinking of turns followed by more: the turn is then found in `full` as the
+        text after `before` up to a turn end, that the turn as last message ends with. The resume then
+        appends only what follows it, after the paused generation's own tokens, its thinking included."""
+        if not (upto.startswith(before) and full.startswith(before) and upto.endswith(self.turn_end)):
+            return None
+        if full.startswith(upto):
+            return len(upto)
+        if not self.turn_end:
+            return None
+        last = upto[len(before):]
+        at = len(before)
+        while 0 <= (at := full.find(self.turn_end, at)) < len(before) + len(last):
+            at += len(self.turn_end)
+            if last.endswith(full[len(before):at]):
+                return at
+        return None
+
     def _turn_end_left(self, token_ids: Sequence[int]) -> str:
         """The part of the template's turn end the model did not generate itself: after a generated
         EOS that the turn end starts with (ChatML: "<|im_end|>"), only the rest ("\\n")."""

@@ -270,6 +270,7 @@ class ChatMessage(BaseModel):
     content: str | None = None
     refusal: str | None = None
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # vLLM's: the thinking (--reasoning-parser); left out when None
 
 
 class TopLogprob(BaseModel):

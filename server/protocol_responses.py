@@ -42,6 +42,13 @@ class FunctionCallOutputItem(Lenient):
     output: str | list[TextPart]
 
 
+class ReasoningItem(Lenient):
+    """A reasoning item a client sends back (its earlier output): the conversation leaves it out, as chat
+    templates leave earlier thinking out; a paused generation keeps the thinking as its tokens."""
+
+    type: Literal["reasoning"]
+
+
 def _item_type(value: Any) -> str:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
     return kind or "message"
@@ -49,7 +56,8 @@ def _item_type(value: Any) -> str:
 
 InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")],
                             Annotated[FunctionCallItem, Tag("function_call")],
-                            Annotated[FunctionCallOutputItem, Tag("function_call_output")]],
+                            Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+                            Annotated[ReasoningItem, Tag("reasoning")]],
                       Discriminator(_item_type)]
 
 
@@ -98,6 +106,7 @@ class ResponsesRequest(Strict):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     include: list[str] | None = None
+    reasoning: dict | None = None  # effort / summary: a local thinking model thinks as it was trained to
 
 
 # -- response ---------------------------------------------------------------------------------------
@@ -126,7 +135,22 @@ class OutputFunctionCall(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"]
 
 
-OutputItem = OutputMessage | OutputFunctionCall
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(BaseModel):
+    """The model's thinking (--reasoning-parser), before the message or calls it led to."""
+
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    summary: list = Field(default_factory=list)  # a local model's thinking is given whole, not summarized
+    content: list[ReasoningText]
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+OutputItem = OutputReasoning | OutputMessage | OutputFunctionCall
 
 
 class InputTokensDetails(BaseModel):

@@ -31,7 +31,8 @@ from .protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionChun
 from .serving_base import Frontend, check_unsupported, respond
 from .tenants import owner_of
 from .tool_mode import tool_mode
-from .turns import (CallArguments, CallOpened, Sampling, TextDelta, Turn, TurnFinished, TurnSpec, TurnUsage)
+from .turns import (CallArguments, CallOpened, ReasoningDelta, Sampling, TextDelta, Turn, TurnFinished, TurnSpec,
+                    TurnUsage)
 
 SESSION_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
@@ -123,7 +124,8 @@ class ChatServing(Frontend):
         end = await turn.result()
         result, last = end.result, end.output
         self.remember(turn, turn.spec.messages + (result.message,))
-        choice = ChatChoice(message=ChatMessage(content=result.content, tool_calls=tool_calls(result.calls)),
+        choice = ChatChoice(message=ChatMessage(content=result.content, tool_calls=tool_calls(result.calls),
+                                                reasoning_content=result.reasoning),
                             logprobs=self._logprobs(req, last, 0, len(last.token_ids)),
                             finish_reason=result.finish_reason,
                             token_ids=list(last.token_ids) if req.return_token_ids else None)
@@ -136,6 +138,8 @@ class ChatServing(Frontend):
                 del body[key]
         if body["choices"][0]["token_ids"] is None:
             del body["choices"][0]["token_ids"]
+        if result.reasoning is None:
+            del body["choices"][0]["message"]["reasoning_content"]
         return body
 
     # -- streaming ---------------------------------------------------------------------------------
@@ -155,7 +159,9 @@ class ChatServing(Frontend):
         sent_tokens = 0  # tokens whose logprobs were sent
         yield chunk({"role": "assistant", "content": "", "refusal": None})
         async for event in turn.events():
-            if isinstance(event, TextDelta):
+            if isinstance(event, ReasoningDelta):
+                yield chunk({"reasoning_content": event.text})
+            elif isinstance(event, TextDelta):
                 out = event.output
                 lp = self._logprobs(req, out, sent_tokens, len(out.token_ids))
                 sent_tokens = len(out.token_ids)
