@@ -17,7 +17,9 @@ Three jobs:
 
   so the rendering of a conversation extends, token for token, the context of the generation that
   produced its last tool call: the tokens appended on an implicit resume are exactly what a fresh
-  rendering of the whole conversation adds after the paused tokens (DESIGN §3).
+  rendering of the whole conversation adds after the paused tokens (DESIGN §3). A thinking model's
+  turn keeps its thinking that way, although the client's message has none and thinking templates
+  (Qwen3's) drop it, or render the turn apart when it is the last message (`_turn_end_in`).
 """
 from __future__ import annotations
 

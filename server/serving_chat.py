@@ -13,6 +13,9 @@ all count; the turn renders its verdict (`RequestOutput.tool_calls` / `.content`
 (engine/guided_decoding.py): it can only be calls of the allowed tools whose arguments follow their
 schemas, so streams send each call's arguments token by token as they are generated. With "auto" the
 model writes freely, so auto-mode streams send calls only once the engine has judged them, whole.
+
+With `--reasoning-parser`, a thinking model's `<think>...</think>` is `message.reasoning_content`
+(`delta.reasoning_content` in streams, before the content) and calls are read after it only.
 """
 from __future__ import annotations
 

@@ -304,7 +304,7 @@ class Turns:
                               param=spec.param) from None
         self.check_prompt(prompt_ids, spec.param)
         params = self.sampling_params(spec, len(prompt_ids), skip_special_tokens=not (mode.parse and fmt.keeps_special_tokens))
-        params = with_grammar(fmt, params, mode, spec.answer_schema, self.guided_decoding)
+        params = with_grammar(fmt, params, mode, spec.answer_schema, self.guided_decoding, self.reasoning is not None)
         intercept = None
         if mode.parse:
             hint = spec.intercept

@@ -114,6 +114,17 @@ def test_calls_are_read_after_the_thinking_only():
     assert json.loads(call.arguments) == {"city": "<think>Paris</think>"}
 
 
+def test_tool_choice_none_leaves_a_thinking_model_free_to_think():
+    """The no-call grammar refuses a turn that opens with "<" (a call's opener): with a reasoning parser
+    tool_choice none goes unconstrained instead (a call written anyway is content), so the model thinks."""
+    from infercept.engine.sampling_params import SamplingParams
+    from infercept.server.tool_mode import tool_mode, with_grammar
+
+    mode, params = tool_mode([TOOL], "none"), SamplingParams(max_tokens=4)
+    assert with_grammar(ToolFormat("hermes"), params, mode, None).guided is not None
+    assert with_grammar(ToolFormat("hermes"), params, mode, None, thinking=True).guided is None
+
+
 def test_serve_flag():
     from infercept.server.cli import build_parser, server_settings
 
