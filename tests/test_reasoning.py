@@ -228,24 +228,28 @@ QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 RESULT = "clear, 21 degrees"
 
 
-def think_then_call_grammar() -> str:
+def think_then_call_grammar(answer: bool = False) -> str:
     """A turn that thinks (8 to 24 lowercase letters and spaces, as the model picks them), then calls
-    get_weather (arguments per its schema: the model picks the city). The markers are single tokens
-    (`<think>`: llguidance's token syntax), as a Qwen3 model writes them."""
+    get_weather (arguments per its schema: the model picks the city), or with `answer` answers in 4 to
+    12 of those characters. The markers are single tokens (`<think>`: llguidance's token syntax), as a
+    Qwen3 model writes them."""
     schema = json.dumps(json_grammar_schema(TOOLS[0]["function"]["parameters"]))
+    then = "ANSWER" if answer else '<tool_call> CALL args "}\\n" </tool_call>'
     return "\n".join([
-        'start: <think> "\\n" THINK "\\n" </think> "\\n\\n" <tool_call> CALL args "}\\n" </tool_call>',
+        f'start: <think> "\\n" THINK "\\n" </think> "\\n\\n" {then}',
         "THINK: /[a-z ]{8,24}/",
+        "ANSWER: /[a-z][a-z ]{3,11}/",
         f"CALL: {json.dumps(call_start('get_weather')[len('<tool_call>'):])}",
         f"args: %json {schema}"])
 
 
 @contextlib.contextmanager
-def forced_thinking_call():
-    """While in the block, every chat turn the server opens is constrained to think and then call."""
+def forced_thinking_call(answer: bool = False):
+    """While in the block, every chat turn the server opens is constrained to think and then call (or
+    answer)."""
     original = turns_module.with_grammar
     turns_module.with_grammar = lambda fmt, params, *args: replace(
-        params, guided=GuidedDecodingParams(lark=think_then_call_grammar()))
+        params, guided=GuidedDecodingParams(lark=think_then_call_grammar(answer)))
     try:
         yield
     finally:
@@ -256,9 +260,9 @@ def greedy(**kw) -> dict:
     return {"model": MODEL, "temperature": 0, **kw}
 
 
-def thinking_turn(client: openai.OpenAI):
+def thinking_turn(client: openai.OpenAI, messages=QUESTION):
     with forced_thinking_call():
-        first = client.chat.completions.create(messages=QUESTION, tools=TOOLS, max_tokens=80,
+        first = client.chat.completions.create(messages=messages, tools=TOOLS, max_tokens=80,
                                                extra_body={"return_token_ids": True}, **greedy())
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls", choice
@@ -302,6 +306,61 @@ def test_resume_keeps_the_thinking_the_history_drops(srv, qwen3_dir):
     assert fresh.usage.prompt_tokens_details.cached_tokens == 0
     assert fresh.choices[0].model_extra["token_ids"] == output_ids
     assert srv.engine_state()["requests"] == {}
+
+
+def returned(call) -> list[dict]:
+    """The assistant turn of `call` as a client returns it (no thinking) and its result."""
+    return [{"role": "assistant", "content": None, "tool_calls": [{"id": call.id, "type": "function", "function": {
+        "name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
+
+
+def test_two_thinking_rounds_keep_both_thinkings(srv, qwen3_dir):
+    """The second round thinks and calls again: its paused context has both rounds' thinking, and the
+    third request, whose history has neither, reuses all of it."""
+    client = srv.client()
+    first = thinking_turn(client)
+    (call_1,) = first.choices[0].message.tool_calls
+    conversation = QUESTION + returned(call_1)
+    second = thinking_turn(client, conversation)
+    assert second.usage.prompt_tokens_details.cached_tokens == first.usage.total_tokens - 1
+    (call_2,) = second.choices[0].message.tool_calls
+    thinkings = [t.choices[0].message.model_extra["reasoning_content"] for t in (first, second)]
+    third = client.chat.completions.create(messages=conversation + returned(call_2), tools=TOOLS, max_tokens=4,
+                                           extra_body={"return_token_ids": True}, **greedy())
+    assert third.usage.prompt_tokens_details.cached_tokens == second.usage.total_tokens - 1
+    prompt = AutoTokenizer.from_pretrained(qwen3_dir).decode(third.model_extra["prompt_token_ids"])
+    assert all(f"<think>\n{t}\n</think>" in prompt for t in thinkings)
+    assert srv.engine_state()["requests"] == {}
+
+
+def test_a_thinking_answer(srv):
+    """A turn that thinks and answers (no call): the answer is the content, the thinking apart, streamed
+    or not, in chat completions and in the Responses API."""
+    client = srv.client()
+    with forced_thinking_call(answer=True):
+        full = client.chat.completions.create(messages=QUESTION, max_tokens=60, **greedy())
+        chunks = list(client.chat.completions.create(messages=QUESTION, max_tokens=60, stream=True, **greedy()))
+        response = client.responses.create(model=MODEL, input=QUESTION[0]["content"], max_output_tokens=60,
+                                           temperature=0)
+        events = list(client.responses.create(model=MODEL, input=QUESTION[0]["content"], max_output_tokens=60,
+                                              temperature=0, stream=True))
+    message = full.choices[0].message
+    thinking, answer = message.model_extra["reasoning_content"], message.content
+    assert 8 <= len(thinking) <= 24 and 4 <= len(answer) <= 12 and "<" not in answer + thinking
+    assert full.choices[0].finish_reason == "stop"
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == thinking
+    assert "".join(d.content or "" for d in deltas) == answer
+    first_content = next(i for i, d in enumerate(deltas) if d.content)
+    assert not any(d.model_extra.get("reasoning_content") for d in deltas[first_content:])  # thinking first
+    assert [(item.type, getattr(item, "content")[0].text) for item in response.output] == \
+        [("reasoning", thinking), ("message", answer)]
+    kinds = [(e.type, getattr(e, "output_index", None)) for e in events]
+    assert kinds.index(("response.reasoning_text.done", 0)) < kinds.index(("response.output_item.added", 1)) \
+        < kinds.index(("response.output_text.delta", 1))
+    assert [item.type for item in events[-1].response.output] == ["reasoning", "message"]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == answer
 
 
 def test_the_sdk_message_goes_back_as_is(srv):
