@@ -50,16 +50,14 @@ class Turn:
     """One turn being served: its engine turn, what of its text a stream may show, and its end."""
 
     def __init__(self, turns: Turns, spec: TurnSpec, id: str, engine: EngineTurn, prefill: str,
-                 guided_calls: bool):
+                 guided_calls: bool, reasoning: ReasoningParser | None = None):
         self.turns = turns
         self.spec = spec
         self.id = id  # the front end's id of this turn (a resumed generation's engine id stays its first)
         self.engine = engine
         self.prefill = prefill  # text the server wrote for the model (a forced call's opening)
         self.guided_calls = guided_calls  # grammar-constrained calls: every call written has valid arguments
-        # The model's thinking is split off a chat turn's text (a turn the server opened with a forced
-        # call's prefill starts with that call: it does not think).
-        self.reasoning = turns.reasoning if spec.is_chat and not prefill else None
+        self.reasoning = reasoning  # splits the model's thinking off its text (None: the turn does not think)
         self.call_ids: list[str] = []  # by index, the same in stream deltas and in the final calls
         self._release: Callable[[], None] | None = None  # admission's, for a turn admitted on its own
         self._unkept: Paused | None = None  # its paused generation, until the store keeps it
@@ -231,6 +229,7 @@ class _Prepared:
     params: SamplingParams
     intercept: InterceptParams | None
     prefill: str = ""
+    reasoning: ReasoningParser | None = None
 
 
 class Turns:
@@ -273,7 +272,7 @@ class Turns:
                     how = "explicit" if p.spec.holder is not None else "implicit" if p.spec.is_chat else "tokens"
                     self.metrics.resumes.labels(self.metrics.model, how).inc()
                 turns.append(Turn(self, p.spec, p.id, engine, p.prefill,
-                                  guided_calls=p.spec.mode.parse and p.params.guided is not None))
+                                  guided_calls=p.spec.mode.parse and p.params.guided is not None, reasoning=p.reasoning))
         except BaseException:
             for turn in turns:
                 await turn.close()
@@ -305,14 +304,21 @@ class Turns:
         self.check_prompt(prompt_ids, spec.param)
         params = self.sampling_params(spec, len(prompt_ids), skip_special_tokens=not (mode.parse and fmt.keeps_special_tokens))
         params = with_grammar(fmt, params, mode, spec.answer_schema, self.guided_decoding, self.reasoning is not None)
+        # A turn the server opened with a forced call's prefill starts with that call: it does not think.
+        # Nor does a grammar-constrained one, from its first token, as deepseek_r1's parser would take it
+        # (qwen3's splits only a text that opens with <think>, whatever wrote it).
+        reasoning = self.reasoning
+        if prefill or (reasoning is not None and reasoning.starts_thinking and params.guided is not None):
+            reasoning = None
         intercept = None
         if mode.parse:
             hint = spec.intercept
             intercept = InterceptParams(tool_parser=fmt.family, tools=tuple(mode.tools), parallel_calls=mode.parallel,
                                         text_prefix=prefill, expected_s=hint.expected_s if hint else None,
-                                        reasoning_parser=self.reasoning.name if self.reasoning and not prefill else None,
+                                        reasoning_parser=reasoning.name if reasoning is not None else None,
                                         kind=hint.kind if hint else "tool")
-        return _Prepared(spec, spec.request_id or new_id(spec.id_prefix), prompt_ids, params, intercept, prefill)
+        return _Prepared(spec, spec.request_id or new_id(spec.id_prefix), prompt_ids, params, intercept, prefill,
+                         reasoning)
 
     def _claim(self, spec: TurnSpec, prompt_ids: list[int]) -> Paused | None:
         """The paused generation the turn continues, taken out of the store: its holder's, or found by the

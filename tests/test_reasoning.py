@@ -496,3 +496,30 @@ def test_renderer_splices_a_thinking_turn_the_template_renders_apart(qwen3_dir):
     # A message the turn's call does not match renders from the template (no thinking anywhere).
     plain = renderer.render(conversation, tools, lambda m: None)
     assert "think" not in tokenizer.decode(plain)
+
+
+def test_which_turns_think(qwen3_dir):
+    """A turn the server opens with a forced call's prefill does not think (it starts with the call);
+    a grammar-constrained one does not under deepseek_r1 (whose parser takes a turn as thinking from its
+    first token), while qwen3's splits only text that opens with <think>, whatever wrote it."""
+    from infercept.server.conversations import ConversationStore
+    from infercept.server.settings import ConversationPolicy
+    from infercept.server.tool_mode import tool_mode
+    from infercept.server.turns import Sampling, Turns, TurnSpec
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_dir)
+    renderer = ChatRenderer(tokenizer, frozenset({tokenizer.eos_token_id}), ToolFormat("hermes"))
+    store = ConversationStore(ConversationPolicy(), lambda *args: None)
+    question = (Message("user", "What is the weather in Paris?"),)
+
+    def thinks(parser: str, choice: str, schema: dict | None = None) -> str | None:
+        turns = Turns(None, store, None, None, renderer, 2048, len(tokenizer), True, get_reasoning_parser(parser))
+        prepared = turns._prepare(TurnSpec("chat", Sampling(max_tokens=4), question, mode=tool_mode([TOOL], choice),
+                                           answer_schema=schema))
+        assert (prepared.reasoning.name if prepared.reasoning else None) == prepared.intercept.reasoning_parser
+        return prepared.intercept.reasoning_parser
+
+    assert thinks("qwen3", "auto") == "qwen3" and thinks("deepseek_r1", "auto") == "deepseek_r1"
+    assert thinks("qwen3", "required") is None and thinks("deepseek_r1", "get_weather") is None
+    assert thinks("qwen3", "auto", {"type": "object"}) == "qwen3"
+    assert thinks("deepseek_r1", "auto", {"type": "object"}) is None
