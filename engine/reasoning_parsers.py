@@ -14,6 +14,9 @@ The two parsers differ in where the thinking starts:
     deepseek_r1  the turn starts thinking (its <think> may be in the prompt): everything up to the first
                  </think> is reasoning, and a turn that never closes it is all reasoning
 
+and a qwen3 turn whose prompt ends with <think> (the template opened the thinking) is read as deepseek_r1
+reads every turn (`after_prompt`).
+
 `split(text, final=False)` is what a stream may show of a turn written so far: a trailing piece that
 may still become ``</think>`` (or, at the start, ``<think>``) is held back, as are the newlines the
 final split strips, so what a stream showed is always a prefix of the final split.
@@ -63,6 +66,14 @@ class ReasoningParser:
             return ReasoningSplit(body.strip("\n"), "")
         body = body[:len(body) - _held_back(body, THINK_END)]
         return ReasoningSplit(body.lstrip("\n").rstrip("\n"), "")
+
+    def after_prompt(self, prompt_end: str) -> ReasoningParser:
+        """The parser of a turn whose prompt ends with `prompt_end`: a template that opens the thinking in
+        the generation prompt (Qwen3's thinking-only models, DeepSeek-R1-0528) leaves the turn thinking
+        from its first token, without a <think> of its own."""
+        if not self.starts_thinking and prompt_end.rstrip().endswith(THINK_START):
+            return DeepSeekR1ReasoningParser()
+        return self
 
     def content(self, text: str) -> str:
         """The text tool-call parsing reads: what comes after the thinking ("" while it is not over)."""

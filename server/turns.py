@@ -308,6 +308,8 @@ class Turns:
         # Nor does a grammar-constrained one, from its first token, as deepseek_r1's parser would take it
         # (qwen3's splits only a text that opens with <think>, whatever wrote it).
         reasoning = self.reasoning
+        if reasoning is not None:  # (the template may have opened the thinking in the generation prompt)
+            reasoning = reasoning.after_prompt(self.renderer.tokenizer.decode(prompt_ids[-8:]))
         if prefill or (reasoning is not None and reasoning.starts_thinking and params.guided is not None):
             reasoning = None
         intercept = None

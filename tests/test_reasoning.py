@@ -523,3 +523,18 @@ def test_which_turns_think(qwen3_dir):
     assert thinks("qwen3", "required") is None and thinks("deepseek_r1", "get_weather") is None
     assert thinks("qwen3", "auto", {"type": "object"}) == "qwen3"
     assert thinks("deepseek_r1", "auto", {"type": "object"}) is None
+    # A template that opens the thinking in the generation prompt (thinking-only models): the turn thinks
+    # from its first token, without a <think> of its own, as deepseek_r1 reads every turn.
+    tokenizer.chat_template = tokenizer.chat_template.replace(
+        "{{- '<|im_start|>assistant\\n' }}{%- endif %}", "{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}")
+    renderer = ChatRenderer(tokenizer, frozenset({tokenizer.eos_token_id}), ToolFormat("hermes"))
+    assert renderer.render(question, None)[-2:] == tokenizer.encode("<think>\n", add_special_tokens=False)
+    assert thinks("qwen3", "auto") == "deepseek_r1" and thinks("qwen3", "auto", {"type": "object"}) is None
+
+
+def test_a_prompt_that_opens_the_thinking():
+    assert QWEN3.after_prompt("<|im_start|>assistant\n<think>\n") is not QWEN3
+    assert QWEN3.after_prompt("<|im_start|>assistant\n<think>\n").split("hmm</think>ok") == \
+        R1.split("hmm</think>ok")
+    assert QWEN3.after_prompt("<|im_start|>assistant\n<think>\n\n</think>\n\n") is QWEN3  # thinking switched off
+    assert R1.after_prompt("<|im_start|>assistant\n") is R1
