@@ -198,7 +198,8 @@ class ResponsesServing(Frontend):
                                  content=[OutputText(text=text)] if status != "in_progress" else []).model_dump()
 
         def announce() -> list[dict]:
-            return [event("response.output_item.added", output_index=part["output_index"], item=text_item("in_progress")),
+            return [event("response.output_item.added", output_index=part["output_index"],
+                          item=text_item("in_progress")),
                     event("response.content_part.added", **part, part=OutputText(text="").model_dump())]
 
         part = {"item_id": rt.message_id, "output_index": 0, "content_index": 0}

@@ -271,8 +271,8 @@ class Turns:
                 if engine.resumed:
                     how = "explicit" if p.spec.holder is not None else "implicit" if p.spec.is_chat else "tokens"
                     self.metrics.resumes.labels(self.metrics.model, how).inc()
-                turns.append(Turn(self, p.spec, p.id, engine, p.prefill,
-                                  guided_calls=p.spec.mode.parse and p.params.guided is not None, reasoning=p.reasoning))
+                turns.append(Turn(self, p.spec, p.id, engine, p.prefill, reasoning=p.reasoning,
+                                  guided_calls=p.spec.mode.parse and p.params.guided is not None))
         except BaseException:
             for turn in turns:
                 await turn.close()

@@ -269,6 +269,13 @@ def thinking_turn(client: openai.OpenAI, messages=QUESTION):
     return first
 
 
+def returned(call) -> list[dict]:
+    """The assistant turn of `call` as a client returns it (no thinking) and its result."""
+    return [{"role": "assistant", "content": None, "tool_calls": [{"id": call.id, "type": "function", "function": {
+        "name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
+
+
 def test_resume_keeps_the_thinking_the_history_drops(srv, qwen3_dir):
     client = srv.client()
     first = thinking_turn(client)
@@ -283,9 +290,7 @@ def test_resume_keeps_the_thinking_the_history_drops(srv, qwen3_dir):
     assert f"<think>\n{thinking}\n</think>" in tokenizer.decode(paused)
 
     # The client's history omits the thinking (as chat templates and most clients drop it)...
-    returned = {"role": "assistant", "content": None, "tool_calls": [
-        {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": call.function.arguments}}]}
-    conversation = QUESTION + [returned, {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
+    conversation = QUESTION + returned(call)
     # ... and the template renders that history without it: re-rendered, the prompt would not extend the
     # paused tokens (this is what defeats prefix caching on other servers).
     rendered = tokenizer.apply_chat_template(conversation, tools=TOOLS, tokenize=False, add_generation_prompt=True)
@@ -306,13 +311,6 @@ def test_resume_keeps_the_thinking_the_history_drops(srv, qwen3_dir):
     assert fresh.usage.prompt_tokens_details.cached_tokens == 0
     assert fresh.choices[0].model_extra["token_ids"] == output_ids
     assert srv.engine_state()["requests"] == {}
-
-
-def returned(call) -> list[dict]:
-    """The assistant turn of `call` as a client returns it (no thinking) and its result."""
-    return [{"role": "assistant", "content": None, "tool_calls": [{"id": call.id, "type": "function", "function": {
-        "name": call.function.name, "arguments": call.function.arguments}}]},
-        {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
 
 
 def test_two_thinking_rounds_keep_both_thinkings(srv, qwen3_dir):
@@ -386,11 +384,10 @@ def test_only_the_generation_that_made_the_call_resumes(srv):
     assert len(srv.engine_state()["requests"]) == 2
 
     def result_for(call, arguments=None):
-        returned = {"role": "assistant", "content": None, "tool_calls": [{"id": call.id, "type": "function", "function": {
-            "name": "get_weather", "arguments": arguments or call.function.arguments}}]}
-        return client.chat.completions.create(
-            messages=QUESTION + [returned, {"role": "tool", "tool_call_id": call.id, "content": RESULT}], tools=TOOLS,
-            max_tokens=2, extra_body={"return_token_ids": True}, **greedy())
+        call = call.model_copy(update={"function": call.function.model_copy(
+            update={"arguments": arguments or call.function.arguments})})
+        return client.chat.completions.create(messages=QUESTION + returned(call), tools=TOOLS, max_tokens=2,
+                                              extra_body={"return_token_ids": True}, **greedy())
 
     other_city = '{"city": "Oslo"}' if json.loads(call_a.function.arguments)["city"] == "Paris" else '{"city": "Paris"}'
     edited = result_for(call_a, other_city)
