@@ -87,6 +87,15 @@ def test_a_stream_shows_prefixes_of_the_final_split(name, text):
     assert parser.split(text, final=False).content == final.content or "</think>" not in text
 
 
+def test_module_imports_only_stdlib():
+    """The engine's output stage, the vLLM backend's judge and `infercept --help` import it: no torch."""
+    from pathlib import Path
+
+    from stdlib_only import non_stdlib_imports
+
+    assert non_stdlib_imports(Path(__file__).resolve().parents[1] / "engine" / "reasoning_parsers.py") == []
+
+
 def test_unknown_reasoning_parser():
     with pytest.raises(ValueError, match="qwen3"):
         get_reasoning_parser("o1")
