@@ -24,6 +24,7 @@ Three jobs:
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -207,38 +208,45 @@ class ChatRenderer:
             turn = known_turn(m) if known_turn is not None and m.role == "assistant" and m.tool_calls else None
             if turn is None or index[i] == 0:
                 continue
-            before = self._apply(prepared[:index[i]], True, tools)
-            upto = self._apply(prepared[:index[i] + 1], False, tools)
-            end = self._turn_end_in(full, before, upto) if len(before) >= pos else None
+            head = self._apply(prepared[:index[i]], False, tools)  # the conversation before the turn
+            before = self._apply(prepared[:index[i]], True, tools)  # + the generation prompt: its prompt
+            upto = self._apply(prepared[:index[i] + 1], False, tools)  # the turn as the last message
+            end = self._turn_end_in(full, head, before, upto) if len(head) >= pos else None
             if end is None:
                 return self.encode(full) + self.encode(prefill)  # a template that is not prefix-stable
-            ids += self.encode(full[pos:len(before)])
+            ids += self.encode(before[pos:])
             ids += turn.token_ids
             pos = end - len(self._turn_end_left(turn.token_ids))
         return ids + self.encode(full[pos:]) + self.encode(prefill)
 
     # -- internals ---------------------------------------------------------------------------------
-    def _turn_end_in(self, full: str, before: str, upto: str) -> int | None:
-        """Where, in `full` (the whole conversation), the assistant turn ends that `before` (the
-        conversation up to it, with the generation prompt) and `upto` (up to it, included, as the last
-        message) render; None if the template renders the conversation around it differently.
+    def _turn_end_in(self, full: str, head: str, before: str, upto: str) -> int | None:
+        """Where, in `full` (the whole conversation), an assistant turn ends, given `head` (the
+        conversation before it), `before` (that + the generation prompt the turn was generated after) and
+        `upto` (the conversation up to it as its last message); None if `full` renders the conversation
+        before it differently, or the turn in a way not recognized below.
 
-        Thinking templates (Qwen3's) render a turn apart when it is the last message (an empty thinking
-        block) and drop the thinking of turns followed by more: the turn is then found in `full` as the
-        text after `before` up to a turn end, that the turn as last message ends with. The resume then
-        appends only what follows it, after the paused generation's own tokens, its thinking included."""
-        if not (upto.startswith(before) and full.startswith(before) and upto.endswith(self.turn_end)):
+        A prefix-stable template renders `upto` as the start of `full`. Thinking templates do not: Qwen3's
+        renders the last assistant turn with a thinking block (empty without `reasoning_content`) and
+        drops it once more messages follow, and templates of thinking-only models open the thinking in
+        the generation prompt, which the turn rendered as history lacks. The turn is then found in `full`
+        after `head` up to a turn end, as `upto`'s rendering of it with one piece cut out (the thinking
+        block). The resume appends only what follows it, after the paused generation's own tokens (its
+        generation prompt, and its thinking, included)."""
+        if not (full.startswith(head) and before.startswith(head) and upto.startswith(head)
+                and upto.endswith(self.turn_end)):
             return None
-        if full.startswith(upto):
+        if upto.startswith(before) and full.startswith(upto):
             return len(upto)
         if not self.turn_end:
             return None
-        last = upto[len(before):]
-        at = len(before)
-        while 0 <= (at := full.find(self.turn_end, at)) < len(before) + len(last):
+        last, rest = upto[len(head):], full[len(head):]
+        common = len(os.path.commonprefix([last, rest]))
+        at = 0
+        while 0 <= (at := rest.find(self.turn_end, at)) and at + len(self.turn_end) <= len(last):
             at += len(self.turn_end)
-            if last.endswith(full[len(before):at]):
-                return at
+            if at == len(last) if at <= common else last.endswith(rest[common:at]):
+                return len(head) + at
         return None
 
     def _turn_end_left(self, token_ids: Sequence[int]) -> str:

@@ -480,28 +480,46 @@ def test_responses_stream_reasoning_events(srv):
 
 # -- the renderer, on its own ------------------------------------------------------------------------
 
-def test_renderer_splices_a_thinking_turn_the_template_renders_apart(qwen3_dir):
+OPENS_THINKING = ("{{- '<|im_start|>assistant\\n' }}{%- endif %}",
+                  "{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}")  # a thinking-only model's template
+
+
+@pytest.mark.parametrize("opened", [False, True], ids=["qwen3-template", "thinking-opened-by-the-prompt"])
+def test_renderer_splices_a_thinking_turn_the_template_renders_apart(qwen3_dir, opened):
     """Unit view of the mechanism: a known turn (its tokens: thinking + call + EOS) replaces the
     template's rendering of it, although the template renders it differently as the last message (an
-    empty thinking block) than followed by its result (none)."""
+    empty thinking block) than followed by its result (none), and, with a template that opens the
+    thinking in the generation prompt, although the turn's history rendering lacks that opening."""
     tokenizer = AutoTokenizer.from_pretrained(qwen3_dir)
+    if opened:
+        tokenizer.chat_template = tokenizer.chat_template.replace(*OPENS_THINKING)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     renderer = ChatRenderer(tokenizer, frozenset({eos}), ToolFormat("hermes"))
     tools = [TOOL]
     question = (Message("user", "What is the weather in Paris?"),)
     call = Call.make("call_1", "get_weather", '{"city": "Paris"}')
-    generated = "<think>\nthe user means paris\n</think>\n\n" + CALL
+    generated = ("" if opened else "<think>\n") + "the user means paris\n</think>\n\n" + CALL
     turn_ids = tuple(renderer.encode(generated)) + (eos,)
     turn = AssistantTurn(Message("assistant", "", None, (call,)), turn_ids)
     conversation = question + (turn.message, Message("tool", RESULT, tool_call_id="call_1"))
     context = renderer.render(question, tools) + list(turn_ids)  # the paused generation's tokens
+    assert tokenizer.decode(context).count("<think>") == 1
     ids = renderer.render(conversation, tools, lambda m: turn if m == turn.message else None)
     assert ids[:len(context)] == context
-    assert tokenizer.decode(ids[len(context):]) == \
-        f"\n<|im_start|>user\n<tool_response>\n{RESULT}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(ids[len(context):]) == "\n<|im_start|>user\n<tool_response>\n" + RESULT + \
+        "\n</tool_response><|im_end|>\n<|im_start|>assistant\n" + ("<think>\n" if opened else "")
     # A message the turn's call does not match renders from the template (no thinking anywhere).
-    plain = renderer.render(conversation, tools, lambda m: None)
-    assert "think" not in tokenizer.decode(plain)
+    plain = tokenizer.decode(renderer.render(conversation, tools, lambda m: None))
+    assert "the user means" not in plain and plain.count("<think>") == int(opened)
+    # A template that renders the turn followed by more otherwise than with a piece of it cut out (here it
+    # adds a mark): the turn is not found, and the conversation renders fresh from the template.
+    assistant_end = "{{- '<|im_end|>\\n' }}"
+    assert tokenizer.chat_template.count(assistant_end) == 1
+    tokenizer.chat_template = tokenizer.chat_template.replace(
+        assistant_end, "{%- if not loop.last %}{{- ' [answered]' }}{%- endif %}" + assistant_end)
+    other = ChatRenderer(tokenizer, frozenset({eos}), ToolFormat("hermes"))
+    assert other.render(conversation, tools, lambda m: turn if m == turn.message else None) == \
+        other.render(conversation, tools, lambda m: None)
 
 
 def test_which_turns_think(qwen3_dir):
@@ -531,8 +549,7 @@ def test_which_turns_think(qwen3_dir):
     assert thinks("deepseek_r1", "auto", {"type": "object"}) is None
     # A template that opens the thinking in the generation prompt (thinking-only models): the turn thinks
     # from its first token, without a <think> of its own, as deepseek_r1 reads every turn.
-    tokenizer.chat_template = tokenizer.chat_template.replace(
-        "{{- '<|im_start|>assistant\\n' }}{%- endif %}", "{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}")
+    tokenizer.chat_template = tokenizer.chat_template.replace(*OPENS_THINKING)
     renderer = ChatRenderer(tokenizer, frozenset({tokenizer.eos_token_id}), ToolFormat("hermes"))
     assert renderer.render(question, None)[-2:] == tokenizer.encode("<think>\n", add_special_tokens=False)
     assert thinks("qwen3", "auto") == "deepseek_r1" and thinks("qwen3", "auto", {"type": "object"}) is None
