@@ -305,12 +305,13 @@ class Turns:
         params = self.sampling_params(spec, len(prompt_ids), skip_special_tokens=not (mode.parse and fmt.keeps_special_tokens))
         params = with_grammar(fmt, params, mode, spec.answer_schema, self.guided_decoding, self.reasoning is not None)
         # A turn the server opened with a forced call's prefill starts with that call: it does not think.
-        # Nor does a grammar-constrained one, from its first token, as deepseek_r1's parser would take it
-        # (qwen3's splits only a text that opens with <think>, whatever wrote it).
+        # Nor does one under a response_format grammar, from its first token, as a parser that takes the
+        # turn as thinking from there would (deepseek_r1's; qwen3's splits only a text that opens with
+        # <think>, whatever wrote it). With a reasoning parser tool_choice none has no grammar.
         reasoning = self.reasoning
         if reasoning is not None:  # (the template may have opened the thinking in the generation prompt)
             reasoning = reasoning.after_prompt(self.renderer.tokenizer.decode(prompt_ids[-8:]))
-        if prefill or (reasoning is not None and reasoning.starts_thinking and params.guided is not None):
+        if prefill or (reasoning is not None and reasoning.starts_thinking and spec.answer_schema is not None):
             reasoning = None
         intercept = None
         if mode.parse:

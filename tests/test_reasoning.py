@@ -183,6 +183,10 @@ TEMPLATE = r"""
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
 """
+OPENS_THINKING = ("{{- '<|im_start|>assistant\\n' }}{%- endif %}",
+                  "{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}")  # a thinking-only model's template
+
+
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MARKERS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 CORPUS = ["what is the weather in paris today", "the sky is clear and the temperature is warm",
@@ -191,7 +195,7 @@ CORPUS = ["what is the weather in paris today", "the sky is clear and the temper
           '{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}']
 
 
-def build_model(folder) -> None:
+def build_model(folder, template: str = TEMPLATE) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -201,7 +205,7 @@ def build_model(folder) -> None:
     tok.add_tokens([AddedToken(m, special=False, normalized=False) for m in MARKERS])  # kept in decoded text
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    additional_special_tokens=["<|im_start|>"])
-    fast.chat_template = TEMPLATE.strip()
+    fast.chat_template = template.strip()
     fast.save_pretrained(folder)
     config = Qwen3Config(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
@@ -237,15 +241,15 @@ QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 RESULT = "clear, 21 degrees"
 
 
-def think_then_call_grammar(answer: bool = False) -> str:
+def think_then_call_grammar(answer: bool = False, opened: bool = False) -> str:
     """A turn that thinks (8 to 24 lowercase letters and spaces, as the model picks them), then calls
     get_weather (arguments per its schema: the model picks the city), or with `answer` answers in 4 to
-    12 of those characters. The markers are single tokens (`<think>`: llguidance's token syntax), as a
-    Qwen3 model writes them."""
+    12 of those characters; `opened`: the prompt opened the thinking. The markers are single tokens
+    (`<think>`: llguidance's token syntax), as a Qwen3 model writes them."""
     schema = json.dumps(json_grammar_schema(TOOLS[0]["function"]["parameters"]))
     then = "ANSWER" if answer else '<tool_call> CALL args "}\\n" </tool_call>'
     return "\n".join([
-        f'start: <think> "\\n" THINK "\\n" </think> "\\n\\n" {then}',
+        "start: " + ("" if opened else '<think> "\\n" ') + f'THINK "\\n" </think> "\\n\\n" {then}',
         "THINK: /[a-z ]{8,24}/",
         "ANSWER: /[a-z][a-z ]{3,11}/",
         f"CALL: {json.dumps(call_start('get_weather')[len('<tool_call>'):])}",
@@ -253,12 +257,12 @@ def think_then_call_grammar(answer: bool = False) -> str:
 
 
 @contextlib.contextmanager
-def forced_thinking_call(answer: bool = False):
+def forced_thinking_call(answer: bool = False, opened: bool = False):
     """While in the block, every chat turn the server opens is constrained to think and then call (or
     answer)."""
     original = turns_module.with_grammar
     turns_module.with_grammar = lambda fmt, params, *args: replace(
-        params, guided=GuidedDecodingParams(lark=think_then_call_grammar(answer)))
+        params, guided=GuidedDecodingParams(lark=think_then_call_grammar(answer, opened)))
     try:
         yield
     finally:
@@ -269,8 +273,8 @@ def greedy(**kw) -> dict:
     return {"model": MODEL, "temperature": 0, **kw}
 
 
-def thinking_turn(client: openai.OpenAI, messages=QUESTION):
-    with forced_thinking_call():
+def thinking_turn(client: openai.OpenAI, messages=QUESTION, opened: bool = False):
+    with forced_thinking_call(opened=opened):
         first = client.chat.completions.create(messages=messages, tools=TOOLS, max_tokens=80,
                                                extra_body={"return_token_ids": True}, **greedy())
     choice = first.choices[0]
@@ -320,6 +324,29 @@ def test_resume_keeps_the_thinking_the_history_drops(srv, qwen3_dir):
     assert fresh.usage.prompt_tokens_details.cached_tokens == 0
     assert fresh.choices[0].model_extra["token_ids"] == output_ids
     assert srv.engine_state()["requests"] == {}
+
+
+def test_a_template_that_opens_the_thinking(tmp_path):
+    """A thinking-only model's template opens the thinking in the generation prompt: the turn thinks from
+    its first token (no <think> of its own), and the history renders the turn with neither the opening
+    nor the thinking; the resume still reuses the whole paused context and answers as a fresh run."""
+    build_model(tmp_path, TEMPLATE.replace(*OPENS_THINKING))
+    server = LiveServer(str(tmp_path), "preserve", prefix_caching=False, reasoning_parser="qwen3")
+    try:
+        client = server.client()
+        first = thinking_turn(client, opened=True)
+        message = first.choices[0].message
+        assert 8 <= len(message.model_extra["reasoning_content"]) <= 24 and message.content is None
+        (call,) = message.tool_calls
+        second = client.chat.completions.create(messages=QUESTION + returned(call), tools=TOOLS, max_tokens=6,
+                                                extra_body={"return_token_ids": True, "ignore_eos": True}, **greedy())
+        assert second.usage.prompt_tokens_details.cached_tokens == first.usage.total_tokens - 1
+        prompt_ids, output_ids = second.model_extra["prompt_token_ids"], second.choices[0].model_extra["token_ids"]
+        fresh = client.completions.create(prompt=prompt_ids, max_tokens=len(output_ids), **greedy(
+            extra_body={"return_token_ids": True, "ignore_eos": True}))
+        assert fresh.choices[0].model_extra["token_ids"] == output_ids
+    finally:
+        server.close()
 
 
 def test_two_thinking_rounds_keep_both_thinkings(srv, qwen3_dir):
@@ -479,10 +506,6 @@ def test_responses_stream_reasoning_events(srv):
 
 
 # -- the renderer, on its own ------------------------------------------------------------------------
-
-OPENS_THINKING = ("{{- '<|im_start|>assistant\\n' }}{%- endif %}",
-                  "{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}")  # a thinking-only model's template
-
 
 @pytest.mark.parametrize("opened", [False, True], ids=["qwen3-template", "thinking-opened-by-the-prompt"])
 def test_renderer_splices_a_thinking_turn_the_template_renders_apart(qwen3_dir, opened):
