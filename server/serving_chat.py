@@ -29,8 +29,8 @@ from starlette.requests import Request
 from .chat import Message, normalize_messages, tool_specs
 from .conversations import Conversation, Kind, State
 from .protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-                       ChatCompletionResponse, ChatMessage, ChoiceLogprobs, FunctionCall, PromptTokensDetails,
-                       TokenLogprob, ToolCall, TopLogprob, Usage, bad_request, now)
+                       ChatCompletionResponse, ChatMessage, ChoiceLogprobs, CompletionTokensDetails, FunctionCall,
+                       PromptTokensDetails, TokenLogprob, ToolCall, TopLogprob, Usage, bad_request, now)
 from .serving_base import Frontend, check_unsupported, respond
 from .tenants import owner_of
 from .tool_mode import tool_mode
@@ -209,7 +209,9 @@ def call_delta(event: CallOpened | CallArguments) -> dict:
 def usage(u: TurnUsage) -> Usage:
     return Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                  total_tokens=u.prompt_tokens + u.completion_tokens,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens))
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens),
+                 completion_tokens_details=None if u.reasoning_tokens is None else
+                 CompletionTokensDetails(reasoning_tokens=u.reasoning_tokens))
 
 
 def session_id_of(req: ChatCompletionRequest, raw: Request) -> str | None:

@@ -26,8 +26,8 @@ from .conversations import Conversation
 from .protocol import APIError, bad_request, new_id, now
 from .protocol_responses import (DeletedResponse, FunctionCallItem, FunctionCallOutputItem, FunctionTool,
                                  IncompleteDetails, InputTokensDetails, OutputFunctionCall, OutputItem, OutputMessage,
-                                 OutputReasoning, OutputText, ReasoningItem, ReasoningText, ResponseObject,
-                                 ResponsesRequest, ResponseUsage, TextPart)
+                                 OutputReasoning, OutputText, OutputTokensDetails, ReasoningItem, ReasoningText,
+                                 ResponseObject, ResponsesRequest, ResponseUsage, TextPart)
 from .serving_base import Frontend, respond
 from .tenants import owner_of
 from .tool_mode import tool_mode
@@ -160,7 +160,8 @@ class ResponsesServing(Frontend):
             u = end.usage
             usage = ResponseUsage(input_tokens=u.prompt_tokens, output_tokens=u.completion_tokens,
                                   total_tokens=u.prompt_tokens + u.completion_tokens,
-                                  input_tokens_details=InputTokensDetails(cached_tokens=u.cached_tokens))
+                                  input_tokens_details=InputTokensDetails(cached_tokens=u.cached_tokens),
+                                  output_tokens_details=OutputTokensDetails(reasoning_tokens=u.reasoning_tokens or 0))
         tool_choice = req.tool_choice.model_dump() if req.tool_choice is not None and not isinstance(
             req.tool_choice, str) else req.tool_choice or "auto"
         return ResponseObject(

@@ -106,6 +106,7 @@ class TurnUsage:
     prompt_tokens: int
     cached_tokens: int  # prompt tokens whose KV was reused
     completion_tokens: int
+    reasoning_tokens: int | None = None  # of the completion tokens, the thinking's (None: the turn does not think)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from infercept.engine.backend import InterceptParams, RequestOutput, SamplingParams
-from infercept.engine.reasoning_parsers import ReasoningParser
+from infercept.engine.reasoning_parsers import THINK_END, ReasoningParser
 
 from .chat import AssistantTurn, Call, ChatRenderer, Message, validate_tool_flow
 from .conversations import ConversationStore, Paused
@@ -141,7 +141,28 @@ class Turn:
         yield TurnFinished(result, last, self.usage(last))
 
     def usage(self, out: RequestOutput) -> TurnUsage:
-        return TurnUsage(len(self.prompt_ids), self.engine.cached_tokens, len(out.token_ids))
+        return TurnUsage(len(self.prompt_ids), self.engine.cached_tokens, len(out.token_ids),
+                         self._reasoning_tokens(out))
+
+    def _reasoning_tokens(self, out: RequestOutput) -> int | None:
+        """How many of the turn's tokens are its thinking: up to the one that completes </think>, or all
+        of them for a turn that ended thinking (found by decoding prefixes: O(log n) decodes); None for
+        a turn that does not think."""
+        reasoning, content = self._split(out.text)
+        if reasoning is None:
+            return None
+        ids = out.token_ids
+        if not content and THINK_END not in out.text:
+            return len(ids)
+        decode = self.turns.renderer.tokenizer.decode
+        lo, hi = 1, len(ids)  # the shortest prefix whose text has the end of the thinking
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if THINK_END in decode(ids[:mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     # -- what a stream may show --------------------------------------------------------------------
     def _split(self, text: str, final: bool = True) -> tuple[str | None, str]:

@@ -301,6 +301,10 @@ def test_resume_keeps_the_thinking_the_history_drops(srv, qwen3_dir):
     paused = first.model_extra["prompt_token_ids"] + first.choices[0].model_extra["token_ids"]
     tokenizer = AutoTokenizer.from_pretrained(qwen3_dir)
     assert f"<think>\n{thinking}\n</think>" in tokenizer.decode(paused)
+    # Its thinking tokens: those up to </think> (here a single token, as in Qwen3's vocabulary).
+    output = first.choices[0].model_extra["token_ids"]
+    reasoning_tokens = output.index(tokenizer.convert_tokens_to_ids("</think>")) + 1
+    assert first.usage.completion_tokens_details.reasoning_tokens == reasoning_tokens
 
     # The client's history omits the thinking (as chat templates and most clients drop it)...
     conversation = QUESTION + returned(call)
@@ -323,6 +327,9 @@ def test_resume_keeps_the_thinking_the_history_drops(srv, qwen3_dir):
         extra_body={"return_token_ids": True, "ignore_eos": True}))
     assert fresh.usage.prompt_tokens_details.cached_tokens == 0
     assert fresh.choices[0].model_extra["token_ids"] == output_ids
+    # This turn did not think (no <think>: no reasoning_content, no reasoning tokens), nor does a token turn.
+    assert "reasoning_content" not in second.choices[0].message.model_extra
+    assert second.usage.completion_tokens_details is None and fresh.usage.completion_tokens_details is None
     assert srv.engine_state()["requests"] == {}
 
 
@@ -471,6 +478,9 @@ def test_responses_reasoning_item_and_resume(srv):
     (text,) = reasoning.content
     assert text.type == "reasoning_text" and 8 <= len(text.text) <= 24
     assert call.type == "function_call" and call.name == "get_weather"
+    # <think>, "\n", the thinking (a token per character at most), "\n", </think>: fewer than the call's.
+    details = first.usage.output_tokens_details
+    assert 4 <= details.reasoning_tokens <= 4 + len(text.text) and details.reasoning_tokens < first.usage.output_tokens / 2
     # The client keeps the history itself and sends every output item back, the reasoning item included.
     second = client.responses.create(model=MODEL, tools=tools, max_output_tokens=4, temperature=0, input=[
         QUESTION[0], reasoning.model_dump(exclude_none=True), call.model_dump(exclude_none=True),
