@@ -594,3 +594,19 @@ def test_a_prompt_that_opens_the_thinking():
         R1.split("hmm</think>ok")
     assert QWEN3.after_prompt("<|im_start|>assistant\n<think>\n\n</think>\n\n") is QWEN3  # thinking switched off
     assert R1.after_prompt("<|im_start|>assistant\n") is R1
+
+
+def test_langchain_chat_model_shows_the_thinking(srv):
+    """ChatInferCept puts reasoning_content in the AIMessage's additional_kwargs, streamed or not."""
+    from infercept.integrations.langchain import ChatInferCept
+
+    model = ChatInferCept(base_url=srv.url, model=MODEL, temperature=0, max_tokens=60)
+    with forced_thinking_call(answer=True):
+        message = model.invoke("What is the weather in Paris?")
+        chunks = list(model.stream("What is the weather in Paris?"))
+    thinking = message.additional_kwargs["reasoning_content"]
+    assert 8 <= len(thinking) <= 24 and message.content and thinking not in message.content
+    merged = chunks[0]
+    for chunk in chunks[1:]:
+        merged += chunk
+    assert merged.additional_kwargs["reasoning_content"] == thinking and merged.content == message.content
