@@ -125,7 +125,8 @@ class Engine:
     def _call_judge(intercept: InterceptParams | None) -> CallJudge | None:
         if intercept is None or intercept.tool_parser is None:
             return None
-        return CallJudge(intercept.tool_parser, intercept.tools, intercept.parallel_calls, intercept.text_prefix)
+        return CallJudge(intercept.tool_parser, intercept.tools, intercept.parallel_calls, intercept.text_prefix,
+                     intercept.reasoning_parser)
 
     def _set_judge(self, request_id: str, judge: CallJudge | None) -> None:
         if judge is None:

@@ -37,6 +37,9 @@ class InterceptParams:
     # Text the tool parser reads before the generated text: the opening of a forced call, which the
     # caller put at the end of the prompt (so a forced call pauses like any other, by its parse).
     text_prefix: str = ""
+    # Calls are read only after the model's thinking, as this reasoning parser splits it (qwen3,
+    # deepseek_r1: engine/reasoning_parsers.py); None: the whole text.
+    reasoning_parser: str | None = None
     pause_on_stop: bool = False  # any stop (EOS, stop string or token, length) pauses instead of finishing
     expected_s: float | None = None  # client hint: how long the interception will take
     kind: str = "tool"  # tool / human / model, for the duration estimate's history

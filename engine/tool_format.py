@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import hermes_format as hermes
+from .reasoning_parsers import get_reasoning_parser
 from .tool_parsers import ToolCall, get_tool_parser
 
 
@@ -152,22 +153,30 @@ class CallJudge:
 
     `tools` None accepts every well-formed call (the engine's own API, benchmarks); otherwise a call must
     name one of them and its arguments must validate. `text_prefix` is read before the generated text:
-    the opening of a forced call, which the caller put at the end of the prompt."""
+    the opening of a forced call, which the caller put at the end of the prompt. With a `reasoning`
+    parser (reasoning_parsers.py) only the text after the model's thinking is read: a call written
+    while thinking is not one, and the verdict's content leaves the thinking out."""
 
     def __init__(self, family: str, tools: Sequence[ToolSpec] | None = None, parallel: bool = True,
-                 text_prefix: str = ""):
+                 text_prefix: str = "", reasoning: str | None = None):
         self.parser = get_tool_parser(family)
         self.validators = None if tools is None else {t.name: _validator(t.arguments_schema) for t in tools}
         self.parallel = parallel
         self.text_prefix = text_prefix
+        self.reasoning = get_reasoning_parser(reasoning) if reasoning is not None else None
+
+    def _read(self, text: str) -> str:
+        if self.reasoning is not None:
+            text = self.reasoning.content(text)
+        return self.text_prefix + text
 
     def turn_done(self, text: str) -> bool:
         """The parser's pause rule: a call is closed and the model has moved past it (tool_parsers.py)."""
-        return self.parser.turn_done(self.text_prefix + text)
+        return self.parser.turn_done(self._read(text))
 
     def judge(self, text: str) -> TurnCalls | None:
         """The verdict on the turn's text so far; None when it holds no well-formed call at all."""
-        text = self.text_prefix + text
+        text = self._read(text)
         parsed = self.parser.parse(text)
         if not parsed.tool_calls:
             return None

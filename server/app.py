@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
 from infercept.engine.backend import EngineBackend, ToolFormat, parser_for_model
+from infercept.engine.reasoning_parsers import get_reasoning_parser
 from infercept.tools import get_tool
 
 from .chat import ChatRenderer
@@ -67,6 +68,7 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
     model_name = served_model_name(backend, settings)
     tool_parser = settings.tool_parser or parser_for_model(info.model_type, info.chat_template)
     tool_format = ToolFormat(tool_parser)  # an unknown name fails at start-up
+    reasoning = get_reasoning_parser(settings.reasoning_parser) if settings.reasoning_parser else None
     # Paused generations are limited by memory: by default as many context tokens as the engine's KV
     # pools hold; releases go to the one keeping the least KV (backend.paused_kv_tokens).
     policy = settings.conversations
@@ -87,7 +89,7 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
     tokenizer = AutoTokenizer.from_pretrained(info.model)
     renderer = ChatRenderer(tokenizer, info.eos_token_ids, tool_format) if tokenizer.chat_template else None
     turns = Turns(EngineTurns(backend, metrics), conversations, metrics, admission, renderer,
-                  info.max_model_len, info.vocab_size, info.guided_decoding)
+                  info.max_model_len, info.vocab_size, info.guided_decoding, reasoning)
     common = dict(turns=turns, model_name=model_name, model_aliases={model_name, info.model, info.model_name},
                   tokenizer=tokenizer)
     completions = CompletionServing(eos_token_ids=info.eos_token_ids, **common)

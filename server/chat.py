@@ -17,11 +17,14 @@ Three jobs:
 
   so the rendering of a conversation extends, token for token, the context of the generation that
   produced its last tool call: the tokens appended on an implicit resume are exactly what a fresh
-  rendering of the whole conversation adds after the paused tokens (DESIGN §3).
+  rendering of the whole conversation adds after the paused tokens (DESIGN §3). A thinking model's
+  turn keeps its thinking that way, although the client's message has none and thinking templates
+  (Qwen3's) drop it, or render the turn apart when it is the last message (`_turn_end_in`).
 """
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -205,17 +208,47 @@ class ChatRenderer:
             turn = known_turn(m) if known_turn is not None and m.role == "assistant" and m.tool_calls else None
             if turn is None or index[i] == 0:
                 continue
-            before = self._apply(prepared[:index[i]], True, tools)
-            upto = self._apply(prepared[:index[i] + 1], False, tools)
-            if not (len(before) >= pos and upto.startswith(before) and full.startswith(upto)
-                    and upto.endswith(self.turn_end)):
+            head = self._apply(prepared[:index[i]], False, tools)  # the conversation before the turn
+            before = self._apply(prepared[:index[i]], True, tools)  # + the generation prompt: its prompt
+            upto = self._apply(prepared[:index[i] + 1], False, tools)  # the turn as the last message
+            end = self._turn_end_in(full, head, before, upto) if len(head) >= pos else None
+            if end is None:
                 return self.encode(full) + self.encode(prefill)  # a template that is not prefix-stable
-            ids += self.encode(full[pos:len(before)])
+            ids += self.encode(before[pos:])
             ids += turn.token_ids
-            pos = len(upto) - len(self._turn_end_left(turn.token_ids))
+            pos = end - len(self._turn_end_left(turn.token_ids))
         return ids + self.encode(full[pos:]) + self.encode(prefill)
 
     # -- internals ---------------------------------------------------------------------------------
+    def _turn_end_in(self, full: str, head: str, before: str, upto: str) -> int | None:
+        """Where, in `full` (the whole conversation), an assistant turn ends, given `head` (the
+        conversation before it), `before` (that + the generation prompt the turn was generated after) and
+        `upto` (the conversation up to it as its last message); None if `full` renders the conversation
+        before it differently, or the turn in a way not recognized below.
+
+        A prefix-stable template renders `upto` as the start of `full`. Thinking templates do not: Qwen3's
+        renders the last assistant turn with a thinking block (empty without `reasoning_content`) and
+        drops it once more messages follow, and templates of thinking-only models open the thinking in
+        the generation prompt, which the turn rendered as history lacks. The turn is then found in `full`
+        after `head` up to a turn end, as `upto`'s rendering of it with one piece cut out (the thinking
+        block). The resume appends only what follows it, after the paused generation's own tokens (its
+        generation prompt, and its thinking, included)."""
+        if not (full.startswith(head) and before.startswith(head) and upto.startswith(head)
+                and upto.endswith(self.turn_end)):
+            return None
+        if upto.startswith(before) and full.startswith(upto):
+            return len(upto)
+        if not self.turn_end:
+            return None
+        last, rest = upto[len(head):], full[len(head):]
+        common = len(os.path.commonprefix([last, rest]))
+        at = 0
+        while 0 <= (at := rest.find(self.turn_end, at)) and at + len(self.turn_end) <= len(last):
+            at += len(self.turn_end)
+            if at == len(last) if at <= common else last.endswith(rest[common:at]):
+                return len(head) + at
+        return None
+
     def _turn_end_left(self, token_ids: Sequence[int]) -> str:
         """The part of the template's turn end the model did not generate itself: after a generated
         EOS that the turn end starts with (ChatML: "<|im_end|>"), only the rest ("\\n")."""

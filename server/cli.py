@@ -15,6 +15,8 @@ import argparse
 import os
 import sys
 
+from infercept.engine.reasoning_parsers import REASONING_PARSERS  # standard library only: --help stays instant
+
 
 def _env(name: str, default):
     """INFERCEPT_<NAME>, or `default` when unset or empty (compose files often pass empty values)."""
@@ -150,6 +152,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="requests generating at once; beyond, 429 with Retry-After (default 512)")
     g.add_argument("--tool-parser", default=_env("TOOL_PARSER", None),
                    help="tool-call format: hermes, llama3_json or mistral (default: from the model's chat template)")
+    g.add_argument("--reasoning-parser", default=_env("REASONING_PARSER", None), choices=sorted(REASONING_PARSERS),
+                   help="thinking format, as vLLM names it: qwen3 or deepseek_r1. <think>...</think> goes to "
+                        "reasoning_content (chat) or a reasoning item (Responses), tool calls are read after it, "
+                        "and a resumed turn keeps the paused generation's thinking tokens (default: none)")
     g.add_argument("--log-level", default=_env("LOG_LEVEL", "info"), help="server log level (default info)")
     m = p.add_argument_group("MCP", "MCP servers whose tools the server runs itself while the generation waits "
                              "(docs/operators.md)")
@@ -214,7 +220,8 @@ def server_settings(args: argparse.Namespace):
                       allow_urls=tuple(args.mcp_allow_url))
     return ServerSettings(host=args.host, port=args.port, api_key=api_key or None, tenants=tenants,
                           served_model_name=args.served_model_name, conversations=policy,
-                          max_concurrent_requests=args.max_concurrent_requests, tool_parser=args.tool_parser, mcp=mcp)
+                          max_concurrent_requests=args.max_concurrent_requests, tool_parser=args.tool_parser,
+                          reasoning_parser=args.reasoning_parser, mcp=mcp)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:

@@ -88,7 +88,9 @@ class Paused:
 
     def continues(self, messages: Sequence[Message]) -> bool:
         """`messages` is `history` + the same assistant turn + exactly one tool result per call
-        (tool_call ids equal, arguments JSON-equal, earlier messages unchanged)."""
+        (tool_call ids equal, arguments JSON-equal, earlier messages unchanged). The turn is compared as
+        a message, never as tokens: a thinking model's (--reasoning-parser) has the text after its
+        thinking as content, as the client returns it, while `token_ids` keep the thinking."""
         n = len(self.history)
         if self.turn is None or len(messages) < n + 2:
             return False

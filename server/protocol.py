@@ -13,7 +13,8 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_serializer,
+                      model_validator)
 
 # -- errors -----------------------------------------------------------------------------------------
 
@@ -247,11 +248,23 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None  # a thinking turn's (--reasoning-parser)
+
+    @model_serializer(mode="wrap")
+    def _without_unset_details(self, handler):
+        data = handler(self)  # (completion_tokens_details only where a turn thinks: the wire stays as it was)
+        if isinstance(data, dict) and data.get("completion_tokens_details", 0) is None:
+            del data["completion_tokens_details"]
+        return data
 
 
 class FunctionCall(BaseModel):
@@ -270,6 +283,7 @@ class ChatMessage(BaseModel):
     content: str | None = None
     refusal: str | None = None
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # vLLM's: the thinking (--reasoning-parser); left out when None
 
 
 class TopLogprob(BaseModel):

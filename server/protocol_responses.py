@@ -89,6 +89,13 @@ class McpListToolsItem(Lenient):
 McpInputItem = McpApprovalResponseItem | McpApprovalRequestItem | McpCallItem | McpListToolsItem
 
 
+class ReasoningItem(Lenient):
+    """A reasoning item a client sends back (its earlier output): the conversation leaves it out, as chat
+    templates leave earlier thinking out; a paused generation keeps the thinking as its tokens."""
+
+    type: Literal["reasoning"]
+
+
 def _item_type(value: Any) -> str:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
     return kind or "message"
@@ -100,7 +107,8 @@ InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")],
                             Annotated[McpApprovalResponseItem, Tag("mcp_approval_response")],
                             Annotated[McpApprovalRequestItem, Tag("mcp_approval_request")],
                             Annotated[McpCallItem, Tag("mcp_call")],
-                            Annotated[McpListToolsItem, Tag("mcp_list_tools")]],
+                            Annotated[McpListToolsItem, Tag("mcp_list_tools")],
+                            Annotated[ReasoningItem, Tag("reasoning")]],
                       Discriminator(_item_type)]
 
 
@@ -197,6 +205,7 @@ class ResponsesRequest(Strict):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     include: list[str] | None = None
+    reasoning: dict | None = None  # effort / summary: a local thinking model thinks as it was trained to
 
 
 # -- response ---------------------------------------------------------------------------------------
@@ -253,7 +262,24 @@ class OutputMcpApprovalRequest(BaseModel):
     arguments: str
 
 
-OutputItem = OutputMessage | OutputFunctionCall | OutputMcpListTools | OutputMcpCall | OutputMcpApprovalRequest
+
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(BaseModel):
+    """The model's thinking (--reasoning-parser), before the message or calls it led to."""
+
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    summary: list = Field(default_factory=list)  # a local model's thinking is given whole, not summarized
+    content: list[ReasoningText]
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+OutputItem = (OutputReasoning | OutputMessage | OutputFunctionCall | OutputMcpListTools | OutputMcpCall
+              | OutputMcpApprovalRequest)
 
 
 class InputTokensDetails(BaseModel):

@@ -13,6 +13,9 @@ all count; the turn renders its verdict (`RequestOutput.tool_calls` / `.content`
 (engine/guided_decoding.py): it can only be calls of the allowed tools whose arguments follow their
 schemas, so streams send each call's arguments token by token as they are generated. With "auto" the
 model writes freely, so auto-mode streams send calls only once the engine has judged them, whole.
+
+With `--reasoning-parser`, a thinking model's `<think>...</think>` is `message.reasoning_content`
+(`delta.reasoning_content` in streams, before the content) and calls are read after it only.
 """
 from __future__ import annotations
 
@@ -26,12 +29,13 @@ from starlette.requests import Request
 from .chat import Message, normalize_messages, tool_specs
 from .conversations import Conversation, Kind, State
 from .protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-                       ChatCompletionResponse, ChatMessage, ChoiceLogprobs, FunctionCall, PromptTokensDetails,
-                       TokenLogprob, ToolCall, TopLogprob, Usage, bad_request, now)
+                       ChatCompletionResponse, ChatMessage, ChoiceLogprobs, CompletionTokensDetails, FunctionCall,
+                       PromptTokensDetails, TokenLogprob, ToolCall, TopLogprob, Usage, bad_request, now)
 from .serving_base import Frontend, check_unsupported, respond
 from .tenants import owner_of
 from .tool_mode import tool_mode
-from .turns import (CallArguments, CallOpened, Sampling, TextDelta, Turn, TurnFinished, TurnSpec, TurnUsage)
+from .turns import (CallArguments, CallOpened, ReasoningDelta, Sampling, TextDelta, Turn, TurnFinished, TurnSpec,
+                    TurnUsage)
 
 SESSION_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
@@ -123,7 +127,8 @@ class ChatServing(Frontend):
         end = await turn.result()
         result, last = end.result, end.output
         self.remember(turn, turn.spec.messages + (result.message,))
-        choice = ChatChoice(message=ChatMessage(content=result.content, tool_calls=tool_calls(result.calls)),
+        choice = ChatChoice(message=ChatMessage(content=result.content, tool_calls=tool_calls(result.calls),
+                                                reasoning_content=result.reasoning),
                             logprobs=self._logprobs(req, last, 0, len(last.token_ids)),
                             finish_reason=result.finish_reason,
                             token_ids=list(last.token_ids) if req.return_token_ids else None)
@@ -136,6 +141,8 @@ class ChatServing(Frontend):
                 del body[key]
         if body["choices"][0]["token_ids"] is None:
             del body["choices"][0]["token_ids"]
+        if result.reasoning is None:
+            del body["choices"][0]["message"]["reasoning_content"]
         return body
 
     # -- streaming ---------------------------------------------------------------------------------
@@ -155,7 +162,9 @@ class ChatServing(Frontend):
         sent_tokens = 0  # tokens whose logprobs were sent
         yield chunk({"role": "assistant", "content": "", "refusal": None})
         async for event in turn.events():
-            if isinstance(event, TextDelta):
+            if isinstance(event, ReasoningDelta):
+                yield chunk({"reasoning_content": event.text})
+            elif isinstance(event, TextDelta):
                 out = event.output
                 lp = self._logprobs(req, out, sent_tokens, len(out.token_ids))
                 sent_tokens = len(out.token_ids)
@@ -200,7 +209,9 @@ def call_delta(event: CallOpened | CallArguments) -> dict:
 def usage(u: TurnUsage) -> Usage:
     return Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                  total_tokens=u.prompt_tokens + u.completion_tokens,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens))
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens),
+                 completion_tokens_details=None if u.reasoning_tokens is None else
+                 CompletionTokensDetails(reasoning_tokens=u.reasoning_tokens))
 
 
 def session_id_of(req: ChatCompletionRequest, raw: Request) -> str | None:

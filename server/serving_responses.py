@@ -28,12 +28,13 @@ from .protocol import APIError, bad_request, new_id, now
 from . import responses_mcp
 from .protocol_responses import (DeletedResponse, FunctionCallItem, FunctionCallOutputItem, FunctionTool,
                                  IncompleteDetails, InputTokensDetails, MessageItem, OutputFunctionCall, OutputItem,
-                                 OutputMessage, OutputText, ResponseObject, ResponsesRequest, ResponseUsage, TextPart)
+                                 OutputMessage, OutputReasoning, OutputText, OutputTokensDetails, ReasoningItem,
+                                 ReasoningText, ResponseObject, ResponsesRequest, ResponseUsage, TextPart)
 from .responses_mcp import ResponsesMcp
 from .serving_base import Frontend, respond
 from .tenants import owner_of
 from .tool_mode import tool_mode
-from .turns import Sampling, TextDelta, Turn, TurnFinished, TurnResult, TurnSpec
+from .turns import ReasoningDelta, Sampling, TextDelta, Turn, TurnFinished, TurnResult, TurnSpec
 
 ARGUMENT_FRAGMENT_CHARS = 16  # a call's arguments stream in pieces of this size once the call is parsed
 
@@ -60,6 +61,8 @@ def input_messages(input: str | Sequence, other: Callable[[Any, list[Message]], 
                 messages.append(Message("assistant", "", tool_calls=(call,)))
         elif isinstance(item, FunctionCallOutputItem):
             messages.append(Message("tool", _text(item.output), tool_call_id=item.call_id))
+        elif isinstance(item, ReasoningItem):
+            continue  # earlier thinking: not part of the conversation (chat templates drop it too)
         elif not isinstance(item, MessageItem) and other is not None:
             other(item, messages)
         else:
@@ -86,6 +89,7 @@ class ResponseTurn:
     conversation: tuple[Message, ...]  # the chain's input messages, this request's included
     turn: Turn
     sequence: int = 0  # of the next stream event
+    reasoning_id: str = ""  # of the reasoning output item (a thinking model's), known before it streams
 
     @property
     def id(self) -> str:
@@ -128,7 +132,7 @@ class ResponsesServing(Frontend):
         sampling = Sampling(temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_output_tokens)
         turn = await self.turns.open(TurnSpec("chat", sampling, system + conversation, mode=mode, id_prefix="resp_",
                                               param="input", owner=owner))
-        rt = ResponseTurn(req, model, new_id("msg_"), now(), conversation, turn)
+        rt = ResponseTurn(req, model, new_id("msg_"), now(), conversation, turn, reasoning_id=new_id("rs_"))
         return await respond(raw, req.stream, lambda: self._events(rt), lambda: self._full(rt), turn.close,
                              {"X-Request-Id": rt.id}, f"response {rt.id}", error=rt.error, done=None)
 
@@ -149,6 +153,9 @@ class ResponsesServing(Frontend):
     # -- building the response ---------------------------------------------------------------------
     def _output_items(self, rt: ResponseTurn, result: TurnResult, text_announced: bool) -> list[OutputItem]:
         items: list[OutputItem] = []
+        if result.reasoning:
+            items.append(OutputReasoning(id=rt.reasoning_id, content=[ReasoningText(text=result.reasoning)],
+                                         status="completed"))
         if result.content or text_announced:
             status = "incomplete" if result.finish_reason == "length" else "completed"
             items.append(OutputMessage(id=rt.message_id, status=status,
@@ -165,7 +172,8 @@ class ResponsesServing(Frontend):
             u = end.usage
             usage = ResponseUsage(input_tokens=u.prompt_tokens, output_tokens=u.completion_tokens,
                                   total_tokens=u.prompt_tokens + u.completion_tokens,
-                                  input_tokens_details=InputTokensDetails(cached_tokens=u.cached_tokens))
+                                  input_tokens_details=InputTokensDetails(cached_tokens=u.cached_tokens),
+                                  output_tokens_details=OutputTokensDetails(reasoning_tokens=u.reasoning_tokens or 0))
         tool_choice = req.tool_choice.model_dump() if req.tool_choice is not None and not isinstance(
             req.tool_choice, str) else req.tool_choice or "auto"
         return ResponseObject(
@@ -203,16 +211,34 @@ class ResponsesServing(Frontend):
                                  content=[OutputText(text=text)] if status != "in_progress" else []).model_dump()
 
         def announce() -> list[dict]:
-            return [event("response.output_item.added", output_index=0, item=text_item("in_progress")),
+            return [event("response.output_item.added", output_index=part["output_index"],
+                          item=text_item("in_progress")),
                     event("response.content_part.added", **part, part=OutputText(text="").model_dump())]
 
         part = {"item_id": rt.message_id, "output_index": 0, "content_index": 0}
         snapshot = self._response(rt, "in_progress").model_dump(mode="json")
         yield event("response.created", response=snapshot)
         yield event("response.in_progress", response=snapshot)
-        streamed, end = "", None
+        def reasoning_done(text: str) -> list[dict]:  # the thinking comes first (output 0), whole before the text
+            item = OutputReasoning(id=rt.reasoning_id, content=[ReasoningText(text=text)], status="completed")
+            return [event("response.reasoning_text.done", **thinking, text=text),
+                    event("response.output_item.done", output_index=0, item=item.model_dump())]
+
+        thinking = {"item_id": rt.reasoning_id, "output_index": 0, "content_index": 0}
+        streamed, thought, end = "", None, None  # thought: the reasoning streamed, until its item is done
         async for e in rt.turn.events():
-            if isinstance(e, TextDelta):
+            if isinstance(e, ReasoningDelta):
+                if thought is None:
+                    thought, part["output_index"] = "", 1
+                    yield event("response.output_item.added", output_index=0, item=OutputReasoning(
+                        id=rt.reasoning_id, content=[], status="in_progress").model_dump())
+                yield event("response.reasoning_text.delta", **thinking, delta=e.text)
+                thought += e.text
+            elif isinstance(e, TextDelta):
+                if thought:
+                    for done in reasoning_done(thought):
+                        yield done
+                    thought = ""
                 if not streamed:
                     for announcement in announce():
                         yield announcement
@@ -222,6 +248,11 @@ class ResponsesServing(Frontend):
                 end = e
         output = self._output_items(rt, end.result, bool(streamed))
         for index, item in enumerate(output):
+            if isinstance(item, OutputReasoning):
+                if thought:  # (a turn's reasoning streams whole before its end: nothing is left to send)
+                    for done in reasoning_done(thought):
+                        yield done
+                continue
             if isinstance(item, OutputMessage):
                 text = item.content[0].text
                 if not streamed:

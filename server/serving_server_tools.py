@@ -66,9 +66,11 @@ class ChatServerTools:
         result = outcome.result
         response = ChatCompletionResponse(
             id=turn.id, model=req.model, usage=_usage(outcome), session_id=session_of(turn),
-            choices=[ChatChoice(message=ChatMessage(content=result.content, tool_calls=tool_calls(result.calls)),
+            choices=[ChatChoice(message=ChatMessage(content=result.content, tool_calls=tool_calls(result.calls),
+                                                    reasoning_content=result.reasoning),
                                 finish_reason=result.finish_reason)])
-        exclude = {"prompt_token_ids": True, "choices": {0: {"token_ids"}}} | (
+        choice = {"token_ids": True} | ({"message": {"reasoning_content"}} if result.reasoning is None else {})
+        exclude = {"prompt_token_ids": True, "choices": {0: choice}} | (
             {"session_id": True} if session_of(turn) is None else {})
         return response.model_dump(mode="json", exclude=exclude)
 

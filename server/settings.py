@@ -103,6 +103,8 @@ class ServerSettings:
     max_body_bytes: int = 16 * 1024 * 1024
     # Tool-call format; None = the model's chat family (engine.tool_parsers.parser_for_model).
     tool_parser: str | None = None
+    # Thinking format (engine/reasoning_parsers.py: qwen3, deepseek_r1); None = turns are not split.
+    reasoning_parser: str | None = None
     mcp: McpSettings = field(default_factory=McpSettings)
 
     @property

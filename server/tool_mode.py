@@ -29,11 +29,12 @@ class ToolMode:
 
 
 def with_grammar(fmt: ToolFormat, params: SamplingParams, mode: ToolMode, answer_schema: dict | None,
-                 guided_decoding: bool = True) -> SamplingParams:
+                 guided_decoding: bool = True, thinking: bool = False) -> SamplingParams:
     """The turn's params constrained by its grammar, if it has one (see `turn_grammar`). Without
     `guided_decoding` (a backend that has none), tool_choice none goes unconstrained, as in formats
-    without that grammar: a call the model writes anyway stays content."""
-    grammar = turn_grammar(fmt, params, mode, answer_schema, guided_decoding)
+    without that grammar: a call the model writes anyway stays content. So does a `thinking` model's
+    (--reasoning-parser): the no-call grammar refuses a turn that opens with "<", its <think> too."""
+    grammar = turn_grammar(fmt, params, mode, answer_schema, guided_decoding and not thinking)
     if grammar is None:
         return params
     guided, param = grammar

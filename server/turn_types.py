@@ -1,5 +1,5 @@
 """The types of the turn API (turns.py): what a turn asks (`TurnSpec`, `Sampling`) and the events it
-yields (`TextDelta`, `CallOpened`, `CallArguments`, `CallDone`, `TurnPaused`, `TurnFinished`)."""
+yields (`ReasoningDelta`, `TextDelta`, `CallOpened`, `CallArguments`, `CallDone`, `TurnPaused`, `TurnFinished`)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -64,6 +64,11 @@ class TextDelta:
 
 
 @dataclass(frozen=True)
+class ReasoningDelta:
+    text: str  # thinking that extends the reasoning sent so far (a model with a reasoning parser)
+
+
+@dataclass(frozen=True)
 class CallOpened:
     index: int
     id: str
@@ -92,7 +97,8 @@ class TurnResult:
     content: str | None
     calls: list[Call]
     finish_reason: str
-    message: Message  # the assistant message the turn adds to its conversation
+    message: Message  # the assistant message the turn adds to its conversation (its thinking left out)
+    reasoning: str | None = None  # the turn's thinking (a model with a reasoning parser; None: it did not think)
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,7 @@ class TurnUsage:
     prompt_tokens: int
     cached_tokens: int  # prompt tokens whose KV was reused
     completion_tokens: int
+    reasoning_tokens: int | None = None  # of the completion tokens, the thinking's (None: the turn does not think)
 
 
 @dataclass(frozen=True)
@@ -109,7 +116,7 @@ class TurnFinished:
     usage: TurnUsage
 
 
-TurnEvent = TextDelta | CallOpened | CallArguments | CallDone | TurnPaused | TurnFinished
+TurnEvent = ReasoningDelta | TextDelta | CallOpened | CallArguments | CallDone | TurnPaused | TurnFinished
 
 
 def finish_reason(out: RequestOutput) -> str:

@@ -6,7 +6,8 @@ opens it: checks and renders it (400s come before anything is counted), admits i
 the paused generation it continues from the conversation store and resumes it, or starts it fresh.
 `Turn.events()` then yields typed events until the turn ends:
 
-    TextDelta       text the client may be shown (a chat turn: never part of a tool call)
+    ReasoningDelta  thinking the client may be shown (a model with a reasoning parser: before the text)
+    TextDelta       text the client may be shown (a chat turn: never part of a tool call nor of the thinking)
     CallOpened      a tool call's id and name, as soon as it is certain (grammar-constrained turns stream
     CallArguments   its arguments while they are written; otherwise a call shows once the engine judged it)
     CallDone        a call that counts, whole, once the turn ended
@@ -26,6 +27,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from infercept.engine.backend import InterceptParams, RequestOutput, SamplingParams
+from infercept.engine.reasoning_parsers import THINK_END, ReasoningParser
 
 from .chat import AssistantTurn, Call, ChatRenderer, Message, validate_tool_flow
 from .conversations import ConversationStore, Paused
@@ -33,11 +35,11 @@ from .engine_turn import Admission, EngineTurn, EngineTurns
 from .metrics import ServerMetrics
 from .protocol import APIError, bad_request, new_id
 from .tool_mode import with_grammar
-from .turn_types import (CallArguments, CallDone, CallOpened, Sampling, TextDelta, TurnEvent, TurnFinished,
-                         TurnPaused, TurnResult, TurnSpec, TurnUsage, finish_reason)
+from .turn_types import (CallArguments, CallDone, CallOpened, ReasoningDelta, Sampling, TextDelta, TurnEvent,
+                         TurnFinished, TurnPaused, TurnResult, TurnSpec, TurnUsage, finish_reason)
 
-__all__ = ["CallArguments", "CallDone", "CallOpened", "Sampling", "TextDelta", "Turn", "TurnEvent", "TurnFinished",
-           "TurnPaused", "TurnResult", "TurnSpec", "TurnUsage", "Turns"]
+__all__ = ["CallArguments", "CallDone", "CallOpened", "ReasoningDelta", "Sampling", "TextDelta", "Turn", "TurnEvent",
+           "TurnFinished", "TurnPaused", "TurnResult", "TurnSpec", "TurnUsage", "Turns"]
 
 logger = logging.getLogger("infercept.server")
 
@@ -48,13 +50,14 @@ class Turn:
     """One turn being served: its engine turn, what of its text a stream may show, and its end."""
 
     def __init__(self, turns: Turns, spec: TurnSpec, id: str, engine: EngineTurn, prefill: str,
-                 guided_calls: bool):
+                 guided_calls: bool, reasoning: ReasoningParser | None = None):
         self.turns = turns
         self.spec = spec
         self.id = id  # the front end's id of this turn (a resumed generation's engine id stays its first)
         self.engine = engine
         self.prefill = prefill  # text the server wrote for the model (a forced call's opening)
         self.guided_calls = guided_calls  # grammar-constrained calls: every call written has valid arguments
+        self.reasoning = reasoning  # splits the model's thinking off its text (None: the turn does not think)
         self.call_ids: list[str] = []  # by index, the same in stream deltas and in the final calls
         self._release: Callable[[], None] | None = None  # admission's, for a turn admitted on its own
         self._unkept: Paused | None = None  # its paused generation, until the store keeps it
@@ -91,6 +94,7 @@ class Turn:
         between), unless `keep` is False: then only `keep()` keeps it, and closing the turn before that
         aborts it (a batch keeps its pauses once every turn of it has ended: its client gets them all)."""
         streamed = ""  # text shown so far
+        thought = ""  # reasoning shown so far
         sent_tokens = 0
         sent_calls: dict[int, str] = {}  # index -> arguments shown so far
         last = None
@@ -99,9 +103,13 @@ class Turn:
             if self.spec.is_chat:
                 if out.turn_done:  # its text is the result's content (or calls), below
                     break
-                for event in self._call_events(self._streamable_calls(out.text), sent_calls):
+                reasoning, text = self._split(out.text, final=False)
+                if reasoning is not None and len(reasoning) > len(thought) and reasoning.startswith(thought):
+                    yield ReasoningDelta(reasoning[len(thought):])
+                    thought = reasoning
+                for event in self._call_events(self._streamable_calls(text), sent_calls):
                     yield event
-                visible = self._streamable_text(out.text)
+                visible = self._streamable_text(text)
                 if len(visible) > len(streamed) and visible.startswith(streamed):
                     yield TextDelta(visible[len(streamed):], out)
                     streamed = visible
@@ -113,6 +121,8 @@ class Turn:
         self._unkept = handle
         if keep:
             self.keep()
+        if result.reasoning and len(result.reasoning) > len(thought) and result.reasoning.startswith(thought):
+            yield ReasoningDelta(result.reasoning[len(thought):])
         content = result.content or ""
         # Once calls were shown, a turn that ends as text (a guided call cut by max_tokens) is that
         # call's text: the client already has it as a call, and the finish reason says "length".
@@ -120,7 +130,7 @@ class Turn:
             yield TextDelta(content[len(streamed):], last)
         # A guided turn's calls were shown as written: finish them so (the engine's calls are normalized,
         # JSON-equal but maybe not byte-equal, and a client joins the pieces it got).
-        final = self._streamable_calls(last.text) if result.calls and self.guided_calls else \
+        final = self._streamable_calls(self._split(last.text)[1]) if result.calls and self.guided_calls else \
             [(call.name, call.arguments) for call in result.calls]
         for event in self._call_events(final, sent_calls):
             yield event
@@ -131,9 +141,38 @@ class Turn:
         yield TurnFinished(result, last, self.usage(last))
 
     def usage(self, out: RequestOutput) -> TurnUsage:
-        return TurnUsage(len(self.prompt_ids), self.engine.cached_tokens, len(out.token_ids))
+        return TurnUsage(len(self.prompt_ids), self.engine.cached_tokens, len(out.token_ids),
+                         self._reasoning_tokens(out))
+
+    def _reasoning_tokens(self, out: RequestOutput) -> int | None:
+        """How many of the turn's tokens are its thinking: up to the one that completes </think>, or all
+        of them for a turn that ended thinking (found by decoding prefixes: O(log n) decodes); None for
+        a turn that does not think."""
+        reasoning, content = self._split(out.text)
+        if reasoning is None:
+            return None
+        ids = out.token_ids
+        if not content and THINK_END not in out.text:
+            return len(ids)
+        decode = self.turns.renderer.tokenizer.decode
+        lo, hi = 1, len(ids)  # the shortest prefix whose text has the end of the thinking
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if THINK_END in decode(ids[:mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     # -- what a stream may show --------------------------------------------------------------------
+    def _split(self, text: str, final: bool = True) -> tuple[str | None, str]:
+        """(the thinking, the rest) of the turn's text so far (engine/reasoning_parsers.py); (None, text)
+        for a turn that does not think. Not `final`: what a stream may show of each yet."""
+        if self.reasoning is None:
+            return None, text
+        split = self.reasoning.split(text, final)
+        return split.reasoning, split.content
+
     def _streamable_text(self, text: str) -> str:
         """The part of a chat turn's text so far that is surely content, never part of a tool call."""
         mode, fmt = self.spec.mode, self.turns.format
@@ -174,18 +213,22 @@ class Turn:
         which some did not count end it: the paused context would show calls that never get results)."""
         spec, engine = self.spec, self.engine
         handle = None
+        reasoning, text = self._split(out.text)
         if out.tool_calls and spec.is_chat:  # (token turns pause at stops, never at parsed calls)
             calls = [Call.make(self._call_id(i), c.name, c.arguments) for i, c in enumerate(out.tool_calls)]
+            # The message leaves the thinking out (its content is the text after it, as the engine read
+            # it), as does the history a client sends back: it still names this turn, whose tokens, the
+            # thinking's included, stay the paused context (chat.py renders a known turn as its tokens).
             message = Message("assistant", out.content or "", None, tuple(calls))
-            result = TurnResult(out.content or None, calls, "tool_calls", message)
+            result = TurnResult(out.content or None, calls, "tool_calls", message, reasoning)
             if out.paused:
                 prefill_ids = len(self.turns.renderer.encode(self.prefill)) if self.prefill else 0
                 turn_ids = tuple(engine.prompt_ids[len(engine.prompt_ids) - prefill_ids:] + out.token_ids)
                 handle = Paused(engine.request_id, engine.prompt_ids + list(out.token_ids),
                                 AssistantTurn(message, turn_ids), spec.messages)
         else:
-            text = self.prefill + out.text
-            result = TurnResult(text, [], finish_reason(out), Message("assistant", text))
+            text = self.prefill + text
+            result = TurnResult(text, [], finish_reason(out), Message("assistant", text), reasoning)
             if out.paused:  # a token turn's interception (chat turns pause only at calls)
                 handle = Paused(engine.request_id, engine.prompt_ids + list(out.token_ids))
         usage = self.usage(out)
@@ -207,6 +250,7 @@ class _Prepared:
     params: SamplingParams
     intercept: InterceptParams | None
     prefill: str = ""
+    reasoning: ReasoningParser | None = None
 
 
 class Turns:
@@ -214,7 +258,7 @@ class Turns:
 
     def __init__(self, engine_turns: EngineTurns, conversations: ConversationStore, metrics: ServerMetrics,
                  admission: Admission, renderer: ChatRenderer | None, max_model_len: int, vocab_size: int,
-                 guided_decoding: bool = True):
+                 guided_decoding: bool = True, reasoning: ReasoningParser | None = None):
         self.engine_turns = engine_turns
         self.conversations = conversations
         self.metrics = metrics
@@ -224,6 +268,7 @@ class Turns:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.guided_decoding = guided_decoding  # the backend's (EngineInfo.guided_decoding)
+        self.reasoning = reasoning  # --reasoning-parser: chat turns' thinking is split off (None: not)
 
     async def open(self, spec: TurnSpec) -> Turn:
         """Open one turn; closing it releases its admission."""
@@ -247,7 +292,7 @@ class Turns:
                 if engine.resumed:
                     how = "explicit" if p.spec.holder is not None else "implicit" if p.spec.is_chat else "tokens"
                     self.metrics.resumes.labels(self.metrics.model, how).inc()
-                turns.append(Turn(self, p.spec, p.id, engine, p.prefill,
+                turns.append(Turn(self, p.spec, p.id, engine, p.prefill, reasoning=p.reasoning,
                                   guided_calls=p.spec.mode.parse and p.params.guided is not None))
         except BaseException:
             for turn in turns:
@@ -279,14 +324,25 @@ class Turns:
                               param=spec.param) from None
         self.check_prompt(prompt_ids, spec.param)
         params = self.sampling_params(spec, len(prompt_ids), skip_special_tokens=not (mode.parse and fmt.keeps_special_tokens))
-        params = with_grammar(fmt, params, mode, spec.answer_schema, self.guided_decoding)
+        params = with_grammar(fmt, params, mode, spec.answer_schema, self.guided_decoding, self.reasoning is not None)
+        # A turn the server opened with a forced call's prefill starts with that call: it does not think.
+        # Nor does one under a response_format grammar, from its first token, as a parser that takes the
+        # turn as thinking from there would (deepseek_r1's; qwen3's splits only a text that opens with
+        # <think>, whatever wrote it). With a reasoning parser tool_choice none has no grammar.
+        reasoning = self.reasoning
+        if reasoning is not None:  # (the template may have opened the thinking in the generation prompt)
+            reasoning = reasoning.after_prompt(self.renderer.tokenizer.decode(prompt_ids[-8:]))
+        if prefill or (reasoning is not None and reasoning.starts_thinking and spec.answer_schema is not None):
+            reasoning = None
         intercept = None
         if mode.parse:
             hint = spec.intercept
             intercept = InterceptParams(tool_parser=fmt.family, tools=tuple(mode.tools), parallel_calls=mode.parallel,
                                         text_prefix=prefill, expected_s=hint.expected_s if hint else None,
+                                        reasoning_parser=reasoning.name if reasoning is not None else None,
                                         kind=hint.kind if hint else "tool")
-        return _Prepared(spec, spec.request_id or new_id(spec.id_prefix), prompt_ids, params, intercept, prefill)
+        return _Prepared(spec, spec.request_id or new_id(spec.id_prefix), prompt_ids, params, intercept, prefill,
+                         reasoning)
 
     def _claim(self, spec: TurnSpec, prompt_ids: list[int]) -> Paused | None:
         """The paused generation the turn continues, taken out of the store: its holder's, or found by the

@@ -471,7 +471,8 @@ def _may_pause(intercept: InterceptParams | None) -> bool:
 def _judge(intercept: InterceptParams | None) -> CallJudge | None:
     if intercept is None or intercept.tool_parser is None:
         return None
-    return CallJudge(intercept.tool_parser, intercept.tools, intercept.parallel_calls, intercept.text_prefix)
+    return CallJudge(intercept.tool_parser, intercept.tools, intercept.parallel_calls, intercept.text_prefix,
+                     intercept.reasoning_parser)
 
 
 def _sampled(token_id: int, logprob: float, entries: list, k: int) -> SampledToken:

@@ -5,9 +5,11 @@ server's `prompt_tokens_details.cached_tokens` arrives as `input_token_details["
 langchain-openai maps it) and structured output come from `BaseChatOpenAI` unchanged. What is added:
 defaults that reach the local server, streamed usage on by default (the server sends it), structured
 output by the server's `response_format` json_schema by default (as `ChatOpenAI` does; the server
-enforces the schema with a grammar), and the session hint: inside LangGraph, the run's
+enforces the schema with a grammar), the session hint: inside LangGraph, the run's
 `configurable.thread_id` is sent as `session_id`, so each thread's paused generation is continued by
-name.
+name, and a thinking model's `reasoning_content` (server flag --reasoning-parser) in the message's
+`additional_kwargs`, streamed or not. It is not sent back: the server's paused generation keeps the
+thinking as its tokens.
 """
 from __future__ import annotations
 
@@ -66,6 +68,24 @@ class ChatInferCept(BaseChatOpenAI):
         """`BaseChatOpenAI.with_structured_output`, by default with the server's native JSON schema
         output rather than a forced tool call: no tool prompt in the way, and the same guarantee."""
         return super().with_structured_output(schema, method=method, **kwargs)
+
+    def _create_chat_result(self, response, generation_info: dict | None = None):
+        result = super()._create_chat_result(response, generation_info)
+        body = response.model_dump() if hasattr(response, "model_dump") else response
+        for generation, choice in zip(result.generations, (body or {}).get("choices") or []):
+            reasoning = (choice.get("message") or {}).get("reasoning_content")
+            if reasoning is not None:
+                generation.message.additional_kwargs["reasoning_content"] = reasoning
+        return result
+
+    def _convert_chunk_to_generation_chunk(self, chunk: dict, default_chunk_class: type,
+                                           base_generation_info: dict | None):
+        generation = super()._convert_chunk_to_generation_chunk(chunk, default_chunk_class, base_generation_info)
+        choices = chunk.get("choices") or []
+        reasoning = (choices[0].get("delta") or {}).get("reasoning_content") if choices else None
+        if generation is not None and reasoning:  # (chunks add up: their additional_kwargs strings concatenate)
+            generation.message.additional_kwargs["reasoning_content"] = reasoning
+        return generation
 
     def _get_request_payload(self, input_: LanguageModelInput, *, stop: list[str] | None = None,
                              **kwargs: Any) -> dict:
