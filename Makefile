@@ -21,8 +21,9 @@ download: install
 	$(BIN)/infercept download
 
 # The OpenAI-compatible server on 127.0.0.1:8000 (flags: `infercept serve --help`, or INFERCEPT_* variables).
-serve: download
-	$(BIN)/infercept serve
+# `make serve BACKEND=vllm` sets up .venv-vllm first and serves through vLLM (docs/operators.md §7).
+serve: download $(if $(filter vllm auto,$(BACKEND)),vllm-env)
+	$(BIN)/infercept serve $(if $(BACKEND),--backend $(BACKEND))
 
 # The tests include the vLLM backend's (tests/test_vllm_backend.py), so this also sets up .venv-vllm, and
 # the dashboard's in a headless browser (tests/test_dashboard.py), so Debian's chromium where it can.

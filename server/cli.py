@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 
 from infercept.engine.reasoning_parsers import REASONING_PARSERS  # standard library only: --help stays instant
@@ -65,18 +66,48 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 def add_backend_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("backend")
-    g.add_argument("--backend", choices=("native", "vllm"), default=_env("BACKEND", "native"),
+    g.add_argument("--backend", choices=("native", "vllm", "auto"), default=_env("BACKEND", "native"),
                    help="native: InferCept's own engine (default); vllm: vLLM V1 in its own environment "
-                        "(docs/operators.md)")
+                        "(docs/operators.md); auto: vllm where its environment exists and an NVIDIA GPU is "
+                        "present, else native")
     g.add_argument("--vllm-python", default=_env("VLLM_PYTHON", None),
                    help="python of the vLLM environment (default: .venv-vllm/bin/python, made by `make vllm-env`)")
+    v = p.add_argument_group("vLLM's own engine options (--backend vllm only)")
+    v.add_argument("--tensor-parallel-size", type=int, default=_env("TENSOR_PARALLEL_SIZE", None))
+    v.add_argument("--pipeline-parallel-size", type=int, default=_env("PIPELINE_PARALLEL_SIZE", None))
+    v.add_argument("--gpu-memory-utilization", type=float, default=_env("GPU_MEMORY_UTILIZATION", None),
+                   help="share of GPU memory vLLM may use (weights, activations and KV)")
+    v.add_argument("--enforce-eager", action="store_true", default=_env("ENFORCE_EAGER", "0") not in ("0", ""),
+                   help="no CUDA graphs")
+
+
+VLLM_ONLY = ("tensor_parallel_size", "pipeline_parallel_size", "gpu_memory_utilization", "enforce_eager")
+
+
+def chosen_backend(args: argparse.Namespace) -> str:
+    """`--backend`, with `auto` resolved: vllm where its python exists and `nvidia-smi` is on the PATH."""
+    if args.backend != "auto":
+        return args.backend
+    from infercept.engine.vllm_backend import default_vllm_python
+
+    python = args.vllm_python or default_vllm_python()
+    return "vllm" if os.path.isfile(python) and shutil.which("nvidia-smi") else "native"
+
+
+def vllm_engine_args(args: argparse.Namespace) -> dict:
+    """The vLLM-only flags that were given, as vLLM's engine arguments."""
+    return {name: getattr(args, name) for name in VLLM_ONLY if getattr(args, name) not in (None, False)}
 
 
 def build_backend(args: argparse.Namespace):
     """The engine behind the server, loaded and ready (`--backend`)."""
+    args.backend = chosen_backend(args)
     if args.backend == "native":
         from infercept.engine import NativeBackend
 
+        if vllm_engine_args(args):
+            raise SystemExit(f"infercept serve: {', '.join('--' + n.replace('_', '-') for n in vllm_engine_args(args))} "
+                             "only apply to --backend vllm")
         return NativeBackend.create(args.model, **engine_kwargs(args))
     from infercept.engine import VllmBackend
 
@@ -85,7 +116,8 @@ def build_backend(args: argparse.Namespace):
         args.model, python=args.vllm_python, policy=args.policy or "infercept",
         dtype=args.dtype, max_model_len=None if args.max_model_len is None else int(args.max_model_len),
         kv_cache_gb=None if args.kv_cache_gb is None else float(args.kv_cache_gb), max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.prefix_caching)
+        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.prefix_caching,
+        engine_args=vllm_engine_args(args))
 
 
 def cmd_download(args: argparse.Namespace) -> None:

@@ -239,3 +239,21 @@ def test_readme_headline_table_is_what_claims_prints():
     result files do not give fails here."""
     claims = load_bench("claims")
     assert claims.main(["--check"]) == 0
+
+
+def test_vllm_pressure_trace_and_server_command():
+    """benchmarks/vllm_pressure.py: the agents its must-show names, and one server command for every policy
+    but the policy itself (same pool, same chunk size)."""
+    pressure = load_bench("vllm_pressure")
+    args = pressure.argparse.Namespace(agents=24, rate=4.0, prompt=1000, steps=5, decode=32, returned=32, tool_s=2.0,
+                                       seed=0, dtype="bfloat16", max_num_batched_tokens=256, max_model_len=4096,
+                                       vllm_python=None)
+    trace = pressure.agent_trace(args)
+    assert len(trace) == 24 and all(r["prompt_tokens"] == 1000 and len(r["segments"]) == 5 for r in trace)
+    assert [s["interception"] is None for s in trace[0]["segments"]] == [False] * 4 + [True]
+    arrivals = [r["arrival"] for r in trace]
+    assert arrivals == sorted(arrivals) and 3 < len(trace) / arrivals[-1] < 6  # ~4 agents/s
+    assert pressure.agent_trace(args) == trace  # seeded
+    a, b = (pressure.server_argv(p, 8000, args, 0.1) for p in ("prefix-cache", "infercept"))
+    assert [x for x in a if x != "prefix-cache"] == [x for x in b if x != "infercept"]
+    assert a[a.index("--backend") + 1] == "vllm" and a[a.index("--kv-cache-gb") + 1] == "0.100000"

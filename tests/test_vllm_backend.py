@@ -322,6 +322,23 @@ def test_a_short_pause_keeps_its_kv_under_infercept(backend, tokenizer):
     assert resumed.num_cached_tokens == len(context) - 1
 
 
+def test_vllms_own_options_reach_it_and_only_it(monkeypatch):
+    from infercept.server import cli
+
+    args = cli.build_parser().parse_args(["serve", "--backend", "vllm", "--tensor-parallel-size", "2",
+                                          "--gpu-memory-utilization", "0.8", "--enforce-eager"])
+    assert cli.vllm_engine_args(args) == {"tensor_parallel_size": 2, "gpu_memory_utilization": 0.8,
+                                          "enforce_eager": True}
+    native = cli.build_parser().parse_args(["serve", "--pipeline-parallel-size", "2"])
+    with pytest.raises(SystemExit, match="--pipeline-parallel-size only apply to --backend vllm"):
+        cli.build_backend(native)
+    auto = cli.build_parser().parse_args(["serve", "--backend", "auto"])
+    monkeypatch.setattr(cli.shutil, "which", lambda name: None)  # no NVIDIA GPU
+    assert cli.chosen_backend(auto) == "native"
+    monkeypatch.setattr(cli.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    assert cli.chosen_backend(auto) == ("vllm" if os.path.isfile(VLLM_PYTHON) else "native")
+
+
 def test_a_policy_the_vllm_backend_cannot_run_is_refused_before_vllm_starts():
     from infercept.engine import VllmBackend
 

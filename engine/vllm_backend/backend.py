@@ -125,9 +125,10 @@ class VllmBackend(EngineBackend):
                dtype: str = "auto", max_model_len: int | None = None, kv_cache_gb: float | None = None,
                max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
                enable_prefix_caching: bool = True, seed: int = 0, env: dict[str, str] | None = None,
-               startup_timeout: float = STARTUP_TIMEOUT_S) -> "VllmBackend":
+               engine_args: dict | None = None, startup_timeout: float = STARTUP_TIMEOUT_S) -> "VllmBackend":
         """Start vLLM on `model` (None: the embedded default) in `python` (default_vllm_python()).
-        Blocks until vLLM is ready. `env`: extra environment for the worker (VLLM_* settings)."""
+        Blocks until vLLM is ready. `env`: extra environment for the worker (VLLM_* settings);
+        `engine_args`: more of vLLM's engine arguments (tensor_parallel_size, gpu_memory_utilization, ...)."""
         from transformers import AutoTokenizer
 
         from ..engine import eos_ids_of
@@ -143,20 +144,20 @@ class VllmBackend(EngineBackend):
         if model is None:
             from ..download import ensure_default_model
             model = ensure_default_model()
-        engine_args = {"model": model, "dtype": dtype, "seed": seed, "max_num_seqs": max_num_seqs,
-                       "enable_prefix_caching": enable_prefix_caching, "max_model_len": max_model_len,
-                       "max_num_batched_tokens": max_num_batched_tokens,
-                       # Grammars compiled by llguidance, as ours are (params.py)
-                       "structured_outputs_config": {"backend": "guidance"},
-                       "kv_cache_memory_bytes": None if kv_cache_gb is None else int(kv_cache_gb * 2**30)}
-        engine_args = {k: v for k, v in engine_args.items() if v is not None}
+        args = {"model": model, "dtype": dtype, "seed": seed, "max_num_seqs": max_num_seqs,
+                "enable_prefix_caching": enable_prefix_caching, "max_model_len": max_model_len,
+                "max_num_batched_tokens": max_num_batched_tokens,
+                # Grammars compiled by llguidance, as ours are (params.py)
+                "structured_outputs_config": {"backend": "guidance"},
+                "kv_cache_memory_bytes": None if kv_cache_gb is None else int(kv_cache_gb * 2**30)}
+        args = {k: v for k, v in args.items() if v is not None} | (engine_args or {})
         if policy in SESSION_POLICIES:
             # Our scheduler subclasses vLLM's synchronous one (async scheduling would need its twin,
             # AsyncInterceptScheduler, untested without a GPU); vLLM imports it from the repository root.
-            engine_args |= {"scheduler_cls": SCHEDULER_CLS, "async_scheduling": False,
+            args |= {"scheduler_cls": SCHEDULER_CLS, "async_scheduling": False,
                             "additional_config": {"infercept": {"policy": policy}}}
         env = {"PYTHONPATH": os.pathsep.join(filter(None, (REPO_ROOT, os.environ.get("PYTHONPATH"))))} | (env or {})
-        worker = WorkerProcess(python, {"engine": engine_args, "policy_channel": policy in SESSION_POLICIES}, env)
+        worker = WorkerProcess(python, {"engine": args, "policy_channel": policy in SESSION_POLICIES}, env)
         facts = worker.start(startup_timeout)
         tokenizer = AutoTokenizer.from_pretrained(model)
         with open(os.path.join(model, "config.json")) as f:
