@@ -6,7 +6,8 @@ results) and `num_computed_tokens` (those with KV). Every step gives each schedu
 its uncomputed tokens, so prefill, chunked prefill, decode, resume and recompute after a discard are
 one path.
 
-A step, in order (three queues, each FCFS by arrival time, paper §4.3):
+A step, in order (three queues, each FCFS by arrival time, paper §4.3, or by another program-level
+order the policy names: `Policy.priority`, `Request.priority`):
   1. paused requests: the policy decides preserve / swap out / discard (`policy.plan`) for those
      holding device KV whose decision could differ from last time (fresh pauses, swaps in progress,
      preserved ones whose `PreserveGuard` may be crossed: `paused_kv.py`), so waiting agents cost a
@@ -49,8 +50,9 @@ from .request import Request, RequestStatus
 WAKE_EARLY_S = 1e-6
 
 
-def _by_arrival(r: Request) -> float:
-    return r.arrival_time
+def _by_priority(r: Request) -> tuple:
+    """Queue order (`Request.priority`, set by `Scheduler._enqueue` from `Policy.priority`): lower first."""
+    return r.priority
 
 
 class Scheduler:
@@ -64,7 +66,7 @@ class Scheduler:
         self.profile = profile
         self.clock = clock
         self.estimator = estimator or DurationEstimator()
-        self.waiting: list[Request] = []  # each queue sorted by arrival_time
+        self.waiting: list[Request] = []  # each queue sorted by priority (arrival time by default)
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.paused: dict[str, Request] = {}
@@ -88,10 +90,21 @@ class Scheduler:
         request.num_cached_tokens = request.num_tokens  # nothing computed yet; admission lowers it
         self._enqueue(self.waiting, request, RequestStatus.WAITING)
 
-    @staticmethod
-    def _enqueue(queue: list[Request], request: Request, status: RequestStatus) -> None:
+    def _enqueue(self, queue: list[Request], request: Request, status: RequestStatus) -> None:
         request.status = status
-        bisect.insort(queue, request, key=_by_arrival)
+        request.priority = self._priority(request)
+        bisect.insort(queue, request, key=_by_priority)
+
+    def _priority(self, request: Request) -> tuple:
+        """The request's place in every queue, by the policy's program-level rule (`Policy.priority`),
+        fixed while it stays queued: its service counts what was computed before it was queued, so the
+        running queue keeps its order as it computes."""
+        rule = self.policy.priority if self.policy is not None else "arrival"
+        if rule == "las":
+            return (request.num_service_tokens, request.program_arrival)
+        if rule == "program-arrival":
+            return (request.program_arrival,)
+        return (request.arrival_time,)
 
     def _dequeue(self, request: Request) -> None:
         """Take the request out of the queue its status names (only that one: a long waiting queue
@@ -275,10 +288,12 @@ class Scheduler:
         if r.paused_at is None:
             return PausedInfo(r.request_id, r.arrival_time, r.num_tokens, self._kv_state(r), device, 0.0, 0.0)
         now = self.clock()
-        expected = self.estimator.estimate(now, r.paused_at, r.tool_name,
-                                           r.intercept.expected_s if r.intercept else None)
+        hint = r.intercept.expected_s if r.intercept else None
+        expected = self.estimator.estimate(now, r.paused_at, r.tool_name, hint)
+        remaining = (self.estimator.remaining(now, r.paused_at, r.tool_name, hint)
+                     if self.policy is not None and self.policy.expected_waste else None)
         return PausedInfo(r.request_id, r.arrival_time, r.num_tokens, self._kv_state(r), device,
-                          now - r.paused_at, expected)
+                          now - r.paused_at, expected, remaining)
 
     def _plan_paused(self, out: SchedulerOutput, swap_in_demand: int) -> int | None:
         """Apply the policy's decisions to paused requests; returns the swap-in budget in tokens."""
@@ -379,7 +394,7 @@ class Scheduler:
         in wasted."""
         budget, need = self.config.max_num_batched_tokens, 0
         for r in self.running:
-            if budget <= 0 or r.arrival_time >= swapping_in.arrival_time:
+            if budget <= 0 or r.priority >= swapping_in.priority:
                 break
             n = self._chunk_size(r, budget)
             need += max(self.blocks.blocks_for(r.num_computed_tokens + n) - len(self.blocks.block_table(r.request_id)), 0)
@@ -390,7 +405,7 @@ class Scheduler:
             n = self._chunk_size(swapping_in, budget)
             need += max(self.blocks.blocks_for(swapping_in.num_computed_tokens + n) - held, 0)
         newer = sum(len(self.blocks.block_table(r.request_id)) for r in self.running
-                    if r.arrival_time > swapping_in.arrival_time)
+                    if r.priority > swapping_in.priority)
         return max(need - newer, 0)
 
     def _free_paused_for_room(self, out: SchedulerOutput) -> bool:
@@ -408,13 +423,13 @@ class Scheduler:
         newer = self._swapping_in_newer_than(request)
         if not newer:
             return False
-        self._evict(out, max(newer, key=_by_arrival))
+        self._evict(out, max(newer, key=_by_priority))
         return True
 
     def _swapping_in_newer_than(self, request: Request) -> list[Request]:
         """Resumed requests newer than `request` whose KV is partly back on the device."""
         return [r for r in self.swapped
-                if r.arrival_time > request.arrival_time and self.blocks.block_table(r.request_id)]
+                if r.priority > request.priority and self.blocks.block_table(r.request_id)]
 
     def _evict(self, out: SchedulerOutput, request: Request) -> None:
         """Take a paused or swapping-in request's device KV off the device. The policy says whether it
@@ -434,13 +449,13 @@ class Scheduler:
         action = self.policy.reclaim(self._paused_info(request), self._iteration_info(0), self.profile)
         return action is KVAction.SWAP_OUT
 
-    def _owed_to_swapped(self, arrival_time: float) -> int:
-        """Device blocks that resumed requests older than `arrival_time` still need to bring their KV
+    def _owed_to_swapped(self, priority: tuple) -> int:
+        """Device blocks that resumed requests ahead of `priority` (older, by default) still need to bring their KV
         back from the host. Admission leaves them free: a newer request must not take the room an
         older resumed one waits for (three queues, one FCFS order; under pressure it would otherwise
         wait until the new work finishes)."""
         return sum(self.blocks.num_host_blocks_of(r.request_id) for r in self.swapped
-                   if r.arrival_time < arrival_time)
+                   if r.priority < priority)
 
     def _reclaim(self, out: SchedulerOutput, protect: Request) -> bool:
         """Free device blocks for a running request: paused KV goes first (it is idle), then the newest
@@ -448,7 +463,7 @@ class Scheduler:
         older one) gives way. Returns False if `protect` itself had to be preempted."""
         if self._free_paused_for_room(out):
             return True
-        victim = max(self._swapping_in_newer_than(protect) + [self.running[-1]], key=_by_arrival)
+        victim = max(self._swapping_in_newer_than(protect) + [self.running[-1]], key=_by_priority)
         if victim.status is RequestStatus.SWAPPED:
             self._evict(out, victim)
             return True
@@ -497,7 +512,7 @@ class Scheduler:
         # No admissions in a step that had to preempt: the pool is full.
         while self.waiting and budget > 0 and not self._preempted_this_step and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            reserve = self._owed_to_swapped(request.arrival_time)
+            reserve = self._owed_to_swapped(request.priority)
             while True:
                 hit, computed, n = self._admission(request, budget)
                 if (self.blocks.can_allocate(request.request_id, computed + n, hit, reserve)
@@ -550,6 +565,7 @@ class Scheduler:
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += len(chunk.token_ids)
+            request.num_service_tokens += len(chunk.token_ids)
             request.num_computed_high = max(request.num_computed_high, request.num_computed_tokens)
             request.recompute_all = False
             if self.blocks.enable_caching:

@@ -10,7 +10,7 @@ without a model (DESIGN §2). Modules:
   the baseline and ablation policies, `make_policy`.
 """
 from .decisions import (FIGURE3_ABLATION, KV_STATES, POLICIES, IterationInfo, KVAction, KVDecision, KVPlan,
-                        PausedInfo, Policy, PreserveGuard, SwapBudget, make_policy, min_waste_plan, recompute_chunk_size,
+                        PausedInfo, Policy, PreserveGuard, PRIORITIES, VARIANTS, SwapBudget, make_policy, min_waste_plan, recompute_chunk_size,
                         split_swap_budget, swap_room)
 from .estimator import DurationEstimator
 from .profile import Profile, a100_gptj_6b, detect_saturation_point
@@ -18,7 +18,7 @@ from .waste import waste_chunk_discard, waste_discard, waste_preserve, waste_swa
 
 __all__ = [
     "FIGURE3_ABLATION", "KV_STATES", "POLICIES", "DurationEstimator", "IterationInfo", "KVAction", "KVDecision",
-    "KVPlan", "PausedInfo", "Policy", "PreserveGuard", "Profile", "SwapBudget", "a100_gptj_6b", "detect_saturation_point",
+    "KVPlan", "PausedInfo", "Policy", "PreserveGuard", "PRIORITIES", "VARIANTS", "Profile", "SwapBudget", "a100_gptj_6b", "detect_saturation_point",
     "make_policy", "min_waste_plan", "recompute_chunk_size", "split_swap_budget", "swap_room", "waste_chunk_discard",
     "waste_discard", "waste_preserve", "waste_swap",
 ]

@@ -84,6 +84,23 @@ class DurationEstimator:
                 return from_history
         return elapsed
 
+    def remaining(self, now: float, call_start: float, tool_name: str | None = None,
+                  hint_seconds: float | None = None) -> tuple[float, ...]:
+        """The remaining time as equally likely samples, by the rules of `estimate` (whose result is
+        their mean): a hint or the elapsed time is one point; per-tool history is the past durations
+        that outlasted the elapsed time, less it (the distribution conditioned on the time already
+        paused). The min-waste policy with ``expected_waste`` integrates its wastes over them."""
+        elapsed = max(now - call_start, 0.0)
+        if hint_seconds is not None and elapsed < hint_seconds:
+            return (hint_seconds - elapsed,)
+        if tool_name is not None:
+            samples = self.history(tool_name)
+            if len(samples) >= self.min_history:
+                survivors = tuple(d - elapsed for d in samples if d > elapsed)
+                if survivors:
+                    return survivors
+        return (elapsed,)
+
     def next_jump(self, now: float, call_start: float, tool_name: str | None = None,
                   hint_seconds: float | None = None) -> float:
         """The first time after `now` at which `estimate` may jump up (math.inf: never, until the tool's
