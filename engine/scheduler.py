@@ -481,37 +481,15 @@ class Scheduler:
         computed = request.num_computed_tokens + len(hit) * self.blocks.block_size
         return hit, computed, self._chunk_size(request, budget, computed)
 
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(chunks=[])
-        swap_in_demand = sum(self.kv_tokens(r)[1] for r in self.swapped)
-        swap_in_budget = self._plan_paused(out, swap_in_demand)
-        out.num_fresh_pauses_planned, self._undecided = len(self._undecided), set()
-        self._swapped_in_this_step.clear()
-        self._swap_in(out, swap_in_budget)
-
-        budget = self.config.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
-        self._preempted_this_step = False
-        for request in list(self.running):
-            # max_num_seqs bounds the batch. `running` itself may hold more for a while: a request
-            # resumed with its KV on the device (or swapped back in) joins it whatever the batch size.
-            if budget <= 0 or len(scheduled) == self.config.max_num_seqs:
-                break
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            n = self._chunk_size(request, budget)
-            while not self.blocks.can_allocate(request.request_id, request.num_computed_tokens + n):
-                if not self._reclaim(out, protect=request):
-                    break
-            if request.status is not RequestStatus.RUNNING:
-                continue
-            self.blocks.allocate(request.request_id, request.num_computed_tokens + n)
-            scheduled.append((request, n))
-            budget -= n
-
-        # No admissions in a step that had to preempt: the pool is full.
+    def _admit_waiting(self, out: SchedulerOutput, scheduled: list[tuple[Request, int]], budget: int,
+                       ahead_of: tuple | None = None) -> int:
+        """Admit waiting requests in queue order while the token budget, the sequence cap and the pool
+        allow (only those ahead of `ahead_of` in queue order, if given); returns the budget left. No
+        admissions in a step that had to preempt: the pool is full."""
         while self.waiting and budget > 0 and not self._preempted_this_step and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if ahead_of is not None and not request.priority < ahead_of:
+                break
             reserve = self._owed_to_swapped(request.priority)
             while True:
                 hit, computed, n = self._admission(request, budget)
@@ -533,6 +511,45 @@ class Scheduler:
             self._enqueue(self.running, request, RequestStatus.RUNNING)
             scheduled.append((request, n))
             budget -= n
+
+        return budget
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(chunks=[])
+        swap_in_demand = sum(self.kv_tokens(r)[1] for r in self.swapped)
+        swap_in_budget = self._plan_paused(out, swap_in_demand)
+        out.num_fresh_pauses_planned, self._undecided = len(self._undecided), set()
+        self._swapped_in_this_step.clear()
+        self._swap_in(out, swap_in_budget)
+
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        self._preempted_this_step = False
+        for request in list(self.running):
+            # max_num_seqs bounds the batch. `running` itself may hold more for a while: a request
+            # resumed with its KV on the device (or swapped back in) joins it whatever the batch size.
+            if budget <= 0 or len(scheduled) == self.config.max_num_seqs:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if self.policy is not None and self.policy.priority != "arrival":
+                # One program-level order across the queues: waiting programs ahead of this running
+                # one (a new program under least attained service) get the budget first. The paper's
+                # order serves running requests first.
+                budget = self._admit_waiting(out, scheduled, budget, ahead_of=request.priority)
+                if budget <= 0 or len(scheduled) >= self.config.max_num_seqs:
+                    break
+            n = self._chunk_size(request, budget)
+            while not self.blocks.can_allocate(request.request_id, request.num_computed_tokens + n):
+                if not self._reclaim(out, protect=request):
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            self.blocks.allocate(request.request_id, request.num_computed_tokens + n)
+            scheduled.append((request, n))
+            budget -= n
+
+        budget = self._admit_waiting(out, scheduled, budget)
 
         for r, n in scheduled:
             start = r.num_computed_tokens

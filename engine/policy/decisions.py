@@ -384,14 +384,15 @@ def expected_swap_waste(info: PausedInfo, profile: Profile, iteration_s: float) 
 def expected_waste_plan(paused: Sequence[PausedInfo], iteration: IterationInfo, profile: Profile) -> KVPlan:
     """`min_waste_plan` with expected wastes over the remaining-time distribution: scored by
     `score_expected`; swapped out, most wasteful first within the budget, only where the paper's
-    round-trip check passes (`worth_swapping`) and the swap's expected waste is below both others."""
+    round-trip check passes (`worth_swapping`) and the swap's expected waste is at most both others
+    (a tie goes to the swap, as in the paper: within the budget it costs nothing)."""
     scored = [score_expected(p, iteration, profile) for p in _holding_device(paused)]
     ordered = sorted(scored, key=lambda s: (-s.min_waste, s.info.arrival_time, s.info.request_id))
     iteration_s = profile.t_fwd(iteration.num_batched_tokens)
 
     def eligible(s: _Scored) -> bool:
         return (worth_swapping(s.info, profile, iteration_s)
-                and expected_swap_waste(s.info, profile, iteration_s) < s.min_waste)
+                and expected_swap_waste(s.info, profile, iteration_s) <= s.min_waste)
 
     decisions, rest = _swap_in_order(ordered, swap_room(iteration), profile, eligible=eligible)
     for s in rest:
