@@ -302,6 +302,7 @@ class SimulatedEngine:
                     rec.paused_at = None
                     rec.segment += 1
                 rec.turn_started = t
+                rec.turn_starts.append(t)
                 start_segment(rec)
 
         while True:
@@ -369,6 +370,7 @@ class RequestRecord:
     output_tokens: int = 0  # generated tokens (real tokens: scaled back)
     turn_started: float = 0.0  # when the current segment's turn arrived (arrival or tool result)
     turn_ttfts: list[float] = field(default_factory=list)  # per segment: its turn's first token - turn_started
+    turn_starts: list[float] = field(default_factory=list)  # per segment: turn_started
 
     def completion_time(self) -> float:
         return self.finish - self.arrival if self.finish is not None else math.inf
