@@ -637,7 +637,6 @@ class InferCeptPolicy(InferCeptPaperPolicy):
     supports (benchmarks/README.md, "Beyond the paper"); `infercept-paper` without them."""
 
     name = "infercept"
-    priority = "las"
     expected_waste = True
 
 
