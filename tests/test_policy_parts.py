@@ -2,16 +2,13 @@
 order (`Policy.priority`), expected waste over the remaining-time distribution, and their names."""
 from __future__ import annotations
 
-import math
-
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from infercept.engine.policy import (POLICIES, DurationEstimator, IterationInfo, KVAction, PausedInfo, Profile,
+from infercept.engine.policy import (DurationEstimator, IterationInfo, KVAction, PausedInfo, Profile,
                                      make_policy, min_waste_plan)
-from infercept.engine.policy.decisions import (InferCeptPaperPolicy, best_ttl_waste, expected_swap_waste,
-                                               expected_waste_guard, score_expected)
+from infercept.engine.policy.decisions import InferCeptPaperPolicy, best_ttl_waste, expected_swap_waste
 from infercept.engine.simulation import SimulatedEngine
 
 

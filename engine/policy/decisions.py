@@ -614,7 +614,8 @@ class InferCeptPaperPolicy(Policy):
         return min_waste_plan(paused, iteration, profile)
 
     def preserve_guard(self, info, iteration, profile):
-        """With ``expected_waste``: `expected_waste_guard`. Otherwise: preserve beats chunked discard (Eq. 4) whatever the recompute chunk while
+        """With ``expected_waste``: `expected_waste_guard`. Otherwise: preserve beats chunked discard
+        (Eq. 4) whatever the recompute chunk while
         ``T_int < T_fwd(C) / 2 + b · C_other`` with ``b = min over n of n · T_fwd(C / n) / C``; the
         guard takes half of this iteration's ``C_other`` as a floor (so the running batch may shrink to
         half before the request is planned again). No swap is worth it while both the expected time and

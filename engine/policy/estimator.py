@@ -19,6 +19,10 @@ Rules, first that applies:
    run for t seconds is expected to run about t more). It makes a fresh interception cheap to preserve and
    a long one increasingly expensive, and the paper measures it at 93% of an oracle.
 
+`DurationEstimator.remaining` gives the same rules as a distribution (the history's survivors less the
+elapsed time; a hint or the elapsed time as one point), for the expected-waste decisions
+(`decisions.expected_waste_plan`).
+
 Why history matters: with rule 3 alone a 1 ms calculator and a 30 s human turn look the same when they
 start; with history the human turn is swapped or discarded at once and the calculator is never moved.
 """
