@@ -58,7 +58,8 @@ GIB = 1024 ** 3
 # The default `infercept` is one of these combinations (its class attributes; the README says which),
 # so it is not run a second time under its own name.
 POLICIES = ("infercept-paper", "infercept-paper+program-arrival-priority", "infercept-paper+las-priority",
-            "infercept-paper+expected-waste", "infercept-paper+las-priority+expected-waste", "prefix-cache")
+            "infercept-paper+expected-waste", "infercept-paper+prefetch",
+            "infercept-paper+las-priority+expected-waste+prefetch", "prefix-cache")
 WORKLOADS = ("mix@14", "mix@20", "burst", "burst240", "burst-cpu", "approval@10")
 
 
@@ -175,8 +176,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--policies", nargs="+", default=list(POLICIES))
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    p.add_argument("--window", type=float, default=300.0, help="arrival window of mix@R / approval@R (s)")
-    p.add_argument("--drain", type=float, default=600.0, help="time after the window for programs to finish (s)")
+    p.add_argument("--window", type=float, default=200.0, help="arrival window of mix@R / approval@R (s)")
+    p.add_argument("--drain", type=float, default=400.0, help="time after the window for programs to finish (s)")
     p.add_argument("--token-scale", type=int, default=16)
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--out", type=Path, default=RESULTS / "parts_sim.json")

@@ -105,5 +105,11 @@ class Request:
         return self.tool_calls[0].name if self.tool_calls else None
 
     @property
+    def duration_key(self) -> str | None:
+        """Whose duration history the interception's estimate reads and its duration joins: the tool
+        called, else the interception's kind (a stop marked as an interception, a simulated tool)."""
+        return self.tool_name or (self.intercept.kind if self.intercept else None)
+
+    @property
     def finish_reason(self) -> str | None:
         return self.status.value if self.status.finished else None

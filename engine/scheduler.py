@@ -42,6 +42,7 @@ from .outputs import RunnerOutput, ScheduledChunk, SchedulerOutput
 from .paused_kv import PausedKV, kv_state
 from .policy import (DurationEstimator, IterationInfo, KVAction, PausedInfo, Policy, Profile,
                      split_swap_budget, swap_room)
+from .policy.decisions import resume_imminent
 from .request import Request, RequestStatus
 
 
@@ -81,6 +82,8 @@ class Scheduler:
         # Paused since the policy last planned: the engine owes them a step even when nothing else
         # runs, so a decision made at the interception (discard, swap out) never waits for new work.
         self._undecided: set[str] = set()
+        # Paused requests whose host KV was brought back before their resume (`Policy.prefetch`).
+        self._prefetched: set[str] = set()
 
     # -- admission, pause, resume, removal ---------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -116,6 +119,7 @@ class Scheduler:
         self.paused.pop(request.request_id, None)
         self.paused_kv.remove(request.request_id)
         self._undecided.discard(request.request_id)
+        self._prefetched.discard(request.request_id)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a request in any state and release its blocks."""
@@ -148,9 +152,9 @@ class Scheduler:
         self.decide_fresh_pause(request_id)
         request = self.paused.pop(request_id)
         self.paused_kv.remove(request_id)
+        self._prefetched.discard(request_id)
         now = self.clock()
-        self.estimator.observe(request.tool_name or (request.intercept.kind if request.intercept else None),
-                               now - request.paused_at)
+        self.estimator.observe(request.duration_key, now - request.paused_at)
         request.token_ids += appended_token_ids
         request.turn_start = len(request.token_ids)
         request.output_logprobs = []  # per turn, like the generated tokens
@@ -289,11 +293,11 @@ class Scheduler:
             return PausedInfo(r.request_id, r.arrival_time, r.num_tokens, self._kv_state(r), device, 0.0, 0.0)
         now = self.clock()
         hint = r.intercept.expected_s if r.intercept else None
-        expected = self.estimator.estimate(now, r.paused_at, r.tool_name, hint)
-        remaining = (self.estimator.remaining(now, r.paused_at, r.tool_name, hint)
+        expected = self.estimator.estimate(now, r.paused_at, r.duration_key, hint)
+        remaining = (self.estimator.remaining(now, r.paused_at, r.duration_key, hint)
                      if self.policy is not None and self.policy.expected_waste else None)
         return PausedInfo(r.request_id, r.arrival_time, r.num_tokens, self._kv_state(r), device,
-                          now - r.paused_at, expected, remaining)
+                          now - r.paused_at, expected, remaining, r.request_id in self._prefetched)
 
     def _plan_paused(self, out: SchedulerOutput, swap_in_demand: int) -> int | None:
         """Apply the policy's decisions to paused requests; returns the swap-in budget in tokens."""
@@ -336,7 +340,7 @@ class Scheduler:
             return  # planned again next step
         now = request.paused_at + info.elapsed_s
         hint = request.intercept.expected_s if request.intercept else None
-        jump = self.estimator.next_jump(now, request.paused_at, request.tool_name, hint)
+        jump = self.estimator.next_jump(now, request.paused_at, request.duration_key, hint)
 
         def wake(bound: float) -> float:
             if bound == math.inf:
@@ -344,8 +348,8 @@ class Scheduler:
             return min(now + max(bound - info.expected_s, 0.0), jump) - WAKE_EARLY_S
 
         self.paused_kv.settle(request.request_id, wake(guard.expected_s), wake(guard.swap_expected_s),
-                              guard.swap_iteration_s, guard.min_running_tokens, request.tool_name,
-                              self.estimator.version(request.tool_name))
+                              guard.swap_iteration_s, guard.min_running_tokens, request.duration_key,
+                              self.estimator.version(request.duration_key))
 
     def _iteration_info(self, swap_out_budget: int) -> IterationInfo:
         running_tokens = sum(r.num_computed_tokens for r in self.running)
@@ -360,7 +364,7 @@ class Scheduler:
         else:
             out.num_discarded_tokens += self._discard(request)
 
-    def _swap_in(self, out: SchedulerOutput, budget_tokens: int | None) -> None:
+    def _swap_in(self, out: SchedulerOutput, budget_tokens: int | None) -> int | None:
         """Bring swapped requests' KV back, oldest first, within the swap-in budget. A resumed request
         is running work: like a running request it may take paused requests' device KV for room."""
         bs = self.blocks.block_size
@@ -385,6 +389,42 @@ class Scheduler:
                 self._enqueue(self.running, request, RequestStatus.RUNNING)
             if budget == 0 or self.blocks.num_free_blocks == 0:
                 break
+        return budget
+
+    def _prefetch_candidates(self) -> list[tuple[Request, int]]:
+        """Paused requests with KV on the host whose resume looks imminent (`resume_imminent`), soonest
+        first, with their host tokens: the policy's proactive swap-in (`Policy.prefetch`). A walk over
+        the paused requests holding host KV, only under a policy that prefetches."""
+        if self.policy is None or self.profile is None or not self.policy.prefetch or not self.paused_kv.host_tokens:
+            return []
+        iteration_s = self.profile.t_fwd(self._last_batched_tokens)
+        due = []
+        for r in self.paused.values():
+            host = self.kv_tokens(r)[1]
+            if host:
+                info = self._paused_info(r)
+                if resume_imminent(info, self.profile, iteration_s, host):
+                    due.append((info.expected_s, r, host))
+        due.sort(key=lambda x: (x[0], x[1].priority))
+        return [(r, host) for _, r, host in due]
+
+    def _prefetch(self, out: SchedulerOutput, due: list[tuple[Request, int]], budget_blocks: int | None) -> None:
+        """Swap in what this step's swap-in budget has left of paused requests' host KV, into device
+        blocks nothing scheduled in this step needs, keeping one free block per running request for its
+        next token. A wrong guess costs the budget: the plan may move the KV out again."""
+        if budget_blocks is None:
+            return  # no forward pass to hide the copy behind
+        spare = self.blocks.num_free_blocks - len(self.running)
+        for request, _ in due:
+            n = min(self.blocks.num_host_blocks_of(request.request_id), budget_blocks, spare)
+            if n <= 0:
+                break
+            out.swap_in += self.blocks.swap_in(request.request_id, n)
+            self._swapped_in_this_step.add(request.request_id)
+            self._prefetched.add(request.request_id)
+            self._kv_moved(request)
+            budget_blocks -= n
+            spare -= n
 
     def _growth_blocks(self, swapping_in: Request) -> int:
         """Device blocks a swapping-in request must leave free besides its own KV: what the running
@@ -517,10 +557,12 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(chunks=[])
         swap_in_demand = sum(self.kv_tokens(r)[1] for r in self.swapped)
+        prefetch = self._prefetch_candidates()
+        swap_in_demand += sum(host for _, host in prefetch)
         swap_in_budget = self._plan_paused(out, swap_in_demand)
         out.num_fresh_pauses_planned, self._undecided = len(self._undecided), set()
         self._swapped_in_this_step.clear()
-        self._swap_in(out, swap_in_budget)
+        prefetch_blocks = self._swap_in(out, swap_in_budget)
 
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
@@ -551,6 +593,8 @@ class Scheduler:
 
         budget = self._admit_waiting(out, scheduled, budget)
 
+        if prefetch and prefetch_blocks:
+            self._prefetch(out, prefetch, prefetch_blocks)
         for r, n in scheduled:
             start = r.num_computed_tokens
             out.num_recomputed_tokens += max(0, min(start + n, r.num_computed_high) - start)

@@ -231,3 +231,46 @@ def test_las_key_counts_service_and_program_arrival_survives_a_requeue():
     requeued.arrival_time = 99.0  # prefix-cache's resume: a new request at the tail
     assert sched("prefix-cache+program-arrival-priority")._priority(requeued) == (1.0,)
     assert sched("prefix-cache")._priority(requeued) == (99.0,)
+
+
+# -- proactive swap-in ------------------------------------------------------------------------------
+
+def test_prefetched_kv_stays_while_its_resume_looks_imminent():
+    """At 1 MB/s T_swap(200) = 2 ms: a resume expected in 5 ms (< 2 ms + the 10 ms iteration) is
+    imminent. The paper's plan swaps such a request out (its 10 ms iteration exceeds the 4 ms round
+    trip); with prefetch, KV brought back for it stays, and a request that was not prefetched is
+    planned as before."""
+    from infercept.engine.policy.decisions import resume_imminent
+    p, it = toy_profile(), IterationInfo(300, 50, swap_out_budget=1000)
+    back = PausedInfo("a", 0.0, 200, "device", 200, 0.5, 0.005, prefetched=True)
+    assert resume_imminent(back, p, p.t_fwd(50), 200)
+    assert not resume_imminent(PausedInfo("b", 0.0, 200, "host", 0, 0.5, 0.02), p, p.t_fwd(50), 200)
+    assert make_policy("infercept-paper").plan([back], it, p).action("a") is KVAction.SWAP_OUT
+    prefetching = make_policy("infercept-paper+prefetch")
+    assert prefetching.plan([back], it, p).action("a") is KVAction.PRESERVE
+    assert prefetching.preserve_guard(back, it, p) is None  # planned every step while it is kept
+    not_back = PausedInfo("c", 0.0, 200, "device", 200, 0.5, 0.005)
+    assert prefetching.plan([back, not_back], it, p).ids(KVAction.SWAP_OUT) == ["c"]
+
+
+def _fixed_tool_agents(n, gap):
+    return [{"id": f"a{i}", "augment": "t", "arrival": gap * i, "prompt_tokens": 1000,
+             "segments": [{"decode_tokens": 32,
+                           "interception": {"kind": "tool", "tool": "t", "duration_s": 0.5} if j < 4 else None,
+                           "returned_tokens": 32 if j < 4 else 0} for j in range(5)]} for i in range(n)]
+
+
+def test_prefetch_brings_predictable_resumes_back_before_they_arrive():
+    """Eight agents on the H100 profile, a tool that always takes 0.5 s: min-waste swaps every paused
+    context out (the copies hide behind the iterations), so no resume finds its KV on the device; with
+    proactive swap-in every resume after the tool's first three calls (the history it needs) does."""
+    from infercept.engine.policy.profile import h100_llama3_8b
+    shares = {}
+    for name in ("infercept-paper", "infercept-paper+prefetch"):
+        engine = SimulatedEngine(name, h100_llama3_8b(), num_device_blocks=4000, num_host_blocks=4000)
+        result = engine.run_trace(_fixed_tool_agents(8, 0.3))
+        assert result.num_finished == 8
+        engine.block_manager.check_integrity()
+        shares[name] = engine.num_resumes_on_device / engine.num_resumes
+    assert shares["infercept-paper"] == 0.0
+    assert shares["infercept-paper+prefetch"] >= 27 / 32

@@ -68,6 +68,8 @@ class PausedInfo:
     # that outlasted `elapsed_s`, less `elapsed_s`); their mean is `expected_s`. None: one point,
     # `expected_s`. Only policies with `expected_waste` read it.
     remaining_s: tuple[float, ...] | None = None
+    # Its KV was brought back toward the device before its resume (proactive swap-in, `Policy.prefetch`).
+    prefetched: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_state not in KV_STATES:
@@ -429,6 +431,12 @@ def expected_waste_guard(info: PausedInfo, iteration: IterationInfo, profile: Pr
                          min_running_tokens=floor)
 
 
+def resume_imminent(info: PausedInfo, profile: Profile, iteration_s: float, host_tokens: int) -> bool:
+    """Proactive swap-in (issue 22, item 2): the expected remaining pause is below the time to copy
+    `host_tokens` back plus one iteration, so a swap-in started now is done when the result arrives."""
+    return info.expected_s < profile.t_swap(host_tokens, "in") + iteration_s
+
+
 # -- policies -------------------------------------------------------------------------------------
 
 class Policy:
@@ -458,6 +466,9 @@ class Policy:
     - ``expected_waste``: decide by expected waste over the remaining-time distribution, with re-queue
       delays (`expected_waste_plan`; issue 22, item 1), instead of Eq. 2 at the mean. Only the
       min-waste policies read it.
+    - ``prefetch``: proactive swap-in (issue 22, item 2): a paused request whose KV is on the host starts
+      coming back within the swap-in budget once its resume looks imminent (`resume_imminent`), and the
+      plan keeps what came back on the device while it still does. Only the min-waste policies read it.
     """
 
     name: ClassVar[str] = ""
@@ -468,9 +479,10 @@ class Policy:
     preemption: str = "recompute"
     priority: str = "arrival"
     expected_waste: bool = False
+    prefetch: bool = False
 
     def __init__(self, *, lazy_discard: bool | None = None, preemption: str | None = None,
-                 priority: str | None = None, expected_waste: bool | None = None):
+                 priority: str | None = None, expected_waste: bool | None = None, prefetch: bool | None = None):
         if lazy_discard is not None:
             self.lazy_discard = lazy_discard  # per-instance override, e.g. for ablations
         if preemption is not None:
@@ -483,6 +495,8 @@ class Policy:
             self.priority = priority
         if expected_waste is not None:
             self.expected_waste = expected_waste
+        if prefetch is not None:
+            self.prefetch = prefetch
 
     def plan(self, paused: Sequence[PausedInfo], iteration: IterationInfo, profile: Profile) -> KVPlan:
         raise NotImplementedError
@@ -516,6 +530,8 @@ class Policy:
             parts.append(f"{self.priority}-priority")
         if self.expected_waste != cls.expected_waste:
             parts.append("expected-waste" if self.expected_waste else "mean-waste")
+        if self.prefetch != cls.prefetch:
+            parts.append("prefetch" if self.prefetch else "no-prefetch")
         return "+".join([self.name, *parts])
 
     def __repr__(self) -> str:
@@ -609,9 +625,20 @@ class InferCeptPaperPolicy(Policy):
     preemption = "swap"
 
     def plan(self, paused, iteration, profile):
-        if self.expected_waste:
-            return expected_waste_plan(paused, iteration, profile)
-        return min_waste_plan(paused, iteration, profile)
+        held: dict[str, KVDecision] = {}
+        if self.prefetch:
+            # Prefetched KV whose resume still looks imminent stays: swapping it out again would undo
+            # the prefetch for nothing.
+            iteration_s = profile.t_fwd(iteration.num_batched_tokens)
+            for p in _holding_device(paused):
+                if p.prefetched and resume_imminent(p, profile, iteration_s, p.num_tokens):
+                    held[p.request_id] = KVDecision(p.request_id, KVAction.PRESERVE)
+        plan = (expected_waste_plan if self.expected_waste else min_waste_plan)(
+            [p for p in paused if p.request_id not in held], iteration, profile)
+        if not held:
+            return plan
+        held.update((d.request_id, d) for d in plan)
+        return _in_input_order(paused, held)
 
     def preserve_guard(self, info, iteration, profile):
         """With ``expected_waste``: `expected_waste_guard`. Otherwise: preserve beats chunked discard
@@ -621,6 +648,8 @@ class InferCeptPaperPolicy(Policy):
         half before the request is planned again). No swap is worth it while both the expected time and
         the iteration stay below the round trip (`worth_swapping`). The factor below 1 keeps the bound
         strict under float rounding."""
+        if self.prefetch and info.prefetched:
+            return None  # planned every iteration while it may be kept for its resume
         if self.expected_waste:
             return expected_waste_guard(info, iteration, profile)
         if info.kv_state == "partial":
@@ -712,7 +741,7 @@ FIGURE3_ABLATION = ("vllm", "improved-discard", "chunked-discard", "budgeted-swa
 
 # The parts a policy name may add after "+", each switching one thing (`Policy` attributes).
 VARIANTS = tuple(f"{p}-preemption" for p in PREEMPTIONS) + tuple(f"{p}-priority" for p in PRIORITIES) + (
-    "expected-waste", "mean-waste")
+    "expected-waste", "mean-waste", "prefetch", "no-prefetch")
 
 
 def _variant(part: str) -> tuple[str, object]:
@@ -722,6 +751,8 @@ def _variant(part: str) -> tuple[str, object]:
         return "priority", part.removesuffix("-priority")
     if part in ("expected-waste", "mean-waste"):
         return "expected_waste", part == "expected-waste"
+    if part in ("prefetch", "no-prefetch"):
+        return "prefetch", part == "prefetch"
     raise ValueError(f"unknown policy variant {part!r}; use {', '.join('+' + v for v in VARIANTS)}")
 
 
