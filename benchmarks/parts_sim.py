@@ -55,11 +55,11 @@ RESULTS = HERE / "results" / "parts_sim_2026-11-24"
 CPU_PROFILE = RESULTS / "cpu_profile.json"
 GIB = 1024 ** 3
 
-# The default `infercept` is one of these combinations (its class attributes; the README says which),
-# so it is not run a second time under its own name.
+# Each part alone, all of them, the default `infercept` (infercept-paper+expected-waste+prefetch), and
+# today's servers.
 POLICIES = ("infercept-paper", "infercept-paper+program-arrival-priority", "infercept-paper+las-priority",
             "infercept-paper+expected-waste", "infercept-paper+prefetch",
-            "infercept-paper+las-priority+expected-waste+prefetch", "prefix-cache")
+            "infercept-paper+las-priority+expected-waste+prefetch", "infercept", "prefix-cache")
 WORKLOADS = ("mix@14", "mix@20", "burst", "burst240", "burst-cpu", "approval@10")
 
 

@@ -54,9 +54,10 @@ def test_default_infercept_is_a_measured_combination_of_parts():
     there (under the combination's name) is the default's."""
     default = make_policy("infercept")
     assert isinstance(default, InferCeptPaperPolicy)
-    combination = make_policy("infercept-paper+expected-waste")
-    assert (default.priority, default.expected_waste, default.preemption, default.lazy_discard) == \
-        (combination.priority, combination.expected_waste, combination.preemption, combination.lazy_discard)
+    combination = make_policy("infercept-paper+expected-waste+prefetch")
+    assert (default.priority, default.expected_waste, default.prefetch, default.preemption, default.lazy_discard) == \
+        (combination.priority, combination.expected_waste, combination.prefetch, combination.preemption,
+         combination.lazy_discard)
 
 
 @settings(max_examples=100, deadline=None)
