@@ -401,7 +401,9 @@ class Scheduler:
         due = []
         for r in self.paused.values():
             host = self.kv_tokens(r)[1]
-            if host:
+            hint = r.intercept.expected_s if r.intercept else None
+            # Only a prediction (a hint, the tool's history) can say a resume is near.
+            if host and self.estimator.predicts(self.clock(), r.paused_at, r.duration_key, hint):
                 info = self._paused_info(r)
                 if resume_imminent(info, self.profile, iteration_s, host):
                     due.append((info.expected_s, r, host))

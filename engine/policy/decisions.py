@@ -467,7 +467,8 @@ class Policy:
       delays (`expected_waste_plan`; issue 22, item 1), instead of Eq. 2 at the mean. Only the
       min-waste policies read it.
     - ``prefetch``: proactive swap-in (issue 22, item 2): a paused request whose KV is on the host starts
-      coming back within the swap-in budget once its resume looks imminent (`resume_imminent`), and the
+      coming back within the swap-in budget once its resume looks imminent (`resume_imminent`, on an
+      estimate from a hint or the tool's history: `DurationEstimator.predicts`), and the
       plan keeps what came back on the device while it still does. Only the min-waste policies read it.
     """
 

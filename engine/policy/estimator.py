@@ -105,6 +105,15 @@ class DurationEstimator:
                     return survivors
         return (elapsed,)
 
+    def predicts(self, now: float, call_start: float, tool_name: str | None = None,
+                 hint_seconds: float | None = None) -> bool:
+        """True if `estimate` rests on a hint or on history (rules 1-2), not on the elapsed time alone:
+        only a prediction can say a resume is near (rule 3 says a fresh pause ends at once)."""
+        elapsed = max(now - call_start, 0.0)
+        if hint_seconds is not None and elapsed < hint_seconds:
+            return True
+        return tool_name is not None and self._mean_residual(tool_name, elapsed) is not None
+
     def next_jump(self, now: float, call_start: float, tool_name: str | None = None,
                   hint_seconds: float | None = None) -> float:
         """The first time after `now` at which `estimate` may jump up (math.inf: never, until the tool's
