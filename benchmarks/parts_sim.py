@@ -24,7 +24,7 @@ within the window, p50 / p90 completion time (finish - arrival; unfinished = inf
 resumed-step TTFT, share of resumes that found their KV on the device, recompute share of modeled
 forward time, held memory waste.
 
-    python benchmarks/parts_sim.py                                   # the default matrix, ~15 min, --jobs 2
+    python benchmarks/parts_sim.py                                   # the default matrix, ~8 min, --jobs 2
     python benchmarks/parts_sim.py --table benchmarks/results/parts_sim_2026-11-24/parts_sim.json
     python benchmarks/parts_sim.py --workloads burst --seeds 0 --policies infercept-paper prefix-cache
 """
