@@ -60,7 +60,8 @@ class PausedKV:
         self.discarded_tokens = 0
         self.count_by_state = dict.fromkeys(PAUSED_KV_STATES, 0)
         self._live: set[str] = set()  # holders planned every step
-        self._newest: list[tuple[float, int, str]] = []  # (-arrival, seq, id) of holders, lazily pruned
+        # (-priority elementwise, seq, id) of holders, lazily pruned: the last in queue order on top
+        self._newest: list[tuple[tuple, int, str]] = []
         # Wakes of settled holders, lazily pruned by version: (time or seconds, seq, id, version).
         self._expected_wake: list[tuple[float, int, str, int]] = []
         self._swap_wake: list[tuple[float, int, str, int]] = []
@@ -100,7 +101,7 @@ class PausedKV:
         if device:
             self._live.add(request_id)
             if not was_holder:
-                heapq.heappush(self._newest, (-e.request.arrival_time, e.seq, request_id))
+                heapq.heappush(self._newest, (tuple(-x for x in e.request.priority), e.seq, request_id))
                 self._compact()
         else:
             self._live.discard(request_id)
@@ -126,7 +127,8 @@ class PausedKV:
         return e.device + e.host if e is not None else 0
 
     def newest_holder(self) -> Request | None:
-        """The paused request with device KV that arrived last (ties: paused first)."""
+        """The paused request with device KV that arrived last, or more generally comes last in the
+        queues' order (`Request.priority`; ties: paused first)."""
         while self._newest:
             _, seq, request_id = self._newest[0]
             e = self._entries.get(request_id)

@@ -71,11 +71,20 @@ class Request:
     # Content hashes of the context's full blocks, computed once (a context only grows at its end).
     block_hashes: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # this turn's context tokens whose KV was reused: never computed this turn
+    # Program-level priority (Policy.priority): tokens computed for this request (its program) so far,
+    # recomputed ones included; its first arrival, kept whatever arrival_time becomes; and the key the
+    # scheduler's queues are sorted by (lower first), set whenever it is queued.
+    num_service_tokens: int = 0
+    program_arrival: float | None = None
+    priority: tuple = ()
 
     def __post_init__(self):
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         self.turn_start = self.turn_start or len(self.prompt_token_ids)
+        if self.program_arrival is None:
+            self.program_arrival = self.arrival_time
+        self.priority = self.priority or (self.arrival_time,)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -97,6 +106,12 @@ class Request:
     @property
     def tool_name(self) -> str | None:
         return self.tool_calls[0].name if self.tool_calls else None
+
+    @property
+    def duration_key(self) -> str | None:
+        """Whose duration history the interception's estimate reads and its duration joins: the tool
+        called, else the interception's kind (a stop marked as an interception, a simulated tool)."""
+        return self.tool_name or (self.intercept.kind if self.intercept else None)
 
     @property
     def finish_reason(self) -> str | None:

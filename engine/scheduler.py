@@ -6,7 +6,8 @@ results) and `num_computed_tokens` (those with KV). Every step gives each schedu
 its uncomputed tokens, so prefill, chunked prefill, decode, resume and recompute after a discard are
 one path.
 
-A step, in order (three queues, each FCFS by arrival time, paper §4.3):
+A step, in order (three queues, each FCFS by arrival time, paper §4.3, or by another program-level
+order the policy names: `Policy.priority`, `Request.priority`):
   1. paused requests: the policy decides preserve / swap out / discard (`policy.plan`) for those
      holding device KV whose decision could differ from last time (fresh pauses, swaps in progress,
      preserved ones whose `PreserveGuard` may be crossed: `paused_kv.py`), so waiting agents cost a
@@ -41,6 +42,7 @@ from .outputs import RunnerOutput, ScheduledChunk, SchedulerOutput
 from .paused_kv import PausedKV, kv_state
 from .policy import (DurationEstimator, IterationInfo, KVAction, PausedInfo, Policy, Profile,
                      split_swap_budget, swap_room)
+from .policy.decisions import resume_imminent
 from .request import Request, RequestStatus
 
 
@@ -49,8 +51,9 @@ from .request import Request, RequestStatus
 WAKE_EARLY_S = 1e-6
 
 
-def _by_arrival(r: Request) -> float:
-    return r.arrival_time
+def _by_priority(r: Request) -> tuple:
+    """Queue order (`Request.priority`, set by `Scheduler._enqueue` from `Policy.priority`): lower first."""
+    return r.priority
 
 
 class Scheduler:
@@ -64,7 +67,7 @@ class Scheduler:
         self.profile = profile
         self.clock = clock
         self.estimator = estimator or DurationEstimator()
-        self.waiting: list[Request] = []  # each queue sorted by arrival_time
+        self.waiting: list[Request] = []  # each queue sorted by priority (arrival time by default)
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.paused: dict[str, Request] = {}
@@ -79,6 +82,8 @@ class Scheduler:
         # Paused since the policy last planned: the engine owes them a step even when nothing else
         # runs, so a decision made at the interception (discard, swap out) never waits for new work.
         self._undecided: set[str] = set()
+        # Paused requests whose host KV was brought back before their resume (`Policy.prefetch`).
+        self._prefetched: set[str] = set()
 
     # -- admission, pause, resume, removal ---------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -88,10 +93,21 @@ class Scheduler:
         request.num_cached_tokens = request.num_tokens  # nothing computed yet; admission lowers it
         self._enqueue(self.waiting, request, RequestStatus.WAITING)
 
-    @staticmethod
-    def _enqueue(queue: list[Request], request: Request, status: RequestStatus) -> None:
+    def _enqueue(self, queue: list[Request], request: Request, status: RequestStatus) -> None:
         request.status = status
-        bisect.insort(queue, request, key=_by_arrival)
+        request.priority = self._priority(request)
+        bisect.insort(queue, request, key=_by_priority)
+
+    def _priority(self, request: Request) -> tuple:
+        """The request's place in every queue, by the policy's program-level rule (`Policy.priority`),
+        fixed while it stays queued: its service counts what was computed before it was queued, so the
+        running queue keeps its order as it computes."""
+        rule = self.policy.priority if self.policy is not None else "arrival"
+        if rule == "las":
+            return (request.num_service_tokens, request.program_arrival)
+        if rule == "program-arrival":
+            return (request.program_arrival,)
+        return (request.arrival_time,)
 
     def _dequeue(self, request: Request) -> None:
         """Take the request out of the queue its status names (only that one: a long waiting queue
@@ -103,6 +119,7 @@ class Scheduler:
         self.paused.pop(request.request_id, None)
         self.paused_kv.remove(request.request_id)
         self._undecided.discard(request.request_id)
+        self._prefetched.discard(request.request_id)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a request in any state and release its blocks."""
@@ -135,9 +152,9 @@ class Scheduler:
         self.decide_fresh_pause(request_id)
         request = self.paused.pop(request_id)
         self.paused_kv.remove(request_id)
+        self._prefetched.discard(request_id)
         now = self.clock()
-        self.estimator.observe(request.tool_name or (request.intercept.kind if request.intercept else None),
-                               now - request.paused_at)
+        self.estimator.observe(request.duration_key, now - request.paused_at)
         request.token_ids += appended_token_ids
         request.turn_start = len(request.token_ids)
         request.output_logprobs = []  # per turn, like the generated tokens
@@ -275,10 +292,12 @@ class Scheduler:
         if r.paused_at is None:
             return PausedInfo(r.request_id, r.arrival_time, r.num_tokens, self._kv_state(r), device, 0.0, 0.0)
         now = self.clock()
-        expected = self.estimator.estimate(now, r.paused_at, r.tool_name,
-                                           r.intercept.expected_s if r.intercept else None)
+        hint = r.intercept.expected_s if r.intercept else None
+        expected = self.estimator.estimate(now, r.paused_at, r.duration_key, hint)
+        remaining = (self.estimator.remaining(now, r.paused_at, r.duration_key, hint)
+                     if self.policy is not None and self.policy.expected_waste else None)
         return PausedInfo(r.request_id, r.arrival_time, r.num_tokens, self._kv_state(r), device,
-                          now - r.paused_at, expected)
+                          now - r.paused_at, expected, remaining, r.request_id in self._prefetched)
 
     def _plan_paused(self, out: SchedulerOutput, swap_in_demand: int) -> int | None:
         """Apply the policy's decisions to paused requests; returns the swap-in budget in tokens."""
@@ -321,7 +340,7 @@ class Scheduler:
             return  # planned again next step
         now = request.paused_at + info.elapsed_s
         hint = request.intercept.expected_s if request.intercept else None
-        jump = self.estimator.next_jump(now, request.paused_at, request.tool_name, hint)
+        jump = self.estimator.next_jump(now, request.paused_at, request.duration_key, hint)
 
         def wake(bound: float) -> float:
             if bound == math.inf:
@@ -329,8 +348,8 @@ class Scheduler:
             return min(now + max(bound - info.expected_s, 0.0), jump) - WAKE_EARLY_S
 
         self.paused_kv.settle(request.request_id, wake(guard.expected_s), wake(guard.swap_expected_s),
-                              guard.swap_iteration_s, guard.min_running_tokens, request.tool_name,
-                              self.estimator.version(request.tool_name))
+                              guard.swap_iteration_s, guard.min_running_tokens, request.duration_key,
+                              self.estimator.version(request.duration_key))
 
     def _iteration_info(self, swap_out_budget: int) -> IterationInfo:
         running_tokens = sum(r.num_computed_tokens for r in self.running)
@@ -345,7 +364,7 @@ class Scheduler:
         else:
             out.num_discarded_tokens += self._discard(request)
 
-    def _swap_in(self, out: SchedulerOutput, budget_tokens: int | None) -> None:
+    def _swap_in(self, out: SchedulerOutput, budget_tokens: int | None) -> int | None:
         """Bring swapped requests' KV back, oldest first, within the swap-in budget. A resumed request
         is running work: like a running request it may take paused requests' device KV for room."""
         bs = self.blocks.block_size
@@ -370,6 +389,44 @@ class Scheduler:
                 self._enqueue(self.running, request, RequestStatus.RUNNING)
             if budget == 0 or self.blocks.num_free_blocks == 0:
                 break
+        return budget
+
+    def _prefetch_candidates(self) -> list[tuple[Request, int]]:
+        """Paused requests with KV on the host whose resume looks imminent (`resume_imminent`), soonest
+        first, with their host tokens: the policy's proactive swap-in (`Policy.prefetch`). A walk over
+        the paused requests holding host KV, only under a policy that prefetches."""
+        if self.policy is None or self.profile is None or not self.policy.prefetch or not self.paused_kv.host_tokens:
+            return []
+        iteration_s = self.profile.t_fwd(self._last_batched_tokens)
+        due = []
+        for r in self.paused.values():
+            host = self.kv_tokens(r)[1]
+            hint = r.intercept.expected_s if r.intercept else None
+            # Only a prediction (a hint, the tool's history) can say a resume is near.
+            if host and self.estimator.predicts(self.clock(), r.paused_at, r.duration_key, hint):
+                info = self._paused_info(r)
+                if resume_imminent(info, self.profile, iteration_s, host):
+                    due.append((info.expected_s, r, host))
+        due.sort(key=lambda x: (x[0], x[1].priority))
+        return [(r, host) for _, r, host in due]
+
+    def _prefetch(self, out: SchedulerOutput, due: list[tuple[Request, int]], budget_blocks: int | None) -> None:
+        """Swap in what this step's swap-in budget has left of paused requests' host KV, into device
+        blocks nothing scheduled in this step needs, keeping one free block per running request for its
+        next token. A wrong guess costs the budget: the plan may move the KV out again."""
+        if budget_blocks is None:
+            return  # no forward pass to hide the copy behind
+        spare = self.blocks.num_free_blocks - len(self.running)
+        for request, _ in due:
+            n = min(self.blocks.num_host_blocks_of(request.request_id), budget_blocks, spare)
+            if n <= 0:
+                break
+            out.swap_in += self.blocks.swap_in(request.request_id, n)
+            self._swapped_in_this_step.add(request.request_id)
+            self._prefetched.add(request.request_id)
+            self._kv_moved(request)
+            budget_blocks -= n
+            spare -= n
 
     def _growth_blocks(self, swapping_in: Request) -> int:
         """Device blocks a swapping-in request must leave free besides its own KV: what the running
@@ -379,7 +436,7 @@ class Scheduler:
         in wasted."""
         budget, need = self.config.max_num_batched_tokens, 0
         for r in self.running:
-            if budget <= 0 or r.arrival_time >= swapping_in.arrival_time:
+            if budget <= 0 or r.priority >= swapping_in.priority:
                 break
             n = self._chunk_size(r, budget)
             need += max(self.blocks.blocks_for(r.num_computed_tokens + n) - len(self.blocks.block_table(r.request_id)), 0)
@@ -390,7 +447,7 @@ class Scheduler:
             n = self._chunk_size(swapping_in, budget)
             need += max(self.blocks.blocks_for(swapping_in.num_computed_tokens + n) - held, 0)
         newer = sum(len(self.blocks.block_table(r.request_id)) for r in self.running
-                    if r.arrival_time > swapping_in.arrival_time)
+                    if r.priority > swapping_in.priority)
         return max(need - newer, 0)
 
     def _free_paused_for_room(self, out: SchedulerOutput) -> bool:
@@ -408,13 +465,13 @@ class Scheduler:
         newer = self._swapping_in_newer_than(request)
         if not newer:
             return False
-        self._evict(out, max(newer, key=_by_arrival))
+        self._evict(out, max(newer, key=_by_priority))
         return True
 
     def _swapping_in_newer_than(self, request: Request) -> list[Request]:
         """Resumed requests newer than `request` whose KV is partly back on the device."""
         return [r for r in self.swapped
-                if r.arrival_time > request.arrival_time and self.blocks.block_table(r.request_id)]
+                if r.priority > request.priority and self.blocks.block_table(r.request_id)]
 
     def _evict(self, out: SchedulerOutput, request: Request) -> None:
         """Take a paused or swapping-in request's device KV off the device. The policy says whether it
@@ -434,13 +491,13 @@ class Scheduler:
         action = self.policy.reclaim(self._paused_info(request), self._iteration_info(0), self.profile)
         return action is KVAction.SWAP_OUT
 
-    def _owed_to_swapped(self, arrival_time: float) -> int:
-        """Device blocks that resumed requests older than `arrival_time` still need to bring their KV
+    def _owed_to_swapped(self, priority: tuple) -> int:
+        """Device blocks that resumed requests ahead of `priority` (older, by default) still need to bring their KV
         back from the host. Admission leaves them free: a newer request must not take the room an
         older resumed one waits for (three queues, one FCFS order; under pressure it would otherwise
         wait until the new work finishes)."""
         return sum(self.blocks.num_host_blocks_of(r.request_id) for r in self.swapped
-                   if r.arrival_time < arrival_time)
+                   if r.priority < priority)
 
     def _reclaim(self, out: SchedulerOutput, protect: Request) -> bool:
         """Free device blocks for a running request: paused KV goes first (it is idle), then the newest
@@ -448,7 +505,7 @@ class Scheduler:
         older one) gives way. Returns False if `protect` itself had to be preempted."""
         if self._free_paused_for_room(out):
             return True
-        victim = max(self._swapping_in_newer_than(protect) + [self.running[-1]], key=_by_arrival)
+        victim = max(self._swapping_in_newer_than(protect) + [self.running[-1]], key=_by_priority)
         if victim.status is RequestStatus.SWAPPED:
             self._evict(out, victim)
             return True
@@ -466,38 +523,16 @@ class Scheduler:
         computed = request.num_computed_tokens + len(hit) * self.blocks.block_size
         return hit, computed, self._chunk_size(request, budget, computed)
 
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(chunks=[])
-        swap_in_demand = sum(self.kv_tokens(r)[1] for r in self.swapped)
-        swap_in_budget = self._plan_paused(out, swap_in_demand)
-        out.num_fresh_pauses_planned, self._undecided = len(self._undecided), set()
-        self._swapped_in_this_step.clear()
-        self._swap_in(out, swap_in_budget)
-
-        budget = self.config.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
-        self._preempted_this_step = False
-        for request in list(self.running):
-            # max_num_seqs bounds the batch. `running` itself may hold more for a while: a request
-            # resumed with its KV on the device (or swapped back in) joins it whatever the batch size.
-            if budget <= 0 or len(scheduled) == self.config.max_num_seqs:
-                break
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            n = self._chunk_size(request, budget)
-            while not self.blocks.can_allocate(request.request_id, request.num_computed_tokens + n):
-                if not self._reclaim(out, protect=request):
-                    break
-            if request.status is not RequestStatus.RUNNING:
-                continue
-            self.blocks.allocate(request.request_id, request.num_computed_tokens + n)
-            scheduled.append((request, n))
-            budget -= n
-
-        # No admissions in a step that had to preempt: the pool is full.
+    def _admit_waiting(self, out: SchedulerOutput, scheduled: list[tuple[Request, int]], budget: int,
+                       ahead_of: tuple | None = None) -> int:
+        """Admit waiting requests in queue order while the token budget, the sequence cap and the pool
+        allow (only those ahead of `ahead_of` in queue order, if given); returns the budget left. No
+        admissions in a step that had to preempt: the pool is full."""
         while self.waiting and budget > 0 and not self._preempted_this_step and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            reserve = self._owed_to_swapped(request.arrival_time)
+            if ahead_of is not None and not request.priority < ahead_of:
+                break
+            reserve = self._owed_to_swapped(request.priority)
             while True:
                 hit, computed, n = self._admission(request, budget)
                 if (self.blocks.can_allocate(request.request_id, computed + n, hit, reserve)
@@ -519,6 +554,49 @@ class Scheduler:
             scheduled.append((request, n))
             budget -= n
 
+        return budget
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(chunks=[])
+        swap_in_demand = sum(self.kv_tokens(r)[1] for r in self.swapped)
+        prefetch = self._prefetch_candidates()
+        swap_in_demand += sum(host for _, host in prefetch)
+        swap_in_budget = self._plan_paused(out, swap_in_demand)
+        out.num_fresh_pauses_planned, self._undecided = len(self._undecided), set()
+        self._swapped_in_this_step.clear()
+        prefetch_blocks = self._swap_in(out, swap_in_budget)
+
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        self._preempted_this_step = False
+        for request in list(self.running):
+            # max_num_seqs bounds the batch. `running` itself may hold more for a while: a request
+            # resumed with its KV on the device (or swapped back in) joins it whatever the batch size.
+            if budget <= 0 or len(scheduled) == self.config.max_num_seqs:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if self.policy is not None and self.policy.priority != "arrival":
+                # One program-level order across the queues: waiting programs ahead of this running
+                # one (a new program under least attained service) get the budget first. The paper's
+                # order serves running requests first.
+                budget = self._admit_waiting(out, scheduled, budget, ahead_of=request.priority)
+                if budget <= 0 or len(scheduled) >= self.config.max_num_seqs:
+                    break
+            n = self._chunk_size(request, budget)
+            while not self.blocks.can_allocate(request.request_id, request.num_computed_tokens + n):
+                if not self._reclaim(out, protect=request):
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            self.blocks.allocate(request.request_id, request.num_computed_tokens + n)
+            scheduled.append((request, n))
+            budget -= n
+
+        budget = self._admit_waiting(out, scheduled, budget)
+
+        if prefetch and prefetch_blocks:
+            self._prefetch(out, prefetch, prefetch_blocks)
         for r, n in scheduled:
             start = r.num_computed_tokens
             out.num_recomputed_tokens += max(0, min(start + n, r.num_computed_high) - start)
@@ -550,6 +628,7 @@ class Scheduler:
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += len(chunk.token_ids)
+            request.num_service_tokens += len(chunk.token_ids)
             request.num_computed_high = max(request.num_computed_high, request.num_computed_tokens)
             request.recompute_all = False
             if self.blocks.enable_caching:

@@ -122,6 +122,8 @@ class SimulatedEngine:
         self.stats = EngineStats(bytes_per_token=profile.bytes_per_token)
         self.acc = SimAccounting()
         self._last_turn: set[str] = set()
+        self.num_resumes = 0
+        self.num_resumes_on_device = 0  # resumes that found all their computed KV on the device
         self._ids = itertools.count()
         self._prompt_serials = itertools.count()
         # How long an engine loop that cannot schedule anything takes to try again: one minimal iteration.
@@ -158,6 +160,9 @@ class SimulatedEngine:
             raise ValueError("a resume needs at least one token")
         request = self.scheduler.paused[request_id]
         request.sampling_params = _greedy(max_tokens)
+        device, host = self.scheduler.kv_tokens(request)
+        self.num_resumes += 1
+        self.num_resumes_on_device += bool(device and not host)
         self.scheduler.resume(request_id, [APPENDED_TOKEN_ID] * num_appended_tokens)
         self.stats.hold(self.clock.now(), self.paused_device_tokens())
         if request.intercept is not None and request.intercept.expected_s != expected_s:
@@ -296,6 +301,8 @@ class SimulatedEngine:
                     rec.interception_s += rec.pending_interception_s
                     rec.paused_at = None
                     rec.segment += 1
+                rec.turn_started = t
+                rec.turn_starts.append(t)
                 start_segment(rec)
 
         while True:
@@ -311,6 +318,8 @@ class SimulatedEngine:
                     rec.output_tokens += k
                     if rec.first_token is None:
                         rec.first_token = now
+                    if len(rec.turn_ttfts) == rec.segment:
+                        rec.turn_ttfts.append(now - rec.turn_started)
                 for request in result.paused:
                     rec = records[request.request_id]
                     duration = float(rec.spec["segments"][rec.segment]["interception"]["duration_s"])
@@ -339,7 +348,7 @@ class SimulatedEngine:
             self.abort(rid)  # unfinished at `until`: release everything
         window = window if window is not None else max((r.arrival for r in records.values()), default=0.0)
         return TraceResult(self.policy_name, list(records.values()), self.stats, self.acc, end, window,
-                           self.device_pool_bytes, k)
+                           self.device_pool_bytes, k, self.num_resumes, self.num_resumes_on_device)
 
 
 def _greedy(max_tokens: int) -> SamplingParams:
@@ -359,6 +368,12 @@ class RequestRecord:
     paused_at: float | None = None  # in an interception since
     pending_interception_s: float = 0.0
     output_tokens: int = 0  # generated tokens (real tokens: scaled back)
+    turn_started: float = 0.0  # when the current segment's turn arrived (arrival or tool result)
+    turn_ttfts: list[float] = field(default_factory=list)  # per segment: its turn's first token - turn_started
+    turn_starts: list[float] = field(default_factory=list)  # per segment: turn_started
+
+    def completion_time(self) -> float:
+        return self.finish - self.arrival if self.finish is not None else math.inf
 
     def normalized_latency(self, end: float) -> float:
         """(e2e - interception time) / output tokens; unfinished requests up to `end`."""
@@ -381,6 +396,8 @@ class TraceResult:
     window: float  # arrival window
     device_pool_bytes: int
     token_scale: int = 1
+    num_resumes: int = 0
+    num_resumes_on_device: int = 0
 
     @property
     def num_finished(self) -> int:
@@ -412,7 +429,25 @@ class TraceResult:
             "steps": self.stats.num_steps,
             "duration_s": self.duration,
             "output_tokens": sum(r.output_tokens for r in recs),
+            # Program view (issue 22): completion time = finish - arrival (unfinished: infinite, so an
+            # overloaded system shows as such); resumed-step TTFT = a resumed turn's first token - the
+            # tool result's arrival; first-turn TTFT alone (the new programs' wait).
+            "completion_p50": _quantile([r.completion_time() for r in recs], 0.5),
+            "completion_p90": _quantile([r.completion_time() for r in recs], 0.9),
+            "first_ttft_median": _quantile([r.turn_ttfts[0] for r in recs if r.turn_ttfts], 0.5),
+            "resumed_ttft_median": _quantile([t for r in recs for t in r.turn_ttfts[1:]], 0.5),
+            "resumed_ttft_p90": _quantile([t for r in recs for t in r.turn_ttfts[1:]], 0.9),
+            "resumes_on_device_share": (self.num_resumes_on_device / self.num_resumes
+                                        if self.num_resumes else None),
         }
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    """The q-quantile (nearest rank, so infinite values stay infinite); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(math.ceil(q * len(ordered)) - 1, len(ordered) - 1) if q > 0 else 0]
 
 
 def request_status_counts(engine: SimulatedEngine) -> dict[str, int]:

@@ -47,8 +47,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="how paused requests keep their KV: infercept (min-waste, the default), preserve, swap, "
                         "discard, improved-discard, prefix-cache, or a Figure 3 ablation step; +swap-preemption or "
                         "+recompute-preemption (e.g. swap+swap-preemption) changes how KV leaves the device "
-                        "under memory pressure. --backend vllm: infercept, preserve, prefix-cache or discard "
-                        "(the last two are stock vLLM)")
+                        "under memory pressure; infercept-paper is the paper's policy exactly, and "
+                        "+las-priority, +program-arrival-priority, +expected-waste switch issue 22's parts. "
+                        "--backend vllm: infercept, infercept-paper, preserve, prefix-cache or discard (the last "
+                        "two are stock vLLM)")
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    default=_env("PREFIX_CACHING", "1").lower() not in ("0", "false", "no", "off"),
                    help="do not keep freed KV blocks addressable by content (INFERCEPT_PREFIX_CACHING=0)")

@@ -259,8 +259,8 @@ def check_scheduler_state(sched: Scheduler, bm: BlockManager) -> None:
     for r in sched.waiting:
         assert r.status is RequestStatus.WAITING
         assert r.num_computed_tokens == 0 and bm.block_table(r.request_id) == []
-    for lst in (sched.running, sched.waiting, sched.swapped):
-        assert [r.arrival_time for r in lst] == sorted(r.arrival_time for r in lst)
+    for lst in (sched.running, sched.waiting, sched.swapped):  # each in queue order (arrival by default)
+        assert [r.priority for r in lst] == sorted(r.priority for r in lst)
 
 
 BLOCK_SIZE = 4
@@ -376,7 +376,9 @@ def agent_workloads(draw):
         if prompt_len + sum(m + (a if j else 0) for j, (m, a, _) in enumerate(turns)) < capacity:
             requests.append((prompt_len, turns, draw(st.integers(0, 8))))
     policy = draw(st.sampled_from([None, "discard", "improved-discard", "chunked-discard", "budgeted-swap",
-                                   "heuristic-preserve", "infercept", "preserve", "swap", "prefix-cache"]))
+                                   "heuristic-preserve", "infercept", "infercept-paper", "preserve", "swap",
+                                   "prefix-cache", "infercept-paper+las-priority", "prefix-cache+program-arrival-priority",
+                                   "infercept-paper+las-priority+expected-waste+prefetch"]))
     return (num_blocks, draw(st.integers(0, 2 * num_blocks)), requests, policy, draw(st.integers(1, 24)),
             draw(st.integers(1, 6)), draw(st.booleans()))
 

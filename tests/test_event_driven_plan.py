@@ -41,8 +41,10 @@ def cpu_like_profile() -> Profile:
 
 
 PROFILES = {"toy": toy_profile, "cpu": cpu_like_profile, "h100": h100_llama3_8b}
-POLICIES = ("infercept", "heuristic-preserve", "preserve", "budgeted-swap", "swap", "prefix-cache",
-            "discard", "infercept+recompute-preemption")
+POLICIES = ("infercept", "infercept-paper", "infercept-paper+expected-waste", "infercept-paper+las-priority",
+            "infercept-paper+prefetch",
+            "heuristic-preserve", "preserve", "budgeted-swap", "swap", "prefix-cache", "discard",
+            "infercept+recompute-preemption")
 
 
 def assert_totals_match(sched) -> None:

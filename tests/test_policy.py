@@ -199,13 +199,13 @@ def test_calculator_call_is_preserved():
     assert expected == pytest.approx(0.001)
     calc = paused("calc", 1000, expected)
     for budget in (0, 817, 100_000):  # even with swap budget to spare: it is back before a round trip
-        plan = make_policy("infercept").plan([calc], IterationInfo(20_000, 64, budget), A100)
+        plan = make_policy("infercept-paper").plan([calc], IterationInfo(20_000, 64, budget), A100)
         assert plan.action("calc") is KVAction.PRESERVE
 
 
 def test_human_turn_under_memory_pressure_leaves_the_device():
     human = paused("human", 753, 28.6, elapsed=1.0)
-    policy = make_policy("infercept")
+    policy = make_policy("infercept-paper")
     assert policy.plan([human], LOADED, A100).action("human") is KVAction.DISCARD  # no swap budget
     plan = policy.plan([human], IterationInfo(20_000, 64, swap_out_budget=817), A100)
     assert plan.get("human").action is KVAction.SWAP_OUT and plan.get("human").swap_out_tokens == 753
@@ -221,27 +221,27 @@ def test_min_waste_decision_matches_hand_computation():
     a = paused("a", 200, 0.003, arrival=1.0)  # WP = 0.003·200·10 = 6   < WCD = 80  -> preserve
     b = paused("b", 200, 1.0, arrival=2.0)  # WP = 2000               > WCD = 80  -> discard
     c = paused("c", 100, 1.0, arrival=3.0)  # WP = 1000 > WCD = 0.01·100·10/2 + 0.01·300·10 = 35 -> discard
-    plan = make_policy("infercept").plan([a, b, c], it, p)
+    plan = make_policy("infercept-paper").plan([a, b, c], it, p)
     assert [d.action for d in plan] == [KVAction.PRESERVE, KVAction.DISCARD, KVAction.DISCARD]
     assert [d.waste_preserve for d in plan] == pytest.approx([6, 2000, 1000])
     assert [d.waste_discard for d in plan] == pytest.approx([80, 80, 35])
 
     # Swap budget 200: most wasteful first is b (min waste 80 > c's 35).
-    plan = make_policy("infercept").plan([a, b, c], IterationInfo(300, 50, swap_out_budget=200), p)
+    plan = make_policy("infercept-paper").plan([a, b, c], IterationInfo(300, 50, swap_out_budget=200), p)
     assert [(d.action, d.swap_out_tokens) for d in plan] == [
         (KVAction.PRESERVE, 0), (KVAction.SWAP_OUT, 200), (KVAction.DISCARD, 0)]
-    plan = make_policy("infercept").plan([a, b, c], IterationInfo(300, 50, swap_out_budget=250), p)
+    plan = make_policy("infercept-paper").plan([a, b, c], IterationInfo(300, 50, swap_out_budget=250), p)
     assert plan.get("c").action is KVAction.SWAP_OUT and plan.get("c").swap_out_tokens == 50  # 5 blocks
     # the host pool caps the budget
-    plan = make_policy("infercept").plan([a, b, c], IterationInfo(300, 50, 10_000, free_host_tokens=120), p)
+    plan = make_policy("infercept-paper").plan([a, b, c], IterationInfo(300, 50, 10_000, free_host_tokens=120), p)
     assert plan.swap_out_tokens == 120 and plan.get("b").swap_out_tokens == 120
     # Budget for all: a's call (3 ms) is shorter than its 4 ms round trip, but paused now it idles
     # through this 10 ms iteration anyway, so it is swapped too. With copies 10x slower (a 40 ms round
     # trip, longer than the iteration) it is preserved: it would be back before its KV.
-    plan = make_policy("infercept").plan([a, b, c], IterationInfo(300, 50, swap_out_budget=10_000), p)
+    plan = make_policy("infercept-paper").plan([a, b, c], IterationInfo(300, 50, swap_out_budget=10_000), p)
     assert [d.action for d in plan] == [KVAction.SWAP_OUT] * 3
     slow_copies = toy_profile(d2h_bytes_per_s=1e5, h2d_bytes_per_s=1e5)
-    plan = make_policy("infercept").plan([a, b, c], IterationInfo(300, 50, swap_out_budget=10_000), slow_copies)
+    plan = make_policy("infercept-paper").plan([a, b, c], IterationInfo(300, 50, swap_out_budget=10_000), slow_copies)
     assert [d.action for d in plan] == [KVAction.PRESERVE, KVAction.SWAP_OUT, KVAction.SWAP_OUT]
 
 
@@ -253,10 +253,10 @@ def test_reclaim_under_pressure_swaps_when_that_wastes_less_than_recompute():
     it = IterationInfo(num_running_tokens=300, num_batched_tokens=50, swap_out_budget=0)
     a = paused("a", 200, 0.003)
     assert waste_swap(200, 500, 10, toy_profile().t_swap) == pytest.approx(20.0)
-    assert make_policy("infercept").reclaim(a, it, toy_profile()) is KVAction.SWAP_OUT
+    assert make_policy("infercept-paper").reclaim(a, it, toy_profile()) is KVAction.SWAP_OUT
     slow = toy_profile(d2h_bytes_per_s=1e5, h2d_bytes_per_s=1e5)
     assert waste_swap(200, 500, 10, slow.t_swap) == pytest.approx(200.0)
-    assert make_policy("infercept").reclaim(a, it, slow) is KVAction.DISCARD
+    assert make_policy("infercept-paper").reclaim(a, it, slow) is KVAction.DISCARD
     for name in ("discard", "improved-discard", "preserve", "prefix-cache", "budgeted-swap"):
         assert make_policy(name).reclaim(a, it, toy_profile()) is KVAction.DISCARD
 
@@ -276,10 +276,10 @@ def test_preemption_variants_change_only_the_reclaim_rule(name):
     base = make_policy(name)
     infos = [paused("p", 200, 30.0), paused("q", 100, 0.001, arrival=1.0)]
     assert variant.plan(infos, it, toy_profile()) == base.plan(infos, it, toy_profile())
-    recompute = make_policy("infercept+recompute-preemption")
+    recompute = make_policy("infercept-paper+recompute-preemption")
     assert recompute.reclaim(a, it, toy_profile()) is KVAction.DISCARD
-    assert recompute.plan(infos, it, toy_profile()) == make_policy("infercept").plan(infos, it, toy_profile())
-    assert make_policy("infercept+swap-preemption").label == "infercept"  # its own rule: no suffix
+    assert recompute.plan(infos, it, toy_profile()) == make_policy("infercept-paper").plan(infos, it, toy_profile())
+    assert make_policy("infercept-paper+swap-preemption").label == "infercept-paper"  # its own rule: no suffix
 
 
 @pytest.mark.parametrize("bad", ["swap+", "swap+swap", "swap+fast-preemption", "nope+swap-preemption"])
@@ -326,7 +326,7 @@ def test_policy_registry_and_properties():
     assert props["infercept"] == (True, True, False)
     assert props["swap"] == (True, False, True)
     assert props["prefix-cache"] == (False, True, False)
-    assert make_policy("infercept").lazy_discard and not make_policy("discard").lazy_discard
+    assert make_policy("infercept-paper").lazy_discard and not make_policy("discard").lazy_discard
     assert make_policy("infercept", lazy_discard=False).lazy_discard is False
 
 
@@ -398,7 +398,7 @@ def test_importing_the_policy_scheduler_and_simulation_does_not_import_torch():
         import sys
         import infercept.engine.policy as policy
         import infercept.engine.scheduler, infercept.engine.simulation, infercept.engine.config
-        plan = policy.make_policy("infercept").plan(
+        plan = policy.make_policy("infercept-paper").plan(
             [policy.PausedInfo("r", 0.0, 100, "device", 100, 1.0, 1.0)],
             policy.IterationInfo(1000, 10, 100), policy.a100_gptj_6b())
         assert len(plan) == 1

@@ -42,6 +42,7 @@ from .waste import num_chunks, waste_chunk_discard, waste_discard, waste_preserv
 
 KV_STATES = ("device", "host", "discarded", "partial")
 PREEMPTIONS = ("recompute", "swap")  # Policy.preemption
+PRIORITIES = ("arrival", "program-arrival", "las")  # Policy.priority
 
 
 class KVAction(str, enum.Enum):
@@ -63,6 +64,12 @@ class PausedInfo:
     num_device_tokens: int  # tokens whose KV is on the device now (what preserving holds)
     elapsed_s: float  # t_now - t_call
     expected_s: float  # expected REMAINING interception time: DurationEstimator.estimate(...)
+    # The remaining time as equally likely samples (DurationEstimator.remaining: the tool's past durations
+    # that outlasted `elapsed_s`, less `elapsed_s`); their mean is `expected_s`. None: one point,
+    # `expected_s`. Only policies with `expected_waste` read it.
+    remaining_s: tuple[float, ...] | None = None
+    # Its KV was brought back toward the device before its resume (proactive swap-in, `Policy.prefetch`).
+    prefetched: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_state not in KV_STATES:
@@ -303,6 +310,133 @@ def cheaper_to_swap_than_discard(info: PausedInfo, iteration: IterationInfo, pro
     return swap < score(info, iteration, profile, chunked=True).waste_discard
 
 
+# -- durations as distributions (issue 22, item 1) ----------------------------------------------------
+#
+# The paper scores preserve with the expected remaining time, Eq. 2 at T_int = E[R]. Waste is linear in
+# R, so that is already the expectation of Eq. 2 over R; what a distribution adds is the option to stop
+# waiting. The policy re-plans whenever the estimate could change (at the latest when the elapsed time
+# passes one of the tool's past durations), so "preserve now" really means "preserve for a while, then
+# decide again". Among the TTLs "preserve until the k-th shortest past call would have returned, then
+# discard" (Continuum's pin-with-TTL), the expected waste is
+#
+#     W(τ) = C·M·E[min(R, τ)] + P(R > τ)·W_discard
+#
+# with τ = 0 the discard now and τ = max(R) Eq. 2 at E[R]. Preserve now iff some τ > 0 beats τ = 0. A
+# tool that returns in 0.1 s nine times in ten and in 60 s otherwise has a mean residual of 6 s (the
+# paper discards a context whose Eq. 4 is below 6 s of its memory); its best TTL is 0.1 s, after which
+# the conditional distribution is the 60 s mode alone and the context goes.
+#
+# Re-queueing delay (Continuum): a discarded context resumes only after its recompute, (n - 1) more
+# iterations than a preserved one, and a swapped one after the part of its swap-in that no iteration
+# hides. The program waits that long; it is charged like memory held idle for that time
+# (delay x C x M), so the units stay byte·s.
+
+
+def resume_delay_discard(C: int, iteration: IterationInfo, profile: Profile) -> float:
+    """Seconds a discarded context's resume waits for its recompute beyond a preserved one: the chunks
+    before the last (`recompute_chunk_size`), each an iteration at the saturation point."""
+    n = num_chunks(C, recompute_chunk_size(profile, iteration.num_batched_tokens))
+    return max(n - 1, 0) * profile.t_fwd(profile.saturation_point)
+
+
+def resume_delay_swap(C: int, profile: Profile, iteration_s: float) -> float:
+    """Seconds a swapped-out context's resume waits for its swap-in beyond the iteration it overlaps."""
+    return max(profile.t_swap(C, "in") - iteration_s, 0.0)
+
+
+def _remaining(info: PausedInfo) -> list[float]:
+    return sorted(max(r, 0.0) for r in info.remaining_s) if info.remaining_s else [max(info.expected_s, 0.0)]
+
+
+def best_ttl_waste(remaining: Sequence[float], C: int, M: int, discard_waste: float) -> float:
+    """min over τ in `remaining` (sorted ascending, τ > 0 candidates) of
+    ``C·M·E[min(R, τ)] + P(R > τ)·discard_waste``, R uniform over `remaining`; the last candidate is
+    Eq. 2 at E[R]. One pass: E[min(R, τ_k)] = (sum of the first k + (N - k)·τ_k) / N."""
+    N = len(remaining)
+    best, prefix = math.inf, 0.0
+    for k, tau in enumerate(remaining, start=1):
+        prefix += tau
+        if k < N and remaining[k] == tau:
+            continue  # ties: the survival share counts every sample at this value
+        held = (prefix + (N - k) * tau) / N
+        best = min(best, held * C * M + (N - k) / N * discard_waste)
+    return best
+
+
+def score_expected(info: PausedInfo, iteration: IterationInfo, profile: Profile) -> _Scored:
+    """Expected waste of preserving (best TTL, see above) and of discarding (Eq. 4 + re-queue delay)."""
+    C, M = info.num_device_tokens, profile.bytes_per_token
+    chunk = recompute_chunk_size(profile, iteration.num_batched_tokens)
+    discard = (waste_chunk_discard(C, iteration.num_running_tokens, M, profile.t_fwd, chunk)
+               + resume_delay_discard(C, iteration, profile) * C * M)
+    return _Scored(info, best_ttl_waste(_remaining(info), C, M, discard), discard)
+
+
+def expected_swap_waste(info: PausedInfo, profile: Profile, iteration_s: float) -> float:
+    """A budgeted swap costs no waste while it overlaps iterations (paper §4.1), except when the call
+    returns before the KV could be back (the resume waits out the rest of the round trip) and the
+    swap-in that no iteration hides: ``C·M·(E[max(0, T_rt - max(R, T_iter))] + delay_in)``."""
+    C = info.num_device_tokens
+    round_trip = swap_round_trip(info, profile)
+    remaining = _remaining(info)
+    early = sum(max(round_trip - max(r, iteration_s), 0.0) for r in remaining) / len(remaining)
+    return (early + resume_delay_swap(info.num_tokens, profile, iteration_s)) * C * profile.bytes_per_token
+
+
+def expected_waste_plan(paused: Sequence[PausedInfo], iteration: IterationInfo, profile: Profile) -> KVPlan:
+    """`min_waste_plan` with expected wastes over the remaining-time distribution: scored by
+    `score_expected`; swapped out, most wasteful first within the budget, only where the paper's
+    round-trip check passes (`worth_swapping`) and the swap's expected waste is at most both others
+    (a tie goes to the swap, as in the paper: within the budget it costs nothing)."""
+    scored = [score_expected(p, iteration, profile) for p in _holding_device(paused)]
+    ordered = sorted(scored, key=lambda s: (-s.min_waste, s.info.arrival_time, s.info.request_id))
+    iteration_s = profile.t_fwd(iteration.num_batched_tokens)
+
+    def eligible(s: _Scored) -> bool:
+        return (worth_swapping(s.info, profile, iteration_s)
+                and expected_swap_waste(s.info, profile, iteration_s) <= s.min_waste)
+
+    decisions, rest = _swap_in_order(ordered, swap_room(iteration), profile, eligible=eligible)
+    for s in rest:
+        decisions[s.info.request_id] = s.decide(KVAction.PRESERVE) if s.cheaper_to_preserve else _drop(s)
+    return _in_input_order(paused, decisions)
+
+
+def expected_waste_guard(info: PausedInfo, iteration: IterationInfo, profile: Profile) -> PreserveGuard | None:
+    """`PreserveGuard` for `expected_waste_plan`. Discard's expected waste is at least
+    ``D_low = (T_fwd(C)/2 + b·floor)·C·M`` (no re-queue delay, the cheapest chunking, half this
+    iteration's running KV as the floor, as `InferCeptPolicy.preserve_guard`). One remaining-time
+    point r: preserve beats discard while ``C·M·r < D_low``, a bound on the expected time. Several
+    samples: between two jumps of the estimate (`DurationEstimator.next_jump`, where the scheduler wakes
+    anyway) the surviving samples stay the same and all shrink with the clock, so every TTL's waste
+    falls (τ shrinks with them) and a preserve that beats ``D_low`` now still does until the jump.
+    Swaps need `worth_swapping`, so none while the expected time and the iteration stay below the round
+    trip (the expected time only falls between jumps)."""
+    if info.kv_state == "partial":
+        return None
+    C, M = info.num_device_tokens, profile.bytes_per_token
+    per_other_token = min(n * profile.t_fwd(C / n) for n in range(1, num_chunks(C, profile.block_size) + 1)) / C
+    floor = iteration.num_running_tokens // 2
+    low = (profile.t_fwd(C) / 2 + per_other_token * floor) * C * M * (1 - 1e-9)
+    round_trip = swap_round_trip(info, profile)
+    remaining = _remaining(info)
+    if len(remaining) == 1:
+        bound = low / (C * M)
+    elif best_ttl_waste(remaining, C, M, low) < low:
+        # best_ttl_waste with D_low in place of the discard waste: the TTL beats any discard >= D_low.
+        bound = info.expected_s + 1e9  # until the next jump, or the history changes (both wake it)
+    else:
+        return None
+    return PreserveGuard(expected_s=bound, swap_expected_s=round_trip, swap_iteration_s=round_trip,
+                         min_running_tokens=floor)
+
+
+def resume_imminent(info: PausedInfo, profile: Profile, iteration_s: float, host_tokens: int) -> bool:
+    """Proactive swap-in (issue 22, item 2): the expected remaining pause is below the time to copy
+    `host_tokens` back plus one iteration, so a swap-in started now is done when the result arrives."""
+    return info.expected_s < profile.t_swap(host_tokens, "in") + iteration_s
+
+
 # -- policies -------------------------------------------------------------------------------------
 
 class Policy:
@@ -322,6 +456,20 @@ class Policy:
       "recompute" (freed, recomputed later: the paper's baselines, vLLM) or "swap" (copied to the host
       when that wastes less than recomputing). Overridable per instance, for the ablation that
       separates this from the pause-time plan (`make_policy("swap+swap-preemption")`).
+    - ``priority``: the order of the scheduler's queues (waiting, swapped, running; also who gives way
+      under memory pressure), one of `PRIORITIES` (issue 22, item 3). "arrival": the request's arrival
+      time (the paper's three FCFS queues; with ``keeps_arrival_time`` a resumed turn keeps its
+      program's, without it the resume time). "program-arrival": the program's first arrival, whatever
+      ``keeps_arrival_time`` says. "las": least attained service, the tokens the program has had
+      computed before this turn was queued (Autellix), ties by program arrival. In this engine a resumed
+      generation is the same request, so a request is a program.
+    - ``expected_waste``: decide by expected waste over the remaining-time distribution, with re-queue
+      delays (`expected_waste_plan`; issue 22, item 1), instead of Eq. 2 at the mean. Only the
+      min-waste policies read it.
+    - ``prefetch``: proactive swap-in (issue 22, item 2): a paused request whose KV is on the host starts
+      coming back within the swap-in budget once its resume looks imminent (`resume_imminent`, on an
+      estimate from a hint or the tool's history: `DurationEstimator.predicts`), and the
+      plan keeps what came back on the device while it still does. Only the min-waste policies read it.
     """
 
     name: ClassVar[str] = ""
@@ -330,14 +478,26 @@ class Policy:
     swap_synchronous: ClassVar[bool] = False
     lazy_discard: bool = False
     preemption: str = "recompute"
+    priority: str = "arrival"
+    expected_waste: bool = False
+    prefetch: bool = False
 
-    def __init__(self, *, lazy_discard: bool | None = None, preemption: str | None = None):
+    def __init__(self, *, lazy_discard: bool | None = None, preemption: str | None = None,
+                 priority: str | None = None, expected_waste: bool | None = None, prefetch: bool | None = None):
         if lazy_discard is not None:
             self.lazy_discard = lazy_discard  # per-instance override, e.g. for ablations
         if preemption is not None:
             if preemption not in PREEMPTIONS:
                 raise ValueError(f"preemption must be one of {', '.join(PREEMPTIONS)}, not {preemption!r}")
             self.preemption = preemption
+        if priority is not None:
+            if priority not in PRIORITIES:
+                raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, not {priority!r}")
+            self.priority = priority
+        if expected_waste is not None:
+            self.expected_waste = expected_waste
+        if prefetch is not None:
+            self.prefetch = prefetch
 
     def plan(self, paused: Sequence[PausedInfo], iteration: IterationInfo, profile: Profile) -> KVPlan:
         raise NotImplementedError
@@ -362,9 +522,18 @@ class Policy:
 
     @property
     def label(self) -> str:
-        """The name `make_policy` takes to build this policy again."""
-        default = type(self).preemption
-        return self.name if self.preemption == default else f"{self.name}+{self.preemption}-preemption"
+        """The name `make_policy` takes to build this policy again: the registered name and the parts
+        that differ from its defaults."""
+        cls, parts = type(self), []
+        if self.preemption != cls.preemption:
+            parts.append(f"{self.preemption}-preemption")
+        if self.priority != cls.priority:
+            parts.append(f"{self.priority}-priority")
+        if self.expected_waste != cls.expected_waste:
+            parts.append("expected-waste" if self.expected_waste else "mean-waste")
+        if self.prefetch != cls.prefetch:
+            parts.append("prefetch" if self.prefetch else "no-prefetch")
+        return "+".join([self.name, *parts])
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.label!r})"
@@ -444,10 +613,12 @@ class HeuristicPreservePolicy(BudgetedSwapPolicy):
         return None if info.kv_state == "partial" else PreserveGuard(expected_s=self.long_threshold_s)
 
 
-class InferCeptPolicy(Policy):
-    """Figure 3 step 6, the full system: chunked recompute, budgeted pipelined swap, min-waste (§4.3)."""
+class InferCeptPaperPolicy(Policy):
+    """Figure 3 step 6, the paper's full system: chunked recompute, budgeted pipelined swap, min-waste
+    (§4.3), with this project's swap-preemption. Kept as it was when issue 22 began, so the comparison
+    with `infercept` can always be rerun."""
 
-    name = "infercept"
+    name = "infercept-paper"
     chunked_recompute = True
     lazy_discard = True
     # Min-waste under pressure too: a request preserved because its interception looked short, or a
@@ -455,15 +626,33 @@ class InferCeptPolicy(Policy):
     preemption = "swap"
 
     def plan(self, paused, iteration, profile):
-        return min_waste_plan(paused, iteration, profile)
+        held: dict[str, KVDecision] = {}
+        if self.prefetch:
+            # Prefetched KV whose resume still looks imminent stays: swapping it out again would undo
+            # the prefetch for nothing.
+            iteration_s = profile.t_fwd(iteration.num_batched_tokens)
+            for p in _holding_device(paused):
+                if p.prefetched and resume_imminent(p, profile, iteration_s, p.num_tokens):
+                    held[p.request_id] = KVDecision(p.request_id, KVAction.PRESERVE)
+        plan = (expected_waste_plan if self.expected_waste else min_waste_plan)(
+            [p for p in paused if p.request_id not in held], iteration, profile)
+        if not held:
+            return plan
+        held.update((d.request_id, d) for d in plan)
+        return _in_input_order(paused, held)
 
     def preserve_guard(self, info, iteration, profile):
-        """Preserve beats chunked discard (Eq. 4) whatever the recompute chunk while
+        """With ``expected_waste``: `expected_waste_guard`. Otherwise: preserve beats chunked discard
+        (Eq. 4) whatever the recompute chunk while
         ``T_int < T_fwd(C) / 2 + b · C_other`` with ``b = min over n of n · T_fwd(C / n) / C``; the
         guard takes half of this iteration's ``C_other`` as a floor (so the running batch may shrink to
         half before the request is planned again). No swap is worth it while both the expected time and
         the iteration stay below the round trip (`worth_swapping`). The factor below 1 keeps the bound
         strict under float rounding."""
+        if self.prefetch and info.prefetched:
+            return None  # planned every iteration while it may be kept for its resume
+        if self.expected_waste:
+            return expected_waste_guard(info, iteration, profile)
         if info.kv_state == "partial":
             return None  # a swap in progress: planned every iteration until it completes
         C = info.num_device_tokens
@@ -472,6 +661,18 @@ class InferCeptPolicy(Policy):
         round_trip = swap_round_trip(info, profile)
         return PreserveGuard(expected_s=(profile.t_fwd(C) / 2 + per_other_token * floor) * (1 - 1e-9),
                              swap_expected_s=round_trip, swap_iteration_s=round_trip, min_running_tokens=floor)
+
+
+class InferCeptPolicy(InferCeptPaperPolicy):
+    """The default: the paper's policy with the parts of issue 22 that the GPU-scale simulation
+    supports (benchmarks/README.md, "Beyond the paper": never worse than `infercept-paper` beyond
+    seed-to-seed noise there, more resumes finding their KV on the device): expected-waste decisions
+    and proactive swap-in. Least attained service is not among them: it raised latency on every
+    loaded workload measured."""
+
+    name = "infercept"
+    expected_waste = True
+    prefetch = True
 
 
 class PreservePolicy(Policy):
@@ -533,6 +734,7 @@ POLICIES: dict[str, type[Policy]] = {
     "budgeted-swap": BudgetedSwapPolicy,
     "heuristic-preserve": HeuristicPreservePolicy,
     "infercept": InferCeptPolicy,
+    "infercept-paper": InferCeptPaperPolicy,
     "preserve": PreservePolicy,
     "swap": SwapPolicy,
     "prefix-cache": PrefixCachePolicy,
@@ -540,23 +742,39 @@ POLICIES: dict[str, type[Policy]] = {
 
 # Paper Figure 3 (§5.2): each step adds one technique to the one before it.
 FIGURE3_ABLATION = ("vllm", "improved-discard", "chunked-discard", "budgeted-swap", "heuristic-preserve",
-                    "infercept")
+                    "infercept-paper")
+
+# The parts a policy name may add after "+", each switching one thing (`Policy` attributes).
+VARIANTS = tuple(f"{p}-preemption" for p in PREEMPTIONS) + tuple(f"{p}-priority" for p in PRIORITIES) + (
+    "expected-waste", "mean-waste", "prefetch", "no-prefetch")
+
+
+def _variant(part: str) -> tuple[str, object]:
+    if part.endswith("-preemption") and part.removesuffix("-preemption") in PREEMPTIONS:
+        return "preemption", part.removesuffix("-preemption")
+    if part.endswith("-priority") and part.removesuffix("-priority") in PRIORITIES:
+        return "priority", part.removesuffix("-priority")
+    if part in ("expected-waste", "mean-waste"):
+        return "expected_waste", part == "expected-waste"
+    if part in ("prefetch", "no-prefetch"):
+        return "prefetch", part == "prefetch"
+    raise ValueError(f"unknown policy variant {part!r}; use {', '.join('+' + v for v in VARIANTS)}")
 
 
 def make_policy(name: str, **kwargs) -> Policy:
-    """The policy registered under ``name``, optionally with another preemption rule
-    (``"infercept+recompute-preemption"``, ``"swap+swap-preemption"``: the ablation that credits the
-    pause-time plan and the preemption rule separately); ValueError naming the choices if unknown."""
-    base, plus, variant = name.partition("+")
-    if plus:
-        preemption = variant.removesuffix("-preemption")
-        if preemption not in PREEMPTIONS or not variant.endswith("-preemption"):
-            raise ValueError(f"unknown policy variant {variant!r}; use "
-                             f"{' or '.join(f'+{p}-preemption' for p in PREEMPTIONS)}")
-        kwargs["preemption"] = preemption
+    """The policy registered under ``name``, optionally with parts switched after ``+``: another
+    preemption rule (``"infercept+recompute-preemption"``, ``"swap+swap-preemption"``: the ablation that
+    credits the pause-time plan and the preemption rule separately), another queue order
+    (``"infercept-paper+las-priority"``), expected-waste decisions (``"infercept-paper+expected-waste"``);
+    several may be chained. ValueError naming the choices if unknown."""
+    base, *parts = name.split("+")
+    for part in parts:
+        key, value = _variant(part)
+        kwargs[key] = value
     try:
         cls = POLICIES[base]
     except KeyError:
         raise ValueError(f"unknown policy {base!r}; choose one of {', '.join(sorted(POLICIES))} "
-                         f"(optionally +recompute-preemption or +swap-preemption)") from None
+                         f"(optionally +recompute-preemption or +swap-preemption, +las-priority, "
+                         f"+program-arrival-priority, +expected-waste)") from None
     return cls(**kwargs)

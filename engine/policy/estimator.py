@@ -19,6 +19,10 @@ Rules, first that applies:
    run for t seconds is expected to run about t more). It makes a fresh interception cheap to preserve and
    a long one increasingly expensive, and the paper measures it at 93% of an oracle.
 
+`DurationEstimator.remaining` gives the same rules as a distribution (the history's survivors less the
+elapsed time; a hint or the elapsed time as one point), for the expected-waste decisions
+(`decisions.expected_waste_plan`).
+
 Why history matters: with rule 3 alone a 1 ms calculator and a 30 s human turn look the same when they
 start; with history the human turn is swapped or discarded at once and the calculator is never moved.
 """
@@ -83,6 +87,32 @@ class DurationEstimator:
             if from_history is not None:
                 return from_history
         return elapsed
+
+    def remaining(self, now: float, call_start: float, tool_name: str | None = None,
+                  hint_seconds: float | None = None) -> tuple[float, ...]:
+        """The remaining time as equally likely samples, by the rules of `estimate` (whose result is
+        their mean): a hint or the elapsed time is one point; per-tool history is the past durations
+        that outlasted the elapsed time, less it (the distribution conditioned on the time already
+        paused). The min-waste policy with ``expected_waste`` integrates its wastes over them."""
+        elapsed = max(now - call_start, 0.0)
+        if hint_seconds is not None and elapsed < hint_seconds:
+            return (hint_seconds - elapsed,)
+        if tool_name is not None:
+            samples = self.history(tool_name)
+            if len(samples) >= self.min_history:
+                survivors = tuple(d - elapsed for d in samples if d > elapsed)
+                if survivors:
+                    return survivors
+        return (elapsed,)
+
+    def predicts(self, now: float, call_start: float, tool_name: str | None = None,
+                 hint_seconds: float | None = None) -> bool:
+        """True if `estimate` rests on a hint or on history (rules 1-2), not on the elapsed time alone:
+        only a prediction can say a resume is near (rule 3 says a fresh pause ends at once)."""
+        elapsed = max(now - call_start, 0.0)
+        if hint_seconds is not None and elapsed < hint_seconds:
+            return True
+        return tool_name is not None and self._mean_residual(tool_name, elapsed) is not None
 
     def next_jump(self, now: float, call_start: float, tool_name: str | None = None,
                   hint_seconds: float | None = None) -> float:

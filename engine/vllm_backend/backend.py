@@ -43,7 +43,7 @@ from .process import WorkerProcess
 
 # Policies on this backend: those run by our scheduler in vLLM over streaming sessions, and stock vLLM
 # (policy -> its prefix caching).
-SESSION_POLICIES = ("preserve", "infercept")
+SESSION_POLICIES = ("preserve", "infercept", "infercept-paper")
 STOCK_POLICIES = {"prefix-cache": True, "discard": False}
 SCHEDULER_CLS = "engine.vllm_backend.scheduler.InterceptScheduler"
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

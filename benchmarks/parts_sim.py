@@ -1,0 +1,207 @@
+"""Issue 22's policy parts side by side at GPU scale, simulated: `infercept-paper`, each part alone, the
+combination, and the default `infercept`, in one run, on the same traces and seeds.
+
+The real scheduler and block manager on the modeled runner (`infercept.engine.simulation`), as in
+`policy_sim.py`. Workloads (`--workloads`):
+
+- `mix@R`: the paper's six-augment mix (`workload.py`, augments.json) at R programs/s, Poisson, on the
+  H100 + Llama-3-8B setup of `policy_sim.py` (its pools), `--window` s of arrivals, `--drain` s more to
+  finish, token scale `--token-scale`.
+- `burst`: the issue's ample-memory burst: 24 agents, 1,000-token prompts, 5 steps of 32 tokens with a
+  0.5 s tool between them (32 tokens returned), H100 setup, exact (token scale 1); arrivals spread over
+  the first 0.1 s by the seed. `burst240`: 240 such agents, where resumed turns compete with new
+  programs' prefill at H100 speed (24 agents' prefill takes 0.8 s there, shorter than the backlog
+  the issue measured on a CPU).
+- `burst-cpu`: the 24-agent burst on this machine's measured CPU profile (SmolLM2-135M bf16, one
+  thread; `benchmarks/results/parts_sim_2026-11-24/cpu_profile.json`) with a 4 GiB pool: the cost model of
+  the server on which the issue measured its defect.
+- `approval@R`: agents whose tool returns in 20-100 ms nine times in ten and waits 20-40 s for an
+  approval otherwise (a bimodal duration, where a mean residual and a distribution disagree), H100
+  setup with no host pool (preserve or discard only).
+
+Metrics per program (= agent request): median normalized latency (the paper's), completed programs/s
+within the window, p50 / p90 completion time (finish - arrival; unfinished = inf), first-turn TTFT,
+resumed-step TTFT, share of resumes that found their KV on the device, recompute share of modeled
+forward time, held memory waste.
+
+    python benchmarks/parts_sim.py                                   # the default matrix, ~8 min, --jobs 2
+    python benchmarks/parts_sim.py --table benchmarks/results/parts_sim_2026-11-24/parts_sim.json
+    python benchmarks/parts_sim.py --workloads burst --seeds 0 --policies infercept-paper prefix-cache
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from machine import cpu_name, today  # noqa: E402
+from policy_sim import MAX_CONTEXT, MAX_NUM_SEQS, SETUPS  # noqa: E402
+from workload import generate_trace  # noqa: E402
+
+from infercept.engine.policy import Profile  # noqa: E402
+from infercept.engine.simulation import SimulatedEngine, coarsen_profile  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "parts_sim_2026-11-24"
+CPU_PROFILE = RESULTS / "cpu_profile.json"
+GIB = 1024 ** 3
+
+# Each part alone, all of them, the default `infercept` (infercept-paper+expected-waste+prefetch), and
+# today's servers.
+POLICIES = ("infercept-paper", "infercept-paper+program-arrival-priority", "infercept-paper+las-priority",
+            "infercept-paper+expected-waste", "infercept-paper+prefetch",
+            "infercept-paper+las-priority+expected-waste+prefetch", "infercept", "prefix-cache")
+WORKLOADS = ("mix@14", "mix@20", "burst", "burst240", "burst-cpu", "approval@10")
+
+
+def burst_trace(seed: int, n: int = 24, prompt: int = 1000, steps: int = 5, decode: int = 32, tool_s: float = 0.5,
+                returned: int = 32, spread_s: float = 0.1) -> list[dict]:
+    rng = random.Random(f"burst-{seed}")
+    return [{"id": f"a{i:03d}", "augment": "burst", "arrival": rng.uniform(0, spread_s), "prompt_tokens": prompt,
+             "segments": [{"decode_tokens": decode,
+                           "interception": {"kind": "tool", "tool": "t", "duration_s": tool_s} if j < steps - 1 else None,
+                           "returned_tokens": returned if j < steps - 1 else 0} for j in range(steps)]}
+            for i in range(n)]
+
+
+def approval_trace(seed: int, rate: float, window: float) -> list[dict]:
+    rng = random.Random(f"approval-{seed}")
+    t, out = 0.0, []
+    while (t := t + rng.expovariate(rate)) <= window:
+        steps = rng.randint(3, 8)
+        out.append({"id": f"b{len(out)}", "augment": "approval", "arrival": t, "prompt_tokens": rng.randint(1000, 3000),
+                    "segments": [{"decode_tokens": rng.randint(20, 60),
+                                  "interception": ({"kind": "tool", "tool": "approve",
+                                                    "duration_s": rng.uniform(20, 40) if rng.random() < 0.1
+                                                    else rng.uniform(0.02, 0.1)} if j < steps - 1 else None),
+                                  "returned_tokens": rng.randint(20, 100) if j < steps - 1 else 0}
+                                 for j in range(steps)]})
+    return out
+
+
+def run_one(task: tuple[str, str, int, dict]) -> dict:
+    workload, policy, seed, args = task
+    name, _, rate_text = workload.partition("@")
+    rate = float(rate_text) if rate_text else None
+    h100 = SETUPS["h100_llama3_8b"]
+    device_blocks, host_blocks = h100.pool_blocks()
+    profile, k, until, window = h100.profile(), 1, None, None
+    if name == "mix":
+        trace = generate_trace(rate, duration=args["window"], seed=seed, max_context=MAX_CONTEXT)
+        k, window, until = args["token_scale"], args["window"], args["window"] + args["drain"]
+        profile = coarsen_profile(profile, k)
+    elif name in ("burst", "burst240"):
+        trace = burst_trace(seed, n=240 if name == "burst240" else 24)
+    elif name == "burst-cpu":
+        trace = burst_trace(seed)
+        profile = Profile.load(CPU_PROFILE)
+        device_blocks = 4 * GIB // (profile.bytes_per_token * profile.block_size)
+        host_blocks = device_blocks
+    elif name == "approval":
+        trace = approval_trace(seed, rate, args["window"])
+        k, window, until = args["token_scale"], args["window"], args["window"] + args["drain"]
+        profile, host_blocks = coarsen_profile(profile, k), 0
+    else:
+        raise ValueError(f"unknown workload {workload!r}")
+    engine = SimulatedEngine(policy, profile, device_blocks, host_blocks, max_num_seqs=MAX_NUM_SEQS)
+    start = time.perf_counter()
+    summary = engine.run_trace(trace, token_scale=k, until=until, window=window).summary()
+    engine.block_manager.check_integrity()
+    summary.update(workload=workload, policy=policy, seed=seed, wall_s=time.perf_counter() - start)
+    if window is None:
+        summary["completed_per_s"] = None  # a burst has no arrival window
+    print(f"  {workload:>11} {policy:>45} seed {seed}: norm. {summary['normalized_latency'] * 1e3:.3g} ms/tok, "
+          f"{summary['wall_s']:.1f} s", file=sys.stderr, flush=True)
+    return summary
+
+
+# -- the table --------------------------------------------------------------------------------------
+COLUMNS = (  # (heading, key, scale, digits)
+    ("norm. latency (ms/tok)", "normalized_latency", 1e3, 3),
+    ("done/s", "completed_per_s", 1, 3),
+    ("completion p50 (s)", "completion_p50", 1, 3),
+    ("completion p90 (s)", "completion_p90", 1, 3),
+    ("first-turn TTFT (s)", "first_ttft_median", 1, 3),
+    ("resumed TTFT (s)", "resumed_ttft_median", 1, 3),
+    ("resumes on device", "resumes_on_device_share", 100, 3),
+    ("recompute % time", "recompute_time_share", 100, 2),
+    ("held waste %", "held_waste_pct", 1, 2),
+)
+
+
+def _fmt(x, digits: int) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    if math.isinf(x):
+        return "∞"
+    return f"{x:.{digits}g}"
+
+
+def table(doc: dict) -> str:
+    """One markdown table per workload: mean over seeds (min-max in brackets when they differ)."""
+    rows = doc["results"]
+    lines = [f"Measured {doc['date']} on {doc['machine']} (`parts_sim.py`; simulated: a model, not a measurement). "
+             f"Mean over seeds {', '.join(map(str, doc['seeds']))} [min-max].", ""]
+    for workload in doc["workloads"]:
+        lines += [f"**{workload}**", "", "| policy | " + " | ".join(c[0] for c in COLUMNS) + " |",
+                  "|---|" + "---|" * len(COLUMNS)]
+        for policy in doc["policies"]:
+            cells = []
+            for _, key, scale, digits in COLUMNS:
+                vals = [r[key] * scale for r in rows if r["workload"] == workload and r["policy"] == policy
+                        and r[key] is not None]
+                if not vals:
+                    cells.append("–")
+                    continue
+                mean = math.inf if any(math.isinf(v) for v in vals) else statistics.fmean(vals)
+                lo, hi = min(vals), max(vals)
+                spread = f" [{_fmt(lo, digits)}-{_fmt(hi, digits)}]" if _fmt(lo, digits) != _fmt(hi, digits) else ""
+                cells.append(_fmt(mean, digits) + spread)
+            lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--policies", nargs="+", default=list(POLICIES))
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--window", type=float, default=150.0, help="arrival window of mix@R / approval@R (s)")
+    p.add_argument("--drain", type=float, default=300.0, help="time after the window for programs to finish (s)")
+    p.add_argument("--token-scale", type=int, default=16)
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--out", type=Path, default=RESULTS / "parts_sim.json")
+    p.add_argument("--table", type=Path, default=None, help="print the table of this result file and stop")
+    args = p.parse_args(argv)
+    if args.table is not None:
+        print(table(json.loads(args.table.read_text())))
+        return
+    shared = dict(window=args.window, drain=args.drain, token_scale=args.token_scale)
+    tasks = [(w, pol, s, shared) for w in args.workloads for s in args.seeds for pol in args.policies]
+    start = time.perf_counter()
+    if args.jobs > 1:
+        with multiprocessing.Pool(args.jobs) as pool:
+            results = pool.map(run_one, tasks, chunksize=1)
+    else:
+        results = [run_one(t) for t in tasks]
+    doc = {"date": today(), "machine": cpu_name(), "command": "python benchmarks/parts_sim.py " + " ".join(argv or sys.argv[1:]),
+           "policies": args.policies, "workloads": args.workloads, "seeds": args.seeds, **shared,
+           "wall_s": time.perf_counter() - start, "results": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1, default=lambda x: None))
+    args.out.with_suffix(".md").write_text(table(doc) + "\n")
+    print(table(doc))
+
+
+if __name__ == "__main__":
+    main()

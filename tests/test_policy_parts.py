@@ -1,0 +1,277 @@
+"""Issue 22's policy parts, each without a model: `infercept-paper` pinned, the program-level queue
+order (`Policy.priority`), expected waste over the remaining-time distribution, and their names."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from infercept.engine.policy import (DurationEstimator, IterationInfo, KVAction, PausedInfo, Profile,
+                                     make_policy, min_waste_plan)
+from infercept.engine.policy.decisions import InferCeptPaperPolicy, best_ttl_waste, expected_swap_waste
+from infercept.engine.simulation import SimulatedEngine
+
+
+def toy_profile(**overrides) -> Profile:
+    """As in test_policy: T_fwd flat at 10 ms up to 100 tokens, then +0.1 ms per token (T_fwd(150) =
+    15 ms); M = 10 B; 1 MB/s both ways; S = 150; blocks of 10 tokens."""
+    fields = dict(model="toy", device="cpu", dtype="float32", bytes_per_token=10, block_size=10,
+                  t_fwd_samples=((1, 0.01), (100, 0.01), (200, 0.02), (400, 0.04)),
+                  d2h_bytes_per_s=1e6, h2d_bytes_per_s=1e6, saturation_point=150)
+    fields.update(overrides)
+    return Profile(**fields)
+
+
+def paused(rid, C, remaining, elapsed=0.0, arrival=0.0) -> PausedInfo:
+    remaining = tuple(remaining)
+    return PausedInfo(rid, arrival, C, "device", C, elapsed, sum(remaining) / len(remaining), remaining)
+
+
+BIMODAL = [0.01] * 9 + [6.0]  # nine calls in ten return in 10 ms, one waits 6 s: mean 0.609 s
+
+
+# -- names ----------------------------------------------------------------------------------------
+
+def test_paper_policy_is_selectable_and_parts_chain():
+    assert make_policy("infercept-paper").label == "infercept-paper"
+    assert type(make_policy("infercept-paper")) is InferCeptPaperPolicy
+    p = make_policy("infercept-paper+las-priority+expected-waste")
+    assert (p.priority, p.expected_waste, p.preemption) == ("las", True, "swap")
+    assert p.label == "infercept-paper+las-priority+expected-waste"
+    assert make_policy(p.label).label == p.label
+    assert make_policy("prefix-cache+program-arrival-priority").priority == "program-arrival"
+    assert make_policy("infercept+recompute-preemption").preemption == "recompute"
+    with pytest.raises(ValueError, match="expected-waste"):
+        make_policy("infercept-paper+fastest")
+    # The paper's policy keeps the paper's order and mean-residual decisions.
+    paper = make_policy("infercept-paper")
+    assert (paper.priority, paper.expected_waste, paper.keeps_arrival_time, paper.chunked_recompute) == \
+        ("arrival", False, True, True)
+
+
+def test_default_infercept_is_a_measured_combination_of_parts():
+    """`infercept` is `infercept-paper` with the parts benchmarks/README.md's table supports, so its row
+    there (under the combination's name) is the default's."""
+    default = make_policy("infercept")
+    assert isinstance(default, InferCeptPaperPolicy)
+    combination = make_policy("infercept-paper+expected-waste+prefetch")
+    assert (default.priority, default.expected_waste, default.prefetch, default.preemption, default.lazy_discard) == \
+        (combination.priority, combination.expected_waste, combination.prefetch, combination.preemption,
+         combination.lazy_discard)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 3000), st.floats(0, 60), st.sampled_from(["device", "partial"])),
+                max_size=8),
+       st.integers(0, 5000), st.integers(0, 20_000), st.integers(0, 512))
+def test_paper_policy_plans_the_paper_min_waste(items, budget, running, batched):
+    reqs = [PausedInfo(f"r{i}", float(i), C, state, C if state == "device" else max(C // 2, 1), 0.0, e)
+            for i, (C, e, state) in enumerate(items) if state == "device" or C > 1]
+    it = IterationInfo(running, batched, budget)
+    assert make_policy("infercept-paper").plan(reqs, it, toy_profile()) == min_waste_plan(reqs, it, toy_profile())
+
+
+# -- durations as distributions -------------------------------------------------------------------
+
+def test_best_ttl_waste_by_hand():
+    # C·M = 2000 B. τ = 0.01: E[min(R, τ)] = 0.01 -> 20, plus P(R > τ) = 0.1 of 110 -> 31.
+    # τ = 6: E[R] = 0.609 -> 1218 (Eq. 2 at the mean). The best is 31.
+    assert best_ttl_waste(BIMODAL, 200, 10, 110.0) == pytest.approx(31.0)
+    assert best_ttl_waste([0.5], 200, 10, 1.0) == pytest.approx(1000.0)  # one point: Eq. 2
+    # Ties count together: two samples at 1 s, P(R > 1) = 0.
+    assert best_ttl_waste([1.0, 1.0], 10, 1, 5.0) == pytest.approx(10.0)
+
+
+def test_expected_waste_preserves_a_usually_short_call_the_mean_would_discard():
+    """C = 200 with 300 running tokens, chunks of 150 - 50 = 100: Eq. 4 = 20 + 60 = 80 B·s; the
+    discarded context resumes one chunk (T_fwd(150) = 15 ms) late: + 0.015·2000 = 30, so 110. The
+    paper's rule: 0.609 s of 2000 B = 1218 > 80: discard. Expected waste: preserve for 10 ms (31), and
+    once the 10 ms have passed only the 6 s call is left (5.99 s of 2000 B): discard."""
+    p, it = toy_profile(), IterationInfo(300, 50, swap_out_budget=0)
+    fresh = paused("a", 200, BIMODAL)
+    assert min_waste_plan([fresh], it, p).action("a") is KVAction.DISCARD
+    plan = make_policy("infercept-paper+expected-waste").plan([fresh], it, p)
+    d = plan.get("a")
+    assert d.action is KVAction.PRESERVE
+    assert (d.waste_preserve, d.waste_discard) == (pytest.approx(31.0), pytest.approx(110.0))
+    later = paused("a", 200, [6.0 - 0.011], elapsed=0.011)
+    assert make_policy("infercept-paper+expected-waste").plan([later], it, p).action("a") is KVAction.DISCARD
+
+
+def test_expected_waste_counts_the_swap_a_short_call_outruns():
+    """Copies at 10 kB/s: T_swap(200) = 0.2 s each way, a 0.4 s round trip. Nine calls in ten are back
+    after 0.1 s and wait out 0.3 s of it, and the swap-in outlasts its 10 ms iteration by 0.19 s:
+    (0.27 + 0.19)·2000 = 920 B·s, more than discarding (110). The paper's rule swaps (E[R] = 1.09 s
+    exceeds the round trip, and a budgeted swap costs nothing)."""
+    slow = toy_profile(d2h_bytes_per_s=1e4, h2d_bytes_per_s=1e4)
+    it = IterationInfo(300, 50, swap_out_budget=1000)
+    info = paused("a", 200, [0.1] * 9 + [10.0])
+    assert expected_swap_waste(info, slow, slow.t_fwd(50)) == pytest.approx(920.0)
+    assert min_waste_plan([info], it, slow).action("a") is KVAction.SWAP_OUT
+    assert make_policy("infercept-paper+expected-waste").plan([info], it, slow).action("a") is KVAction.DISCARD
+    # Even a call that surely outlasts the round trip is not swapped at these speeds: its swap-in alone
+    # delays the resume by 0.19 s (380 B·s) where a recompute takes one more 15 ms iteration (30).
+    long = paused("b", 200, [10.0, 12.0])
+    assert make_policy("infercept-paper+expected-waste").plan([long], it, slow).action("b") is KVAction.DISCARD
+    # At 1 MB/s the copies hide behind the iteration: swapped, as the paper's rule does.
+    assert make_policy("infercept-paper+expected-waste").plan([long], it, toy_profile()).action("b") is KVAction.SWAP_OUT
+
+
+def test_estimator_remaining_is_the_conditioned_history():
+    est = DurationEstimator(min_history=3)
+    assert est.remaining(5.0, 4.0, "t") == (1.0,)  # no history: the elapsed time (paper §4.4)
+    for d in (0.1, 0.2, 3.0):
+        est.observe("t", d)
+    assert est.remaining(0.15, 0.0, "t") == pytest.approx((0.05, 2.85))
+    assert sum(est.remaining(0.15, 0.0, "t")) / 2 == pytest.approx(est.estimate(0.15, 0.0, "t"))
+    assert est.remaining(1.0, 0.0, "t", hint_seconds=4.0) == (3.0,)
+    assert est.remaining(4.0, 0.0, "t") == (4.0,)  # outlived the history: back to the elapsed time
+
+
+@st.composite
+def guarded_cases(draw):
+    C = draw(st.integers(10, 3000))
+    samples = draw(st.lists(st.floats(0.001, 30.0), min_size=1, max_size=8))
+    running = draw(st.integers(0, 40_000))
+    batched = draw(st.integers(1, 600))
+    return C, samples, running, batched
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=guarded_cases(), shrink=st.floats(0, 0.999), later_running=st.integers(0, 40_000),
+       later_batched=st.integers(1, 600), room=st.booleans())
+def test_expected_waste_guard_is_sound(case, shrink, later_running, later_batched, room):
+    """A preserve under `expected_waste_guard` stands at every later plan until the estimate jumps:
+    several samples all shrink by the same Δ (less than the shortest), one point may go anywhere below
+    the guard's bound; the running KV stays at least the guard's floor; any batch; with swap room only
+    while the iteration and the expected time stay below the swap bounds."""
+    C, samples, running, batched = case
+    p = toy_profile()
+    policy = make_policy("infercept-paper+expected-waste")
+    info = paused("a", C, samples)
+    it = IterationInfo(running, batched, swap_out_budget=0)
+    assume(policy.plan([info], it, p).action("a") is KVAction.PRESERVE)
+    guard = policy.preserve_guard(info, it, p)
+    assume(guard is not None and info.expected_s < guard.expected_s)
+    if len(samples) == 1:
+        later_samples = [shrink * guard.expected_s]
+    else:
+        later_samples = [s - shrink * min(samples) for s in samples]
+    later = paused("a", C, later_samples, elapsed=shrink)
+    assume(later_running >= guard.min_running_tokens)
+    swap_ok = room and p.t_fwd(later_batched) < guard.swap_iteration_s and later.expected_s < guard.swap_expected_s
+    budget = 10_000 if swap_ok else 0
+    later_it = IterationInfo(later_running, later_batched, swap_out_budget=budget)
+    assert policy.plan([later], later_it, p).action("a") is KVAction.PRESERVE
+
+
+# -- program-level priority -----------------------------------------------------------------------
+
+def _sim_profile() -> Profile:
+    """Iterations of 10 ms up to 64 tokens, the budget S = 64; copies fast."""
+    return Profile(model="toy", device="sim", dtype="float16", bytes_per_token=100, block_size=16,
+                   t_fwd_samples=((1, 0.010), (64, 0.012), (128, 0.020)), d2h_bytes_per_s=1e12,
+                   h2d_bytes_per_s=1e12, saturation_point=64)
+
+
+def _agent(rid, arrival, prompt, steps, returned=192, tool_s=0.05):
+    return {"id": rid, "augment": "t", "arrival": arrival, "prompt_tokens": prompt,
+            "segments": [{"decode_tokens": 2,
+                          "interception": {"kind": "tool", "tool": "t", "duration_s": tool_s} if j < steps - 1 else None,
+                          "returned_tokens": returned if j < steps - 1 else 0} for j in range(steps)]}
+
+
+@pytest.mark.parametrize("policy", ["infercept-paper", "infercept-paper+las-priority",
+                                    "infercept-paper+program-arrival-priority"])
+def test_program_priority_orders_a_resumed_turn_against_a_new_program(policy):
+    """Agent A pauses after its first turn; its tool returns 192 tokens (three iterations of the 64-token
+    budget) just as program B arrives with a 192-token prompt. The paper's order (A arrived first, and
+    running requests go first) and program arrival finish A's turn before B's first token; least
+    attained service (B has had nothing, A its first turn) serves B first."""
+    probe = SimulatedEngine("infercept-paper", _sim_profile(), num_device_blocks=200, num_host_blocks=200)
+    resume_at = probe.run_trace([_agent("A", 0.0, 32, 2)]).records[0].turn_starts[1]  # A's tool result
+    engine = SimulatedEngine(policy, _sim_profile(), num_device_blocks=200, num_host_blocks=200)
+    result = engine.run_trace([_agent("A", 0.0, 32, 2), _agent("B", resume_at, 192, 1)])
+    a, b = sorted(result.records, key=lambda r: r.request_id)
+    assert a.turn_starts[1] == resume_at and a.finish is not None and b.finish is not None
+    a_resumed_first_token = a.turn_starts[1] + a.turn_ttfts[1]
+    if policy.endswith("las-priority"):
+        assert b.first_token < a_resumed_first_token
+    else:
+        assert a_resumed_first_token < b.first_token
+
+
+def test_las_key_counts_service_and_program_arrival_survives_a_requeue():
+    """The queue key: (service tokens, program arrival) under las; program arrival under
+    program-arrival even when the policy requeues a resumed turn at the tail (prefix-cache)."""
+    from infercept.engine.block_manager import BlockManager
+    from infercept.engine.config import SchedulerConfig
+    from infercept.engine.request import Request
+    from infercept.engine.sampling_params import SamplingParams
+    from infercept.engine.scheduler import Scheduler
+
+    def sched(name):
+        return Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8), BlockManager(64, 64, 16),
+                         make_policy(name), _sim_profile(), clock=lambda: 100.0)
+
+    old = Request("old", [1] * 40, SamplingParams(max_tokens=4), arrival_time=1.0)
+    old.num_service_tokens = 500
+    new = Request("new", [2] * 40, SamplingParams(max_tokens=4), arrival_time=50.0)
+    s = sched("infercept-paper+las-priority")
+    s.add(old)
+    s.add(new)
+    assert [r.request_id for r in s.waiting] == ["new", "old"]
+    assert old.priority == (500, 1.0)
+    s = sched("infercept-paper")
+    old2 = Request("old", [1] * 40, SamplingParams(max_tokens=4), arrival_time=1.0)
+    old2.num_service_tokens = 500
+    s.add(Request("new", [2] * 40, SamplingParams(max_tokens=4), arrival_time=50.0))
+    s.add(old2)
+    assert [r.request_id for r in s.waiting] == ["old", "new"]
+    requeued = Request("r", [3] * 40, SamplingParams(max_tokens=4), arrival_time=1.0)
+    requeued.arrival_time = 99.0  # prefix-cache's resume: a new request at the tail
+    assert sched("prefix-cache+program-arrival-priority")._priority(requeued) == (1.0,)
+    assert sched("prefix-cache")._priority(requeued) == (99.0,)
+
+
+# -- proactive swap-in ------------------------------------------------------------------------------
+
+def test_prefetched_kv_stays_while_its_resume_looks_imminent():
+    """At 1 MB/s T_swap(200) = 2 ms: a resume expected in 5 ms (< 2 ms + the 10 ms iteration) is
+    imminent. The paper's plan swaps such a request out (its 10 ms iteration exceeds the 4 ms round
+    trip); with prefetch, KV brought back for it stays, and a request that was not prefetched is
+    planned as before."""
+    from infercept.engine.policy.decisions import resume_imminent
+    p, it = toy_profile(), IterationInfo(300, 50, swap_out_budget=1000)
+    back = PausedInfo("a", 0.0, 200, "device", 200, 0.5, 0.005, prefetched=True)
+    assert resume_imminent(back, p, p.t_fwd(50), 200)
+    assert not resume_imminent(PausedInfo("b", 0.0, 200, "host", 0, 0.5, 0.02), p, p.t_fwd(50), 200)
+    assert make_policy("infercept-paper").plan([back], it, p).action("a") is KVAction.SWAP_OUT
+    prefetching = make_policy("infercept-paper+prefetch")
+    assert prefetching.plan([back], it, p).action("a") is KVAction.PRESERVE
+    assert prefetching.preserve_guard(back, it, p) is None  # planned every step while it is kept
+    not_back = PausedInfo("c", 0.0, 200, "device", 200, 0.5, 0.005)
+    assert prefetching.plan([back, not_back], it, p).ids(KVAction.SWAP_OUT) == ["c"]
+
+
+def _fixed_tool_agents(n, gap):
+    return [{"id": f"a{i}", "augment": "t", "arrival": gap * i, "prompt_tokens": 1000,
+             "segments": [{"decode_tokens": 32,
+                           "interception": {"kind": "tool", "tool": "t", "duration_s": 0.5} if j < 4 else None,
+                           "returned_tokens": 32 if j < 4 else 0} for j in range(5)]} for i in range(n)]
+
+
+def test_prefetch_brings_predictable_resumes_back_before_they_arrive():
+    """Eight agents on the H100 profile, a tool that always takes 0.5 s: min-waste swaps every paused
+    context out (the copies hide behind the iterations), so no resume finds its KV on the device; with
+    proactive swap-in every resume after the tool's first three calls (the history it needs) does."""
+    from infercept.engine.policy.profile import h100_llama3_8b
+    shares = {}
+    for name in ("infercept-paper", "infercept-paper+prefetch"):
+        engine = SimulatedEngine(name, h100_llama3_8b(), num_device_blocks=4000, num_host_blocks=4000)
+        result = engine.run_trace(_fixed_tool_agents(8, 0.3))
+        assert result.num_finished == 8
+        engine.block_manager.check_integrity()
+        shares[name] = engine.num_resumes_on_device / engine.num_resumes
+    assert shares["infercept-paper"] == 0.0
+    assert shares["infercept-paper+prefetch"] >= 27 / 32
