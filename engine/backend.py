@@ -19,14 +19,16 @@ from dataclasses import dataclass, field
 
 from .outputs import RequestOutput
 from .paused_kv import PAUSED_KV_STATES
+from .reasoning_parsers import REASONING_PARSERS, THINK_END, ReasoningParser, get_reasoning_parser
 from .request import InterceptParams
 from .sampling_params import GuidedDecodingParams, SamplingParams
 from .tool_format import ToolFormat, ToolSpec
 from .tool_parsers import ToolCall, parser_for_model
 
 __all__ = ["EngineBackend", "EngineInfo", "EngineSnapshot", "GuidedDecodingParams", "InterceptParams",
-           "KVLocation", "NativeBackend", "PAUSED_KV_STATES", "RequestOutput", "SamplingParams", "ToolCall",
-           "ToolFormat", "ToolSpec", "parser_for_model"]
+           "KVLocation", "NativeBackend", "PAUSED_KV_STATES", "REASONING_PARSERS", "ReasoningParser", "RequestOutput",
+           "SamplingParams", "THINK_END", "ToolCall", "ToolFormat", "ToolSpec", "get_reasoning_parser",
+           "parser_for_model"]
 
 
 @dataclass(frozen=True)

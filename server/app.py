@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
 from infercept.engine.backend import EngineBackend, ToolFormat, parser_for_model
-from infercept.engine.reasoning_parsers import get_reasoning_parser
+from infercept.engine.backend import get_reasoning_parser
 from infercept.tools import get_tool
 
 from .chat import ChatRenderer

@@ -16,7 +16,7 @@ import os
 import shutil
 import sys
 
-from infercept.engine.reasoning_parsers import REASONING_PARSERS  # standard library only: --help stays instant
+from infercept.engine import REASONING_PARSERS  # standard library only: --help stays instant
 
 
 def _env(name: str, default):
@@ -90,7 +90,7 @@ def chosen_backend(args: argparse.Namespace) -> str:
     """`--backend`, with `auto` resolved: vllm where its python exists and `nvidia-smi` is on the PATH."""
     if args.backend != "auto":
         return args.backend
-    from infercept.engine.vllm_backend import default_vllm_python
+    from infercept.engine import default_vllm_python
 
     python = args.vllm_python or default_vllm_python()
     return "vllm" if os.path.isfile(python) and shutil.which("nvidia-smi") else "native"

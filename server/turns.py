@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from infercept.engine.backend import InterceptParams, RequestOutput, SamplingParams
-from infercept.engine.reasoning_parsers import THINK_END, ReasoningParser
+from infercept.engine.backend import THINK_END, ReasoningParser
 
 from .chat import AssistantTurn, Call, ChatRenderer, Message, validate_tool_flow
 from .conversations import ConversationStore, Paused
