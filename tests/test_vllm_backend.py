@@ -377,3 +377,24 @@ def test_stock_vllm_holds_nothing_while_paused_and_resumes_from_the_prefix_cache
     assert fresh.token_ids == resumed.token_ids
     with pytest.raises(KeyError):
         asyncio.run(run_turn(stock.resume("stock-1", appended, greedy(4))))
+
+
+@needs_vllm
+def test_a_turn_closed_late_does_not_swallow_the_next_turns_outputs(stock, tokenizer):
+    """A caller stops reading at a turn's last output; Python closes that stream whenever it collects it,
+    which may be after the next turn started. The next turn must still get its outputs (it once hung)."""
+    system, examples = ToolFormat.prompt_messages([WEATHER])
+    prompt = chat_prompt(tokenizer, [{"role": "system", "content": system}, *examples, *QUESTION])
+
+    async def main():
+        first = stock.generate(prompt, greedy(40), "late-1", InterceptParams(tool_parser="hermes", tools=(WEATHER,)))
+        while not (out := await anext(first)).paused:
+            pass
+        resumed = asyncio.create_task(run_turn(stock.resume("late-1", tool_result_tokens(tokenizer), greedy(4),
+                                                            InterceptParams())))
+        for _ in range(5):
+            await asyncio.sleep(0)  # the resume opens its inbox and waits on it
+        await first.aclose()  # the first turn's stream is closed only now
+        return await asyncio.wait_for(resumed, 120)
+
+    assert asyncio.run(main()).finished

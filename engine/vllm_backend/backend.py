@@ -92,8 +92,9 @@ class _Generation:
 
     def deliver(self, msg: dict) -> None:
         """From the reader thread: hand a worker message to the turn's stream, if one is open."""
-        if self.inbox is not None:
-            self.loop.call_soon_threadsafe(self.inbox.put_nowait, msg)
+        inbox = self.inbox  # read once: the event loop may close this turn meanwhile
+        if inbox is not None:
+            self.loop.call_soon_threadsafe(inbox.put_nowait, msg)
 
 
 class VllmBackend(EngineBackend):
@@ -293,11 +294,16 @@ class VllmBackend(EngineBackend):
 
     # -- a turn's outputs -------------------------------------------------------------------------
     async def _stream(self, gen: _Generation):
-        """The turn's outputs until it pauses or finishes; leaving early aborts the request."""
+        """The turn's outputs until it pauses or finishes; leaving early aborts the request.
+
+        The turn's own inbox, held here: a caller that stops at the turn's last output closes this
+        generator whenever it is collected, possibly after the next turn opened its inbox, which must
+        then stay open (clearing it dropped that turn's outputs: a resume that never answered)."""
+        inbox = gen.inbox
         done = False
         try:
             while not done:
-                msg = await gen.inbox.get()
+                msg = await inbox.get()
                 if msg["op"] == "error":
                     done = True
                     raise msg["error"]
@@ -309,7 +315,8 @@ class VllmBackend(EngineBackend):
                 out, done = self._advance(gen, msg)
                 yield out
         finally:
-            gen.inbox = None
+            if gen.inbox is inbox:
+                gen.inbox = None
             if not done:
                 self.abort(gen.request_id)
 
