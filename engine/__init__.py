@@ -10,7 +10,7 @@ import importlib
 
 _EXPORTS = {"AsyncEngine": ".async_engine", "Engine": ".engine", "LLM": ".llm", "RequestOutput": ".outputs",
             "SamplingParams": ".sampling_params", "NativeBackend": ".backend", "EngineBackend": ".backend",
-            "VllmBackend": ".vllm_backend", "default_vllm_python": ".vllm_backend",
+            "VllmBackend": ".vllm_backend.backend", "default_vllm_python": ".vllm_backend.backend",
             "REASONING_PARSERS": ".reasoning_parsers",
             "ensure_default_model": ".download", "profile_model": ".profiler"}
 

@@ -22,7 +22,7 @@ from stdlib_only import non_stdlib_imports
 
 from infercept.engine.backend import InterceptParams, SamplingParams, ToolFormat, ToolSpec
 from infercept.engine.sampling_params import GuidedDecodingParams
-from infercept.engine.vllm_backend import default_vllm_python
+from infercept.engine import default_vllm_python
 from infercept.engine.vllm_backend.params import vllm_sampling_fields
 
 VLLM_PYTHON = default_vllm_python()

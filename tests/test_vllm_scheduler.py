@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from infercept.engine.vllm_backend import default_vllm_python
+from infercept.engine import default_vllm_python
 
 VLLM_PYTHON = default_vllm_python()
 CASES_SCRIPT = Path(__file__).resolve().parent / "vllm_scheduler_cases.py"

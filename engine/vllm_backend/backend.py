@@ -202,6 +202,8 @@ class VllmBackend(EngineBackend):
             chosen = [g for g in self._generations.values() if which(g)]
             for g in chosen:
                 del self._generations[g.request_id]
+                if self._wires.get(g.wire_id) is g:
+                    del self._wires[g.wire_id]
         for g in chosen:
             g.deliver({"op": "error", "error": error})
             if self.worker.alive:
@@ -248,8 +250,8 @@ class VllmBackend(EngineBackend):
         if gen.session:
             # vLLM dropped the last sampled token, whose KV it never computed: it leads the new chunk.
             msg = {"op": "resume", "id": gen.wire_id, "tokens": [gen.context[-1], *appended]}
-            with self._lock:  # reused as the scheduler last reported (a later discard corrects it: _advance)
-                gen.cached = self._kv_paused.get(gen.wire_id, [gen.kept_kv])[0]
+            gen.cached = self._device_tokens(gen)  # as the scheduler last reported (a later discard: _advance)
+            with self._lock:
                 self._resumed_hits.pop(gen.wire_id, None)
         else:
             with self._lock:

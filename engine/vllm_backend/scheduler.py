@@ -12,8 +12,8 @@ paused sessions can fill the pool). Here:
 - every step, before vLLM's own scheduling, the policy plans over the paused sessions that hold device
   KV (`Policy.plan`, the same code the native engine runs) and the ones it discards leave the device;
 - when an allocation fails (a running request's next chunk, or a waiting request's admission), paused
-  KV is reclaimed first, newest paused first (`Policy.reclaim`), and only then does vLLM preempt a
-  running request: paused KV never blocks live work, so a pool of paused sessions cannot deadlock;
+  KV is reclaimed first, newest paused first (discarded: no host tier to swap it to), and only then
+  does vLLM preempt a running request: paused KV never blocks live work, so a pool of paused sessions cannot deadlock;
 - a discarded session is freed like a preempted request (blocks back to the pool, still in the prefix
   cache until evicted: lazy discard; `num_computed_tokens` = 0, moved to the plain waiting queue). When
   its next chunk arrives, vLLM's session update runs against the frontier it had, so the context is the
@@ -230,11 +230,7 @@ class _InterceptMixin:
             victim = self._newest_paused_holder(besides=request)
             if victim is None:
                 return None
-            if self.profile is not None and self.intercept_policy.reclaim(
-                    self._paused_info(victim, time.monotonic()), self._iteration_info(), self.profile) \
-                    is KVAction.SWAP_OUT:
-                logger.debug("the policy would swap %s out; no host tier here, so it is discarded",
-                             victim.request.request_id)
+            # `Policy.reclaim` chooses between discard and swap; with no host tier here it is a discard.
             self._discard(victim, reclaimed=True)
 
     def _newest_paused_holder(self, besides: Request) -> _Pause | None:
