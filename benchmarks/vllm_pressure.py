@@ -7,8 +7,11 @@ agents' KV competes with the running ones'. For each policy, `infercept serve --
 is started alone (vLLM's engine busy-polls its cores), the trace is replayed through implicit token-level
 resume (`benchmarks/replay.py --api resume`), and the server is stopped. `prefix-cache` is stock vLLM as
 agent loops use it: every turn a request that ends, every resume a new request of the whole context
-from the prefix cache; `infercept` keeps or discards each paused session by min-waste inside vLLM
-(`engine/vllm_backend/scheduler.py`). Policies alternate, `--repeats` times.
+from the prefix cache; `infercept` keeps, swaps to its host tier or discards each paused session by
+min-waste inside vLLM (`engine/vllm_backend/scheduler.py`, `host_tier.py`). Both get the same device pool;
+`infercept` also gets a host pool of `--host-kv-gb` (stock vLLM V1 has no host tier for paused requests:
+its offloading connectors are CUDA-only write-through caches), stated with the results. Policies
+alternate, `--repeats` times.
 
     INFERCEPT_VLLM_PYTHON=/tmp/vllmenv/bin/python python benchmarks/vllm_pressure.py
 
@@ -34,6 +37,7 @@ from sweep import ServerProcess, free_port, kv_bytes_per_token, scrape  # noqa: 
 from tqdm import tqdm  # noqa: E402
 
 GIB = 2 ** 30
+STOCK = ("prefix-cache", "discard")  # stock vLLM: no sessions, no host tier
 
 
 def agent_trace(args) -> list[dict]:
@@ -55,7 +59,7 @@ def server_argv(policy: str, port: int, args, kv_cache_gb: float) -> list[str]:
     exe = str(Path(sys.executable).with_name("infercept"))
     return [exe, "serve", "--backend", "vllm", "--policy", policy, "--port", str(port), "--dtype", args.dtype,
             "--kv-cache-gb", f"{kv_cache_gb:.6f}", "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--max-model-len", str(args.max_model_len), "--log-level", "warning",
+            "--max-model-len", str(args.max_model_len), "--host-kv-gb", str(args.host_kv_gb), "--log-level", "warning",
             *(["--vllm-python", args.vllm_python] if args.vllm_python else [])]
 
 
@@ -84,14 +88,17 @@ def run(policy: str, trace: list[dict], args, kv_cache_gb: float, log: Path) -> 
     summary |= {"pool_blocks": after.get("infercept_kv_device_blocks_total", 0.0),
                 "preemptions": delta("infercept_preemptions_total"),
                 "discarded_tokens": delta("infercept_discarded_tokens_total"),
-                "recomputed_tokens": delta("infercept_recomputed_tokens_total")}
+                "recomputed_tokens": delta("infercept_recomputed_tokens_total"),
+                "swapped_out_blocks": delta("infercept_swapped_out_blocks_total"),
+                "swapped_in_blocks": delta("infercept_swapped_in_blocks_total")}
     return {"summary": summary, "records": [r.to_dict() for r in records]}
 
 
 def table(results: dict[str, list[dict]]) -> str:
     rows = ["| policy | median normalized latency (s/token) | vs infercept | mean (s/token) | finished | "
-            "median TTFT (s) | cached prompt % | preemptions | discarded tokens | recomputed tokens |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "median TTFT (s) | cached prompt % | preemptions | discarded tokens | recomputed tokens | "
+            "swapped out / in blocks |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     med = {p: statistics.median(r["summary"]["normalized_latency_median"] for r in runs) for p, runs in results.items()}
 
     def m(runs, key, scale=1.0):
@@ -102,7 +109,8 @@ def table(results: dict[str, list[dict]]) -> str:
         rows.append(f"| {policy} | {med[policy]:.4g} | {ratio:.2f}x | {m(runs, 'normalized_latency_mean'):.4g} | "
                     f"{m(runs, 'finished'):.0f}/{runs[0]['summary']['requests']} | {m(runs, 'ttft_median'):.3g} | "
                     f"{m(runs, 'cached_share', 100):.0f} | {m(runs, 'preemptions'):.0f} | "
-                    f"{m(runs, 'discarded_tokens'):.0f} | {m(runs, 'recomputed_tokens'):.0f} |")
+                    f"{m(runs, 'discarded_tokens'):.0f} | {m(runs, 'recomputed_tokens'):.0f} | "
+                    f"{m(runs, 'swapped_out_blocks'):.0f} / {m(runs, 'swapped_in_blocks'):.0f} |")
     return "\n".join(rows)
 
 
@@ -117,6 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--returned", type=int, default=32, help="tokens each tool result appends")
     p.add_argument("--tool-s", type=float, default=2.0, help="seconds each tool call takes")
     p.add_argument("--pool-tokens", type=int, default=4608, help="device KV pool, tokens")
+    p.add_argument("--host-kv-gb", type=float, default=1.0,
+                   help="host pool for swapped sessions, GiB (session policies; stock vLLM has none)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=4096)
@@ -146,7 +156,9 @@ def main(argv: list[str] | None = None) -> None:
     header = (f"# vLLM backend under KV pressure\n\n{cpu_name()}, {today()}; {args.agents} agents at {args.rate:g}/s, "
               f"{args.prompt}-token prompts, {args.steps} turns of {args.decode} tokens, {args.tool_s:g} s tools "
               f"returning {args.returned} tokens; a {args.pool_tokens}-token pool ({kv_cache_gb:.3f} GiB {args.dtype}) "
-              f"for every policy, servers one at a time on the same cores; {args.repeats} repeat(s). "
+              f"for every policy, and for the session policies ({', '.join(p for p in args.policies if p not in STOCK)}) "
+              f"a {args.host_kv_gb:g} GiB host pool that stock vLLM does not have; servers one at a time on "
+              f"the same cores; {args.repeats} repeat(s). "
               f"Command: `{command.strip()}`")
     text = header + "\n\n" + table(results)
     (out / "vllm_pressure.json").write_text(json.dumps({"cpu": cpu_name(), "date": today(), "args": vars(args),

