@@ -81,9 +81,16 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
                    help="share of GPU memory vLLM may use (weights, activations and KV)")
     v.add_argument("--enforce-eager", action="store_true", default=_env("ENFORCE_EAGER", "0") not in ("0", ""),
                    help="no CUDA graphs")
+    v.add_argument("--async-scheduling", action="store_true",
+                   default=_env("ASYNC_SCHEDULING", "0").lower() not in ("0", "", "false", "no", "off"),
+                   help="vLLM's asynchronous scheduling (GPU: the next step is scheduled while one runs); under "
+                        "infercept, infercept-paper and preserve it runs our AsyncInterceptScheduler. Default off: "
+                        "those policies schedule synchronously (InterceptScheduler), and prefix-cache and discard "
+                        "take vLLM's own default")
 
 
-VLLM_ONLY = ("tensor_parallel_size", "pipeline_parallel_size", "gpu_memory_utilization", "enforce_eager")
+VLLM_ONLY = ("tensor_parallel_size", "pipeline_parallel_size", "gpu_memory_utilization", "enforce_eager",
+             "async_scheduling")
 
 
 def chosen_backend(args: argparse.Namespace) -> str:

