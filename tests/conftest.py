@@ -134,18 +134,20 @@ def agent_server_url(default_model_dir):
     """One live OpenAI-compatible server (real embedded model, real HTTP on a loopback port) shared by
     the integration tests (LangChain, OpenAI shim, examples); yields its /v1 base URL.
 
-    A hand-written profile skips the start-up measurement; the model is served as "smol".
+    A hand-written profile skips the start-up measurement; the model is served as "smol". Responses
+    requests may name MCP servers on the loopback (`--mcp-allow-url`), as the MCP examples' own do.
     """
     from live_server import profile, serve_in_thread
 
     from infercept.engine import AsyncEngine, Engine, NativeBackend
     from infercept.server.app import build_app
-    from infercept.server.settings import ServerSettings
+    from infercept.server.settings import McpSettings, ServerSettings
 
     engine = Engine(default_model_dir, dtype="float32", kv_cache_gb=0.1, host_kv_gb=0.02, max_num_batched_tokens=512,
                     policy="infercept", profile=profile(), progress=False, num_threads=1)
     async_engine = AsyncEngine(engine)
-    app = build_app(NativeBackend(async_engine), ServerSettings(served_model_name="smol"))
+    app = build_app(NativeBackend(async_engine), ServerSettings(
+        served_model_name="smol", mcp=McpSettings(allow_urls=("http://127.0.0.1:*/mcp",))))
     server, thread, base = serve_in_thread(app)
     yield base + "/v1"
     server.should_exit = True

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import json
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from pydantic import BaseModel, Field
 
 from infercept.integrations.langchain import ChatInferCept
 from infercept.integrations.langchain.chat_models import session_id_for_thread
-from infercept.integrations.openai.clients import DEFAULT_MODEL
+from infercept.integrations.openai.clients import DEFAULT_MODEL, client
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 SMALL_MODEL = "the 135M model cannot do this reliably"
@@ -180,6 +181,20 @@ def test_thread_id_becomes_the_session_id():
     assert "extra_body" not in ChatInferCept(model="smol", use_thread_sessions=False)._get_request_payload("Hi")
 
 
+def test_the_responses_api_gets_no_session_id():
+    """The Responses API has no session_id (it would be a 400): a chain there continues by
+    previous_response_id, and the thread's hint is left out."""
+    from langchain_core.runnables.config import var_child_runnable_config
+
+    model = ChatInferCept(model="smol", use_responses_api=True)
+    token = var_child_runnable_config.set({"configurable": {"thread_id": "t-1"}})
+    try:
+        payload = model._get_request_payload("Hi")
+    finally:
+        var_child_runnable_config.reset(token)
+    assert "input" in payload and "extra_body" not in payload
+
+
 def load_example(name: str):
     spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
@@ -197,6 +212,50 @@ def test_example_openai_tool_loop(base_url, capsys):
     answer = load_example("openai_tool_loop").main(["--base-url", base_url, "--model", "smol", "--max-tokens", "48"])
     out = capsys.readouterr().out
     assert "step 2:" in out and "reused" in out and answer
+
+
+# A forced call takes about 20 tokens; the answer after it stops at the same bound.
+MCP_EXAMPLE_ARGS = ["--model", "smol", "--max-tokens", "32"]
+
+
+def assert_one_mcp_step(items: list[dict], input_tokens: int, cached_tokens: int, first: bool) -> None:
+    """One step of the MCP examples (its output items as dicts): the tools listed on the first step, one
+    multiply call that the MCP server answered with the product of the model's own arguments, and the
+    resumed turn after it reusing the paused context: about half of the step's input (its two turns'
+    prompts add up), whatever a prefix cache adds."""
+    kinds = [i["type"] for i in items if i["type"].startswith("mcp_")]
+    assert kinds[-1] == "mcp_call" and kinds.count("mcp_call") == 1 and (kinds[0] == "mcp_list_tools" or not first), \
+        kinds
+    (call,) = [i for i in items if i["type"] == "mcp_call"]
+    args = json.loads(call["arguments"])
+    assert call["name"] == "multiply" and call["server_label"] == "calc" and call.get("error") is None, call
+    assert call["output"] == str(args["a"] * args["b"]), call
+    assert cached_tokens >= 0.4 * input_tokens, (cached_tokens, input_tokens)
+
+
+def test_example_mcp_agent(base_url, capsys):
+    steps = load_example("mcp_agent").main(["--base-url", base_url, *MCP_EXAMPLE_ARGS])
+    out = capsys.readouterr().out
+    assert len(steps) == 3 and "step 3:" in out and "mcp_call calc/multiply(" in out and "reused" in out
+    for i, r in enumerate(steps):
+        usage = r.usage
+        assert_one_mcp_step([o.model_dump() for o in r.output], usage.input_tokens,
+                            usage.input_tokens_details.cached_tokens, first=i == 0)
+        assert r.output[-1].type == "message" and r.previous_response_id == (steps[i - 1].id if i else None)
+
+
+def test_example_langchain_mcp_agent(base_url, capsys):
+    steps = load_example("langchain_mcp_agent").main(["--base-url", base_url, *MCP_EXAMPLE_ARGS])
+    out = capsys.readouterr().out
+    assert len(steps) == 3 and "step 3:" in out and "mcp_call calc/multiply(" in out and "reused" in out
+    server = client(base_url=base_url)
+    for i, message in enumerate(steps):
+        usage = message.usage_metadata
+        assert_one_mcp_step(message.content, usage["input_tokens"], usage["input_token_details"]["cache_read"],
+                            first=i == 0)
+        assert not message.tool_calls and message.text  # the server ran the call: nothing for the agent to run
+        stored = server.responses.retrieve(message.response_metadata["id"])  # chained by previous_response_id
+        assert stored.previous_response_id == (steps[i - 1].response_metadata["id"] if i else None)
 
 
 class City(BaseModel):

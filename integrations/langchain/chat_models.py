@@ -10,6 +10,10 @@ enforces the schema with a grammar), the session hint: inside LangGraph, the run
 name, and a thinking model's `reasoning_content` (server flag --reasoning-parser) in the message's
 `additional_kwargs`, streamed or not. It is not sent back: the server's paused generation keeps the
 thinking as its tokens.
+
+With `use_responses_api=True` the model speaks the server's Responses API instead, where OpenAI's remote
+MCP tool (`{"type": "mcp", ...}`, bound as a provider tool) is run by the server itself
+(examples/langchain_mcp_agent.py); a chain there continues by `use_previous_response_id`, not by session.
 """
 from __future__ import annotations
 
@@ -90,6 +94,8 @@ class ChatInferCept(BaseChatOpenAI):
     def _get_request_payload(self, input_: LanguageModelInput, *, stop: list[str] | None = None,
                              **kwargs: Any) -> dict:
         payload = super()._get_request_payload(input_, stop=stop, **kwargs)
+        if "messages" not in payload:
+            return payload  # the Responses API (use_responses_api): a chain continues by previous_response_id
         session_id = self._thread_session_id()
         if session_id is not None and "session_id" not in payload.get("extra_body", {}):
             payload["extra_body"] = {**payload.get("extra_body", {}), "session_id": session_id}
