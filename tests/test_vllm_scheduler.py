@@ -43,7 +43,8 @@ CASES = ("preserve_keeps_a_paused_sessions_blocks",
          "a_context_larger_than_the_swap_budget_leaves_over_several_steps",
          "a_session_resumed_mid_swap_keeps_its_device_kv",
          "ending_a_swapped_session_frees_its_host_blocks",
-         "the_vllm_internals_we_use_have_the_signatures_we_were_written_against")
+         "the_vllm_internals_we_use_have_the_signatures_we_were_written_against",
+         "the_connector_hooks_we_use_have_the_signatures_and_order_we_were_written_against")
 
 pytestmark = pytest.mark.skipif(not os.path.isfile(VLLM_PYTHON),
                                 reason=f"no vLLM environment at {VLLM_PYTHON} (`make vllm-env`)")

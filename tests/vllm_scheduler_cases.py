@@ -385,6 +385,39 @@ SIGNATURES = {
     "FCFSRequestQueue.add_request": "(self, request: vllm.v1.request.Request) -> None",
     "FCFSRequestQueue.remove_request": "(self, request: vllm.v1.request.Request) -> None",
 }
+CONNECTOR_SIGNATURES = {
+    "get_num_new_matched_tokens": "(self, request: 'Request', num_computed_tokens: int) -> tuple[int | None, bool]",
+    "update_state_after_alloc": "(self, request: 'Request', blocks: 'KVCacheBlocks', num_external_tokens: int)",
+    "build_connector_meta": "(self, scheduler_output: vllm.v1.core.sched.output.SchedulerOutput) -> "
+                            "vllm.distributed.kv_transfer.kv_connector.v1.base.KVConnectorMetadata",
+    "request_finished": "(self, request: 'Request', block_ids: list[int]) -> tuple[bool, dict[str, typing.Any] | None]",
+    "register_kv_caches": "(self, kv_caches: dict[str, torch.Tensor])",
+    "handle_preemptions": "(self, kv_connector_metadata: vllm.distributed.kv_transfer.kv_connector.v1.base."
+                          "KVConnectorMetadata)",
+    "start_load_kv": "(self, forward_context: 'ForwardContext', **kwargs: Any) -> None",
+    "KVCacheManager.get_block_ids": "(self, request_id: str) -> tuple[list[int], ...]",
+}
+
+
+def case_the_connector_hooks_we_use_have_the_signatures_and_order_we_were_written_against():
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    named = set(host_tier.OVERRIDDEN) | {f"KVCacheManager.{m}" for m in host_tier.KV_CACHE_MANAGER_CALLED}
+    assert named == set(CONNECTOR_SIGNATURES), f"the connector's list changed: {sorted(named ^ set(CONNECTOR_SIGNATURES))}"
+    changed = []
+    for name, expected in CONNECTOR_SIGNATURES.items():
+        owner, _, method = name.rpartition(".")
+        got = str(inspect.signature(getattr(KVCacheManager if owner else KVConnectorBase_V1, method)))
+        if got != expected:
+            changed.append(f"{name}{got}")
+    assert not changed, "changed in this vLLM: " + "; ".join(changed)
+    # The swap-out frees device blocks in the step that copies them: the model runner must copy them out
+    # (handle_preemptions) before it zeroes newly allocated blocks (_update_states) and before the loads
+    # and the forward (maybe_get_kv_connector_output runs start_load_kv). The CPU runner inherits this.
+    source = inspect.getsource(GPUModelRunner.execute_model)
+    order = [source.find(s) for s in ("handle_preemptions(", "self._update_states(", "maybe_get_kv_connector_output(")]
+    assert -1 not in order and order == sorted(order), f"vLLM's model runner changed its order: {order}"
 
 
 def case_the_vllm_internals_we_use_have_the_signatures_we_were_written_against():

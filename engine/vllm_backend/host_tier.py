@@ -41,6 +41,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("infercept.host_tier")
 
+# vLLM's connector hooks this class overrides, and the block-table call it makes: tests/test_vllm_scheduler.py
+# checks their signatures, and that vLLM's model runner still calls `handle_preemptions` before it zeroes
+# new blocks and `start_load_kv` after (the order the swap-out relies on).
+OVERRIDDEN = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "request_finished",
+              "register_kv_caches", "handle_preemptions", "start_load_kv")
+KV_CACHE_MANAGER_CALLED = ("get_block_ids",)
+
 def bytes_per_block(kv_cache_config: "KVCacheConfig") -> int:
     """Bytes one block of every layer takes: what a host block holds."""
     return sum(group.kv_cache_spec.page_size_bytes * len(group.layer_names)
