@@ -50,11 +50,17 @@ class EngineTurn:
     stream: AsyncIterator[RequestOutput]
     first: RequestOutput
     abort: Callable[[str], None]  # the backend's: `close` lets a paused turn nobody kept go
-    cached_tokens: int = 0  # prompt tokens whose KV was reused
     resumed: bool = False
     observe_gap: Callable[[float], None] | None = None  # inter-token latency, per output after the first
     last: RequestOutput | None = None  # the last output handed out
     kept: bool = False  # its pause was handed to the conversation store
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose KV was reused, as the engine last reported them for this turn: a backend
+        may learn it after the first token (the vLLM backend hears of a resumed turn's prefix-cache hit
+        and host load from its scheduler, which may lag the first output)."""
+        return (self.last or self.first).num_cached_tokens
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         self.last = self.first
@@ -108,7 +114,7 @@ class EngineTurns:
                 self._observe_ttft(started)
                 # Reused: the paused KV on the device or host, or what the prefix cache kept of a discarded one.
                 return EngineTurn(entry.request_id, prompt_ids, stream, first, self.backend.abort,
-                                  cached_tokens=first.num_cached_tokens, resumed=True, observe_gap=self._observe_gap)
+                                  resumed=True, observe_gap=self._observe_gap)
         stream = self.backend.generate(prompt_ids, params, request_id, intercept)
         try:
             first = await anext(stream)
@@ -117,8 +123,7 @@ class EngineTurns:
         except RuntimeError as e:
             raise APIError(503, str(e), headers={"Retry-After": "5"}) from None
         self._observe_ttft(started)
-        return EngineTurn(request_id, prompt_ids, stream, first, self.backend.abort,
-                          cached_tokens=first.num_cached_tokens, observe_gap=self._observe_gap)
+        return EngineTurn(request_id, prompt_ids, stream, first, self.backend.abort, observe_gap=self._observe_gap)
 
     def _observe_gap(self, seconds: float) -> None:
         self.metrics.inter_token.labels(self.metrics.model).observe(seconds)

@@ -292,9 +292,8 @@ class ResponsesMcp:
         serving.check_model(model)
         functions = [t for t in req.tools or () if isinstance(t, FunctionTool)]
         items = [] if isinstance(req.input, str) else list(req.input)
-        listed_before = {o.get("server_label") for o in ((previous.body or {}).get("output", []) if previous else [])
-                         if o.get("type") == "mcp_list_tools"} | {i.server_label for i in items
-                                                                   if isinstance(i, McpListToolsItem)}
+        listed_before = _listed_in_chain(serving.conversations, previous, owner) | {
+            i.server_label for i in items if isinstance(i, McpListToolsItem)}
         servers = await self.resolve(req, {t.name for t in functions}, listed_before)
 
         # Approvals: each answers a call waiting for one (of the previous response or of the input).
@@ -591,3 +590,22 @@ def _error_text(error: Any) -> str:
     if isinstance(error, dict):
         return str(error.get("message") or error.get("content") or error)
     return str(error)
+
+
+# A chain of responses longer than this is not searched further back for tool listings (the server lists
+# the tools again then; it never lists too few).
+MAX_CHAIN_SEARCH = 256
+
+
+def _listed_in_chain(conversations, previous, owner: str | None) -> set[str]:
+    """Server labels whose tools a response of the chain ending at `previous` listed (`mcp_list_tools`):
+    they are in the context, so they are not listed again (as OpenAI does)."""
+    labels: set[str] = set()
+    record, seen = previous, 0
+    while record is not None and seen < MAX_CHAIN_SEARCH:
+        body = record.body or {}
+        labels |= {o.get("server_label") for o in body.get("output", []) if o.get("type") == "mcp_list_tools"}
+        parent = body.get("previous_response_id")
+        record = conversations.response(parent, owner) if parent else None
+        seen += 1
+    return labels

@@ -142,6 +142,10 @@ def test_an_mcp_call_runs_while_the_generation_waits_paused(mcp, http_mcp_url, t
     r2 = mcp.client.responses.create(previous_response_id=r.id, input="Thanks.", tools=[tool], tool_choice="none",
                                      **GREEDY)
     assert [o.type for o in r2.output] == ["message"]
+    # Nor the one after: the listing two responses back is still in the context.
+    r3 = mcp.client.responses.create(previous_response_id=r2.id, input="Again: 6 times 7?", tools=[tool],
+                                     tool_choice=force("multiply", tool["server_label"]), max_tool_calls=1, **GREEDY)
+    assert [o.type for o in r3.output] == ["mcp_call", "message"], r3.output
 
 
 def test_a_stream_shows_the_listing_the_call_and_the_answer_as_they_happen(mcp):
