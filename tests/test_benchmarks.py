@@ -247,7 +247,7 @@ def test_vllm_pressure_trace_and_server_command():
     pressure = load_bench("vllm_pressure")
     args = pressure.argparse.Namespace(agents=24, rate=4.0, prompt=1000, steps=5, decode=32, returned=32, tool_s=2.0,
                                        seed=0, dtype="bfloat16", max_num_batched_tokens=256, max_model_len=4096,
-                                       vllm_python=None)
+                                       host_kv_gb=1.0, vllm_python=None)
     trace = pressure.agent_trace(args)
     assert len(trace) == 24 and all(r["prompt_tokens"] == 1000 and len(r["segments"]) == 5 for r in trace)
     assert [s["interception"] is None for s in trace[0]["segments"]] == [False] * 4 + [True]
@@ -257,3 +257,4 @@ def test_vllm_pressure_trace_and_server_command():
     a, b = (pressure.server_argv(p, 8000, args, 0.1) for p in ("prefix-cache", "infercept"))
     assert [x for x in a if x != "prefix-cache"] == [x for x in b if x != "infercept"]
     assert a[a.index("--backend") + 1] == "vllm" and a[a.index("--kv-cache-gb") + 1] == "0.100000"
+    assert a[a.index("--host-kv-gb") + 1] == "1.0"  # (stock vLLM has no sessions: it never uses it)
