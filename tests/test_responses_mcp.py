@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 from live_server import MODEL, serve_in_thread
-from test_mcp_tools import CALC_SERVER, _free_port, _start_http_mcp
+from test_mcp_tools import CALC_SERVER, _free_port, http_mcp  # noqa: F401 (http_mcp: a fixture, the calc server over HTTP)
 
 from infercept.server.app import build_app
 from infercept.server.mcp_config import McpServerConfig
@@ -66,16 +66,7 @@ class SpiedBackend:
 
 
 @pytest.fixture(scope="module")
-def http_mcp_url():
-    port = _free_port()
-    proc = _start_http_mcp(port)
-    yield f"http://127.0.0.1:{port}/mcp"
-    proc.terminate()
-    proc.wait(timeout=10)
-
-
-@pytest.fixture(scope="module")
-def mcp_app(server, http_mcp_url):
+def mcp_app(server, http_mcp):
     backend = SpiedBackend(server.backend)
     settings = ServerSettings(served_model_name=MODEL, mcp=McpSettings(
         servers=(McpServerConfig("calc", command=sys.executable, args=(CALC_SERVER, "stdio")),
@@ -116,9 +107,9 @@ def assert_resumed_once(calls: list[tuple]) -> int:
 
 
 @pytest.mark.parametrize("transport", ["stdio", "http"])
-def test_an_mcp_call_runs_while_the_generation_waits_paused(mcp, http_mcp_url, transport):
+def test_an_mcp_call_runs_while_the_generation_waits_paused(mcp, http_mcp, transport):
     tool = calc_tool() if transport == "stdio" else {
-        "type": "mcp", "server_label": "web", "server_url": http_mcp_url, "require_approval": "never",
+        "type": "mcp", "server_label": "web", "server_url": http_mcp, "require_approval": "never",
         "allowed_tools": ["multiply", "fail"], "headers": {"X-Test": "1"}}
     r = mcp.client.responses.create(input=QUESTION, tools=[tool], tool_choice=force("multiply", tool["server_label"]),
                                     max_tool_calls=1, **GREEDY)
@@ -323,19 +314,19 @@ def test_bad_mcp_tools_are_4xx_never_5xx(mcp):
     assert mcp.backend.calls == []  # refused before any generation
 
 
-def test_request_servers_are_kept_per_url_and_headers_for_a_ttl(http_mcp_url):
+def test_request_servers_are_kept_per_url_and_headers_for_a_ttl(http_mcp):
     from infercept.server.responses_mcp import McpServerPool, McpUnavailable
 
     async def run():
         pool = McpServerPool(McpSettings(call_timeout_s=5, tools_ttl_s=1.0, allow_urls=("http://127.0.0.1:*/mcp",)))
         try:
-            first = await pool.connection(http_mcp_url, {})
+            first = await pool.connection(http_mcp, {})
             assert first.client is not None and "multiply" in first.tools
-            assert await pool.connection(http_mcp_url, {}) is first  # listed once, kept
-            other = await pool.connection(http_mcp_url, {"Authorization": "Bearer b"})
+            assert await pool.connection(http_mcp, {}) is first  # listed once, kept
+            other = await pool.connection(http_mcp, {"Authorization": "Bearer b"})
             assert other is not first  # other credentials, another connection
             await asyncio.sleep(1.2)
-            again = await pool.connection(http_mcp_url, {})
+            again = await pool.connection(http_mcp, {})
             assert again is not first and first.client is None and other.client is None  # unused past the TTL
             with pytest.raises(McpUnavailable, match="ConnectError"):
                 await pool.connection(f"http://127.0.0.1:{_free_port()}/mcp", {})

@@ -75,8 +75,7 @@ POOL_TOKENS = 4608  # the device pool: max_model_len (4096) must fit, and one lo
 
 def tool_turn_tokens(tokenizer) -> int:
     """At most the KV tokens of a `tool_call_turn` (its prompt and 40 generated)."""
-    system, examples = ToolFormat.prompt_messages([WEATHER])
-    return len(chat_prompt(tokenizer, [{"role": "system", "content": system}, *examples, *QUESTION])) + 40
+    return len(tool_turn_prompt(tokenizer)) + 40
 
 
 @pytest.fixture(scope="module")
@@ -128,11 +127,17 @@ def test_a_greedy_turn_equals_transformers(backend, tokenizer, hf_model_fp32):
     assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
 
 
+def tool_turn_prompt(tokenizer) -> list[int]:
+    """The server's prompt for a chat template without a tool section: the tool system prompt and example
+    exchanges, then the question."""
+    system, examples = ToolFormat.prompt_messages([WEATHER])
+    return chat_prompt(tokenizer, [{"role": "system", "content": system}, *examples, *QUESTION])
+
+
 def tool_call_turn(backend, tokenizer, request_id: str, expected_s: float | None = None):
     """A turn that writes a get_weather call and pauses at its end. The prompt is the server's for a chat
     template without a tool section: the tool system prompt and example exchanges, then the question."""
-    system, examples = ToolFormat.prompt_messages([WEATHER])
-    prompt = chat_prompt(tokenizer, [{"role": "system", "content": system}, *examples, *QUESTION])
+    prompt = tool_turn_prompt(tokenizer)
     intercept = InterceptParams(tool_parser="hermes", tools=(WEATHER,), expected_s=expected_s)
     return prompt, asyncio.run(run_turn(backend.generate(prompt, greedy(40), request_id, intercept)))
 

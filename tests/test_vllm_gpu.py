@@ -33,9 +33,9 @@ from pathlib import Path
 import pytest
 import torch
 from test_vllm_backend import (QUESTION, VLLM_PYTHON, WEATHER, chat_prompt, greedy, needs_vllm, run_turn,
-                               tool_result_tokens, wait_for)
+                               tool_result_tokens, tool_turn_prompt, wait_for)
 
-from infercept.engine.backend import InterceptParams, ToolFormat
+from infercept.engine.backend import InterceptParams
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU = (pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"), needs_vllm)
@@ -203,8 +203,7 @@ def start_on_gpu(model_dir: str, **engine_args):
 
 async def tool_call_turn(backend, tokenizer, request_id: str, expected_s: float | None = None):
     """tests/test_vllm_backend.py's `tool_call_turn`, inside a running event loop."""
-    system, examples = ToolFormat.prompt_messages([WEATHER])
-    prompt = chat_prompt(tokenizer, [{"role": "system", "content": system}, *examples, *QUESTION])
+    prompt = tool_turn_prompt(tokenizer)
     intercept = InterceptParams(tool_parser="hermes", tools=(WEATHER,), expected_s=expected_s)
     return prompt, await run_turn(backend.generate(prompt, greedy(40), request_id, intercept))
 

@@ -325,12 +325,19 @@ def case_a_full_host_pool_means_a_discard():
     assert s.host_tier.free_host_tokens == 64
 
 
-def case_a_context_larger_than_the_swap_budget_leaves_over_several_steps():
+def paused_behind_a_slow_copy():
+    """Session "a" (101 tokens of KV) paused for an hour under `infercept`, with a copy rate (10 MB/s) at
+    which a decode-sized step's swap budget is ~48 tokens: its swap takes several steps."""
     slow = Profile.from_dict(PROFILE.to_dict() | {"d2h_bytes_per_s": 1e7, "h2d_bytes_per_s": 1e7})
     s = make("infercept", host_blocks=32, profile=slow)
     s.add_request(request("a", prompt(100)))
     run_until_paused(s, "a")
     s._on_message({"op": "pause", "id": "a", "expected_s": 3600.0})
+    return s
+
+
+def case_a_context_larger_than_the_swap_budget_leaves_over_several_steps():
+    s = paused_behind_a_slow_copy()
     held = []
     for _ in range(6):
         step(s)  # ~48 tokens of copy per decode-sized step at 10 MB/s
@@ -344,11 +351,7 @@ def case_a_context_larger_than_the_swap_budget_leaves_over_several_steps():
 
 
 def case_a_session_resumed_mid_swap_keeps_its_device_kv():
-    slow = Profile.from_dict(PROFILE.to_dict() | {"d2h_bytes_per_s": 1e7, "h2d_bytes_per_s": 1e7})
-    s = make("infercept", host_blocks=32, profile=slow)
-    s.add_request(request("a", prompt(100)))
-    run_until_paused(s, "a")
-    s._on_message({"op": "pause", "id": "a", "expected_s": 3600.0})
+    s = paused_behind_a_slow_copy()
     step(s)
     assert 0 < s.host_tier.host_tokens("a") < 101
     out = resume(s, "a", prompt(5, 5000))
