@@ -45,9 +45,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from machine import cpu_name, today  # noqa: E402
 from policy_sim import MAX_CONTEXT, MAX_NUM_SEQS, SETUPS  # noqa: E402
+from long_context import long_context_trace  # noqa: E402
+from sustain import sustainable_rate  # noqa: E402
 from workload import generate_trace  # noqa: E402
 
+from infercept.engine.modeled_runner import AttentionCost  # noqa: E402
 from infercept.engine.policy import Profile  # noqa: E402
+from infercept.engine.policy.profile import h100_llama3_8b_attention  # noqa: E402
 from infercept.engine.simulation import SimulatedEngine, coarsen_profile  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -94,8 +98,13 @@ def run_one(task: tuple[str, str, int, dict]) -> dict:
     rate = float(rate_text) if rate_text else None
     h100 = SETUPS["h100_llama3_8b"]
     device_blocks, host_blocks = h100.pool_blocks()
-    profile, k, until, window = h100.profile(), 1, None, None
-    if name == "mix":
+    profile, k, until, window, attention = h100.profile(), 1, None, None, None
+    if name == "long":
+        trace = long_context_trace(rate, args["long_window"], seed)
+        k, window, until = args["token_scale"], args["long_window"], args["long_window"] + args["long_drain"]
+        profile = coarsen_profile(profile, k)
+        attention = AttentionCost(*h100_llama3_8b_attention()).coarsened(k)
+    elif name == "mix":
         trace = generate_trace(rate, duration=args["window"], seed=seed, max_context=MAX_CONTEXT)
         k, window, until = args["token_scale"], args["window"], args["window"] + args["drain"]
         profile = coarsen_profile(profile, k)
@@ -112,7 +121,8 @@ def run_one(task: tuple[str, str, int, dict]) -> dict:
         profile, host_blocks = coarsen_profile(profile, k), 0
     else:
         raise ValueError(f"unknown workload {workload!r}")
-    engine = SimulatedEngine(policy, profile, device_blocks, host_blocks, max_num_seqs=MAX_NUM_SEQS)
+    engine = SimulatedEngine(policy, profile, device_blocks, host_blocks, max_num_seqs=MAX_NUM_SEQS,
+                             attention=attention)
     start = time.perf_counter()
     summary = engine.run_trace(trace, token_scale=k, until=until, window=window).summary()
     engine.block_manager.check_integrity()
@@ -168,6 +178,49 @@ def table(doc: dict) -> str:
                 cells.append(_fmt(mean, digits) + spread)
             lines.append(f"| {policy} | " + " | ".join(cells) + " |")
         lines.append("")
+    return "\n".join(lines) + "\n" + sustainable_table(doc)
+
+
+def sustainable_table(doc: dict) -> str:
+    """Sustainable programs/s per workload family swept over rates (`name@R` at two or more R): per seed,
+    the highest rate whose median normalized latency stays within the SLO (`sustain.sustainable_rate`:
+    linear between the bracketing rates), with the SLO as in `policy_sim.py`: 2x the best latency any
+    policy reached at the lowest rate of that seed."""
+    families: dict[str, list[tuple[float, str]]] = {}
+    for workload in doc["workloads"]:
+        name, _, rate = workload.partition("@")
+        if rate:
+            families.setdefault(name, []).append((float(rate), workload))
+    lines = []
+    for name, rates in families.items():
+        if len(rates) < 2:
+            continue
+        rates.sort()
+        lowest = rates[0][1]
+        by_seed: dict[str, list[tuple[float, bool]]] = {p: [] for p in doc["policies"]}
+        slos = []
+        for seed in doc["seeds"]:
+            rows = {(r["policy"], r["workload"]): r for r in doc["results"] if r["seed"] == seed}
+            base = [rows[(p, lowest)]["normalized_latency"] for p in doc["policies"] if (p, lowest) in rows]
+            if not base:
+                continue
+            slo = 2 * min(base)
+            slos.append(slo)
+            for policy in doc["policies"]:
+                lat = {rate: rows[(policy, w)]["normalized_latency"] for rate, w in rates if (policy, w) in rows}
+                by_seed[policy].append(sustainable_rate(lat, slo))
+        paper = statistics.fmean(r for r, _ in by_seed.get("infercept-paper", [])) if by_seed.get("infercept-paper") else None
+        lines += [f"**{name}: sustainable programs/s** (SLO per seed: 2x the best median normalized latency at "
+                  f"{lowest}, {', '.join(f'{x * 1e3:.3g}' for x in slos)} ms/token; '>' = never crossed, a lower "
+                  f"bound)", "", "| policy | programs/s | per seed | vs infercept-paper |", "|---|---|---|---|"]
+        for policy, found in by_seed.items():
+            if not found:
+                continue
+            mean = statistics.fmean(r for r, _ in found)
+            seeds = ", ".join(f"{'' if crossed else '>'}{r:.3g}" for r, crossed in found)
+            ratio = f"{mean / paper:.2f}x" if paper else "–"
+            lines.append(f"| {policy} | {mean:.3g} | {seeds} | {ratio} |")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -178,6 +231,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--window", type=float, default=150.0, help="arrival window of mix@R / approval@R (s)")
     p.add_argument("--drain", type=float, default=300.0, help="time after the window for programs to finish (s)")
+    p.add_argument("--long-window", type=float, default=600.0, help="arrival window of long@R (s)")
+    p.add_argument("--long-drain", type=float, default=1200.0, help="time after the window for long@R (s)")
     p.add_argument("--token-scale", type=int, default=16)
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--out", type=Path, default=RESULTS / "parts_sim.json")
@@ -186,7 +241,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.table is not None:
         print(table(json.loads(args.table.read_text())))
         return
-    shared = dict(window=args.window, drain=args.drain, token_scale=args.token_scale)
+    shared = dict(window=args.window, drain=args.drain, token_scale=args.token_scale, long_window=args.long_window,
+                  long_drain=args.long_drain)
     tasks = [(w, pol, s, shared) for w in args.workloads for s in args.seeds for pol in args.policies]
     start = time.perf_counter()
     if args.jobs > 1:

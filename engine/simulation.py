@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .config import SchedulerConfig
-from .modeled_runner import IterationCost, ModeledRunner, VirtualClock
+from .modeled_runner import AttentionCost, IterationCost, ModeledRunner, VirtualClock
 from .outputs import SchedulerOutput
 from .policy import DurationEstimator, Profile, make_policy
 from .request import InterceptParams, Request, RequestStatus
@@ -105,7 +105,10 @@ class SimulatedEngine:
     def __init__(self, policy_name: str, profile: Profile, num_device_blocks: int, num_host_blocks: int,
                  block_size: int | None = None, max_num_batched_tokens: int | None = None,
                  max_num_seqs: int = 256, max_model_len: int = UNLIMITED_MODEL_LEN,
-                 estimator: DurationEstimator | None = None, event_driven: bool = True):
+                 estimator: DurationEstimator | None = None, event_driven: bool = True,
+                 attention: AttentionCost | None = None):
+        """`attention`: charge attention over the context on top of the profile's T_fwd (long contexts;
+        `ModeledRunner`), already coarsened like `profile` when tokens are scaled."""
         self.profile = profile
         self.block_size = block_size or profile.block_size
         self.clock = VirtualClock()
@@ -118,7 +121,7 @@ class SimulatedEngine:
         self.scheduler = Scheduler(config, self.block_manager, self.policy, profile, clock=self.clock.now,
                                    estimator=estimator, event_driven=event_driven)
         self.runner = ModeledRunner(profile, self.clock, self.block_size,
-                                    swap_synchronous=self.policy.swap_synchronous)
+                                    swap_synchronous=self.policy.swap_synchronous, attention=attention)
         self.stats = EngineStats(bytes_per_token=profile.bytes_per_token)
         self.acc = SimAccounting()
         self._last_turn: set[str] = set()
@@ -154,8 +157,9 @@ class SimulatedEngine:
         return request_id
 
     def resume(self, request_id: str, num_appended_tokens: int, max_tokens: int, *, last_turn: bool = False,
-               expected_s: float | None = None) -> Request:
-        """Append `num_appended_tokens` dummy tokens (the tool result) and decode `max_tokens` more."""
+               expected_s: float | None = None, kind: str | None = None) -> Request:
+        """Append `num_appended_tokens` dummy tokens (the tool result) and decode `max_tokens` more;
+        `kind`: the tool the turn's interception will call (its duration history), default unchanged."""
         if num_appended_tokens < 1:
             raise ValueError("a resume needs at least one token")
         request = self.scheduler.paused[request_id]
@@ -165,9 +169,10 @@ class SimulatedEngine:
         self.num_resumes_on_device += bool(device and not host)
         self.scheduler.resume(request_id, [APPENDED_TOKEN_ID] * num_appended_tokens)
         self.stats.hold(self.clock.now(), self.paused_device_tokens())
-        if request.intercept is not None and request.intercept.expected_s != expected_s:
+        if request.intercept is not None and (request.intercept.expected_s, request.intercept.kind) != \
+                (expected_s, kind or request.intercept.kind):
             request.intercept = InterceptParams(pause_on_stop=True, expected_s=expected_s,
-                                                kind=request.intercept.kind)
+                                                kind=kind or request.intercept.kind)
         self._set_last_turn(request_id, last_turn)
         return request
 
@@ -274,11 +279,12 @@ class SimulatedEngine:
             inter = rec.spec["segments"][rec.segment].get("interception")
             return float(inter["duration_s"]) if oracle_hints and inter else None
 
-        def tool_of(spec: dict) -> str:
-            # The duration history is per tool: the augment type is the tool (paper §2.2's hint).
-            inters = [s["interception"] for s in spec["segments"] if s.get("interception")]
-            return str(inters[0].get("tool") or inters[0].get("kind") or spec.get("augment") or "tool") \
-                if inters else str(spec.get("augment") or "tool")
+        def tool_of(spec: dict, segment: int) -> str:
+            # The duration history is per tool: the one this segment's interception calls, else the
+            # augment type (paper §2.2's hint: one tool per augment).
+            inter = spec["segments"][segment].get("interception")
+            return str(inter.get("tool") or inter.get("kind") or spec.get("augment") or "tool") \
+                if inter else str(spec.get("augment") or "tool")
 
         def start_segment(rec: RequestRecord) -> None:
             segments = rec.spec["segments"]
@@ -286,12 +292,12 @@ class SimulatedEngine:
             last = rec.segment == len(segments) - 1 or not seg.get("interception")
             if rec.segment == 0:
                 self.add_request(scaled(int(rec.spec["prompt_tokens"])), scaled(int(seg["decode_tokens"])),
-                                 request_id=rec.request_id, arrival_time=rec.arrival, kind=tool_of(rec.spec),
+                                 request_id=rec.request_id, arrival_time=rec.arrival, kind=tool_of(rec.spec, 0),
                                  expected_s=hint(rec), last_turn=last)
             else:
                 returned = segments[rec.segment - 1].get("returned_tokens", 1)
                 self.resume(rec.request_id, scaled(int(returned)), scaled(int(seg["decode_tokens"])),
-                            last_turn=last, expected_s=hint(rec))
+                            last_turn=last, expected_s=hint(rec), kind=tool_of(rec.spec, rec.segment))
 
         def deliver(now: float) -> None:
             while events and events[0][0] <= now:

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from bench_modules import load_bench
-from infercept.engine.modeled_runner import ModeledRunner, VirtualClock
+from infercept.engine.modeled_runner import AttentionCost, ModeledRunner, VirtualClock
 from infercept.engine.outputs import ScheduledChunk, SchedulerOutput
 from infercept.engine.policy import POLICIES, Profile, a100_gptj_6b
+from infercept.engine.policy.profile import h100_llama3_8b, h100_llama3_8b_attention
 from infercept.engine.sampling_params import SamplingParams
 from infercept.engine.simulation import SimulatedEngine, coarsen_profile
 
@@ -100,6 +101,43 @@ def test_coarsened_profile_keeps_swap_budget_and_time_per_real_token():
     assert coarse.swap_budget_tokens(coarse.t_fwd(100)) * coarse.M == pytest.approx(
         8 * base.swap_budget_tokens(base.t_fwd(100)) * base.M, rel=1e-3)
     assert coarse.t_swap(10) == pytest.approx(base.t_swap(80))
+
+
+def test_attention_cost_by_hand_and_in_the_runner():
+    """Decode reads its context's KV (memory-bound); a prefill chunk computes q x ctx pairs; the runner
+    adds both to T_fwd; a coarse simulation scales them by k^2 (k iterations over k-times-longer contexts)."""
+    read_s, pair_s = h100_llama3_8b_attention()
+    # 128 KiB per token at 80% of 3.35 TB/s; 2 x 2 x 4,096 x 32 FLOPs per pair at 60% of 989 TFLOP/s.
+    assert read_s == pytest.approx(131072 / 2.68e12) and pair_s == pytest.approx(524288 / 593.4e12)
+    attn = AttentionCost(read_s, pair_s)
+    assert attn.seconds(1, 50_000) == pytest.approx(50_000 * read_s)  # one decode token: the read
+    assert attn.seconds(256, 50_000) == pytest.approx(50_000 * 256 * pair_s)  # a chunk: the compute
+    assert attn.coarsened(16).seconds(1, 100) == pytest.approx(256 * attn.seconds(1, 100))
+    profile = h100_llama3_8b()
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    out = SchedulerOutput(chunks=[ScheduledChunk("a", [1], 49_999, [0], True, params, 0),
+                                  ScheduledChunk("b", [1] * 256, 20_000, [1], False, params, 0)])
+    plain, with_attention = ModeledRunner(profile, VirtualClock()), ModeledRunner(profile, VirtualClock(), attention=attn)
+    plain.run(out)
+    with_attention.run(out)
+    assert plain.last.t_fwd == pytest.approx(profile.t_fwd(257))
+    assert with_attention.last.t_fwd == pytest.approx(profile.t_fwd(257) + attn.seconds(1, 50_000)
+                                                      + attn.seconds(256, 20_256))
+    assert with_attention.clock.now() == pytest.approx(with_attention.last.t_fwd)
+
+
+def test_simulated_durations_are_kept_per_tool_of_each_step():
+    """A program calling two tools: each pause's duration joins the history of the tool that step called."""
+    trace = [{"id": "p", "arrival": 0.0, "prompt_tokens": 40, "segments": [
+        {"decode_tokens": 4, "interception": {"kind": "tool", "tool": "fast", "duration_s": 0.5}, "returned_tokens": 4},
+        {"decode_tokens": 4, "interception": {"kind": "tool", "tool": "slow", "duration_s": 7.0}, "returned_tokens": 4},
+        {"decode_tokens": 4, "interception": {"kind": "tool", "tool": "fast", "duration_s": 0.25}, "returned_tokens": 4},
+        {"decode_tokens": 4, "interception": None, "returned_tokens": 0}]}]
+    engine = SimulatedEngine("infercept", a100_gptj_6b(), 64, 64)
+    engine.run_trace(trace)
+    estimator = engine.scheduler.estimator
+    assert estimator.history("fast") == pytest.approx([0.5, 0.25], abs=0.05)
+    assert estimator.history("slow") == pytest.approx([7.0], abs=0.05)
 
 
 # -- decisions with numbers ----------------------------------------------------------------------------

@@ -309,6 +309,22 @@ _HOST_LINKS = {"pcie5": PCIE5_X16_EFFECTIVE_BYTES_PER_S, "nvlink-c2c": NVLINK_C2
 _ROOFLINE_SAMPLE_TOKENS = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
+# Query heads (32 x 128 = the 4,096 hidden size): attention FLOPs per (query, context) token pair are
+# 2 (multiply-add) x 2 products (QK^T, PV) x 4,096 x 32 layers.
+_LLAMA3_8B_ATTENTION_DIM = 4096
+LLAMA3_8B_ATTENTION_FLOPS_PER_PAIR = 2 * 2 * _LLAMA3_8B_ATTENTION_DIM * _LLAMA3_8B_LAYERS
+
+
+def h100_llama3_8b_attention() -> tuple[float, float]:
+    """Attention cost of Llama-3-8B (same shapes as Llama-3.1-8B, the 128k-context version) on one H100,
+    which `T_fwd` leaves out, as ``(read_s_per_token, pair_s)`` for `modeled_runner.AttentionCost`:
+    a decoding sequence reads its 128 KiB per context token at the achieved HBM bandwidth; a prefill
+    chunk's attention runs at the achieved tensor FLOP/s. A 50k-token context adds 2.4 ms to a decode
+    step and 11 ms to a 256-token prefill chunk."""
+    return (LLAMA3_8B_BF16_BYTES_PER_TOKEN / (H100_SXM_HBM_BYTES_PER_S * _H100_ACHIEVED_BANDWIDTH),
+            LLAMA3_8B_ATTENTION_FLOPS_PER_PAIR / (H100_SXM_BF16_FLOPS * _H100_ACHIEVED_FLOPS))
+
+
 def roofline_t_fwd(num_tokens: int, weight_bytes: float, flops_per_token: float, bandwidth: float,
                    flops: float, overhead_s: float) -> float:
     """Iteration time of a dense decoder by the roofline: the longer of streaming the weights once and
