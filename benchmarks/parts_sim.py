@@ -15,6 +15,11 @@ The real scheduler and block manager on the modeled runner (`infercept.engine.si
 - `burst-cpu`: the 24-agent burst on this machine's measured CPU profile (SmolLM2-135M bf16, one
   thread; `benchmarks/results/parts_sim_2026-11-24/cpu_profile.json`) with a 4 GiB pool: the cost model of
   the server on which the issue measured its defect.
+- `long@R`: coding agents (`long_context.py`: 8k-20k-token prompts growing to ~100k over ~25 steps,
+  tool times from 0.15 s file reads to minutes-long builds and human approvals) at R programs/s, Poisson,
+  `--long-window` s of arrivals + `--long-drain` s, on the H100 setup with attention over the context
+  charged (`AttentionCost`: the profile's T_fwd ignores it, fine at 2k tokens, not at 50k), token scale
+  `--token-scale`.
 - `approval@R`: agents whose tool returns in 20-100 ms nine times in ten and waits 20-40 s for an
   approval otherwise (a bimodal duration, where a mean residual and a distribution disagree), H100
   setup with no host pool (preserve or discard only).
@@ -22,9 +27,11 @@ The real scheduler and block manager on the modeled runner (`infercept.engine.si
 Metrics per program (= agent request): median normalized latency (the paper's), completed programs/s
 within the window, p50 / p90 completion time (finish - arrival; unfinished = inf), first-turn TTFT,
 resumed-step TTFT, share of resumes that found their KV on the device, recompute share of modeled
-forward time, held memory waste.
+forward time, held memory waste. For every workload swept over two or more rates, the sustainable
+programs/s: per seed, the highest rate whose median normalized latency stays within the SLO (2x the best
+policy's latency at the lowest rate, as `policy_sim.py`), interpolated between the bracketing rates.
 
-    python benchmarks/parts_sim.py                                   # the default matrix, ~8 min, --jobs 2
+    python benchmarks/parts_sim.py                                   # the default matrix, ~35 min, --jobs 2
     python benchmarks/parts_sim.py --table benchmarks/results/parts_sim_2026-11-24/parts_sim.json
     python benchmarks/parts_sim.py --workloads burst --seeds 0 --policies infercept-paper prefix-cache
 """
@@ -59,12 +66,13 @@ RESULTS = HERE / "results" / "parts_sim_2026-11-24"
 CPU_PROFILE = RESULTS / "cpu_profile.json"
 GIB = 1024 ** 3
 
-# Each part alone, all of them, the default `infercept` (infercept-paper+expected-waste+prefetch), and
+# Each part alone, the default `infercept` (infercept-paper+expected-waste+prefetch), and
 # today's servers.
 POLICIES = ("infercept-paper", "infercept-paper+program-arrival-priority", "infercept-paper+las-priority",
-            "infercept-paper+expected-waste", "infercept-paper+prefetch",
-            "infercept-paper+las-priority+expected-waste+prefetch", "infercept", "prefix-cache")
-WORKLOADS = ("mix@14", "mix@20", "burst", "burst240", "burst-cpu", "approval@10")
+            "infercept-paper+expected-waste", "infercept-paper+prefetch", "infercept", "prefix-cache")
+# Rate sweeps (two or more rates of one workload) also give the sustainable programs/s at the SLO.
+WORKLOADS = ("mix@14", "mix@22", "mix@30", "long@0.05", "long@0.08", "long@0.1", "long@0.12", "long@0.15",
+             "long@0.2", "burst", "burst240", "burst-cpu", "approval@10")
 
 
 def burst_trace(seed: int, n: int = 24, prompt: int = 1000, steps: int = 5, decode: int = 32, tool_s: float = 0.5,
