@@ -165,9 +165,12 @@ def test_new_programs_wait_for_the_cap_but_resumed_turns_never_do():
     assert [r.request_id for r in sched.waiting] == ["b", "a"]  # a requeued at the tail
     out = step(sched)
     assert [c.request_id for c in out.chunks] == ["a"] and out.num_held_back == 1
-    while a.status is not RequestStatus.FINISHED_LENGTH:
+    for _ in range(5):
         out = step(sched)
         assert "b" not in [c.request_id for c in out.chunks]
+        if a.status is RequestStatus.FINISHED_LENGTH:
+            break
+    assert a.status is RequestStatus.FINISHED_LENGTH
     assert sched.num_active_programs == 0
     out = step(sched)
     assert [c.request_id for c in out.chunks] == ["b"] and out.num_held_back == 0
@@ -179,9 +182,11 @@ def test_the_cap_limits_new_starts_and_frees_as_programs_finish():
         sched.add(agent(f"r{i}", float(i), turns_left=False))
     out = step(sched)
     assert sorted(c.request_id for c in out.chunks) == ["r0", "r1"] and out.num_held_back == 2
-    while sched.num_active_programs:
+    for _ in range(5):
         out = step(sched)
         assert sorted(c.request_id for c in out.chunks) == ["r0", "r1"]
+        if not sched.num_active_programs:
+            break
     out = step(sched)
     assert sorted(c.request_id for c in out.chunks) == ["r2", "r3"]
 
