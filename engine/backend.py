@@ -93,6 +93,10 @@ class EngineSnapshot:
     prefix_cached_blocks: int = 0
     num_running: int = 0
     num_waiting: int = 0
+    num_active_programs: int = 0  # requests scheduled once and not finished (running, paused, resuming)
+    admission_cap: int | None = None  # Policy.admission's cap on active programs; None: uncapped
+    num_held_back: int = 0  # new programs waiting because of that cap
+    num_thrashed_tokens: int = 0
     paused_by_state: dict[str, int] = field(default_factory=dict)  # PAUSED_KV_STATES -> generations
     paused_tokens_by_location: dict[str, int] = field(default_factory=dict)  # device / host / discarded
 
@@ -229,6 +233,8 @@ def _snapshot(engine) -> EngineSnapshot:
         prefix_queried_blocks=bm.device.counters.queried, prefix_hit_blocks=bm.device.counters.hits,
         prefix_evicted_blocks=bm.device.counters.evictions, prefix_cached_blocks=bm.device.num_cached,
         num_running=len(sched.running) + len(sched.swapped), num_waiting=len(sched.waiting),
+        num_active_programs=sched.num_active_programs, admission_cap=stats.admission_cap,
+        num_held_back=stats.num_held_back, num_thrashed_tokens=stats.num_thrashed_tokens,
         paused_by_state={state: paused.count_by_state[state] for state in PAUSED_KV_STATES},
         paused_tokens_by_location={"device": paused.device_tokens, "host": paused.host_tokens,
                                    "discarded": paused.discarded_tokens})

@@ -33,6 +33,11 @@ class SchedulerOutput:
     num_preempted: int = 0  # running requests taken off the device for room
     num_preempted_by_swap: int = 0  # of those, the ones whose KV went to the host (not recomputed)
     num_fresh_pauses_planned: int = 0  # paused since the last step: the policy decided their KV now
+    # KV computed or copied again (admission's thrash signal): the recomputed tokens, plus the KV of
+    # running requests preempted by swap and of swap-ins evicted half-way (they come back by copy again).
+    num_thrashed_tokens: int = 0
+    admission_cap: int | None = None  # the cap on active programs (Policy.admission); None: uncapped
+    num_held_back: int = 0  # new programs waiting because the cap held them back this step
 
     @property
     def num_batched_tokens(self) -> int:

@@ -20,7 +20,9 @@ order the policy names: `Policy.priority`, `Request.priority`):
      recomputed later);
   4. waiting (new, preempted, resumed after a discard), while the token budget, the sequence cap and
      the pool allow. The token budget `max_num_batched_tokens` plays the paper's saturation point S,
-     so a recompute chunk is S minus the running tokens.
+     so a recompute chunk is S minus the running tokens. Under `Policy.admission` a new program (never
+     scheduled yet) starts only within the admission cap on active programs (`policy/admission.py`);
+     the turns of programs already active are never held back.
 
 Prefix caching: a request admitted without KV first reuses the longest prefix of its context that the
 device pool still holds by content (its own blocks from before a discard or preemption, or another
@@ -42,6 +44,7 @@ from .outputs import RunnerOutput, ScheduledChunk, SchedulerOutput
 from .paused_kv import PausedKV, kv_state
 from .policy import (DurationEstimator, IterationInfo, KVAction, PausedInfo, Policy, Profile,
                      split_swap_budget, swap_room)
+from .policy.admission import AdmissionController
 from .policy.decisions import resume_imminent
 from .request import Request, RequestStatus
 
@@ -84,6 +87,12 @@ class Scheduler:
         self._undecided: set[str] = set()
         # Paused requests whose host KV was brought back before their resume (`Policy.prefetch`).
         self._prefetched: set[str] = set()
+        # Programs (requests) scheduled at least once and not finished: the active ones, wherever they
+        # are; and how many never-scheduled ones wait (new programs), for admission under overload.
+        self._started: set[str] = set()
+        self._num_waiting_new = 0
+        self.admission = AdmissionController() if policy is not None and policy.admission else None
+        self._held_this_step = False
 
     # -- admission, pause, resume, removal ---------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -91,6 +100,7 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         request.num_cached_tokens = request.num_tokens  # nothing computed yet; admission lowers it
+        self._num_waiting_new += 1
         self._enqueue(self.waiting, request, RequestStatus.WAITING)
 
     def _enqueue(self, queue: list[Request], request: Request, status: RequestStatus) -> None:
@@ -123,6 +133,10 @@ class Scheduler:
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a request in any state and release its blocks."""
+        if request.request_id in self._started:
+            self._started.remove(request.request_id)
+        elif request.request_id in self.requests:
+            self._num_waiting_new -= 1  # never scheduled: it was waiting as a new program
         self._dequeue(request)
         request.status = status
         self.blocks.free(request.request_id)
@@ -269,6 +283,7 @@ class Scheduler:
         if blocks and self._swap_out_chosen(request) and self.blocks.can_swap_out(blocks):
             out.swap_out += self.blocks.swap_out(request.request_id, blocks)
             out.num_preempted_by_swap += 1
+            out.num_thrashed_tokens += request.num_computed_tokens  # swapped out now, back in later
             self._enqueue(self.swapped, request, RequestStatus.SWAPPED)
             return
         self.blocks.free(request.request_id)
@@ -477,6 +492,8 @@ class Scheduler:
         """Take a paused or swapping-in request's device KV off the device. The policy says whether it
         is swapped (back) out, host room permitting, or discarded (a swapping-in one then loses its
         host part too and moves to the waiting queue). The worst case is discard + recompute."""
+        if request.status is RequestStatus.SWAPPED:
+            out.num_thrashed_tokens += self.kv_tokens(request)[0]  # a swap-in undone: re-swapped
         if self._swap_out_chosen(request):
             self._swap_out_or_discard(out, request, len(self.blocks.block_table(request.request_id)))
         else:
@@ -529,7 +546,10 @@ class Scheduler:
         allow (only those ahead of `ahead_of` in queue order, if given); returns the budget left. No
         admissions in a step that had to preempt: the pool is full."""
         while self.waiting and budget > 0 and not self._preempted_this_step and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+            i = self._next_waiting()
+            if i is None:
+                break
+            request = self.waiting[i]
             if ahead_of is not None and not request.priority < ahead_of:
                 break
             reserve = self._owed_to_swapped(request.priority)
@@ -540,7 +560,10 @@ class Scheduler:
                     break  # paused KV never blocks new work: it is dropped (and recomputed on resume)
             if not self.blocks.can_allocate(request.request_id, computed + n, hit, reserve):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
+            if request.request_id not in self._started:
+                self._started.add(request.request_id)
+                self._num_waiting_new -= 1
             self.blocks.allocate(request.request_id, computed + n, hit)
             if request.num_computed_tokens == 0 and self.blocks.enable_caching:
                 self.blocks.record_lookup((request.num_tokens - 1) // self.blocks.block_size, len(hit))
@@ -556,8 +579,27 @@ class Scheduler:
 
         return budget
 
+    def _next_waiting(self) -> int | None:
+        """Index in `waiting` of the first request that may start now: the head, unless it is a new
+        program the admission cap holds back (`Policy.admission`); then the first turn of an active
+        program behind it, which is never held back. None if every waiting request is held back."""
+        head = self.waiting[0]
+        if self.admission is None or head.request_id in self._started or self.admission.admits(len(self._started)):
+            return 0
+        self.admission.hold()
+        self._held_this_step = True
+        if len(self.waiting) == self._num_waiting_new:
+            return None  # only new programs wait
+        return next(i for i, r in enumerate(self.waiting) if r.request_id in self._started)
+
+    @property
+    def num_active_programs(self) -> int:
+        """Requests scheduled at least once and not finished (running, paused, or waiting to resume)."""
+        return len(self._started)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(chunks=[])
+        self._held_this_step = False
         swap_in_demand = sum(self.kv_tokens(r)[1] for r in self.swapped)
         prefetch = self._prefetch_candidates()
         swap_in_demand += sum(host for _, host in prefetch)
@@ -609,7 +651,11 @@ class Scheduler:
                 sampling_params=r.sampling_params,
                 num_output_tokens=r.num_output_tokens,
             ))
+        out.num_thrashed_tokens += out.num_recomputed_tokens
         out.num_paused_device_tokens = self.paused_device_tokens()
+        if self.admission is not None:
+            out.admission_cap = self.admission.cap
+            out.num_held_back = self._num_waiting_new if self._held_this_step else 0
         out.finished_request_ids, self._finished_ids = self._finished_ids, []
         self._last_batched_tokens = max(out.num_batched_tokens, 1)
         return out
@@ -622,6 +668,9 @@ class Scheduler:
         intercepted: then `pending_stop` is set and the engine decides between finish and pause.
         """
         self.blocks.copies_done()  # the runner copied this step's blocks
+        if self.admission is not None:
+            self.admission.observe(self.clock(), output.num_thrashed_tokens, output.num_batched_tokens,
+                                   len(runner_output.sampled), len(self._started), self._num_waiting_new)
         changed = []
         for chunk in output.chunks:
             request = self.requests.get(chunk.request_id)

@@ -28,6 +28,11 @@ class EngineStats:
     memory_waste_byte_seconds: float = 0.0
     paused_device_tokens: int = 0  # held since `held_since`
     held_since: float | None = None
+    # Admission under overload (Policy.admission), as of the last step: the cap on active programs
+    # (None: uncapped, or no admission part), and the new programs it held back.
+    admission_cap: int | None = None
+    num_held_back: int = 0
+    num_thrashed_tokens: int = 0  # cumulative: KV computed or copied again (SchedulerOutput)
 
     def record(self, out: SchedulerOutput, seconds: float) -> None:
         self.num_steps += 1
@@ -41,6 +46,9 @@ class EngineStats:
         self.num_discarded_tokens += out.num_discarded_tokens
         self.num_preemptions += out.num_preempted
         self.num_preemptions_by_swap += out.num_preempted_by_swap
+        self.num_thrashed_tokens += out.num_thrashed_tokens
+        self.admission_cap = out.admission_cap
+        self.num_held_back = out.num_held_back
 
     def hold(self, now: float, paused_device_tokens: int | None = None) -> None:
         """Charge the paused device KV held since the last call up to `now`; from `now` on, paused

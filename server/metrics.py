@@ -6,6 +6,8 @@ numbers (its counters, block pools, where paused KV lives) come from the backend
 """
 from __future__ import annotations
 
+import math
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -72,6 +74,14 @@ class _EngineCollector:
                     s.prefix_cached_blocks)
         yield gauge("infercept_requests_running", "Requests running or swapping in", s.num_running)
         yield gauge("infercept_requests_waiting", "Requests waiting to be scheduled", s.num_waiting)
+        yield gauge("infercept_programs_active", "Programs (generations) scheduled once and not finished: "
+                    "running, paused, or waiting to resume", s.num_active_programs)
+        yield gauge("infercept_admission_cap", "Cap on active programs under overload (policy part +admission); "
+                    "+Inf: uncapped", math.inf if s.admission_cap is None else s.admission_cap)
+        yield gauge("infercept_programs_held_back", "New programs waiting because the admission cap holds them back",
+                    s.num_held_back)
+        yield counter("infercept_thrashed_tokens", "KV tokens computed or copied again: recomputed, preempted by "
+                      "swap, swap-ins evicted half-way (the admission cap's signal)", s.num_thrashed_tokens)
         paused = GaugeMetricFamily("infercept_paused_requests", "Paused generations by where their KV lives",
                                    labels=["model", "kv_state"])
         for state in KV_STATES:

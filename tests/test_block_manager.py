@@ -256,6 +256,9 @@ def check_scheduler_state(sched: Scheduler, bm: BlockManager) -> None:
         assert len(bm.block_table(r.request_id)) >= bm.blocks_for(r.num_computed_tokens)
     for r in sched.paused.values():
         assert r.status is RequestStatus.INTERCEPTED
+    # Active programs (scheduled once, not finished) and the new ones waiting, as admission counts them.
+    assert sched._started <= set(sched.requests)
+    assert sched._num_waiting_new == sum(r.request_id not in sched._started for r in sched.waiting)
     for r in sched.waiting:
         assert r.status is RequestStatus.WAITING
         assert r.num_computed_tokens == 0 and bm.block_table(r.request_id) == []
@@ -378,7 +381,8 @@ def agent_workloads(draw):
     policy = draw(st.sampled_from([None, "discard", "improved-discard", "chunked-discard", "budgeted-swap",
                                    "heuristic-preserve", "infercept", "infercept-paper", "preserve", "swap",
                                    "prefix-cache", "infercept-paper+las-priority", "prefix-cache+program-arrival-priority",
-                                   "infercept-paper+las-priority+expected-waste+prefetch"]))
+                                   "infercept-paper+las-priority+expected-waste+prefetch", "infercept-paper+admission",
+                                   "infercept+admission", "discard+admission", "infercept-paper+las-priority+admission"]))
     return (num_blocks, draw(st.integers(0, 2 * num_blocks)), requests, policy, draw(st.integers(1, 24)),
             draw(st.integers(1, 6)), draw(st.booleans()))
 
@@ -389,7 +393,7 @@ def test_agents_under_every_policy_with_fake_runner(workload):
     """Pause, keep / swap / discard, resume, preempt, under every policy: no KV is ever lost (the fake
     runner checks every context position a chunk attends to), no livelock, every turn gets its tokens,
     and every block comes back."""
-    from infercept.engine.policy import make_policy
+    from infercept.engine.policy import AdmissionController, make_policy
     from infercept.engine.request import InterceptParams
 
     num_blocks, host_blocks, specs, policy, budget, max_num_seqs, caching = workload
@@ -398,6 +402,10 @@ def test_agents_under_every_policy_with_fake_runner(workload):
     policy_args = dict(policy=make_policy(policy), profile=cheap_copy_profile()) if policy else {}
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, max_model_len=1 << 20),
                       bm, clock=lambda: now[0], **policy_args)
+    if sched.admission is not None:
+        # Windows of a few steps and a cap that falls on any recompute, so that the cap binds within
+        # these short runs: new programs are held back while resumed turns go on.
+        sched.admission = AdmissionController(window_s=0.02, min_steps=2, thrash_high=0.01, thrash_low=0.005)
     runner = FakeRunner(sched, BLOCK_SIZE)
     requests, turns_left, resume_at = {}, {}, {}
     for i, (prompt_len, turns, _) in enumerate(specs):
@@ -424,6 +432,8 @@ def test_agents_under_every_policy_with_fake_runner(workload):
             break
         out = sched.schedule()
         check_scheduler_state(sched, bm)
+        if out.num_held_back:
+            event("admission held a new program back")
         for r in sched.update(out, runner.run(out)):
             if r.status.finished:
                 assert r.output_token_ids == [SAMPLED] * r.sampling_params.max_tokens

@@ -9,7 +9,9 @@ without a model (DESIGN §2). Modules:
 - `decisions`: per-iteration `KVPlan` (preserve / swap out / discard), the min-waste rule (Eq. 5) and
   its expected-waste form over a remaining-time distribution, the baseline and ablation policies,
   `make_policy` (with switchable parts: `VARIANTS`).
+- `admission`: `AdmissionController`, the AIMD cap on active programs under overload (`+admission`).
 """
+from .admission import AdmissionController
 from .decisions import (FIGURE3_ABLATION, KV_STATES, POLICIES, PRIORITIES, VARIANTS, IterationInfo, KVAction,
                         KVDecision, KVPlan, PausedInfo, Policy, PreserveGuard, SwapBudget, make_policy, min_waste_plan,
                         recompute_chunk_size, split_swap_budget, swap_room)
@@ -18,7 +20,7 @@ from .profile import Profile, a100_gptj_6b, detect_saturation_point
 from .waste import waste_chunk_discard, waste_discard, waste_preserve, waste_swap
 
 __all__ = [
-    "FIGURE3_ABLATION", "KV_STATES", "POLICIES", "PRIORITIES", "VARIANTS", "DurationEstimator", "IterationInfo",
+    "AdmissionController", "FIGURE3_ABLATION", "KV_STATES", "POLICIES", "PRIORITIES", "VARIANTS", "DurationEstimator", "IterationInfo",
     "KVAction", "KVDecision", "KVPlan", "PausedInfo", "Policy", "PreserveGuard", "Profile", "SwapBudget",
     "a100_gptj_6b", "detect_saturation_point", "make_policy", "min_waste_plan", "recompute_chunk_size",
     "split_swap_budget", "swap_room", "waste_chunk_discard", "waste_discard", "waste_preserve", "waste_swap",

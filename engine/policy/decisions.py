@@ -470,6 +470,9 @@ class Policy:
       coming back within the swap-in budget once its resume looks imminent (`resume_imminent`, on an
       estimate from a hint or the tool's history: `DurationEstimator.predicts`), and the
       plan keeps what came back on the device while it still does. Only the min-waste policies read it.
+    - ``admission``: admission under overload (issue 22, item 4): while the device pool thrashes, new
+      programs start only within an AIMD cap on the active ones (`admission.AdmissionController`, one
+      per scheduler); turns of active programs are never held back. Any policy may add it.
     """
 
     name: ClassVar[str] = ""
@@ -481,9 +484,11 @@ class Policy:
     priority: str = "arrival"
     expected_waste: bool = False
     prefetch: bool = False
+    admission: bool = False
 
     def __init__(self, *, lazy_discard: bool | None = None, preemption: str | None = None,
-                 priority: str | None = None, expected_waste: bool | None = None, prefetch: bool | None = None):
+                 priority: str | None = None, expected_waste: bool | None = None, prefetch: bool | None = None,
+                 admission: bool | None = None):
         if lazy_discard is not None:
             self.lazy_discard = lazy_discard  # per-instance override, e.g. for ablations
         if preemption is not None:
@@ -498,6 +503,8 @@ class Policy:
             self.expected_waste = expected_waste
         if prefetch is not None:
             self.prefetch = prefetch
+        if admission is not None:
+            self.admission = admission
 
     def plan(self, paused: Sequence[PausedInfo], iteration: IterationInfo, profile: Profile) -> KVPlan:
         raise NotImplementedError
@@ -533,6 +540,8 @@ class Policy:
             parts.append("expected-waste" if self.expected_waste else "mean-waste")
         if self.prefetch != cls.prefetch:
             parts.append("prefetch" if self.prefetch else "no-prefetch")
+        if self.admission != cls.admission:
+            parts.append("admission" if self.admission else "no-admission")
         return "+".join([self.name, *parts])
 
     def __repr__(self) -> str:
@@ -594,9 +603,8 @@ class HeuristicPreservePolicy(BudgetedSwapPolicy):
 
     name = "heuristic-preserve"
 
-    def __init__(self, *, long_threshold_s: float = 2.0, lazy_discard: bool | None = None,
-                 preemption: str | None = None):
-        super().__init__(lazy_discard=lazy_discard, preemption=preemption)
+    def __init__(self, *, long_threshold_s: float = 2.0, **parts):
+        super().__init__(**parts)
         self.long_threshold_s = long_threshold_s
 
     def plan(self, paused, iteration, profile):
@@ -746,7 +754,7 @@ FIGURE3_ABLATION = ("vllm", "improved-discard", "chunked-discard", "budgeted-swa
 
 # The parts a policy name may add after "+", each switching one thing (`Policy` attributes).
 VARIANTS = tuple(f"{p}-preemption" for p in PREEMPTIONS) + tuple(f"{p}-priority" for p in PRIORITIES) + (
-    "expected-waste", "mean-waste", "prefetch", "no-prefetch")
+    "expected-waste", "mean-waste", "prefetch", "no-prefetch", "admission", "no-admission")
 
 
 def _variant(part: str) -> tuple[str, object]:
@@ -758,6 +766,8 @@ def _variant(part: str) -> tuple[str, object]:
         return "expected_waste", part == "expected-waste"
     if part in ("prefetch", "no-prefetch"):
         return "prefetch", part == "prefetch"
+    if part in ("admission", "no-admission"):
+        return "admission", part == "admission"
     raise ValueError(f"unknown policy variant {part!r}; use {', '.join('+' + v for v in VARIANTS)}")
 
 
@@ -765,8 +775,8 @@ def make_policy(name: str, **kwargs) -> Policy:
     """The policy registered under ``name``, optionally with parts switched after ``+``: another
     preemption rule (``"infercept+recompute-preemption"``, ``"swap+swap-preemption"``: the ablation that
     credits the pause-time plan and the preemption rule separately), another queue order
-    (``"infercept-paper+las-priority"``), expected-waste decisions (``"infercept-paper+expected-waste"``);
-    several may be chained. ValueError naming the choices if unknown."""
+    (``"infercept-paper+las-priority"``), expected-waste decisions (``"infercept-paper+expected-waste"``),
+    admission under overload (``"infercept-paper+admission"``); several may be chained. ValueError naming the choices if unknown."""
     base, *parts = name.split("+")
     for part in parts:
         key, value = _variant(part)
@@ -776,5 +786,5 @@ def make_policy(name: str, **kwargs) -> Policy:
     except KeyError:
         raise ValueError(f"unknown policy {base!r}; choose one of {', '.join(sorted(POLICIES))} "
                          f"(optionally +recompute-preemption or +swap-preemption, +las-priority, "
-                         f"+program-arrival-priority, +expected-waste)") from None
+                         f"+program-arrival-priority, +expected-waste, +prefetch, +admission)") from None
     return cls(**kwargs)
