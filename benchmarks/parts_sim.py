@@ -18,7 +18,8 @@ The real scheduler and block manager on the modeled runner (`infercept.engine.si
 - `long@R`: coding agents (`long_context.py`: 8k-20k-token prompts growing to ~100k over ~25 steps,
   tool times from 0.15 s file reads to minutes-long builds and human approvals) at R programs/s, Poisson,
   `--long-window` s of arrivals + `--long-drain` s, on the H100 setup with attention over the context
-  charged (`AttentionCost`: the profile's T_fwd ignores it, fine at 2k tokens, not at 50k), token scale
+  charged (`h100_llama3_8b(attention=True)`, `Profile.t_attention`: T_fwd alone ignores it, fine at 2k
+  tokens, not at 50k), token scale
   `--token-scale`.
 - `approval@R`: agents whose tool returns in 20-100 ms nine times in ten and waits 20-40 s for an
   approval otherwise (a bimodal duration, where a mean residual and a distribution disagree), H100
@@ -56,9 +57,8 @@ from long_context import long_context_trace  # noqa: E402
 from sustain import sustainable_rate  # noqa: E402
 from workload import generate_trace  # noqa: E402
 
-from infercept.engine.modeled_runner import AttentionCost  # noqa: E402
 from infercept.engine.policy import Profile  # noqa: E402
-from infercept.engine.policy.profile import h100_llama3_8b_attention  # noqa: E402
+from infercept.engine.policy.profile import h100_llama3_8b  # noqa: E402
 from infercept.engine.simulation import SimulatedEngine, coarsen_profile  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -106,12 +106,11 @@ def run_one(task: tuple[str, str, int, dict]) -> dict:
     rate = float(rate_text) if rate_text else None
     h100 = SETUPS["h100_llama3_8b"]
     device_blocks, host_blocks = h100.pool_blocks()
-    profile, k, until, window, attention = h100.profile(), 1, None, None, None
+    profile, k, until, window = h100.profile(), 1, None, None
     if name == "long":
         trace = long_context_trace(rate, args["long_window"], seed)
         k, window, until = args["token_scale"], args["long_window"], args["long_window"] + args["long_drain"]
-        profile = coarsen_profile(profile, k)
-        attention = AttentionCost(*h100_llama3_8b_attention()).coarsened(k)
+        profile = coarsen_profile(h100_llama3_8b(attention=True), k)
     elif name == "mix":
         trace = generate_trace(rate, duration=args["window"], seed=seed, max_context=MAX_CONTEXT)
         k, window, until = args["token_scale"], args["window"], args["window"] + args["drain"]
@@ -129,8 +128,7 @@ def run_one(task: tuple[str, str, int, dict]) -> dict:
         profile, host_blocks = coarsen_profile(profile, k), 0
     else:
         raise ValueError(f"unknown workload {workload!r}")
-    engine = SimulatedEngine(policy, profile, device_blocks, host_blocks, max_num_seqs=MAX_NUM_SEQS,
-                             attention=attention)
+    engine = SimulatedEngine(policy, profile, device_blocks, host_blocks, max_num_seqs=MAX_NUM_SEQS)
     start = time.perf_counter()
     summary = engine.run_trace(trace, token_scale=k, until=until, window=window).summary()
     engine.block_manager.check_integrity()

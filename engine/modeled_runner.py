@@ -7,9 +7,8 @@ An iteration costs what the profile says it costs:
     stall   = T_swap(swapped-out tokens) + T_swap(swapped-in tokens)            synchronous swap
             = max(0, T_swap(out) + T_swap(in) - T_fwd - T_attn)                pipelined swap
 
-``T_attn`` is optional (`AttentionCost`, default none): the profile's ``T_fwd(n)`` counts query tokens
-only, which is right within a few percent at the paper's <= 2k-token contexts but not at 10k-100k, where
-decode is bound by reading every sequence's KV and a prefill chunk by its attention FLOPs.
+``T_attn`` is the sum of `Profile.t_attention` over the iteration's chunks (each over its context up to
+its last token); 0 unless the profile models attention (long contexts; `Profile.t_attention`).
 
 Pipelined (budgeted) swaps run on a copy stream beside the forward pass (paper §4.1), so only the part
 of the copy that outlasts the forward pass shows up; within the per-iteration budget that part is zero
@@ -54,30 +53,6 @@ class VirtualClock:
 
 
 @dataclass(frozen=True)
-class AttentionCost:
-    """Attention over the context, which `Profile.t_fwd` leaves out: a chunk of ``q`` query tokens whose
-    context (the KV it attends to, its own tokens included) is ``ctx`` tokens long costs
-
-        T_attn(q, ctx) = ctx * max(read_s_per_token, q * pair_s)
-
-    the longer of reading its KV once (memory-bound: decode) and the QK^T and PV products (compute-bound:
-    a prefill or recompute chunk), summed over the iteration's chunks and added to ``T_fwd`` (the weight
-    stream and GEMMs it models do not overlap with attention in a layer-by-layer forward pass). Causal
-    masking is ignored (a chunk is charged its whole context): a small overestimate when q << ctx."""
-
-    read_s_per_token: float  # KV bytes per token / achieved memory bandwidth
-    pair_s: float  # attention FLOPs per (query, context) token pair / achieved FLOP/s
-
-    def seconds(self, q: int, ctx: int) -> float:
-        return ctx * max(self.read_s_per_token, q * self.pair_s)
-
-    def coarsened(self, k: int) -> "AttentionCost":
-        """The cost in a simulation where one token stands for `k` (`simulation.coarsen_profile`): a
-        simulated iteration is k real ones over contexts k times as long, so both terms scale by k^2."""
-        return AttentionCost(self.read_s_per_token * k * k, self.pair_s * k * k)
-
-
-@dataclass(frozen=True)
 class IterationCost:
     """Where one modeled iteration's time went."""
 
@@ -94,10 +69,8 @@ class ModeledRunner:
     """`run(SchedulerOutput) -> RunnerOutput` like `ModelRunner`, with the cost taken from a `Profile`."""
 
     def __init__(self, profile: Profile, clock: VirtualClock, block_size: int | None = None,
-                 swap_synchronous: bool = False, token_id: int = SAMPLED_TOKEN_ID,
-                 attention: AttentionCost | None = None):
+                 swap_synchronous: bool = False, token_id: int = SAMPLED_TOKEN_ID):
         self.profile = profile
-        self.attention = attention
         self.clock = clock
         self.block_size = block_size or profile.block_size
         self.swap_synchronous = swap_synchronous
@@ -107,8 +80,8 @@ class ModeledRunner:
     def cost(self, output: SchedulerOutput) -> IterationCost:
         n = output.num_batched_tokens
         t_fwd = self.profile.t_fwd(n) if n else 0.0
-        if self.attention is not None:
-            t_fwd += sum(self.attention.seconds(len(c.token_ids), c.start_pos + len(c.token_ids))
+        if self.profile.has_attention:
+            t_fwd += sum(self.profile.t_attention(len(c.token_ids), c.start_pos + len(c.token_ids))
                          for c in output.chunks)
         out_tokens = len(output.swap_out) * self.block_size
         in_tokens = len(output.swap_in) * self.block_size

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .config import SchedulerConfig
-from .modeled_runner import AttentionCost, IterationCost, ModeledRunner, VirtualClock
+from .modeled_runner import IterationCost, ModeledRunner, VirtualClock
 from .outputs import SchedulerOutput
 from .policy import DurationEstimator, Profile, make_policy
 from .request import InterceptParams, Request, RequestStatus
@@ -68,6 +68,9 @@ def coarsen_profile(profile: Profile, k: int) -> Profile:
                    t_fwd_samples=tuple((n, t * k) for n, t in profile.t_fwd_samples),
                    d2h_bytes_per_s=profile.d2h_bytes_per_s, h2d_bytes_per_s=profile.h2d_bytes_per_s,
                    saturation_point=profile.saturation_point,
+                   # k real iterations over contexts k times as long: both attention terms scale by k^2.
+                   attention_read_s_per_token=profile.attention_read_s_per_token * k * k,
+                   attention_pair_s=profile.attention_pair_s * k * k,
                    notes=f"{profile.notes} [coarsened: 1 token = {k} tokens]")
 
 
@@ -105,10 +108,7 @@ class SimulatedEngine:
     def __init__(self, policy_name: str, profile: Profile, num_device_blocks: int, num_host_blocks: int,
                  block_size: int | None = None, max_num_batched_tokens: int | None = None,
                  max_num_seqs: int = 256, max_model_len: int = UNLIMITED_MODEL_LEN,
-                 estimator: DurationEstimator | None = None, event_driven: bool = True,
-                 attention: AttentionCost | None = None):
-        """`attention`: charge attention over the context on top of the profile's T_fwd (long contexts;
-        `ModeledRunner`), already coarsened like `profile` when tokens are scaled."""
+                 estimator: DurationEstimator | None = None, event_driven: bool = True):
         self.profile = profile
         self.block_size = block_size or profile.block_size
         self.clock = VirtualClock()
@@ -121,7 +121,7 @@ class SimulatedEngine:
         self.scheduler = Scheduler(config, self.block_manager, self.policy, profile, clock=self.clock.now,
                                    estimator=estimator, event_driven=event_driven)
         self.runner = ModeledRunner(profile, self.clock, self.block_size,
-                                    swap_synchronous=self.policy.swap_synchronous, attention=attention)
+                                    swap_synchronous=self.policy.swap_synchronous)
         self.stats = EngineStats(bytes_per_token=profile.bytes_per_token)
         self.acc = SimAccounting()
         self._last_turn: set[str] = set()

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from bench_modules import load_bench
-from infercept.engine.modeled_runner import AttentionCost, ModeledRunner, VirtualClock
+from infercept.engine.modeled_runner import ModeledRunner, VirtualClock
 from infercept.engine.outputs import ScheduledChunk, SchedulerOutput
 from infercept.engine.policy import POLICIES, Profile, a100_gptj_6b
-from infercept.engine.policy.profile import h100_llama3_8b, h100_llama3_8b_attention
+from infercept.engine.policy.profile import h100_llama3_8b
 from infercept.engine.sampling_params import SamplingParams
 from infercept.engine.simulation import SimulatedEngine, coarsen_profile
 
@@ -105,24 +105,27 @@ def test_coarsened_profile_keeps_swap_budget_and_time_per_real_token():
 
 def test_attention_cost_by_hand_and_in_the_runner():
     """Decode reads its context's KV (memory-bound); a prefill chunk computes q x ctx pairs; the runner
-    adds both to T_fwd; a coarse simulation scales them by k^2 (k iterations over k-times-longer contexts)."""
-    read_s, pair_s = h100_llama3_8b_attention()
+    adds both to T_fwd; a coarse simulation scales them by k^2 (k iterations over k-times-longer
+    contexts); a profile saved and loaded keeps them."""
+    profile, plain_profile = h100_llama3_8b(attention=True), h100_llama3_8b()
+    read_s, pair_s = profile.attention_read_s_per_token, profile.attention_pair_s
     # 128 KiB per token at 80% of 3.35 TB/s; 2 x 2 x 4,096 x 32 FLOPs per pair at 60% of 989 TFLOP/s.
     assert read_s == pytest.approx(131072 / 2.68e12) and pair_s == pytest.approx(524288 / 593.4e12)
-    attn = AttentionCost(read_s, pair_s)
-    assert attn.seconds(1, 50_000) == pytest.approx(50_000 * read_s)  # one decode token: the read
-    assert attn.seconds(256, 50_000) == pytest.approx(50_000 * 256 * pair_s)  # a chunk: the compute
-    assert attn.coarsened(16).seconds(1, 100) == pytest.approx(256 * attn.seconds(1, 100))
-    profile = h100_llama3_8b()
+    assert not plain_profile.has_attention and plain_profile.t_attention(256, 50_000) == 0
+    assert profile.t_attention(1, 50_000) == pytest.approx(50_000 * read_s)  # one decode token: the read
+    assert profile.t_attention(256, 50_000) == pytest.approx(50_000 * 256 * pair_s)  # a chunk: the compute
+    assert profile.t_recompute_attention(300, 3) == pytest.approx(sum(profile.t_attention(100, c) for c in (100, 200, 300)))
+    assert coarsen_profile(profile, 16).t_attention(1, 100) == pytest.approx(256 * profile.t_attention(1, 100))
+    assert Profile.from_json(profile.to_json()) == profile and profile.without_attention == plain_profile
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     out = SchedulerOutput(chunks=[ScheduledChunk("a", [1], 49_999, [0], True, params, 0),
                                   ScheduledChunk("b", [1] * 256, 20_000, [1], False, params, 0)])
-    plain, with_attention = ModeledRunner(profile, VirtualClock()), ModeledRunner(profile, VirtualClock(), attention=attn)
+    plain, with_attention = ModeledRunner(plain_profile, VirtualClock()), ModeledRunner(profile, VirtualClock())
     plain.run(out)
     with_attention.run(out)
     assert plain.last.t_fwd == pytest.approx(profile.t_fwd(257))
-    assert with_attention.last.t_fwd == pytest.approx(profile.t_fwd(257) + attn.seconds(1, 50_000)
-                                                      + attn.seconds(256, 20_256))
+    assert with_attention.last.t_fwd == pytest.approx(profile.t_fwd(257) + profile.t_attention(1, 50_000)
+                                                      + profile.t_attention(256, 20_256))
     assert with_attention.clock.now() == pytest.approx(with_attention.last.t_fwd)
 
 

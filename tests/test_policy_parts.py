@@ -82,6 +82,22 @@ def test_best_ttl_waste_by_hand():
     assert best_ttl_waste([1.0, 1.0], 10, 1, 5.0) == pytest.approx(10.0)
 
 
+def test_context_cost_counts_the_attention_a_recompute_spends():
+    """C = 200 in chunks of 100 (S 150 - 50 batched), 300 running tokens, 1 us per (query, context) token
+    pair: the recompute's attention is 100·100 + 100·200 pairs = 30 ms. Eq. 4 as the paper writes it:
+    0.02·2000/2 + 2·0.01·3000 = 80 B·s; with the attention, (0.02 + 0.03)·1000 + (0.02 + 0.03)·3000 =
+    200. A 60 ms call: preserving wastes 120, so the paper discards and +context-cost preserves. A
+    profile without attention terms decides alike under both."""
+    it, call = IterationInfo(300, 50, swap_out_budget=0), paused("a", 200, [0.06])
+    with_attention = toy_profile(attention_pair_s=1e-6)
+    paper = make_policy("infercept-paper").plan([call], it, with_attention).get("a")
+    aware = make_policy("infercept-paper+context-cost").plan([call], it, with_attention).get("a")
+    assert paper.action is KVAction.DISCARD and paper.waste_discard == pytest.approx(80.0)
+    assert aware.action is KVAction.PRESERVE and aware.waste_discard == pytest.approx(200.0)
+    assert aware.waste_preserve == pytest.approx(120.0)
+    assert make_policy("infercept-paper+context-cost").plan([call], it, toy_profile()).action("a") is KVAction.DISCARD
+
+
 def test_expected_waste_preserves_a_usually_short_call_the_mean_would_discard():
     """C = 200 with 300 running tokens, chunks of 150 - 50 = 100: Eq. 4 = 20 + 60 = 80 B·s; the
     discarded context resumes one chunk (T_fwd(150) = 15 ms) late: + 0.015·2000 = 30, so 110. The

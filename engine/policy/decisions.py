@@ -247,7 +247,8 @@ def score(info: PausedInfo, iteration: IterationInfo, profile: Profile, chunked:
     preserve = waste_preserve(info.expected_s, C, M)
     if chunked:
         chunk = recompute_chunk_size(profile, iteration.num_batched_tokens)
-        discard = waste_chunk_discard(C, iteration.num_running_tokens, M, profile.t_fwd, chunk)
+        discard = waste_chunk_discard(C, iteration.num_running_tokens, M, profile.t_fwd, chunk,
+                                      profile.t_recompute_attention(C, num_chunks(C, chunk)))
     else:
         discard = waste_discard(C, iteration.num_running_tokens, M, profile.t_fwd)
     return _Scored(info, preserve, discard)
@@ -336,7 +337,11 @@ def resume_delay_discard(C: int, iteration: IterationInfo, profile: Profile) -> 
     """Seconds a discarded context's resume waits for its recompute beyond a preserved one: the chunks
     before the last (`recompute_chunk_size`), each an iteration at the saturation point."""
     n = num_chunks(C, recompute_chunk_size(profile, iteration.num_batched_tokens))
-    return max(n - 1, 0) * profile.t_fwd(profile.saturation_point)
+    if n <= 1:
+        return 0.0
+    # With attention modeled (`Policy.context_cost`): that of every chunk but the last (over all of C).
+    attention = profile.t_recompute_attention(C, n) - profile.t_attention(C / n, C) if profile.has_attention else 0.0
+    return (n - 1) * profile.t_fwd(profile.saturation_point) + attention
 
 
 def resume_delay_swap(C: int, profile: Profile, iteration_s: float) -> float:
@@ -367,7 +372,8 @@ def score_expected(info: PausedInfo, iteration: IterationInfo, profile: Profile)
     """Expected waste of preserving (best TTL, see above) and of discarding (Eq. 4 + re-queue delay)."""
     C, M = info.num_device_tokens, profile.bytes_per_token
     chunk = recompute_chunk_size(profile, iteration.num_batched_tokens)
-    discard = (waste_chunk_discard(C, iteration.num_running_tokens, M, profile.t_fwd, chunk)
+    discard = (waste_chunk_discard(C, iteration.num_running_tokens, M, profile.t_fwd, chunk,
+                                   profile.t_recompute_attention(C, num_chunks(C, chunk)))
                + resume_delay_discard(C, iteration, profile) * C * M)
     return _Scored(info, best_ttl_waste(_remaining(info), C, M, discard), discard)
 
@@ -470,6 +476,10 @@ class Policy:
       coming back within the swap-in budget once its resume looks imminent (`resume_imminent`, on an
       estimate from a hint or the tool's history: `DurationEstimator.predicts`), and the
       plan keeps what came back on the device while it still does. Only the min-waste policies read it.
+    - ``context_cost``: the wastes count the attention a recompute spends over the context it rebuilds
+      (`Profile.t_attention`, when the profile models it): chunk i of n attends to i/n of the context,
+      so recomputing C tokens costs ~C^2 more than ``n * T_fwd(C/n)`` says. Without it the policy sees
+      the profile without attention, as the paper's equations do. Only matters for long contexts.
     - ``admission``: admission under overload (issue 22, item 4): while the device pool thrashes, new
       programs start only within an AIMD cap on the active ones (`admission.AdmissionController`, one
       per scheduler); turns of active programs are never held back. Any policy may add it.
@@ -484,11 +494,12 @@ class Policy:
     priority: str = "arrival"
     expected_waste: bool = False
     prefetch: bool = False
+    context_cost: bool = False
     admission: bool = False
 
     def __init__(self, *, lazy_discard: bool | None = None, preemption: str | None = None,
                  priority: str | None = None, expected_waste: bool | None = None, prefetch: bool | None = None,
-                 admission: bool | None = None):
+                 context_cost: bool | None = None, admission: bool | None = None):
         if lazy_discard is not None:
             self.lazy_discard = lazy_discard  # per-instance override, e.g. for ablations
         if preemption is not None:
@@ -503,8 +514,14 @@ class Policy:
             self.expected_waste = expected_waste
         if prefetch is not None:
             self.prefetch = prefetch
+        if context_cost is not None:
+            self.context_cost = context_cost
         if admission is not None:
             self.admission = admission
+
+    def seen(self, profile: Profile) -> Profile:
+        """The profile the wastes are computed with: with attention only under `context_cost`."""
+        return profile if self.context_cost else profile.without_attention
 
     def plan(self, paused: Sequence[PausedInfo], iteration: IterationInfo, profile: Profile) -> KVPlan:
         raise NotImplementedError
@@ -523,7 +540,7 @@ class Policy:
         part, if the host pool has room), by `preemption`: with "swap", min-waste under pressure (an
         extension of the paper, whose fallback under pressure is vLLM's discard and preemption by
         recompute): swapped when a synchronous copy wastes less than chunked recomputation."""
-        if self.preemption == "swap" and cheaper_to_swap_than_discard(info, iteration, profile):
+        if self.preemption == "swap" and cheaper_to_swap_than_discard(info, iteration, self.seen(profile)):
             return KVAction.SWAP_OUT
         return KVAction.DISCARD
 
@@ -540,6 +557,8 @@ class Policy:
             parts.append("expected-waste" if self.expected_waste else "mean-waste")
         if self.prefetch != cls.prefetch:
             parts.append("prefetch" if self.prefetch else "no-prefetch")
+        if self.context_cost != cls.context_cost:
+            parts.append("context-cost" if self.context_cost else "no-context-cost")
         if self.admission != cls.admission:
             parts.append("admission" if self.admission else "no-admission")
         return "+".join([self.name, *parts])
@@ -548,6 +567,7 @@ class Policy:
         return f"{type(self).__name__}(name={self.label!r})"
 
     def _score_all(self, paused, iteration, profile) -> list[_Scored]:
+        profile = self.seen(profile)
         return [score(p, iteration, profile, chunked=self.chunked_recompute) for p in _holding_device(paused)]
 
 
@@ -634,6 +654,7 @@ class InferCeptPaperPolicy(Policy):
     preemption = "swap"
 
     def plan(self, paused, iteration, profile):
+        profile = self.seen(profile)
         held: dict[str, KVDecision] = {}
         if self.prefetch:
             # Prefetched KV whose resume still looks imminent stays: swapping it out again would undo
@@ -754,7 +775,8 @@ FIGURE3_ABLATION = ("vllm", "improved-discard", "chunked-discard", "budgeted-swa
 
 # The parts a policy name may add after "+", each switching one thing (`Policy` attributes).
 VARIANTS = tuple(f"{p}-preemption" for p in PREEMPTIONS) + tuple(f"{p}-priority" for p in PRIORITIES) + (
-    "expected-waste", "mean-waste", "prefetch", "no-prefetch", "admission", "no-admission")
+    "expected-waste", "mean-waste", "prefetch", "no-prefetch", "context-cost", "no-context-cost", "admission",
+    "no-admission")
 
 
 def _variant(part: str) -> tuple[str, object]:
@@ -766,6 +788,8 @@ def _variant(part: str) -> tuple[str, object]:
         return "expected_waste", part == "expected-waste"
     if part in ("prefetch", "no-prefetch"):
         return "prefetch", part == "prefetch"
+    if part in ("context-cost", "no-context-cost"):
+        return "context_cost", part == "context-cost"
     if part in ("admission", "no-admission"):
         return "admission", part == "admission"
     raise ValueError(f"unknown policy variant {part!r}; use {', '.join('+' + v for v in VARIANTS)}")
@@ -786,5 +810,5 @@ def make_policy(name: str, **kwargs) -> Policy:
     except KeyError:
         raise ValueError(f"unknown policy {base!r}; choose one of {', '.join(sorted(POLICIES))} "
                          f"(optionally +recompute-preemption or +swap-preemption, +las-priority, "
-                         f"+program-arrival-priority, +expected-waste, +prefetch, +admission)") from None
+                         f"+program-arrival-priority, +expected-waste, +prefetch, +context-cost, +admission)") from None
     return cls(**kwargs)

@@ -27,6 +27,8 @@ File format (JSON, one object; written by `Profile.to_json`, read by `Profile.fr
       "saturation_point": 512,             # S in tokens (always written; derived if it was not given)
       "d2h_bytes_per_s": 2.5e10,           # swap-out bandwidth
       "h2d_bytes_per_s": 2.5e10,           # swap-in bandwidth
+      "attention_read_s_per_token": 0.0,   # optional (default 0): see `Profile.t_attention`
+      "attention_pair_s": 0.0,             # optional (default 0)
       "notes": "free text: where the numbers come from"
     }
 
@@ -37,7 +39,8 @@ from __future__ import annotations
 import bisect
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -98,6 +101,10 @@ class Profile:
     # S; None means "derive from the samples" (done once, in __post_init__).
     saturation_point: int | None = None
     notes: str = field(default="", compare=False)
+    # Attention over the context, which T_fwd (query tokens only) leaves out; 0: not modeled, as in
+    # every measured profile (`t_attention`).
+    attention_read_s_per_token: float = 0.0
+    attention_pair_s: float = 0.0
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalise and derive through object.__setattr__, once, at construction.
@@ -109,6 +116,8 @@ class Profile:
             raise ValueError("bytes_per_token, block_size and saturation_point must be positive")
         if self.d2h_bytes_per_s <= 0 or self.h2d_bytes_per_s <= 0:
             raise ValueError("copy bandwidths must be positive")
+        if self.attention_read_s_per_token < 0 or self.attention_pair_s < 0:
+            raise ValueError("attention costs must not be negative")
 
     # -- forward time ---------------------------------------------------------------------------
     @property
@@ -141,6 +150,32 @@ class Profile:
         i = bisect.bisect_left(samples, (num_tokens, -math.inf))  # first sample with n >= num_tokens
         (n_a, t_a), (n_b, t_b) = samples[i - 1], samples[i]
         return t_a + (t_b - t_a) * (num_tokens - n_a) / (n_b - n_a)
+
+    # -- attention over the context ---------------------------------------------------------------
+    @property
+    def has_attention(self) -> bool:
+        return bool(self.attention_read_s_per_token or self.attention_pair_s)
+
+    def t_attention(self, q: float, ctx: float) -> float:
+        """Seconds a chunk of ``q`` query tokens over a ``ctx``-token context (its own tokens included)
+        adds to ``T_fwd``: ``ctx * max(read_s_per_token, q * pair_s)``, the longer of reading its KV once
+        (memory-bound: decode) and the QK^T and PV products (compute-bound: a prefill or recompute
+        chunk). Causal masking is ignored (a chunk is charged its whole context): a small overestimate
+        when q << ctx. Right within a few percent to leave out at the paper's <= 2k-token contexts, not at
+        10k-100k, where a decode step reads every sequence's KV; 0 when the profile does not model it."""
+        return ctx * max(self.attention_read_s_per_token, q * self.attention_pair_s)
+
+    def t_recompute_attention(self, C: float, n: int) -> float:
+        """Attention of recomputing ``C`` tokens in ``n`` equal chunks, chunk i over the first i chunks."""
+        if n <= 0 or not self.has_attention:
+            return 0.0
+        chunk = C / n
+        return sum(self.t_attention(chunk, i * chunk) for i in range(1, n + 1))
+
+    @cached_property
+    def without_attention(self) -> "Profile":
+        """This profile as the paper's equations see it: T_fwd alone (`Policy.context_cost` off)."""
+        return replace(self, attention_read_s_per_token=0.0, attention_pair_s=0.0) if self.has_attention else self
 
     def _tail_slope(self) -> float:
         samples = self.t_fwd_samples
@@ -193,6 +228,8 @@ class Profile:
             "saturation_point": self.saturation_point,
             "d2h_bytes_per_s": self.d2h_bytes_per_s,
             "h2d_bytes_per_s": self.h2d_bytes_per_s,
+            "attention_read_s_per_token": self.attention_read_s_per_token,
+            "attention_pair_s": self.attention_pair_s,
             "notes": self.notes,
         }
 
@@ -217,6 +254,8 @@ class Profile:
             h2d_bytes_per_s=float(data["h2d_bytes_per_s"]),
             saturation_point=data.get("saturation_point"),
             notes=data.get("notes", ""),
+            attention_read_s_per_token=float(data.get("attention_read_s_per_token", 0.0)),
+            attention_pair_s=float(data.get("attention_pair_s", 0.0)),
         )
 
     @classmethod
@@ -315,16 +354,6 @@ _LLAMA3_8B_ATTENTION_DIM = 4096
 LLAMA3_8B_ATTENTION_FLOPS_PER_PAIR = 2 * 2 * _LLAMA3_8B_ATTENTION_DIM * _LLAMA3_8B_LAYERS
 
 
-def h100_llama3_8b_attention() -> tuple[float, float]:
-    """Attention cost of Llama-3-8B (same shapes as Llama-3.1-8B, the 128k-context version) on one H100,
-    which `T_fwd` leaves out, as ``(read_s_per_token, pair_s)`` for `modeled_runner.AttentionCost`:
-    a decoding sequence reads its 128 KiB per context token at the achieved HBM bandwidth; a prefill
-    chunk's attention runs at the achieved tensor FLOP/s. A 50k-token context adds 2.4 ms to a decode
-    step and 11 ms to a 256-token prefill chunk."""
-    return (LLAMA3_8B_BF16_BYTES_PER_TOKEN / (H100_SXM_HBM_BYTES_PER_S * _H100_ACHIEVED_BANDWIDTH),
-            LLAMA3_8B_ATTENTION_FLOPS_PER_PAIR / (H100_SXM_BF16_FLOPS * _H100_ACHIEVED_FLOPS))
-
-
 def roofline_t_fwd(num_tokens: int, weight_bytes: float, flops_per_token: float, bandwidth: float,
                    flops: float, overhead_s: float) -> float:
     """Iteration time of a dense decoder by the roofline: the longer of streaming the weights once and
@@ -333,14 +362,18 @@ def roofline_t_fwd(num_tokens: int, weight_bytes: float, flops_per_token: float,
     return overhead_s + max(weight_bytes / bandwidth, num_tokens * flops_per_token / flops)
 
 
-def h100_llama3_8b(host_link: str = "pcie5") -> Profile:
+def h100_llama3_8b(host_link: str = "pcie5", attention: bool = False) -> Profile:
     """Hand-written profile of a current setup: Llama-3-8B bf16 on one H100 SXM5 80GB.
 
     ``T_fwd`` from the roofline (`roofline_t_fwd`) with the datasheet numbers and the achieved fractions
     above: a ~6 ms weight stream (16 GB at 2.7 TB/s) + 1.5 ms floor, compute-bound from ~220 query tokens
     at 27 us/token (2 x 8.03 GFLOP per token at 593 TFLOPS). ``S`` is derived by
     `detect_saturation_point` (256 with these samples). `host_link` is ``"pcie5"`` (H100 SXM/PCIe boards)
-    or ``"nvlink-c2c"`` (GH200)."""
+    or ``"nvlink-c2c"`` (GH200). `attention`: also model attention over the context (`t_attention`, for
+    long contexts; Llama-3.1-8B has these shapes and a 128k window): a decoding sequence reads its
+    128 KiB per context token at the achieved HBM bandwidth, a prefill chunk's attention runs at the
+    achieved tensor FLOP/s; a 50k-token context adds 2.4 ms to a decode step and 11 ms to a 256-token
+    chunk. Off by default: the paper-scale comparisons (<= 2k tokens) were made without it."""
     if host_link not in _HOST_LINKS:
         raise ValueError(f"host_link must be one of {', '.join(_HOST_LINKS)}")
     weight_bytes = LLAMA3_8B_PARAMETERS * _BF16_BYTES
@@ -358,6 +391,10 @@ def h100_llama3_8b(host_link: str = "pcie5") -> Profile:
         t_fwd_samples=samples,
         d2h_bytes_per_s=bandwidth,
         h2d_bytes_per_s=bandwidth,
-        notes=f"hand-written: Llama-3-8B bf16, H100 datasheet roofline, host link {host_link}; "
-              "see infercept.engine.policy.profile",
+        attention_read_s_per_token=(LLAMA3_8B_BF16_BYTES_PER_TOKEN / (H100_SXM_HBM_BYTES_PER_S * _H100_ACHIEVED_BANDWIDTH)
+                                    if attention else 0.0),
+        attention_pair_s=(LLAMA3_8B_ATTENTION_FLOPS_PER_PAIR / (H100_SXM_BF16_FLOPS * _H100_ACHIEVED_FLOPS)
+                          if attention else 0.0),
+        notes=f"hand-written: Llama-3-8B bf16, H100 datasheet roofline, host link {host_link}"
+              f"{', attention modeled' if attention else ''}; see infercept.engine.policy.profile",
     )

@@ -53,7 +53,8 @@ def num_chunks(C: int, chunk_size: int) -> int:
     return math.ceil(C / chunk_size) if C > 0 else 0
 
 
-def waste_chunk_discard(C: int, C_other: int, M: int, t_fwd: TimeOfTokens, chunk_size: int) -> float:
+def waste_chunk_discard(C: int, C_other: int, M: int, t_fwd: TimeOfTokens, chunk_size: int,
+                        t_attention: float = 0.0) -> float:
     """Eq. 4: ``WasteChunkDiscard = T_fwd(C)·C·M / 2 + n·T_fwd(C/n)·C_other·M``, ``n = ceil(C/chunk)``.
 
     Recomputing one chunk per iteration holds, on average, half the context while recomputation is in
@@ -65,11 +66,14 @@ def waste_chunk_discard(C: int, C_other: int, M: int, t_fwd: TimeOfTokens, chunk
     ``C/n`` tokens, not the difference ``T_fwd(B + C/n) - T_fwd(B)``. This is the conservative reading:
     it charges recomputation for every iteration it occupies, which keeps short interceptions (QA, ALFWorld)
     on the preserve side, as the paper reports in §5.1.
+
+    ``t_attention``: seconds the recompute's attention over the growing context adds in all
+    (`Profile.t_recompute_attention`; the paper's ``T_fwd`` leaves it out), added to both durations.
     """
     n = num_chunks(C, chunk_size)
     if n == 0:
         return 0.0
-    return t_fwd(C) * C * M / 2 + n * t_fwd(C / n) * C_other * M
+    return (t_fwd(C) + t_attention) * C * M / 2 + (n * t_fwd(C / n) + t_attention) * C_other * M
 
 
 def waste_swap(C: int, C_batch: int, M: int, t_swap: TimeOfTokens) -> float:
