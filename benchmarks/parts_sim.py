@@ -70,6 +70,9 @@ GIB = 1024 ** 3
 # today's servers.
 POLICIES = ("infercept-paper", "infercept-paper+program-arrival-priority", "infercept-paper+las-priority",
             "infercept-paper+expected-waste", "infercept-paper+prefetch", "infercept", "prefix-cache")
+# What no KV policy can beat: `preserve` with a device pool 20x as large, so that no context is ever
+# swapped, discarded or preempted; only compute limits it (`--policies unbounded-memory`).
+UNBOUNDED = "unbounded-memory"
 # Rate sweeps (two or more rates of one workload) also give the sustainable programs/s at the SLO.
 WORKLOADS = ("mix@14", "mix@22", "mix@30", "long@0.05", "long@0.08", "long@0.1", "long@0.12", "long@0.15",
              "long@0.2", "burst", "burst240", "burst-cpu", "approval@10")
@@ -128,7 +131,10 @@ def run_one(task: tuple[str, str, int, dict]) -> dict:
         profile, host_blocks = coarsen_profile(profile, k), 0
     else:
         raise ValueError(f"unknown workload {workload!r}")
-    engine = SimulatedEngine(policy, profile, device_blocks, host_blocks, max_num_seqs=MAX_NUM_SEQS)
+    if policy == UNBOUNDED:  # a bound, not a policy: every paused context stays, in a 20x device pool
+        engine = SimulatedEngine("preserve", profile, 20 * device_blocks, host_blocks, max_num_seqs=MAX_NUM_SEQS)
+    else:
+        engine = SimulatedEngine(policy, profile, device_blocks, host_blocks, max_num_seqs=MAX_NUM_SEQS)
     start = time.perf_counter()
     summary = engine.run_trace(trace, token_scale=k, until=until, window=window).summary()
     engine.block_manager.check_integrity()
