@@ -180,11 +180,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def write(results: dict[str, list[dict]], args, out: Path, command: str) -> str:
+    """Write `burst.json` and `burst.md` (after every run, so a run cut short keeps what it measured)."""
+    repeats = max(len(runs) for runs in results.values())
+    header = (f"# A burst of {args.agents} agents, ample memory\n\n{cpu_name()}, {today()}; {args.agents} agents "
+              f"within {args.spread:g} s, {args.prompt}-token prompts, {args.steps} turns of {args.decode} tokens, "
+              f"{args.tool_s:g} s tools returning {args.returned} tokens; {args.kv_cache_gb:g} GiB device pool, "
+              f"{args.max_num_batched_tokens}-token step budget, {args.threads} threads; servers one at a time, "
+              f"policies interleaved, {repeats} repeat(s). Command: `{command}`")
+    text = header + "\n\n" + table({p: runs for p, runs in results.items() if runs})
+    (out / "burst.json").write_text(json.dumps({"cpu": cpu_name(), "date": today(), "args": vars(args),
+                                                "command": command, "results": results}, indent=1))
+    (out / "burst.md").write_text(text + "\n")
+    return text
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     trace = burst_trace(args)
+    command = ("python benchmarks/burst.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
     results: dict[str, list[dict]] = {policy: [] for policy in args.policies}
     for i in range(args.repeats):
         for policy in args.policies:
@@ -192,16 +208,7 @@ def main(argv: list[str] | None = None) -> None:
             b = results[policy][-1]["burst"]
             print(f"run {i + 1}/{args.repeats} {policy}: {b['norm_latency_ms']:.0f} ms/tok, first-turn TTFT "
                   f"{b['first_ttft_s']:.2f} s, resumed {b['resumed_ttft_s']:.2f} s", file=sys.stderr, flush=True)
-    command = "python benchmarks/burst.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    header = (f"# A burst of {args.agents} agents, ample memory\n\n{cpu_name()}, {today()}; {args.agents} agents "
-              f"within {args.spread:g} s, {args.prompt}-token prompts, {args.steps} turns of {args.decode} tokens, "
-              f"{args.tool_s:g} s tools returning {args.returned} tokens; {args.kv_cache_gb:g} GiB device pool, "
-              f"{args.max_num_batched_tokens}-token step budget; servers one at a time, policies interleaved, "
-              f"{args.repeats} repeat(s). Command: `{command.strip()}`")
-    text = header + "\n\n" + table(results)
-    (out / "burst.json").write_text(json.dumps({"cpu": cpu_name(), "date": today(), "args": vars(args),
-                                                "command": command.strip(), "results": results}, indent=1))
-    (out / "burst.md").write_text(text + "\n")
+            text = write(results, args, out, command)
     print(text)
 
 
