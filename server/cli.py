@@ -48,7 +48,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "discard, improved-discard, prefix-cache, or a Figure 3 ablation step; +swap-preemption or "
                         "+recompute-preemption (e.g. swap+swap-preemption) changes how KV leaves the device "
                         "under memory pressure; infercept-paper is the paper's policy exactly, and "
-                        "+las-priority, +program-arrival-priority, +expected-waste switch issue 22's parts. "
+                        "+las-priority, +program-arrival-priority, +expected-waste, +no-ample-preserve switch issue 22's parts. "
                         "--backend vllm: infercept, infercept-paper, preserve, prefix-cache or discard (the last "
                         "two are stock vLLM)")
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",

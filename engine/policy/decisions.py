@@ -804,5 +804,5 @@ def make_policy(name: str, **kwargs) -> Policy:
     except KeyError:
         raise ValueError(f"unknown policy {base!r}; choose one of {', '.join(sorted(POLICIES))} "
                          f"(optionally +recompute-preemption or +swap-preemption, +las-priority, "
-                         f"+program-arrival-priority, +expected-waste)") from None
+                         f"+program-arrival-priority, +expected-waste, +ample-preserve)") from None
     return cls(**kwargs)
