@@ -41,7 +41,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import httpx
 
@@ -64,6 +64,7 @@ class RequestRecord:
     arrival: float  # seconds since the replay started (the trace's arrival time)
     steps: int = 0  # completions sent
     ttft: float | None = None  # first token of the first step, from the arrival
+    step_ttfts: list[float] = field(default_factory=list)  # each step's first token, from its send
     e2e: float | None = None  # finish (or the cut-off) minus arrival
     interception_s: float = 0.0  # measured time between a step's end and the next step's send
     output_tokens: int = 0
@@ -231,6 +232,7 @@ async def run_request(api, spec: dict, record: RequestRecord, start: float, seed
             result = await api.step(spec["id"], history, new, seg["decode_tokens"], seg["interception"])
             now = time.monotonic() - start
             record.steps += 1
+            record.step_ttfts.append(result.ttft)
             if record.ttft is None:
                 record.ttft = sent - record.arrival + result.ttft
             record.output_tokens += len(result.token_ids)

@@ -12,6 +12,7 @@ import torch
 from .block_manager import BlockManager
 from .config import CacheConfig, EngineConfig, SchedulerConfig, resolve_device, resolve_dtype
 from .detokenizer import IncrementalDetokenizer
+from .env import step_log_path
 from .kv_cache import GIB, KVCache, available_memory_bytes, num_blocks_for
 from .model_loader import load_model, load_spec
 from .model_runner import ModelRunner
@@ -91,6 +92,8 @@ class Engine:
                                                   spec.kv_bytes_per_token(dtype_), progress=progress)
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager, self.policy, self.profile)
         self.stats = EngineStats(bytes_per_token=self.profile.bytes_per_token)
+        log_path = step_log_path()
+        self._step_log = open(log_path, "a", buffering=1) if log_path else None
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.call_judges: dict[str, CallJudge] = {}  # requests whose turns may end in tool calls
         self._ids = itertools.count()
@@ -216,7 +219,18 @@ class Engine:
         outputs = self._update(scheduler_output, runner_output)
         self.stats.record(scheduler_output, time.perf_counter() - start)
         self._hold_paused_kv()  # this step's pauses
+        if self._step_log is not None:
+            self._log_step(scheduler_output, start)
         return outputs
+
+    def _log_step(self, out: SchedulerOutput, start: float) -> None:
+        """One line of $INFERCEPT_STEP_LOG: the batch's composition and its time."""
+        decode = [c for c in out.chunks if len(c.token_ids) == 1 and c.sample]
+        self._step_log.write(json.dumps({
+            "t": start, "s": time.perf_counter() - start, "seqs": len(out.chunks),
+            "decode": len(decode), "prefill_tokens": out.num_batched_tokens - len(decode),
+            "context_tokens": sum(c.start_pos + len(c.token_ids) for c in out.chunks),
+            "swap_in": len(out.swap_in), "swap_out": len(out.swap_out)}) + "\n")
 
     def _hold_paused_kv(self) -> None:
         """The paused requests' device KV changed (a pause, resume or abort): charge the idle memory held

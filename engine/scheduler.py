@@ -369,7 +369,18 @@ class Scheduler:
     def _iteration_info(self, swap_out_budget: int) -> IterationInfo:
         running_tokens = sum(r.num_computed_tokens for r in self.running)
         return IterationInfo(running_tokens, self._last_batched_tokens, swap_out_budget,
-                             self.blocks.num_free_host_blocks * self.blocks.block_size)
+                             self.blocks.num_free_host_blocks * self.blocks.block_size, self._spare_device_tokens())
+
+    def _spare_device_tokens(self) -> int | None:
+        """Free device tokens less what queued work will need there: the waiting requests' uncomputed
+        tokens (no prefix hit assumed), the host KV of swapped and paused requests, and one step's new
+        KV. Only for a policy that reads it (`Policy.ample_preserve`): it walks the queues."""
+        if self.policy is None or not self.policy.ample_preserve:
+            return None
+        need = (sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+                + sum(self.kv_tokens(r)[1] for r in self.swapped) + self.paused_kv.host_tokens
+                + self.config.max_num_batched_tokens)
+        return self.blocks.num_free_blocks * self.blocks.block_size - need
 
     def _swap_out_or_discard(self, out: SchedulerOutput, request: Request, blocks: int) -> None:
         """Swap `blocks` of a paused request's device KV to the host; discard it if the host is full."""

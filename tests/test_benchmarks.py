@@ -293,3 +293,21 @@ def test_vllm_pressure_trace_and_server_command():
     assert [x for x in a if x != "prefix-cache"] == [x for x in b if x != "infercept"]
     assert a[a.index("--backend") + 1] == "vllm" and a[a.index("--kv-cache-gb") + 1] == "0.100000"
     assert a[a.index("--host-kv-gb") + 1] == "1.0"  # (stock vLLM has no sessions: it never uses it)
+
+
+def test_burst_trace_and_numbers():
+    """benchmarks/burst.py: issue 22's burst by default (24 agents within 0.1 s, 1,000-token prompts, 5 turns
+    of 32 tokens, 0.5 s tools, a 4 GiB pool), and the must-show's numbers from request records."""
+    burst = load_bench("burst")
+    args = burst.parse_args(["--repeats", "2"])
+    assert (args.kv_cache_gb, args.repeats, args.policies) == (4.0, 2, ["infercept", "infercept-paper", "prefix-cache"])
+    trace = burst.burst_trace(args)
+    assert len(trace) == 24 and all(r["prompt_tokens"] == 1000 and len(r["segments"]) == 5 for r in trace)
+    assert [s["interception"] is None for s in trace[0]["segments"]] == [False] * 4 + [True]
+    assert trace[0]["segments"][0]["interception"]["duration_s"] == 0.5
+    arrivals = [r["arrival"] for r in trace]
+    assert arrivals == sorted(arrivals) and arrivals[-1] <= 0.1 and burst.burst_trace(args) == trace
+    records = [{"normalized_latency": 0.3, "ttft": 2.0, "step_ttfts": [1.0, 0.1, 0.2], "e2e": 10.0},
+               {"normalized_latency": 0.5, "ttft": 4.0, "step_ttfts": [3.0, 0.3], "e2e": 20.0}]
+    assert burst.burst_numbers(records) == {"norm_latency_ms": 400.0, "first_ttft_s": 3.0, "resumed_ttft_s": 0.2,
+                                            "completion_p50_s": 10.0, "completion_p90_s": 20.0}

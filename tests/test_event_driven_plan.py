@@ -217,7 +217,11 @@ def test_paused_requests_leave_the_device_when_their_guard_is_crossed(oracle_hin
              for i in range(12)]
     trace.append({"id": "long", "augment": "test", "arrival": 0.0, "prompt_tokens": 30,
                   "segments": [{"decode_tokens": 120, "interception": None, "returned_tokens": 0}]})
-    reference, planned_ref, _ = run("infercept", "toy", trace, 200, 200, False, oracle_hints)
-    events, planned_ev, _ = run("infercept", "toy", trace, 200, 200, True, oracle_hints)
+    # The 200-block pool holds everyone: the default's ample-memory rule would preserve them all, so the
+    # waste rule's guards are checked without it (and the default against its own reference below).
+    reference, planned_ref, _ = run("infercept+no-ample-preserve", "toy", trace, 200, 200, False, oracle_hints)
+    events, planned_ev, _ = run("infercept+no-ample-preserve", "toy", trace, 200, 200, True, oracle_hints)
     assert sum(len(step[2]) for step in reference) > 0, "nothing was swapped out"
     assert events == reference
+    assert run("infercept", "toy", trace, 200, 200, True, oracle_hints)[0] == run(
+        "infercept", "toy", trace, 200, 200, False, oracle_hints)[0]

@@ -54,10 +54,61 @@ def test_default_infercept_is_a_measured_combination_of_parts():
     there (under the combination's name) is the default's."""
     default = make_policy("infercept")
     assert isinstance(default, InferCeptPaperPolicy)
-    combination = make_policy("infercept-paper+expected-waste+prefetch")
-    assert (default.priority, default.expected_waste, default.prefetch, default.preemption, default.lazy_discard) == \
-        (combination.priority, combination.expected_waste, combination.prefetch, combination.preemption,
-         combination.lazy_discard)
+    combination = make_policy("infercept-paper+expected-waste+prefetch+ample-preserve")
+    assert (default.priority, default.expected_waste, default.prefetch, default.ample_preserve, default.preemption,
+            default.lazy_discard) == \
+        (combination.priority, combination.expected_waste, combination.prefetch, combination.ample_preserve,
+         combination.preemption, combination.lazy_discard)
+    assert make_policy("infercept+no-ample-preserve").label == "infercept+no-ample-preserve"
+
+
+# -- ample memory ---------------------------------------------------------------------------------
+
+def test_ample_memory_preserves_what_the_waste_rule_would_swap_or_discard():
+    """A 10 s call with a swap budget: the waste rule swaps it out, and discards one that does not fit the
+    budget. With room for all queued work (`spare_device_tokens` >= 0) the default keeps both; with
+    less room, or none reported, it plans as the waste rule does."""
+    p = toy_profile()
+    reqs = [paused("a", 200, [10.0]), paused("b", 200, [10.0], arrival=1.0)]
+    rule = make_policy("infercept+no-ample-preserve")
+
+    def actions(policy, spare):
+        plan = policy.plan(reqs, IterationInfo(300, 50, 200, spare_device_tokens=spare), p)
+        return [plan.action(r.request_id) for r in reqs]
+
+    assert actions(rule, 0) == [KVAction.SWAP_OUT, KVAction.DISCARD]
+    assert actions(make_policy("infercept"), 0) == [KVAction.PRESERVE, KVAction.PRESERVE]
+    assert actions(make_policy("infercept"), -1) == actions(rule, -1) == actions(make_policy("infercept"), None)
+
+
+def agents(n: int, tool_s: float = 0.1) -> list[dict]:
+    """n agents at once, 40-token prompts, four turns with `tool_s` tools between them."""
+    return [{"id": f"p{i}", "augment": "test", "arrival": 0.001 * i, "prompt_tokens": 40,
+             "segments": [{"decode_tokens": 3, "interception": {"kind": "tool", "tool": "t", "duration_s": tool_s},
+                           "returned_tokens": 4}] * 3 + [{"decode_tokens": 2, "interception": None,
+                                                           "returned_tokens": 0}]}
+            for i in range(n)]
+
+
+def test_with_ample_memory_every_resume_finds_its_kv_on_the_device():
+    """Issue 22: 12 agents in a 200-block pool (they need 70). The waste rule alone swaps paused agents out
+    and back in for nothing (on a CPU the copies stall the forward pass); the default keeps them all. In a
+    pool they do not fit in, the default still moves paused KV off the device."""
+    def run(policy, device_blocks):
+        engine = SimulatedEngine(policy, toy_profile(), device_blocks, 200)
+        summary = engine.run_trace(agents(12)).summary()
+        engine.block_manager.check_integrity()
+        return engine, summary
+
+    rule, _ = run("infercept+no-ample-preserve", 200)
+    assert rule.stats.num_swapped_out_blocks > 0
+    default, summary = run("infercept", 200)
+    assert summary["finished"] == 12
+    assert default.stats.num_swapped_out_blocks == 0 and default.stats.num_discarded_tokens == 0
+    assert default.num_resumes_on_device == default.num_resumes == 36
+    tight, summary = run("infercept", 40)
+    assert summary["finished"] == 12
+    assert tight.stats.num_swapped_out_blocks + tight.stats.num_discarded_tokens > 0
 
 
 @settings(max_examples=100, deadline=None)

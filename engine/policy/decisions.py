@@ -87,6 +87,9 @@ class IterationInfo:
     num_batched_tokens: int  # B_i: query tokens the running batch schedules (sets the recompute chunk)
     swap_out_budget: int  # tokens that may be swapped out in this iteration (`split_swap_budget`)
     free_host_tokens: int | None = None  # host pool room in tokens; None: unlimited
+    # Device pool room in tokens left once every queued need is met (the waiting requests' uncomputed
+    # tokens, the host KV of resumed and paused requests, one step's token budget); None: not known.
+    spare_device_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -437,6 +440,15 @@ def expected_waste_guard(info: PausedInfo, iteration: IterationInfo, profile: Pr
                          min_running_tokens=floor)
 
 
+def memory_ample(iteration: IterationInfo) -> bool:
+    """The device pool has room for every queued need with the paused KV kept where it is: then no
+    other request could use the memory a swap or discard would free, so holding it wastes nothing
+    (the waste equations price held memory as if someone were waiting for it), while the round trip
+    costs real time where copies do not overlap the forward pass (on a CPU, `copy_stream.py`) and
+    delays the resume wherever its swap-in is not hidden."""
+    return iteration.spare_device_tokens is not None and iteration.spare_device_tokens >= 0
+
+
 def resume_imminent(info: PausedInfo, profile: Profile, iteration_s: float, host_tokens: int) -> bool:
     """Proactive swap-in (issue 22, item 2): the expected remaining pause is below the time to copy
     `host_tokens` back plus one iteration, so a swap-in started now is done when the result arrives."""
@@ -472,6 +484,9 @@ class Policy:
     - ``expected_waste``: decide by expected waste over the remaining-time distribution, with re-queue
       delays (`expected_waste_plan`; issue 22, item 1), instead of Eq. 2 at the mean. Only the
       min-waste policies read it.
+    - ``ample_preserve``: preserve every paused request while the device pool has room for all queued
+      work (`memory_ample`); the waste rule decides only under memory pressure (issue 22: with ample
+      memory `infercept` must never be worse than `prefix-cache`). Only the min-waste policies read it.
     - ``prefetch``: proactive swap-in (issue 22, item 2): a paused request whose KV is on the host starts
       coming back within the swap-in budget once its resume looks imminent (`resume_imminent`, on an
       estimate from a hint or the tool's history: `DurationEstimator.predicts`), and the
@@ -496,10 +511,12 @@ class Policy:
     prefetch: bool = False
     context_cost: bool = False
     admission: bool = False
+    ample_preserve: bool = False
 
     def __init__(self, *, lazy_discard: bool | None = None, preemption: str | None = None,
                  priority: str | None = None, expected_waste: bool | None = None, prefetch: bool | None = None,
-                 context_cost: bool | None = None, admission: bool | None = None):
+                 context_cost: bool | None = None, admission: bool | None = None,
+                 ample_preserve: bool | None = None):
         if lazy_discard is not None:
             self.lazy_discard = lazy_discard  # per-instance override, e.g. for ablations
         if preemption is not None:
@@ -518,6 +535,8 @@ class Policy:
             self.context_cost = context_cost
         if admission is not None:
             self.admission = admission
+        if ample_preserve is not None:
+            self.ample_preserve = ample_preserve
 
     def seen(self, profile: Profile) -> Profile:
         """The profile the wastes are computed with: with attention only under `context_cost`."""
@@ -561,6 +580,8 @@ class Policy:
             parts.append("context-cost" if self.context_cost else "no-context-cost")
         if self.admission != cls.admission:
             parts.append("admission" if self.admission else "no-admission")
+        if self.ample_preserve != cls.ample_preserve:
+            parts.append("ample-preserve" if self.ample_preserve else "no-ample-preserve")
         return "+".join([self.name, *parts])
 
     def __repr__(self) -> str:
@@ -654,6 +675,9 @@ class InferCeptPaperPolicy(Policy):
     preemption = "swap"
 
     def plan(self, paused, iteration, profile):
+        if self.ample_preserve and memory_ample(iteration):
+            return _in_input_order(paused, {p.request_id: KVDecision(p.request_id, KVAction.PRESERVE)
+                                            for p in _holding_device(paused)})
         profile = self.seen(profile)
         held: dict[str, KVDecision] = {}
         if self.prefetch:
@@ -696,12 +720,14 @@ class InferCeptPolicy(InferCeptPaperPolicy):
     """The default: the paper's policy with the parts of issue 22 that the GPU-scale simulation
     supports (benchmarks/README.md, "Beyond the paper": never worse than `infercept-paper` beyond
     seed-to-seed noise there, more resumes finding their KV on the device): expected-waste decisions
-    and proactive swap-in. Least attained service is not among them: it raised latency on every
-    loaded workload measured."""
+    and proactive swap-in; and, from the real server (benchmarks/README.md, "Ample memory"), no swap or
+    discard while the device pool has room for all queued work. Least attained service is not among
+    them: it raised latency on every loaded workload measured."""
 
     name = "infercept"
     expected_waste = True
     prefetch = True
+    ample_preserve = True
 
 
 class PreservePolicy(Policy):
@@ -776,7 +802,7 @@ FIGURE3_ABLATION = ("vllm", "improved-discard", "chunked-discard", "budgeted-swa
 # The parts a policy name may add after "+", each switching one thing (`Policy` attributes).
 VARIANTS = tuple(f"{p}-preemption" for p in PREEMPTIONS) + tuple(f"{p}-priority" for p in PRIORITIES) + (
     "expected-waste", "mean-waste", "prefetch", "no-prefetch", "context-cost", "no-context-cost", "admission",
-    "no-admission")
+    "no-admission", "ample-preserve", "no-ample-preserve")
 
 
 def _variant(part: str) -> tuple[str, object]:
@@ -792,6 +818,8 @@ def _variant(part: str) -> tuple[str, object]:
         return "context_cost", part == "context-cost"
     if part in ("admission", "no-admission"):
         return "admission", part == "admission"
+    if part in ("ample-preserve", "no-ample-preserve"):
+        return "ample_preserve", part == "ample-preserve"
     raise ValueError(f"unknown policy variant {part!r}; use {', '.join('+' + v for v in VARIANTS)}")
 
 
@@ -810,5 +838,6 @@ def make_policy(name: str, **kwargs) -> Policy:
     except KeyError:
         raise ValueError(f"unknown policy {base!r}; choose one of {', '.join(sorted(POLICIES))} "
                          f"(optionally +recompute-preemption or +swap-preemption, +las-priority, "
-                         f"+program-arrival-priority, +expected-waste, +prefetch, +context-cost, +admission)") from None
+                         f"+program-arrival-priority, +expected-waste, +prefetch, +context-cost, +admission, "
+                         f"+ample-preserve)") from None
     return cls(**kwargs)

@@ -1,0 +1,217 @@
+"""Ample memory: a burst of agents on the real server, every policy on the same trace (issue 22).
+
+`--agents` agents arrive within `--spread` seconds (seeded uniform arrivals), each with a `--prompt`-token
+prompt of seeded random token ids and `--steps` steps: decode `--decode` tokens, call a tool that takes
+`--tool-s` seconds, append `--returned` tokens, and so on (the last step finishes). The device pool
+(`--kv-cache-gb`, 4 GiB by default) holds every agent's context, so nothing is evicted: the policies
+differ only in the order they serve turns in (and in whether a resumed turn keeps its KV or finds it in
+the prefix cache). For each policy `infercept serve --policy P` (the embedded model) is started alone,
+the burst is replayed through implicit token-level resume (`benchmarks/replay.py --api resume`), and
+the server is stopped; policies alternate (A B C A B C ...) `--repeats` times, so a machine whose speed
+drifts (other jobs on its cores) slows every policy alike.
+
+    python benchmarks/burst.py --repeats 3
+    python benchmarks/burst.py --policies infercept prefix-cache --step-log   # + each engine step's batch
+
+Per run: median normalized latency ((e2e - tool time) / output tokens, over agents), median TTFT of the
+first turn (from the agent's arrival) and of resumed turns (from the send), completion time p50/p90 (from
+arrival, tools included). With `--step-log`, each server writes one JSON line per engine step
+(`INFERCEPT_STEP_LOG`: sequences, decode sequences, prefill tokens, context tokens, seconds), and the
+table gets the steps' totals. Writes `<out>/burst.json` (every run's summary, records and step totals)
+and `<out>/burst.md`, and prints the table of the medians over repeats with each policy's ratio to
+`prefix-cache`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from machine import cpu_name, today  # noqa: E402
+from replay import default_model, replay, summarize  # noqa: E402
+from sweep import ServerProcess, free_port, infercept_argv, scrape  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+DEFAULT_POLICIES = ("infercept", "infercept-paper", "prefix-cache")
+BASELINE = "prefix-cache"
+
+
+def burst_trace(args) -> list[dict]:
+    """`--agents` agents within `--spread` s, in `benchmarks/workload.py`'s trace format."""
+    rng = random.Random(args.seed)
+    arrivals = sorted(round(rng.uniform(0.0, args.spread), 4) for _ in range(args.agents))
+    trace = []
+    for i, arrival in enumerate(arrivals):
+        segments = [{"decode_tokens": args.decode, "returned_tokens": args.returned,
+                     "interception": {"kind": "tool", "tool": "search", "duration_s": args.tool_s}}
+                    for _ in range(args.steps - 1)]
+        segments.append({"decode_tokens": args.decode, "returned_tokens": 0, "interception": None})
+        trace.append({"id": f"a{i:03d}", "augment": "agent", "arrival": arrival, "prompt_tokens": args.prompt,
+                      "segments": segments})
+    return trace
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); nan for no data."""
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, math.ceil(q / 100 * len(xs)) - 1))]
+
+
+def burst_numbers(records: list[dict]) -> dict:
+    """The must-show's numbers from a run's request records (`RequestRecord.to_dict()`)."""
+    done = [r for r in records if r["e2e"] is not None]
+    resumed = [t for r in records for t in r["step_ttfts"][1:]]
+    return {"norm_latency_ms": 1000 * statistics.median(r["normalized_latency"] for r in records),
+            "first_ttft_s": statistics.median(r["ttft"] for r in done if r["ttft"] is not None),
+            "resumed_ttft_s": statistics.median(resumed) if resumed else float("nan"),
+            "completion_p50_s": percentile([r["e2e"] for r in done], 50),
+            "completion_p90_s": percentile([r["e2e"] for r in done], 90)}
+
+
+def step_totals(path: Path) -> dict:
+    """Totals over a server's step log (`INFERCEPT_STEP_LOG`): steps that ran tokens, their seconds,
+    mean sequences per step, decode-only steps and their mean batch, prefill tokens."""
+    steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    steps = [s for s in steps if s["seqs"]]
+    if not steps:
+        return {}
+    decode_only = [s for s in steps if not s["prefill_tokens"]]
+    return {"steps": len(steps), "step_s": sum(s["s"] for s in steps),
+            "mean_seqs": statistics.fmean(s["seqs"] for s in steps),
+            "decode_only_steps": len(decode_only),
+            "decode_only_s": sum(s["s"] for s in decode_only),
+            "decode_only_mean_batch": statistics.fmean(s["seqs"] for s in decode_only) if decode_only else 0.0,
+            "prefill_tokens": sum(s["prefill_tokens"] for s in steps),
+            "decode_tokens": sum(s["decode"] for s in steps)}
+
+
+def run(policy: str, trace: list[dict], args, out: Path, tag: str) -> dict:
+    port = free_port()
+    step_log = out / f"steps_{policy}_{tag}.jsonl"
+    step_log.unlink(missing_ok=True)
+    env = {"INFERCEPT_STEP_LOG": str(step_log)} if args.step_log else {}
+    server = ServerProcess(infercept_argv(policy, port, args), port, policy, out / f"{policy}_{tag}.log", env)
+    try:
+        server.wait_ready(args.start_timeout)
+        model = default_model(server.base_url)
+        before = scrape(server.base_url)
+        with tqdm(total=len(trace), desc=policy, unit="agent", file=sys.stderr) as bar:
+            start = time.monotonic()
+            records = asyncio.run(replay(trace, server.base_url, api="resume", model=model, until=args.until,
+                                         seed=args.seed, progress=lambda done, total: bar.update(1)))
+            elapsed = time.monotonic() - start
+        after = scrape(server.base_url)
+    finally:
+        server.stop()
+    summary = summarize(records, elapsed)
+    summary["swapped_out_blocks"] = (after.get("infercept_swapped_out_blocks_total", 0.0)
+                                     - before.get("infercept_swapped_out_blocks_total", 0.0))
+    summary["discarded_tokens"] = (after.get("infercept_discarded_tokens_total", 0.0)
+                                   - before.get("infercept_discarded_tokens_total", 0.0))
+    rows = [r.to_dict() for r in records]
+    return {"summary": summary, "burst": burst_numbers(rows), "steps": step_totals(step_log), "records": rows}
+
+
+COLUMNS = (("norm. latency (ms/tok)", "burst", "norm_latency_ms", ".0f"),
+           ("first-turn TTFT (s)", "burst", "first_ttft_s", ".2f"),
+           ("resumed TTFT (s)", "burst", "resumed_ttft_s", ".2f"),
+           ("completion p50 (s)", "burst", "completion_p50_s", ".1f"),
+           ("completion p90 (s)", "burst", "completion_p90_s", ".1f"),
+           ("cached prompt %", "summary", "cached_share", ".0%"))
+STEP_COLUMNS = (("steps", "steps", ".0f"), ("step s", "step_s", ".1f"), ("seqs/step", "mean_seqs", ".1f"),
+                ("decode-only steps", "decode_only_steps", ".0f"), ("their batch", "decode_only_mean_batch", ".1f"),
+                ("their s", "decode_only_s", ".1f"))
+
+
+def table(results: dict[str, list[dict]]) -> str:
+    """Medians over repeats [min-max when repeated], and the ratio of each policy's median normalized
+    latency to `prefix-cache`'s."""
+    with_steps = all(run["steps"] for runs in results.values() for run in runs)
+    head = ["policy", *(c[0] for c in COLUMNS), f"vs {BASELINE}", *((c[0] for c in STEP_COLUMNS) if with_steps else ())]
+    rows = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
+
+    def cell(values: list[float], fmt: str) -> str:
+        mid = format(statistics.median(values), fmt)
+        if len(values) > 1 and min(values) != max(values):
+            mid += f" [{format(min(values), fmt)}-{format(max(values), fmt)}]"
+        return mid
+
+    base = statistics.median(r["burst"]["norm_latency_ms"] for r in results.get(BASELINE, [])) \
+        if results.get(BASELINE) else float("nan")
+    for policy, runs in results.items():
+        cells = [policy] + [cell([r[part][key] for r in runs], fmt) for _, part, key, fmt in COLUMNS]
+        cells.append(f"{statistics.median(r['burst']['norm_latency_ms'] for r in runs) / base:.2f}x")
+        if with_steps:
+            cells += [cell([r["steps"][key] for r in runs], fmt) for _, key, fmt in STEP_COLUMNS]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES))
+    p.add_argument("--agents", type=int, default=24)
+    p.add_argument("--spread", type=float, default=0.1, help="the agents arrive within this many seconds")
+    p.add_argument("--prompt", type=int, default=1000, help="prompt tokens per agent")
+    p.add_argument("--steps", type=int, default=5, help="turns per agent (a tool call between two)")
+    p.add_argument("--decode", type=int, default=32, help="tokens decoded per turn")
+    p.add_argument("--returned", type=int, default=32, help="tokens each tool result appends")
+    p.add_argument("--tool-s", type=float, default=0.5, help="seconds each tool call takes")
+    p.add_argument("--kv-cache-gb", type=float, default=4.0, help="device KV pool, GiB (ample: nothing is evicted)")
+    p.add_argument("--host-kv-gb", type=float, default=1.0)
+    p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--idle-ttl", type=float, default=600.0)
+    p.add_argument("--repeats", type=int, default=1, help="rounds of every policy, interleaved")
+    p.add_argument("--until", type=float, default=600.0, help="cut a replay off after this many seconds")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step-log", action="store_true", help="log every engine step's batch and time")
+    p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--out", default=str(Path(__file__).with_name("results") / f"burst_{today()}"))
+    return p.parse_args(argv)
+
+
+def write(results: dict[str, list[dict]], args, out: Path, command: str) -> str:
+    """Write `burst.json` and `burst.md` (after every run, so a run cut short keeps what it measured)."""
+    repeats = max(len(runs) for runs in results.values())
+    header = (f"# A burst of {args.agents} agents, ample memory\n\n{cpu_name()}, {today()}; {args.agents} agents "
+              f"within {args.spread:g} s, {args.prompt}-token prompts, {args.steps} turns of {args.decode} tokens, "
+              f"{args.tool_s:g} s tools returning {args.returned} tokens; {args.kv_cache_gb:g} GiB device pool, "
+              f"{args.max_num_batched_tokens}-token step budget, {args.threads} threads; servers one at a time, "
+              f"policies interleaved, {repeats} repeat(s). Command: `{command}`")
+    text = header + "\n\n" + table({p: runs for p, runs in results.items() if runs})
+    (out / "burst.json").write_text(json.dumps({"cpu": cpu_name(), "date": today(), "args": vars(args),
+                                                "command": command, "results": results}, indent=1))
+    (out / "burst.md").write_text(text + "\n")
+    return text
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    trace = burst_trace(args)
+    command = ("python benchmarks/burst.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
+    results: dict[str, list[dict]] = {policy: [] for policy in args.policies}
+    for i in range(args.repeats):
+        for policy in args.policies:
+            results[policy].append(run(policy, trace, args, out, str(i)))
+            b = results[policy][-1]["burst"]
+            print(f"run {i + 1}/{args.repeats} {policy}: {b['norm_latency_ms']:.0f} ms/tok, first-turn TTFT "
+                  f"{b['first_ttft_s']:.2f} s, resumed {b['resumed_ttft_s']:.2f} s", file=sys.stderr, flush=True)
+            text = write(results, args, out, command)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
