@@ -32,7 +32,7 @@ forward time, held memory waste. For every workload swept over two or more rates
 programs/s: per seed, the highest rate whose median normalized latency stays within the SLO (2x the best
 policy's latency at the lowest rate, as `policy_sim.py`), interpolated between the bracketing rates.
 
-    python benchmarks/parts_sim.py                                   # the default matrix, ~35 min, --jobs 2
+    python benchmarks/parts_sim.py                                   # the default matrix, ~30 min, --jobs 2 on an idle machine
     python benchmarks/parts_sim.py --table benchmarks/results/parts_sim_2026-11-24/parts_sim.json
     python benchmarks/parts_sim.py --workloads burst --seeds 0 --policies infercept-paper prefix-cache
 """
@@ -66,16 +66,17 @@ RESULTS = HERE / "results" / "parts_sim_2026-11-24"
 CPU_PROFILE = RESULTS / "cpu_profile.json"
 GIB = 1024 ** 3
 
-# Each part alone, the default `infercept` (infercept-paper+expected-waste+prefetch), and
-# today's servers.
+# Each part alone on the paper's policy, the default `infercept` (infercept-paper + expected-waste +
+# prefetch + ample-preserve), and today's servers; `unbounded-memory` only where it is asked for.
 POLICIES = ("infercept-paper", "infercept-paper+program-arrival-priority", "infercept-paper+las-priority",
-            "infercept-paper+expected-waste", "infercept-paper+prefetch", "infercept", "prefix-cache")
+            "infercept-paper+expected-waste", "infercept-paper+prefetch", "infercept-paper+context-cost",
+            "infercept-paper+admission", "infercept-paper+ample-preserve", "infercept", "prefix-cache")
 # What no KV policy can beat: `preserve` with a device pool 20x as large, so that no context is ever
 # swapped, discarded or preempted; only compute limits it (`--policies unbounded-memory`).
 UNBOUNDED = "unbounded-memory"
 # Rate sweeps (two or more rates of one workload) also give the sustainable programs/s at the SLO.
-WORKLOADS = ("mix@14", "mix@22", "mix@30", "long@0.05", "long@0.08", "long@0.1", "long@0.12", "long@0.15",
-             "long@0.2", "burst", "burst240", "burst-cpu", "approval@10")
+WORKLOADS = ("mix@14", "mix@22", "mix@30", "long@0.05", "long@0.1", "long@0.15", "long@0.2", "burst", "burst240",
+             "burst-cpu", "approval@10")
 
 
 def burst_trace(seed: int, n: int = 24, prompt: int = 1000, steps: int = 5, decode: int = 32, tool_s: float = 0.5,

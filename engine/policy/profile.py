@@ -151,6 +151,12 @@ class Profile:
         (n_a, t_a), (n_b, t_b) = samples[i - 1], samples[i]
         return t_a + (t_b - t_a) * (num_tokens - n_a) / (n_b - n_a)
 
+    @property
+    def copies_overlap(self) -> bool:
+        """Whether a KV copy runs beside the forward pass (a GPU's copy stream) or stalls it (a CPU,
+        where host and device memory are the same DRAM and the copy is synchronous: `copy_stream.py`)."""
+        return not self.device.lower().startswith("cpu")
+
     # -- attention over the context ---------------------------------------------------------------
     @property
     def has_attention(self) -> bool:
