@@ -177,7 +177,8 @@ def test_pause_on_stop_is_a_request_level_interception(default_model_dir, fresh_
 
 
 def test_budgeted_swap_moves_one_block_per_iteration_and_abort_mid_swap_frees_all(default_model_dir):
-    engine = make_engine(default_model_dir, "infercept")
+    # Without +ample-preserve: the default keeps paused KV in place on a CPU while the pool has room.
+    engine = make_engine(default_model_dir, "infercept+no-ample-preserve")
     intercept = InterceptParams(pause_on_stop=True, expected_s=30.0)  # a long human turn
     rid = engine.add_request(OTHERS[0], greedy(4), intercept=intercept)
     # Other work runs on while it pauses: each step swaps out at most one block (the budget). (With
@@ -243,11 +244,12 @@ def test_resume_errors(default_model_dir):
 # `infercept` counts the delay each way adds to the resume (expected waste): this profile swaps one block
 # per 10 ms iteration, so the ~113-token context would take 7 iterations to come back and 4 (chunks of
 # S - 1 = 31) to recompute, with nothing else running to wait for it: discarded (lazily: its blocks stay
-# cached). The paper's rule swaps it.
+# cached). The paper's rule swaps it. The default on this CPU keeps it (+ample-preserve: the pool has room
+# for all queued work, so nobody could use the memory a swap or discard would free).
 AT_INTERCEPTION = {"discard": "discarded", "improved-discard": "discarded", "chunked-discard": "discarded",
                    "prefix-cache": "discarded", "swap": "host", "budgeted-swap": "host",
-                   "heuristic-preserve": "host", "infercept-paper": "host", "infercept": "discarded",
-                   "preserve": "device"}
+                   "heuristic-preserve": "host", "infercept-paper": "host", "infercept+no-ample-preserve": "discarded",
+                   "infercept": "device", "preserve": "device"}
 
 
 @pytest.mark.parametrize("policy", sorted(AT_INTERCEPTION))
