@@ -24,21 +24,18 @@ and `<out>/burst.md`, and prints the table of the medians over repeats with each
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from machine import cpu_name, today  # noqa: E402
-from replay import default_model, replay, summarize  # noqa: E402
-from sweep import ServerProcess, free_port, infercept_argv, scrape  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+from replay import summarize  # noqa: E402
+from sweep import ServerProcess, free_port, infercept_argv, replay_once  # noqa: E402
 
 DEFAULT_POLICIES = ("infercept", "infercept-paper", "prefix-cache")
 BASELINE = "prefix-cache"
@@ -101,18 +98,7 @@ def run(policy: str, trace: list[dict], args, out: Path, tag: str) -> dict:
     step_log.unlink(missing_ok=True)
     env = {"INFERCEPT_STEP_LOG": str(step_log)} if args.step_log else {}
     server = ServerProcess(infercept_argv(policy, port, args), port, policy, out / f"{policy}_{tag}.log", env)
-    try:
-        server.wait_ready(args.start_timeout)
-        model = default_model(server.base_url)
-        before = scrape(server.base_url)
-        with tqdm(total=len(trace), desc=policy, unit="agent", file=sys.stderr) as bar:
-            start = time.monotonic()
-            records = asyncio.run(replay(trace, server.base_url, api="resume", model=model, until=args.until,
-                                         seed=args.seed, progress=lambda done, total: bar.update(1)))
-            elapsed = time.monotonic() - start
-        after = scrape(server.base_url)
-    finally:
-        server.stop()
+    records, elapsed, before, after = replay_once(server, trace, args)
     summary = summarize(records, elapsed)
     summary["swapped_out_blocks"] = (after.get("infercept_swapped_out_blocks_total", 0.0)
                                      - before.get("infercept_swapped_out_blocks_total", 0.0))

@@ -220,6 +220,25 @@ def engine_shares(before: dict, after: dict, seconds: float, pool_bytes: float) 
 
 
 # -- the runs ----------------------------------------------------------------------------------------
+def replay_once(server: ServerProcess, trace: list[dict], args) -> tuple[list, float, dict, dict]:
+    """One server's whole life for one trace: wait for it (`args.start_timeout`), replay the trace
+    through implicit token-level resume with a progress bar (`args.until`, `args.seed`), and return
+    (records, seconds, /metrics before, /metrics after). The server is stopped either way."""
+    try:
+        server.wait_ready(args.start_timeout)
+        model = default_model(server.base_url)
+        before = scrape(server.base_url)
+        with tqdm(total=len(trace), desc=server.name, unit="agent", file=sys.stderr) as bar:
+            start = time.monotonic()
+            records = asyncio.run(replay(trace, server.base_url, api="resume", model=model, until=args.until,
+                                         seed=args.seed, progress=lambda done, total: bar.update(1)))
+            elapsed = time.monotonic() - start
+        after = scrape(server.base_url)
+    finally:
+        server.stop()
+    return records, elapsed, before, after
+
+
 def run_rate(server: ServerProcess, name: str, api: str, served: str, rate: float, trace: list[dict], args,
              metrics: bool) -> dict:
     """Replay one rate's trace against a running server; its summary (with /metrics shares)."""

@@ -21,20 +21,17 @@ medians over repeats, with each policy's ratio to `infercept`.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from machine import cpu_name, today  # noqa: E402
-from replay import default_model, replay, summarize  # noqa: E402
-from sweep import ServerProcess, free_port, kv_bytes_per_token, scrape  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+from replay import summarize  # noqa: E402
+from sweep import ServerProcess, free_port, kv_bytes_per_token, replay_once  # noqa: E402
 
 GIB = 2 ** 30
 STOCK = ("prefix-cache", "discard")  # stock vLLM: no sessions, no host tier
@@ -67,18 +64,7 @@ def run(policy: str, trace: list[dict], args, kv_cache_gb: float, log: Path) -> 
     port = free_port()
     server = ServerProcess(server_argv(policy, port, args, kv_cache_gb), port, policy, log,
                            env={"VLLM_CPU_OMP_THREADS_BIND": args.cpus})
-    try:
-        server.wait_ready(args.start_timeout)
-        model = default_model(server.base_url)
-        before = scrape(server.base_url)
-        with tqdm(total=len(trace), desc=policy, unit="agent", file=sys.stderr) as bar:
-            start = time.monotonic()
-            records = asyncio.run(replay(trace, server.base_url, api="resume", model=model, until=args.until,
-                                         seed=args.seed, progress=lambda done, total: bar.update(1)))
-            elapsed = time.monotonic() - start
-        after = scrape(server.base_url)
-    finally:
-        server.stop()
+    records, elapsed, before, after = replay_once(server, trace, args)
     summary = summarize(records, elapsed)
 
     def delta(name: str) -> float:
