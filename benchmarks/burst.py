@@ -1,4 +1,5 @@
-"""Ample memory: a burst of agents on the real server, every policy on the same trace (issue 22).
+"""A burst of agents on the real server, every policy on the same trace (issue 22): ample memory, or
+KV pressure with predictable tools (proactive swap-in).
 
 `--agents` agents arrive within `--spread` seconds (seeded uniform arrivals), each with a `--prompt`-token
 prompt of seeded random token ids and `--steps` steps: decode `--decode` tokens, call a tool that takes
@@ -19,7 +20,14 @@ arrival, tools included). With `--step-log`, each server writes one JSON line pe
 (`INFERCEPT_STEP_LOG`: sequences, decode sequences, prefill tokens, context tokens, seconds), and the
 table gets the steps' totals. Writes `<out>/burst.json` (every run's summary, records and step totals)
 and `<out>/burst.md`, and prints the table of the medians over repeats with each policy's ratio to
-`prefix-cache`.
+`prefix-cache`, and from the servers' /metrics: the share of resumes that found all their KV on the
+device (`infercept_resumed_kv_total`), recomputed tokens (share of computed), swapped-out blocks.
+
+Under KV pressure (a device pool smaller than the agents' contexts) with every tool taking the same
+`--tool-s`, proactive swap-in should bring a swapped-out context back before its resume:
+
+    python benchmarks/burst.py --kv-cache-gb 0.25 --tool-s 2 --policies infercept infercept+no-prefetch \
+        --repeats 3 --out benchmarks/results/prefetch_<date>
 """
 from __future__ import annotations
 
@@ -35,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from machine import cpu_name, today  # noqa: E402
 from replay import summarize  # noqa: E402
-from sweep import ServerProcess, free_port, infercept_argv, replay_once  # noqa: E402
+from sweep import GIB, ServerProcess, engine_shares, free_port, infercept_argv, replay_once  # noqa: E402
 
 DEFAULT_POLICIES = ("infercept", "infercept-paper", "prefix-cache")
 BASELINE = "prefix-cache"
@@ -99,11 +107,15 @@ def run(policy: str, trace: list[dict], args, out: Path, tag: str) -> dict:
     env = {"INFERCEPT_STEP_LOG": str(step_log)} if args.step_log else {}
     server = ServerProcess(infercept_argv(policy, port, args), port, policy, out / f"{policy}_{tag}.log", env)
     records, elapsed, before, after = replay_once(server, trace, args)
-    summary = summarize(records, elapsed)
-    summary["swapped_out_blocks"] = (after.get("infercept_swapped_out_blocks_total", 0.0)
-                                     - before.get("infercept_swapped_out_blocks_total", 0.0))
-    summary["discarded_tokens"] = (after.get("infercept_discarded_tokens_total", 0.0)
-                                   - before.get("infercept_discarded_tokens_total", 0.0))
+    summary = summarize(records, elapsed) | engine_shares(before, after, elapsed, args.kv_cache_gb * GIB)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    summary["swapped_out_blocks"] = delta("infercept_swapped_out_blocks_total")
+    resumes = delta("infercept_resumed_kv_total")
+    summary["resumes"] = resumes
+    summary["resumes_on_device"] = delta("infercept_resumed_kv_total{place=device}") / resumes if resumes else float("nan")
     rows = [r.to_dict() for r in records]
     return {"summary": summary, "burst": burst_numbers(rows), "steps": step_totals(step_log), "records": rows}
 
@@ -113,7 +125,10 @@ COLUMNS = (("norm. latency (ms/tok)", "burst", "norm_latency_ms", ".0f"),
            ("resumed TTFT (s)", "burst", "resumed_ttft_s", ".2f"),
            ("completion p50 (s)", "burst", "completion_p50_s", ".1f"),
            ("completion p90 (s)", "burst", "completion_p90_s", ".1f"),
-           ("cached prompt %", "summary", "cached_share", ".0%"))
+           ("cached prompt %", "summary", "cached_share", ".0%"),
+           ("resumes with KV on device", "summary", "resumes_on_device", ".0%"),
+           ("recomputed tokens", "summary", "recompute_token_share", ".1%"),
+           ("swapped-out blocks", "summary", "swapped_out_blocks", ".0f"))
 STEP_COLUMNS = (("steps", "steps", ".0f"), ("step s", "step_s", ".1f"), ("seqs/step", "mean_seqs", ".1f"),
                 ("decode-only steps", "decode_only_steps", ".0f"), ("their batch", "decode_only_mean_batch", ".1f"),
                 ("their s", "decode_only_s", ".1f"))
@@ -136,7 +151,8 @@ def table(results: dict[str, list[dict]]) -> str:
         if results.get(BASELINE) else float("nan")
     for policy, runs in results.items():
         cells = [policy] + [cell([r[part][key] for r in runs], fmt) for _, part, key, fmt in COLUMNS]
-        cells.append(f"{statistics.median(r['burst']['norm_latency_ms'] for r in runs) / base:.2f}x")
+        cells.append(f"{statistics.median(r['burst']['norm_latency_ms'] for r in runs) / base:.2f}x"
+                     if results.get(BASELINE) else "-")
         if with_steps:
             cells += [cell([r["steps"][key] for r in runs], fmt) for _, key, fmt in STEP_COLUMNS]
         rows.append("| " + " | ".join(cells) + " |")
@@ -153,7 +169,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode", type=int, default=32, help="tokens decoded per turn")
     p.add_argument("--returned", type=int, default=32, help="tokens each tool result appends")
     p.add_argument("--tool-s", type=float, default=0.5, help="seconds each tool call takes")
-    p.add_argument("--kv-cache-gb", type=float, default=4.0, help="device KV pool, GiB (ample: nothing is evicted)")
+    p.add_argument("--kv-cache-gb", type=float, default=4.0,
+                   help="device KV pool, GiB (the default is ample: nothing is evicted; smaller: KV pressure)")
     p.add_argument("--host-kv-gb", type=float, default=1.0)
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
@@ -170,7 +187,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def write(results: dict[str, list[dict]], args, out: Path, command: str) -> str:
     """Write `burst.json` and `burst.md` (after every run, so a run cut short keeps what it measured)."""
     repeats = max(len(runs) for runs in results.values())
-    header = (f"# A burst of {args.agents} agents, ample memory\n\n{cpu_name()}, {today()}; {args.agents} agents "
+    header = (f"# A burst of {args.agents} agents\n\n{cpu_name()}, {today()}; {args.agents} agents "
               f"within {args.spread:g} s, {args.prompt}-token prompts, {args.steps} turns of {args.decode} tokens, "
               f"{args.tool_s:g} s tools returning {args.returned} tokens; {args.kv_cache_gb:g} GiB device pool, "
               f"{args.max_num_batched_tokens}-token step budget, {args.threads} threads; servers one at a time, "

@@ -185,17 +185,24 @@ def peer_python(requested: str | None) -> str | None:
 
 # -- /metrics --------------------------------------------------------------------------------------
 def scrape(base_url: str) -> dict[str, float]:
-    """Prometheus text -> {metric name: value summed over its label sets}."""
+    """Prometheus text -> {metric name: value summed over its label sets}, and for a metric with labels
+    besides `model`, {"name{label=value}": value} per label value too."""
     out: dict[str, float] = {}
     for line in httpx.get(f"{base_url}/metrics", timeout=10).text.splitlines():
         if not line or line.startswith("#"):
             continue
-        name, _, value = line.rpartition(" ")
-        name = name.split("{", 1)[0]
+        sample, _, value = line.rpartition(" ")
+        name, _, labels = sample.partition("{")
         try:
-            out[name] = out.get(name, 0.0) + float(value)
+            number = float(value)
         except ValueError:
             continue
+        out[name] = out.get(name, 0.0) + number
+        for pair in labels.rstrip("}").split(",") if labels else ():
+            label, _, quoted = pair.partition("=")
+            if label != "model":
+                key = f"{name}{{{label}={quoted.strip(chr(34))}}}"
+                out[key] = out.get(key, 0.0) + number
     return out
 
 

@@ -97,6 +97,7 @@ class EngineSnapshot:
     admission_cap: int | None = None  # Policy.admission's cap on active programs; None: uncapped
     num_held_back: int = 0  # new programs waiting because of that cap
     num_thrashed_tokens: int = 0
+    resumes_by_kv: dict[str, int] = field(default_factory=dict)  # RESUME_KV_PLACES -> resumes (cumulative)
     paused_by_state: dict[str, int] = field(default_factory=dict)  # PAUSED_KV_STATES -> generations
     paused_tokens_by_location: dict[str, int] = field(default_factory=dict)  # device / host / discarded
 
@@ -235,6 +236,7 @@ def _snapshot(engine) -> EngineSnapshot:
         num_running=len(sched.running) + len(sched.swapped), num_waiting=len(sched.waiting),
         num_active_programs=sched.num_active_programs, admission_cap=stats.admission_cap,
         num_held_back=stats.num_held_back, num_thrashed_tokens=stats.num_thrashed_tokens,
+        resumes_by_kv=dict(stats.resumes_by_kv),
         paused_by_state={state: paused.count_by_state[state] for state in PAUSED_KV_STATES},
         paused_tokens_by_location={"device": paused.device_tokens, "host": paused.host_tokens,
                                    "discarded": paused.discarded_tokens})

@@ -174,6 +174,7 @@ class Engine:
             request.intercept = intercept
         self.scheduler.decide_fresh_pause(request_id)
         location = self.kv_location(request_id)
+        self.stats.count_resume(location["device"], location["host"])
         self.scheduler.resume(request_id, token_ids)
         self._hold_paused_kv()
         p = request.sampling_params

@@ -125,8 +125,6 @@ class SimulatedEngine:
         self.stats = EngineStats(bytes_per_token=profile.bytes_per_token)
         self.acc = SimAccounting()
         self._last_turn: set[str] = set()
-        self.num_resumes = 0
-        self.num_resumes_on_device = 0  # resumes that found all their computed KV on the device
         self._ids = itertools.count()
         self._prompt_serials = itertools.count()
         # How long an engine loop that cannot schedule anything takes to try again: one minimal iteration.
@@ -164,9 +162,7 @@ class SimulatedEngine:
             raise ValueError("a resume needs at least one token")
         request = self.scheduler.paused[request_id]
         request.sampling_params = _greedy(max_tokens)
-        device, host = self.scheduler.kv_tokens(request)
-        self.num_resumes += 1
-        self.num_resumes_on_device += bool(device and not host)
+        self.stats.count_resume(*self.scheduler.kv_tokens(request))
         self.scheduler.resume(request_id, [APPENDED_TOKEN_ID] * num_appended_tokens)
         self.stats.hold(self.clock.now(), self.paused_device_tokens())
         if request.intercept is not None and (request.intercept.expected_s, request.intercept.kind) != \
@@ -263,6 +259,7 @@ class SimulatedEngine:
         `on_step` is called after every step (tests use it to check invariants).
         """
         k = token_scale
+        self.scheduler.estimator.hints_first = oracle_hints  # an oracle's hints are exact: they beat history
         trace = sorted(trace, key=lambda r: r["arrival"])
         records: dict[str, RequestRecord] = {}
         events: list[tuple[float, int, str, str]] = []
@@ -354,7 +351,7 @@ class SimulatedEngine:
             self.abort(rid)  # unfinished at `until`: release everything
         window = window if window is not None else max((r.arrival for r in records.values()), default=0.0)
         return TraceResult(self.policy_name, list(records.values()), self.stats, self.acc, end, window,
-                           self.device_pool_bytes, k, self.num_resumes, self.num_resumes_on_device)
+                           self.device_pool_bytes, k)
 
 
 def _greedy(max_tokens: int) -> SamplingParams:
@@ -402,8 +399,6 @@ class TraceResult:
     window: float  # arrival window
     device_pool_bytes: int
     token_scale: int = 1
-    num_resumes: int = 0
-    num_resumes_on_device: int = 0
 
     @property
     def num_finished(self) -> int:
@@ -443,8 +438,8 @@ class TraceResult:
             "first_ttft_median": _quantile([r.turn_ttfts[0] for r in recs if r.turn_ttfts], 0.5),
             "resumed_ttft_median": _quantile([t for r in recs for t in r.turn_ttfts[1:]], 0.5),
             "resumed_ttft_p90": _quantile([t for r in recs for t in r.turn_ttfts[1:]], 0.9),
-            "resumes_on_device_share": (self.num_resumes_on_device / self.num_resumes
-                                        if self.num_resumes else None),
+            "resumes_on_device_share": (self.stats.resumes_on_device_share
+                                        if any(self.stats.resumes_by_kv.values()) else None),
         }
 
 

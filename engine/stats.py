@@ -1,9 +1,19 @@
 """Accounting: what each iteration recomputed, swapped and held idle; cumulative counters for metrics."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .outputs import SchedulerOutput
+
+# Where a resumed request found its KV (`resume_kv_place`), the keys of `EngineStats.resumes_by_kv`.
+RESUME_KV_PLACES = ("device", "host", "recompute")
+
+
+def resume_kv_place(device: int, host: int) -> str:
+    """Where a paused request's computed KV was when its resume came: all of it on the device (the turn
+    starts at once), some on the host (copied back first), or none (discarded: recomputed past whatever
+    the prefix cache still holds). The share of `device` is what proactive swap-in aims to raise."""
+    return "host" if host else "device" if device else "recompute"
 
 
 @dataclass
@@ -33,6 +43,7 @@ class EngineStats:
     admission_cap: int | None = None
     num_held_back: int = 0
     num_thrashed_tokens: int = 0  # cumulative: KV computed or copied again (SchedulerOutput)
+    resumes_by_kv: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RESUME_KV_PLACES, 0))
 
     def record(self, out: SchedulerOutput, seconds: float) -> None:
         self.num_steps += 1
@@ -49,6 +60,16 @@ class EngineStats:
         self.num_thrashed_tokens += out.num_thrashed_tokens
         self.admission_cap = out.admission_cap
         self.num_held_back = out.num_held_back
+
+    def count_resume(self, device: int, host: int) -> None:
+        """A paused request resumed with `device` / `host` tokens of its computed KV in place."""
+        self.resumes_by_kv[resume_kv_place(device, host)] += 1
+
+    @property
+    def resumes_on_device_share(self) -> float:
+        """Share of resumes that found all their KV on the device (0 before the first resume)."""
+        total = sum(self.resumes_by_kv.values())
+        return self.resumes_by_kv["device"] / total if total else 0.0
 
     def hold(self, now: float, paused_device_tokens: int | None = None) -> None:
         """Charge the paused device KV held since the last call up to `now`; from `now` on, paused

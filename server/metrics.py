@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from infercept.engine.backend import PAUSED_KV_STATES as KV_STATES, EngineSnapshot
+from infercept.engine.stats import RESUME_KV_PLACES
 
 disable_created_metrics()  # no `*_created` series next to every counter
 
@@ -92,6 +93,12 @@ class _EngineCollector:
         for loc, n in s.paused_tokens_by_location.items():
             tokens.add_metric([self.model, loc], n)
         yield tokens
+        resumed = CounterMetricFamily("infercept_resumed_kv", "Paused generations resumed, by where their KV was "
+                                      "when the resume came: all on the device, some on the host (copied back "
+                                      "first), or none (recomputed past the prefix cache)", labels=["model", "place"])
+        for place in RESUME_KV_PLACES:
+            resumed.add_metric([self.model, place], s.resumes_by_kv.get(place, 0))
+        yield resumed
 
 
 class ServerMetrics:

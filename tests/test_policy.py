@@ -1,6 +1,7 @@
 """Unit tests of the pure-Python policy layer (infercept.engine.policy): numbers checked by hand."""
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import textwrap
@@ -176,13 +177,26 @@ def test_estimator_needs_min_history_and_bounds_it():
     assert est.expected_total("other") is None
 
 
-def test_estimator_hint_overrides_history():
-    est = DurationEstimator()
-    for _ in range(5):
-        est.observe("tool", 1.0)
-    assert est.estimate(now=5.0, call_start=0.0, tool_name="tool", hint_seconds=30.0) == pytest.approx(25.0)
-    # an outlived hint falls back to history, then to elapsed time
+def test_estimator_history_wins_over_a_hint_once_it_has_data():
+    """Issue 22: a hint serves until the tool has history (3 calls), then the measured history wins; an
+    outlived hint falls through to the elapsed time. An oracle's estimator (`hints_first`) keeps the hint."""
+    est = DurationEstimator(min_history=3)
+    for n in range(3):
+        assert est.estimate(now=5.0, call_start=0.0, tool_name="tool", hint_seconds=30.0) == pytest.approx(25.0)
+        assert est.predicts(5.0, 0.0, "tool", 30.0) and est.next_jump(5.0, 0.0, "tool", 30.0) == 30.0
+        est.observe("tool", 8.0 + n)  # 8, 9, 10 s
+    assert est.estimate(now=5.0, call_start=0.0, tool_name="tool", hint_seconds=30.0) == pytest.approx(4.0)
+    assert est.remaining(5.0, 0.0, "tool", 30.0) == pytest.approx((3.0, 4.0, 5.0))
+    assert est.next_jump(5.0, 0.0, "tool", 30.0) == 8.0  # when the 8 s call is outlived
+    # past every call of the history: the hint again while it lasts, then the elapsed time
+    assert est.estimate(now=12.0, call_start=0.0, tool_name="tool", hint_seconds=30.0) == pytest.approx(18.0)
     assert est.estimate(now=40.0, call_start=0.0, tool_name="tool", hint_seconds=30.0) == pytest.approx(40.0)
+    assert not est.predicts(40.0, 0.0, "tool", 30.0) and est.next_jump(40.0, 0.0, "tool", 30.0) == math.inf
+    oracle = DurationEstimator(min_history=3, hints_first=True)
+    for d in (8.0, 9.0, 10.0):
+        oracle.observe("tool", d)
+    assert oracle.estimate(now=5.0, call_start=0.0, tool_name="tool", hint_seconds=30.0) == pytest.approx(25.0)
+    assert oracle.estimate(now=40.0, call_start=0.0, tool_name="tool", hint_seconds=30.0) == pytest.approx(40.0)
 
 
 # -- decisions ------------------------------------------------------------------------------------

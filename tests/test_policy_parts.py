@@ -113,7 +113,7 @@ def test_with_ample_memory_every_resume_finds_its_kv_on_the_device():
     default, summary = run("infercept", 200)
     assert summary["finished"] == 12
     assert default.stats.num_swapped_out_blocks == 0 and default.stats.num_discarded_tokens == 0
-    assert default.num_resumes_on_device == default.num_resumes == 36
+    assert default.stats.resumes_by_kv == {"device": 36, "host": 0, "recompute": 0}
     tight, summary = run("infercept", 40)
     assert summary["finished"] == 12
     assert tight.stats.num_swapped_out_blocks + tight.stats.num_discarded_tokens > 0
@@ -199,7 +199,8 @@ def test_estimator_remaining_is_the_conditioned_history():
         est.observe("t", d)
     assert est.remaining(0.15, 0.0, "t") == pytest.approx((0.05, 2.85))
     assert sum(est.remaining(0.15, 0.0, "t")) / 2 == pytest.approx(est.estimate(0.15, 0.0, "t"))
-    assert est.remaining(1.0, 0.0, "t", hint_seconds=4.0) == (3.0,)
+    assert est.remaining(1.0, 0.0, "t", hint_seconds=4.0) == (2.0,)  # the history wins over a hint
+    assert est.remaining(3.5, 0.0, "t", hint_seconds=4.0) == (0.5,)  # past the history: the hint
     assert est.remaining(4.0, 0.0, "t") == (4.0,)  # outlived the history: back to the elapsed time
 
 
@@ -347,6 +348,7 @@ def test_prefetch_brings_predictable_resumes_back_before_they_arrive():
         result = engine.run_trace(_fixed_tool_agents(8, 0.3))
         assert result.num_finished == 8
         engine.block_manager.check_integrity()
-        shares[name] = engine.num_resumes_on_device / engine.num_resumes
+        assert sum(engine.stats.resumes_by_kv.values()) == 32
+        shares[name] = engine.stats.resumes_on_device_share
     assert shares["infercept-paper"] == 0.0
     assert shares["infercept-paper+prefetch"] >= 27 / 32

@@ -73,6 +73,14 @@ def inter_token_count(srv) -> float:
     raise AssertionError("no inter-token latency histogram")
 
 
+def resumed_kv(srv) -> dict[str, float]:
+    """`infercept_resumed_kv_total` by place (where resumed generations found their KV)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {s.labels["place"]: s.value for family in text_string_to_metric_families(httpx.get(srv.base + "/metrics").text)
+            for s in family.samples if s.name == "infercept_resumed_kv_total"}
+
+
 def test_plain_chat_sync_and_async_agree(srv):
     messages = [{"role": "user", "content": "Name a color."}]
     sync = srv.client().chat.completions.create(messages=messages, max_tokens=8, **greedy())
@@ -126,12 +134,15 @@ def test_tool_loop_resumes_and_equals_recompute(srv, discard_server):
 
     # The SDK's own message object goes back, as agents do (it carries refusal/annotations fields).
     conversation = QUESTION + [message, {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
+    resumed_before = resumed_kv(srv)
     second = client.chat.completions.create(messages=conversation, tools=TOOLS, max_tokens=ANSWER_TOKENS,
                                             extra_body={"return_token_ids": True}, **greedy())
     usage = second.usage
     assert usage.prompt_tokens_details.cached_tokens >= 0.9 * usage.prompt_tokens, usage
     # Cached: the whole paused context but its last token (the EOS, sampled but never fed back).
     assert usage.prompt_tokens_details.cached_tokens == first.usage.total_tokens - 1
+    after = resumed_kv(srv)
+    assert {p: after[p] - resumed_before[p] for p in after} == {"device": 1, "host": 0, "recompute": 0}
     answer = second.choices[0].message.content
     prompt_ids, output_ids = second.model_extra["prompt_token_ids"], second.choices[0].model_extra["token_ids"]
     assert answer and len(prompt_ids) == usage.prompt_tokens and len(output_ids) == usage.completion_tokens
@@ -155,9 +166,12 @@ def test_tool_loop_resumes_and_equals_recompute(srv, discard_server):
     respaced = {"role": "assistant", "content": None, "tool_calls": [
         {"id": call_b.id, "type": "function", "function": {"name": "get_weather", "arguments": '{ "city":"Paris" }'}}]}
     conversation_b = QUESTION + [respaced, {"role": "tool", "tool_call_id": call_b.id, "content": RESULT}]
+    resumed_before = resumed_kv(discard_server)
     second_b = other.chat.completions.create(messages=conversation_b, tools=TOOLS, max_tokens=ANSWER_TOKENS,
                                              extra_body={"return_token_ids": True}, **greedy())
     assert second_b.usage.prompt_tokens_details.cached_tokens == 0
+    after = resumed_kv(discard_server)
+    assert {p: after[p] - resumed_before[p] for p in after} == {"device": 0, "host": 0, "recompute": 1}
     assert second_b.model_extra["prompt_token_ids"] == prompt_ids
     assert second_b.choices[0].model_extra["token_ids"] == output_ids
     assert second_b.choices[0].message.content == answer

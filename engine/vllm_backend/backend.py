@@ -38,6 +38,7 @@ from ..detokenizer import IncrementalDetokenizer
 from ..outputs import RequestOutput, SampledToken
 from ..request import InterceptParams
 from ..sampling_params import SamplingParams
+from ..stats import RESUME_KV_PLACES, resume_kv_place
 from ..tool_format import CallJudge, TurnCalls
 from .params import vllm_sampling_fields
 from .process import WorkerProcess
@@ -127,6 +128,8 @@ class VllmBackend(EngineBackend):
         self._kv_paused: dict[str, list[int]] = {}
         self._resumed_hits: dict[str, int] = {}
         self._counters: dict[str, int] = {}
+        # Resumes by where the paused KV was, as the scheduler last reported it (`resume_kv_place`).
+        self._resumes_by_kv = dict.fromkeys(RESUME_KV_PLACES, 0)
         self._stats: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._seq = 0
         self._running = False
@@ -266,6 +269,7 @@ class VllmBackend(EngineBackend):
         gen.params, gen.intercept = params, intercept or gen.intercept
         gen.judge = _judge(gen.intercept)
         gen.turn += 1
+        self._resumes_by_kv[resume_kv_place(*self._kv_tokens(gen))] += 1
         if gen.session:
             # vLLM dropped the last sampled token, whose KV it never computed: it leads the new chunk.
             msg = {"op": "resume", "id": gen.wire_id, "tokens": [gen.context[-1], *appended]}
@@ -487,7 +491,7 @@ class VllmBackend(EngineBackend):
             prefix_queried_blocks=stats["prefix_queried_tokens"] // self.block_size,
             prefix_hit_blocks=stats["prefix_hit_tokens"] // self.block_size,
             num_running=stats["num_running"], num_waiting=max(stats["num_waiting"] - in_vllm, 0),
-            paused_by_state=states,
+            paused_by_state=states, resumes_by_kv=dict(self._resumes_by_kv),
             paused_tokens_by_location={"device": device_tokens, "host": host_tokens,
                                        "discarded": sum(len(g.context) for g in paused) - device_tokens - host_tokens})
 
