@@ -310,7 +310,7 @@ class Scheduler:
         hint = r.intercept.expected_s if r.intercept else None
         expected = self.estimator.estimate(now, r.paused_at, r.duration_key, hint)
         remaining = (self.estimator.remaining(now, r.paused_at, r.duration_key, hint)
-                     if self.policy is not None and self.policy.expected_waste else None)
+                     if self.policy is not None and (self.policy.expected_waste or self.policy.prefetch) else None)
         return PausedInfo(r.request_id, r.arrival_time, r.num_tokens, self._kv_state(r), device,
                           now - r.paused_at, expected, remaining, r.request_id in self._prefetched)
 
@@ -369,7 +369,8 @@ class Scheduler:
     def _iteration_info(self, swap_out_budget: int) -> IterationInfo:
         running_tokens = sum(r.num_computed_tokens for r in self.running)
         return IterationInfo(running_tokens, self._last_batched_tokens, swap_out_budget,
-                             self.blocks.num_free_host_blocks * self.blocks.block_size, self._spare_device_tokens())
+                             self.blocks.num_free_host_blocks * self.blocks.block_size, self._spare_device_tokens(),
+                             self.config.max_num_batched_tokens)
 
     def _spare_device_tokens(self) -> int | None:
         """Free device tokens less what queued work will need there: the waiting requests' uncomputed
@@ -423,7 +424,7 @@ class Scheduler:
         the paused requests holding host KV, only under a policy that prefetches."""
         if self.policy is None or self.profile is None or not self.policy.prefetch or not self.paused_kv.host_tokens:
             return []
-        iteration_s = self.profile.t_fwd(self._last_batched_tokens)
+        step_s = self.profile.t_fwd(self.config.max_num_batched_tokens)
         due = []
         for r in self.paused.values():
             host = self.kv_tokens(r)[1]
@@ -431,7 +432,7 @@ class Scheduler:
             # Only a prediction (a hint, the tool's history) can say a resume is near.
             if host and self.estimator.predicts(self.clock(), r.paused_at, r.duration_key, hint):
                 info = self._paused_info(r)
-                if resume_imminent(info, self.profile, iteration_s, host):
+                if resume_imminent(info, self.profile, step_s, host):
                     due.append((info.expected_s, r, host))
         due.sort(key=lambda x: (x[0], x[1].priority))
         return [(r, host) for _, r, host in due]

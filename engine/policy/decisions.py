@@ -67,7 +67,7 @@ class PausedInfo:
     expected_s: float  # expected REMAINING interception time: DurationEstimator.estimate(...)
     # The remaining time as equally likely samples (DurationEstimator.remaining: the tool's past durations
     # that outlasted `elapsed_s`, less `elapsed_s`); their mean is `expected_s`. None: one point,
-    # `expected_s`. Only policies with `expected_waste` read it.
+    # `expected_s`. Read by policies with `expected_waste` (the wastes) and `prefetch` (`resume_imminent`).
     remaining_s: tuple[float, ...] | None = None
     # Its KV was brought back toward the device before its resume (proactive swap-in, `Policy.prefetch`).
     prefetched: bool = False
@@ -91,6 +91,9 @@ class IterationInfo:
     # Device pool room in tokens left once every queued need is met (the waiting requests' uncomputed
     # tokens, the host KV of resumed and paused requests, one step's token budget); None: not known.
     spare_device_tokens: int | None = None
+    # The step's token budget (`max_num_batched_tokens`): the next step is at most this long, which is
+    # how far ahead proactive swap-in must act; None: not known (the last step's batch stands in).
+    step_budget_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -450,10 +453,17 @@ def memory_ample(iteration: IterationInfo) -> bool:
     return iteration.spare_device_tokens is not None and iteration.spare_device_tokens >= 0
 
 
-def resume_imminent(info: PausedInfo, profile: Profile, iteration_s: float, host_tokens: int) -> bool:
-    """Proactive swap-in (issue 22, item 2): the expected remaining pause is below the time to copy
-    `host_tokens` back plus one iteration, so a swap-in started now is done when the result arrives."""
-    return info.expected_s < profile.t_swap(host_tokens, "in") + iteration_s
+def resume_imminent(info: PausedInfo, profile: Profile, step_s: float, host_tokens: int) -> bool:
+    """Proactive swap-in (issue 22, item 2): the result may arrive before a swap-in started at the next
+    chance to act would be done. The next chance is one step away, and that step may be a full one
+    (`step_s`: the longest the scheduler may run before it plans again), so the lead is the time to
+    copy `host_tokens` back plus `step_s`. The result may come as soon as the soonest remaining time
+    the estimate allows (the shortest of the tool's past calls that outlasted this one, not their mean:
+    with the mean, a prefetch at one iteration's lead misses every call a little shorter than average,
+    which is half of them); a guess that proves early costs device memory for a moment, and the plan
+    may send the KV out again once the resume no longer looks imminent."""
+    soonest = min(info.remaining_s) if info.remaining_s else info.expected_s
+    return soonest < profile.t_swap(host_tokens, "in") + step_s
 
 
 # -- policies -------------------------------------------------------------------------------------
@@ -689,9 +699,9 @@ class InferCeptPaperPolicy(Policy):
         if self.prefetch:
             # Prefetched KV whose resume still looks imminent stays: swapping it out again would undo
             # the prefetch for nothing.
-            iteration_s = profile.t_fwd(iteration.num_batched_tokens)
+            step_s = profile.t_fwd(iteration.step_budget_tokens or iteration.num_batched_tokens)
             for p in _holding_device(paused):
-                if p.prefetched and resume_imminent(p, profile, iteration_s, p.num_tokens):
+                if p.prefetched and resume_imminent(p, profile, step_s, p.num_tokens):
                     held[p.request_id] = KVDecision(p.request_id, KVAction.PRESERVE)
         plan = (expected_waste_plan if self.expected_waste else min_waste_plan)(
             [p for p in paused if p.request_id not in held], iteration, profile)
