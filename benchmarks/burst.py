@@ -64,25 +64,6 @@ def burst_trace(args) -> list[dict]:
     return trace
 
 
-def percentile(xs: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 100]); nan for no data."""
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, math.ceil(q / 100 * len(xs)) - 1))]
-
-
-def burst_numbers(records: list[dict]) -> dict:
-    """The must-show's numbers from a run's request records (`RequestRecord.to_dict()`)."""
-    done = [r for r in records if r["e2e"] is not None]
-    resumed = [t for r in records for t in r["step_ttfts"][1:]]
-    return {"norm_latency_ms": 1000 * statistics.median(r["normalized_latency"] for r in records),
-            "first_ttft_s": statistics.median(r["ttft"] for r in done if r["ttft"] is not None),
-            "resumed_ttft_s": statistics.median(resumed) if resumed else float("nan"),
-            "completion_p50_s": percentile([r["e2e"] for r in done], 50),
-            "completion_p90_s": percentile([r["e2e"] for r in done], 90)}
-
-
 def step_totals(path: Path) -> dict:
     """Totals over a server's step log (`INFERCEPT_STEP_LOG`): steps that ran tokens, their seconds,
     mean sequences per step, decode-only steps and their mean batch, prefill tokens."""
@@ -108,27 +89,18 @@ def run(policy: str, trace: list[dict], args, out: Path, tag: str) -> dict:
     server = ServerProcess(infercept_argv(policy, port, args), port, policy, out / f"{policy}_{tag}.log", env)
     records, elapsed, before, after = replay_once(server, trace, args)
     summary = summarize(records, elapsed) | engine_shares(before, after, elapsed, args.kv_cache_gb * GIB)
-
-    def delta(name: str) -> float:
-        return after.get(name, 0.0) - before.get(name, 0.0)
-
-    summary["swapped_out_blocks"] = delta("infercept_swapped_out_blocks_total")
-    resumes = delta("infercept_resumed_kv_total")
-    summary["resumes"] = resumes
-    summary["resumes_on_device"] = delta("infercept_resumed_kv_total{place=device}") / resumes if resumes else float("nan")
-    rows = [r.to_dict() for r in records]
-    return {"summary": summary, "burst": burst_numbers(rows), "steps": step_totals(step_log), "records": rows}
+    return {"summary": summary, "steps": step_totals(step_log), "records": [r.to_dict() for r in records]}
 
 
-COLUMNS = (("norm. latency (ms/tok)", "burst", "norm_latency_ms", ".0f"),
-           ("first-turn TTFT (s)", "burst", "first_ttft_s", ".2f"),
-           ("resumed TTFT (s)", "burst", "resumed_ttft_s", ".2f"),
-           ("completion p50 (s)", "burst", "completion_p50_s", ".1f"),
-           ("completion p90 (s)", "burst", "completion_p90_s", ".1f"),
-           ("cached prompt %", "summary", "cached_share", ".0%"),
-           ("resumes with KV on device", "summary", "resumes_on_device", ".0%"),
-           ("recomputed tokens", "summary", "recompute_token_share", ".1%"),
-           ("swapped-out blocks", "summary", "swapped_out_blocks", ".0f"))
+COLUMNS = (("norm. latency (ms/tok)", "normalized_latency_median", 1000, ".0f"),
+           ("first-turn TTFT (s)", "ttft_median", 1, ".2f"),
+           ("resumed TTFT (s)", "resumed_ttft_median", 1, ".2f"),
+           ("completion p50 (s)", "completion_p50", 1, ".1f"),
+           ("completion p90 (s)", "completion_p90", 1, ".1f"),
+           ("cached prompt %", "cached_share", 1, ".0%"),
+           ("resumes with KV on device", "resumes_on_device", 1, ".0%"),
+           ("recomputed tokens", "recompute_token_share", 1, ".1%"),
+           ("swapped-out blocks", "swapped_out_blocks", 1, ".0f"))
 STEP_COLUMNS = (("steps", "steps", ".0f"), ("step s", "step_s", ".1f"), ("seqs/step", "mean_seqs", ".1f"),
                 ("decode-only steps", "decode_only_steps", ".0f"), ("their batch", "decode_only_mean_batch", ".1f"),
                 ("their s", "decode_only_s", ".1f"))
@@ -147,11 +119,13 @@ def table(results: dict[str, list[dict]]) -> str:
             mid += f" [{format(min(values), fmt)}-{format(max(values), fmt)}]"
         return mid
 
-    base = statistics.median(r["burst"]["norm_latency_ms"] for r in results.get(BASELINE, [])) \
-        if results.get(BASELINE) else float("nan")
+    def latency_ms(run: dict) -> float:
+        return 1000 * run["summary"]["normalized_latency_median"]
+
+    base = statistics.median(latency_ms(r) for r in results.get(BASELINE, [])) if results.get(BASELINE) else math.nan
     for policy, runs in results.items():
-        cells = [policy] + [cell([r[part][key] for r in runs], fmt) for _, part, key, fmt in COLUMNS]
-        cells.append(f"{statistics.median(r['burst']['norm_latency_ms'] for r in runs) / base:.2f}x"
+        cells = [policy] + [cell([scale * r["summary"][key] for r in runs], fmt) for _, key, scale, fmt in COLUMNS]
+        cells.append(f"{statistics.median(latency_ms(r) for r in runs) / base:.2f}x"
                      if results.get(BASELINE) else "-")
         if with_steps:
             cells += [cell([r["steps"][key] for r in runs], fmt) for _, key, fmt in STEP_COLUMNS]
@@ -209,9 +183,10 @@ def main(argv: list[str] | None = None) -> None:
     for i in range(args.repeats):
         for policy in args.policies:
             results[policy].append(run(policy, trace, args, out, str(i)))
-            b = results[policy][-1]["burst"]
-            print(f"run {i + 1}/{args.repeats} {policy}: {b['norm_latency_ms']:.0f} ms/tok, first-turn TTFT "
-                  f"{b['first_ttft_s']:.2f} s, resumed {b['resumed_ttft_s']:.2f} s", file=sys.stderr, flush=True)
+            s = results[policy][-1]["summary"]
+            print(f"run {i + 1}/{args.repeats} {policy}: {1000 * s['normalized_latency_median']:.0f} ms/tok, "
+                  f"first-turn TTFT {s['ttft_median']:.2f} s, resumed {s['resumed_ttft_median']:.2f} s, resumes on "
+                  f"the device {s['resumes_on_device']:.0%}", file=sys.stderr, flush=True)
             text = write(results, args, out, command)
     print(text)
 

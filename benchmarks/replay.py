@@ -296,13 +296,25 @@ async def replay(trace: list[dict], base_url: str, *, api: str = "resume", model
     return records
 
 
+def percentile(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]; infinite values stay infinite); nan for no data."""
+    if not xs:
+        return math.nan
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, math.ceil(q / 100 * len(xs)) - 1))]
+
+
 def summarize(records: list[RequestRecord], elapsed: float) -> dict:
     """Per-run numbers. Normalized latency counts every request that arrived (an unfinished one with its
-    progress so far, a failed one as infinitely slow); TTFT and cached share are over what has them."""
+    progress so far, a failed one as infinitely slow); TTFT and cached share are over what has them.
+    Program view (issue 22): completion time = finish - arrival, tools included (unfinished: infinite,
+    so an overloaded run shows as such); resumed-step TTFT = a later step's first token from its send."""
     arrived = [r for r in records if r.e2e is not None or r.finished or r.error]
     norm = [r.normalized_latency for r in arrived]
     finite = [x for x in norm if math.isfinite(x)]
     ttft = [r.ttft for r in arrived if r.ttft is not None]
+    completion = [r.e2e if r.finished and r.e2e is not None else math.inf for r in arrived]
+    resumed = [t for r in records for t in r.step_ttfts[1:]]
     prompt = sum(r.prompt_tokens for r in records)
     return {
         "requests": len(records),
@@ -318,6 +330,9 @@ def summarize(records: list[RequestRecord], elapsed: float) -> dict:
         "normalized_latency_median": statistics.median(norm) if norm else math.nan,
         "ttft_mean": statistics.fmean(ttft) if ttft else math.nan,
         "ttft_median": statistics.median(ttft) if ttft else math.nan,
+        "resumed_ttft_median": statistics.median(resumed) if resumed else math.nan,
+        "completion_p50": percentile(completion, 50),
+        "completion_p90": percentile(completion, 90),
         "output_tokens": sum(r.output_tokens for r in records),
         "prompt_tokens": prompt,
         "cached_tokens": sum(r.cached_tokens for r in records),

@@ -207,7 +207,8 @@ def scrape(base_url: str) -> dict[str, float]:
 
 
 def engine_shares(before: dict, after: dict, seconds: float, pool_bytes: float) -> dict:
-    """Recompute share of forward time and memory waste % of one run, from two /metrics scrapes."""
+    """Recompute share of forward time, memory waste %, KV moved and the share of resumes that found
+    all their KV on the device, of one run, from two /metrics scrapes."""
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
@@ -216,10 +217,14 @@ def engine_shares(before: dict, after: dict, seconds: float, pool_bytes: float) 
     forward = delta("infercept_engine_forward_seconds_total")
     recompute_s = delta("infercept_recompute_seconds_total")
     waste = delta("infercept_memory_waste_byte_seconds_total")
+    resumes = delta("infercept_resumed_kv_total")
     return {"forward_s": forward,
             "preemptions": delta("infercept_preemptions_total"),
             "preemptions_by_swap": delta("infercept_preemptions_by_swap_total"),
             "discarded_tokens": delta("infercept_discarded_tokens_total"),
+            "swapped_out_blocks": delta("infercept_swapped_out_blocks_total"),
+            "resumes": resumes,
+            "resumes_on_device": delta("infercept_resumed_kv_total{place=device}") / resumes if resumes else math.nan,
             "recompute_token_share": recomputed / computed if computed else 0.0,
             "recompute_time_share": recompute_s / forward if forward else 0.0,
             "recompute_seconds": recompute_s,
@@ -323,6 +328,10 @@ TABLES = (  # (heading, summary key, scale)
     ("Median normalized latency (s/token)", "normalized_latency_median", 1),
     ("Completed requests/s", "completed_per_s", 1),
     ("Median TTFT (s)", "ttft_median", 1),
+    ("Median TTFT of resumed steps (s, from the step's send)", "resumed_ttft_median", 1),
+    ("Program completion time p50 (s, arrival to finish, tools included; unfinished: ∞)", "completion_p50", 1),
+    ("Program completion time p90 (s)", "completion_p90", 1),
+    ("Resumes that found all their KV on the device (%, from /metrics)", "resumes_on_device", 100),
     ("Cached prompt tokens (% of prompt tokens sent)", "cached_share", 100),
     ("Recompute share of step time (%, from /metrics; each step's time split pro rata over its tokens)",
      "recompute_time_share", 100),

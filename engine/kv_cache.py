@@ -49,6 +49,22 @@ def consecutive_runs(ids: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def paired_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(first source id, first destination id, length) of each run of pairs consecutive on both sides.
+
+    On a CPU the two pools are the same DRAM: each run is copied in place, one strided copy. A gather
+    into a staging buffer first (as on CUDA, where it makes one transfer of scattered blocks) only adds
+    two fresh allocations per swap, whose pages fault in on every call once they pass the allocator's
+    mmap threshold: 300 blocks of SmolLM2 took 330 ms that way, 16 ms in place (AMD EPYC, 2026-11-25)."""
+    runs: list[tuple[int, int, int]] = []
+    for src, dst in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((src, dst, 1))
+    return runs
+
+
 class KVCache:
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, block_size: int,
                  num_blocks: int, num_host_blocks: int):
@@ -78,6 +94,10 @@ class KVCache:
         """Device block -> host block, for each (device_id, host_id). Asynchronous on CUDA."""
         if not pairs:
             return
+        if self.device_kv.device.type == "cpu":
+            for d, h, n in paired_runs(pairs):
+                self.host_kv[h:h + n].copy_(self.device_kv[:, :, d:d + n].movedim(2, 0))
+            return
         device_ids = [d for d, _ in pairs]
         with self.copy_stream.copying(device_ids):
             src = torch.tensor(device_ids, device=self.device_kv.device)
@@ -88,6 +108,10 @@ class KVCache:
     def copy_blocks_in(self, pairs: list[tuple[int, int]]) -> None:
         """Host block -> device block, for each (host_id, device_id). Asynchronous on CUDA."""
         if not pairs:
+            return
+        if self.device_kv.device.type == "cpu":
+            for h, d, n in paired_runs(pairs):
+                self.device_kv[:, :, d:d + n].copy_(self.host_kv[h:h + n].movedim(0, 2))
             return
         device_ids = [d for _, d in pairs]
         with self.copy_stream.copying(device_ids):

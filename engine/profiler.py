@@ -29,6 +29,9 @@ QUICK_SIZES = (1, 16, 64, 128, 256, 512)
 STALE_SLOWDOWN = 2.0
 SPOT_CHECK_TOKENS = 64
 FULL_SIZES = (1, 8, 16, 32, 64, 128, 256, 384, 512, 768, 1024)
+# Bumped when how a profile is measured changes, so cached profiles are measured again. 2: copy bandwidth
+# as the median of five copies after two warm-ups (was one copy after one: `_copy_bandwidth`).
+MEASUREMENT = 2
 
 
 def device_name(device: torch.device) -> str:
@@ -42,9 +45,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def cached_profile_path(model: str, device: torch.device, dtype: torch.dtype) -> str:
-    # The kernels are part of the key: a profile measured with others has other forward times.
+    # The kernels are part of the key: a profile measured with others has other forward times. So is
+    # the way a profile is measured (`MEASUREMENT`): a fix to it must not be hidden by a cached profile.
     kernels = cpu_kernels.signature() if device.type == "cpu" else "torch-kernels"
-    key = hashlib.sha1(f"{os.path.abspath(model)}|{device_name(device)}|{dtype}|{kernels}".encode()).hexdigest()[:16]
+    key = hashlib.sha1(f"{os.path.abspath(model)}|{device_name(device)}|{dtype}|{kernels}|{MEASUREMENT}".encode()
+                       ).hexdigest()[:16]
     return os.path.join(cache_dir(), "profiles", f"{os.path.basename(os.path.normpath(model))}-{key}.json")
 
 
@@ -67,17 +72,26 @@ def _time_forward(runner: ModelRunner, num_tokens: int, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _copy_bandwidth(kv: KVCache, num_blocks: int) -> tuple[float, float]:
+def _copy_bandwidth(kv: KVCache, num_blocks: int, warmup: int = 2, repeats: int = 5) -> tuple[float, float]:
+    """(device -> host, host -> device) bytes/s of `num_blocks` blocks, the median of `repeats` copies.
+    The first copies are not the steady state: on a CPU, their staging buffers are fresh allocations whose
+    pages fault in (64 blocks of SmolLM2 took 61 ms the first time, 5.3 ms from then on, on an AMD EPYC,
+    2026-11-25), and one copy timed after a single warm-up still caught it: profiles of 0.4 GB/s made the
+    policy price a swap 10x too high and discard contexts it could have swapped."""
     pairs = [(i, i) for i in range(num_blocks)]
     block_bytes = kv.device_kv[:, :, 0].numel() * kv.device_kv.element_size()
     result = []
     for copy in (kv.copy_blocks_out, kv.copy_blocks_in):
-        copy(pairs)
-        start = time.perf_counter()
-        copy(pairs)
-        if kv.device_kv.device.type == "cuda":
-            torch.cuda.synchronize()
-        result.append(num_blocks * block_bytes / max(time.perf_counter() - start, 1e-9))
+        for _ in range(warmup):
+            copy(pairs)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            copy(pairs)
+            if kv.device_kv.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        result.append(num_blocks * block_bytes / max(sorted(times)[len(times) // 2], 1e-9))
     return result[0], result[1]
 
 

@@ -307,7 +307,13 @@ def test_burst_trace_and_numbers():
     assert trace[0]["segments"][0]["interception"]["duration_s"] == 0.5
     arrivals = [r["arrival"] for r in trace]
     assert arrivals == sorted(arrivals) and arrivals[-1] <= 0.1 and burst.burst_trace(args) == trace
-    records = [{"normalized_latency": 0.3, "ttft": 2.0, "step_ttfts": [1.0, 0.1, 0.2], "e2e": 10.0},
-               {"normalized_latency": 0.5, "ttft": 4.0, "step_ttfts": [3.0, 0.3], "e2e": 20.0}]
-    assert burst.burst_numbers(records) == {"norm_latency_ms": 400.0, "first_ttft_s": 3.0, "resumed_ttft_s": 0.2,
-                                            "completion_p50_s": 10.0, "completion_p90_s": 20.0}
+    replay = load_bench("replay")
+    records = [replay.RequestRecord("a", "agent", 0.0, ttft=2.0, step_ttfts=[1.0, 0.1, 0.2], e2e=10.0, finished=True,
+                                    output_tokens=20, interception_s=4.0),
+               replay.RequestRecord("b", "agent", 0.0, ttft=4.0, step_ttfts=[3.0, 0.3], e2e=20.0, finished=True,
+                                    output_tokens=20),
+               replay.RequestRecord("c", "agent", 0.0, ttft=5.0, step_ttfts=[5.0], e2e=30.0, output_tokens=10)]
+    s = replay.summarize(records, 30.0)
+    assert (s["normalized_latency_median"], s["ttft_median"], s["resumed_ttft_median"]) == (1.0, 4.0, 0.2)
+    # completion: finish - arrival; the one cut off is infinitely late
+    assert (s["completion_p50"], s["completion_p90"]) == (20.0, math.inf)

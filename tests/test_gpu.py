@@ -87,6 +87,20 @@ def test_swap_round_trip_restores_the_blocks(default_model_dir, device):
     kv.wait_for_copies([3, 7, 4])
     assert torch.equal(kv.device_kv.index_select(2, blocks), before)
     assert kv.device_kv.index_select(2, torch.tensor([0, 1, 2, 5, 6], device=device)).abs().sum() == 0
+    # Runs consecutive on both sides (one strided copy each on a CPU): device 3, 4 <-> host 2, 3.
+    kv.copy_blocks_out([(3, 2), (4, 3), (7, 4)])
+    kv.wait_for_copies([3, 4, 7])
+    kv.device_kv.zero_()
+    kv.copy_blocks_in([(2, 5), (3, 6), (4, 0)])
+    kv.wait_for_copies([5, 6, 0])
+    assert torch.equal(kv.device_kv.index_select(2, torch.tensor([5, 6, 0], device=device)), before[:, :, [0, 2, 1]])
+
+
+def test_paired_runs_group_pairs_consecutive_on_both_sides():
+    from infercept.engine.kv_cache import paired_runs
+
+    assert paired_runs([(3, 2), (4, 3), (7, 4), (8, 6), (9, 7), (1, 8)]) == [(3, 2, 2), (7, 4, 1), (8, 6, 2), (1, 8, 1)]
+    assert paired_runs([]) == []
 
 
 @cuda_test

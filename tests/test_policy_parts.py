@@ -330,10 +330,10 @@ def test_prefetched_kv_stays_while_its_resume_looks_imminent():
     assert prefetching.plan([back, not_back], it, p).ids(KVAction.SWAP_OUT) == ["c"]
 
 
-def _fixed_tool_agents(n, gap):
+def _fixed_tool_agents(n, gap, tool_s=0.5):
     return [{"id": f"a{i}", "augment": "t", "arrival": gap * i, "prompt_tokens": 1000,
              "segments": [{"decode_tokens": 32,
-                           "interception": {"kind": "tool", "tool": "t", "duration_s": 0.5} if j < 4 else None,
+                           "interception": {"kind": "tool", "tool": "t", "duration_s": tool_s} if j < 4 else None,
                            "returned_tokens": 32 if j < 4 else 0} for j in range(5)]} for i in range(n)]
 
 
@@ -352,3 +352,34 @@ def test_prefetch_brings_predictable_resumes_back_before_they_arrive():
         shares[name] = engine.stats.resumes_on_device_share
     assert shares["infercept-paper"] == 0.0
     assert shares["infercept-paper+prefetch"] >= 27 / 32
+
+
+def test_prefetch_on_a_cpu_acts_a_full_step_ahead_of_the_soonest_resume():
+    """Steps of 50-800 ms as on this machine's CPU, a 4 s tool, twelve agents in a pool that holds about
+    seven contexts: the paused ones are swapped out. Proactive swap-in must start a full step (the step
+    budget's forward time) before the soonest resume the history allows: one iteration of the last batch
+    before the mean resume time (the first rule) brought 13 of 48 resumes back in time here, this 40
+    (the first three pauses have no history to predict from). Nothing is recomputed either way."""
+    from test_event_driven_plan import cpu_like_profile
+
+    results = {}
+    for name in ("infercept+no-prefetch", "infercept"):
+        engine = SimulatedEngine(name, cpu_like_profile(), num_device_blocks=600, num_host_blocks=4000)
+        assert engine.run_trace(_fixed_tool_agents(12, 1.0, tool_s=4.0)).num_finished == 12
+        engine.block_manager.check_integrity()
+        assert engine.stats.num_swapped_out_blocks > 0 and engine.stats.num_recomputed_tokens == 0
+        results[name] = engine.stats.resumes_by_kv
+    assert results["infercept+no-prefetch"]["device"] <= 8
+    assert results["infercept"]["device"] >= 38 and results["infercept"]["recompute"] == 0
+
+
+def test_resume_imminent_looks_at_the_soonest_remaining_time():
+    """A tool whose past calls took 2.0-2.2 s, paused 1.9 s: the mean says 0.2 s remain, the soonest
+    past call 0.1 s; with 0.15 s of lead (copy + step) only the soonest says act now."""
+    from infercept.engine.policy.decisions import resume_imminent
+    p = toy_profile()
+    lead = 0.15 - p.t_swap(200, "in")
+    spread = PausedInfo("a", 0.0, 200, "host", 0, 1.9, 0.2, remaining_s=(0.1, 0.2, 0.3))
+    assert resume_imminent(spread, p, lead, 200)
+    assert not resume_imminent(PausedInfo("b", 0.0, 200, "host", 0, 1.9, 0.2), p, lead, 200)
+
