@@ -44,7 +44,7 @@ PROFILES = {"toy": toy_profile, "cpu": cpu_like_profile, "h100": h100_llama3_8b}
 POLICIES = ("infercept", "infercept-paper", "infercept-paper+expected-waste", "infercept-paper+las-priority",
             "infercept-paper+prefetch",
             "heuristic-preserve", "preserve", "budgeted-swap", "swap", "prefix-cache", "discard",
-            "infercept+recompute-preemption")
+            "infercept+recompute-preemption", "infercept+ample-no-discard")
 
 
 def assert_totals_match(sched) -> None:

@@ -63,6 +63,8 @@ def test_default_infercept_is_a_measured_combination_of_parts():
     assert default.ample_preserve == "where-copies-stall" and not combination.ample_preserve
     assert make_policy("infercept+no-ample-preserve").label == "infercept+no-ample-preserve"
     assert make_policy("infercept+ample-preserve").ample_preserve is True
+    for name in ("infercept+ample-no-discard", "infercept-paper+ample-no-discard"):
+        assert make_policy(name).ample_preserve == "no-discard" and make_policy(name).label == name
 
 
 # -- ample memory ---------------------------------------------------------------------------------
@@ -87,6 +89,39 @@ def test_ample_memory_preserves_what_the_waste_rule_would_swap_or_discard():
     p = toy_profile(device="NVIDIA H100 80GB HBM3")
     assert actions(make_policy("infercept"), 0) == actions(rule, 0)
     assert actions(make_policy("infercept+ample-preserve"), 0) == [KVAction.PRESERVE, KVAction.PRESERVE]
+
+
+@pytest.mark.parametrize("base", ["infercept", "infercept-paper"])
+def test_ample_no_discard_preserves_what_the_waste_rule_would_discard(base):
+    """No swap budget: the waste rule discards a 10 s call (preserving 200 tokens for 10 s wastes more
+    than recomputing them). +ample-no-discard keeps it while the pool has room for all queued work, on
+    a GPU profile too, and discards it as the rule does once that room is gone or not reported."""
+    p = toy_profile(device="NVIDIA H100 80GB HBM3")
+    reqs = [paused("a", 200, [10.0])]
+    rule, part = make_policy(base + "+no-ample-preserve"), make_policy(base + "+ample-no-discard")
+
+    def action(policy, spare):
+        return policy.plan(reqs, IterationInfo(300, 50, 0, spare_device_tokens=spare), p).action("a")
+
+    assert action(rule, 0) is KVAction.DISCARD
+    assert action(part, 0) is KVAction.PRESERVE
+    assert action(part, -1) is action(part, None) is KVAction.DISCARD
+
+
+@pytest.mark.parametrize("base", ["infercept", "infercept-paper"])
+def test_ample_no_discard_still_swaps_within_the_budget(base):
+    """A budget for both 10 s calls: the waste rule swaps both out, and so does +ample-no-discard with
+    ample memory (a budgeted swap overlaps the forward pass on a GPU), where +ample-preserve keeps them."""
+    p = toy_profile(device="NVIDIA H100 80GB HBM3")
+    reqs = [paused("a", 200, [10.0]), paused("b", 200, [10.0], arrival=1.0)]
+
+    def plan(policy):
+        return policy.plan(reqs, IterationInfo(300, 50, 400, spare_device_tokens=0), p)
+
+    swapped = plan(make_policy(base + "+no-ample-preserve"))
+    assert [d.action for d in swapped] == [KVAction.SWAP_OUT, KVAction.SWAP_OUT]
+    assert plan(make_policy(base + "+ample-no-discard")) == swapped
+    assert [d.action for d in plan(make_policy(base + "+ample-preserve"))] == [KVAction.PRESERVE] * 2
 
 
 def agents(n: int, tool_s: float = 0.1) -> list[dict]:

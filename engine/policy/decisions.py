@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, Sequence
 
 from .profile import Profile
@@ -44,6 +44,7 @@ KV_STATES = ("device", "host", "discarded", "partial")
 PREEMPTIONS = ("recompute", "swap")  # Policy.preemption
 PRIORITIES = ("arrival", "program-arrival", "las")  # Policy.priority
 WHERE_COPIES_STALL = "where-copies-stall"  # Policy.ample_preserve: on only where copies do not overlap
+AMPLE_NO_DISCARD = "no-discard"  # Policy.ample_preserve: no discard while memory is ample; swaps stay
 
 
 class KVAction(str, enum.Enum):
@@ -453,6 +454,14 @@ def memory_ample(iteration: IterationInfo) -> bool:
     return iteration.spare_device_tokens is not None and iteration.spare_device_tokens >= 0
 
 
+def without_discards(plan: KVPlan) -> KVPlan:
+    """The plan with every DISCARD turned into PRESERVE (`AMPLE_NO_DISCARD`, while `memory_ample`): the
+    memory a discard frees is wanted by nobody, and its recompute is never free, while a swap within
+    the budget overlaps the forward pass (on a GPU) and leaves the room ready for the next burst."""
+    return KVPlan(tuple(replace(d, action=KVAction.PRESERVE) if d.action is KVAction.DISCARD else d
+                        for d in plan))
+
+
 def resume_imminent(info: PausedInfo, profile: Profile, step_s: float, host_tokens: int) -> bool:
     """Proactive swap-in (issue 22, item 2): the result may arrive before a swap-in started at the next
     chance to act would be done. The next chance is one step away, and that step may be a full one
@@ -500,8 +509,12 @@ class Policy:
       memory `infercept` must never be worse than `prefix-cache`). ``"where-copies-stall"`` (the
       default's): only where a copy does not overlap the forward pass (`Profile.copies_overlap`: a CPU),
       since where it does (a GPU's copy stream) a swap within the budget costs nothing and leaves room
-      ready for the next burst (the H100 simulation: the mix 3% slower with it on). Only the min-waste
-      policies read it.
+      ready for the next burst (the H100 simulation: the mix 3% slower with it on). ``"no-discard"``
+      (`AMPLE_NO_DISCARD`, ``+ample-no-discard``), on any device: while memory is ample only what the
+      waste rule would discard is preserved, and its swaps within the budget stay (`without_discards`).
+      The idea, to be measured on the H100 model (benchmarks/README.md, "Beyond the paper"): a recompute
+      is never free, a budgeted swap on a GPU is, and it frees the room before pressure comes instead of
+      leaving kept KV for the reclaim path to take back. Only the min-waste policies read it.
     - ``prefetch``: proactive swap-in (issue 22, item 2): a paused request whose KV is on the host starts
       coming back within the swap-in budget once its resume looks imminent (`resume_imminent`, on an
       estimate from a hint or the tool's history: `DurationEstimator.predicts`), and the
@@ -526,12 +539,12 @@ class Policy:
     prefetch: bool = False
     context_cost: bool = False
     admission: bool = False
-    ample_preserve: bool | str = False  # or WHERE_COPIES_STALL
+    ample_preserve: bool | str = False  # or WHERE_COPIES_STALL, AMPLE_NO_DISCARD
 
     def __init__(self, *, lazy_discard: bool | None = None, preemption: str | None = None,
                  priority: str | None = None, expected_waste: bool | None = None, prefetch: bool | None = None,
                  context_cost: bool | None = None, admission: bool | None = None,
-                 ample_preserve: bool | None = None):
+                 ample_preserve: bool | str | None = None):
         if lazy_discard is not None:
             self.lazy_discard = lazy_discard  # per-instance override, e.g. for ablations
         if preemption is not None:
@@ -551,6 +564,9 @@ class Policy:
         if admission is not None:
             self.admission = admission
         if ample_preserve is not None:
+            if ample_preserve not in (True, False, WHERE_COPIES_STALL, AMPLE_NO_DISCARD):
+                raise ValueError(f"ample_preserve must be True, False, {WHERE_COPIES_STALL!r} or "
+                                 f"{AMPLE_NO_DISCARD!r}, not {ample_preserve!r}")
             self.ample_preserve = ample_preserve
 
     def seen(self, profile: Profile) -> Profile:
@@ -596,7 +612,8 @@ class Policy:
         if self.admission != cls.admission:
             parts.append("admission" if self.admission else "no-admission")
         if self.ample_preserve != cls.ample_preserve:
-            parts.append("ample-preserve" if self.ample_preserve else "no-ample-preserve")
+            parts.append("ample-no-discard" if self.ample_preserve == AMPLE_NO_DISCARD
+                         else "ample-preserve" if self.ample_preserve else "no-ample-preserve")
         return "+".join([self.name, *parts])
 
     def __repr__(self) -> str:
@@ -690,10 +707,22 @@ class InferCeptPaperPolicy(Policy):
     preemption = "swap"
 
     def plan(self, paused, iteration, profile):
-        if self.ample_preserve and memory_ample(iteration) and \
-                (self.ample_preserve is True or not profile.copies_overlap):
+        ample = self._ample_memory(iteration, profile)
+        if ample and self.ample_preserve != AMPLE_NO_DISCARD:
             return _in_input_order(paused, {p.request_id: KVDecision(p.request_id, KVAction.PRESERVE)
                                             for p in _holding_device(paused)})
+        plan = self._waste_plan(paused, iteration, profile)
+        return without_discards(plan) if ample else plan
+
+    def _ample_memory(self, iteration: IterationInfo, profile: Profile) -> bool:
+        """`memory_ample`, where this policy's `ample_preserve` applies (`WHERE_COPIES_STALL`: only
+        where a copy stalls the forward pass)."""
+        if not self.ample_preserve or not memory_ample(iteration):
+            return False
+        return self.ample_preserve != WHERE_COPIES_STALL or not profile.copies_overlap
+
+    def _waste_plan(self, paused, iteration, profile) -> KVPlan:
+        """The waste rule's plan (min-waste or expected waste), keeping prefetched KV whose resume is near."""
         profile = self.seen(profile)
         held: dict[str, KVDecision] = {}
         if self.prefetch:
@@ -819,7 +848,7 @@ FIGURE3_ABLATION = ("vllm", "improved-discard", "chunked-discard", "budgeted-swa
 # The parts a policy name may add after "+", each switching one thing (`Policy` attributes).
 VARIANTS = tuple(f"{p}-preemption" for p in PREEMPTIONS) + tuple(f"{p}-priority" for p in PRIORITIES) + (
     "expected-waste", "mean-waste", "prefetch", "no-prefetch", "context-cost", "no-context-cost", "admission",
-    "no-admission", "ample-preserve", "no-ample-preserve")
+    "no-admission", "ample-preserve", "no-ample-preserve", "ample-no-discard")
 
 
 def _variant(part: str) -> tuple[str, object]:
@@ -837,6 +866,8 @@ def _variant(part: str) -> tuple[str, object]:
         return "admission", part == "admission"
     if part in ("ample-preserve", "no-ample-preserve"):
         return "ample_preserve", part == "ample-preserve"
+    if part == "ample-no-discard":
+        return "ample_preserve", AMPLE_NO_DISCARD
     raise ValueError(f"unknown policy variant {part!r}; use {', '.join('+' + v for v in VARIANTS)}")
 
 
@@ -856,5 +887,5 @@ def make_policy(name: str, **kwargs) -> Policy:
         raise ValueError(f"unknown policy {base!r}; choose one of {', '.join(sorted(POLICIES))} "
                          f"(optionally +recompute-preemption or +swap-preemption, +las-priority, "
                          f"+program-arrival-priority, +expected-waste, +prefetch, +context-cost, +admission, "
-                         f"+ample-preserve)") from None
+                         f"+ample-preserve, +ample-no-discard)") from None
     return cls(**kwargs)
