@@ -21,6 +21,16 @@ The real scheduler and block manager on the modeled runner (`infercept.engine.si
   charged (`h100_llama3_8b(attention=True)`, `Profile.t_attention`: T_fwd alone ignores it, fine at 2k
   tokens, not at 50k), token scale
   `--token-scale`.
+- `long-tight@R`: `long@R`'s traces, profile, window and drain, with a quarter of its device KV pool
+  (7,045 blocks, ~113k tokens; the host pool as it is): the 8B model's compute with a quarter of its KV
+  pool: a stand-in for a GPU whose memory is mostly taken by bigger weights or other tenants, not a
+  measured configuration. Stated before any measurement, for a setup where KV, not compute, binds
+  (`long@R` is compute-bound: `unbounded-memory` sustains only 1.2x `infercept-paper`'s programs/s).
+  Rates 0.025, 0.05, 0.075, 0.1, chosen before any run from capacity alone: `long@R`'s compute bound
+  sustains ~0.125 programs/s, which less memory cannot pass; at 0.025 about 8 programs are active (each
+  ~300 s in its tools plus its compute), one or two of them running at a time, whose contexts (~35k
+  tokens at a tool call on average) fit the pool while the paused ones' (~300k tokens) do not, so KV
+  decisions matter from the lowest rate. Not in the default matrix.
 - `approval@R`: agents whose tool returns in 20-100 ms nine times in ten and waits 20-40 s for an
   approval otherwise (a bimodal duration, where a mean residual and a distribution disagree), H100
   setup with no host pool (preserve or discard only).
@@ -35,6 +45,8 @@ policy's latency at the lowest rate, as `policy_sim.py`), interpolated between t
     python benchmarks/parts_sim.py                                   # the default matrix, ~30 min, --jobs 2 on an idle machine
     python benchmarks/parts_sim.py --table benchmarks/results/parts_sim_2026-11-24/parts_sim.json
     python benchmarks/parts_sim.py --workloads burst --seeds 0 --policies infercept-paper prefix-cache
+    python benchmarks/parts_sim.py --workloads long-tight@0.025 long-tight@0.05 long-tight@0.075 long-tight@0.1 \\
+        --out benchmarks/results/parts_sim_DATE/long_tight.json     # the KV-bound setup, every policy
 """
 from __future__ import annotations
 
@@ -47,6 +59,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -67,16 +80,20 @@ CPU_PROFILE = RESULTS / "cpu_profile.json"
 GIB = 1024 ** 3
 
 # Each part alone on the paper's policy, the default `infercept` (infercept-paper + expected-waste +
-# prefetch + ample-preserve), and today's servers; `unbounded-memory` only where it is asked for.
+# prefetch + ample-preserve where copies stall), and today's servers; `unbounded-memory` only where it is
+# asked for.
 POLICIES = ("infercept-paper", "infercept-paper+program-arrival-priority", "infercept-paper+las-priority",
             "infercept-paper+expected-waste", "infercept-paper+prefetch", "infercept-paper+context-cost",
-            "infercept-paper+admission", "infercept-paper+ample-preserve", "infercept", "prefix-cache")
+            "infercept-paper+admission", "infercept-paper+ample-preserve", "infercept-paper+ample-no-discard",
+            "infercept", "prefix-cache")
 # What no KV policy can beat: `preserve` with a device pool 20x as large, so that no context is ever
 # swapped, discarded or preempted; only compute limits it (`--policies unbounded-memory`).
 UNBOUNDED = "unbounded-memory"
 # Rate sweeps (two or more rates of one workload) also give the sustainable programs/s at the SLO.
 WORKLOADS = ("mix@14", "mix@22", "mix@30", "long@0.05", "long@0.1", "long@0.15", "long@0.2", "burst", "burst240",
              "burst-cpu", "approval@10")
+# long-tight@R's device pool is long@R's divided by this (module docstring).
+LONG_TIGHT_POOL_DIVISOR = 4
 
 
 def burst_trace(seed: int, n: int = 24, prompt: int = 1000, steps: int = 5, decode: int = 32, tool_s: float = 0.5,
@@ -104,17 +121,31 @@ def approval_trace(seed: int, rate: float, window: float) -> list[dict]:
     return out
 
 
-def run_one(task: tuple[str, str, int, dict]) -> dict:
-    workload, policy, seed, args = task
+@dataclass
+class Workload:
+    """What one workload runs: its trace, on the (coarsened) profile and pools, with its clock."""
+
+    trace: list[dict]
+    profile: Profile
+    device_blocks: int
+    host_blocks: int
+    token_scale: int = 1
+    window: float | None = None  # arrival window (s); None: a burst
+    until: float | None = None  # cut-off (s); None: run until every program is done
+
+
+def build_workload(workload: str, seed: int, args: dict) -> Workload:
     name, _, rate_text = workload.partition("@")
     rate = float(rate_text) if rate_text else None
     h100 = SETUPS["h100_llama3_8b"]
     device_blocks, host_blocks = h100.pool_blocks()
     profile, k, until, window = h100.profile(), 1, None, None
-    if name == "long":
+    if name in ("long", "long-tight"):
         trace = long_context_trace(rate, args["long_window"], seed)
         k, window, until = args["token_scale"], args["long_window"], args["long_window"] + args["long_drain"]
         profile = coarsen_profile(h100_llama3_8b(attention=True), k)
+        if name == "long-tight":
+            device_blocks //= LONG_TIGHT_POOL_DIVISOR
     elif name == "mix":
         trace = generate_trace(rate, duration=args["window"], seed=seed, max_context=MAX_CONTEXT)
         k, window, until = args["token_scale"], args["window"], args["window"] + args["drain"]
@@ -132,17 +163,25 @@ def run_one(task: tuple[str, str, int, dict]) -> dict:
         profile, host_blocks = coarsen_profile(profile, k), 0
     else:
         raise ValueError(f"unknown workload {workload!r}")
+    return Workload(trace, profile, device_blocks, host_blocks, k, window, until)
+
+
+def run_one(task: tuple[str, str, int, dict]) -> dict:
+    workload, policy, seed, args = task
+    s = build_workload(workload, seed, args)
     if policy == UNBOUNDED:  # a bound, not a policy: every paused context stays, in a 20x device pool
-        engine = SimulatedEngine("preserve", profile, 20 * device_blocks, host_blocks, max_num_seqs=MAX_NUM_SEQS)
+        # (long-tight@R's is long@R's: the same compute bound, whatever the pool)
+        blocks = 20 * s.device_blocks * (LONG_TIGHT_POOL_DIVISOR if workload.startswith("long-tight@") else 1)
+        engine = SimulatedEngine("preserve", s.profile, blocks, s.host_blocks, max_num_seqs=MAX_NUM_SEQS)
     else:
-        engine = SimulatedEngine(policy, profile, device_blocks, host_blocks, max_num_seqs=MAX_NUM_SEQS)
+        engine = SimulatedEngine(policy, s.profile, s.device_blocks, s.host_blocks, max_num_seqs=MAX_NUM_SEQS)
     start = time.perf_counter()
-    summary = engine.run_trace(trace, token_scale=k, until=until, window=window).summary()
+    summary = engine.run_trace(s.trace, token_scale=s.token_scale, until=s.until, window=s.window).summary()
     engine.block_manager.check_integrity()
     summary.update(workload=workload, policy=policy, seed=seed, wall_s=time.perf_counter() - start)
-    if window is None:
+    if s.window is None:
         summary["completed_per_s"] = None  # a burst has no arrival window
-    print(f"  {workload:>11} {policy:>45} seed {seed}: norm. {summary['normalized_latency'] * 1e3:.3g} ms/tok, "
+    print(f"  {workload:>16} {policy:>45} seed {seed}: norm. {summary['normalized_latency'] * 1e3:.3g} ms/tok, "
           f"{summary['wall_s']:.1f} s", file=sys.stderr, flush=True)
     return summary
 

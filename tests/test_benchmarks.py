@@ -79,6 +79,15 @@ def test_parts_sim_sustainable_table_reads_the_rate_sweep():
     assert "burst" not in text
 
 
+def test_parts_sim_long_tight_is_long_with_a_quarter_of_the_device_pool():
+    parts_sim = load_bench("parts_sim")
+    args = dict(window=150.0, drain=300.0, token_scale=16, long_window=600.0, long_drain=1200.0)
+    long, tight = (parts_sim.build_workload(f"{name}@0.05", 0, args) for name in ("long", "long-tight"))
+    assert tight.device_blocks == long.device_blocks // 4 and tight.host_blocks == long.host_blocks
+    assert (tight.trace, tight.profile, tight.token_scale, tight.window, tight.until) == \
+        (long.trace, long.profile, long.token_scale, long.window, long.until)
+
+
 def test_cpu_scale_flag_fills_only_the_knobs_left_at_default():
     parser = __import__("argparse").ArgumentParser()
     workload.add_scale_args(parser)
