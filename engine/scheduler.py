@@ -310,7 +310,7 @@ class Scheduler:
         hint = r.intercept.expected_s if r.intercept else None
         expected = self.estimator.estimate(now, r.paused_at, r.duration_key, hint)
         remaining = (self.estimator.remaining(now, r.paused_at, r.duration_key, hint)
-                     if self.policy is not None and (self.policy.expected_waste or self.policy.prefetch) else None)
+                     if self.policy is not None and self.policy.expected_waste else None)
         return PausedInfo(r.request_id, r.arrival_time, r.num_tokens, self._kv_state(r), device,
                           now - r.paused_at, expected, remaining, r.request_id in self._prefetched)
 

@@ -389,12 +389,12 @@ def test_prefetch_brings_predictable_resumes_back_before_they_arrive():
     assert shares["infercept-paper+prefetch"] >= 27 / 32
 
 
-def test_prefetch_on_a_cpu_acts_a_full_step_ahead_of_the_soonest_resume():
+def test_prefetch_on_a_cpu_acts_a_full_step_ahead():
     """Steps of 50-800 ms as on this machine's CPU, a 4 s tool, twelve agents in a pool that holds about
     seven contexts: the paused ones are swapped out. Proactive swap-in must start a full step (the step
-    budget's forward time) before the soonest resume the history allows: one iteration of the last batch
-    before the mean resume time (the first rule) brought 13 of 48 resumes back in time here, this 40
-    (the first three pauses have no history to predict from). Nothing is recomputed either way."""
+    budget's forward time) before the expected resume: with the last batch's forward time as the lead
+    (the first rule) 13 of 48 resumes found their KV back in time here, with a full step 31 (the first
+    three pauses have no history to predict from). Nothing is recomputed either way."""
     from test_event_driven_plan import cpu_like_profile
 
     results = {}
@@ -405,16 +405,15 @@ def test_prefetch_on_a_cpu_acts_a_full_step_ahead_of_the_soonest_resume():
         assert engine.stats.num_swapped_out_blocks > 0 and engine.stats.num_recomputed_tokens == 0
         results[name] = engine.stats.resumes_by_kv
     assert results["infercept+no-prefetch"]["device"] <= 8
-    assert results["infercept"]["device"] >= 38 and results["infercept"]["recompute"] == 0
+    assert results["infercept"]["device"] >= 28 and results["infercept"]["recompute"] == 0
 
 
-def test_resume_imminent_looks_at_the_soonest_remaining_time():
-    """A tool whose past calls took 2.0-2.2 s, paused 1.9 s: the mean says 0.2 s remain, the soonest
-    past call 0.1 s; with 0.15 s of lead (copy + step) only the soonest says act now."""
+def test_prefetch_waits_for_the_expected_resume_not_the_soonest_possible_one():
+    """A heavy-tailed tool: one past call that outlasted this pause ends in 0.1 s, another in 10 s. The
+    expected resume (5 s away) is not imminent; acting on the soonest one would hold every such pause's
+    KV on the device (simulated six-augment mix: 23% of forward time recomputed, against 0.6%)."""
     from infercept.engine.policy.decisions import resume_imminent
     p = toy_profile()
-    lead = 0.15 - p.t_swap(200, "in")
-    spread = PausedInfo("a", 0.0, 200, "host", 0, 1.9, 0.2, remaining_s=(0.1, 0.2, 0.3))
-    assert resume_imminent(spread, p, lead, 200)
-    assert not resume_imminent(PausedInfo("b", 0.0, 200, "host", 0, 1.9, 0.2), p, lead, 200)
-
+    heavy = PausedInfo("a", 0.0, 200, "host", 0, 1.0, 5.05, remaining_s=(0.1, 10.0))
+    assert not resume_imminent(heavy, p, 0.2, 200)
+    assert resume_imminent(PausedInfo("b", 0.0, 200, "host", 0, 1.0, 0.1), p, 0.2, 200)
