@@ -59,8 +59,9 @@ def test_default_infercept_is_a_measured_combination_of_parts():
             default.context_cost, default.admission) == \
         (combination.priority, combination.expected_waste, combination.prefetch, combination.preemption,
          combination.lazy_discard, combination.context_cost, combination.admission)
-    # ... and +ample-preserve where copies stall the forward pass (a CPU profile), not on a GPU's.
-    assert default.ample_preserve == "where-copies-stall" and not combination.ample_preserve
+    # ... and +ample-preserve where copies stall the forward pass (a CPU profile), +ample-no-discard where
+    # they overlap it (a GPU's).
+    assert default.ample_preserve == "by-copy-overlap" and not combination.ample_preserve
     assert make_policy("infercept+no-ample-preserve").label == "infercept+no-ample-preserve"
     assert make_policy("infercept+ample-preserve").ample_preserve is True
     for name in ("infercept+ample-no-discard", "infercept-paper+ample-no-discard"):
@@ -84,10 +85,11 @@ def test_ample_memory_preserves_what_the_waste_rule_would_swap_or_discard():
     assert actions(rule, 0) == [KVAction.SWAP_OUT, KVAction.DISCARD]
     assert actions(make_policy("infercept"), 0) == [KVAction.PRESERVE, KVAction.PRESERVE]
     assert actions(make_policy("infercept"), -1) == actions(rule, -1) == actions(make_policy("infercept"), None)
-    # Where copies overlap the forward pass (a GPU profile) the default swaps within the budget anyway;
-    # +ample-preserve keeps the KV on any device.
+    # Where copies overlap the forward pass (a GPU profile) the default swaps within the budget anyway
+    # and keeps only what the rule would discard; +ample-preserve keeps the KV on any device.
     p = toy_profile(device="NVIDIA H100 80GB HBM3")
-    assert actions(make_policy("infercept"), 0) == actions(rule, 0)
+    assert actions(make_policy("infercept"), 0) == [KVAction.SWAP_OUT, KVAction.PRESERVE]
+    assert actions(make_policy("infercept"), -1) == actions(rule, -1)
     assert actions(make_policy("infercept+ample-preserve"), 0) == [KVAction.PRESERVE, KVAction.PRESERVE]
 
 
