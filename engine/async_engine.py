@@ -89,9 +89,11 @@ class AsyncEngine:
 
     async def resume(self, request_id: str, appended: str | list[int], params: SamplingParams | None = None,
                      intercept: InterceptParams | None = None) -> AsyncIterator[RequestOutput]:
-        """Continue a paused request with its interception's result; streams the next turn."""
+        """Continue a paused request with its interception's result; streams the next turn. The result's
+        arrival is timed here, not when the engine thread gets to it after its step in flight."""
+        result_at = self.engine.scheduler.clock()
         async for out in self._stream(request_id,
-                                      lambda: self.engine.resume(request_id, appended, params, intercept)):
+                                      lambda: self.engine.resume(request_id, appended, params, intercept, result_at)):
             yield out
 
     async def _stream(self, request_id: str, command: Callable[[], object]) -> AsyncIterator[RequestOutput]:

@@ -149,12 +149,13 @@ class Engine:
             raise ValueError("the prompt does not fit in the KV cache pool; raise --kv-cache-gb")
 
     def resume(self, request_id: str, appended: str | list[int], params: SamplingParams | None = None,
-               intercept: InterceptParams | None = None) -> dict[str, int]:
+               intercept: InterceptParams | None = None, result_at: float | None = None) -> dict[str, int]:
         """Continue a paused request: `appended` (the tool result, rendered by the caller exactly as
         a fresh rendering of the conversation would continue the paused tokens) is added to its
         context and it generates on, with `params` and `intercept` for the new turn if given.
         Returns where the paused context's KV was at the moment of resuming (see `kv_location`):
-        device + host tokens are reused, the rest is recomputed."""
+        device + host tokens are reused, the rest is recomputed. `result_at`: when the result arrived
+        on the scheduler's clock (default now; see `Scheduler.resume`)."""
         request = self.scheduler.paused.get(request_id)
         if request is None:
             state = self.scheduler.requests.get(request_id)
@@ -175,7 +176,7 @@ class Engine:
         self.scheduler.decide_fresh_pause(request_id)
         location = self.kv_location(request_id)
         self.stats.count_resume(location["device"], location["host"])
-        self.scheduler.resume(request_id, token_ids)
+        self.scheduler.resume(request_id, token_ids, result_at)
         self._hold_paused_kv()
         p = request.sampling_params
         self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, request.token_ids,

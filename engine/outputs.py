@@ -32,6 +32,10 @@ class SchedulerOutput:
     num_discarded_tokens: int = 0  # KV tokens of paused requests dropped this iteration
     num_preempted: int = 0  # running requests taken off the device for room
     num_preempted_by_swap: int = 0  # of those, the ones whose KV went to the host (not recomputed)
+    # Of `swap_out`, blocks copied to make room under pressure (preemption, eviction of paused KV): whole
+    # contexts at once, outside the plan's swap budget (`Policy.reclaim`: a synchronous copy chosen
+    # because it wastes less than recomputing).
+    num_reclaim_swap_out_blocks: int = 0
     num_fresh_pauses_planned: int = 0  # paused since the last step: the policy decided their KV now
     # KV computed or copied again (admission's thrash signal): the recomputed tokens, plus the KV of
     # running requests preempted by swap and of swap-ins evicted half-way (they come back by copy again).

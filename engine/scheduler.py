@@ -161,14 +161,19 @@ class Scheduler:
         if self.policy is not None:
             self._undecided.add(request.request_id)
 
-    def resume(self, request_id: str, appended_token_ids: list[int]) -> Request:
-        """Continue a paused request with the tokens the interception returned."""
+    def resume(self, request_id: str, appended_token_ids: list[int], result_at: float | None = None) -> Request:
+        """Continue a paused request with the tokens the interception returned; `result_at`: when the
+        result arrived (default now). The tool's duration history records the pause up to then, not up
+        to this call: a resume waits for the step in flight to end, and counting that wait would teach the
+        history that every call lasts a step longer than it does (on a CPU, hundreds of ms: proactive
+        swap-in, timed by the history, would then start after the result is already back)."""
         self.decide_fresh_pause(request_id)
         request = self.paused.pop(request_id)
         self.paused_kv.remove(request_id)
         self._prefetched.discard(request_id)
         now = self.clock()
-        self.estimator.observe(request.duration_key, now - request.paused_at)
+        ended = now if result_at is None else min(result_at, now)
+        self.estimator.observe(request.duration_key, max(ended - request.paused_at, 0.0))
         request.token_ids += appended_token_ids
         request.turn_start = len(request.token_ids)
         request.output_logprobs = []  # per turn, like the generated tokens
@@ -282,6 +287,7 @@ class Scheduler:
         blocks = len(self.blocks.block_table(request.request_id))
         if blocks and self._swap_out_chosen(request) and self.blocks.can_swap_out(blocks):
             out.swap_out += self.blocks.swap_out(request.request_id, blocks)
+            out.num_reclaim_swap_out_blocks += blocks
             out.num_preempted_by_swap += 1
             out.num_thrashed_tokens += request.num_computed_tokens  # swapped out now, back in later
             self._enqueue(self.swapped, request, RequestStatus.SWAPPED)
@@ -507,7 +513,9 @@ class Scheduler:
         if request.status is RequestStatus.SWAPPED:
             out.num_thrashed_tokens += self.kv_tokens(request)[0]  # a swap-in undone: re-swapped
         if self._swap_out_chosen(request):
+            before = len(out.swap_out)
             self._swap_out_or_discard(out, request, len(self.blocks.block_table(request.request_id)))
+            out.num_reclaim_swap_out_blocks += len(out.swap_out) - before
         else:
             out.num_discarded_tokens += self._discard(request)
 

@@ -419,3 +419,16 @@ def test_prefetch_waits_for_the_expected_resume_not_the_soonest_possible_one():
     heavy = PausedInfo("a", 0.0, 200, "host", 0, 1.0, 5.05, remaining_s=(0.1, 10.0))
     assert not resume_imminent(heavy, p, 0.2, 200)
     assert resume_imminent(PausedInfo("b", 0.0, 200, "host", 0, 1.0, 0.1), p, 0.2, 200)
+
+
+def test_tool_history_records_the_pause_until_the_result_arrived_not_until_the_engine_got_to_it():
+    """A resume reaches the scheduler after the step in flight; the tool's history must hold how long
+    the tool took (pause to the result's arrival), or proactive swap-in, timed by it, starts late."""
+    engine = SimulatedEngine("infercept", toy_profile(), num_device_blocks=100, num_host_blocks=100)
+    rid = engine.add_request(40, 2, request_id="a", kind="t")
+    while rid not in engine.scheduler.paused:
+        engine.step()
+    paused_at = engine.scheduler.paused[rid].paused_at
+    engine.idle_until(paused_at + 1.5)
+    engine.scheduler.resume(rid, [1], result_at=paused_at + 1.0)
+    assert engine.scheduler.estimator.history("t") == [pytest.approx(1.0)]
