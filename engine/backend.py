@@ -22,11 +22,13 @@ from .paused_kv import PAUSED_KV_STATES
 from .reasoning_parsers import REASONING_PARSERS, THINK_END, ReasoningParser, get_reasoning_parser
 from .request import InterceptParams
 from .sampling_params import GuidedDecodingParams, SamplingParams
+from .stats import RESUME_KV_PLACES  # the keys of EngineSnapshot.resumes_by_kv
 from .tool_format import ToolFormat, ToolSpec
 from .tool_parsers import ToolCall, parser_for_model
 
 __all__ = ["EngineBackend", "EngineInfo", "EngineSnapshot", "GuidedDecodingParams", "InterceptParams",
-           "KVLocation", "NativeBackend", "PAUSED_KV_STATES", "REASONING_PARSERS", "ReasoningParser", "RequestOutput",
+           "KVLocation", "NativeBackend", "PAUSED_KV_STATES", "REASONING_PARSERS", "RESUME_KV_PLACES", "ReasoningParser",
+           "RequestOutput",
            "SamplingParams", "THINK_END", "ToolCall", "ToolFormat", "ToolSpec", "get_reasoning_parser",
            "parser_for_model"]
 

@@ -11,8 +11,7 @@ import math
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from infercept.engine.backend import PAUSED_KV_STATES as KV_STATES, EngineSnapshot
-from infercept.engine.stats import RESUME_KV_PLACES
+from infercept.engine.backend import PAUSED_KV_STATES as KV_STATES, RESUME_KV_PLACES, EngineSnapshot
 
 disable_created_metrics()  # no `*_created` series next to every counter
 
