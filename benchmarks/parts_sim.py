@@ -132,6 +132,9 @@ class Workload:
     token_scale: int = 1
     window: float | None = None  # arrival window (s); None: a burst
     until: float | None = None  # cut-off (s); None: run until every program is done
+    # The device pool `unbounded-memory` multiplies, if not its own: long-tight@R's is long@R's, so both
+    # families share one compute bound, whatever the pool.
+    bound_device_blocks: int | None = None
 
 
 def build_workload(workload: str, seed: int, args: dict) -> Workload:
@@ -140,12 +143,13 @@ def build_workload(workload: str, seed: int, args: dict) -> Workload:
     h100 = SETUPS["h100_llama3_8b"]
     device_blocks, host_blocks = h100.pool_blocks()
     profile, k, until, window = h100.profile(), 1, None, None
+    bound_blocks = None
     if name in ("long", "long-tight"):
         trace = long_context_trace(rate, args["long_window"], seed)
         k, window, until = args["token_scale"], args["long_window"], args["long_window"] + args["long_drain"]
         profile = coarsen_profile(h100_llama3_8b(attention=True), k)
         if name == "long-tight":
-            device_blocks //= LONG_TIGHT_POOL_DIVISOR
+            bound_blocks, device_blocks = device_blocks, device_blocks // LONG_TIGHT_POOL_DIVISOR
     elif name == "mix":
         trace = generate_trace(rate, duration=args["window"], seed=seed, max_context=MAX_CONTEXT)
         k, window, until = args["token_scale"], args["window"], args["window"] + args["drain"]
@@ -163,16 +167,15 @@ def build_workload(workload: str, seed: int, args: dict) -> Workload:
         profile, host_blocks = coarsen_profile(profile, k), 0
     else:
         raise ValueError(f"unknown workload {workload!r}")
-    return Workload(trace, profile, device_blocks, host_blocks, k, window, until)
+    return Workload(trace, profile, device_blocks, host_blocks, k, window, until, bound_blocks)
 
 
 def run_one(task: tuple[str, str, int, dict]) -> dict:
     workload, policy, seed, args = task
     s = build_workload(workload, seed, args)
     if policy == UNBOUNDED:  # a bound, not a policy: every paused context stays, in a 20x device pool
-        # (long-tight@R's is long@R's: the same compute bound, whatever the pool)
-        blocks = 20 * s.device_blocks * (LONG_TIGHT_POOL_DIVISOR if workload.startswith("long-tight@") else 1)
-        engine = SimulatedEngine("preserve", s.profile, blocks, s.host_blocks, max_num_seqs=MAX_NUM_SEQS)
+        engine = SimulatedEngine("preserve", s.profile, 20 * (s.bound_device_blocks or s.device_blocks),
+                                 s.host_blocks, max_num_seqs=MAX_NUM_SEQS)
     else:
         engine = SimulatedEngine(policy, s.profile, s.device_blocks, s.host_blocks, max_num_seqs=MAX_NUM_SEQS)
     start = time.perf_counter()

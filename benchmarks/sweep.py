@@ -184,6 +184,9 @@ def peer_python(requested: str | None) -> str | None:
 
 
 # -- /metrics --------------------------------------------------------------------------------------
+QUOTE = '"'  # around a Prometheus label's value
+
+
 def scrape(base_url: str) -> dict[str, float]:
     """Prometheus text -> {metric name: value summed over its label sets}, and for a metric with labels
     besides `model`, {"name{label=value}": value} per label value too."""
@@ -201,7 +204,7 @@ def scrape(base_url: str) -> dict[str, float]:
         for pair in labels.rstrip("}").split(",") if labels else ():
             label, _, quoted = pair.partition("=")
             if label != "model":
-                key = f"{name}{{{label}={quoted.strip(chr(34))}}}"
+                key = f"{name}{{{label}={quoted.strip(QUOTE)}}}"
                 out[key] = out.get(key, 0.0) + number
     return out
 

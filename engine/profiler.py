@@ -74,10 +74,11 @@ def _time_forward(runner: ModelRunner, num_tokens: int, repeats: int) -> float:
 
 def _copy_bandwidth(kv: KVCache, num_blocks: int, warmup: int = 2, repeats: int = 5) -> tuple[float, float]:
     """(device -> host, host -> device) bytes/s of `num_blocks` blocks, the median of `repeats` copies.
-    The first copies are not the steady state: on a CPU, their staging buffers are fresh allocations whose
-    pages fault in (64 blocks of SmolLM2 took 61 ms the first time, 5.3 ms from then on, on an AMD EPYC,
-    2026-11-25), and one copy timed after a single warm-up still caught it: profiles of 0.4 GB/s made the
-    policy price a swap 10x too high and discard contexts it could have swapped."""
+    The first copies are not the steady state: their memory's pages fault in on first touch (64 blocks of
+    SmolLM2 took 61 ms the first time, 5.3 ms from then on, on an AMD EPYC, 2026-11-25, when CPU copies
+    still went through fresh staging buffers), and one copy timed after a single warm-up still caught it:
+    profiles of 0.4 GB/s made the policy price a swap 10x too high and discard contexts it could have
+    swapped."""
     pairs = [(i, i) for i in range(num_blocks)]
     block_bytes = kv.device_kv[:, :, 0].numel() * kv.device_kv.element_size()
     result = []
