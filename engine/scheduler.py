@@ -36,6 +36,7 @@ from __future__ import annotations
 import bisect
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 
 from .block_manager import BlockManager, chain_hashes
@@ -52,6 +53,10 @@ from .request import Request, RequestStatus
 # A settled paused request wakes this much before its guard could be crossed: clock arithmetic rounds,
 # and waking early only costs a plan.
 WAKE_EARLY_S = 1e-6
+
+# Steps whose measured time sets proactive swap-in's lead (`Scheduler.step_lead_s`): enough to see the
+# long steps of the current mix, few enough to forget a burst that has passed.
+RECENT_STEPS = 8
 
 
 def _by_priority(r: Request) -> tuple:
@@ -93,6 +98,10 @@ class Scheduler:
         self._num_waiting_new = 0
         self.admission = AdmissionController() if policy is not None and policy.admission else None
         self._held_this_step = False
+        # When the step in flight was planned, and how long the last steps took (planned to updated):
+        # the lead proactive swap-in needs (`step_lead_s`).
+        self._step_planned_at: float | None = None
+        self._recent_step_s: deque[float] = deque(maxlen=RECENT_STEPS)
 
     # -- admission, pause, resume, removal ---------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -376,7 +385,7 @@ class Scheduler:
         running_tokens = sum(r.num_computed_tokens for r in self.running)
         return IterationInfo(running_tokens, self._last_batched_tokens, swap_out_budget,
                              self.blocks.num_free_host_blocks * self.blocks.block_size, self._spare_device_tokens(),
-                             self.config.max_num_batched_tokens)
+                             self.step_lead_s() if self.policy is not None and self.policy.prefetch else None)
 
     def _spare_device_tokens(self) -> int | None:
         """Free device tokens less what queued work will need there: the waiting requests' uncomputed
@@ -424,13 +433,23 @@ class Scheduler:
                 break
         return budget
 
+    def step_lead_s(self) -> float:
+        """How long the next step may run before the scheduler can act again: the longest of the last
+        `RECENT_STEPS` steps as measured, and at least the profile's forward time of a full token budget.
+        Proactive swap-in must act this far ahead of a resume. The profile alone times the model's
+        forward pass; a real step also samples, detokenizes and copies, and decode steps over long
+        contexts read more KV than the profile's prefill (on this CPU server: steps up to ~2x the
+        profile's 0.39 s under KV pressure)."""
+        profiled = self.profile.t_fwd(self.config.max_num_batched_tokens) if self.profile is not None else 0.0
+        return max(profiled, max(self._recent_step_s, default=0.0))
+
     def _prefetch_candidates(self) -> list[tuple[Request, int]]:
         """Paused requests with KV on the host whose resume looks imminent (`resume_imminent`), soonest
         first, with their host tokens: the policy's proactive swap-in (`Policy.prefetch`). A walk over
         the paused requests holding host KV, only under a policy that prefetches."""
         if self.policy is None or self.profile is None or not self.policy.prefetch or not self.paused_kv.host_tokens:
             return []
-        step_s = self.profile.t_fwd(self.config.max_num_batched_tokens)
+        step_s = self.step_lead_s()
         due = []
         for r in self.paused.values():
             host = self.kv_tokens(r)[1]
@@ -620,6 +639,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(chunks=[])
         self._held_this_step = False
+        self._step_planned_at = self.clock()
         swap_in_demand = sum(self.kv_tokens(r)[1] for r in self.swapped)
         prefetch = self._prefetch_candidates()
         swap_in_demand += sum(host for _, host in prefetch)
@@ -688,6 +708,8 @@ class Scheduler:
         intercepted: then `pending_stop` is set and the engine decides between finish and pause.
         """
         self.blocks.copies_done()  # the runner copied this step's blocks
+        if self._step_planned_at is not None and output.chunks:
+            self._recent_step_s.append(self.clock() - self._step_planned_at)
         if self.admission is not None:
             self.admission.observe(self.clock(), output.num_thrashed_tokens, output.num_batched_tokens,
                                    len(runner_output.sampled), len(self._started), self._num_waiting_new)

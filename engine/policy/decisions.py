@@ -94,9 +94,10 @@ class IterationInfo:
     # Device pool room in tokens left once every queued need is met (the waiting requests' uncomputed
     # tokens, the host KV of resumed and paused requests, one step's token budget); None: not known.
     spare_device_tokens: int | None = None
-    # The step's token budget (`max_num_batched_tokens`): the next step is at most this long, which is
-    # how far ahead proactive swap-in must act; None: not known (the last step's batch stands in).
-    step_budget_tokens: int | None = None
+    # How long the next step may run (`Scheduler.step_lead_s`: measured steps, at least a full token
+    # budget's forward): how far ahead proactive swap-in must act; None: not known (the forward time of
+    # the last step's batch stands in).
+    step_lead_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -467,7 +468,8 @@ def without_discards(plan: KVPlan) -> KVPlan:
 def resume_imminent(info: PausedInfo, profile: Profile, step_s: float, host_tokens: int) -> bool:
     """Proactive swap-in (issue 22, item 2): the expected remaining pause is below the time to copy
     `host_tokens` back plus one step, so a swap-in started now is done when the result arrives. The
-    step is a full one (`step_s`: the longest the scheduler may run before it can act again), not the
+    step is a full one (`step_s`, `Scheduler.step_lead_s`: the longest the scheduler may run before it
+    can act again, from measured steps and at least a full token budget's forward time), not the
     last batch's: a resume due within the next step is missed if the swap-in waits for the step after
     it (on a CPU, with 50-800 ms steps, the last batch's lead brought 63 of 96 resumes back in time, a
     full step's 88). The mean, not the soonest, remaining time: acting on the soonest past call that
@@ -728,7 +730,7 @@ class InferCeptPaperPolicy(Policy):
         if self.prefetch:
             # Prefetched KV whose resume still looks imminent stays: swapping it out again would undo
             # the prefetch for nothing.
-            step_s = profile.t_fwd(iteration.step_budget_tokens or iteration.num_batched_tokens)
+            step_s = iteration.step_lead_s or profile.t_fwd(iteration.num_batched_tokens)
             for p in _holding_device(paused):
                 if p.prefetched and resume_imminent(p, profile, step_s, p.num_tokens):
                     held[p.request_id] = KVDecision(p.request_id, KVAction.PRESERVE)
