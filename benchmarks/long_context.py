@@ -15,9 +15,10 @@ before its context would pass `--max-context` (the model's window). Same JSON-li
 `workload.py` (`interception.tool` names the tool; `kind` is "human" for approvals).
 
     python benchmarks/long_context.py --rate 0.1 --duration 600 --seed 0 --describe
-    # scaled down for the CPU server (embedded 135M model, 8k window)
-    python benchmarks/long_context.py --rate 0.05 --duration 120 --context-scale 0.08 --interception-scale 0.05 \\
-        --max-context 8192 -o long.jsonl
+    # scaled down for the CPU server (embedded 135M model, 8k window): `CPU_SCALE`, which
+    # `sweep.py --workload long` replays
+    python benchmarks/long_context.py --rate 0.05 --duration 120 --context-scale 0.08 --decode-scale 0.25 \\
+        --interception-scale 0.05 --max-context 8192 -o long.jsonl
 """
 from __future__ import annotations
 
@@ -44,6 +45,9 @@ PROMPT_TOKENS = (8_000, 20_000)  # uniform
 DECODE = (150, 150)  # lognormal (mean, sd) tokens per step, at least 16
 STEPS = (25, 15)  # lognormal (mean, sd) steps per program, 2..80
 MAX_CONTEXT = 100_000  # a 128k-window model, with room for the last steps
+# Scaled down for the 2-core CPU server (embedded 135M model, 8k window): contexts ~0.6k-8k tokens, a
+# quarter of the decode per step, tool times 1/20 (a 12 s test run becomes 0.6 s, an approval 3 s).
+CPU_SCALE = dict(context_scale=0.08, decode_scale=0.25, interception_scale=0.05, max_context=8192)
 
 
 def sample_program(rng: random.Random, *, context_scale: float = 1.0, decode_scale: float = 1.0,

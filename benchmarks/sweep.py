@@ -1,7 +1,8 @@
 """Rate sweep on the real server: every policy side by side, over HTTP, on one trace per rate.
 
 Start `infercept serve --policy P` for every policy on free ports (subprocesses; wait for /health);
-for each request rate, replay the seeded mixed trace (`workload.py --cpu-scale`) against each server in
+for each request rate, replay the seeded mixed trace (`workload.py --cpu-scale`; or with `--workload long`
+the long-context coding agents, `long_context.CPU_SCALE`) against each server in
 turn through the implicit resume path (`replay.py --api resume`), reading /metrics before and after
 each run; then stop the servers. With a vLLM CPU build (`--peer-python`, or `vllm` importable here),
 the same traces run against `vllm serve` with prefix caching, in discard mode (every step a fresh
@@ -52,6 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from machine import cpu_name, today  # noqa: E402
 from replay import default_model, replay, summarize  # noqa: E402
 from sustain import ratio_text, sustainable_rate  # noqa: E402
+import long_context  # noqa: E402
 from workload import CPU_SCALE, generate_trace  # noqa: E402
 
 from infercept.engine.config import SchedulerConfig  # noqa: E402
@@ -69,6 +71,10 @@ SINGLE_STRATEGIES = ("discard", "improved-discard", "preserve", "swap", "prefix-
 PEER_POOLS = {"device": "vllm-device (prefix caching, discard mode; InferCept's device pool)",
               "total": "vllm-total (prefix caching, discard mode; InferCept's device + host pools)"}
 PAPER_BASELINES = ("discard", "improved-discard")
+# --workload: (what the report calls it, trace generator, its CPU scale preset).
+WORKLOADS = {"mix": ("Mixed trace (the paper's six augments)", generate_trace, CPU_SCALE),
+             "long": ("Long-context coding agents (`long_context.py`)", long_context.long_context_trace,
+                      long_context.CPU_SCALE)}
 
 
 # -- servers ---------------------------------------------------------------------------------------
@@ -419,6 +425,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--window", type=float, default=40.0, help="arrival window per run, seconds")
     parser.add_argument("--drain", type=float, default=20.0, help="seconds after the window before a run is cut off")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workload", choices=tuple(WORKLOADS), default="mix",
+                        help="mix: the paper's six augments; long: long-context coding agents (both scaled "
+                             "for a 2-core CPU)")
     parser.add_argument("--slo", type=float, default=None,
                         help="mean normalized-latency SLO, s/token (default: 2x the best mean at the lowest rate)")
     parser.add_argument("--median-slo", type=float, default=None,
@@ -452,7 +461,8 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     args.logs = args.logs or str(out / "sweep_logs")
     Path(args.logs).mkdir(parents=True, exist_ok=True)
-    traces = {r: generate_trace(r, duration=args.window, seed=args.seed, **CPU_SCALE) for r in rates}
+    label, make_trace, scale = WORKLOADS[args.workload]
+    traces = {r: make_trace(r, duration=args.window, seed=args.seed, **scale) for r in rates}
     longest = max((s["interception"]["duration_s"] for t in traces.values() for q in t for s in q["segments"]
                    if s["interception"]), default=0.0)
     # Every last turn stays paused after it ends (the completion API cannot say "this is the last one"),
@@ -475,7 +485,7 @@ def main(argv: list[str] | None = None) -> dict:
     n = {r: len(t) for r, t in traces.items()}
     header = (f"# Rate sweep on the real server (embedded SmolLM2-135M, bf16, CPU)\n\n"
               f"{cpu_name()}, {today()}. `python benchmarks/sweep.py {' '.join(argv if argv is not None else sys.argv[1:])}` took "
-              f"{elapsed / 60:.1f} min. Mixed trace, `--cpu-scale` preset {CPU_SCALE}, seed {args.seed}, "
+              f"{elapsed / 60:.1f} min. {label}, scaled by {scale}, seed {args.seed}, "
               f"{args.window:g} s arrival window (+{args.drain:g} s before the cut-off), requests per rate {n}. "
               f"Servers: `--kv-cache-gb {args.kv_cache_gb} --host-kv-gb {args.host_kv_gb} "
               f"--max-num-batched-tokens {args.max_num_batched_tokens} --threads {args.threads} "

@@ -22,6 +22,8 @@ from .sampling_params import SamplingParams
 
 logger = logging.getLogger("infercept.engine")
 
+IDLE_POLL_S = 1.0  # the longest the idle engine thread sleeps without a command
+
 
 @dataclass
 class _Stream:
@@ -188,7 +190,9 @@ class AsyncEngine:
             while not self._commands.empty():
                 self._commands.get()()
             if not self.engine.has_unfinished_requests():
-                self._wake.wait(timeout=1.0)
+                # Sleep until a command, or until a paused request's host KV may be due back.
+                wake = self.engine.idle_wake_s()
+                self._wake.wait(timeout=IDLE_POLL_S if wake is None else min(wake, IDLE_POLL_S))
                 self._wake.clear()
                 continue
             try:

@@ -208,8 +208,14 @@ class Engine:
         return (bm.device.num_blocks + bm.host.num_blocks) * bm.block_size
 
     def has_unfinished_requests(self) -> bool:
-        """Requests that still need steps; paused ones wait for `resume` and need none."""
+        """Requests that still need steps; paused ones wait for `resume` and need none, unless their host
+        KV is due back (proactive swap-in)."""
         return self.scheduler.has_work()
+
+    def idle_wake_s(self) -> float | None:
+        """With no request needing a step: seconds until a paused request's host KV may be due back
+        (`Scheduler.idle_wake_s`), or None."""
+        return self.scheduler.idle_wake_s()
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

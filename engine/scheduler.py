@@ -55,8 +55,10 @@ from .request import Request, RequestStatus
 WAKE_EARLY_S = 1e-6
 
 # Steps whose measured time sets proactive swap-in's lead (`Scheduler.step_lead_s`): enough to see the
-# long steps of the current mix, few enough to forget a burst that has passed.
-RECENT_STEPS = 8
+# long steps of the current mix (on this CPU server a prefill chunk every ten or so 40 ms decode steps;
+# the last 8 steps missed it often enough to lose 2 of 96 resumes), few enough to forget a burst that
+# has passed.
+RECENT_STEPS = 32
 
 
 def _by_priority(r: Request) -> tuple:
@@ -223,9 +225,25 @@ class Scheduler:
         return bool(self.requests)
 
     def has_work(self) -> bool:
-        """Something to compute or copy, or a fresh pause to plan: paused requests the policy has
-        seen leave the engine idle."""
-        return bool(self.running or self.waiting or self.swapped or self._undecided)
+        """Something to compute or copy, or a fresh pause to plan, or a paused request's host KV due back
+        (proactive swap-in: the engine steps for it even when nothing else runs, and `idle_wake_s` says
+        when to look again); paused requests the policy has seen leave the engine idle otherwise."""
+        if self.running or self.waiting or self.swapped or self._undecided:
+            return True
+        return self.blocks.num_free_blocks > 0 and bool(self._prefetch_candidates())
+
+    def idle_wake_s(self) -> float | None:
+        """With nothing to run, how long the engine may sleep before a paused request's host KV could be
+        due back (`resume_imminent`), or None: nothing predicted holds host KV. Early, never late: the
+        expected remaining time falls as fast as the clock until the duration history's survivors change,
+        when it jumps up (`DurationEstimator.remaining`)."""
+        if not self._prefetches() or self.blocks.num_free_blocks == 0:
+            return None  # nothing to bring back, or no room for it until a resume or arrival
+        lead, wake = self.step_lead_s(), math.inf
+        for r, host in self._predicted_host_holders():
+            wake = min(wake, self._paused_info(r).expected_s - self.profile.t_swap(host, "in") - lead)
+        # A hair late, so that at the wake the resume is imminent by a strict margin, not by rounding.
+        return None if wake == math.inf else max(wake, 0.0) + WAKE_EARLY_S
 
     # -- where KV lives ----------------------------------------------------------------------------
     def kv_tokens(self, request: Request) -> tuple[int, int]:
@@ -438,46 +456,65 @@ class Scheduler:
         `RECENT_STEPS` steps as measured, and at least the profile's forward time of a full token budget.
         Proactive swap-in must act this far ahead of a resume. The profile alone times the model's
         forward pass; a real step also samples, detokenizes and copies, and decode steps over long
-        contexts read more KV than the profile's prefill (on this CPU server: steps up to ~2x the
-        profile's 0.39 s under KV pressure)."""
+        contexts read more KV than the profile's prefill (the real-server burst of 2026-11-25: profile
+        0.25 s, steps up to 0.7 s)."""
         profiled = self.profile.t_fwd(self.config.max_num_batched_tokens) if self.profile is not None else 0.0
         return max(profiled, max(self._recent_step_s, default=0.0))
+
+    def _prefetches(self) -> bool:
+        return (self.policy is not None and self.profile is not None and self.policy.prefetch
+                and self.paused_kv.host_tokens > 0)
+
+    def _predicted_host_holders(self) -> list[tuple[Request, int]]:
+        """Paused requests with KV on the host whose remaining pause is predicted (a hint, the tool's
+        history: the elapsed-time rule cannot say a resume is near), with their host tokens."""
+        now, out = self.clock(), []
+        for r in self.paused.values():
+            host = self.kv_tokens(r)[1]
+            hint = r.intercept.expected_s if r.intercept else None
+            if host and self.estimator.predicts(now, r.paused_at, r.duration_key, hint):
+                out.append((r, host))
+        return out
 
     def _prefetch_candidates(self) -> list[tuple[Request, int]]:
         """Paused requests with KV on the host whose resume looks imminent (`resume_imminent`), soonest
         first, with their host tokens: the policy's proactive swap-in (`Policy.prefetch`). A walk over
-        the paused requests holding host KV, only under a policy that prefetches."""
-        if self.policy is None or self.profile is None or not self.policy.prefetch or not self.paused_kv.host_tokens:
+        the paused requests holding host KV, only under a policy that prefetches.
+
+        The copies share the per-step swap budget, soonest first and after the resumed requests' own
+        swap-ins: a request whose KV comes back behind others' needs as many steps as the budget takes
+        to copy everything ahead of it and its own, so its lead counts them."""
+        if not self._prefetches():
             return []
-        step_s = self.step_lead_s()
+        step_s, per_step = self.step_lead_s(), self._swap_budget_tokens()
+        infos = sorted(((self._paused_info(r), r, host) for r, host in self._predicted_host_holders()),
+                       key=lambda x: (x[0].expected_s, x[1].priority))
+        ahead = sum(self.kv_tokens(r)[1] for r in self.swapped)
         due = []
-        for r in self.paused.values():
-            host = self.kv_tokens(r)[1]
-            hint = r.intercept.expected_s if r.intercept else None
-            # Only a prediction (a hint, the tool's history) can say a resume is near.
-            if host and self.estimator.predicts(self.clock(), r.paused_at, r.duration_key, hint):
-                info = self._paused_info(r)
-                if resume_imminent(info, self.profile, step_s, host):
-                    due.append((info.expected_s, r, host))
-        due.sort(key=lambda x: (x[0], x[1].priority))
-        return [(r, host) for _, r, host in due]
+        for info, r, host in infos:
+            ahead += host
+            steps = 1 if not per_step else max(1, -(-ahead // per_step))
+            if resume_imminent(info, self.profile, step_s, host, steps):
+                due.append((r, host))
+        return due
 
     def _prefetch(self, out: SchedulerOutput, due: list[tuple[Request, int]], budget_blocks: int | None) -> None:
         """Swap in what this step's swap-in budget has left of paused requests' host KV, into device
         blocks nothing scheduled in this step needs, keeping one free block per running request for its
         next token. A wrong guess costs the budget: the plan may move the KV out again."""
-        if budget_blocks is None:
-            return  # no forward pass to hide the copy behind
+        # No budget: no step runs for the copy to stall (nothing else to do, `has_work`), so bring back
+        # all that fits.
+        budget = math.inf if budget_blocks is None else budget_blocks
         spare = self.blocks.num_free_blocks - len(self.running)
         for request, _ in due:
-            n = min(self.blocks.num_host_blocks_of(request.request_id), budget_blocks, spare)
+            n = min(self.blocks.num_host_blocks_of(request.request_id), budget, spare)
             if n <= 0:
                 break
             out.swap_in += self.blocks.swap_in(request.request_id, n)
             self._swapped_in_this_step.add(request.request_id)
             self._prefetched.add(request.request_id)
             self._kv_moved(request)
-            budget_blocks -= n
+            budget -= n
             spare -= n
 
     def _growth_blocks(self, swapping_in: Request) -> int:
@@ -640,9 +677,11 @@ class Scheduler:
         out = SchedulerOutput(chunks=[])
         self._held_this_step = False
         self._step_planned_at = self.clock()
-        swap_in_demand = sum(self.kv_tokens(r)[1] for r in self.swapped)
         prefetch = self._prefetch_candidates()
-        swap_in_demand += sum(host for _, host in prefetch)
+        # In whole blocks: a sum of token counts would round several requests' partial last blocks
+        # into one, and the budget would leave each but the first a block short on the host.
+        swap_in_demand = self.blocks.block_size * sum(self.blocks.num_host_blocks_of(r.request_id)
+                                                      for r in self.swapped + [r for r, _ in prefetch])
         swap_in_budget = self._plan_paused(out, swap_in_demand)
         out.num_fresh_pauses_planned, self._undecided = len(self._undecided), set()
         self._swapped_in_this_step.clear()
@@ -677,7 +716,7 @@ class Scheduler:
 
         budget = self._admit_waiting(out, scheduled, budget)
 
-        if prefetch and prefetch_blocks:
+        if prefetch and prefetch_blocks != 0:
             self._prefetch(out, prefetch, prefetch_blocks)
         for r, n in scheduled:
             start = r.num_computed_tokens

@@ -155,15 +155,17 @@ class SimulatedEngine:
         return request_id
 
     def resume(self, request_id: str, num_appended_tokens: int, max_tokens: int, *, last_turn: bool = False,
-               expected_s: float | None = None, kind: str | None = None) -> Request:
+               expected_s: float | None = None, kind: str | None = None,
+               result_at: float | None = None) -> Request:
         """Append `num_appended_tokens` dummy tokens (the tool result) and decode `max_tokens` more;
-        `kind`: the tool the turn's interception will call (its duration history), default unchanged."""
+        `kind`: the tool the turn's interception will call (its duration history), default unchanged;
+        `result_at`: when the result arrived (`Scheduler.resume`), default now."""
         if num_appended_tokens < 1:
             raise ValueError("a resume needs at least one token")
         request = self.scheduler.paused[request_id]
         request.sampling_params = _greedy(max_tokens)
         self.stats.count_resume(*self.scheduler.kv_tokens(request))
-        self.scheduler.resume(request_id, [APPENDED_TOKEN_ID] * num_appended_tokens)
+        self.scheduler.resume(request_id, [APPENDED_TOKEN_ID] * num_appended_tokens, result_at=result_at)
         self.stats.hold(self.clock.now(), self.paused_device_tokens())
         if request.intercept is not None and (request.intercept.expected_s, request.intercept.kind) != \
                 (expected_s, kind or request.intercept.kind):
@@ -283,7 +285,7 @@ class SimulatedEngine:
             return str(inter.get("tool") or inter.get("kind") or spec.get("augment") or "tool") \
                 if inter else str(spec.get("augment") or "tool")
 
-        def start_segment(rec: RequestRecord) -> None:
+        def start_segment(rec: RequestRecord, at: float) -> None:
             segments = rec.spec["segments"]
             seg = segments[rec.segment]
             last = rec.segment == len(segments) - 1 or not seg.get("interception")
@@ -293,8 +295,11 @@ class SimulatedEngine:
                                  expected_s=hint(rec), last_turn=last)
             else:
                 returned = segments[rec.segment - 1].get("returned_tokens", 1)
+                # The result arrived at `at`, during the step that just ended: the tool's history records
+                # its duration, not the wait for the step (as `AsyncEngine.resume` on a real server).
                 self.resume(rec.request_id, scaled(int(returned)), scaled(int(seg["decode_tokens"])),
-                            last_turn=last, expected_s=hint(rec), kind=tool_of(rec.spec, rec.segment))
+                            last_turn=last, expected_s=hint(rec), kind=tool_of(rec.spec, rec.segment),
+                            result_at=at)
 
         def deliver(now: float) -> None:
             while events and events[0][0] <= now:
@@ -306,7 +311,7 @@ class SimulatedEngine:
                     rec.segment += 1
                 rec.turn_started = t
                 rec.turn_starts.append(t)
-                start_segment(rec)
+                start_segment(rec, t)
 
         while True:
             now = self.clock.now()
@@ -342,7 +347,9 @@ class SimulatedEngine:
                     nxt = min(events[0][0], now + self.idle_tick)
                     self.idle_until(nxt if until is None else min(nxt, until))
             elif events:
-                nxt = events[0][0]
+                nxt, wake = events[0][0], self.scheduler.idle_wake_s()  # proactive swap-in when idle
+                if wake is not None:
+                    nxt = min(nxt, now + wake)
                 self.idle_until(nxt if until is None else min(nxt, until))
             else:
                 break

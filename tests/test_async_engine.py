@@ -112,6 +112,9 @@ class _DyingEngine:
             raise RuntimeError("a bug outside the step")
         return False
 
+    def idle_wake_s(self):
+        return None  # no paused KV to bring back: the thread sleeps until a command
+
     def abort(self, request_id):
         pass
 

@@ -203,6 +203,39 @@ def test_budgeted_swap_moves_one_block_per_iteration_and_abort_mid_swap_frees_al
     assert_all_free(engine)
 
 
+def test_an_idle_engine_brings_a_paused_context_back_before_its_predicted_resume(default_model_dir, monkeypatch):
+    """Proactive swap-in with nothing else to run: the plan parks the paused context on the host, and the
+    engine thread, which steps only for work, sleeps until the hinted resume is near
+    (`Engine.idle_wake_s`) and then brings it back, before the result arrives. (The idle thread's poll
+    is stretched so that only the wake can bring it back in time.)"""
+    import asyncio
+
+    from infercept.engine import AsyncEngine, async_engine
+    monkeypatch.setattr(async_engine, "IDLE_POLL_S", 60.0)
+    engine = AsyncEngine(make_engine(default_model_dir, "infercept-paper+prefetch"))
+    engine.start()
+    hint_s = 3.0
+
+    async def watch():
+        hinted = InterceptParams(pause_on_stop=True, expected_s=hint_s)
+        outs = [o async for o in engine.generate(FEW_SHOT, greedy(4), request_id="p", intercept=hinted)]
+        assert outs[-1].paused
+        await asyncio.sleep(0.5)
+        parked = await engine.call(lambda: engine.engine.kv_location("p"))
+        await asyncio.sleep(hint_s - 0.5 - 0.1)
+        back = await engine.call(lambda: engine.engine.kv_location("p"))
+        await engine.call(lambda: engine.engine.abort("p"))
+        return parked, back
+
+    try:
+        parked, back = asyncio.run(watch())
+        assert parked["host"] > 0, parked
+        assert back["host"] == 0 and back["device"] >= parked["device"] + parked["host"], back
+        assert_all_free(engine.engine)
+    finally:
+        engine.shutdown()
+
+
 def test_abort_mid_recompute_frees_all(default_model_dir):
     engine = make_engine(default_model_dir, "discard")
     rid = engine.add_request(OTHERS[1], greedy(3), intercept=InterceptParams(pause_on_stop=True))

@@ -201,8 +201,9 @@ def test_thirty_second_human_turn_under_pressure_leaves_the_device(hint):
 @pytest.mark.parametrize("policy", ["infercept", "budgeted-swap", "heuristic-preserve"])
 def test_swap_budget_is_never_exceeded(policy):
     """Every iteration's swap-out + swap-in blocks fit the budget N_i = T_swap^-1(T_fwd(B_{i-1})),
-    rounded up to whole blocks (but for steps that only plan fresh pauses on an idle engine, and for
-    whole contexts swapped out to make room under pressure: `Policy.reclaim`'s synchronous copies)."""
+    rounded up to whole blocks (but for steps of an idle engine, which plan fresh pauses or bring a
+    paused request's KV back before its resume with no forward pass to stall, and for whole contexts
+    swapped out to make room under pressure: `Policy.reclaim`'s synchronous copies)."""
     profile = toy_profile(swap_blocks_per_step=2)
     engine = SimulatedEngine(policy, profile, num_device_blocks=60, num_host_blocks=40)
     trace = workload.generate_trace(2.0, num_requests=20, seed=3, context_scale=0.15, decode_scale=0.3,
@@ -213,8 +214,9 @@ def test_swap_budget_is_never_exceeded(policy):
     def hook(eng, result):
         eng.block_manager.check_integrity()
         out = result.output
-        if not out.chunks and not out.swap_in:
-            return  # a step with nothing to run (it plans fresh pauses) copies without a budget
+        sched = eng.scheduler
+        if not out.chunks and not (sched.running or sched.swapped or sched.waiting):
+            return  # a step with nothing to run (fresh pauses, prefetch) copies without a budget
         budget = profile.swap_budget_tokens(profile.t_fwd(prev[0]))
         blocks = len(out.swap_out) - out.num_reclaim_swap_out_blocks + len(out.swap_in)
         swapped[0] += blocks

@@ -465,7 +465,8 @@ def without_discards(plan: KVPlan) -> KVPlan:
                         for d in plan))
 
 
-def resume_imminent(info: PausedInfo, profile: Profile, step_s: float, host_tokens: int) -> bool:
+def resume_imminent(info: PausedInfo, profile: Profile, step_s: float, host_tokens: int,
+                    copy_steps: int = 1) -> bool:
     """Proactive swap-in (issue 22, item 2): the expected remaining pause is below the time to copy
     `host_tokens` back plus one step, so a swap-in started now is done when the result arrives. The
     step is a full one (`step_s`, `Scheduler.step_lead_s`: the longest the scheduler may run before it
@@ -474,8 +475,9 @@ def resume_imminent(info: PausedInfo, profile: Profile, step_s: float, host_toke
     it (on a CPU, with 50-800 ms steps, the last batch's lead brought 63 of 96 resumes back in time, a
     full step's 88). The mean, not the soonest, remaining time: acting on the soonest past call that
     outlasted this one holds the KV of every heavy-tailed pause on the device (the six-augment mix
-    recomputed 23% of its forward time that way in simulation, against 0.6%)."""
-    return info.expected_s < profile.t_swap(host_tokens, "in") + step_s
+    recomputed 23% of its forward time that way in simulation, against 0.6%). `copy_steps`: steps the
+    per-step swap budget needs for this copy and those queued ahead of it (`Scheduler._prefetch_candidates`)."""
+    return info.expected_s < profile.t_swap(host_tokens, "in") + copy_steps * step_s
 
 
 # -- policies -------------------------------------------------------------------------------------
