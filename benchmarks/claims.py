@@ -6,6 +6,7 @@ the files it came from, so a reader can check a claim without trusting anyone's 
     python benchmarks/claims.py            # prints the table (markdown)
     python benchmarks/claims.py --check    # exit 1 unless README.md holds the table as printed
     python benchmarks/claims.py --ablation # the ablation's sustainable rates per seed (benchmarks/README.md)
+    python benchmarks/claims.py --parts parts_mix   # issue 22's parts on the real server, seeds 0-2
 
 Latency and sustainable rates are recomputed from the per-request records of each sweep
 (`<folder>/records/<system>_<rate>.jsonl`), with the sweep's own rule: per rate the mean (and the
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from dataclasses import dataclass, fields
@@ -294,6 +296,62 @@ def ablation_table() -> str:
     return "\n".join(lines) + "\n"
 
 
+# Issue 22's parts table on the real server: (column, where it comes from, key, scale). "latency": the
+# request records (`Sweep.latency`); "metrics": what /metrics said (`Sweep.metrics`).
+PARTS_COLUMNS = (("norm. latency median (ms/tok)", "latency", "normalized_latency_median", 1000),
+                 ("completion p50 (s)", "latency", "completion_p50", 1),
+                 ("completion p90 (s)", "latency", "completion_p90", 1),
+                 ("resumed TTFT (s)", "latency", "resumed_ttft_median", 1),
+                 ("resumes on device %", "metrics", "resumes_on_device", 100),
+                 ("recompute % time", "metrics", "recompute_time_share", 100),
+                 ("memory waste %", "metrics", "memory_waste_pct", 1))
+
+
+def _spread(xs: list[float]) -> str:
+    """Mean [min-max] over seeds, as parts_sim.py prints them; ∞ if any seed's is infinite."""
+    xs = [x for x in xs if not math.isnan(x)]  # records written before the metric existed
+    if not xs:
+        return "–"
+    if any(x == math.inf for x in xs):
+        return "∞"
+    mean, lo, hi = statistics.fmean(xs), min(xs), max(xs)
+    return f"{mean:.3g}" if lo == hi else f"{mean:.3g} [{lo:.3g}-{hi:.3g}]"
+
+
+def parts_table(prefix: str, baseline: str = "infercept-paper") -> str:
+    """Issue 22's must-show on the real server: every policy's sustainable programs/s at the median
+    normalized-latency SLO per seed (folders `<prefix>_seed<N>`), its ratio to `baseline`, and per rate
+    the columns of `PARTS_COLUMNS`, mean [min-max] over the seeds."""
+    sweeps = {seed: Sweep.load(RESULTS / f"{prefix}_seed{seed}") for seed in SEEDS
+              if (RESULTS / f"{prefix}_seed{seed}" / "sweep.json").exists()}
+    if not sweeps:
+        raise FileNotFoundError(f"no {RESULTS}/{prefix}_seed<N>/sweep.json")
+    first = next(iter(sweeps.values()))
+    policies, rates = [p for p in first.metrics if p in first.latency] or list(first.latency), first.rates
+    sustain = {seed: s.sustainable("normalized_latency_median") for seed, s in sweeps.items()}
+    lines = [f"From `{first.folder.relative_to(ROOT).parent}/{prefix}_seed<N>/` ({first.machine}).", "",
+             "| sustainable programs/s (median SLO) | " + " | ".join(f"seed {seed}" for seed in sweeps)
+             + f" | vs {baseline}, per seed |", "|---|" + "---|" * (len(sweeps) + 1)]
+    for name in policies:
+        lines.append(f"| {name} | " + " | ".join(rate_text(sustain[seed][name]) for seed in sweeps) + " | "
+                     + ", ".join(ratio(sustain[seed][name], sustain[seed][baseline]) for seed in sweeps) + " |")
+    for rate in rates:
+        lines += ["", f"**{rate:g} programs/s**", "",
+                  "| policy | " + " | ".join(c for c, _, _, _ in PARTS_COLUMNS) + " |",
+                  "|---|" + "---|" * len(PARTS_COLUMNS)]
+        for name in policies:
+            cells = []
+            for _, source, key, scale in PARTS_COLUMNS:
+                if source == "latency":
+                    xs = [s.latency[name][rate].get(key) for s in sweeps.values() if rate in s.latency.get(name, {})]
+                else:
+                    xs = [s.metrics[name][str(rate)].get(key) for s in sweeps.values()
+                          if str(rate) in s.metrics.get(name, {})]
+                cells.append(_spread([x * scale for x in xs if x is not None]))
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def readme_table(text: str) -> str | None:
     """The table between the README's claims markers, or None."""
     if BEGIN not in text or END not in text:
@@ -305,9 +363,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 unless README.md holds this table")
     parser.add_argument("--ablation", action="store_true", help="print the ablation's per-seed table instead")
+    parser.add_argument("--parts", metavar="PREFIX", default=None,
+                        help="print issue 22's parts table from results/PREFIX_seed<N>/ instead")
     args = parser.parse_args(argv)
     if args.ablation:
         print(ablation_table(), end="")
+        return 0
+    if args.parts:
+        print(parts_table(args.parts), end="")
         return 0
     text = table()
     print(text, end="")
