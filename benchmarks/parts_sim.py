@@ -42,6 +42,11 @@ forward time, held memory waste. For every workload swept over two or more rates
 programs/s: per seed, the highest rate whose median normalized latency stays within the SLO (2x the best
 policy's latency at the lowest rate, as `policy_sim.py`), interpolated between the bracketing rates.
 
+Two bounds, not policies, run only when named in `--policies`: `unbounded-memory` (every paused context
+stays, in a 20x device pool: only compute limits it) and `paused-kv-free` (KV not running this step
+costs nothing: free copies to a 20x host pool; the running contexts alone fill the device pool): what
+any pause-time policy could reach lies below the second.
+
     python benchmarks/parts_sim.py                                   # the default matrix, ~30 min, --jobs 2 on an idle machine
     python benchmarks/parts_sim.py --table benchmarks/results/parts_sim_2026-11-24/parts_sim.json
     python benchmarks/parts_sim.py --workloads burst --seeds 0 --policies infercept-paper prefix-cache
@@ -51,6 +56,7 @@ policy's latency at the lowest rate, as `policy_sim.py`), interpolated between t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import multiprocessing
@@ -89,6 +95,12 @@ POLICIES = ("infercept-paper", "infercept-paper+program-arrival-priority", "infe
 # What no KV policy can beat: `preserve` with a device pool 20x as large, so that no context is ever
 # swapped, discarded or preempted; only compute limits it (`--policies unbounded-memory`).
 UNBOUNDED = "unbounded-memory"
+# What no pause-time KV policy can beat: `swap+swap-preemption` whose copies take no time, with a host
+# pool 20x the device pool: KV that is not running this step holds no device memory, is never
+# recomputed and never waits for a copy; the running contexts alone fill the device pool
+# (`--policies paused-kv-free`). Between it and `unbounded-memory` is what only running KV costs.
+PAUSED_KV_FREE = "paused-kv-free"
+FREE_COPY_BYTES_PER_S = 1e18
 # Rate sweeps (two or more rates of one workload) also give the sustainable programs/s at the SLO.
 WORKLOADS = ("mix@14", "mix@22", "mix@30", "long@0.05", "long@0.1", "long@0.15", "long@0.2", "burst", "burst240",
              "burst-cpu", "approval@10")
@@ -176,6 +188,11 @@ def run_one(task: tuple[str, str, int, dict]) -> dict:
     if policy == UNBOUNDED:  # a bound, not a policy: every paused context stays, in a 20x device pool
         engine = SimulatedEngine("preserve", s.profile, 20 * (s.bound_device_blocks or s.device_blocks),
                                  s.host_blocks, max_num_seqs=MAX_NUM_SEQS)
+    elif policy == PAUSED_KV_FREE:  # a bound too: free copies to a 20x host pool
+        free_copies = dataclasses.replace(s.profile, d2h_bytes_per_s=FREE_COPY_BYTES_PER_S,
+                                          h2d_bytes_per_s=FREE_COPY_BYTES_PER_S)
+        engine = SimulatedEngine("swap+swap-preemption", free_copies, s.device_blocks, 20 * s.device_blocks,
+                                 max_num_seqs=MAX_NUM_SEQS)
     else:
         engine = SimulatedEngine(policy, s.profile, s.device_blocks, s.host_blocks, max_num_seqs=MAX_NUM_SEQS)
     start = time.perf_counter()

@@ -5,7 +5,8 @@ the server cannot share one environment); each case is a test here. They cover: 
 session's blocks; discard frees them and the resume recomputes only past the prefix-cache hit; the
 resumed context is the same either way; paused KV is reclaimed before a running request is preempted; a
 pool full of paused sessions still admits new work (and stock vLLM, on the same pool, does not: the
-deadlock the reclaim prevents); min-waste discards a long pause and preserves a short one; the host tier
+deadlock the reclaim prevents); min-waste discards a long pause and preserves a short one; a tool's
+history records the pause until its result arrived (not until the scheduler's next step); the host tier
 (`HostTierConnector`, with a fake worker copying real tensors in the order vLLM's model runner does):
 a swapped session's KV goes to the host and comes back position for position, reclaim swaps when a copy is
 cheaper, a full host pool means a discard, a context larger than the step's swap budget leaves over
@@ -37,6 +38,7 @@ CASES = ("preserve_keeps_a_paused_sessions_blocks",
          "no_profile_no_plan",
          "ending_a_discarded_session_frees_everything",
          "measured_pause_feeds_the_estimator",
+         "the_tool_history_records_the_pause_until_the_result_arrived",
          "swap_moves_a_paused_sessions_kv_to_the_host_and_back",
          "reclaim_swaps_paused_kv_when_a_copy_is_cheaper_than_a_recompute",
          "a_full_host_pool_means_a_discard",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import json
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -277,6 +278,21 @@ def case_measured_pause_feeds_the_estimator():
     s._on_message({"op": "pause", "id": "a", "tool": "search"})
     resume(s, "a", prompt(5, 5000))
     assert len(s.estimator.history("search")) == 1
+
+
+def case_the_tool_history_records_the_pause_until_the_result_arrived():
+    """The result's arrival time (`{"op": "result"}`, sent by the worker ahead of the input) ends the
+    pause in the history, not the step at which vLLM hands the scheduler the next chunk."""
+    s = make("preserve")
+    s.add_request(request("a", prompt(20)))
+    run_until_paused(s, "a")
+    s._on_message({"op": "pause", "id": "a", "tool": "search"})
+    paused_at = s.pauses["a"].paused_at
+    s._on_message({"op": "result", "id": "a", "at": paused_at + 0.001})
+    time.sleep(0.05)  # the step in flight
+    resume(s, "a", prompt(5, 5000))
+    (recorded,) = s.estimator.history("search")
+    assert abs(recorded - 0.001) < 1e-9, recorded
 
 
 def case_swap_moves_a_paused_sessions_kv_to_the_host_and_back():

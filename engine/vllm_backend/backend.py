@@ -31,6 +31,7 @@ import asyncio
 import json
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 
 from ..backend import EngineBackend, EngineInfo, EngineSnapshot, KVLocation
@@ -272,7 +273,9 @@ class VllmBackend(EngineBackend):
         self._resumes_by_kv[resume_kv_place(*self._kv_tokens(gen))] += 1
         if gen.session:
             # vLLM dropped the last sampled token, whose KV it never computed: it leads the new chunk.
-            msg = {"op": "resume", "id": gen.wire_id, "tokens": [gen.context[-1], *appended]}
+            # `at`: when the result arrived, for the tool's duration history (the scheduler otherwise sees
+            # the resume only at its next step, and every call would look that much longer).
+            msg = {"op": "resume", "id": gen.wire_id, "tokens": [gen.context[-1], *appended], "at": time.monotonic()}
             gen.cached = self._device_tokens(gen)  # as the scheduler last reported (a later discard: _advance)
             with self._lock:
                 self._resumed_hits.pop(gen.wire_id, None)

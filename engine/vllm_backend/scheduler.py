@@ -80,6 +80,7 @@ class _Pause:
     paused_at: float
     tool: str | None = None
     hint_s: float | None = None
+    result_at: float | None = None  # when its tool result reached the server (time.monotonic, one clock per host)
     frontier: int | None = None  # set while off the device: the computed tokens it had (vLLM's session update needs it)
 
 
@@ -146,9 +147,13 @@ class _InterceptMixin:
 
     def _update_request_as_session(self, session: Request, update) -> None:
         rid = external_id(session.request_id)
+        self._read_channel()  # the result's arrival time, sent ahead of this input
         pause = self.pauses.pop(rid, None)
         if pause is not None:
-            self.estimator.observe(pause.tool, time.monotonic() - pause.paused_at)
+            # Until the result arrived, not until this step: as the native scheduler (`Scheduler.resume`).
+            now = time.monotonic()
+            ended = now if pause.result_at is None else min(pause.result_at, now)
+            self.estimator.observe(pause.tool, max(ended - pause.paused_at, 0.0))
         if pause is None or pause.frontier is None:
             if self.host_tier is not None:
                 self.host_tier.drop(session.request_id)  # resumed before its swap completed: the device has it
@@ -324,6 +329,10 @@ class _InterceptMixin:
             pause = self.pauses.get(msg["id"])
             if pause is not None:
                 pause.tool, pause.hint_s = msg.get("tool"), msg.get("expected_s")
+        elif msg["op"] == "result":
+            pause = self.pauses.get(msg["id"])
+            if pause is not None:
+                pause.result_at = msg["at"]
 
     def state(self) -> dict:
         """Sent to the worker on change: where each paused session's KV is ([device, host, discarded]

@@ -12,7 +12,7 @@ standard library, vllm and torch (our scheduler and connector are loaded by vLLM
     backend -> worker                                   worker -> backend
     {"op": "generate", "id", "prompt", "params",        {"op": "ready", "info"}            once, at start
      "resumable"}                                       {"op": "out", "id", "tokens", "logprobs",
-    {"op": "resume", "id", "tokens", "params"}           "finish_reason", "stop_reason", "cached"}
+    {"op": "resume", "id", "tokens", "params", "at"}     "finish_reason", "stop_reason", "cached"}
     {"op": "pause", "id", "tool", "expected_s"}         {"op": "gone", "id", "error",      vLLM let it go
     {"op": "end", "id"}        a paused request ends     "bad_input"}
     {"op": "abort", "id"}                               {"op": "kv", "paused", "resumed", "counters"}
@@ -27,7 +27,7 @@ so the backend never slices cumulative lists. Token lists handed to vLLM are alw
 
 With `policy_channel`, vLLM runs `InterceptScheduler` (scheduler.py) in its engine-core process, and a
 Unix socket (a `Listener` with a random key; its address goes to the scheduler in vLLM's
-`additional_config`) links it to this process: `pause` hints and the start-up profile go to it, and its
+`additional_config`) links it to this process: `pause` hints, each `result`'s arrival time and the start-up profile go to it, and its
 `kv` state (where each paused session's KV is, what the policy did) comes back and is passed on. With a
 host tier, vLLM also runs our KV connector (host_tier.py; `kv_transfer_config`, sent as plain data), and
 the start-up profile includes the copy bandwidth the connector's copies get (`copy_bandwidth`).
@@ -266,6 +266,8 @@ class Worker:
             self.tasks[rid] = asyncio.create_task(self.stream(rid, prompt, params))
         elif op == "resume":
             params = sampling_params(msg["params"])
+            if self.policy is not None and "at" in msg:  # ahead of the input, so the scheduler has it first
+                self.policy.send({"op": "result", "id": rid, "at": msg["at"]})
             if rid in self.inputs:
                 self.inputs[rid].put_nowait(StreamingInput(TokensPrompt(prompt_token_ids=list(msg["tokens"])), params))
         elif op == "pause":
