@@ -86,11 +86,12 @@ CPU_PROFILE = RESULTS / "cpu_profile.json"
 GIB = 1024 ** 3
 
 # Each part alone on the paper's policy, the default `infercept` (infercept-paper + expected-waste +
-# prefetch + ample-preserve where copies stall), and today's servers; `unbounded-memory` only where it is
-# asked for.
+# prefetch + deferred-swap, + ample-preserve where copies stall, + ample-no-discard where they overlap),
+# and today's servers; the bounds only where they are asked for.
 POLICIES = ("infercept-paper", "infercept-paper+program-arrival-priority", "infercept-paper+las-priority",
             "infercept-paper+expected-waste", "infercept-paper+prefetch", "infercept-paper+context-cost",
             "infercept-paper+admission", "infercept-paper+ample-preserve", "infercept-paper+ample-no-discard",
+            "infercept-paper+deferred-swap",
             "infercept", "prefix-cache")
 # What no KV policy can beat: `preserve` with a device pool 20x as large, so that no context is ever
 # swapped, discarded or preempted; only compute limits it (`--policies unbounded-memory`).

@@ -49,7 +49,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "+recompute-preemption (e.g. swap+swap-preemption) changes how KV leaves the device "
                         "under memory pressure; infercept-paper is the paper's policy exactly, and "
                         "+las-priority, +program-arrival-priority, +expected-waste, +prefetch, +context-cost, "
-                        "+admission, +ample-preserve, +ample-no-discard (+no-... to remove one) switch issue 22's "
+                        "+deferred-swap, +admission, +ample-preserve, +ample-no-discard (+no-... to remove one) switch issue 22's "
                         "parts. --backend vllm: infercept, infercept-paper, preserve, swap, prefix-cache or discard "
                         "(the last two are stock vLLM)")
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",

@@ -383,7 +383,8 @@ def agent_workloads(draw):
                                    "prefix-cache", "infercept-paper+las-priority", "prefix-cache+program-arrival-priority",
                                    "infercept-paper+las-priority+expected-waste+prefetch", "infercept-paper+admission",
                                    "infercept+admission", "discard+admission", "infercept-paper+las-priority+admission",
-                                   "infercept-paper+ample-no-discard"]))
+                                   "infercept-paper+ample-no-discard", "infercept-paper+deferred-swap",
+                                   "infercept+deferred-swap"]))
     return (num_blocks, draw(st.integers(0, 2 * num_blocks)), requests, policy, draw(st.integers(1, 24)),
             draw(st.integers(1, 6)), draw(st.booleans()))
 

@@ -19,9 +19,10 @@ from infercept.engine.policy import DurationEstimator, Profile
 from infercept.engine.policy.profile import h100_llama3_8b
 from infercept.engine.request import InterceptParams, Request
 from infercept.engine.sampling_params import SamplingParams
-from infercept.engine.simulation import SimulatedEngine
+from infercept.engine.simulation import SimulatedEngine, coarsen_profile
 
 workload = load_bench("workload")
+long_context = load_bench("long_context")
 BS = 16
 
 
@@ -44,7 +45,8 @@ PROFILES = {"toy": toy_profile, "cpu": cpu_like_profile, "h100": h100_llama3_8b}
 POLICIES = ("infercept", "infercept-paper", "infercept-paper+expected-waste", "infercept-paper+las-priority",
             "infercept-paper+prefetch",
             "heuristic-preserve", "preserve", "budgeted-swap", "swap", "prefix-cache", "discard",
-            "infercept+recompute-preemption", "infercept+ample-no-discard")
+            "infercept+recompute-preemption", "infercept+ample-no-discard", "infercept-paper+deferred-swap",
+            "infercept+deferred-swap")
 
 
 def assert_totals_match(sched) -> None:
@@ -115,6 +117,32 @@ def test_event_driven_plan_makes_every_decision_the_per_step_plan_makes(seed, po
     for i, (a, b) in enumerate(zip(reference, events)):
         assert a == b, f"step {i} differs"
     assert ev_result.summary() == ref_result.summary()
+
+
+def test_deferred_swaps_make_every_decision_the_per_step_plan_makes(monkeypatch):
+    """`+deferred-swap` keeps contexts the waste rule would discard, and the guards must not put them to
+    sleep: the first 400 s of `parts_sim.py`'s long@0.15 (coding agents, 8k-100k-token contexts, token
+    scale 16, the H100 model's pools), where the pool comes under pressure and swap-ins take the budget,
+    decided the same with and without event-driven planning, with deferrals happening."""
+    from infercept.engine.policy import decisions
+    deferred, defer_swap = [], decisions.defer_swap
+
+    def counting(*args):
+        deferred.append(defer_swap(*args))
+        return deferred[-1]
+
+    monkeypatch.setattr(decisions, "defer_swap", counting)
+    trace = long_context.long_context_trace(0.15, 400.0, 0)
+    profile = h100_llama3_8b(attention=True)
+    logs = []
+    for event_driven in (False, True):
+        engine = SimulatedEngine("infercept+deferred-swap", coarsen_profile(profile, 16), 28181, 65536,
+                                 event_driven=event_driven)
+        log: list = []
+        engine.run_trace(trace, token_scale=16, until=400.0, on_step=step_log(engine, log, [0]))
+        logs.append(log)
+    assert logs[0] == logs[1]
+    assert sum(deferred) > 20, "the scenario never deferred a swap"
 
 
 @pytest.mark.parametrize("policy,host_blocks", [("infercept", 0), ("heuristic-preserve", 4000), ("preserve", 4000)])

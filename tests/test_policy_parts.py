@@ -56,11 +56,12 @@ def test_default_infercept_is_a_measured_combination_of_parts():
     there (under the combination's name) is the default's."""
     default = make_policy("infercept")
     assert isinstance(default, InferCeptPaperPolicy)
-    combination = make_policy("infercept-paper+expected-waste+prefetch")
+    combination = make_policy("infercept-paper+expected-waste+prefetch+deferred-swap")
     assert (default.priority, default.expected_waste, default.prefetch, default.preemption, default.lazy_discard,
-            default.context_cost, default.admission) == \
+            default.context_cost, default.admission, default.deferred_swap) == \
         (combination.priority, combination.expected_waste, combination.prefetch, combination.preemption,
-         combination.lazy_discard, combination.context_cost, combination.admission)
+         combination.lazy_discard, combination.context_cost, combination.admission, combination.deferred_swap)
+    assert make_policy("infercept+no-deferred-swap").label == "infercept+no-deferred-swap"
     # ... and +ample-preserve where copies stall the forward pass (a CPU profile), +ample-no-discard where
     # they overlap it (a GPU's).
     assert default.ample_preserve == "by-copy-overlap" and not combination.ample_preserve
@@ -75,34 +76,37 @@ def test_default_infercept_is_a_measured_combination_of_parts():
 def test_ample_memory_preserves_what_the_waste_rule_would_swap_or_discard():
     """A 10 s call with a swap budget: the waste rule swaps it out, and discards one that does not fit the
     budget. With room for all queued work (`spare_device_tokens` >= 0) the default keeps both; with
-    less room, or none reported, it plans as the waste rule does."""
+    less room, or none reported, it plans as the waste rule does. (Without deferred swaps, which would
+    keep the second for the next budget: `test_deferred_swap_*`.)"""
     p = toy_profile()
     reqs = [paused("a", 200, [10.0]), paused("b", 200, [10.0], arrival=1.0)]
-    rule = make_policy("infercept+no-ample-preserve")
+    rule = make_policy("infercept+no-ample-preserve+no-deferred-swap")
 
     def actions(policy, spare):
         plan = policy.plan(reqs, IterationInfo(300, 50, 200, spare_device_tokens=spare), p)
         return [plan.action(r.request_id) for r in reqs]
 
     assert actions(rule, 0) == [KVAction.SWAP_OUT, KVAction.DISCARD]
-    assert actions(make_policy("infercept"), 0) == [KVAction.PRESERVE, KVAction.PRESERVE]
-    assert actions(make_policy("infercept"), -1) == actions(rule, -1) == actions(make_policy("infercept"), None)
+    assert actions(make_policy("infercept+no-deferred-swap"), 0) == [KVAction.PRESERVE, KVAction.PRESERVE]
+    assert actions(make_policy("infercept+no-deferred-swap"), -1) == actions(rule, -1) == actions(make_policy("infercept+no-deferred-swap"), None)
     # Where copies overlap the forward pass (a GPU profile) the default swaps within the budget anyway
     # and keeps only what the rule would discard; +ample-preserve keeps the KV on any device.
     p = toy_profile(device="NVIDIA H100 80GB HBM3")
-    assert actions(make_policy("infercept"), 0) == [KVAction.SWAP_OUT, KVAction.PRESERVE]
-    assert actions(make_policy("infercept"), -1) == actions(rule, -1)
-    assert actions(make_policy("infercept+ample-preserve"), 0) == [KVAction.PRESERVE, KVAction.PRESERVE]
+    assert actions(make_policy("infercept+no-deferred-swap"), 0) == [KVAction.SWAP_OUT, KVAction.PRESERVE]
+    assert actions(make_policy("infercept+no-deferred-swap"), -1) == actions(rule, -1)
+    assert actions(make_policy("infercept+ample-preserve+no-deferred-swap"), 0) == [KVAction.PRESERVE, KVAction.PRESERVE]
 
 
 @pytest.mark.parametrize("base", ["infercept", "infercept-paper"])
 def test_ample_no_discard_preserves_what_the_waste_rule_would_discard(base):
     """No swap budget: the waste rule discards a 10 s call (preserving 200 tokens for 10 s wastes more
     than recomputing them). +ample-no-discard keeps it while the pool has room for all queued work, on
-    a GPU profile too, and discards it as the rule does once that room is gone or not reported."""
+    a GPU profile too, and discards it as the rule does once that room is gone or not reported. (Without
+    deferred swaps, which would keep it for the next budget.)"""
     p = toy_profile(device="NVIDIA H100 80GB HBM3")
     reqs = [paused("a", 200, [10.0])]
-    rule, part = make_policy(base + "+no-ample-preserve"), make_policy(base + "+ample-no-discard")
+    rule = make_policy(base + "+no-ample-preserve+no-deferred-swap")
+    part = make_policy(base + "+ample-no-discard+no-deferred-swap")
 
     def action(policy, spare):
         return policy.plan(reqs, IterationInfo(300, 50, 0, spare_device_tokens=spare), p).action("a")
@@ -502,3 +506,44 @@ def test_tool_history_records_the_pause_until_the_result_arrived_not_until_the_e
     engine.idle_until(paused_at + 1.5)
     engine.scheduler.resume(rid, [1], result_at=paused_at + 1.0)
     assert engine.scheduler.estimator.history("t") == [pytest.approx(1.0)]
+
+
+# -- deferred swap --------------------------------------------------------------------------------
+
+def test_deferred_swap_keeps_a_context_for_the_budget_a_step_later():
+    """C = 200 with 300 running tokens: Eq. 4 = 80 B·s; a 5 s pause held on the device is 10,000.
+    With this iteration's budget spent (swap-ins took it), the paper's rule discards. A full budget
+    moves T_fwd(50) = 10 ms of copy at 1 MB/s = 1,000 tokens, so the swap waits one iteration: held
+    for 10 ms (20 B·s) < 80, deferred (preserved now, swapped when the budget comes). Not once the time
+    already held since the pause tips it over the discard (50 ms: 120 B·s), nor without host room."""
+    p = toy_profile()
+    spent = IterationInfo(300, 50, swap_out_budget=0, free_host_tokens=10_000)
+    fresh = paused("a", 200, [5.0])
+    assert min_waste_plan([fresh], spent, p).action("a") is KVAction.DISCARD
+    deferring = make_policy("infercept-paper+deferred-swap")
+    assert deferring.plan([fresh], spent, p).action("a") is KVAction.PRESERVE
+    assert deferring.plan([paused("a", 200, [5.0], elapsed=0.05)], spent, p).action("a") is KVAction.DISCARD
+    no_room = dataclasses.replace(spent, free_host_tokens=100)
+    assert deferring.plan([fresh], no_room, p).action("a") is KVAction.DISCARD
+    # The next iteration has budget: the kept context is swapped out, as the paper's rule would.
+    budget = dataclasses.replace(spent, swap_out_budget=1000)
+    assert deferring.plan([paused("a", 200, [5.0 - 0.01], elapsed=0.01)], budget, p).action("a") is KVAction.SWAP_OUT
+    # The expected-waste rule defers the same way.
+    assert make_policy("infercept-paper+expected-waste+deferred-swap").plan([fresh], spent, p).action("a") \
+        is KVAction.PRESERVE
+
+
+def test_deferred_swaps_queue_behind_each_other():
+    """Six contexts of 200 tokens, deferred most wasteful first (ties: oldest first). A full budget
+    moves 1,000 tokens an iteration: the first five wait one iteration, the sixth, with 1,000 tokens
+    ahead of it, two (20 ms: 40 B·s held < 80): all six kept. At a tenth of the copy speed a budget is
+    100 tokens: the first waits two iterations (40 B·s), the second, behind it, four (40 ms: 80 B·s, no
+    less than the discard), and so does every later one: only the first is kept."""
+    p, spent = toy_profile(), IterationInfo(300, 50, swap_out_budget=0, free_host_tokens=10_000)
+    many = [paused(f"r{i}", 200, [5.0], arrival=i) for i in range(6)]
+    deferring = make_policy("infercept-paper+deferred-swap")
+    assert deferring.plan(many, spent, p).ids(KVAction.PRESERVE) == [f"r{i}" for i in range(6)]
+    slow = toy_profile(d2h_bytes_per_s=1e5, h2d_bytes_per_s=1e5)
+    plan = deferring.plan(many, spent, slow)
+    assert plan.ids(KVAction.PRESERVE) == ["r0"]
+    assert plan.ids(KVAction.DISCARD) == [f"r{i}" for i in range(1, 6)]

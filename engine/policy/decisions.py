@@ -299,17 +299,63 @@ def _swap_in_order(ordered: Sequence[_Scored], budget: int, profile: Profile,
     return decisions, rest
 
 
-def min_waste_plan(paused: Sequence[PausedInfo], iteration: IterationInfo, profile: Profile) -> KVPlan:
-    """The paper's per-iteration min-waste decision (§4.3); see the module docstring."""
+def min_waste_plan(paused: Sequence[PausedInfo], iteration: IterationInfo, profile: Profile,
+                   deferred_swap: bool = False) -> KVPlan:
+    """The paper's per-iteration min-waste decision (§4.3); see the module docstring. `deferred_swap`:
+    `defer_swap` before a discard (`Policy.deferred_swap`)."""
     scored = [score(p, iteration, profile, chunked=True) for p in _holding_device(paused)]
     # Most wasteful first; ties by original arrival (older first) so the order is deterministic.
     ordered = sorted(scored, key=lambda s: (-s.min_waste, s.info.arrival_time, s.info.request_id))
     iteration_s = profile.t_fwd(iteration.num_batched_tokens)
-    decisions, rest = _swap_in_order(ordered, swap_room(iteration), profile,
-                                     eligible=lambda s: worth_swapping(s.info, profile, iteration_s))
-    for s in rest:
-        decisions[s.info.request_id] = s.decide(KVAction.PRESERVE) if s.cheaper_to_preserve else _drop(s)
+
+    def eligible(s: _Scored) -> bool:
+        return worth_swapping(s.info, profile, iteration_s)
+
+    decisions, rest = _swap_in_order(ordered, swap_room(iteration), profile, eligible=eligible)
+    decisions.update(_preserve_or_drop(rest, decisions, iteration, profile, eligible if deferred_swap else None))
     return _in_input_order(paused, decisions)
+
+
+def _preserve_or_drop(rest: Sequence[_Scored], swapped: dict[str, KVDecision], iteration: IterationInfo,
+                      profile: Profile, swappable=None) -> dict[str, KVDecision]:
+    """Step 3 of the rule for what the budget did not swap: preserve or discard, whichever wastes less;
+    with `swappable` (`Policy.deferred_swap`), a discard is first weighed against `defer_swap`."""
+    decisions: dict[str, KVDecision] = {}
+    backlog = 0  # device tokens deferred ahead of the next one, most wasteful first
+    host_room = math.inf if iteration.free_host_tokens is None else iteration.free_host_tokens - sum(
+        d.swap_out_tokens for d in swapped.values())
+    for s in rest:
+        if s.cheaper_to_preserve:
+            decisions[s.info.request_id] = s.decide(KVAction.PRESERVE)
+        elif (swappable is not None and s.info.kv_state == "device" and swappable(s)
+              and backlog + s.info.num_device_tokens <= host_room and defer_swap(s, backlog, iteration, profile)):
+            decisions[s.info.request_id] = s.decide(KVAction.PRESERVE)
+            backlog += s.info.num_device_tokens
+        else:
+            decisions[s.info.request_id] = _drop(s)
+    return decisions
+
+
+def defer_swap(scored: _Scored, backlog: int, iteration: IterationInfo, profile: Profile) -> bool:
+    """Keep a context the rule would discard for the iterations its swap-out needs, when this
+    iteration's budget is spent (`Policy.deferred_swap`, beyond the paper): the paper weighs a discard
+    against preserving for the whole pause, never against a swap a few iterations later, so under a
+    busy copy engine (swap-ins go first: a long-context workload's resumes took the whole budget in most
+    iterations, simulated) it discards contexts it would have swapped had the budget come one step
+    sooner, and recomputes them. The wait is the iterations a full budget ``N_i`` needs for `backlog`
+    (the device tokens deferred ahead of this one) and this context, at this iteration's forward time.
+    Deferred while the pause outlasts the wait and the memory held since the pause plus during the
+    wait wastes less than the discard (Eq. 4): counting the time already held ends the deferral of a
+    context the budget keeps passing over; the reclaim path takes it at once if a running request needs
+    the room."""
+    info = scored.info
+    iteration_s = profile.t_fwd(iteration.num_batched_tokens)
+    per_iteration = profile.swap_budget_tokens(iteration_s)
+    if per_iteration <= 0:
+        return False
+    wait = math.ceil((backlog + info.num_device_tokens) / per_iteration) * iteration_s
+    held = (info.elapsed_s + wait) * info.num_device_tokens * profile.bytes_per_token
+    return wait < info.expected_s and held < scored.waste_discard
 
 
 def cheaper_to_swap_than_discard(info: PausedInfo, iteration: IterationInfo, profile: Profile) -> bool:
@@ -400,11 +446,13 @@ def expected_swap_waste(info: PausedInfo, profile: Profile, iteration_s: float) 
     return (early + resume_delay_swap(info.num_tokens, profile, iteration_s)) * C * profile.bytes_per_token
 
 
-def expected_waste_plan(paused: Sequence[PausedInfo], iteration: IterationInfo, profile: Profile) -> KVPlan:
+def expected_waste_plan(paused: Sequence[PausedInfo], iteration: IterationInfo, profile: Profile,
+                        deferred_swap: bool = False) -> KVPlan:
     """`min_waste_plan` with expected wastes over the remaining-time distribution: scored by
     `score_expected`; swapped out, most wasteful first within the budget, only where the paper's
     round-trip check passes (`worth_swapping`) and the swap's expected waste is at most both others
-    (a tie goes to the swap, as in the paper: within the budget it costs nothing)."""
+    (a tie goes to the swap, as in the paper: within the budget it costs nothing). `deferred_swap` as
+    in `min_waste_plan`."""
     scored = [score_expected(p, iteration, profile) for p in _holding_device(paused)]
     ordered = sorted(scored, key=lambda s: (-s.min_waste, s.info.arrival_time, s.info.request_id))
     iteration_s = profile.t_fwd(iteration.num_batched_tokens)
@@ -414,8 +462,7 @@ def expected_waste_plan(paused: Sequence[PausedInfo], iteration: IterationInfo, 
                 and expected_swap_waste(s.info, profile, iteration_s) <= s.min_waste)
 
     decisions, rest = _swap_in_order(ordered, swap_room(iteration), profile, eligible=eligible)
-    for s in rest:
-        decisions[s.info.request_id] = s.decide(KVAction.PRESERVE) if s.cheaper_to_preserve else _drop(s)
+    decisions.update(_preserve_or_drop(rest, decisions, iteration, profile, eligible if deferred_swap else None))
     return _in_input_order(paused, decisions)
 
 
@@ -528,6 +575,10 @@ class Policy:
       (`Profile.t_attention`, when the profile models it): chunk i of n attends to i/n of the context,
       so recomputing C tokens costs ~C^2 more than ``n * T_fwd(C/n)`` says. Without it the policy sees
       the profile without attention, as the paper's equations do. Only matters for long contexts.
+    - ``deferred_swap``: a paused context the waste rule would discard because this iteration's swap
+      budget is spent is kept for the iterations its swap needs, when that wastes less (`defer_swap`;
+      beyond the paper, which weighs a discard only against preserving for the whole pause). Only the
+      min-waste policies read it.
     - ``admission``: admission under overload (issue 22, item 4): while the device pool thrashes, new
       programs start only within an AIMD cap on the active ones (`admission.AdmissionController`, one
       per scheduler); turns of active programs are never held back. Any policy may add it.
@@ -543,13 +594,14 @@ class Policy:
     expected_waste: bool = False
     prefetch: bool = False
     context_cost: bool = False
+    deferred_swap: bool = False
     admission: bool = False
     ample_preserve: bool | str = False  # or AMPLE_NO_DISCARD, BY_COPY_OVERLAP
 
     def __init__(self, *, lazy_discard: bool | None = None, preemption: str | None = None,
                  priority: str | None = None, expected_waste: bool | None = None, prefetch: bool | None = None,
-                 context_cost: bool | None = None, admission: bool | None = None,
-                 ample_preserve: bool | str | None = None):
+                 context_cost: bool | None = None, deferred_swap: bool | None = None,
+                 admission: bool | None = None, ample_preserve: bool | str | None = None):
         if lazy_discard is not None:
             self.lazy_discard = lazy_discard  # per-instance override, e.g. for ablations
         if preemption is not None:
@@ -566,6 +618,8 @@ class Policy:
             self.prefetch = prefetch
         if context_cost is not None:
             self.context_cost = context_cost
+        if deferred_swap is not None:
+            self.deferred_swap = deferred_swap
         if admission is not None:
             self.admission = admission
         if ample_preserve is not None:
@@ -614,6 +668,8 @@ class Policy:
             parts.append("prefetch" if self.prefetch else "no-prefetch")
         if self.context_cost != cls.context_cost:
             parts.append("context-cost" if self.context_cost else "no-context-cost")
+        if self.deferred_swap != cls.deferred_swap:
+            parts.append("deferred-swap" if self.deferred_swap else "no-deferred-swap")
         if self.admission != cls.admission:
             parts.append("admission" if self.admission else "no-admission")
         if self.ample_preserve != cls.ample_preserve:
@@ -737,7 +793,7 @@ class InferCeptPaperPolicy(Policy):
                 if p.prefetched and resume_imminent(p, profile, step_s, p.num_tokens):
                     held[p.request_id] = KVDecision(p.request_id, KVAction.PRESERVE)
         plan = (expected_waste_plan if self.expected_waste else min_waste_plan)(
-            [p for p in paused if p.request_id not in held], iteration, profile)
+            [p for p in paused if p.request_id not in held], iteration, profile, self.deferred_swap)
         if not held:
             return plan
         held.update((d.request_id, d) for d in plan)
@@ -771,14 +827,17 @@ class InferCeptPolicy(InferCeptPaperPolicy):
     seed-to-seed noise there, more resumes finding their KV on the device): expected-waste decisions
     and proactive swap-in; and while the device pool has room for all queued work, no swap or discard
     where copies stall the forward pass (a CPU; from the real server, benchmarks/README.md, "Ample
-    memory"), no discard where they overlap it (a GPU; `approval@10` twice as fast, the mix unchanged).
-    Least attained service is not among them: it raised latency on every loaded workload
+    memory"), no discard where they overlap it (a GPU; `approval@10` twice as fast, the mix unchanged);
+    and deferred swaps (`defer_swap`: the long-context workload 1.06x the sustainable programs/s, its
+    recompute share of forward time at 0.1 programs/s from 9.5% to 1.4%, every other workload
+    unchanged). Least attained service is not among them: it raised latency on every loaded workload
     measured."""
 
     name = "infercept"
     expected_waste = True
     prefetch = True
     ample_preserve = BY_COPY_OVERLAP
+    deferred_swap = True
 
 
 class PreservePolicy(Policy):
@@ -852,8 +911,8 @@ FIGURE3_ABLATION = ("vllm", "improved-discard", "chunked-discard", "budgeted-swa
 
 # The parts a policy name may add after "+", each switching one thing (`Policy` attributes).
 VARIANTS = tuple(f"{p}-preemption" for p in PREEMPTIONS) + tuple(f"{p}-priority" for p in PRIORITIES) + (
-    "expected-waste", "mean-waste", "prefetch", "no-prefetch", "context-cost", "no-context-cost", "admission",
-    "no-admission", "ample-preserve", "no-ample-preserve", "ample-no-discard")
+    "expected-waste", "mean-waste", "prefetch", "no-prefetch", "context-cost", "no-context-cost", "deferred-swap",
+    "no-deferred-swap", "admission", "no-admission", "ample-preserve", "no-ample-preserve", "ample-no-discard")
 
 
 def _variant(part: str) -> tuple[str, object]:
@@ -867,6 +926,8 @@ def _variant(part: str) -> tuple[str, object]:
         return "prefetch", part == "prefetch"
     if part in ("context-cost", "no-context-cost"):
         return "context_cost", part == "context-cost"
+    if part in ("deferred-swap", "no-deferred-swap"):
+        return "deferred_swap", part == "deferred-swap"
     if part in ("admission", "no-admission"):
         return "admission", part == "admission"
     if part in ("ample-preserve", "no-ample-preserve"):
@@ -891,6 +952,6 @@ def make_policy(name: str, **kwargs) -> Policy:
     except KeyError:
         raise ValueError(f"unknown policy {base!r}; choose one of {', '.join(sorted(POLICIES))} "
                          f"(optionally +recompute-preemption or +swap-preemption, +las-priority, "
-                         f"+program-arrival-priority, +expected-waste, +prefetch, +context-cost, +admission, "
+                         f"+program-arrival-priority, +expected-waste, +prefetch, +context-cost, +deferred-swap, +admission, "
                          f"+ample-preserve, +ample-no-discard)") from None
     return cls(**kwargs)
