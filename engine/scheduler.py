@@ -240,8 +240,8 @@ class Scheduler:
         if not self._prefetches() or self.blocks.num_free_blocks == 0:
             return None  # nothing to bring back, or no room for it until a resume or arrival
         lead, wake = self.step_lead_s(), math.inf
-        for r, host in self._predicted_host_holders():
-            wake = min(wake, self._paused_info(r).expected_s - self.profile.t_swap(host, "in") - lead)
+        for _, host, expected in self._predicted_host_holders():
+            wake = min(wake, expected - self.profile.t_swap(host, "in") - lead)
         # A hair late, so that at the wake the resume is imminent by a strict margin, not by rounding.
         return None if wake == math.inf else max(wake, 0.0) + WAKE_EARLY_S
 
@@ -465,15 +465,21 @@ class Scheduler:
         return (self.policy is not None and self.profile is not None and self.policy.prefetch
                 and self.paused_kv.host_tokens > 0)
 
-    def _predicted_host_holders(self) -> list[tuple[Request, int]]:
+    def _predicted_host_holders(self) -> list[tuple[Request, int, float]]:
         """Paused requests with KV on the host whose remaining pause is predicted (a hint, the tool's
-        history: the elapsed-time rule cannot say a resume is near), with their host tokens."""
+        history: the elapsed-time rule cannot say a resume is near), with their host tokens and that
+        expected remaining time. Only the estimate: the full `_paused_info` (with the remaining-time
+        distribution) of every such request every step made this walk 80% of a step's scheduling in the
+        simulated six-augment mix (~330 paused requests with host KV)."""
         now, out = self.clock(), []
         for r in self.paused.values():
             host = self.kv_tokens(r)[1]
+            if not host:
+                continue
             hint = r.intercept.expected_s if r.intercept else None
-            if host and self.estimator.predicts(now, r.paused_at, r.duration_key, hint):
-                out.append((r, host))
+            expected = self.estimator.predicted(now, r.paused_at, r.duration_key, hint)
+            if expected is not None:
+                out.append((r, host, expected))
         return out
 
     def _prefetch_candidates(self) -> list[tuple[Request, int]]:
@@ -487,14 +493,13 @@ class Scheduler:
         if not self._prefetches():
             return []
         step_s, per_step = self.step_lead_s(), self._swap_budget_tokens()
-        infos = sorted(((self._paused_info(r), r, host) for r, host in self._predicted_host_holders()),
-                       key=lambda x: (x[0].expected_s, x[1].priority))
+        holders = sorted(self._predicted_host_holders(), key=lambda x: (x[2], x[0].priority))
         ahead = sum(self.kv_tokens(r)[1] for r in self.swapped)
         due = []
-        for info, r, host in infos:
+        for r, host, expected in holders:
             ahead += host
             steps = 1 if not per_step else max(1, -(-ahead // per_step))
-            if resume_imminent(info, self.profile, step_s, host, steps):
+            if resume_imminent(expected, self.profile, step_s, host, steps):
                 due.append((r, host))
         return due
 

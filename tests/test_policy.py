@@ -183,7 +183,8 @@ def test_estimator_history_wins_over_a_hint_once_it_has_data():
     est = DurationEstimator(min_history=3)
     for n in range(3):
         assert est.estimate(now=5.0, call_start=0.0, tool_name="tool", hint_seconds=30.0) == pytest.approx(25.0)
-        assert est.predicts(5.0, 0.0, "tool", 30.0) and est.next_jump(5.0, 0.0, "tool", 30.0) == 30.0
+        assert est.predicted(5.0, 0.0, "tool", 30.0) == pytest.approx(25.0)
+        assert est.next_jump(5.0, 0.0, "tool", 30.0) == 30.0
         est.observe("tool", 8.0 + n)  # 8, 9, 10 s
     assert est.estimate(now=5.0, call_start=0.0, tool_name="tool", hint_seconds=30.0) == pytest.approx(4.0)
     assert est.remaining(5.0, 0.0, "tool", 30.0) == pytest.approx((3.0, 4.0, 5.0))
@@ -191,7 +192,7 @@ def test_estimator_history_wins_over_a_hint_once_it_has_data():
     # past every call of the history: the hint again while it lasts, then the elapsed time
     assert est.estimate(now=12.0, call_start=0.0, tool_name="tool", hint_seconds=30.0) == pytest.approx(18.0)
     assert est.estimate(now=40.0, call_start=0.0, tool_name="tool", hint_seconds=30.0) == pytest.approx(40.0)
-    assert not est.predicts(40.0, 0.0, "tool", 30.0) and est.next_jump(40.0, 0.0, "tool", 30.0) == math.inf
+    assert est.predicted(40.0, 0.0, "tool", 30.0) is None and est.next_jump(40.0, 0.0, "tool", 30.0) == math.inf
     oracle = DurationEstimator(min_history=3, hints_first=True)
     for d in (8.0, 9.0, 10.0):
         oracle.observe("tool", d)

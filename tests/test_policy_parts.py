@@ -363,8 +363,8 @@ def test_prefetched_kv_stays_while_its_resume_looks_imminent():
     from infercept.engine.policy.decisions import resume_imminent
     p, it = toy_profile(), IterationInfo(300, 50, swap_out_budget=1000)
     back = PausedInfo("a", 0.0, 200, "device", 200, 0.5, 0.005, prefetched=True)
-    assert resume_imminent(back, p, p.t_fwd(50), 200)
-    assert not resume_imminent(PausedInfo("b", 0.0, 200, "host", 0, 0.5, 0.02), p, p.t_fwd(50), 200)
+    assert resume_imminent(back.expected_s, p, p.t_fwd(50), 200)
+    assert not resume_imminent(0.02, p, p.t_fwd(50), 200)
     assert make_policy("infercept-paper").plan([back], it, p).action("a") is KVAction.SWAP_OUT
     prefetching = make_policy("infercept-paper+prefetch")
     assert prefetching.plan([back], it, p).action("a") is KVAction.PRESERVE
@@ -491,8 +491,8 @@ def test_prefetch_waits_for_the_expected_resume_not_the_soonest_possible_one():
     from infercept.engine.policy.decisions import resume_imminent
     p = toy_profile()
     heavy = PausedInfo("a", 0.0, 200, "host", 0, 1.0, 5.05, remaining_s=(0.1, 10.0))
-    assert not resume_imminent(heavy, p, 0.2, 200)
-    assert resume_imminent(PausedInfo("b", 0.0, 200, "host", 0, 1.0, 0.1), p, 0.2, 200)
+    assert not resume_imminent(heavy.expected_s, p, 0.2, 200)
+    assert resume_imminent(0.1, p, 0.2, 200)
 
 
 def test_tool_history_records_the_pause_until_the_result_arrived_not_until_the_engine_got_to_it():

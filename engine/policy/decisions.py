@@ -512,7 +512,7 @@ def without_discards(plan: KVPlan) -> KVPlan:
                         for d in plan))
 
 
-def resume_imminent(info: PausedInfo, profile: Profile, step_s: float, host_tokens: int,
+def resume_imminent(expected_s: float, profile: Profile, step_s: float, host_tokens: int,
                     copy_steps: int = 1) -> bool:
     """Proactive swap-in (issue 22, item 2): the expected remaining pause is below the time to copy
     `host_tokens` back plus one step, so a swap-in started now is done when the result arrives. The
@@ -524,7 +524,7 @@ def resume_imminent(info: PausedInfo, profile: Profile, step_s: float, host_toke
     outlasted this one holds the KV of every heavy-tailed pause on the device (the six-augment mix
     recomputed 23% of its forward time that way in simulation, against 0.6%). `copy_steps`: steps the
     per-step swap budget needs for this copy and those queued ahead of it (`Scheduler._prefetch_candidates`)."""
-    return info.expected_s < profile.t_swap(host_tokens, "in") + copy_steps * step_s
+    return expected_s < profile.t_swap(host_tokens, "in") + copy_steps * step_s
 
 
 # -- policies -------------------------------------------------------------------------------------
@@ -569,7 +569,7 @@ class Policy:
       discard costs it nothing; both halve `approval@10`'s latency. Only the min-waste policies read it.
     - ``prefetch``: proactive swap-in (issue 22, item 2): a paused request whose KV is on the host starts
       coming back within the swap-in budget once its resume looks imminent (`resume_imminent`, on an
-      estimate from a hint or the tool's history: `DurationEstimator.predicts`), and the
+      estimate from a hint or the tool's history: `DurationEstimator.predicted`), and the
       plan keeps what came back on the device while it still does. Only the min-waste policies read it.
     - ``context_cost``: the wastes count the attention a recompute spends over the context it rebuilds
       (`Profile.t_attention`, when the profile models it): chunk i of n attends to i/n of the context,
@@ -790,7 +790,7 @@ class InferCeptPaperPolicy(Policy):
             # the prefetch for nothing.
             step_s = iteration.step_lead_s or profile.t_fwd(iteration.num_batched_tokens)
             for p in _holding_device(paused):
-                if p.prefetched and resume_imminent(p, profile, step_s, p.num_tokens):
+                if p.prefetched and resume_imminent(p.expected_s, profile, step_s, p.num_tokens):
                     held[p.request_id] = KVDecision(p.request_id, KVAction.PRESERVE)
         plan = (expected_waste_plan if self.expected_waste else min_waste_plan)(
             [p for p in paused if p.request_id not in held], iteration, profile, self.deferred_swap)

@@ -89,7 +89,7 @@ class DurationEstimator:
         """
         elapsed = max(now - call_start, 0.0)
         totals = self._totals(elapsed, tool_name, hint_seconds)
-        return statistics.fmean(d - elapsed for d in totals) if totals else elapsed
+        return _mean_remaining(totals, elapsed) if totals else elapsed
 
     def remaining(self, now: float, call_start: float, tool_name: str | None = None,
                   hint_seconds: float | None = None) -> tuple[float, ...]:
@@ -101,11 +101,15 @@ class DurationEstimator:
         totals = self._totals(elapsed, tool_name, hint_seconds)
         return tuple(d - elapsed for d in totals) if totals else (elapsed,)
 
-    def predicts(self, now: float, call_start: float, tool_name: str | None = None,
-                 hint_seconds: float | None = None) -> bool:
-        """True if `estimate` rests on history or a hint (rules 1-2), not on the elapsed time alone:
-        only a prediction can say a resume is near (rule 3 says a fresh pause ends at once)."""
-        return bool(self._totals(max(now - call_start, 0.0), tool_name, hint_seconds))
+    def predicted(self, now: float, call_start: float, tool_name: str | None = None,
+                  hint_seconds: float | None = None) -> float | None:
+        """`estimate` where it rests on history or a hint (rules 1-2), None where only the elapsed time
+        speaks: only a prediction can say a resume is near (rule 3 says a fresh pause ends at once). One
+        pass over the history: proactive swap-in asks it of every paused request with host KV, every
+        step."""
+        elapsed = max(now - call_start, 0.0)
+        totals = self._totals(elapsed, tool_name, hint_seconds)
+        return _mean_remaining(totals, elapsed) if totals else None
 
     def next_jump(self, now: float, call_start: float, tool_name: str | None = None,
                   hint_seconds: float | None = None) -> float:
@@ -131,3 +135,10 @@ class DurationEstimator:
                 if survivors:
                     return survivors
         return hint
+
+
+def _mean_remaining(totals: tuple[float, ...], elapsed: float) -> float:
+    """``mean(d - elapsed for d in totals)``, as `statistics.fmean` computes it (an exactly rounded sum
+    over the count) without its generic overhead: it runs for every paused request with host KV, every
+    step (`predicted`)."""
+    return math.fsum([d - elapsed for d in totals]) / len(totals)
