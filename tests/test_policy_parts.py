@@ -81,20 +81,22 @@ def test_ample_memory_preserves_what_the_waste_rule_would_swap_or_discard():
     p = toy_profile()
     reqs = [paused("a", 200, [10.0]), paused("b", 200, [10.0], arrival=1.0)]
     rule = make_policy("infercept+no-ample-preserve+no-deferred-swap")
+    default = make_policy("infercept+no-deferred-swap")
 
     def actions(policy, spare):
         plan = policy.plan(reqs, IterationInfo(300, 50, 200, spare_device_tokens=spare), p)
         return [plan.action(r.request_id) for r in reqs]
 
     assert actions(rule, 0) == [KVAction.SWAP_OUT, KVAction.DISCARD]
-    assert actions(make_policy("infercept+no-deferred-swap"), 0) == [KVAction.PRESERVE, KVAction.PRESERVE]
-    assert actions(make_policy("infercept+no-deferred-swap"), -1) == actions(rule, -1) == actions(make_policy("infercept+no-deferred-swap"), None)
+    assert actions(default, 0) == [KVAction.PRESERVE, KVAction.PRESERVE]
+    assert actions(default, -1) == actions(rule, -1) == actions(default, None)
     # Where copies overlap the forward pass (a GPU profile) the default swaps within the budget anyway
     # and keeps only what the rule would discard; +ample-preserve keeps the KV on any device.
     p = toy_profile(device="NVIDIA H100 80GB HBM3")
-    assert actions(make_policy("infercept+no-deferred-swap"), 0) == [KVAction.SWAP_OUT, KVAction.PRESERVE]
-    assert actions(make_policy("infercept+no-deferred-swap"), -1) == actions(rule, -1)
-    assert actions(make_policy("infercept+ample-preserve+no-deferred-swap"), 0) == [KVAction.PRESERVE, KVAction.PRESERVE]
+    assert actions(default, 0) == [KVAction.SWAP_OUT, KVAction.PRESERVE]
+    assert actions(default, -1) == actions(rule, -1)
+    keeps_all = make_policy("infercept+ample-preserve+no-deferred-swap")
+    assert actions(keeps_all, 0) == [KVAction.PRESERVE, KVAction.PRESERVE]
 
 
 @pytest.mark.parametrize("base", ["infercept", "infercept-paper"])

@@ -324,11 +324,14 @@ def _preserve_or_drop(rest: Sequence[_Scored], swapped: dict[str, KVDecision], i
     backlog = 0  # device tokens deferred ahead of the next one, most wasteful first
     host_room = math.inf if iteration.free_host_tokens is None else iteration.free_host_tokens - sum(
         d.swap_out_tokens for d in swapped.values())
+    iteration_s = profile.t_fwd(iteration.num_batched_tokens)
+    per_iteration = profile.swap_budget_tokens(iteration_s)  # N_i: what a full budget copies per iteration
     for s in rest:
         if s.cheaper_to_preserve:
             decisions[s.info.request_id] = s.decide(KVAction.PRESERVE)
         elif (swappable is not None and s.info.kv_state == "device" and swappable(s)
-              and backlog + s.info.num_device_tokens <= host_room and defer_swap(s, backlog, iteration, profile)):
+              and backlog + s.info.num_device_tokens <= host_room
+              and defer_swap(s, backlog, per_iteration, iteration_s, profile.bytes_per_token)):
             decisions[s.info.request_id] = s.decide(KVAction.PRESERVE)
             backlog += s.info.num_device_tokens
         else:
@@ -336,25 +339,24 @@ def _preserve_or_drop(rest: Sequence[_Scored], swapped: dict[str, KVDecision], i
     return decisions
 
 
-def defer_swap(scored: _Scored, backlog: int, iteration: IterationInfo, profile: Profile) -> bool:
+def defer_swap(scored: _Scored, backlog: int, per_iteration: int, iteration_s: float, bytes_per_token: int) -> bool:
     """Keep a context the rule would discard for the iterations its swap-out needs, when this
     iteration's budget is spent (`Policy.deferred_swap`, beyond the paper): the paper weighs a discard
     against preserving for the whole pause, never against a swap a few iterations later, so under a
     busy copy engine (swap-ins go first: a long-context workload's resumes took the whole budget in most
     iterations, simulated) it discards contexts it would have swapped had the budget come one step
-    sooner, and recomputes them. The wait is the iterations a full budget ``N_i`` needs for `backlog`
-    (the device tokens deferred ahead of this one) and this context, at this iteration's forward time.
+    sooner, and recomputes them. The wait is the iterations a full budget ``N_i`` (`per_iteration`
+    tokens) needs for `backlog` (the device tokens deferred ahead of this one) and this context, at this
+    iteration's forward time `iteration_s`.
     Deferred while the pause outlasts the wait and the memory held since the pause plus during the
     wait wastes less than the discard (Eq. 4): counting the time already held ends the deferral of a
     context the budget keeps passing over; the reclaim path takes it at once if a running request needs
     the room."""
     info = scored.info
-    iteration_s = profile.t_fwd(iteration.num_batched_tokens)
-    per_iteration = profile.swap_budget_tokens(iteration_s)
     if per_iteration <= 0:
         return False
     wait = math.ceil((backlog + info.num_device_tokens) / per_iteration) * iteration_s
-    held = (info.elapsed_s + wait) * info.num_device_tokens * profile.bytes_per_token
+    held = (info.elapsed_s + wait) * info.num_device_tokens * bytes_per_token
     return wait < info.expected_s and held < scored.waste_discard
 
 
@@ -952,6 +954,6 @@ def make_policy(name: str, **kwargs) -> Policy:
     except KeyError:
         raise ValueError(f"unknown policy {base!r}; choose one of {', '.join(sorted(POLICIES))} "
                          f"(optionally +recompute-preemption or +swap-preemption, +las-priority, "
-                         f"+program-arrival-priority, +expected-waste, +prefetch, +context-cost, +deferred-swap, +admission, "
-                         f"+ample-preserve, +ample-no-discard)") from None
+                         f"+program-arrival-priority, +expected-waste, +prefetch, +context-cost, +deferred-swap, "
+                         f"+admission, +ample-preserve, +ample-no-discard)") from None
     return cls(**kwargs)

@@ -87,9 +87,8 @@ class DurationEstimator:
 
         The result is ``T_int`` for WastePreserve (Eq. 2); see the module docstring for the rules.
         """
-        elapsed = max(now - call_start, 0.0)
-        totals = self._totals(elapsed, tool_name, hint_seconds)
-        return _mean_remaining(totals, elapsed) if totals else elapsed
+        predicted = self.predicted(now, call_start, tool_name, hint_seconds)
+        return max(now - call_start, 0.0) if predicted is None else predicted
 
     def remaining(self, now: float, call_start: float, tool_name: str | None = None,
                   hint_seconds: float | None = None) -> tuple[float, ...]:
