@@ -42,10 +42,12 @@ forward time, held memory waste. For every workload swept over two or more rates
 programs/s: per seed, the highest rate whose median normalized latency stays within the SLO (2x the best
 policy's latency at the lowest rate, as `policy_sim.py`), interpolated between the bracketing rates.
 
-Two bounds, not policies, run only when named in `--policies`: `unbounded-memory` (every paused context
-stays, in a 20x device pool: only compute limits it) and `paused-kv-free` (KV not running this step
-costs nothing: free copies to a 20x host pool; the running contexts alone fill the device pool): what
-any pause-time policy could reach lies below the second.
+Bounds, not policies, run only when named in `--policies`: `unbounded-memory` (every paused context
+stays, in a 20x device pool: only compute limits it), `paused-kv-free` (KV not running this step costs
+nothing: free copies to a 20x host pool; the running contexts alone fill the device pool): what any
+pause-time policy could reach lies below the second; `srpt-oracle` (the default with every queue ordered
+by the tokens each program has left, read from the trace: what a queue order could reach if the server
+knew each agent's remaining work).
 
     python benchmarks/parts_sim.py                                   # the default matrix, ~30 min, --jobs 2 on an idle machine
     python benchmarks/parts_sim.py --table benchmarks/results/parts_sim_2026-11-24/parts_sim.json
@@ -102,6 +104,11 @@ UNBOUNDED = "unbounded-memory"
 # (`--policies paused-kv-free`). Between it and `unbounded-memory` is what only running KV costs.
 PAUSED_KV_FREE = "paused-kv-free"
 FREE_COPY_BYTES_PER_S = 1e18
+# What no queue order can beat by much: the default `infercept` with every queue ordered by the tokens
+# each program has left to compute, read from the trace (shortest remaining first, an oracle: no server
+# knows how many steps an agent has left; `--policies srpt-oracle`). Least attained service
+# (`+las-priority`) is what a server without the oracle can do.
+SRPT_ORACLE = "srpt-oracle"
 # Rate sweeps (two or more rates of one workload) also give the sustainable programs/s at the SLO.
 WORKLOADS = ("mix@14", "mix@22", "mix@30", "long@0.05", "long@0.1", "long@0.15", "long@0.2", "burst", "burst240",
              "burst-cpu", "approval@10")
@@ -183,6 +190,26 @@ def build_workload(workload: str, seed: int, args: dict) -> Workload:
     return Workload(trace, profile, device_blocks, host_blocks, k, window, until, bound_blocks)
 
 
+def order_by_remaining_tokens(engine: SimulatedEngine, trace: list[dict], token_scale: int) -> None:
+    """`SRPT_ORACLE`: the scheduler's queues (and who gives way to whom) ordered by the tokens the program
+    has left to compute when it is queued: its whole trace's context (prompt, every step's decode and
+    tool result, scaled as `run_trace` scales them) minus the tokens it has now. Ties by program arrival.
+    The policy is a non-"arrival" one so that, as under least attained service, a waiting program ahead
+    of a running one is admitted before it is served."""
+    def scaled(n) -> int:
+        return max(1, round(int(n) / token_scale))
+
+    total = {}
+    for i, spec in enumerate(sorted(trace, key=lambda r: r["arrival"])):  # run_trace's request ids
+        segments = spec["segments"]
+        turns = next((j + 1 for j, seg in enumerate(segments) if not seg.get("interception")), len(segments))
+        total[str(spec.get("id", f"r{i}"))] = (scaled(spec["prompt_tokens"])
+                                               + sum(scaled(seg["decode_tokens"]) for seg in segments[:turns])
+                                               + sum(scaled(seg.get("returned_tokens", 1)) for seg in segments[:turns - 1]))
+    engine.scheduler._priority = lambda request: (total[request.request_id] - request.num_tokens,
+                                                  request.program_arrival)
+
+
 def run_one(task: tuple[str, str, int, dict]) -> dict:
     workload, policy, seed, args = task
     s = build_workload(workload, seed, args)
@@ -194,6 +221,10 @@ def run_one(task: tuple[str, str, int, dict]) -> dict:
                                           h2d_bytes_per_s=FREE_COPY_BYTES_PER_S)
         engine = SimulatedEngine("swap+swap-preemption", free_copies, s.device_blocks, 20 * s.device_blocks,
                                  max_num_seqs=MAX_NUM_SEQS)
+    elif policy == SRPT_ORACLE:
+        engine = SimulatedEngine("infercept+program-arrival-priority", s.profile, s.device_blocks, s.host_blocks,
+                                 max_num_seqs=MAX_NUM_SEQS)
+        order_by_remaining_tokens(engine, s.trace, s.token_scale)
     else:
         engine = SimulatedEngine(policy, s.profile, s.device_blocks, s.host_blocks, max_num_seqs=MAX_NUM_SEQS)
     start = time.perf_counter()

@@ -114,5 +114,10 @@ class Request:
         return self.tool_name or (self.intercept.kind if self.intercept else None)
 
     @property
+    def duration_hint(self) -> float | None:
+        """The client's expected total duration of the interception (`InterceptParams.expected_s`), if any."""
+        return self.intercept.expected_s if self.intercept else None
+
+    @property
     def finish_reason(self) -> str | None:
         return self.status.value if self.status.finished else None

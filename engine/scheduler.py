@@ -46,7 +46,7 @@ from .paused_kv import PausedKV, kv_state
 from .policy import (DurationEstimator, IterationInfo, KVAction, PausedInfo, Policy, Profile,
                      split_swap_budget, swap_room)
 from .policy.admission import AdmissionController
-from .policy.decisions import resume_imminent
+from .policy.decisions import iteration_swap_limit, resume_imminent
 from .request import Request, RequestStatus
 
 
@@ -331,7 +331,7 @@ class Scheduler:
             return None
         if not (self.running or self.waiting or self.swapped):
             return None
-        return self.profile.swap_budget_tokens(self.profile.t_fwd(self._last_batched_tokens))
+        return iteration_swap_limit(self.profile, self._last_batched_tokens)
 
     def _paused_info(self, r: Request) -> PausedInfo:
         """How the policy sees a paused request (or a running one about to be preempted: away for no
@@ -340,9 +340,8 @@ class Scheduler:
         if r.paused_at is None:
             return PausedInfo(r.request_id, r.arrival_time, r.num_tokens, self._kv_state(r), device, 0.0, 0.0)
         now = self.clock()
-        hint = r.intercept.expected_s if r.intercept else None
-        expected = self.estimator.estimate(now, r.paused_at, r.duration_key, hint)
-        remaining = (self.estimator.remaining(now, r.paused_at, r.duration_key, hint)
+        expected = self.estimator.estimate(now, r.paused_at, r.duration_key, r.duration_hint)
+        remaining = (self.estimator.remaining(now, r.paused_at, r.duration_key, r.duration_hint)
                      if self.policy is not None and self.policy.expected_waste else None)
         return PausedInfo(r.request_id, r.arrival_time, r.num_tokens, self._kv_state(r), device,
                           now - r.paused_at, expected, remaining, r.request_id in self._prefetched)
@@ -387,8 +386,7 @@ class Scheduler:
         if guard is None or not info.expected_s < guard.expected_s:
             return  # planned again next step
         now = request.paused_at + info.elapsed_s
-        hint = request.intercept.expected_s if request.intercept else None
-        jump = self.estimator.next_jump(now, request.paused_at, request.duration_key, hint)
+        jump = self.estimator.next_jump(now, request.paused_at, request.duration_key, request.duration_hint)
 
         def wake(bound: float) -> float:
             if bound == math.inf:
@@ -476,8 +474,7 @@ class Scheduler:
             host = self.kv_tokens(r)[1]
             if not host:
                 continue
-            hint = r.intercept.expected_s if r.intercept else None
-            expected = self.estimator.predicted(now, r.paused_at, r.duration_key, hint)
+            expected = self.estimator.predicted(now, r.paused_at, r.duration_key, r.duration_hint)
             if expected is not None:
                 out.append((r, host, expected))
         return out

@@ -88,6 +88,28 @@ def test_parts_sim_long_tight_is_long_with_a_quarter_of_the_device_pool():
         (long.trace, long.profile, long.token_scale, long.window, long.until)
 
 
+def test_srpt_oracle_bound_serves_the_program_with_less_left_first():
+    """Two programs arrive together with room to run one at a time: in arrival order the long one (first
+    in the trace) finishes first; ordered by the tokens left (`srpt-oracle`), the short one does."""
+    parts_sim = load_bench("parts_sim")
+    from infercept.engine.policy.profile import h100_llama3_8b
+    from infercept.engine.simulation import SimulatedEngine
+
+    def program(pid, decode):
+        return {"id": pid, "arrival": 0.0, "prompt_tokens": 64,
+                "segments": [{"decode_tokens": decode, "interception": None, "returned_tokens": 0}]}
+
+    trace = [program("long", 200), program("short", 8)]
+    finish = {}
+    for oracle in (False, True):
+        engine = SimulatedEngine("infercept", h100_llama3_8b(), 1000, 1000, max_num_seqs=1)
+        if oracle:
+            parts_sim.order_by_remaining_tokens(engine, trace, token_scale=1)
+        records = {r.request_id: r for r in engine.run_trace(trace).records}
+        finish[oracle] = records["short"].finish < records["long"].finish
+    assert finish == {False: False, True: True}
+
+
 def test_cpu_scale_flag_fills_only_the_knobs_left_at_default():
     parser = __import__("argparse").ArgumentParser()
     workload.add_scale_args(parser)

@@ -188,6 +188,12 @@ def split_swap_budget(total: int, swap_in_demand: int, swap_out_demand: int,
     return SwapBudget(swap_in=swap_in, swap_out=swap_out)
 
 
+def iteration_swap_limit(profile: Profile, num_batched_tokens: int) -> int:
+    """``N_i``: the tokens whose copy takes as long as an iteration of `num_batched_tokens` query tokens
+    runs (paper §4.1), so swaps within it hide behind the forward pass."""
+    return profile.swap_budget_tokens(profile.t_fwd(num_batched_tokens))
+
+
 def recompute_chunk_size(profile: Profile, num_batched_tokens: int) -> int:
     """Tokens of a discarded context to recompute per iteration: ``S - B_i`` (paper §4.2).
 
@@ -325,7 +331,7 @@ def _preserve_or_drop(rest: Sequence[_Scored], swapped: dict[str, KVDecision], i
     host_room = math.inf if iteration.free_host_tokens is None else iteration.free_host_tokens - sum(
         d.swap_out_tokens for d in swapped.values())
     iteration_s = profile.t_fwd(iteration.num_batched_tokens)
-    per_iteration = profile.swap_budget_tokens(iteration_s)  # N_i: what a full budget copies per iteration
+    per_iteration = iteration_swap_limit(profile, iteration.num_batched_tokens)  # what a full budget copies
     for s in rest:
         if s.cheaper_to_preserve:
             decisions[s.info.request_id] = s.decide(KVAction.PRESERVE)

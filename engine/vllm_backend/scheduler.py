@@ -44,6 +44,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from engine.policy import (DurationEstimator, IterationInfo, KVAction, PausedInfo, Profile, make_policy)
+from engine.policy.decisions import iteration_swap_limit
 from engine.vllm_backend.host_tier import HostTierConnector
 
 logger = logging.getLogger("infercept.vllm_scheduler")
@@ -240,7 +241,7 @@ class _InterceptMixin:
         running = sum(r.num_computed_tokens for r in self.running)
         budget, free_host = 0, 0
         if self.host_tier is not None and self.profile is not None:
-            budget = self.profile.swap_budget_tokens(self.profile.t_fwd(self._last_batched_tokens))
+            budget = iteration_swap_limit(self.profile, self._last_batched_tokens)
             free_host = self.host_tier.free_host_tokens
         return IterationInfo(num_running_tokens=running, num_batched_tokens=self._last_batched_tokens,
                              swap_out_budget=budget, free_host_tokens=free_host)
