@@ -15,7 +15,12 @@ every paused request. This index (mechanism; the scheduler owns it) keeps:
   iteration's forward time reaches its swap bound (heaps keyed by those), or its tool's duration
   history changes (a version per tool). Swap bounds are watched only in
   steps with swap room: without room no plan swaps. A step then plans the live holders and those that
-  woke: O(live + woken + log n), never O(paused).
+  woke: O(live + woken + log n), never O(paused);
+- the *host holders* (paused requests with host KV: what proactive swap-in may bring back), each keyed
+  by the earliest time its copy back could be due (the scheduler's `key_host`: its predicted resume less
+  its copy time; a prediction falls as fast as the clock and only jumps up, so a key stays early until
+  its tool's history changes, which re-keys them all). A step asks only for the host holders keyed
+  before its horizon (`host_holders_before`) and the new ones, never for all of them.
 
 Every wake is conservative (early rather than late), so a step plans exactly the requests whose
 decision could differ from PRESERVE; `Scheduler(event_driven=False)` plans every holder every step, and
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,6 +53,8 @@ class _Entry:
     host: int = 0
     settled: int = 0  # 0: live (if a holder); else the version of its current wake entries
     tool: str | None = None  # settled with an estimate from this tool's history
+    host_key: int = 0  # 0: host KV not keyed (or none); else the version of its current host key
+    host_tool: str | None = None  # host-keyed with an estimate from this tool's history
 
 
 class PausedKV:
@@ -72,6 +80,13 @@ class PausedKV:
         # version they all read (a new observation wakes them all: an event, not a per-step cost).
         self._by_tool: dict[str, set[str]] = {}
         self._tool_version: dict[str, int] = {}
+        # Host holders for proactive swap-in: (key time, seq, id, version), lazily pruned; the ones not
+        # keyed yet; the keyed ones by tool and the history version their keys read.
+        self._host_keys: list[tuple[float, int, str, int]] = []
+        self._host_unkeyed: set[str] = set()
+        self._num_host_keyed = 0
+        self._host_by_tool: dict[str, set[str]] = {}
+        self._host_tool_version: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -95,6 +110,10 @@ class PausedKV:
             return
         self._account(e, -1)
         was_holder = e.device > 0
+        if host != e.host:  # its copy back takes another time, or there is none: key it again
+            self._host_unkey(request_id, e)
+            if host:
+                self._host_unkeyed.add(request_id)
         e.device, e.host = device, host
         self._account(e, +1)
         self._unsettle(request_id, e)
@@ -113,6 +132,7 @@ class PausedKV:
         self._account(e, -1)
         self._unsettle(request_id, e)
         self._live.discard(request_id)
+        self._host_unkey(request_id, e)
 
     def _account(self, e: _Entry, sign: int) -> None:
         self.device_tokens += sign * e.device
@@ -178,6 +198,70 @@ class PausedKV:
             self._by_tool.setdefault(tool, set()).add(request_id)
         self._compact()
 
+    # -- which host holders to look at -----------------------------------------------------------------
+    def host_holders_before(self, t: float, tool_version: Callable[[str], int]) -> list[Request]:
+        """The host holders keyed before `t`, those not keyed yet (new on the host, moved, or read an
+        older history of their tool than `tool_version` says), in pause order. Each stays unkeyed until
+        `key_host` keys it. Without event-driven planning: every host holder (the keys then serve only
+        `next_host_key`)."""
+        if not self.event_driven:
+            return [e.request for e in self._entries.values() if e.host]
+        for tool in [t for t, ids in self._host_by_tool.items() if ids]:
+            self._check_host_tool(tool, tool_version(tool))
+        while self._host_keys and self._host_keys[0][0] < t:
+            _, _, request_id, version = heapq.heappop(self._host_keys)
+            e = self._entries.get(request_id)
+            if e is not None and e.host_key == version:
+                self._host_unkey(request_id, e)
+                self._host_unkeyed.add(request_id)
+        return [e.request for e in sorted((self._entries[i] for i in self._host_unkeyed), key=lambda e: e.seq)]
+
+    def key_host(self, request_id: str, at: float | None, tool: str | None, tool_version: int) -> None:
+        """Look at this host holder again once `at` (a time) passes, or `tool`'s history moves past
+        `tool_version`; `at` None: only then (with no tool: never, while its KV stays where it is)."""
+        e = self._entries.get(request_id)
+        if e is None or not e.host:
+            return
+        self._host_unkey(request_id, e)
+        e.host_key = version = next(self._versions)
+        self._num_host_keyed += 1
+        if at is not None:
+            heapq.heappush(self._host_keys, (at, e.seq, request_id, version))
+        if tool is not None:
+            self._check_host_tool(tool, tool_version)
+            e.host_tool = tool
+            self._host_by_tool.setdefault(tool, set()).add(request_id)
+        self._compact()
+
+    def next_host_key(self) -> float:
+        """The earliest key among the host holders (-inf if one is not keyed; inf if none is keyed)."""
+        if self._host_unkeyed:
+            return -math.inf
+        while self._host_keys:
+            _, _, request_id, version = self._host_keys[0]
+            e = self._entries.get(request_id)
+            if e is not None and e.host_key == version:
+                return self._host_keys[0][0]
+            heapq.heappop(self._host_keys)
+        return math.inf
+
+    def _check_host_tool(self, tool: str, version: int) -> None:
+        """Host holders keyed on an older history of `tool` than `version` need a key again."""
+        if self._host_tool_version.get(tool) != version:
+            for request_id in list(self._host_by_tool.get(tool, ())):
+                self._host_unkey(request_id, self._entries[request_id])
+                self._host_unkeyed.add(request_id)
+            self._host_tool_version[tool] = version
+
+    def _host_unkey(self, request_id: str, e: _Entry) -> None:
+        """Forget a host holder's key (its heap entry goes stale)."""
+        self._host_unkeyed.discard(request_id)
+        if e.host_key:
+            self._num_host_keyed -= 1
+            if e.host_tool is not None:
+                self._host_by_tool[e.host_tool].discard(request_id)
+        e.host_key, e.host_tool = 0, None
+
     def _check_tool(self, tool: str, version: int) -> None:
         """Wake the holders settled on an older history of `tool` than `version`."""
         if self._tool_version.get(tool) != version:
@@ -215,6 +299,10 @@ class PausedKV:
             if len(heap) > 2 * valid + 64:
                 heap[:] = [x for x in heap if (e := self._entries.get(x[2])) is not None and e.settled == x[3]]
                 heapq.heapify(heap)
+        if len(self._host_keys) > 2 * self._num_host_keyed + 64:
+            self._host_keys[:] = [x for x in self._host_keys
+                                  if (e := self._entries.get(x[2])) is not None and e.host_key == x[3]]
+            heapq.heapify(self._host_keys)
         holders = self.count_by_state["device"] + self.count_by_state["partial"]
         if len(self._newest) > 2 * holders + 64:
             self._newest[:] = [x for x in self._newest

@@ -235,13 +235,12 @@ class Scheduler:
     def idle_wake_s(self) -> float | None:
         """With nothing to run, how long the engine may sleep before a paused request's host KV could be
         due back (`resume_imminent`), or None: nothing predicted holds host KV. Early, never late: the
-        expected remaining time falls as fast as the clock until the duration history's survivors change,
-        when it jumps up (`DurationEstimator.remaining`)."""
+        earliest host key (`_host_holders_due_by`), which is early until it is looked at again."""
         if not self._prefetches() or self.blocks.num_free_blocks == 0:
             return None  # nothing to bring back, or no room for it until a resume or arrival
-        lead, wake = self.step_lead_s(), math.inf
-        for _, host, expected in self._predicted_host_holders():
-            wake = min(wake, expected - self.profile.t_swap(host, "in") - lead)
+        now = self.clock()
+        self._host_holders_due_by(-math.inf)  # key the new host holders (none is due: `has_work` said so)
+        wake = self.paused_kv.next_host_key() - now - self.step_lead_s()
         # A hair late, so that at the wake the resume is imminent by a strict margin, not by rounding.
         return None if wake == math.inf else max(wake, 0.0) + WAKE_EARLY_S
 
@@ -463,35 +462,43 @@ class Scheduler:
         return (self.policy is not None and self.profile is not None and self.policy.prefetch
                 and self.paused_kv.host_tokens > 0)
 
-    def _predicted_host_holders(self) -> list[tuple[Request, int, float]]:
-        """Paused requests with KV on the host whose remaining pause is predicted (a hint, the tool's
+    def _host_holders_due_by(self, horizon: float) -> list[tuple[Request, int, float]]:
+        """Paused requests with KV on the host that may be due back before `horizon` (or have no key
+        yet: `PausedKV.host_holders_before`) and whose remaining pause is predicted (a hint, the tool's
         history: the elapsed-time rule cannot say a resume is near), with their host tokens and that
-        expected remaining time. Only the estimate: the full `_paused_info` (with the remaining-time
-        distribution) of every such request every step made this walk 80% of a step's scheduling in the
-        simulated six-augment mix (~330 paused requests with host KV)."""
+        expected remaining time. Each is keyed again by when its copy back could first be due: its
+        predicted resume less the copy's time (the prediction falls as fast as the clock until a jump,
+        where it only grows, so the key is early until its tool's history changes: `key_host`). Only
+        the estimate, not the full `_paused_info` with its remaining-time distribution."""
         now, out = self.clock(), []
-        for r in self.paused.values():
+        for r in self.paused_kv.host_holders_before(horizon, self.estimator.version):
             host = self.kv_tokens(r)[1]
-            if not host:
-                continue
             expected = self.estimator.predicted(now, r.paused_at, r.duration_key, r.duration_hint)
+            at = None if expected is None else now + expected - self.profile.t_swap(host, "in")
+            self.paused_kv.key_host(r.request_id, at, r.duration_key, self.estimator.version(r.duration_key))
             if expected is not None:
                 out.append((r, host, expected))
         return out
 
     def _prefetch_candidates(self) -> list[tuple[Request, int]]:
         """Paused requests with KV on the host whose resume looks imminent (`resume_imminent`), soonest
-        first, with their host tokens: the policy's proactive swap-in (`Policy.prefetch`). A walk over
-        the paused requests holding host KV, only under a policy that prefetches.
+        first, with their host tokens: the policy's proactive swap-in (`Policy.prefetch`). Only under a
+        policy that prefetches.
 
         The copies share the per-step swap budget, soonest first and after the resumed requests' own
         swap-ins: a request whose KV comes back behind others' needs as many steps as the budget takes
-        to copy everything ahead of it and its own, so its lead counts them."""
+        to copy everything ahead of it and its own, so its lead counts them. Not a walk over every host
+        holder: none can need more steps than all host KV takes, or a longer copy than all of it, so
+        only those keyed before that horizon are looked at; the ones ahead of an imminent one in the
+        order are among them (their predicted resume is no later, their copy no longer than all)."""
         if not self._prefetches():
             return []
         step_s, per_step = self.step_lead_s(), self._swap_budget_tokens()
-        holders = sorted(self._predicted_host_holders(), key=lambda x: (x[2], x[0].priority))
         ahead = sum(self.kv_tokens(r)[1] for r in self.swapped)
+        all_host = self.paused_kv.host_tokens
+        most_steps = 1 if not per_step else max(1, -(-(ahead + all_host) // per_step))
+        horizon = self.clock() + most_steps * step_s + self.profile.t_swap(all_host, "in") + WAKE_EARLY_S
+        holders = sorted(self._host_holders_due_by(horizon), key=lambda x: (x[2], x[0].priority))
         due = []
         for r, host, expected in holders:
             ahead += host

@@ -164,6 +164,63 @@ def test_preserved_paused_requests_are_not_planned_every_step(policy, host_block
     assert planned_ev * 10 < planned_ref, (planned_ev, planned_ref)
 
 
+def test_proactive_swap_in_looks_only_at_host_holders_near_their_resume():
+    """Two hundred agents paused with their KV swapped to the host for a 600 s call (hinted) while four
+    long requests decode, on the H100 profile: the reference asks every host holder's prediction every
+    step; the event-driven scheduler keys each by when its copy back could be due and asks again only
+    then (or when its KV moves or its tool's history changes), with the same decisions. Counted while
+    the calls are far from their end (the first 100 s): near it every one is due to be looked at."""
+    trace = [{"id": f"p{i}", "augment": "test", "arrival": 0.001 * i, "prompt_tokens": 200,
+              "segments": [{"decode_tokens": 2, "interception": {"kind": "tool", "tool": "slow", "duration_s": 600.0},
+                            "returned_tokens": 4}, {"decode_tokens": 2, "interception": None, "returned_tokens": 0}]}
+             for i in range(200)]
+    trace += [{"id": f"d{i}", "augment": "test", "arrival": 0.3, "prompt_tokens": 2000,
+               "segments": [{"decode_tokens": 300, "interception": None, "returned_tokens": 0}]} for i in range(4)]
+    logs, asked = {}, {}
+    for event_driven in (False, True):
+        engine = SimulatedEngine("infercept", PROFILES["h100"](), num_device_blocks=4000, num_host_blocks=8000,
+                                 max_num_seqs=16, event_driven=event_driven)
+        predicted, count = engine.scheduler.estimator.predicted, [0]
+
+        def counting(*args, predicted=predicted, count=count, clock=engine.clock):
+            count[0] += clock.now() < 100.0
+            return predicted(*args)
+
+        engine.scheduler.estimator.predicted = counting
+        log: list = []
+        result = engine.run_trace(trace, oracle_hints=True, on_step=step_log(engine, log, []))
+        assert all(r.finish is not None for r in result.records)
+        logs[event_driven], asked[event_driven] = log, count[0]
+    assert logs[True] == logs[False]
+    assert asked[False] > 20_000, "the scenario never held many host holders across steps"  # 200 x steps
+    assert asked[True] * 20 < asked[False], asked
+
+
+def test_host_holders_are_looked_at_when_keyed_moved_or_their_tool_learns():
+    index = PausedKV()
+    versions = {"calc": 0}
+    ids = lambda t: [r.request_id for r in index.host_holders_before(t, versions.get)]  # noqa: E731
+    index.add(_request("a", 1.0), 0, 32)
+    index.add(_request("b", 2.0), 0, 16)
+    index.add(_request("c", 3.0), 32, 0)  # no host KV: never a host holder
+    assert ids(-math.inf) == ["a", "b"] and index.next_host_key() == -math.inf  # new: not keyed yet
+    index.key_host("a", 10.0, "calc", 0)
+    index.key_host("b", None, "calc", 0)  # not predicted: only its tool's history can change that
+    assert ids(5.0) == [] and index.next_host_key() == 10.0
+    assert ids(10.5) == ["a"] and ids(11.0) == ["a"]  # stays due until keyed again
+    index.key_host("a", 20.0, None, 0)
+    versions["calc"] = 1
+    assert ids(0.0) == ["b"]  # a new duration of calc: b may be predicted now (a has no tool)
+    index.key_host("b", 15.0, "calc", 1)
+    index.moved("b", 16, 0)  # swapped back in: no longer a host holder
+    assert ids(30.0) == ["a"]
+    index.key_host("a", 40.0, None, 0)
+    index.moved("c", 0, 32)  # swapped out: a new host holder
+    assert ids(0.0) == ["c"]
+    index.remove("c")
+    assert ids(0.0) == [] and index.next_host_key() == 40.0
+
+
 def _request(rid: str, arrival: float, tokens: int = 32) -> Request:
     return Request(rid, [1] * tokens, SamplingParams(), arrival_time=arrival, intercept=InterceptParams())
 
