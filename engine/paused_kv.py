@@ -75,6 +75,7 @@ class PausedKV:
         self._swap_wake: list[tuple[float, int, str, int]] = []
         self._swap_iteration: list[tuple[float, int, str, int]] = []
         self._running_floor: list[tuple[float, int, str, int]] = []  # keyed by -min_running_tokens
+        self._while_ample: set[str] = set()  # settled only while the device pool stays ample
         self._num_settled = 0
         # Settled holders by the tool whose duration history their estimate read, and the history
         # version they all read (a new observation wakes them all: an event, not a per-step cost).
@@ -159,11 +160,15 @@ class PausedKV:
 
     # -- which holders to plan ----------------------------------------------------------------------
     def to_plan(self, now: float, running_tokens: int, swap_room: bool, iteration_s: float,
-                tool_version: Callable[[str], int]) -> list[Request]:
+                tool_version: Callable[[str], int], ample: bool = False) -> list[Request]:
         """The holders this step's plan must see, in pause order: the live ones and the settled ones
-        whose guard may be crossed now. Without event-driven planning: every holder."""
+        whose guard may be crossed now (`ample`: the device pool has room for all queued work; if not,
+        the holders settled only while it had). Without event-driven planning: every holder."""
         if not self.event_driven:
             return [e.request for e in self._entries.values() if e.device]
+        if not ample:
+            for request_id in list(self._while_ample):
+                self._wake(request_id)
         self._wake_due(self._expected_wake, now)
         self._wake_due(self._running_floor, -running_tokens - 0.5)  # floors above the running KV
         if swap_room:
@@ -175,11 +180,12 @@ class PausedKV:
         return [e.request for e in entries]
 
     def settle(self, request_id: str, expected_wake: float, swap_wake: float, swap_iteration_s: float,
-               min_running_tokens: int, tool: str | None, tool_version: int) -> None:
+               min_running_tokens: int, tool: str | None, tool_version: int, while_ample: bool = False) -> None:
         """The plan preserved this holder under a guard: plan it again only once `expected_wake` (a
         time) passes, the running requests' KV falls below `min_running_tokens`, or, in steps with swap
         room, `swap_wake` passes or the iteration's forward time reaches `swap_iteration_s`, or
-        `tool`'s history moves past `tool_version`."""
+        `tool`'s history moves past `tool_version`, or (`while_ample`) a step's device pool is not
+        ample (`to_plan`)."""
         e = self._entries[request_id]
         if not self.event_driven or not e.device:
             return
@@ -192,6 +198,8 @@ class PausedKV:
         heapq.heappush(self._swap_iteration, (swap_iteration_s, e.seq, request_id, version))
         if min_running_tokens > 0:
             heapq.heappush(self._running_floor, (-min_running_tokens, e.seq, request_id, version))
+        if while_ample:
+            self._while_ample.add(request_id)
         if tool is not None:
             self._check_tool(tool, tool_version)
             e.tool = tool
@@ -289,6 +297,7 @@ class PausedKV:
             self._num_settled -= 1
             if e.tool is not None:
                 self._by_tool[e.tool].discard(request_id)
+            self._while_ample.discard(request_id)
         e.settled, e.tool = 0, None
 
     def _compact(self) -> None:

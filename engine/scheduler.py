@@ -46,7 +46,7 @@ from .paused_kv import PausedKV, kv_state
 from .policy import (DurationEstimator, IterationInfo, KVAction, PausedInfo, Policy, Profile,
                      split_swap_budget, swap_room)
 from .policy.admission import AdmissionController
-from .policy.decisions import iteration_swap_limit, resume_imminent
+from .policy.decisions import iteration_swap_limit, memory_ample, resume_imminent
 from .request import Request, RequestStatus
 
 
@@ -364,7 +364,8 @@ class Scheduler:
         iteration = self._iteration_info(swap_out_budget)
         # The holders whose decision could differ from "preserve" now; the others sleep (paused_kv.py).
         due = self.paused_kv.to_plan(self.clock(), iteration.num_running_tokens, swap_room(iteration) > 0,
-                                     self.profile.t_fwd(iteration.num_batched_tokens), self.estimator.version)
+                                     self.profile.t_fwd(iteration.num_batched_tokens), self.estimator.version,
+                                     ample=memory_ample(iteration))
         infos = {r.request_id: self._paused_info(r) for r in due}
         plan = self.policy.plan(list(infos.values()), iteration, self.profile)
         for decision in plan:
@@ -380,7 +381,8 @@ class Scheduler:
     def _settle(self, request: Request, info: PausedInfo, iteration: IterationInfo) -> None:
         """A preserved request sleeps until its policy's guard may be crossed (`PreserveGuard`): the
         expected remaining time grows at most as fast as the clock until its next jump
-        (`DurationEstimator.next_jump`), so each bound gets a timer."""
+        (`DurationEstimator.next_jump`), so each bound gets a timer; a guard that holds only while the
+        device pool is ample wakes the first step it is not."""
         guard = self.policy.preserve_guard(info, iteration, self.profile)
         if guard is None or not info.expected_s < guard.expected_s:
             return  # planned again next step
@@ -394,7 +396,7 @@ class Scheduler:
 
         self.paused_kv.settle(request.request_id, wake(guard.expected_s), wake(guard.swap_expected_s),
                               guard.swap_iteration_s, guard.min_running_tokens, request.duration_key,
-                              self.estimator.version(request.duration_key))
+                              self.estimator.version(request.duration_key), guard.while_ample)
 
     def _iteration_info(self, swap_out_budget: int) -> IterationInfo:
         running_tokens = sum(r.num_computed_tokens for r in self.running)

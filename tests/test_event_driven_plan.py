@@ -145,21 +145,44 @@ def test_deferred_swaps_make_every_decision_the_per_step_plan_makes(monkeypatch)
     assert sum(deferred) > 20, "the scenario never deferred a swap"
 
 
+def paused_beside_decoders(n: int, spacing: float, prompt: int, tool: str, duration_s: float,
+                           decoders_at: float) -> list[dict]:
+    """`n` agents `spacing` s apart, each decoding 2 tokens, calling `tool` for `duration_s`, then 2 more;
+    and four requests of 2,000-token prompts decoding 300 tokens from `decoders_at`."""
+    trace = [{"id": f"p{i}", "augment": "test", "arrival": spacing * i, "prompt_tokens": prompt,
+              "segments": [{"decode_tokens": 2, "interception": {"kind": "tool", "tool": tool, "duration_s": duration_s},
+                            "returned_tokens": 4}, {"decode_tokens": 2, "interception": None, "returned_tokens": 0}]}
+             for i in range(n)]
+    return trace + [{"id": f"d{i}", "augment": "test", "arrival": decoders_at, "prompt_tokens": 2000,
+                     "segments": [{"decode_tokens": 300, "interception": None, "returned_tokens": 0}]}
+                    for i in range(4)]
+
+
 @pytest.mark.parametrize("policy,host_blocks", [("infercept", 0), ("heuristic-preserve", 4000), ("preserve", 4000)])
 def test_preserved_paused_requests_are_not_planned_every_step(policy, host_blocks):
     """Forty agents paused on a 0.5 s tool while four long requests decode, on the H100 profile: the
     reference plans every holder every step; the event-driven scheduler plans each only when its guard
     may be crossed, a small fraction of that, with the same decisions. (`infercept` with no host pool:
     with one it would swap them all out; without, it preserves them while a discard would cost more.)"""
-    trace = [{"id": f"p{i}", "augment": "test", "arrival": 0.01 * i, "prompt_tokens": 40,
-              "segments": [{"decode_tokens": 2, "interception": {"kind": "tool", "tool": "calc", "duration_s": 0.5},
-                            "returned_tokens": 4}, {"decode_tokens": 2, "interception": None, "returned_tokens": 0}]}
-             for i in range(40)]
-    trace += [{"id": f"d{i}", "augment": "test", "arrival": 0.0, "prompt_tokens": 2000,
-               "segments": [{"decode_tokens": 300, "interception": None, "returned_tokens": 0}]} for i in range(4)]
+    trace = paused_beside_decoders(40, 0.01, 40, "calc", 0.5, decoders_at=0.0)
     reference, planned_ref, _ = run(policy, "h100", trace, 4000, host_blocks, False, oracle_hints=False)
     events, planned_ev, _ = run(policy, "h100", trace, 4000, host_blocks, True, oracle_hints=False)
     assert events == reference
+    assert planned_ref > 2000, "the scenario never held many paused requests across steps"
+    assert planned_ev * 10 < planned_ref, (planned_ev, planned_ref)
+
+
+def test_paused_requests_kept_while_memory_is_ample_are_not_planned_every_step():
+    """Forty agents paused on a 600 s call while four long requests decode, on a CPU-like profile with
+    room for everything: the default keeps every paused context while memory is ample (`ample_preserve`
+    where copies stall the forward pass), whatever the waste rule would say; the reference plans them
+    all every step, the event-driven scheduler once, until a step's pool is not ample."""
+    trace = paused_beside_decoders(40, 0.01, 40, "slow", 600.0, decoders_at=0.0)
+    reference, planned_ref, _ = run("infercept", "cpu", trace, 4000, 4000, False, oracle_hints=True)
+    events, planned_ev, _ = run("infercept", "cpu", trace, 4000, 4000, True, oracle_hints=True)
+    assert events == reference
+    assert all(kv == (41, 0) for *_, paused, _ in reference for _, kv in paused), \
+        "memory was not ample: some paused context left the device"  # 40 prompt tokens + the first decoded
     assert planned_ref > 2000, "the scenario never held many paused requests across steps"
     assert planned_ev * 10 < planned_ref, (planned_ev, planned_ref)
 
@@ -170,12 +193,7 @@ def test_proactive_swap_in_looks_only_at_host_holders_near_their_resume():
     step; the event-driven scheduler keys each by when its copy back could be due and asks again only
     then (or when its KV moves or its tool's history changes), with the same decisions. Counted while
     the calls are far from their end (the first 100 s): near it every one is due to be looked at."""
-    trace = [{"id": f"p{i}", "augment": "test", "arrival": 0.001 * i, "prompt_tokens": 200,
-              "segments": [{"decode_tokens": 2, "interception": {"kind": "tool", "tool": "slow", "duration_s": 600.0},
-                            "returned_tokens": 4}, {"decode_tokens": 2, "interception": None, "returned_tokens": 0}]}
-             for i in range(200)]
-    trace += [{"id": f"d{i}", "augment": "test", "arrival": 0.3, "prompt_tokens": 2000,
-               "segments": [{"decode_tokens": 300, "interception": None, "returned_tokens": 0}]} for i in range(4)]
+    trace = paused_beside_decoders(200, 0.001, 200, "slow", 600.0, decoders_at=0.3)
     logs, asked = {}, {}
     for event_driven in (False, True):
         engine = SimulatedEngine("infercept", PROFILES["h100"](), num_device_blocks=4000, num_host_blocks=8000,

@@ -155,6 +155,9 @@ class PreserveGuard:
     swap_expected_s: float = math.inf
     swap_iteration_s: float = math.inf
     min_running_tokens: int = 0
+    # The bounds stand only while the device pool stays ample (`memory_ample`): the first iteration it
+    # is not, the request is planned again (a policy that keeps everything while memory is ample).
+    while_ample: bool = False
 
 
 # -- budgets and chunks ---------------------------------------------------------------------------
@@ -815,6 +818,8 @@ class InferCeptPaperPolicy(Policy):
         half before the request is planned again). No swap is worth it while both the expected time and
         the iteration stay below the round trip (`worth_swapping`). The factor below 1 keeps the bound
         strict under float rounding."""
+        if self.ample_preserve and self._keeps_all_while_ample(profile) and memory_ample(iteration):
+            return PreserveGuard(while_ample=True)  # `plan` keeps every paused request while memory is ample
         if self.prefetch and info.prefetched:
             return None  # planned every iteration while it may be kept for its resume
         if self.expected_waste:
