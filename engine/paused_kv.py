@@ -214,7 +214,7 @@ class PausedKV:
         `next_host_key`)."""
         if not self.event_driven:
             return [e.request for e in self._entries.values() if e.host]
-        for tool in [t for t, ids in self._host_by_tool.items() if ids]:
+        for tool in [name for name, ids in self._host_by_tool.items() if ids]:
             self._check_host_tool(tool, tool_version(tool))
         while self._host_keys and self._host_keys[0][0] < t:
             _, _, request_id, version = heapq.heappop(self._host_keys)
