@@ -818,7 +818,7 @@ class InferCeptPaperPolicy(Policy):
         half before the request is planned again). No swap is worth it while both the expected time and
         the iteration stay below the round trip (`worth_swapping`). The factor below 1 keeps the bound
         strict under float rounding."""
-        if self.ample_preserve and self._keeps_all_while_ample(profile) and memory_ample(iteration):
+        if self._keeps_all_while_ample(profile) and memory_ample(iteration):
             return PreserveGuard(while_ample=True)  # `plan` keeps every paused request while memory is ample
         if self.prefetch and info.prefetched:
             return None  # planned every iteration while it may be kept for its resume
