@@ -18,6 +18,11 @@ On CUDA with flash-attn installed (fp16/bf16), every sequence instead goes throu
 call: each sequence's context is gathered from the cache into a packed `[total_k, Hkv, D]` tensor and
 `flash_attn_varlen_func` runs with bottom-right-aligned causal masking, so prefill chunks, resumes and
 decodes share one launch. (Its native paged mode wants blocks of 256 tokens; ours are smaller.)
+
+On CUDA with Triton, single-token queries instead go through our paged decode kernel
+(`triton_decode.py`), which reads each context through its block table: no gathered copy of padded
+contexts, and no shape that depends on the contexts' lengths, so the same call runs inside a CUDA graph
+(`decode_graphs.py`).
 """
 from __future__ import annotations
 
@@ -74,6 +79,7 @@ class AttentionMetadata:
     decode_lens: torch.Tensor | None = None  # [Bd] context length of each single-token query
     block_size: int = 16
     varlen: VarlenMetadata | None = None  # set instead of the above when flash-attn runs the step
+    triton_decode: bool = False  # single-token queries through triton_decode (CUDA); decode_mask unused
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -119,6 +125,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Att
         if cpu_kernels:
             o = kernels.paged_decode_attention(qd, k_cache, v_cache, meta.decode_key_blocks.view(bd, -1),
                                                meta.decode_lens, scale, block_size)
+        elif meta.triton_decode:
+            from . import triton_decode  # TEMP lazy
+            o = triton_decode.paged_decode_attention(qd, k_cache, v_cache, meta.decode_key_blocks.view(bd, -1),
+                                                     meta.decode_lens, scale, block_size)
         else:
             kd = _gather(k_cache, meta.decode_key_blocks, block_size).view(bd, -1, *k_cache.shape[1:])
             vd = _gather(v_cache, meta.decode_key_blocks, block_size).view(bd, -1, *v_cache.shape[1:])

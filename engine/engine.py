@@ -40,15 +40,26 @@ def eos_ids_of(model_dir: str, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
+def default_step_tokens(device: torch.device, profile: Profile, max_num_seqs: int) -> int:
+    """The step's token budget when none is given: on a CPU 256 (a few hundred tokens saturate the
+    cores); on a GPU the profile's saturation point, where a bigger step stops paying for itself (an
+    H100 with the Llama-3-8B shape measured 1,024 tokens), and room for every sequence's decode."""
+    if device.type == "cpu":
+        return SchedulerConfig.max_num_batched_tokens
+    return max(profile.saturation_point, SchedulerConfig.max_num_batched_tokens, max_num_seqs)
+
+
 class Engine:
     def __init__(self, model: str | None = None, *, dtype: str | torch.dtype = "auto", device: str = "auto",
                  kv_cache_gb: float | None = None, host_kv_gb: float = CacheConfig.host_kv_gb,
                  block_size: int = CacheConfig.block_size,
                  enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
-                 max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
+                 max_num_batched_tokens: int | None = None,
                  max_num_seqs: int = SchedulerConfig.max_num_seqs, max_model_len: int | None = None,
                  seed: int = 0, num_threads: int | None = None, policy: str = "infercept",
-                 profile: Profile | str | None = None, progress: bool = True):
+                 profile: Profile | str | None = None, progress: bool = True, enforce_eager: bool = False):
+        """max_num_batched_tokens: the step's token budget; None: `default_step_tokens`.
+        enforce_eager: no CUDA graphs (on CUDA, decode-only steps otherwise replay captured graphs)."""
         from transformers import AutoTokenizer
 
         if model is None:
@@ -75,21 +86,27 @@ class Engine:
         num_host_blocks = num_blocks_for(host_kv_gb, block_bytes)
         # A request may never outgrow the pool, or it would be preempted and recomputed forever.
         max_len = min(spec.max_position_embeddings, num_blocks * block_size)
-        self.config = EngineConfig(
-            model=model, dtype=dtype_, device=device_,
-            cache=CacheConfig(block_size=block_size, kv_cache_gb=kv_cache_gb, host_kv_gb=host_kv_gb,
-                              enable_prefix_caching=enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                      max_model_len=max_len),
-            seed=seed, num_threads=num_threads)
         self.kv_cache = KVCache(spec, dtype_, device_, block_size, num_blocks, num_host_blocks)
         self.block_manager = BlockManager(num_blocks, num_host_blocks, block_size, enable_prefix_caching)
-        self.runner = ModelRunner(self.model, self.kv_cache, device_, self.eos_token_ids, seed, self.tokenizer)
+        self.runner = ModelRunner(self.model, self.kv_cache, device_, self.eos_token_ids, seed, self.tokenizer,
+                                  cuda_graphs=device_.type == "cuda" and not enforce_eager,
+                                  max_batch=max_num_seqs, max_model_len=max_len)
+        if device_.type == "cuda" and not enforce_eager and self.runner.graphs is None:
+            logger.warning("no Triton here: decode steps run eagerly, without CUDA graphs")
         self.policy = make_policy(policy)
         if isinstance(profile, str):
             profile = Profile.load(profile)
         self.profile = profile or load_or_measure(model, self.runner, self.kv_cache,
                                                   spec.kv_bytes_per_token(dtype_), progress=progress)
+        self.config = EngineConfig(
+            model=model, dtype=dtype_, device=device_,
+            cache=CacheConfig(block_size=block_size, kv_cache_gb=kv_cache_gb, host_kv_gb=host_kv_gb,
+                              enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens or default_step_tokens(device_, self.profile,
+                                                                                     max_num_seqs),
+                max_num_seqs=max_num_seqs, max_model_len=max_len),
+            seed=seed, num_threads=num_threads)
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager, self.policy, self.profile)
         self.stats = EngineStats(bytes_per_token=self.profile.bytes_per_token)
         log_path = step_log_path()

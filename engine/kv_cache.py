@@ -4,7 +4,9 @@
     host pool    kv[num_host_blocks, 2, num_layers, block_size, num_kv_heads, head_dim]
 
 Block `b` of the device pool is `kv[:, :, b]`: every layer's K and V for `block_size` consecutive
-tokens of one request (the attention kernel wants each layer's blocks side by side). The host pool is
+tokens of one request (the attention kernel wants each layer's blocks side by side). The device pool
+has one block more than the block manager hands out, the scratch block: padded rows of a CUDA-graph
+batch (`decode_graphs.py`) write their K/V there and read it back, so they never touch a request's. The host pool is
 block-major instead, so a host block, and a run of consecutive host blocks, is one contiguous range
 of pinned memory: one asynchronous DMA copy each way. Swapping moves whole blocks between the pools
 by block id; which blocks, and when, is the scheduler's business. How the copies are ordered against
@@ -71,14 +73,15 @@ class KVCache:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
-        shape = (2, spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        self.scratch_block = num_blocks  # past the blocks the block manager owns; see the module docstring
+        shape = (2, spec.num_layers, num_blocks + 1, block_size, spec.num_kv_heads, spec.head_dim)
         # Zero-filled: padded attention reads stale slots (masked out), and 0 * NaN would still be NaN.
         self.device_kv = torch.zeros(shape, dtype=dtype, device=device)
         host_shape = (num_host_blocks, 2, spec.num_layers, block_size, spec.num_kv_heads, spec.head_dim)
         # Pinned on CUDA: only page-locked memory lets a device<->host copy run asynchronously.
         self.host_kv = torch.zeros(host_shape, dtype=dtype, pin_memory=device.type == "cuda")
         self.copy_stream = CopyStream(device)
-        slots = num_blocks * block_size
+        slots = (num_blocks + 1) * block_size
         # Per-layer flat views [slots, num_kv_heads, head_dim], as the attention kernel expects.
         self.layer_views = [
             (self.device_kv[0, i].view(slots, spec.num_kv_heads, spec.head_dim),

@@ -5,7 +5,9 @@ import itertools
 
 import torch
 
+from . import cpu_kernels
 from .attention import AttentionMetadata, PrefillSpan, VarlenMetadata, flash_attn_varlen
+from .decode_graphs import DecodeGraphs
 from .guided_decoding import GuidedDecoder
 from .kv_cache import KVCache
 from .models.llama import LlamaForCausalLM
@@ -13,9 +15,17 @@ from .outputs import RunnerOutput, SchedulerOutput
 from .sampler import sample
 
 
+def _triton_available():  # TEMP
+    from . import triton_decode
+    return triton_decode.available()
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device,
-                 eos_token_ids: frozenset[int], seed: int = 0, tokenizer=None):
+                 eos_token_ids: frozenset[int], seed: int = 0, tokenizer=None, cuda_graphs: bool = False,
+                 max_batch: int = 0, max_model_len: int = 0):
+        """cuda_graphs: replay decode-only steps of up to `max_batch` requests from CUDA graphs (needs
+        CUDA and Triton; otherwise every step runs eagerly)."""
         self.model = model
         # Grammar-constrained sampling needs the tokenizer (token bytes); without one, no grammars.
         self.guided = GuidedDecoder(tokenizer, eos_token_ids) if tokenizer is not None else None
@@ -27,6 +37,19 @@ class ModelRunner:
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
         dtype = kv_cache.device_kv.dtype
         self.use_varlen = flash_attn_varlen() is not None and device.type == "cuda" and dtype != torch.float32
+        self.use_triton_decode = device.type == "cuda" and _triton_available()  # TEMP
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs and self.use_triton_decode:
+            self.graphs = DecodeGraphs(model, kv_cache, device, max_batch, max_model_len, triton_decode=True,
+                                       capture=True)
+
+    @property
+    def kernels(self) -> str:
+        """Names the kernels a forward pass runs, for caches of measurements (profiles)."""
+        if self.device.type == "cpu":
+            return cpu_kernels.signature()
+        return "+".join(["torch-kernels"] + ["triton-decode"] * self.use_triton_decode
+                        + ["flash-attn"] * self.use_varlen + ["cuda-graphs"] * (self.graphs is not None))
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
         if seed is None:
@@ -97,12 +120,15 @@ class ModelRunner:
             row += n
         if not decode_rows:
             return
+        meta.triton_decode = self.use_triton_decode
         meta.decode_rows = torch.tensor(decode_rows, device=self.device)
         max_blocks = -(-max(decode_lens) // self.block_size)
         tables = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in decode_tables]
         meta.decode_key_blocks = torch.tensor(tables, device=self.device).view(-1)
         lens = torch.tensor(decode_lens, device=self.device)
         meta.decode_lens = lens
+        if meta.triton_decode:
+            return
         positions = torch.arange(max_blocks * self.block_size, device=self.device)
         meta.decode_mask = (positions[None, :] < lens[:, None])[:, None, None, :]
 
@@ -118,11 +144,16 @@ class ModelRunner:
         self.kv_cache.copy_blocks_in(output.swap_in)
         if not output.chunks:
             return RunnerOutput(sampled={})
-        input_ids, positions, meta = self.build_metadata(output)
-        # The blocks this pass reads and writes (block 0 also pads decode block tables); lazy, as they
-        # are only looked at while copies are in flight.
-        self.kv_cache.wait_for_copies(itertools.chain([0], *(chunk.block_table for chunk in output.chunks)))
-        hidden = self.model(input_ids, positions, meta, self.kv_cache.layer_views)
+        # The blocks this pass reads and writes (block 0 also pads eager decode block tables); lazy, as
+        # they are only looked at while copies are in flight.
+        blocks = itertools.chain([0], *(chunk.block_table for chunk in output.chunks))
+        if self.graphs is not None and self.graphs.fits(output):
+            self.kv_cache.wait_for_copies(blocks)
+            hidden = self.graphs.run(output)
+        else:
+            input_ids, positions, meta = self.build_metadata(output)
+            self.kv_cache.wait_for_copies(blocks)
+            hidden = self.model(input_ids, positions, meta, self.kv_cache.layer_views)
         # Only the last row of each chunk that reaches its request's end produces a token.
         rows, to_sample = [], []
         end = 0

@@ -13,7 +13,6 @@ import time
 import torch
 from tqdm import tqdm
 
-from . import cpu_kernels
 from .env import cache_dir
 from .kv_cache import KVCache
 from .model_runner import ModelRunner
@@ -24,6 +23,9 @@ from .sampling_params import SamplingParams
 logger = logging.getLogger("infercept.engine")
 
 QUICK_SIZES = (1, 16, 64, 128, 256, 512)
+# A GPU's step time stays flat far longer (an H100 with the Llama-3-8B shape: ~13.5 ms from 1 to 128
+# tokens, saturating at 1,024), and its passes are quick: its quick profile reaches further.
+QUICK_SIZES_GPU = QUICK_SIZES + (1024, 2048)
 # A cached profile whose forward times are this many times slower than one pass timed at start-up was
 # measured on a busy machine and is measured again (see `_measured_on_a_busy_machine`).
 STALE_SLOWDOWN = 2.0
@@ -44,10 +46,10 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def cached_profile_path(model: str, device: torch.device, dtype: torch.dtype) -> str:
-    # The kernels are part of the key: a profile measured with others has other forward times. So is
-    # the way a profile is measured (`MEASUREMENT`): a fix to it must not be hidden by a cached profile.
-    kernels = cpu_kernels.signature() if device.type == "cpu" else "torch-kernels"
+def cached_profile_path(model: str, device: torch.device, dtype: torch.dtype, kernels: str) -> str:
+    """kernels: `ModelRunner.kernels`. The kernels are part of the key: a profile measured with others has
+    other forward times. So is the way a profile is measured (`MEASUREMENT`): a fix to it must not be
+    hidden by a cached profile."""
     key = hashlib.sha1(f"{os.path.abspath(model)}|{device_name(device)}|{dtype}|{kernels}|{MEASUREMENT}".encode()
                        ).hexdigest()[:16]
     return os.path.join(cache_dir(), "profiles", f"{os.path.basename(os.path.normpath(model))}-{key}.json")
@@ -97,8 +99,10 @@ def _copy_bandwidth(kv: KVCache, num_blocks: int, warmup: int = 2, repeats: int 
 
 
 def measure_profile(model: str, runner: ModelRunner, kv: KVCache, bytes_per_token: int,
-                    sizes=QUICK_SIZES, repeats: int = 3, progress: bool = True) -> Profile:
-    """Runs real forward passes in the KV pool's first blocks: call it before serving requests."""
+                    sizes=None, repeats: int = 3, progress: bool = True) -> Profile:
+    """Runs real forward passes in the KV pool's first blocks: call it before serving requests.
+    sizes: the step sizes timed (default: the quick ones for the runner's device)."""
+    sizes = sizes or (QUICK_SIZES if runner.device.type == "cpu" else QUICK_SIZES_GPU)
     max_tokens = min(max(sizes), kv.num_blocks * kv.block_size, runner.model.spec.max_position_embeddings)
     sizes = [n for n in sizes if n <= max_tokens]
     samples = []
@@ -132,7 +136,7 @@ def _measured_on_a_busy_machine(profile: Profile, runner: ModelRunner, kv: KVCac
 
 def load_or_measure(model: str, runner: ModelRunner, kv: KVCache, bytes_per_token: int,
                     progress: bool = True) -> Profile:
-    path = cached_profile_path(model, kv.device_kv.device, kv.device_kv.dtype)
+    path = cached_profile_path(model, kv.device_kv.device, kv.device_kv.dtype, runner.kernels)
     if os.path.exists(path):
         try:
             profile = Profile.load(path)
@@ -159,7 +163,7 @@ def profile_model(model: str | None, repeats: int, output: str | None = None, **
     cfg = engine.config
     profile = measure_profile(cfg.model, engine.runner, engine.kv_cache, engine.spec.kv_bytes_per_token(cfg.dtype),
                               sizes=FULL_SIZES, repeats=repeats)
-    path = output or cached_profile_path(cfg.model, cfg.device, cfg.dtype)
+    path = output or cached_profile_path(cfg.model, cfg.device, cfg.dtype, engine.runner.kernels)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     profile.save(path)
     return profile, path

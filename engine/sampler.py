@@ -53,7 +53,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         scaled = logits[rows] / temps[:, None]
         top_k = torch.tensor([params[i].top_k for i in random_rows], device=logits.device)
         top_p = torch.tensor([params[i].top_p for i in random_rows], device=logits.device)
-        if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+        if any(params[i].top_k > 0 or params[i].top_p < 1 for i in random_rows):  # asked of the host: no sync
             scaled = apply_top_k_top_p(scaled, top_k, top_p)
         probs = scaled.softmax(dim=-1)
         for j, i in enumerate(random_rows):

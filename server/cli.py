@@ -17,6 +17,7 @@ import shutil
 import sys
 
 from infercept.engine import REASONING_PARSERS  # standard library only: --help stays instant
+from infercept.engine.config import SchedulerConfig  # (no torch)
 
 
 def _env(name: str, default):
@@ -38,8 +39,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="device KV pool size in GiB (default: 25%% of free memory)")
     g.add_argument("--host-kv-gb", type=float, default=float(_env("HOST_KV_GB", 1.0)),
                    help="host KV pool for swapped-out requests, GiB (default 1)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=int(_env("MAX_NUM_BATCHED_TOKENS", 256)),
-                   help="tokens per forward pass (default 256)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=_env("MAX_NUM_BATCHED_TOKENS", None),
+                   help="tokens per forward pass (default: 256 on a CPU; on a GPU the measured profile's "
+                        "saturation point, at least 256)")
+    g.add_argument("--enforce-eager", action="store_true", default=_env("ENFORCE_EAGER", "0") not in ("0", ""),
+                   help="no CUDA graphs (a GPU otherwise replays decode steps from captured graphs)")
     g.add_argument("--max-num-seqs", type=int, default=int(_env("MAX_NUM_SEQS", 64)))
     g.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN", None))
     g.add_argument("--threads", type=int, default=_env("THREADS", None), help="torch CPU threads")
@@ -60,11 +64,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, device=args.device,
                 kv_cache_gb=None if args.kv_cache_gb is None else float(args.kv_cache_gb),
-                host_kv_gb=args.host_kv_gb, max_num_batched_tokens=args.max_num_batched_tokens,
+                host_kv_gb=args.host_kv_gb,
+                max_num_batched_tokens=None if args.max_num_batched_tokens is None else int(args.max_num_batched_tokens),
                 max_num_seqs=args.max_num_seqs,
                 max_model_len=None if args.max_model_len is None else int(args.max_model_len),
                 num_threads=None if args.threads is None else int(args.threads), policy=args.policy or "infercept",
-                enable_prefix_caching=args.prefix_caching)
+                enable_prefix_caching=args.prefix_caching, enforce_eager=args.enforce_eager)
 
 
 def add_backend_args(p: argparse.ArgumentParser) -> None:
@@ -80,8 +85,6 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     v.add_argument("--pipeline-parallel-size", type=int, default=_env("PIPELINE_PARALLEL_SIZE", None))
     v.add_argument("--gpu-memory-utilization", type=float, default=_env("GPU_MEMORY_UTILIZATION", None),
                    help="share of GPU memory vLLM may use (weights, activations and KV)")
-    v.add_argument("--enforce-eager", action="store_true", default=_env("ENFORCE_EAGER", "0") not in ("0", ""),
-                   help="no CUDA graphs")
     v.add_argument("--async-scheduling", action="store_true",
                    default=_env("ASYNC_SCHEDULING", "0").lower() not in ("0", "", "false", "no", "off"),
                    help="vLLM's asynchronous scheduling (GPU: the next step is scheduled while one runs); under "
@@ -90,8 +93,7 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
                         "take vLLM's own default")
 
 
-VLLM_ONLY = ("tensor_parallel_size", "pipeline_parallel_size", "gpu_memory_utilization", "enforce_eager",
-             "async_scheduling")
+VLLM_ONLY = ("tensor_parallel_size", "pipeline_parallel_size", "gpu_memory_utilization", "async_scheduling")
 
 
 def chosen_backend(args: argparse.Namespace) -> str:
@@ -104,9 +106,14 @@ def chosen_backend(args: argparse.Namespace) -> str:
     return "vllm" if os.path.isfile(python) and shutil.which("nvidia-smi") else "native"
 
 
-def vllm_engine_args(args: argparse.Namespace) -> dict:
-    """The vLLM-only flags that were given, as vLLM's engine arguments."""
+def vllm_only_args(args: argparse.Namespace) -> dict:
+    """The vLLM-only flags that were given."""
     return {name: getattr(args, name) for name in VLLM_ONLY if getattr(args, name) not in (None, False)}
+
+
+def vllm_engine_args(args: argparse.Namespace) -> dict:
+    """The flags given that vLLM takes as engine arguments of its own: the vLLM-only ones, --enforce-eager."""
+    return vllm_only_args(args) | ({"enforce_eager": True} if args.enforce_eager else {})
 
 
 def build_backend(args: argparse.Namespace):
@@ -115,8 +122,8 @@ def build_backend(args: argparse.Namespace):
     if args.backend == "native":
         from infercept.engine import NativeBackend
 
-        if vllm_engine_args(args):
-            raise SystemExit(f"infercept serve: {', '.join('--' + n.replace('_', '-') for n in vllm_engine_args(args))} "
+        if vllm_only_args(args):
+            raise SystemExit(f"infercept serve: {', '.join('--' + n.replace('_', '-') for n in vllm_only_args(args))} "
                              "only apply to --backend vllm")
         return NativeBackend.create(args.model, **engine_kwargs(args))
     from infercept.engine import VllmBackend
@@ -126,7 +133,9 @@ def build_backend(args: argparse.Namespace):
         args.model, python=args.vllm_python, policy=args.policy or "infercept",
         dtype=args.dtype, max_model_len=None if args.max_model_len is None else int(args.max_model_len),
         kv_cache_gb=None if args.kv_cache_gb is None else float(args.kv_cache_gb), host_kv_gb=args.host_kv_gb,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        # 256 unless given, as the native engine on a CPU (vLLM's own default is not taken yet)
+        max_num_batched_tokens=int(args.max_num_batched_tokens or SchedulerConfig.max_num_batched_tokens),
         enable_prefix_caching=args.prefix_caching,
         engine_args=vllm_engine_args(args))
 

@@ -14,6 +14,7 @@ import json
 import httpx
 import openai
 import pytest
+import torch
 
 from infercept.server.app import build_app
 from infercept.engine.backend import ToolFormat
@@ -655,7 +656,12 @@ def test_serve_flags_default_to_the_engine_config(monkeypatch):
     for name in ("MAX_NUM_BATCHED_TOKENS", "MAX_NUM_SEQS", "HOST_KV_GB", "PREFIX_CACHING"):
         monkeypatch.delenv(f"INFERCEPT_{name}", raising=False)
     args = build_parser().parse_args(["serve"])
-    assert args.max_num_batched_tokens == SchedulerConfig.max_num_batched_tokens
+    assert args.max_num_batched_tokens is None  # the engine's default_step_tokens: the config's on a CPU
+    from infercept.engine.engine import default_step_tokens
+    from infercept.engine.policy.profile import h100_llama3_8b
+
+    assert default_step_tokens(torch.device("cpu"), h100_llama3_8b(), 64) == SchedulerConfig.max_num_batched_tokens
+    assert default_step_tokens(torch.device("cuda"), h100_llama3_8b(), 64) == h100_llama3_8b().saturation_point
     assert args.max_num_seqs == SchedulerConfig.max_num_seqs
     assert args.host_kv_gb == CacheConfig.host_kv_gb
     assert args.prefix_caching == CacheConfig.enable_prefix_caching
