@@ -55,23 +55,56 @@ def cached_profile_path(model: str, device: torch.device, dtype: torch.dtype, ke
     return os.path.join(cache_dir(), "profiles", f"{os.path.basename(os.path.normpath(model))}-{key}.json")
 
 
+def _median_seconds(fn, device: torch.device, repeats: int) -> float:
+    """Median wall time of `fn()` after one warm-up, every queued GPU stream finished each time."""
+    times = []
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def _forward_pass(runner: ModelRunner, num_tokens: int):
+    """One prefill pass of `num_tokens` tokens written into the pool's first blocks, as a function."""
+    table = list(range(-(-num_tokens // runner.block_size)))
+    chunk = ScheduledChunk("profile", [100] * num_tokens, 0, table, True, SamplingParams(temperature=0), 0)
+    return lambda: runner.run(SchedulerOutput(chunks=[chunk]))
+
+
 def _time_forward(runner: ModelRunner, num_tokens: int, repeats: int) -> float:
     """Median seconds of one prefill pass of `num_tokens` tokens written into scratch blocks (the runner
     forgets the scratch request's sampling state afterwards)."""
-    bs = runner.block_size
-    table = list(range(-(-num_tokens // bs)))
-    chunk = ScheduledChunk("profile", [100] * num_tokens, 0, table, True, SamplingParams(temperature=0), 0)
-    out = SchedulerOutput(chunks=[chunk])
-    runner.run(out)  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        runner.run(out)
-        if runner.device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+    seconds = _median_seconds(_forward_pass(runner, num_tokens), runner.device, repeats)
     runner.generators.pop("profile", None)
-    return sorted(times)[len(times) // 2]
+    return seconds
+
+
+def _copy_overlap(runner: ModelRunner, kv: KVCache, num_tokens: int = 256, num_blocks: int = 64,
+                  repeats: int = 5) -> float | None:
+    """Share of a swap's copy time hidden behind a forward pass queued beside it: the copies of
+    `num_blocks` blocks out and back in (on the copy stream, blocks the pass does not touch), the pass
+    of `num_tokens` tokens, each timed alone and both together. 1: the copy costs the step nothing;
+    0: it adds its whole time. None where the pools are too small to keep the two apart."""
+    pass_blocks = -(-num_tokens // kv.block_size)
+    if kv.num_blocks < pass_blocks + num_blocks or kv.num_host_blocks < num_blocks:
+        return None
+    out_pairs = [(kv.num_blocks - num_blocks + i, i) for i in range(num_blocks)]
+    in_pairs = [(h, d) for d, h in out_pairs]
+
+    def copies():
+        kv.copy_blocks_out(out_pairs)
+        kv.copy_blocks_in(in_pairs)
+
+    forward = _forward_pass(runner, num_tokens)
+    t_copy = _median_seconds(copies, kv.device_kv.device, repeats)
+    t_fwd = _median_seconds(forward, kv.device_kv.device, repeats)
+    t_both = _median_seconds(lambda: (copies(), forward()), kv.device_kv.device, repeats)
+    runner.generators.pop("profile", None)
+    return min(max((t_fwd + t_copy - t_both) / min(t_fwd, t_copy), 0.0), 1.0)
 
 
 def _copy_bandwidth(kv: KVCache, num_blocks: int, warmup: int = 2, repeats: int = 5) -> tuple[float, float]:
@@ -114,10 +147,16 @@ def measure_profile(model: str, runner: ModelRunner, kv: KVCache, bytes_per_toke
         d2h, h2d = _copy_bandwidth(kv, num_copy_blocks)
     else:
         d2h = h2d = 1e10  # no host pool: swapping never happens, any positive number will do
+    # On a CPU the copies are synchronous by construction (copy_stream.py): nothing to measure.
+    overlap = None
+    if kv.device_kv.device.type == "cuda":
+        with torch.inference_mode():
+            overlap = _copy_overlap(runner, kv, num_tokens=min(256, max_tokens))
     return Profile(model=os.path.abspath(model), device=device_name(kv.device_kv.device),
                    dtype=dtype_name(kv.device_kv.dtype), bytes_per_token=bytes_per_token,
                    block_size=kv.block_size, t_fwd_samples=tuple(samples), d2h_bytes_per_s=d2h,
-                   h2d_bytes_per_s=h2d, notes=f"measured by infercept on {time.strftime('%Y-%m-%d')}")
+                   h2d_bytes_per_s=h2d, copy_overlap=overlap,
+                   notes=f"measured by infercept on {time.strftime('%Y-%m-%d')}")
 
 
 def _measured_on_a_busy_machine(profile: Profile, runner: ModelRunner, kv: KVCache) -> bool:

@@ -1,10 +1,11 @@
-"""The start-up profile cache: a cached profile is reused unless it was measured on a busy machine."""
+"""The start-up profile: its cache (a cached profile is reused unless it was measured on a busy machine) and the copy-overlap measurement."""
 from __future__ import annotations
 
 import dataclasses
 import json
 from pathlib import Path
 
+import pytest
 from transformers import LlamaConfig
 
 from infercept.engine import LLM
@@ -40,3 +41,30 @@ def test_a_cached_profile_too_slow_for_this_machine_is_measured_again(tmp_path, 
     fast = scaled(measured, 0.01)
     fast.save(path)
     assert load() == fast
+
+
+def test_copy_overlap_is_a_share_and_needs_room_to_keep_copies_apart(engine):
+    """The measurement a GPU profile takes at start-up (`_copy_overlap`), run here on the CPU where it is
+    not needed (copies are synchronous): a share in [0, 1], and None where the pools cannot hold the
+    pass's blocks and the copied ones apart. What it means for the policy: `Profile.copies_overlap`."""
+    from infercept.engine.profiler import _copy_overlap
+
+    kv = engine.kv_cache
+    before = kv.device_kv.clone()
+    overlap = _copy_overlap(engine.runner, kv, num_tokens=16, num_blocks=2, repeats=1)
+    assert 0.0 <= overlap <= 1.0
+    assert _copy_overlap(engine.runner, kv, num_tokens=16, num_blocks=kv.num_host_blocks + 1) is None
+    assert _copy_overlap(engine.runner, kv, num_tokens=kv.num_blocks * kv.block_size, num_blocks=1) is None
+    kv.device_kv.copy_(before)  # the shared engine's prefix-cached blocks as they were
+
+
+def test_measured_copy_overlap_decides_whether_copies_overlap():
+    from infercept.engine.policy.profile import h100_llama3_8b
+
+    gpu = h100_llama3_8b()
+    assert gpu.copy_overlap is None and gpu.copies_overlap  # unmeasured: by the device
+    assert not dataclasses.replace(gpu, copy_overlap=0.2).copies_overlap
+    assert dataclasses.replace(gpu, copy_overlap=0.9).copies_overlap
+    assert Profile.from_json(dataclasses.replace(gpu, copy_overlap=0.9).to_json()).copy_overlap == 0.9
+    with pytest.raises(ValueError, match="copy_overlap"):
+        dataclasses.replace(gpu, copy_overlap=1.5)

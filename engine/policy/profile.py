@@ -29,6 +29,7 @@ File format (JSON, one object; written by `Profile.to_json`, read by `Profile.fr
       "h2d_bytes_per_s": 2.5e10,           # swap-in bandwidth
       "attention_read_s_per_token": 0.0,   # optional (default 0): see `Profile.t_attention`
       "attention_pair_s": 0.0,             # optional (default 0)
+      "copy_overlap": 0.9,                 # optional (default null): see `Profile.copies_overlap`
       "notes": "free text: where the numbers come from"
     }
 
@@ -105,6 +106,9 @@ class Profile:
     # every measured profile (`t_attention`).
     attention_read_s_per_token: float = 0.0
     attention_pair_s: float = 0.0
+    # Measured share of a swap's copy time hidden behind a forward pass running beside it (1: all of
+    # it, 0: none: the copy stalls the pass); None: not measured (`copies_overlap` goes by the device).
+    copy_overlap: float | None = None
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalise and derive through object.__setattr__, once, at construction.
@@ -118,6 +122,8 @@ class Profile:
             raise ValueError("copy bandwidths must be positive")
         if self.attention_read_s_per_token < 0 or self.attention_pair_s < 0:
             raise ValueError("attention costs must not be negative")
+        if self.copy_overlap is not None and not 0 <= self.copy_overlap <= 1:
+            raise ValueError("copy_overlap must be in [0, 1]")
 
     # -- forward time ---------------------------------------------------------------------------
     @property
@@ -154,7 +160,11 @@ class Profile:
     @property
     def copies_overlap(self) -> bool:
         """Whether a KV copy runs beside the forward pass (a GPU's copy stream) or stalls it (a CPU,
-        where host and device memory are the same DRAM and the copy is synchronous: `copy_stream.py`)."""
+        where host and device memory are the same DRAM and the copy is synchronous: `copy_stream.py`).
+        As measured (`copy_overlap`, more than half hidden) where the profile measured it, else by the
+        device."""
+        if self.copy_overlap is not None:
+            return self.copy_overlap > 0.5
         return not self.device.lower().startswith("cpu")
 
     # -- attention over the context ---------------------------------------------------------------
@@ -236,6 +246,7 @@ class Profile:
             "h2d_bytes_per_s": self.h2d_bytes_per_s,
             "attention_read_s_per_token": self.attention_read_s_per_token,
             "attention_pair_s": self.attention_pair_s,
+            "copy_overlap": self.copy_overlap,
             "notes": self.notes,
         }
 
@@ -262,6 +273,7 @@ class Profile:
             notes=data.get("notes", ""),
             attention_read_s_per_token=float(data.get("attention_read_s_per_token", 0.0)),
             attention_pair_s=float(data.get("attention_pair_s", 0.0)),
+            copy_overlap=None if data.get("copy_overlap") is None else float(data["copy_overlap"]),
         )
 
     @classmethod
