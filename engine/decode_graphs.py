@@ -63,11 +63,12 @@ class DecodeGraphs:
         self.context_lens = torch.ones(self.max_batch, **longs)
         self.rows = torch.arange(self.max_batch, **longs)  # a decode-only step's rows are the batch, in order
         # Host side of each step's inputs, one [4, max_batch] block (ids, positions, slots, lengths) and the
-        # tables; pinned on CUDA so their copies are asynchronous. Rewriting them is safe: the previous step's
-        # copies finished before its sampled tokens reached the host.
+        # tables; pinned on CUDA so their copies are asynchronous. They are rewritten only once the last
+        # step's copies out of them are done (`_copied`; usually long since: its sampled tokens were read).
         pinned = device.type == "cuda"
         self._host_vectors = torch.zeros(4, self.max_batch, dtype=torch.int64, pin_memory=pinned)
         self._host_tables = torch.zeros(self.max_batch, self.max_blocks, dtype=torch.int64, pin_memory=pinned)
+        self._copied = torch.cuda.Event() if pinned else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         if capture:
@@ -93,6 +94,8 @@ class DecodeGraphs:
 
     def _write_inputs(self, output: SchedulerOutput, padded: int) -> None:
         bs, scratch = self.block_size, self.kv_cache.scratch_block
+        if self._copied is not None:
+            self._copied.synchronize()
         pad = padded - len(output.chunks)
         positions = [c.start_pos for c in output.chunks]
         widest = max(positions) // bs + 1
@@ -103,10 +106,14 @@ class DecodeGraphs:
             positions + [0] * pad,
             [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)] + [scratch * bs] * pad,
             [p + 1 for p in positions] + [1] * pad])
-        self._host_tables[:padded, :widest] = torch.tensor(tables)
+        # Staged contiguous ([padded, widest] at the buffer's start), so the copy is one transfer.
+        staged_tables = self._host_tables.view(-1)[:padded * widest].view(padded, widest)
+        staged_tables.copy_(torch.tensor(tables))
         for dst, src in zip((self.input_ids, self.positions, self.slot_mapping, self.context_lens), self._host_vectors):
             dst[:padded].copy_(src[:padded], non_blocking=True)
-        self.block_tables[:padded, :widest].copy_(self._host_tables[:padded, :widest], non_blocking=True)
+        self.block_tables[:padded, :widest].copy_(staged_tables, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
 
     def _forward(self, padded: int) -> torch.Tensor:
         """The model over the first `padded` rows of the buffers: only static shapes, graph-capturable."""
