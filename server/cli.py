@@ -17,7 +17,6 @@ import shutil
 import sys
 
 from infercept.engine import REASONING_PARSERS  # standard library only: --help stays instant
-from infercept.engine.config import SchedulerConfig  # (no torch)
 
 
 def _env(name: str, default):
@@ -134,8 +133,8 @@ def build_backend(args: argparse.Namespace):
         dtype=args.dtype, max_model_len=None if args.max_model_len is None else int(args.max_model_len),
         kv_cache_gb=None if args.kv_cache_gb is None else float(args.kv_cache_gb), host_kv_gb=args.host_kv_gb,
         max_num_seqs=args.max_num_seqs,
-        # 256 unless given, as the native engine on a CPU (vLLM's own default is not taken yet)
-        max_num_batched_tokens=int(args.max_num_batched_tokens or SchedulerConfig.max_num_batched_tokens),
+        # Unless given, 256: the native engine's CPU default (SchedulerConfig), not vLLM's own default
+        max_num_batched_tokens=int(args.max_num_batched_tokens or 256),
         enable_prefix_caching=args.prefix_caching,
         engine_args=vllm_engine_args(args))
 
