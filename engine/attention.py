@@ -26,6 +26,7 @@ contexts, and no shape that depends on the contexts' lengths, so the same call r
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -79,7 +80,9 @@ class AttentionMetadata:
     decode_lens: torch.Tensor | None = None  # [Bd] context length of each single-token query
     block_size: int = 16
     varlen: VarlenMetadata | None = None  # set instead of the above when flash-attn runs the step
-    triton_decode: bool = False  # single-token queries through triton_decode (CUDA); decode_mask unused
+    # The kernel single-token queries go through (`triton_decode.paged_decode_attention` on CUDA, same
+    # contract as the CPU one), reading decode_key_blocks and decode_lens; None: gather + SDPA with decode_mask.
+    decode_kernel: Callable | None = None
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -125,10 +128,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Att
         if cpu_kernels:
             o = kernels.paged_decode_attention(qd, k_cache, v_cache, meta.decode_key_blocks.view(bd, -1),
                                                meta.decode_lens, scale, block_size)
-        elif meta.triton_decode:
-            from . import triton_decode  # TEMP lazy
-            o = triton_decode.paged_decode_attention(qd, k_cache, v_cache, meta.decode_key_blocks.view(bd, -1),
-                                                     meta.decode_lens, scale, block_size)
+        elif meta.decode_kernel is not None:
+            o = meta.decode_kernel(qd, k_cache, v_cache, meta.decode_key_blocks.view(bd, -1), meta.decode_lens,
+                                   scale, block_size)
         else:
             kd = _gather(k_cache, meta.decode_key_blocks, block_size).view(bd, -1, *k_cache.shape[1:])
             vd = _gather(v_cache, meta.decode_key_blocks, block_size).view(bd, -1, *v_cache.shape[1:])

@@ -46,14 +46,16 @@ def padded_batch_sizes(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device, max_batch: int,
-                 max_model_len: int, triton_decode: bool, capture: bool):
+                 max_model_len: int, decode_kernel, capture: bool):
+        """decode_kernel: the attention kernel of single-token queries (`AttentionMetadata.decode_kernel`);
+        None: the torch reference path over whole padded tables, fine for the CPU tests, not for graphs."""
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.batch_sizes = padded_batch_sizes(max_batch)
         self.max_batch = self.batch_sizes[-1]
         self.max_blocks = -(-max_model_len // self.block_size)
-        self.triton_decode = triton_decode
+        self.decode_kernel = decode_kernel
         scratch = kv_cache.scratch_block
         longs = dict(dtype=torch.int64, device=device)
         self.input_ids = torch.zeros(self.max_batch, **longs)
@@ -121,8 +123,8 @@ class DecodeGraphs:
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:padded], prefills=[], decode_rows=self.rows[:padded],
             decode_key_blocks=self.block_tables[:padded].reshape(-1), decode_mask=None, decode_lens=lens,
-            block_size=self.block_size, triton_decode=self.triton_decode)
-        if not self.triton_decode:  # the torch reference path attends over whole padded tables, masked
+            block_size=self.block_size, decode_kernel=self.decode_kernel)
+        if self.decode_kernel is None:  # the torch reference path attends over whole padded tables, masked
             key_pos = torch.arange(self.max_blocks * self.block_size, device=lens.device)
             meta.decode_mask = (key_pos[None, :] < lens[:, None])[:, None, None, :]
         return self.model(self.input_ids[:padded], self.positions[:padded], meta, self.kv_cache.layer_views)

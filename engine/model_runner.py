@@ -15,9 +15,12 @@ from .outputs import RunnerOutput, SchedulerOutput
 from .sampler import sample
 
 
-def _triton_available():  # TEMP
+def gpu_decode_kernel():
+    """Triton's paged decode attention where Triton runs here, else None (imported only on CUDA hosts:
+    importing Triton takes a third of a second)."""
     from . import triton_decode
-    return triton_decode.available()
+
+    return triton_decode.paged_decode_attention if triton_decode.available() else None
 
 
 class ModelRunner:
@@ -37,10 +40,10 @@ class ModelRunner:
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
         dtype = kv_cache.device_kv.dtype
         self.use_varlen = flash_attn_varlen() is not None and device.type == "cuda" and dtype != torch.float32
-        self.use_triton_decode = device.type == "cuda" and _triton_available()  # TEMP
+        self.decode_kernel = gpu_decode_kernel() if device.type == "cuda" else None
         self.graphs: DecodeGraphs | None = None
-        if cuda_graphs and self.use_triton_decode:
-            self.graphs = DecodeGraphs(model, kv_cache, device, max_batch, max_model_len, triton_decode=True,
+        if cuda_graphs and self.decode_kernel is not None:
+            self.graphs = DecodeGraphs(model, kv_cache, device, max_batch, max_model_len, self.decode_kernel,
                                        capture=True)
 
     @property
@@ -48,7 +51,7 @@ class ModelRunner:
         """Names the kernels a forward pass runs, for caches of measurements (profiles)."""
         if self.device.type == "cpu":
             return cpu_kernels.signature()
-        return "+".join(["torch-kernels"] + ["triton-decode"] * self.use_triton_decode
+        return "+".join(["torch-kernels"] + ["triton-decode"] * (self.decode_kernel is not None)
                         + ["flash-attn"] * self.use_varlen + ["cuda-graphs"] * (self.graphs is not None))
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
@@ -120,14 +123,14 @@ class ModelRunner:
             row += n
         if not decode_rows:
             return
-        meta.triton_decode = self.use_triton_decode
+        meta.decode_kernel = self.decode_kernel
         meta.decode_rows = torch.tensor(decode_rows, device=self.device)
         max_blocks = -(-max(decode_lens) // self.block_size)
         tables = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in decode_tables]
         meta.decode_key_blocks = torch.tensor(tables, device=self.device).view(-1)
         lens = torch.tensor(decode_lens, device=self.device)
         meta.decode_lens = lens
-        if meta.triton_decode:
+        if meta.decode_kernel is not None:
             return
         positions = torch.arange(max_blocks * self.block_size, device=self.device)
         meta.decode_mask = (positions[None, :] < lens[:, None])[:, None, None, :]

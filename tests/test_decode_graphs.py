@@ -4,8 +4,14 @@ On the CPU the static-shape forward runs eagerly (`capture=False`): the same buf
 scratch block a CUDA graph replays, checked token by token against transformers and slot by slot
 against what a step may write. On a GPU (`pytest -m gpu`) the captured graphs are checked against the
 eager engine."""
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
+from transformers import LlamaConfig
 
 from conftest import hf_greedy
 from infercept.engine import LLM, SamplingParams
@@ -28,7 +34,7 @@ def test_padded_batch_sizes():
 def static_graphs(engine, max_batch: int = 8) -> DecodeGraphs:
     """The graph path's buffers and forward on the engine's model, run eagerly."""
     return DecodeGraphs(engine.model, engine.kv_cache, engine.config.device, max_batch,
-                        engine.config.scheduler.max_model_len, triton_decode=False, capture=False)
+                        engine.config.scheduler.max_model_len, decode_kernel=None, capture=False)
 
 
 def test_static_decode_path_matches_transformers(engine, hf_model_fp32, monkeypatch):
@@ -85,6 +91,41 @@ def test_static_path_takes_only_decode_steps_that_fit(engine, batch):
     prefill = ScheduledChunk("p", [1, 2], 0, [9], True, params, 0)
     assert not graphs.fits(SchedulerOutput(chunks=[prefill]))
     assert not graphs.fits(SchedulerOutput(chunks=[]))
+
+
+TRITON_GRAPH_PATH = """
+import json, sys
+from infercept.engine import LLM, SamplingParams
+from infercept.engine.decode_graphs import DecodeGraphs
+from infercept.engine.model_runner import gpu_decode_kernel
+from infercept.engine.triton_decode import paged_decode_attention
+llm = LLM(sys.argv[1], dtype="float32", device="cpu", kv_cache_gb=0.01, max_num_seqs=4, progress=False)
+engine = llm.engine
+engine.runner.graphs = DecodeGraphs(engine.model, engine.kv_cache, engine.config.device, 4,
+                                    engine.config.scheduler.max_model_len, paged_decode_attention, capture=False)
+prompts = [[5, 9, 12], list(range(20, 40)), [7] * 17]
+params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (5, 3, 4)]
+print(json.dumps({"interpreted": type(paged_decode_attention.__globals__["_paged_decode_kernel"]).__name__,
+                  "tokens": [o.token_ids for o in llm.generate(prompts, params)]}))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="Triton runs on Linux")
+def test_static_decode_path_with_the_triton_kernel_matches_transformers(tmp_path, default_model_dir):
+    """The GPU's decode path end to end on the CPU: static buffers, padding into the scratch block and the
+    Triton kernel (under its interpreter, in a child process: see test_triton_decode.py), on a tiny
+    random Llama, token by token against transformers."""
+    from test_architectures import TINY, build_tiny_model
+
+    hf = build_tiny_model(LlamaConfig(**TINY), tmp_path / "model", default_model_dir)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "INFERCEPT_CACHE": str(tmp_path / "cache")}
+    run = subprocess.run([sys.executable, "-c", TRITON_GRAPH_PATH, str(tmp_path / "model")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["interpreted"] == "InterpretedFunction"
+    expected = [hf_greedy(hf, p, n) for p, n in (([5, 9, 12], 5), (list(range(20, 40)), 3), ([7] * 17, 4))]
+    assert result["tokens"] == expected
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
