@@ -108,7 +108,7 @@ def test_resume_after_swap_on_the_copy_stream_is_token_exact(default_model_dir, 
     """A paused request's KV moves to the host pool (on CUDA: pinned, on the copy stream) one block per
     step while other requests' forward passes run, and comes back the same way when it resumes beside
     another one: the greedy tokens after the resume equal a fresh request of the whole conversation,
-    recomputed (DESIGN §3). On a CPU the copies are synchronous; the scheduling is the same.
+    recomputed. On a CPU the copies are synchronous; the scheduling is the same.
 
     `budgeted-swap` swaps a paused context out within each step's budget whatever its expected pause, so
     the copies this test is about happen. The default (`infercept`), as designed, did not make them here: with
