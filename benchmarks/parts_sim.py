@@ -35,6 +35,12 @@ The real scheduler and block manager on the modeled runner (`infercept.engine.si
   approval otherwise (a bimodal duration, where a mean residual and a distribution disagree), H100
   setup with no host pool (preserve or discard only).
 
+`--profile PATH` runs every H100 workload on a profile file (`Profile.load`; `policy_sim.setup_named`)
+instead of the hand-written `h100_llama3_8b()`, with the same pools; `burst-cpu` keeps its CPU profile.
+A profile without attention terms (e.g. the one measured on an H100,
+`benchmarks/profiles/h100_llama3_8b_measured_2026-11-26.json`) gets the hand-written ones for
+`long@R` and `long-tight@R` (`with_h100_attention`): measured T_fwd and copies, the roofline's attention.
+
 Metrics per program (= agent request): median normalized latency (the paper's), completed programs/s
 within the window, p50 / p90 completion time (finish - arrival; unfinished = inf), first-turn TTFT,
 resumed-step TTFT, share of resumes that found their KV on the device, recompute share of modeled
@@ -73,7 +79,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from machine import cpu_name, today  # noqa: E402
-from policy_sim import MAX_CONTEXT, MAX_NUM_SEQS, SETUPS  # noqa: E402
+from policy_sim import MAX_CONTEXT, MAX_NUM_SEQS, setup_named  # noqa: E402
 from long_context import long_context_trace  # noqa: E402
 from sustain import sustainable_rate  # noqa: E402
 from workload import generate_trace  # noqa: E402
@@ -157,17 +163,28 @@ class Workload:
     bound_device_blocks: int | None = None
 
 
+def with_h100_attention(profile: Profile) -> Profile:
+    """`profile` with attention over the context charged: its own terms if it has them, else the
+    hand-written H100 ones (`h100_llama3_8b(attention=True)`) on top of its T_fwd and copies. On
+    `h100_llama3_8b()` this is `h100_llama3_8b(attention=True)`."""
+    if profile.has_attention:
+        return profile
+    hand = h100_llama3_8b(attention=True)
+    return dataclasses.replace(profile, attention_read_s_per_token=hand.attention_read_s_per_token,
+                               attention_pair_s=hand.attention_pair_s)
+
+
 def build_workload(workload: str, seed: int, args: dict) -> Workload:
     name, _, rate_text = workload.partition("@")
     rate = float(rate_text) if rate_text else None
-    h100 = SETUPS["h100_llama3_8b"]
+    h100 = setup_named("h100_llama3_8b", args.get("profile"))
     device_blocks, host_blocks = h100.pool_blocks()
     profile, k, until, window = h100.profile(), 1, None, None
     bound_blocks = None
     if name in ("long", "long-tight"):
         trace = long_context_trace(rate, args["long_window"], seed)
         k, window, until = args["token_scale"], args["long_window"], args["long_window"] + args["long_drain"]
-        profile = coarsen_profile(h100_llama3_8b(attention=True), k)
+        profile = coarsen_profile(with_h100_attention(profile), k)
         if name == "long-tight":
             bound_blocks, device_blocks = device_blocks, device_blocks // LONG_TIGHT_POOL_DIVISOR
     elif name == "mix":
@@ -263,8 +280,8 @@ def _fmt(x, digits: int) -> str:
 def table(doc: dict) -> str:
     """One markdown table per workload: mean over seeds (min-max in brackets when they differ)."""
     rows = doc["results"]
-    lines = [f"Measured {doc['date']} on {doc['machine']} (`parts_sim.py`; simulated: a model, not a measurement). "
-             f"Mean over seeds {', '.join(map(str, doc['seeds']))} [min-max].", ""]
+    lines = [f"Measured {doc['date']} on {doc['machine']} (`parts_sim.py`; simulated: a model, not a measurement"
+             f"{'; H100 profile ' + doc['profile'] if doc.get('profile') else ''}). Mean over seeds {', '.join(map(str, doc['seeds']))} [min-max].", ""]
     for workload in doc["workloads"]:
         lines += [f"**{workload}**", "", "| policy | " + " | ".join(c[0] for c in COLUMNS) + " |",
                   "|---|" + "---|" * len(COLUMNS)]
@@ -338,6 +355,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--long-window", type=float, default=600.0, help="arrival window of long@R (s)")
     p.add_argument("--long-drain", type=float, default=1200.0, help="time after the window for long@R (s)")
     p.add_argument("--token-scale", type=int, default=16)
+    p.add_argument("--profile", default=None,
+                   help="profile file for the H100 workloads instead of h100_llama3_8b() (module docstring)")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--out", type=Path, default=RESULTS / "parts_sim.json")
     p.add_argument("--table", type=Path, default=None, help="print the table of this result file and stop")
@@ -346,7 +365,7 @@ def main(argv: list[str] | None = None) -> None:
         print(table(json.loads(args.table.read_text())))
         return
     shared = dict(window=args.window, drain=args.drain, token_scale=args.token_scale, long_window=args.long_window,
-                  long_drain=args.long_drain)
+                  long_drain=args.long_drain, profile=args.profile)
     tasks = [(w, pol, s, shared) for w in args.workloads for s in args.seeds for pol in args.policies]
     start = time.perf_counter()
     if args.jobs > 1:

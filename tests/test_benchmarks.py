@@ -348,3 +348,32 @@ def test_burst_trace_and_numbers():
     assert (s["normalized_latency_median"], s["ttft_median"], s["resumed_ttft_median"]) == (1.0, 4.0, 0.2)
     # completion: finish - arrival; the one cut off is infinitely late
     assert (s["completion_p50"], s["completion_p90"]) == (20.0, math.inf)
+
+
+def test_measured_h100_profile_loads_and_the_h100_simulations_run_on_it():
+    """`--profile` (policy_sim.py, parts_sim.py) puts the profile measured on an H100 under the H100 setup:
+    same pools, its T_fwd and copies; long-context workloads add the hand-written attention terms."""
+    from bench_modules import BENCH
+    from infercept.engine.policy import Profile
+    from infercept.engine.policy.profile import h100_llama3_8b
+    from infercept.engine.simulation import coarsen_profile
+
+    policy_sim, parts_sim = load_bench("policy_sim"), load_bench("parts_sim")
+    path = str(BENCH / "profiles" / "h100_llama3_8b_measured_2026-11-26.json")
+    measured, hand = Profile.load(path), h100_llama3_8b()
+    assert (measured.S, measured.M, measured.block_size) == (1024, hand.M, hand.block_size)
+    assert not measured.has_attention and measured.t_fwd(1) != hand.t_fwd(1)
+    setup = policy_sim.setup_named("h100_llama3_8b", path)
+    assert policy_sim.setup_named("h100_llama3_8b") is policy_sim.SETUPS["h100_llama3_8b"]
+    assert setup.profile() == measured and setup.pool_blocks() == policy_sim.SETUPS["h100_llama3_8b"].pool_blocks()
+    opts = dict(setup="h100_llama3_8b", window=20.0, drain=0.0, seed=0, token_scale=16, oracle=False)
+    steps = {p: policy_sim.run_one("infercept", 1.0, opts | {"profile": p})["normalized_latency"] for p in (None, path)}
+    assert steps[None] != steps[path]
+    args = dict(window=150.0, drain=300.0, token_scale=16, long_window=600.0, long_drain=1200.0)
+    assert parts_sim.build_workload("mix@14", 0, args | {"profile": path}).profile == coarsen_profile(measured, 16)
+    long_hand = parts_sim.build_workload("long@0.05", 0, args).profile
+    long_measured = parts_sim.build_workload("long@0.05", 0, args | {"profile": path}).profile
+    assert long_hand == coarsen_profile(h100_llama3_8b(attention=True), 16)
+    assert long_measured.t_fwd_samples == coarsen_profile(measured, 16).t_fwd_samples
+    assert (long_measured.attention_read_s_per_token, long_measured.attention_pair_s) == \
+        (long_hand.attention_read_s_per_token, long_hand.attention_pair_s) != (0, 0)
