@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # 3 GB CUDA build). Hosts with an NVIDIA driver get PyPI's CUDA build. Override with TORCH=...
 TORCH ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0+cpu)
 
-.PHONY: install serve test bench download clean vllm-env browser
+.PHONY: install serve test bench download clean vllm-env browser gpu-pack gpu-check
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,20 @@ bench: download
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .hypothesis
+
+# The GPU check (benchmarks/README.md, "GPU check"), in two halves. `make gpu-pack`, here (network, .venv):
+# fills the git-ignored .gpu-check/ (< 40 MiB) with the wheels a bare CUDA host lacks (CPython 3.12) and
+# the embedded model's config and tokenizer, no weights.
+gpu-pack:
+	@test -x $(BIN)/python || $(MAKE) install
+	$(BIN)/python benchmarks/gpu/pack.py
+
+# `make gpu-check`, on the GPU host from the repository root with .gpu-check/ carried (no network, <= 8 min):
+# benchmarks/gpu/run.sh. Results in benchmarks/results/gpu-<card>-<date>/ (under $OUT where set).
+# `make gpu-check DRY=1 PYTHON=.venv/bin/python`: the same steps on a CPU with tiny sizes (~1 min).
+DRY ?= 0
+gpu-check:
+	DRY=$(DRY) PYTHON=$(PYTHON) bash benchmarks/gpu/run.sh
 
 # The vLLM backend's own environment (`infercept serve --backend vllm`, docs/operators.md): vLLM pins older
 # transformers and fastapi than the server, so it cannot share .venv. Pinned to one version on CPU and GPU

@@ -14,6 +14,7 @@ is the last); the driver then records it as finished and aborts it, which releas
     python benchmarks/engine_trace.py --policies infercept discard --rate 0.5 --window 30
     python benchmarks/engine_trace.py --policies all --out benchmarks/results/engine_trace.md
     python benchmarks/engine_trace.py --smoke             # < 60 s: 2 policies, 4 requests
+    python benchmarks/engine_trace.py --model DIR --json rows.json   # another model folder; rows as JSON
 
 Metrics as in `policy_sim.py`: normalized latency (median over requests of (e2e - interception time) /
 output tokens), completed requests/s (finished by the end of the arrival window + drain / that time),
@@ -226,6 +227,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--until", type=float, default=240.0, help="stop a policy's run after this many seconds")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", default=None, help="also write the table (markdown) to this file")
+    parser.add_argument("--json", default=None, help="also write the rows and the command (JSON) to this file")
+    parser.add_argument("--model", default=None, help="model folder (default: the embedded model)")
     add_scale_args(parser)
     parser.set_defaults(**CPU_SCALE)
     args = parser.parse_args(argv)
@@ -247,13 +250,18 @@ def main(argv: list[str] | None = None) -> None:
         rows = _run_all(args.policies, trace, dict(
             kv_cache_gb=args.kv_cache_gb, host_kv_gb=args.host_kv_gb,
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-            threads=args.threads, until_s=args.until), log)
+            threads=args.threads, until_s=args.until, model=args.model), log)
     text = table(rows)
     print(text)
+    config = " ".join(sys.argv[1:] if argv is None else argv) or "(defaults)"
     if args.out:
-        config = " ".join(sys.argv[1:]) or "(defaults)"
         with open(args.out, "w") as f:
             f.write(f"# Engine trace (real engine, wall clock)\n\n`python benchmarks/engine_trace.py {config}`\n\n{text}\n")
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump({"command": f"python benchmarks/engine_trace.py {config}", "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -43,18 +43,28 @@ def engine_decode(llm, batch: int, prompt_len: int, new_tokens: int) -> float:
     return (batch * new_tokens - produced) / elapsed
 
 
+def _sync(device: torch.device) -> None:
+    """Wait for the GPU's queued work, so a timer read next covers it (a no-op on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def hf_decode(model, batch: int, prompt_len: int, new_tokens: int) -> float:
-    prompts = torch.tensor([[100 + (i * 7 + j) % 1000 for j in range(prompt_len)] for i in range(batch)])
+    prompts = torch.tensor([[100 + (i * 7 + j) % 1000 for j in range(prompt_len)] for i in range(batch)],
+                           device=model.device)
     mask = torch.ones_like(prompts)
     kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=mask)
     with torch.inference_mode():
         model.generate(prompts[:1], max_new_tokens=4, min_new_tokens=4, **{**kwargs, "attention_mask": mask[:1]})
         # Subtract the prefill + first token, measured separately, to time decode only.
+        _sync(model.device)
         start = time.perf_counter()
         model.generate(prompts, max_new_tokens=1, min_new_tokens=1, **kwargs)
+        _sync(model.device)
         t_first = time.perf_counter() - start
         start = time.perf_counter()
         model.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+        _sync(model.device)
         elapsed = time.perf_counter() - start - t_first
     return batch * (new_tokens - 1) / elapsed
 
@@ -71,11 +81,13 @@ def engine_prefill(llm, prompt_len: int) -> float:
 
 
 def hf_prefill(model, prompt_len: int) -> float:
-    prompt = torch.tensor([[100 + j % 1000 for j in range(prompt_len)]])
+    prompt = torch.tensor([[100 + j % 1000 for j in range(prompt_len)]], device=model.device)
     with torch.inference_mode():
         model(prompt[:, :64])
+        _sync(model.device)
         start = time.perf_counter()
         model(prompt)
+        _sync(model.device)
         return prompt_len / (time.perf_counter() - start)
 
 

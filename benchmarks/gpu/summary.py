@@ -1,0 +1,195 @@
+"""Gather one GPU check's result files into `summary.json` and `summary.md` and print the latter: one
+place to read what a run found (and what failed or timed out), in a form a later run can be compared
+with field by field. Every input is optional: a step that failed leaves its fields null.
+
+    python3 benchmarks/gpu/summary.py RESULTS_DIR --seconds 312
+
+Reads from RESULTS_DIR: steps.tsv (run.sh: step, exit status or "skipped", seconds), pytest.xml, profile_vs_hand.json,
+decode_vs_hf.json, model_*.json (make_models.py) and engine_trace_kv<GiB>gib.json (engine_trace.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import re
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from card import card_name, driver_version, hbm_bytes_per_s  # noqa: E402
+
+TRACE_FILE = re.compile(r"engine_trace_kv(.+)gib\.json$")
+
+
+def _load(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _finite(x):
+    """JSON has no infinity: a run in which most requests never finished has an infinite median."""
+    return x if not isinstance(x, float) or math.isfinite(x) else None
+
+
+def pytest_counts(path: Path) -> dict | None:
+    """passed / failed / errors / skipped and the ids of failed tests, from pytest's JUnit XML."""
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return None
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    failed = [f"{c.get('classname')}::{c.get('name')}" for s in suites for c in s.iter("testcase")
+              if c.find("failure") is not None or c.find("error") is not None]
+    return {"passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
+            "failed": counts["failures"], "errors": counts["errors"], "skipped": counts["skipped"],
+            "failed_tests": failed}
+
+
+def steps(path: Path) -> list[dict]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        name, rc, seconds = line.split("\t")
+        out.append({"step": name, "rc": None if rc == "skipped" else int(rc), "seconds": int(seconds)})
+    return out
+
+
+def summarize(res: Path, seconds: float | None = None, dry: bool = False) -> dict:
+    import torch
+
+    card = card_name()
+    s = {"card": card, "driver": driver_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"), "dry_run": dry}
+    try:
+        import transformers
+        s["transformers"] = transformers.__version__
+    except ImportError:
+        s["transformers"] = None
+
+    model = _load(res / "model_big.json") or {}
+    s["shape"] = model.get("shape")
+    s["parameters"] = model.get("parameters")
+
+    prof = _load(res / "profile_vs_hand.json")
+    t_fwd = {r["tokens"]: r for r in (prof or {}).get("t_fwd_ms", [])}
+    s["t_fwd_1_ms"] = t_fwd[1]["measured"] if 1 in t_fwd else None
+    s["t_fwd_ms"] = {str(n): r["measured"] for n, r in t_fwd.items()} or None
+    s["t_fwd_hand_written_ms"] = {str(n): r["hand_written"] for n, r in t_fwd.items()} or None
+    for key in ("saturation_point", "d2h_gb_s", "h2d_gb_s", "copy_overlap"):
+        s[key] = (prof or {}).get(key)
+
+    dec = _load(res / "decode_vs_hf.json") or {}
+    rows = dec.get("rows", [])
+    decode = {str(r["batch"]): r for r in rows if "batch" in r}
+    prefill = next((r for r in rows if "prefill_tokens" in r), None)
+    s["decode_tok_s"] = {b: r["infercept_tok_s"] for b, r in decode.items()} or None
+    s["transformers_decode_tok_s"] = {b: r["transformers_tok_s"] for b, r in decode.items()} or None
+    s["decode_batch1_tok_s"] = decode["1"]["infercept_tok_s"] if "1" in decode else None
+    s["decode_batch32_tok_s"] = decode["32"]["infercept_tok_s"] if "32" in decode else None
+    s["prefill_tok_s"] = prefill["infercept_tok_s"] if prefill else None
+    s["transformers_prefill_tok_s"] = prefill["transformers_tok_s"] if prefill else None
+    s["engine_kernels"] = dec.get("kernels")
+
+    # Batch-1 decode streams every weight once a step: tokens/s <= HBM bandwidth / weight bytes.
+    s["weight_bytes"] = dec.get("weight_bytes")
+    s["hbm_bytes_per_s"] = hbm_bytes_per_s(card)
+    if s["weight_bytes"] and s["hbm_bytes_per_s"]:
+        s["weight_stream_bound_batch1_ms"] = 1e3 * s["weight_bytes"] / s["hbm_bytes_per_s"]
+        s["weight_stream_bound_batch1_tok_s"] = s["hbm_bytes_per_s"] / s["weight_bytes"]
+        s["decode_batch1_share_of_bound"] = (s["decode_batch1_tok_s"] / s["weight_stream_bound_batch1_tok_s"]
+                                             if s["decode_batch1_tok_s"] else None)
+    else:
+        s["weight_stream_bound_batch1_ms"] = s["weight_stream_bound_batch1_tok_s"] = None
+        s["decode_batch1_share_of_bound"] = None
+
+    s["pytest"] = pytest_counts(res / "pytest.xml")
+
+    latency, trace = {}, {}
+    for path in sorted(res.glob("engine_trace_kv*gib.json"), key=lambda p: float(TRACE_FILE.search(p.name)[1])):
+        pool = f"{TRACE_FILE.search(path.name)[1]} GiB"
+        data = _load(path) or {}
+        latency[pool] = {r["policy"]: _finite(r["normalized_latency"]) for r in data.get("rows", [])}
+        trace[pool] = {"command": data.get("command"),
+                       "rows": [{k: _finite(r[k]) for k in ("policy", "requests", "finished", "normalized_latency",
+                                                           "ttft_median", "recompute_time_share",
+                                                           "swapped_out_blocks", "duration_s")}
+                                for r in data.get("rows", [])]}
+    s["engine_trace_normalized_latency"] = latency or None
+    s["engine_trace"] = trace or None
+    s["steps"] = steps(res / "steps.tsv")
+    s["seconds"] = seconds
+    return s
+
+
+def _f(x, fmt="{:.1f}"):
+    return "–" if x is None else fmt.format(x)
+
+
+def markdown(s: dict) -> str:
+    head = (f"# GPU check, {s['date']}{' (dry run)' if s['dry_run'] else ''}\n\n{s['card']}, driver {s['driver']}, "
+            f"torch {s['torch']} (CUDA {s['cuda']}), transformers {s['transformers']}, Python {s['python']}; "
+            f"{_f(s['seconds'], '{:.0f}')} s in all.\n")
+    lines = [head, "| step | exit status | seconds |", "|---|---:|---:|"]
+    lines += [f"| {st['step']} | {'skipped: no time left' if st['rc'] is None else st['rc']}"
+              f"{' (timed out)' if st['rc'] in (124, 137) else ''} | {st['seconds']} |" for st in s["steps"]]
+    p = s["pytest"]
+    lines += ["", "**`pytest -m gpu`**: " + ("no result (see pytest.txt)" if p is None else
+              f"{p['passed']} passed, {p['failed']} failed, {p['errors']} errors, {p['skipped']} skipped"
+              + (f"; failed: {', '.join(p['failed_tests'])}" if p["failed_tests"] else ""))]
+    shape = f"{s['shape']} shape, {_f(s['parameters'] and s['parameters'] / 1e9, '{:.2f}')} B parameters"
+    lines += ["", f"**Profile** ({shape}), measured vs hand-written `h100_llama3_8b()`:", "",
+              "| tokens | measured T_fwd ms | hand-written ms |", "|---:|---:|---:|"]
+    for n, ms in (s["t_fwd_ms"] or {}).items():
+        lines.append(f"| {n} | {ms:.2f} | {s['t_fwd_hand_written_ms'][n]:.2f} |")
+    if s["saturation_point"]:
+        sp, d2h, h2d = s["saturation_point"], s["d2h_gb_s"], s["h2d_gb_s"]
+        lines += ["", f"Saturation point {sp['measured']} vs {sp['hand_written']} tokens; copies device->host "
+                  f"{d2h['measured']:.1f} GB/s, host->device {h2d['measured']:.1f} GB/s vs {d2h['hand_written']:.1f}."]
+    lines += ["", f"**Engine vs transformers** ({shape}; engine kernels {s['engine_kernels']}):", "",
+              "| workload | infercept tok/s | transformers tok/s |", "|---|---:|---:|"]
+    for b, tok_s in (s["decode_tok_s"] or {}).items():
+        lines.append(f"| decode, batch {b} | {tok_s:.1f} | {s['transformers_decode_tok_s'][b]:.1f} |")
+    if s["prefill_tok_s"] is not None:
+        lines.append(f"| prefill | {s['prefill_tok_s']:.1f} | {s['transformers_prefill_tok_s']:.1f} |")
+    if s["weight_stream_bound_batch1_tok_s"]:
+        lines += ["", f"Batch-1 weight-stream bound: {s['weight_bytes'] / 1e9:.2f} GB at "
+                  f"{s['hbm_bytes_per_s'] / 1e12:.2f} TB/s = {s['weight_stream_bound_batch1_ms']:.2f} ms a token, "
+                  f"{s['weight_stream_bound_batch1_tok_s']:.0f} tok/s; the engine reaches "
+                  f"{_f(s['decode_batch1_share_of_bound'] and 100 * s['decode_batch1_share_of_bound'], '{:.0f}')}%."]
+    lines += ["", "**Engine trace** (normalized latency, s/token; finished/requests):", "",
+              "| device pool | policy | normalized latency | finished |", "|---|---|---:|---:|"]
+    for pool, t in (s["engine_trace"] or {}).items():
+        for r in t["rows"]:
+            lines.append(f"| {pool} | {r['policy']} | {_f(r['normalized_latency'], '{:.4g}')} | "
+                         f"{r['finished']}/{r['requests']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("results")
+    ap.add_argument("--seconds", type=float, default=None, help="the whole check's wall time")
+    ap.add_argument("--dry", action="store_true")
+    args = ap.parse_args(argv)
+    res = Path(args.results)
+    s = summarize(res, args.seconds, args.dry)
+    (res / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
+    text = markdown(s)
+    (res / "summary.md").write_text(text)
+    print(text)
+    print(f"written: {res / 'summary.json'}, {res / 'summary.md'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""The GPU check (benchmarks/gpu/, `make gpu-check`) cannot rot between the rare runs on a GPU host: its
+Python steps run here on a two-layer model of the embedded tokenizer's vocabulary, in float32 on the CPU,
+in the same order as run.sh (models, the profile against the hand-written one, engine vs transformers,
+the engine trace, the summary). What cannot run here (the wheels' install, CUDA) is `make gpu-check DRY=1`'s
+and the GPU host's. Nothing here asserts on time."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from bench_modules import BENCH, load_bench
+
+GPU = BENCH / "gpu"
+
+
+def load_gpu(name: str):
+    """A module of benchmarks/gpu/, loaded by path (its modules import each other by file name)."""
+    sys.path.insert(0, str(GPU))
+    spec = importlib.util.spec_from_file_location(f"gpu_check_{name}", GPU / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+make_models, summary = load_gpu("make_models"), load_gpu("summary")
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="0" failures="1"
+skipped="2" tests="6"><testcase classname="tests.test_gpu" name="test_a"/><testcase classname="tests.test_gpu"
+name="test_b"><failure message="x"/></testcase></testsuite></testsuites>"""
+
+
+@pytest.fixture(scope="module")
+def tiny_model(default_model_dir, tmp_path_factory):
+    """The dry run's stand-in for the 8B shape, in two shards (the 8B model is written in four)."""
+    make_models.SHARD_BYTES, saved = 4 << 20, make_models.SHARD_BYTES
+    try:
+        info = make_models.make_model(default_model_dir, tmp_path_factory.mktemp("models") / "tiny", "tiny")
+    finally:
+        make_models.SHARD_BYTES = saved
+    return info
+
+
+def test_random_model_has_the_shape_and_loads_in_the_engine_and_transformers(tiny_model, default_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from conftest import hf_greedy
+    from infercept.engine import LLM, SamplingParams
+
+    path = Path(tiny_model["path"])
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == 2 and index["metadata"]["total_size"] == tiny_model["bytes"]
+    assert not (path / "model.safetensors").exists()
+    config = json.loads((path / "config.json").read_text())
+    assert {k: config[k] for k in make_models.SHAPES["tiny"]} == make_models.SHAPES["tiny"]
+    assert config["vocab_size"] == json.loads((Path(default_model_dir) / "config.json").read_text())["vocab_size"]
+    assert (path / "tokenizer.json").read_bytes() == (Path(default_model_dir) / "tokenizer.json").read_bytes()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert sum(p.numel() for p in hf.parameters()) == tiny_model["parameters"]
+    assert all(bool((p == 1).all()) for n, p in hf.named_parameters() if n.endswith("norm.weight"))
+    llm = LLM(str(path), dtype="float32", device="cpu", kv_cache_gb=0.02, progress=False)
+    ids = llm.tokenizer.encode("The capital of France is")
+    ours = llm.generate([ids], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].token_ids
+    assert ours == hf_greedy(hf, ids, 6)
+
+
+def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
+    """profile_vs_hand, decode_vs_hf and engine_trace on the tiny model as run.sh calls them (smaller), then
+    the summary of what they wrote."""
+    monkeypatch.setenv("INFERCEPT_CACHE", str(tmp_path / "cache"))  # the engine's cached start-up profile
+    model, res = tiny_model["path"], tmp_path / "res"
+    res.mkdir()
+    (res / "model_big.json").write_text(json.dumps(tiny_model))
+    load_gpu("profile_vs_hand").main(["--model", model, "--out", str(res), "--dtype", "float32", "--device", "cpu",
+                                      "--kv-cache-gb", "0.02", "--host-kv-gb", "0.02", "--repeats", "1"])
+    load_gpu("decode_vs_hf").main(["--model", model, "--out", str(res), "--dtype", "float32", "--device", "cpu",
+                                   "--batches", "1", "2", "--prompt-len", "8", "--decode-tokens", "8",
+                                   "--prefill-len", "64", "--kv-cache-gb", "0.02"])
+    load_bench("engine_trace").main(
+        ["--model", model, "--policies", "prefix-cache", "infercept", "--rate", "2", "--window", "1", "--until", "3",
+         "--context-scale", "0.05", "--decode-scale", "0.05", "--interception-scale", "0.01",
+         "--max-interceptions", "1", "--max-context", "128", "--kv-cache-gb", "0.002", "--host-kv-gb", "0.01",
+         "--max-num-batched-tokens", "64", "--max-num-seqs", "8", "--threads", "1",
+         "--json", str(res / "engine_trace_kv0.002gib.json")])
+    (res / "pytest.xml").write_text(JUNIT)
+    (res / "steps.tsv").write_text("setup\t0\t3\npytest -m gpu\t1\t40\nengine trace 1 GiB\t124\t90\n"
+                                   "engine trace 16 GiB\tskipped\t0\n")
+
+    s = summary.summarize(res, seconds=123.0, dry=True)
+    assert json.loads(json.dumps(s, allow_nan=False)) == s  # strict JSON: no infinities
+    required = ("card", "driver", "torch", "cuda", "date", "t_fwd_1_ms", "decode_batch1_tok_s", "decode_batch32_tok_s",
+                "prefill_tok_s", "pytest", "engine_trace_normalized_latency", "weight_stream_bound_batch1_tok_s",
+                "seconds")
+    assert set(required) <= set(s)
+    assert s["card"] == "cpu" and s["shape"] == "tiny" and s["seconds"] == 123.0
+    assert s["t_fwd_1_ms"] > 0 and set(s["t_fwd_ms"]) == {"1", "32", "128", "256", "512", "1024"}
+    assert s["saturation_point"]["hand_written"] == 256
+    assert set(s["decode_tok_s"]) == {"1", "2"} and s["decode_batch32_tok_s"] is None and s["prefill_tok_s"] > 0
+    assert s["weight_bytes"] == 2 * tiny_model["bytes"]  # float32 in the engine, bf16 on disk
+    assert s["hbm_bytes_per_s"] is None and s["weight_stream_bound_batch1_tok_s"] is None  # a CPU: no datasheet
+    assert s["pytest"] == {"passed": 3, "failed": 1, "errors": 0, "skipped": 2,
+                           "failed_tests": ["tests.test_gpu::test_b"]}
+    assert set(s["engine_trace_normalized_latency"]["0.002 GiB"]) == {"prefix-cache", "infercept"}
+    assert [st["rc"] for st in s["steps"]] == [0, 1, 124, None]
+    text = summary.markdown(s)
+    assert "(timed out)" in text and "skipped: no time left" in text
+    assert "| 0.002 GiB | infercept |" in text and "3 passed, 1 failed" in text
+    assert (res / "profile.json").exists() and (res / "decode_vs_hf.md").exists()
+
+
+def test_batch1_bound_uses_the_cards_hbm_bandwidth():
+    card = load_gpu("card")
+    assert card.hbm_bytes_per_s("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert card.hbm_bytes_per_s("NVIDIA H200") == 4.8e12
+    assert card.hbm_bytes_per_s("NVIDIA H100 PCIe") == 2.0e12 and card.hbm_bytes_per_s("Tesla T4") is None
+    assert card.slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
+
+
+def test_wheels_are_installed_only_where_the_host_misses_what_is_needed(tmp_path):
+    select = load_gpu("select_wheels").select
+    (tmp_path / "manifest.json").write_text(json.dumps({"wheels": [
+        {"file": "transformers-5.23.0-py3-none-any.whl", "name": "transformers", "version": "5.23.0",
+         "need": "==5.23.0"},
+        {"file": "huggingface_hub-1.33.0-py3-none-any.whl", "name": "huggingface-hub", "version": "1.33.0",
+         "need": "<3.0,>=1.31.0"},
+        {"file": "llguidance-1.9.1.whl", "name": "llguidance", "version": "1.9.1", "need": ">=1.0"}]}))
+    host = {"transformers": "5.17.0", "huggingface-hub": "1.32.0"}
+    assert [(p.name, why) for p, why in select(tmp_path, host.get)] == [
+        ("transformers-5.23.0-py3-none-any.whl", "transformers 5.17.0 misses ==5.23.0"),
+        ("llguidance-1.9.1.whl", "llguidance absent")]
+    assert select(tmp_path, {"transformers": "5.23.0", "huggingface-hub": "2.0", "llguidance": "1.2"}.get) == []
+
+
+def test_pack_ships_the_project_pin_and_links_every_top_level_package():
+    pack, link = load_gpu("pack"), load_gpu("link_package")
+    pyproject = tomllib.loads((BENCH.parent / "pyproject.toml").read_text())
+    assert pack.project_pin("transformers") in pyproject["project"]["dependencies"]
+    assert pack.to_download()[0] == pack.project_pin("transformers")
+    dirs = pyproject["tool"]["setuptools"]["package-dir"]
+    top = link.top_level_packages()
+    assert {f"infercept.{k}" for k in top} == {n for n in dirs if n.count(".") == 1}
+    assert all(dirs[f"infercept.{k}"] == v and (BENCH.parent / v / "__init__.py").exists() for k, v in top.items())
