@@ -71,6 +71,7 @@ def test_what_vllm_cannot_do_is_refused_not_approximated():
 
 FLOAT32_KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4  # SmolLM2: 30 layers, 3 KV heads of 64, K and V
 POOL_TOKENS = 4608  # the device pool: max_model_len (4096) must fit, and one long prompt can evict the rest
+MAX_NUM_SEQS = 64  # vLLM's seats for running requests (the backend's default)
 
 
 def tool_turn_tokens(tokenizer) -> int:
@@ -91,7 +92,8 @@ def vllm(default_model_dir, tokenizer):
     host_gb = 1.5 * tool_turn_tokens(tokenizer) * FLOAT32_KV_BYTES_PER_TOKEN / 2**30
     backend = VllmBackend.create(default_model_dir, python=VLLM_PYTHON, policy="infercept", dtype="float32",
                                  max_model_len=4096, kv_cache_gb=POOL_TOKENS * FLOAT32_KV_BYTES_PER_TOKEN / 2**30,
-                                 host_kv_gb=host_gb, env=VLLM_THREADS)  # (VLLM_CPU_KVCACHE_SPACE would override the pool)
+                                 host_kv_gb=host_gb, max_num_seqs=MAX_NUM_SEQS,
+                                 env=VLLM_THREADS)  # (VLLM_CPU_KVCACHE_SPACE would override the pool)
     server, thread, base = serve_in_thread(build_app(backend, ServerSettings(served_model_name="smol")))
     yield backend, base
     server.should_exit = True
@@ -368,6 +370,31 @@ def test_a_short_pause_keeps_its_kv_under_infercept(backend, tokenizer):
     resumed = asyncio.run(run_turn(backend.resume("short-1", tool_result_tokens(tokenizer), greedy(4),
                                                   InterceptParams())))
     assert resumed.num_cached_tokens == len(context) - 1
+
+
+@needs_vllm
+def test_more_paused_sessions_than_vllms_seats_never_block_new_work_or_resumes(backend):
+    """vLLM counts a session waiting for input as one of its max_num_seqs running seats: past the 64th
+    paused generation every request waited for good (scheduler.py gives the seat back at the pause)."""
+    ids = [f"seat-{i}" for i in range(MAX_NUM_SEQS + 2)]
+
+    async def main():
+        for i, rid in enumerate(ids):
+            out = await asyncio.wait_for(run_turn(backend.generate(
+                [1, 2, 3, 100 + i], greedy(2, ignore_eos=True), rid, InterceptParams(pause_on_stop=True))), 60)
+            assert out.paused, (rid, out)
+        resumed = await asyncio.wait_for(run_turn(backend.resume(ids[0], [5, 6], greedy(2, ignore_eos=True),
+                                                                 InterceptParams())), 60)
+        new = await asyncio.wait_for(run_turn(backend.generate([1, 2, 3], greedy(2, ignore_eos=True), "seat-new")), 60)
+        return resumed, new
+
+    try:
+        resumed, new = asyncio.run(main())  # (a turn that waits for a seat times out: no hang)
+    finally:
+        for rid in ids:
+            backend.abort(rid)
+    assert resumed.finished and new.finished
+    assert worker_stats(backend, lambda s: s["num_requests"] == 0)["num_requests"] == 0
 
 
 def test_vllms_own_options_reach_it_and_only_it(monkeypatch):

@@ -5,8 +5,10 @@ the server cannot share one environment); each case is a test here. They cover: 
 session's blocks; discard frees them and the resume recomputes only past the prefix-cache hit; the
 resumed context is the same either way; paused KV is reclaimed before a running request is preempted; a
 pool full of paused sessions still admits new work (and stock vLLM, on the same pool, does not: the
-deadlock the reclaim prevents); min-waste discards a long pause and preserves a short one; a tool's
-history records the pause until its result arrived (not until the scheduler's next step); the host tier
+deadlock the reclaim prevents); more paused sessions than vLLM's max_num_seqs still let new work and
+resumes run (each paused session is reported to the model runner as preempted, freeing its slot);
+min-waste discards a long pause and preserves a short one; a tool's history records the pause until its
+result arrived (not until the scheduler's next step); the host tier
 (`HostTierConnector`, with a fake worker copying real tensors in the order vLLM's model runner does):
 a swapped session's KV goes to the host and comes back position for position, reclaim swaps when a copy is
 cheaper, a full host pool means a discard, a context larger than the step's swap budget leaves over
@@ -33,6 +35,7 @@ CASES = ("preserve_keeps_a_paused_sessions_blocks",
          "a_resumed_discarded_session_has_the_same_tokens_as_a_preserved_one",
          "reclaim_takes_paused_kv_before_preempting_a_running_request",
          "a_pool_of_paused_sessions_never_deadlocks",
+         "paused_sessions_hold_no_running_seat",
          "stock_vllm_deadlocks_on_the_same_pool",
          "infercept_discards_long_pauses_and_preserves_short_ones",
          "no_profile_no_plan",

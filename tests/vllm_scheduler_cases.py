@@ -51,11 +51,11 @@ BYTES_PER_BLOCK = 2 * BLOCK * 4  # one layer, one KV head of size 1, float32: K 
 
 
 def make(policy: str | None = "infercept", num_blocks: int = 64, profile: Profile | None = PROFILE,
-         cls=ours.InterceptScheduler, host_blocks: int | None = None):
+         cls=ours.InterceptScheduler, host_blocks: int | None = None, max_num_seqs: int = 16):
     """A scheduler over `num_blocks` device blocks; with `host_blocks`, our host-tier connector too, and a
     fake worker (`FakeWorker`) that runs its copies on real tensors."""
     model = ModelConfig(model=MODEL, max_model_len=4096, dtype="float32", seed=0)
-    sched = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=4096,
+    sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256, max_model_len=4096,
                             is_encoder_decoder=False, enable_chunked_prefill=True)
     cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
     cache.num_gpu_blocks = num_blocks
@@ -221,6 +221,31 @@ def case_a_pool_of_paused_sessions_never_deadlocks():
         step(s)
     assert "new" in s.requests and s.requests["new"].status == PAUSED, "a new request waited behind paused KV"
     assert s.counters["num_reclaims"] >= 1
+
+
+def case_paused_sessions_hold_no_running_seat():
+    """More paused sessions than max_num_seqs, their KV still on the device: new work and resumes still
+    run (vLLM counts a session waiting for input as a running seat; the server hung after the 64th
+    pause), and each paused session is reported to the model runner as preempted, so a runner that keeps
+    a slot per request (vLLM's V2 runner) frees it too."""
+    s = make("preserve", max_num_seqs=2)
+    told = set()  # the ids sent to the model runner as preempted
+    for i in range(5):
+        s.add_request(request(f"p{i}", prompt(20, 1000 * (i + 1))))
+        for _ in range(10):
+            told |= step(s).preempted_req_ids or set()
+            if s.requests[f"p{i}"].status == PAUSED:
+                break
+        assert s.requests[f"p{i}"].status == PAUSED, f"p{i} waited behind {i} paused sessions"
+    told |= step(s).preempted_req_ids or set()
+    assert told == {f"p{i}" for i in range(5)}, f"the model runner was told {sorted(told)} left its batch"
+    assert all(s.requests[f"p{i}"].num_computed_tokens == 21 for i in range(5)), "a paused session lost its KV"
+    out = resume(s, "p0", prompt(5, 9000))
+    assert out.num_scheduled_tokens.get("p0") == 6, "the resume did not run"
+    run_until_paused(s, "p0")
+    s.add_request(request("new", prompt(30, 7000)))
+    run_until_paused(s, "new")
+    assert len(s.running) == 0 and s.get_num_unfinished_requests() == 0, "paused sessions count as unfinished work"
 
 
 def case_stock_vllm_deadlocks_on_the_same_pool():
@@ -462,7 +487,8 @@ def case_the_vllm_internals_we_use_have_the_signatures_we_were_written_against()
     InputProcessor.assign_request_id(request)
     assert request.request_id != "chat-7f3a" and ours.external_id(request.request_id) == "chat-7f3a", \
         f"vLLM's internal id {request.request_id!r} no longer maps back"
-    for attr in ("kv_holding_waiting", "waiting", "running", "requests", "max_num_scheduled_tokens"):
+    for attr in ("kv_holding_waiting", "waiting", "running", "requests", "max_num_scheduled_tokens",
+                 "num_waiting_for_streaming_input", "reset_preempted_req_ids"):
         assert hasattr(make("preserve"), attr), f"Scheduler has no {attr}"
 
 

@@ -21,7 +21,13 @@ paused sessions can fill the pool). Here:
   in the prefix cache until evicted: lazy discard; `num_computed_tokens` = 0, moved to the plain waiting
   queue). When its next chunk arrives, vLLM's session update runs against the frontier it had, so the
   context is the same; admission then looks up the prefix cache, loads what the host holds past the hit
-  (`HostTierConnector`, host_tier.py) and recomputes the rest.
+  (`HostTierConnector`, host_tier.py) and recomputes the rest;
+- a paused session holds no seat of vLLM's `max_num_seqs`, wherever its KV is. Stock vLLM counts each
+  session waiting for input as running when it admits (its V2 model runner keeps a slot per request until
+  the request ends or is preempted), so as many paused sessions as seats blocked every new and resumed
+  request for good. Here a paused session is reported to the model runner as preempted (its slot is freed;
+  its next chunk re-adds it from scratch, as every chunk of a session is) and admission counts only
+  `running`.
 
 The host tier exists when vLLM runs our connector (the backend configures it with a host pool size); without
 it the swap budget is 0 and `infercept` chooses between preserve and discard.
@@ -120,9 +126,14 @@ class _InterceptMixin:
         except Exception:  # a fault in our policy must not take vLLM down: this step runs as stock vLLM
             logger.exception("the InferCept policy failed before this step; it runs without a plan")
         self._scheduling = True
+        # vLLM's admission counts `running` plus the sessions waiting for input; paused ones hold no seat
+        # (`_handle_stopped_request`), so it sees none while it schedules (the count is kept for the rest:
+        # paused sessions are not unfinished work).
+        waiting_for_input, self.num_waiting_for_streaming_input = self.num_waiting_for_streaming_input, 0
         try:
             out = super().schedule(*args, **kwargs)
         finally:
+            self.num_waiting_for_streaming_input += waiting_for_input
             self._scheduling = False
             self._move_requeued()
         self._last_batched_tokens = out.total_num_scheduled_tokens or self._last_batched_tokens
@@ -139,6 +150,7 @@ class _InterceptMixin:
         self.resumed_hits.pop(external_id(request.request_id), None)
         if not finished and request.status == PAUSED:
             self.pauses[external_id(request.request_id)] = _Pause(request, time.monotonic())
+            self.reset_preempted_req_ids.add(request.request_id)  # the model runner frees its slot next step
         return finished
 
     def add_request(self, request: Request) -> None:
