@@ -47,6 +47,15 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def available_host_memory_bytes() -> int:
+    """MemAvailable of /proc/meminfo: what the host can still give without swapping."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 
 import torch
 
+from .config import available_host_memory_bytes
 from .copy_stream import CopyStream
 from .models.spec import ModelSpec
 
@@ -28,11 +29,7 @@ def available_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+    return available_host_memory_bytes()
 
 
 def num_blocks_for(gib: float, block_bytes: int) -> int:

@@ -296,3 +296,23 @@ class TestAsyncScheduling:
         assert after.num_recomputed_tokens - before.num_recomputed_tokens == recomputed
         fresh = asyncio.run(run_turn(backend.generate(context + appended, greedy(16), "async-long-fresh")))
         assert fresh.token_ids == resumed.token_ids
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_without_kv_cache_gb_vllm_on_a_cpu_gets_the_native_engines_share_of_memory(worker_configs, monkeypatch, gpu):
+    """vLLM on a CPU sizes its KV cache to most of the machine (on a 24 GiB machine the kernel's OOM killer
+    ended `infercept serve --backend vllm` with default flags): unset, it gets the native engine's default
+    share of available memory; on a GPU host vLLM's own rule stands; an explicit size always wins."""
+    from infercept.engine.config import CacheConfig
+    from infercept.engine.vllm_backend import backend
+    from infercept.server import cli
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setattr(backend.shutil, "which", lambda name: "/usr/bin/nvidia-smi" if gpu else None)
+    monkeypatch.setattr(backend, "available_host_memory_bytes", lambda: 20 * 2**30)
+    for flags in ((), ("--kv-cache-gb", "2")):
+        with pytest.raises(_Started):
+            cli.build_backend(serve("--backend", "vllm", *flags))
+    default, explicit = (config["engine"].get("kv_cache_memory_bytes") for config in worker_configs)
+    assert default == (None if gpu else int(20 * 2**30 * CacheConfig.kv_cache_fraction))
+    assert explicit == 2 * 2**30

@@ -30,11 +30,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
 
 from ..backend import EngineBackend, EngineInfo, EngineSnapshot, KVLocation
+from ..config import CacheConfig, available_host_memory_bytes
 from ..detokenizer import IncrementalDetokenizer
 from ..outputs import RequestOutput, SampledToken
 from ..request import InterceptParams
@@ -171,6 +173,11 @@ class VllmBackend(EngineBackend):
                 # Grammars compiled by llguidance, as ours are (params.py)
                 "structured_outputs_config": {"backend": "guidance"},
                 "kv_cache_memory_bytes": None if kv_cache_gb is None else int(kv_cache_gb * 2**30)}
+        if kv_cache_gb is None and not shutil.which("nvidia-smi") and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            # vLLM on a CPU would size its KV cache to most of the machine's memory, on top of the server,
+            # the host tier and the model (the kernel's OOM killer ended it on a 24 GiB machine): the
+            # native engine's default instead. On a GPU vLLM's own rule (gpu_memory_utilization) stands.
+            args["kv_cache_memory_bytes"] = int(available_host_memory_bytes() * CacheConfig.kv_cache_fraction)
         args = {k: v for k, v in args.items() if v is not None} | (engine_args or {})
         if policy in SESSION_POLICIES:
             # Our scheduler subclasses vLLM's synchronous one, or with engine_args async_scheduling=True
