@@ -11,19 +11,18 @@ import torch
 
 from .block_manager import BlockManager
 from .config import CacheConfig, EngineConfig, SchedulerConfig, resolve_device, resolve_dtype
-from .detokenizer import IncrementalDetokenizer
 from .env import step_log_path
 from .kv_cache import GIB, KVCache, available_memory_bytes, num_blocks_for
 from .model_loader import load_model, load_spec
 from .model_runner import ModelRunner
+from .output_stage import Action, TurnOutput, call_judge
 from .outputs import RequestOutput, SchedulerOutput
 from .policy import Profile, make_policy
-from .profiler import load_or_measure
+from .profiler import FULL_SIZES, cached_profile_path, load_or_measure, measure_profile
 from .request import InterceptParams, Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .stats import EngineStats
-from .tool_format import CallJudge, TurnCalls
 
 logger = logging.getLogger("infercept.engine")
 
@@ -111,8 +110,7 @@ class Engine:
         self.stats = EngineStats(bytes_per_token=self.profile.bytes_per_token)
         log_path = step_log_path()
         self._step_log = open(log_path, "a", buffering=1) if log_path else None
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self.call_judges: dict[str, CallJudge] = {}  # requests whose turns may end in tool calls
+        self.turns: dict[str, TurnOutput] = {}  # the output stage of each request's current turn
         self._ids = itertools.count()
         logger.info("engine ready: %s on %s in %s, %d KV blocks of %d tokens (%.2f GiB)", model, device_,
                     dtype_, num_blocks, block_size, num_blocks * block_bytes / GIB)
@@ -131,28 +129,13 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}"
         token_ids = self.tokenize_prompt(prompt)
         self._validate(token_ids)
-        judge = self._call_judge(intercept)  # an unknown format fails here, not mid-generation
+        turn = TurnOutput(self.tokenizer, token_ids, params, intercept)  # an unknown format fails here
         request = Request(request_id, token_ids, params, self.eos_token_ids,
                           arrival_time=self.scheduler.clock() if arrival_time is None else arrival_time,
                           intercept=intercept)
         self.scheduler.add(request)
-        self.detokenizers[request_id] = IncrementalDetokenizer(
-            self.tokenizer, token_ids, params.skip_special_tokens, params.stop)
-        self._set_judge(request_id, judge)
+        self.turns[request_id] = turn
         return request_id
-
-    @staticmethod
-    def _call_judge(intercept: InterceptParams | None) -> CallJudge | None:
-        if intercept is None or intercept.tool_parser is None:
-            return None
-        return CallJudge(intercept.tool_parser, intercept.tools, intercept.parallel_calls, intercept.text_prefix,
-                     intercept.reasoning_parser)
-
-    def _set_judge(self, request_id: str, judge: CallJudge | None) -> None:
-        if judge is None:
-            self.call_judges.pop(request_id, None)
-        else:
-            self.call_judges[request_id] = judge
 
     def _validate(self, token_ids: list[int]) -> None:
         limit = self.config.scheduler.max_model_len
@@ -185,7 +168,7 @@ class Engine:
             raise ValueError(f"the context would exceed this model's limit of {self.config.scheduler.max_model_len}")
         if any(not 0 <= t < self.spec.vocab_size for t in token_ids):
             raise ValueError(f"token ids must be in [0, {self.spec.vocab_size})")
-        judge = self._call_judge(intercept or request.intercept)
+        call_judge(intercept)  # an unknown format fails before anything changes
         if params is not None:
             request.sampling_params = params
         if intercept is not None:
@@ -195,17 +178,14 @@ class Engine:
         self.stats.count_resume(location["device"], location["host"])
         self.scheduler.resume(request_id, token_ids, result_at)
         self._hold_paused_kv()
-        p = request.sampling_params
-        self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, request.token_ids,
-                                                               p.skip_special_tokens, p.stop)
-        self._set_judge(request_id, judge)
+        self.turns[request_id] = TurnOutput(self.tokenizer, request.token_ids, request.sampling_params,
+                                            request.intercept)
         return location
 
     def abort(self, request_id: str) -> None:
         was_paused = request_id in self.scheduler.paused
         self.scheduler.abort(request_id)
-        self.detokenizers.pop(request_id, None)
-        self.call_judges.pop(request_id, None)
+        self.turns.pop(request_id, None)
         if was_paused:
             self._hold_paused_kv()
 
@@ -265,56 +245,39 @@ class Engine:
     def _update(self, scheduler_output: SchedulerOutput, runner_output) -> list[RequestOutput]:
         outputs = []
         for request in self.scheduler.update(scheduler_output, runner_output):
-            detok = self.detokenizers[request.request_id]
-            stop = detok.add(request.token_ids[-1])
-            if stop is not None and request.status is RequestStatus.FINISHED_LENGTH:
-                # The last allowed token completed a stop string: that is a stop, as in OpenAI's API.
-                request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-            elif stop is not None and not request.status.finished:
+            turn = self.turns[request.request_id]
+            stop = turn.add(request.token_ids[-1])
+            if stop is not None:
                 request.stop_reason = stop
-                request.pending_stop = RequestStatus.FINISHED_STOPPED
-                if request.intercept is None:
-                    self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
-            judged = self._intercept_or_finish(request, detok) if request.intercept is not None else None
-            outputs.append(self._output(request, detok, judged))
-            if request.status.finished or request.status is RequestStatus.INTERCEPTED:
-                del self.detokenizers[request.request_id]
-                self.call_judges.pop(request.request_id, None)
+                if request.status is RequestStatus.FINISHED_LENGTH:
+                    # The last allowed token completed a stop string: that is a stop, as in OpenAI's API.
+                    request.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    request.pending_stop = RequestStatus.FINISHED_STOPPED
+            verdict = turn.decide(stopped=request.pending_stop is not None or request.status.finished)
+            if verdict.action is Action.PAUSE:
+                self.scheduler.pause(request, verdict.calls)
+            elif verdict.action is Action.FINISH and not request.status.finished:
+                self.scheduler.finish(request, request.pending_stop or RequestStatus.FINISHED_STOPPED)
+            p = request.sampling_params
+            outputs.append(turn.output(
+                request.request_id, request.prompt_token_ids, list(request.output_token_ids), verdict,
+                request.finish_reason, request.stop_reason,
+                list(request.output_logprobs) if p.logprobs is not None else None, request.num_cached_tokens))
+            if verdict.action is not Action.GO_ON:
+                del self.turns[request.request_id]
         return outputs
 
-    def _intercept_or_finish(self, request: Request, detok: IncrementalDetokenizer) -> TurnCalls | None:
-        """Pause at tool calls that all count (once the model has moved past them, so parallel calls
-        stay together) or at a stop the request marked as an interception; otherwise finish on a stop,
-        or as soon as the turn's calls are done but do not all count (an unknown tool, arguments its
-        schema refuses, a second call without parallel calls): nobody could answer them. Returns the
-        verdict on the calls once the turn ends with some."""
-        judge = self.call_judges.get(request.request_id)
-        judged = None
-        if judge is not None:
-            if request.pending_stop is None and not judge.turn_done(detok.text):
-                return None
-            judged = judge.judge(detok.text)
-            if request.pending_stop is None and judged is None:
-                return None  # call-shaped text that is no call: it is content, the turn goes on
-        if judged is not None and judged.calls and judged.complete:
-            self.scheduler.pause(request, list(judged.calls))
-        elif judged is None and request.pending_stop is not None and request.intercept.pause_on_stop:
-            self.scheduler.pause(request, [])
-        elif request.pending_stop is not None or judged is not None:
-            self.scheduler.finish(request, request.pending_stop or RequestStatus.FINISHED_STOPPED)
-        return judged
 
-    def _output(self, request: Request, detok: IncrementalDetokenizer, judged: TurnCalls | None) -> RequestOutput:
-        finished = request.status.finished
-        paused = request.status is RequestStatus.INTERCEPTED
-        reason = request.finish_reason
-        calls = list(judged.calls) if judged is not None else []
-        if paused or (finished and calls):
-            reason = "tool_calls" if calls else "intercept"
-        return RequestOutput(
-            request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids), text=detok.visible_text(finished or paused),
-            finished=finished, finish_reason=reason, stop_reason=request.stop_reason,
-            logprobs=list(request.output_logprobs) if request.sampling_params.logprobs is not None else None,
-            num_cached_tokens=request.num_cached_tokens, paused=paused,
-            tool_calls=calls, content=judged.content if judged is not None else None)
+def profile_model(model: str | None, repeats: int, output: str | None = None, **engine_kwargs) -> tuple[Profile, str]:
+    """`infercept profile`: measure the full profile of `model` on this machine (an engine of its own,
+    `Engine`'s keyword arguments) and save it, by default where the engine loads it at start-up.
+    Returns the profile and its path."""
+    engine = Engine(model, **{**engine_kwargs, "policy": "preserve"})
+    cfg = engine.config
+    profile = measure_profile(cfg.model, engine.runner, engine.kv_cache, engine.spec.kv_bytes_per_token(cfg.dtype),
+                              sizes=FULL_SIZES, repeats=repeats)
+    path = output or cached_profile_path(cfg.model, cfg.device, cfg.dtype, engine.runner.kernels)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    profile.save(path)
+    return profile, path

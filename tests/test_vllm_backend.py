@@ -23,7 +23,8 @@ from stdlib_only import non_stdlib_imports
 from infercept.engine.backend import InterceptParams, SamplingParams, ToolFormat, ToolSpec
 from infercept.engine.sampling_params import GuidedDecodingParams
 from infercept.engine import default_vllm_python
-from infercept.engine.vllm_backend.params import vllm_sampling_fields
+from infercept.engine.output_stage import TurnRule
+from infercept.engine.vllm_backend.params import TURN_RULE_KEY, vllm_sampling_fields
 
 VLLM_PYTHON = default_vllm_python()
 needs_vllm = pytest.mark.skipif(not os.path.isfile(VLLM_PYTHON),
@@ -57,10 +58,15 @@ def test_the_worker_imports_only_the_standard_library_and_vllm():
     assert set(non_stdlib_imports(worker)) <= {"vllm", "torch"}  # (torch: vLLM's own dependency)
 
 
-def test_what_vllm_cannot_do_is_refused_not_approximated():
-    assert vllm_sampling_fields(greedy(4, stop=["\n"]), resumable=False)["stop"] == ["\n"]
-    with pytest.raises(ValueError, match="stop strings"):
-        vllm_sampling_fields(greedy(4, stop=["\n"]), resumable=True)
+def test_a_sessions_stop_strings_go_to_our_scheduler_not_to_vllms_detokenizer():
+    plain = vllm_sampling_fields(greedy(4, stop=["\n"]), resumable=False, rule=TurnRule(stop=("\n",)))
+    assert plain["stop"] == ["\n"] and plain["extra_args"] is None
+    # vLLM's own stop strings would end a session: its turn's rule travels to InterceptScheduler instead.
+    rule = TurnRule.of(greedy(4, stop=["\n"]), InterceptParams(tool_parser="hermes"))
+    session = vllm_sampling_fields(greedy(4, stop=["\n"]), resumable=True, rule=rule)
+    assert session["stop"] == [] and not session["detokenize"]
+    assert TurnRule.from_dict(session["extra_args"][TURN_RULE_KEY]) == rule == TurnRule(("\n",), True, "hermes")
+    assert vllm_sampling_fields(greedy(4), resumable=True, rule=TurnRule())["extra_args"] is None  # nothing to watch
     schema = {"type": "object"}
     assert vllm_sampling_fields(greedy(4, guided=GuidedDecodingParams(json_schema=schema)),
                                 resumable=True)["structured_outputs"] == {"json": schema}
@@ -214,17 +220,27 @@ def test_abort_of_a_paused_request_frees_it(backend, tokenizer):
 
 
 @needs_vllm
-def test_stop_strings_in_a_turn_that_may_pause_are_a_400_before_anything_runs(backend, tokenizer):
-    with pytest.raises(ValueError, match="stop strings"):
-        asyncio.run(run_turn(backend.generate([1, 2, 3], greedy(4, stop=["x"]), "stop-1",
-                                              InterceptParams(tool_parser="hermes"))))
-    # A turn that cannot pause keeps its stop strings: the text ends before the stop, as our engine's does.
+def test_a_stop_string_ends_a_turn_where_our_engine_does_and_a_paused_one_keeps_its_kv(backend, tokenizer):
+    # A turn that cannot pause: the text ends before the stop, as our engine's does.
     prompt = chat_prompt(tokenizer, [{"role": "user", "content": "Count from one to ten."}])
     plain = asyncio.run(run_turn(backend.generate(prompt, greedy(30), "stop-2")))
     stop = plain.text[len(plain.text) // 2:][:3]
     cut = asyncio.run(run_turn(backend.generate(prompt, greedy(30, stop=[stop]), "stop-3")))
     assert cut.finished and cut.finish_reason == "stop" and cut.stop_reason == stop
     assert cut.text == plain.text[:plain.text.index(stop)]
+    # A turn that pauses at any stop: the session's turn ends at the token completing the stop string (our
+    # scheduler inside vLLM), it waits with its KV, and the resumed turn reuses it and equals a fresh run.
+    paused = asyncio.run(run_turn(backend.generate(prompt, greedy(30, stop=[stop]), "stop-4",
+                                                   InterceptParams(pause_on_stop=True))))
+    assert paused.paused and paused.finish_reason == "intercept" and paused.stop_reason == stop, paused
+    assert paused.text == cut.text and paused.token_ids == cut.token_ids
+    context = prompt + paused.token_ids
+    assert asyncio.run(backend.kv_location("stop-4")).device == len(context) - 1
+    appended = tokenizer.encode("\nGo on.", add_special_tokens=False)
+    resumed = asyncio.run(run_turn(backend.resume("stop-4", appended, greedy(8, ignore_eos=True), InterceptParams())))
+    assert resumed.finished and resumed.num_cached_tokens == len(context) - 1
+    fresh = asyncio.run(run_turn(backend.generate(context + appended, greedy(8, ignore_eos=True), "stop-4-fresh")))
+    assert fresh.token_ids == resumed.token_ids
 
 
 @needs_vllm
@@ -233,15 +249,17 @@ def test_the_server_over_vllm_resumes_a_tool_call_through_the_openai_sdk(vllm):
 
     backend, base = vllm
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    # Stop strings in a tool loop: the turns still pause and resume (our scheduler ends a session's turn).
+    stop = ["\nObservation:"]
     first = client.chat.completions.create(model="smol", messages=QUESTION, tools=TOOLS, max_tokens=40,
-                                           temperature=0)
+                                           temperature=0, stop=stop)
     assert first.choices[0].finish_reason == "tool_calls", first.choices[0].message
     (call,) = first.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
 
     conversation = QUESTION + [first.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
     second = client.chat.completions.create(model="smol", messages=conversation, tools=TOOLS, max_tokens=16,
-                                            temperature=0, extra_body={"return_token_ids": True})
+                                            temperature=0, stop=stop, extra_body={"return_token_ids": True})
     usage = second.usage
     assert usage.prompt_tokens_details.cached_tokens >= 0.9 * usage.prompt_tokens, usage
     assert usage.prompt_tokens_details.cached_tokens == first.usage.total_tokens - 1

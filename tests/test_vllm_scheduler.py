@@ -48,6 +48,8 @@ CASES = ("preserve_keeps_a_paused_sessions_blocks",
          "a_context_larger_than_the_swap_budget_leaves_over_several_steps",
          "a_session_resumed_mid_swap_keeps_its_device_kv",
          "ending_a_swapped_session_frees_its_host_blocks",
+         "a_stop_string_ends_a_sessions_turn_at_the_token_the_output_stage_does",
+         "tool_calls_end_a_sessions_turn_once_the_model_moves_past_them",
          "the_vllm_internals_we_use_have_the_signatures_we_were_written_against",
          "the_connector_hooks_we_use_have_the_signatures_and_order_we_were_written_against")
 

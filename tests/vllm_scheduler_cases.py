@@ -31,9 +31,13 @@ from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
+from engine.output_stage import Action, TurnOutput, TurnRule  # noqa: E402
 from engine.policy import Profile  # noqa: E402
+from engine.request import InterceptParams  # noqa: E402
+from engine.sampling_params import SamplingParams as OurParams  # noqa: E402
 from engine.vllm_backend import host_tier  # noqa: E402
 from engine.vllm_backend import scheduler as ours  # noqa: E402
+from engine.vllm_backend.params import TURN_RULE_KEY  # noqa: E402
 
 BLOCK = 16
 SAMPLED = 7  # the token every step "samples"
@@ -414,6 +418,62 @@ def case_ending_a_swapped_session_frees_its_host_blocks():
     assert s.host_tier.free_host_tokens == 32 * BLOCK and not s.host_tier.copies
 
 
+def run_script(s, rid: str, script: list[int]):
+    """Sample `script`'s tokens for `rid`, one per step, until its turn ends: (tokens taken, its last output)."""
+    for taken, token in enumerate(script, 1):
+        out = s.schedule()
+        ids = list(out.num_scheduled_tokens)
+        runner = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                   sampled_token_ids=[[token] for _ in ids])
+        outputs = [o for eco in s.update_from_output(out, runner).values() for o in eco.outputs if o.request_id == rid]
+        if outputs and outputs[-1].finish_reason is not None:
+            return taken, outputs[-1]
+    raise AssertionError(f"{rid}'s turn never ended")
+
+
+def where_the_output_stage_ends(tokenizer, context: list[int], script: list[int], params: OurParams,
+                                intercept: InterceptParams | None) -> int:
+    """The tokens of `script` the backend's output stage (the native engine's too) takes before its turn ends."""
+    stage = TurnOutput(tokenizer, context, params, intercept)
+    for taken, token in enumerate(script, 1):
+        stop = stage.add(token)
+        if stop is not None or stage.decide(stopped=False).action is not Action.GO_ON:
+            return taken
+    return len(script)
+
+
+def turn_case(text: str, params: OurParams, intercept: InterceptParams | None):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    context, script = prompt(20), tokenizer.encode(text, add_special_tokens=False)
+    rule = TurnRule.of(params, intercept)
+    s = make("preserve")
+    s.add_request(Request("a", context, SamplingParams(max_tokens=100, ignore_eos=True,
+                                                       extra_args={TURN_RULE_KEY: rule.as_dict()}),
+                          None, block_hasher=HASHER, resumable=True))
+    taken, last = run_script(s, "a", script)
+    expected = where_the_output_stage_ends(tokenizer, context, script, params, intercept)
+    assert taken == expected < len(script), f"the turn ended after {taken} tokens, the output stage's after {expected}"
+    assert s.requests["a"].status == PAUSED, "the session did not wait for its next chunk"
+    return s, last
+
+
+def case_a_stop_string_ends_a_sessions_turn_at_the_token_the_output_stage_does():
+    _, last = turn_case("One, two, three, four, five, six, seven.", OurParams(stop=["four"]),
+                        InterceptParams(pause_on_stop=True))
+    assert last.stop_reason == "four" and str(last.finish_reason) == "stop", last
+
+
+def case_tool_calls_end_a_sessions_turn_once_the_model_moves_past_them():
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    s, last = turn_case(f"Let me look.{call}\nAnd then the model writes on about the weather.", OurParams(),
+                        InterceptParams(tool_parser="hermes"))
+    assert last.stop_reason is None and str(last.finish_reason) == "stop", last
+    resume(s, "a", [5, 6])  # the next turn carries no rule: nothing watches it
+    assert "a" not in s.turn_watches
+
+
 # The vLLM 0.32.0 signatures of what the scheduler overrides or calls (a bump that changes one fails here).
 SIGNATURES = {
     "Scheduler.schedule": "(self, throttle_prefills: bool = False) -> vllm.v1.core.sched.output.SchedulerOutput",
@@ -423,6 +483,8 @@ SIGNATURES = {
     "Scheduler.finish_requests": "(self, request_ids: str | collections.abc.Iterable[str] | None, "
                                  "finished_status: vllm.v1.request.RequestStatus) -> list[vllm.v1.request.Request]",
     "Scheduler.add_request": "(self, request: vllm.v1.request.Request) -> None",
+    "Scheduler._update_request_with_output": "(self, request: vllm.v1.request.Request, new_token_ids: list[int], "
+                                             "is_stale: bool = False) -> tuple[list[int], bool]",
     "Scheduler._free_request_blocks": "(self, request: vllm.v1.request.Request)",
     "Scheduler._request_blocks_can_be_freed": "(self, request: vllm.v1.request.Request) -> bool",
     "KVCacheManager.free": "(self, request: vllm.v1.request.Request) -> None",

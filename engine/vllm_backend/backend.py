@@ -1,11 +1,13 @@
 """`VllmBackend`: vLLM V1 (`AsyncLLM`, in a worker process) behind `EngineBackend`, with our KV policy.
 
-vLLM runs in its own environment (worker.py); this side keeps what the server must see exactly as our
-engine gives it: the text (our detokenizer, our stop strings), the turn's verdict on tool calls (our
-`CallJudge`, on the turn's final text), and the reuse a resumed turn had.
+vLLM runs in its own environment (worker.py); this side runs the output stage both backends share
+(output_stage.py: our detokenizer, our stop strings, the verdict on the turn's tool calls) on the tokens
+vLLM streams, and keeps the reuse a resumed turn had.
 
 A request that may pause (tools, or `pause_on_stop`) is a vLLM streaming-input session. Its turn stops
-on EOS, a stop token or max_tokens; then vLLM keeps it waiting with its KV, and this side decides:
+on EOS, a stop token or max_tokens, or where the turn's rule ends it (a stop string, tool calls the model
+has moved past: `TurnWatch`, run by our scheduler inside vLLM on every token, so the turn ends on the same
+token as on our engine); then vLLM keeps it waiting with its KV, and this side decides:
 
     turn ends ──> every call counts / pause_on_stop ──> paused: vLLM keeps the KV until `resume` or `abort`
             └──> otherwise ──────────────────────────> finished: the session's input ends, vLLM frees it
@@ -20,29 +22,25 @@ preempts live work. Swapped KV waits in a host pool (`--host-kv-gb`) that vLLM f
 our KV connector (host_tier.py). `prefix-cache` and `discard` are stock vLLM as agent loops run on it
 today: no sessions and vLLM's own scheduler; a turn is a request that ends, and a resume is a new
 request of the whole context (prefix-cached, or for `discard` recomputed in full).
-
-Differences from our engine, by design of this step: a turn with tools is judged when it stops, not as
-soon as a call closes (a model that writes on after its call without EOS is judged at its stop), and
-turns that may pause take no stop strings (ValueError, params.py).
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..backend import EngineBackend, EngineInfo, EngineSnapshot, KVLocation
 from ..config import CacheConfig, available_host_memory_bytes
-from ..detokenizer import IncrementalDetokenizer
+from ..output_stage import GO_ON, Action, TurnOutput, TurnRule, Verdict, may_pause
 from ..outputs import RequestOutput, SampledToken
 from ..request import InterceptParams
 from ..sampling_params import SamplingParams
 from ..stats import RESUME_KV_PLACES, resume_kv_place
-from ..tool_format import CallJudge, TurnCalls
 from .params import vllm_sampling_fields
 from .process import WorkerProcess
 
@@ -54,6 +52,7 @@ SCHEDULER_CLS = "engine.vllm_backend.scheduler.InterceptScheduler"
 ASYNC_SCHEDULER_CLS = "engine.vllm_backend.scheduler.AsyncInterceptScheduler"  # engine_args async_scheduling=True
 HOST_TIER_CONNECTOR = ("HostTierConnector", "engine.vllm_backend.host_tier")  # class, module (vLLM imports it)
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+logger = logging.getLogger("infercept.vllm_backend")
 STARTUP_TIMEOUT_S = 600.0  # a large model's first load; vLLM CPU with SmolLM2 is ready in ~40 s here
 
 
@@ -78,8 +77,7 @@ class _Generation:
     context: list[int]  # every token so far: prompts, appended and generated
     params: SamplingParams
     intercept: InterceptParams | None
-    judge: CallJudge | None
-    detok: IncrementalDetokenizer
+    stage: TurnOutput  # the output stage of the turn being streamed
     turn_start: int  # where this turn's generated tokens begin in `context`
     session: bool  # a vLLM streaming-input session: its first turn may pause (fixed for its life)
     wire_id: str  # vLLM's request id for this turn: the request id, or for stock policies one per turn
@@ -89,11 +87,6 @@ class _Generation:
     paused: bool = False
     inbox: asyncio.Queue | None = None  # the worker's messages for the turn being streamed
     loop: asyncio.AbstractEventLoop | None = None
-
-    @property
-    def may_pause(self) -> bool:
-        """This turn's rule lets it pause (a resumed turn has its own rule, often none)."""
-        return _may_pause(self.intercept)
 
     @property
     def output_ids(self) -> list[int]:
@@ -245,10 +238,10 @@ class VllmBackend(EngineBackend):
         self._check_tokens(prompt, len(prompt))
         if not prompt:
             raise ValueError("the prompt is empty")
-        gen = _Generation(request_id, list(prompt), list(prompt), params, intercept, _judge(intercept),
-                          self._detokenizer(prompt, params), turn_start=len(prompt),
-                          session=self.sessions and _may_pause(intercept), wire_id=request_id)
-        fields = vllm_sampling_fields(params, gen.session)
+        gen = _Generation(request_id, list(prompt), list(prompt), params, intercept,
+                          TurnOutput(self.tokenizer, prompt, params, intercept), turn_start=len(prompt),
+                          session=self.sessions and may_pause(intercept), wire_id=request_id)
+        fields = vllm_sampling_fields(params, gen.session, TurnRule.of(params, intercept))
         with self._lock:
             if request_id in self._generations or request_id in self._wires:
                 raise ValueError(f"request id {request_id!r} is in use")
@@ -271,11 +264,11 @@ class VllmBackend(EngineBackend):
         if not appended:
             raise ValueError("nothing to append: a resume needs at least one token")
         self._check_tokens(appended, len(gen.context) + len(appended))
-        params = params or gen.params
+        params, intercept = params or gen.params, intercept or gen.intercept
+        stage = TurnOutput(self.tokenizer, gen.context + list(appended), params, intercept)  # may raise
         # A session stays one, whatever the turn's rule; a stock turn is a request of its own.
-        fields = vllm_sampling_fields(params, resumable=gen.session)
-        gen.params, gen.intercept = params, intercept or gen.intercept
-        gen.judge = _judge(gen.intercept)
+        fields = vllm_sampling_fields(params, gen.session, TurnRule.of(params, intercept))
+        gen.params, gen.intercept, gen.stage = params, intercept, stage
         gen.turn += 1
         self._resumes_by_kv[resume_kv_place(*self._kv_tokens(gen))] += 1
         if gen.session:
@@ -295,7 +288,6 @@ class VllmBackend(EngineBackend):
             gen.cached = 0  # vLLM reports the prefix-cache hit with the first output
         gen.context += appended
         gen.turn_start = len(gen.context)
-        gen.detok = self._detokenizer(gen.context, params)
         gen.logprobs = []
         gen.paused = False
         self._open(gen)
@@ -319,9 +311,6 @@ class VllmBackend(EngineBackend):
         if context_len >= self.info.max_model_len:
             raise ValueError(f"the context would have {context_len} tokens; this model's limit is "
                              f"{self.info.max_model_len}")
-
-    def _detokenizer(self, context: list[int], params: SamplingParams) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer, context, params.skip_special_tokens, params.stop)
 
     @staticmethod
     def _open(gen: _Generation) -> None:
@@ -356,20 +345,37 @@ class VllmBackend(EngineBackend):
                 self.abort(gen.request_id)
 
     def _advance(self, gen: _Generation, msg: dict) -> tuple[RequestOutput, bool]:
-        """Take one output message into the turn; returns the caller's output and whether the turn ended."""
-        stop_string = None
-        for token in msg["tokens"]:
+        """Take one output message into the turn; returns the caller's output and whether the turn ended.
+
+        A session's turn ends where vLLM ends it (our scheduler ran the turn's rule on every token); a
+        turn that is a request of its own ends where the output stage says, and vLLM's request is
+        aborted if it is still generating."""
+        tokens, ended = msg["tokens"], msg["finish_reason"] is not None
+        verdict, stop_string, taken = None, None, 0
+        for i, token in enumerate(tokens):
             gen.context.append(token)
-            stop_string = stop_string or gen.detok.add(token)
+            taken += 1
+            stop_string = gen.stage.add(token)
+            at_end = ended and i == len(tokens) - 1
+            if gen.session and stop_string is not None and not at_end:
+                logger.warning("request %s: vLLM did not end the turn at its stop string %r; it is ended here",
+                               gen.request_id, stop_string)
+            if gen.session and not at_end and stop_string is None:
+                continue
+            verdict = gen.stage.decide(stopped=at_end or stop_string is not None)
+            if verdict.action is not Action.GO_ON:
+                break
+        ended_here = verdict is not None and verdict.action is not Action.GO_ON
+        vllm_ended = ended and taken == len(tokens)  # vLLM's turn ended at the token the stage ended it
         if msg["logprobs"] is not None and gen.params.logprobs is not None:
             gen.logprobs += [_sampled(t, lp, entries, gen.params.logprobs)
-                             for t, (lp, entries) in zip(msg["tokens"], msg["logprobs"])]
-        reason, stop_reason = msg["finish_reason"], msg["stop_reason"]
+                             for t, (lp, entries) in zip(tokens[:taken], msg["logprobs"])]
+        reason, stop_reason = (msg["finish_reason"], msg["stop_reason"]) if vllm_ended else ("stop", None)
         if stop_string is not None:
             reason, stop_reason = "stop", stop_string  # found here first: vLLM's own stop is moot
-        elif reason == "stop" and stop_reason is None:
+        elif reason == "stop" and stop_reason is None and gen.context[-1] in self.info.eos_token_ids:
             stop_reason = gen.context[-1]  # EOS: our engine names the token, vLLM does not
-        first_output = gen.turn_start == len(gen.context) - len(msg["tokens"])
+        first_output = gen.turn_start == len(gen.context) - taken
         if first_output and (gen.turn == 0 or not gen.session):
             gen.cached = msg["cached"]  # a new vLLM request's prefix-cache hit, reported with its first output
         elif gen.session:
@@ -377,40 +383,27 @@ class VllmBackend(EngineBackend):
                 hit = self._resumed_hits.get(gen.wire_id)
             if hit is not None:  # resumed after our scheduler discarded it: reused what the cache still held
                 gen.cached = hit
-        if reason is None:
-            return self._output(gen, finished=False), False
-        judged = None
-        paused = False
-        if gen.may_pause:
-            judged = gen.judge.judge(gen.detok.text) if gen.judge is not None else None
-            paused = bool(judged is not None and judged.calls and judged.complete) or \
-                (judged is None and gen.intercept.pause_on_stop)
-        if paused:
+        if not ended_here:
+            return self._output(gen, None, None, None), False
+        if verdict.action is Action.PAUSE and (vllm_ended or not gen.session):
             gen.paused = True
             if gen.session:  # the duration estimate's key and the client's hint, for the scheduler
                 self.worker.send({"op": "pause", "id": gen.wire_id, "expected_s": gen.intercept.expected_s,
-                                  "tool": judged.calls[0].name if judged is not None and judged.calls else
-                                  gen.intercept.kind})
+                                  "tool": verdict.calls[0].name if verdict.calls else gen.intercept.kind})
         else:
+            if verdict.action is Action.PAUSE:  # a session vLLM did not stop: it cannot wait for a resume
+                verdict = replace(verdict, action=Action.FINISH)
             self._forget(gen)
-            if gen.session:
+            if gen.session and vllm_ended:
                 self.worker.send({"op": "end", "id": gen.wire_id})  # the session's input ends: vLLM frees it
-            elif stop_string is not None and msg["finish_reason"] is None:
-                self.worker.send({"op": "abort", "id": gen.wire_id})
-        if paused or (judged is not None and judged.calls):
-            reason = "tool_calls" if judged is not None and judged.calls else "intercept"
-        return self._output(gen, finished=not paused, reason=reason, stop_reason=stop_reason, judged=judged), True
+            elif not vllm_ended:
+                self.worker.send({"op": "abort", "id": gen.wire_id})  # still generating past the turn's end
+        return self._output(gen, verdict, reason, stop_reason), True
 
-    def _output(self, gen: _Generation, finished: bool, reason: str | None = None, stop_reason=None,
-                judged: TurnCalls | None = None) -> RequestOutput:
-        turn_done = finished or gen.paused
-        return RequestOutput(
-            request_id=gen.request_id, prompt_token_ids=gen.prompt, token_ids=list(gen.output_ids),
-            text=gen.detok.visible_text(turn_done), finished=finished, finish_reason=reason,
-            stop_reason=stop_reason, logprobs=list(gen.logprobs) if gen.params.logprobs is not None else None,
-            num_cached_tokens=gen.cached, paused=gen.paused,
-            tool_calls=list(judged.calls) if judged is not None else [],
-            content=judged.content if judged is not None else None)
+    @staticmethod
+    def _output(gen: _Generation, verdict: Verdict | None, reason: str | None, stop_reason) -> RequestOutput:
+        return gen.stage.output(gen.request_id, gen.prompt, list(gen.output_ids), verdict or GO_ON, reason,
+                                stop_reason, list(gen.logprobs), gen.cached)
 
     def _forget(self, gen: _Generation) -> None:
         with self._lock:
@@ -516,17 +509,6 @@ class VllmBackend(EngineBackend):
             self._stats[seq] = (loop, future)
         self.worker.send({"op": "stats", "seq": seq})
         return await future
-
-
-def _may_pause(intercept: InterceptParams | None) -> bool:
-    return intercept is not None and (intercept.tool_parser is not None or intercept.pause_on_stop)
-
-
-def _judge(intercept: InterceptParams | None) -> CallJudge | None:
-    if intercept is None or intercept.tool_parser is None:
-        return None
-    return CallJudge(intercept.tool_parser, intercept.tools, intercept.parallel_calls, intercept.text_prefix,
-                     intercept.reasoning_parser)
 
 
 def _sampled(token_id: int, logprob: float, entries: list, k: int) -> SampledToken:

@@ -3,7 +3,8 @@
 vLLM loads it by name in its engine-core process (`SchedulerConfig.scheduler_cls`); it is configured by
 `additional_config["infercept"]` (`scheduler_config(...)` builds it): the policy's name and, optionally,
 the address of the policy channel to the worker (`PolicyChannel`). Runs on vLLM's python, with the
-repository root on `sys.path`: it imports vllm and our pure-python `engine.policy`, nothing else of ours.
+repository root on `sys.path`: it imports vllm and our pure-python `engine.policy` and output stage
+(`engine.output_stage`), nothing else of ours.
 
 A paused generation is a vLLM streaming-input session waiting for its next chunk
 (`WAITING_FOR_STREAMING_REQ`). Stock vLLM keeps its KV blocks until the session ends ("preserve", and
@@ -22,6 +23,9 @@ paused sessions can fill the pool). Here:
   queue). When its next chunk arrives, vLLM's session update runs against the frontier it had, so the
   context is the same; admission then looks up the prefix cache, loads what the host holds past the hit
   (`HostTierConnector`, host_tier.py) and recomputes the rest;
+- a turn ends where the backend's output stage would end it: the turn's `TurnRule` (stop strings, tool
+  calls the model has moved past) is checked on every token after vLLM's own stop checks, and a match
+  stops the turn as EOS does, so the session waits with its KV (vLLM's own stop strings would end it);
 - a paused session holds no seat of vLLM's `max_num_seqs`, wherever its KV is. Stock vLLM counts each
   session waiting for input as running when it admits (its V2 model runner keeps a slot per request until
   the request ends or is preempted), so as many paused sessions as seats blocked every new and resumed
@@ -49,9 +53,11 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
+from engine.output_stage import TurnRule, TurnWatch
 from engine.policy import (DurationEstimator, IterationInfo, KVAction, PausedInfo, Profile, make_policy)
 from engine.policy.decisions import iteration_swap_limit
 from engine.vllm_backend.host_tier import HostTierConnector
+from engine.vllm_backend.params import TURN_RULE_KEY
 
 logger = logging.getLogger("infercept.vllm_scheduler")
 
@@ -60,7 +66,7 @@ PAUSED = RequestStatus.WAITING_FOR_STREAMING_REQ
 # The vLLM internals this module overrides or calls: tests/test_vllm_scheduler.py checks their signatures
 # against the installed vLLM, so a version bump that changes one fails there, not in production.
 OVERRIDDEN = ("schedule", "add_request", "_handle_stopped_request", "_update_request_as_session",
-              "finish_requests")
+              "finish_requests", "_update_request_with_output")
 CALLED = ("_free_request_blocks", "_request_blocks_can_be_freed")
 KV_CACHE_MANAGER_CALLED = ("allocate_slots", "free")
 QUEUE_CALLED = ("add_request", "remove_request")
@@ -117,6 +123,8 @@ class _InterceptMixin:
         self._next_grammar: dict = {}  # session -> its next chunk's StructuredOutputRequest (or None)
         self._requeue: list[Request] = []  # discarded during a step, moved to `waiting` after it
         self._scheduling = False
+        self.turn_watches: dict[str, TurnWatch] = {}  # request -> its turn's rule, while the turn runs
+        self._tokenizer = None  # loaded for the first turn with a rule
 
     # -- vLLM's hooks -------------------------------------------------------------------------------
     def schedule(self, *args, **kwargs):
@@ -145,7 +153,41 @@ class _InterceptMixin:
         self._report()
         return out
 
+    def _update_request_with_output(self, request: Request, new_token_ids: list[int], *args, **kwargs):
+        """vLLM's stop checks, then the turn's rule (`TurnRule`, sent by the backend in the turn's
+        `extra_args`) on every token: a stop string, or tool calls the model has moved past, end the turn
+        there, as EOS would (a session then waits for its next chunk with its KV)."""
+        rule = (request.sampling_params.extra_args or {}).get(TURN_RULE_KEY) if request.sampling_params else None
+        if rule is None:
+            return super()._update_request_with_output(request, new_token_ids, *args, **kwargs)
+        watch = self.turn_watches.get(request.request_id)
+        if watch is None or request.num_output_tokens == 0:  # the turn's first token
+            watch = self.turn_watches[request.request_id] = TurnWatch(
+                self._turn_tokenizer(), request.all_token_ids, TurnRule.from_dict(rule))
+        kept: list[int] = []
+        for token in new_token_ids:
+            taken, stopped = super()._update_request_with_output(request, [token], *args, **kwargs)
+            kept += taken
+            if stopped:
+                return kept, True
+            ends, stop_string = watch.add(token)
+            if ends:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = stop_string
+                return kept, True
+        return kept, False
+
+    def _turn_tokenizer(self):
+        """The model's tokenizer as the backend's output stage decodes with it (Hugging Face's)."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+            config = self.vllm_config.model_config
+            self._tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, revision=config.tokenizer_revision,
+                                                            trust_remote_code=config.trust_remote_code)
+        return self._tokenizer
+
     def _handle_stopped_request(self, request: Request) -> bool:
+        self.turn_watches.pop(request.request_id, None)
         finished = super()._handle_stopped_request(request)
         self.resumed_hits.pop(external_id(request.request_id), None)
         if not finished and request.status == PAUSED:
@@ -190,6 +232,7 @@ class _InterceptMixin:
     def finish_requests(self, request_ids, finished_status):
         finished = super().finish_requests(request_ids, finished_status)
         for request in finished:
+            self.turn_watches.pop(request.request_id, None)
             rid = external_id(request.request_id)
             self.pauses.pop(rid, None)
             self.recompute_from.pop(rid, None)
