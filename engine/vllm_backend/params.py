@@ -5,15 +5,20 @@ never approximated.
 """
 from __future__ import annotations
 
+from ..output_stage import TurnRule
 from ..sampling_params import SamplingParams
 
+# The key of `TurnRule` in vLLM's `SamplingParams.extra_args`, where our scheduler reads it.
+TURN_RULE_KEY = "infercept_turn"
 
-def vllm_sampling_fields(params: SamplingParams, resumable: bool) -> dict:
-    """`resumable`: the request may pause (a vLLM streaming-input session), which vLLM 0.32 allows only
-    without stop strings: a turn there ends on EOS, a stop token or max_tokens."""
-    if resumable and params.stop:
-        raise ValueError("stop strings are not supported on the vLLM backend in a generation that may pause "
-                         "(tools, or an intercepted turn): vLLM ends such turns only on EOS, stop tokens or max_tokens")
+
+def vllm_sampling_fields(params: SamplingParams, resumable: bool, rule: TurnRule | None = None) -> dict:
+    """`resumable`: the request is a vLLM streaming-input session (it may pause). vLLM's own stop strings
+    would end the whole session, so a session's turn carries its `rule` (stop strings, and tool calls the
+    model has moved past) to our scheduler instead, which ends the turn at that token and keeps the
+    session (`InterceptScheduler._update_request_with_output`)."""
+    rule = rule if rule is not None and not rule.empty else None
+    stop = [] if resumable else list(params.stop)
     return {
         "temperature": 0.0 if params.greedy else params.temperature,
         "top_p": params.top_p,
@@ -23,8 +28,9 @@ def vllm_sampling_fields(params: SamplingParams, resumable: bool) -> dict:
         "min_tokens": params.min_tokens,
         # Stop strings end a request that cannot pause in vLLM as they do here (the backend still finds
         # them itself, so the text is cut the same way); vLLM needs to detokenize only for them.
-        "stop": list(params.stop),
-        "detokenize": bool(params.stop),
+        "stop": stop,
+        "detokenize": bool(stop),
+        "extra_args": {TURN_RULE_KEY: rule.as_dict()} if resumable and rule is not None else None,
         "stop_token_ids": list(params.stop_token_ids),
         "ignore_eos": params.ignore_eos,
         "logprobs": params.logprobs,
