@@ -9,10 +9,10 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {"AsyncEngine": ".async_engine", "Engine": ".engine", "LLM": ".llm", "RequestOutput": ".outputs",
-            "SamplingParams": ".sampling_params", "NativeBackend": ".backend", "EngineBackend": ".backend",
+            "SamplingParams": ".sampling_params", "NativeBackend": ".native_backend", "EngineBackend": ".backend",
             "VllmBackend": ".vllm_backend.backend", "default_vllm_python": ".vllm_backend.backend",
             "REASONING_PARSERS": ".reasoning_parsers",
-            "ensure_default_model": ".download", "profile_model": ".profiler"}
+            "ensure_default_model": ".download", "profile_model": ".engine"}
 
 __all__ = list(_EXPORTS)
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .tool_format import ToolSpec
+    from .tool_spec import ToolSpec
 
 OPENER = "<tool_call>"
 CALL = OPENER + "\n{body}\n</tool_call>"

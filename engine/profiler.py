@@ -190,19 +190,3 @@ def load_or_measure(model: str, runner: ModelRunner, kv: KVCache, bytes_per_toke
     os.makedirs(os.path.dirname(path), exist_ok=True)
     profile.save(path)
     return profile
-
-
-def profile_model(model: str | None, repeats: int, output: str | None = None, **engine_kwargs) -> tuple[Profile, str]:
-    """`infercept profile`: measure the full profile of `model` on this machine (an engine of its own,
-    `Engine`'s keyword arguments) and save it, by default where the engine loads it at start-up.
-    Returns the profile and its path."""
-    from .engine import Engine
-
-    engine = Engine(model, **{**engine_kwargs, "policy": "preserve"})
-    cfg = engine.config
-    profile = measure_profile(cfg.model, engine.runner, engine.kv_cache, engine.spec.kv_bytes_per_token(cfg.dtype),
-                              sizes=FULL_SIZES, repeats=repeats)
-    path = output or cached_profile_path(cfg.model, cfg.device, cfg.dtype, engine.runner.kernels)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    profile.save(path)
-    return profile, path

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from .sampling_params import SamplingParams
-from .tool_format import ToolSpec
+from .tool_spec import ToolSpec
 
 
 class RequestStatus(enum.Enum):

@@ -18,35 +18,14 @@ torch, so a backend in another process can run the same judge.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from . import hermes_format as hermes
 from .reasoning_parsers import get_reasoning_parser
 from .tool_parsers import ToolCall, get_tool_parser
-
-
-@dataclass(frozen=True)
-class ToolSpec:
-    """A tool as the engine needs it: its name, its arguments' schema, and its definition as prompts
-    show it (OpenAI's function-tool object)."""
-
-    name: str
-    parameters: Mapping[str, Any] | None = None  # JSON schema of the arguments object
-    definition: Mapping[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def function(cls, name: str, parameters: Mapping[str, Any] | None = None,
-                 description: str | None = None) -> "ToolSpec":
-        fn = {"name": name} | ({"description": description} if description else {}) \
-            | ({"parameters": dict(parameters)} if parameters is not None else {})
-        return cls(name, parameters, {"type": "function", "function": fn})
-
-    @property
-    def arguments_schema(self) -> dict:
-        """The parameters schema (a call's arguments are always an object)."""
-        return {"type": "object", **(self.parameters or {})}
+from .tool_spec import ToolSpec
 
 
 @dataclass(frozen=True)

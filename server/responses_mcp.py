@@ -44,6 +44,7 @@ from infercept.engine.backend import ToolSpec
 from .chat import Call, Message, validate_tool_flow
 from .mcp_config import function_name
 from .protocol import APIError, bad_request, new_id, now
+from .responses_input import ResponseTurn, input_messages, tool_spec
 from .protocol_responses import (FunctionTool, FunctionToolChoice, McpApprovalRequestItem, McpApprovalResponseItem,
                                  McpCallItem, McpListToolsItem, McpToolChoice, McpToolFilter, McpToolParam,
                                  OutputFunctionCall, OutputMcpApprovalRequest, OutputMcpCall, OutputMcpListTools,
@@ -278,7 +279,6 @@ class ResponsesMcp:
     # -- serving -----------------------------------------------------------------------------------
     async def create(self, serving, req: ResponsesRequest, raw):
         from .serving_base import respond
-        from .serving_responses import ResponseTurn, input_messages, tool_spec
 
         owner = owner_of(raw)
         previous = None

@@ -206,10 +206,11 @@ def test_cuda_image_has_what_triton_compiles_with_at_run_time():
     assert {"gcc", "libc6-dev", "python3-dev"} <= packages
 
 
-@pytest.mark.parametrize("image,backend", [("cuda", "vllm"), ("cpu", "native")])
+@pytest.mark.parametrize("image,backend", [("cuda", "native"), ("cpu", "native")])
 def test_default_backend_of_each_image(image, backend, monkeypatch):
-    """What `infercept serve` resolves --backend to with the image's entrypoint and environment: vLLM in
-    the GPU image (its python the image's vLLM environment), InferCept's engine in the CPU image."""
+    """What `infercept serve` resolves --backend to with the image's entrypoint and environment:
+    InferCept's engine in both images (the GPU path that has run on a GPU); in the GPU image the vLLM
+    backend is one variable away, its python the image's vLLM environment."""
     from infercept.server import cli
 
     env = env_of_final_image(IMAGES[image])
@@ -221,9 +222,12 @@ def test_default_backend_of_each_image(image, backend, monkeypatch):
     (entrypoint,) = instructions(IMAGES[image], "ENTRYPOINT")
     args = cli.build_parser().parse_args(list(entrypoint.value)[1:])
     assert args.backend == backend
-    if backend == "vllm":
+    if image == "cuda":
         from infercept.engine import default_vllm_python
 
+        monkeypatch.setenv("INFERCEPT_BACKEND", "vllm")
+        args = cli.build_parser().parse_args(list(entrypoint.value)[1:])
+        assert args.backend == "vllm"
         assert args.vllm_python == default_vllm_python() == f"{vllm_venv_of(image)}/bin/python"
         assert not cli.vllm_engine_args(args), "vLLM's own options stay at vLLM's defaults (async scheduling off)"
         # vLLM's compile cache persists in the cache volume.

@@ -1,0 +1,81 @@
+"""A Responses request as the turn layer takes it: its input items as chat messages, its function tools
+as `ToolSpec`s, and `ResponseTurn`, one request while it is served (its stream events numbered in
+order). Shared by the plain Responses front end (serving_responses.py) and its MCP one (responses_mcp.py).
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from infercept.engine.backend import ToolSpec
+
+from .chat import Call, Message
+from .protocol import APIError
+from .protocol_responses import (FunctionCallItem, FunctionCallOutputItem, FunctionTool, MessageItem, ReasoningItem,
+                                 ResponsesRequest, TextPart)
+from .turns import Turn
+
+# -- input items -> chat messages -------------------------------------------------------------------
+
+
+def _text(content: str | Sequence[TextPart]) -> str:
+    return content if isinstance(content, str) else "".join(part.text for part in content)
+
+
+def input_messages(input: str | Sequence, other: Callable[[Any, list[Message]], None] | None = None) -> list[Message]:
+    """Responses input -> chat messages. Consecutive `function_call` items are one assistant turn, with
+    the assistant message just before them as its content: the shape of the turn that made them.
+    `other(item, messages)` adds the messages of the items of other kinds (MCP items: responses_mcp.py)."""
+    if isinstance(input, str):
+        return [Message("user", input)]
+    messages: list[Message] = []
+    for item in input:
+        if isinstance(item, FunctionCallItem):
+            call = Call.make(item.call_id, item.name, item.arguments)
+            if messages and messages[-1].role == "assistant":
+                messages[-1] = replace(messages[-1], tool_calls=messages[-1].tool_calls + (call,))
+            else:
+                messages.append(Message("assistant", "", tool_calls=(call,)))
+        elif isinstance(item, FunctionCallOutputItem):
+            messages.append(Message("tool", _text(item.output), tool_call_id=item.call_id))
+        elif isinstance(item, ReasoningItem):
+            continue  # earlier thinking: not part of the conversation (chat templates drop it too)
+        elif not isinstance(item, MessageItem) and other is not None:
+            other(item, messages)
+        else:
+            messages.append(Message("system" if item.role == "developer" else item.role, _text(item.content)))
+    return messages
+
+
+def tool_spec(tool: FunctionTool) -> ToolSpec:
+    """A Responses function tool as the turn takes it (its definition as Chat Completions shows it)."""
+    return ToolSpec(tool.name, tool.parameters,
+                    {"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)})
+
+
+@dataclass
+class ResponseTurn:
+    """One Responses request while it is served."""
+
+    request: ResponsesRequest
+    model: str
+    message_id: str  # of the output message, known before its text streams
+    created_at: int
+    conversation: tuple[Message, ...]  # the chain's input messages, this request's included
+    turn: Turn
+    sequence: int = 0  # of the next stream event
+    reasoning_id: str = ""  # of the reasoning output item (a thinking model's), known before it streams
+
+    @property
+    def id(self) -> str:
+        return self.turn.id
+
+    def event(self, kind: str, **fields) -> dict:
+        payload = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return {"event": kind, "data": json.dumps(payload, ensure_ascii=False)}
+
+    def error(self, e: APIError) -> dict:
+        return self.event("error", code=e.code, message=e.message, param=e.param)
