@@ -13,13 +13,15 @@ every paused request. This index (mechanism; the scheduler owns it) keeps:
   its expected remaining time may reach a bound (a timer, from `DurationEstimator.next_jump` and the
   estimate's growth rate), the running requests' KV falls below the floor its bound rests on, the
   iteration's forward time reaches its swap bound (heaps keyed by those), or its tool's duration
-  history changes (a version per tool). Swap bounds are watched only in
+  history changes in a way its estimate can see (a version per tool; a new duration changes only the
+  estimates of calls paused for less than it: `DurationEstimator.changed_since`, so a tool completing
+  many times a second wakes only its recent pauses). Swap bounds are watched only in
   steps with swap room: without room no plan swaps. A step then plans the live holders and those that
   woke: O(live + woken + log n), never O(paused);
 - the *host holders* (paused requests with host KV: what proactive swap-in may bring back), each keyed
   by the earliest time its copy back could be due (the scheduler's `key_host`: its predicted resume less
   its copy time; a prediction falls as fast as the clock and only jumps up, so a key stays early until
-  its tool's history changes, which re-keys them all). A step asks only for the host holders keyed
+  its tool's history changes where it can see it, which re-keys it). A step asks only for the host holders keyed
   before its horizon (`host_holders_before`) and the new ones, never for all of them.
 
 Every wake is conservative (early rather than late), so a step plans exactly the requests whose
@@ -31,9 +33,9 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
+from .policy.estimator import DurationEstimator
 from .request import Request
 
 PAUSED_KV_STATES = ("device", "host", "partial", "discarded")
@@ -58,8 +60,11 @@ class _Entry:
 
 
 class PausedKV:
-    def __init__(self, event_driven: bool = True):
+    def __init__(self, event_driven: bool = True, history: DurationEstimator | None = None):
+        """`history`: the tool durations the plans' estimates read (its `version` and `changed_since`)."""
         self.event_driven = event_driven
+        self.history = history if history is not None else DurationEstimator()
+        self._now = -math.inf  # the clock of the latest look (an older one only makes wakes earlier)
         self._entries: dict[str, _Entry] = {}
         self._seq = itertools.count()
         self._versions = itertools.count(1)
@@ -78,7 +83,7 @@ class PausedKV:
         self._while_ample: set[str] = set()  # settled only while the device pool stays ample
         self._num_settled = 0
         # Settled holders by the tool whose duration history their estimate read, and the history
-        # version they all read (a new observation wakes them all: an event, not a per-step cost).
+        # version they all read (a new observation wakes those whose estimate it changes).
         self._by_tool: dict[str, set[str]] = {}
         self._tool_version: dict[str, int] = {}
         # Host holders for proactive swap-in: (key time, seq, id, version), lazily pruned; the ones not
@@ -160,12 +165,13 @@ class PausedKV:
 
     # -- which holders to plan ----------------------------------------------------------------------
     def to_plan(self, now: float, running_tokens: int, swap_room: bool, iteration_s: float,
-                tool_version: Callable[[str], int], ample: bool = False) -> list[Request]:
+                ample: bool = False) -> list[Request]:
         """The holders this step's plan must see, in pause order: the live ones and the settled ones
         whose guard may be crossed now (`ample`: the device pool has room for all queued work; if not,
         the holders settled only while it had). Without event-driven planning: every holder."""
         if not self.event_driven:
             return [e.request for e in self._entries.values() if e.device]
+        self._now = max(self._now, now)
         if not ample:
             for request_id in list(self._while_ample):
                 self._wake(request_id)
@@ -175,7 +181,7 @@ class PausedKV:
             self._wake_due(self._swap_wake, now)
             self._wake_due(self._swap_iteration, iteration_s)
         for tool in [t for t, ids in self._by_tool.items() if ids]:
-            self._check_tool(tool, tool_version(tool))
+            self._check_tool(tool, self.history.version(tool))
         entries = sorted((self._entries[i] for i in self._live), key=lambda e: e.seq)
         return [e.request for e in entries]
 
@@ -189,6 +195,8 @@ class PausedKV:
         e = self._entries[request_id]
         if not self.event_driven or not e.device:
             return
+        if tool is not None and tool_version < self._tool_version.get(tool, tool_version):
+            return  # read an older history than the index has seen: planned again next step
         self._unsettle(request_id, e)
         self._live.discard(request_id)
         e.settled = version = next(self._versions)
@@ -207,15 +215,16 @@ class PausedKV:
         self._compact()
 
     # -- which host holders to look at -----------------------------------------------------------------
-    def host_holders_before(self, t: float, tool_version: Callable[[str], int]) -> list[Request]:
-        """The host holders keyed before `t`, those not keyed yet (new on the host, moved, or read an
-        older history of their tool than `tool_version` says), in pause order. Each stays unkeyed until
-        `key_host` keys it. Without event-driven planning: every host holder (the keys then serve only
-        `next_host_key`)."""
+    def host_holders_before(self, t: float, now: float) -> list[Request]:
+        """The host holders keyed before `t`, those not keyed yet (new on the host, moved, or their key
+        read a history of their tool that has changed where their estimate can see it), in pause order.
+        Each stays unkeyed until `key_host` keys it. Without event-driven planning: every host holder
+        (the keys then serve only `next_host_key`)."""
         if not self.event_driven:
             return [e.request for e in self._entries.values() if e.host]
+        self._now = max(self._now, now)
         for tool in [name for name, ids in self._host_by_tool.items() if ids]:
-            self._check_host_tool(tool, tool_version(tool))
+            self._check_host_tool(tool, self.history.version(tool))
         while self._host_keys and self._host_keys[0][0] < t:
             _, _, request_id, version = heapq.heappop(self._host_keys)
             e = self._entries.get(request_id)
@@ -231,6 +240,9 @@ class PausedKV:
         if e is None or not e.host:
             return
         self._host_unkey(request_id, e)
+        if tool is not None and tool_version < self._host_tool_version.get(tool, tool_version):
+            self._host_unkeyed.add(request_id)  # read an older history than the index has seen: ask again
+            return
         e.host_key = version = next(self._versions)
         self._num_host_keyed += 1
         if at is not None:
@@ -254,9 +266,11 @@ class PausedKV:
         return math.inf
 
     def _check_host_tool(self, tool: str, version: int) -> None:
-        """Host holders keyed on an older history of `tool` than `version` need a key again."""
-        if self._host_tool_version.get(tool) != version:
-            for request_id in list(self._host_by_tool.get(tool, ())):
+        """Host holders keyed on an older history of `tool` than `version` need a key again, where the
+        change reaches their estimate (`_changed_for`)."""
+        seen = self._host_tool_version.get(tool)
+        if seen is None or version > seen:
+            for request_id in self._changed_for(self._host_by_tool.get(tool, ()), tool, seen):
                 self._host_unkey(request_id, self._entries[request_id])
                 self._host_unkeyed.add(request_id)
             self._host_tool_version[tool] = version
@@ -271,11 +285,22 @@ class PausedKV:
         e.host_key, e.host_tool = 0, None
 
     def _check_tool(self, tool: str, version: int) -> None:
-        """Wake the holders settled on an older history of `tool` than `version`."""
-        if self._tool_version.get(tool) != version:
-            for request_id in list(self._by_tool.get(tool, ())):
+        """Wake the holders settled on an older history of `tool` than `version`, where the change
+        reaches their estimate (`_changed_for`)."""
+        seen = self._tool_version.get(tool)
+        if seen is None or version > seen:
+            for request_id in self._changed_for(self._by_tool.get(tool, ()), tool, seen):
                 self._wake(request_id)
             self._tool_version[tool] = version
+
+    def _changed_for(self, request_ids, tool: str, seen: int | None) -> list[str]:
+        """Of `request_ids` (paused on `tool`, estimated at history version `seen`), those whose estimate
+        the history's changes since may move: paused for no longer than the longest duration added or
+        dropped (`DurationEstimator.changed_since`); the others' estimates are what they were, for good."""
+        reach = math.inf if seen is None else self.history.changed_since(tool, seen)
+        if reach == math.inf:
+            return list(request_ids)
+        return [i for i in request_ids if self._now - self._entries[i].request.paused_at <= reach]
 
     def _wake_due(self, heap: list[tuple[float, int, str, int]], limit: float) -> None:
         while heap and heap[0][0] <= limit:

@@ -83,7 +83,7 @@ class Scheduler:
         self.paused: dict[str, Request] = {}
         # Where the paused requests' KV is, and which of them the next plan must see (`paused_kv.py`);
         # `event_driven=False` plans every holder every step (the reference the tests compare with).
-        self.paused_kv = PausedKV(event_driven)
+        self.paused_kv = PausedKV(event_driven, self.estimator)
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []  # dropped since the last step, for the runner
         self._last_batched_tokens = 1
@@ -364,8 +364,7 @@ class Scheduler:
         iteration = self._iteration_info(swap_out_budget)
         # The holders whose decision could differ from "preserve" now; the others sleep (paused_kv.py).
         due = self.paused_kv.to_plan(self.clock(), iteration.num_running_tokens, swap_room(iteration) > 0,
-                                     self.profile.t_fwd(iteration.num_batched_tokens), self.estimator.version,
-                                     ample=memory_ample(iteration))
+                                     self.profile.t_fwd(iteration.num_batched_tokens), ample=memory_ample(iteration))
         infos = {r.request_id: self._paused_info(r) for r in due}
         plan = self.policy.plan(list(infos.values()), iteration, self.profile)
         for decision in plan:
@@ -394,9 +393,10 @@ class Scheduler:
                 return math.inf
             return min(now + max(bound - info.expected_s, 0.0), jump) - WAKE_EARLY_S
 
+        tool = request.duration_key if guard.reads_estimate else None  # else no new duration can wake it
         self.paused_kv.settle(request.request_id, wake(guard.expected_s), wake(guard.swap_expected_s),
-                              guard.swap_iteration_s, guard.min_running_tokens, request.duration_key,
-                              self.estimator.version(request.duration_key), guard.while_ample)
+                              guard.swap_iteration_s, guard.min_running_tokens, tool,
+                              self.estimator.version(tool), guard.while_ample)
 
     def _iteration_info(self, swap_out_budget: int) -> IterationInfo:
         running_tokens = sum(r.num_computed_tokens for r in self.running)
@@ -473,7 +473,7 @@ class Scheduler:
         where it only grows, so the key is early until its tool's history changes: `key_host`). Only
         the estimate, not the full `_paused_info` with its remaining-time distribution."""
         now, out = self.clock(), []
-        for r in self.paused_kv.host_holders_before(horizon, self.estimator.version):
+        for r in self.paused_kv.host_holders_before(horizon, now):
             host = self.kv_tokens(r)[1]
             expected = self.estimator.predicted(now, r.paused_at, r.duration_key, r.duration_hint)
             at = None if expected is None else now + expected - self.profile.t_swap(host, "in")

@@ -187,6 +187,21 @@ def test_paused_requests_kept_while_memory_is_ample_are_not_planned_every_step()
     assert planned_ev * 10 < planned_ref, (planned_ev, planned_ref)
 
 
+def test_tool_completions_do_not_wake_contexts_kept_while_memory_is_ample():
+    """Two hundred agents on one tool whose calls take 5 to 105 s, on a CPU-like profile with room for
+    everything: every few hundred ms a call completes and adds a duration to the tool's history while
+    the others wait. Contexts kept because memory is ample read no estimate (`PreserveGuard.reads_estimate`),
+    so no completion wakes them; the decisions equal planning every holder every step."""
+    trace = paused_beside_decoders(200, 0.01, 40, "calc", 0.0, decoders_at=0.0)
+    for i, agent in enumerate(trace[:200]):
+        agent["segments"][0]["interception"]["duration_s"] = 5.0 + i * 0.5
+    reference, planned_ref, _ = run("infercept", "cpu", trace, 8000, 8000, False, oracle_hints=False)
+    events, planned_ev, _ = run("infercept", "cpu", trace, 8000, 8000, True, oracle_hints=False)
+    assert events == reference
+    assert planned_ref > 20_000, "the scenario never held many paused requests across steps"
+    assert planned_ev * 20 < planned_ref, (planned_ev, planned_ref)
+
+
 def test_proactive_swap_in_looks_only_at_host_holders_near_their_resume():
     """Two hundred agents paused with their KV swapped to the host for a 600 s call (hinted) while four
     long requests decode, on the H100 profile: the reference asks every host holder's prediction every
@@ -215,9 +230,9 @@ def test_proactive_swap_in_looks_only_at_host_holders_near_their_resume():
 
 
 def test_host_holders_are_looked_at_when_keyed_moved_or_their_tool_learns():
-    index = PausedKV()
-    versions = {"calc": 0}
-    ids = lambda t: [r.request_id for r in index.host_holders_before(t, versions.get)]  # noqa: E731
+    history = DurationEstimator(min_history=1)
+    index = PausedKV(history=history)
+    ids = lambda t: [r.request_id for r in index.host_holders_before(t, 4.0)]  # noqa: E731
     index.add(_request("a", 1.0), 0, 32)
     index.add(_request("b", 2.0), 0, 16)
     index.add(_request("c", 3.0), 32, 0)  # no host KV: never a host holder
@@ -227,7 +242,7 @@ def test_host_holders_are_looked_at_when_keyed_moved_or_their_tool_learns():
     assert ids(5.0) == [] and index.next_host_key() == 10.0
     assert ids(10.5) == ["a"] and ids(11.0) == ["a"]  # stays due until keyed again
     index.key_host("a", 20.0, None, 0)
-    versions["calc"] = 1
+    history.observe("calc", 1.0)
     assert ids(0.0) == ["b"]  # a new duration of calc: b may be predicted now (a has no tool)
     index.key_host("b", 15.0, "calc", 1)
     index.moved("b", 16, 0)  # swapped back in: no longer a host holder
@@ -261,30 +276,61 @@ def test_paused_kv_totals_and_newest_holder_follow_every_move():
 
 
 def test_settled_holders_wake_on_their_timer_swap_room_and_tool_history():
-    index = PausedKV()
-    versions = {"calc": 0}
+    history = DurationEstimator(min_history=1)
+    index = PausedKV(history=history)
     for i, rid in enumerate("abc"):
         index.add(_request(rid, float(i)), 32, 0)
-    assert [r.request_id for r in index.to_plan(0.0, 0, True, 0.01, versions.get)] == ["a", "b", "c"]
+    assert [r.request_id for r in index.to_plan(0.0, 0, True, 0.01)] == ["a", "b", "c"]
     index.settle("a", expected_wake=5.0, swap_wake=math.inf, swap_iteration_s=math.inf, min_running_tokens=0, tool=None, tool_version=0)
     index.settle("b", expected_wake=math.inf, swap_wake=1.0, swap_iteration_s=0.5, min_running_tokens=0, tool=None, tool_version=0)
     index.settle("c", expected_wake=math.inf, swap_wake=math.inf, swap_iteration_s=math.inf, min_running_tokens=0, tool="calc",
                  tool_version=0)
-    assert index.to_plan(2.0, 0, False, 0.01, versions.get) == []  # b's swap wake waits for swap room
-    assert [r.request_id for r in index.to_plan(2.0, 0, True, 0.01, versions.get)] == ["b"]
+    assert index.to_plan(2.0, 0, False, 0.01) == []  # b's swap wake waits for swap room
+    assert [r.request_id for r in index.to_plan(2.0, 0, True, 0.01)] == ["b"]
     index.settle("b", expected_wake=math.inf, swap_wake=math.inf, swap_iteration_s=0.5, min_running_tokens=0, tool=None, tool_version=0)
-    assert [r.request_id for r in index.to_plan(2.0, 0, True, 0.6, versions.get)] == ["b"]  # a long iteration
+    assert [r.request_id for r in index.to_plan(2.0, 0, True, 0.6)] == ["b"]  # a long iteration
     index.settle("b", expected_wake=math.inf, swap_wake=math.inf, swap_iteration_s=math.inf, min_running_tokens=0,
                  tool=None, tool_version=0)
     index.add(_request("d", 4.0), 16, 0)
     index.settle("d", expected_wake=math.inf, swap_wake=math.inf, swap_iteration_s=math.inf,
                  min_running_tokens=100, tool=None, tool_version=0)
-    assert index.to_plan(2.0, 100, False, 0.01, versions.get) == []
-    assert [r.request_id for r in index.to_plan(2.0, 99, False, 0.01, versions.get)] == ["d"]
+    assert index.to_plan(2.0, 100, False, 0.01) == []
+    assert [r.request_id for r in index.to_plan(2.0, 99, False, 0.01)] == ["d"]
     index.remove("d")
-    versions["calc"] = 1
-    assert [r.request_id for r in index.to_plan(2.0, 0, False, 0.01, versions.get)] == ["c"]
-    assert [r.request_id for r in index.to_plan(5.0, 0, False, 0.01, versions.get)] == ["a", "c"]  # a's timer; c stays live
+    history.observe("calc", 1.0)
+    assert [r.request_id for r in index.to_plan(2.0, 0, False, 0.01)] == ["c"]
+    assert [r.request_id for r in index.to_plan(5.0, 0, False, 0.01)] == ["a", "c"]  # a's timer; c stays live
+
+
+def test_a_new_duration_wakes_only_the_pauses_whose_estimate_it_can_change():
+    """Rule 1 reads only the past calls that outlasted the elapsed time: a call that completes in 2 s
+    changes the estimates of calls paused for less than 2 s, never of those paused longer (now or later).
+    A tool completing many times a second then wakes its recent pauses, not all of them."""
+    history = DurationEstimator(min_history=2, history_size=3)
+    index = PausedKV(history=history)
+    ids = ("ancient", "old", "mid", "new")
+    for rid, paused_at in zip(ids, (-40.0, 0.0, 7.0, 9.5)):
+        index.add(_request(rid, paused_at), 32, 0)
+        index._entries[rid].request.paused_at = paused_at
+    for _ in range(2):
+        history.observe("calc", 30.0)
+    assert history.changed_since("calc", 0) == math.inf  # reaching min_history changes every estimate
+    planned = lambda now: [r.request_id for r in index.to_plan(now, 0, False, 0.01)]  # noqa: E731
+
+    def settle(*rids):
+        for rid in rids:
+            index.settle(rid, math.inf, math.inf, math.inf, 0, "calc", history.version("calc"))
+
+    assert planned(10.0) == list(ids)
+    settle(*ids)
+    assert planned(10.0) == []
+    history.observe("calc", 2.0)  # paused 50, 10, 3 and 0.5 s: only "new" can see a 2 s call
+    assert history.changed_since("calc", 2) == 2.0 and history.changed_since("calc", 3) == 0.0
+    assert planned(10.0) == ["new"]
+    settle("new")
+    history.observe("calc", 1.0)  # the history is full: the oldest 30 s call drops out, which every
+    assert history.changed_since("calc", 3) == 30.0  # pause shorter than 30 s could see
+    assert planned(10.5) == ["old", "mid", "new"]  # paused 50.5 s, "ancient" never saw the 30 s calls
 
 
 def test_next_jump_bounds_every_estimate_rule():

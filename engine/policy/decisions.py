@@ -159,6 +159,12 @@ class PreserveGuard:
     # is not, the request is planned again (a policy that keeps everything while memory is ample).
     while_ample: bool = False
 
+    @property
+    def reads_estimate(self) -> bool:
+        """A bound rests on the expected remaining time: a change in the tool's duration history may
+        cross it. Without one (keep everything while memory is ample, preserve always) no history does."""
+        return self.expected_s < math.inf or self.swap_expected_s < math.inf
+
 
 # -- budgets and chunks ---------------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ from collections import deque
 
 DEFAULT_HISTORY_SIZE = 32  # recent calls per tool: adapts to drift, bounded memory
 DEFAULT_MIN_HISTORY = 3  # fewer samples than this are noise, use the paper's rule instead
+CHANGE_LOG_SIZE = 64  # per tool: how many recent history changes `changed_since` can describe
 
 
 class DurationEstimator:
@@ -55,6 +56,9 @@ class DurationEstimator:
         self.min_history = min_history
         self._history: dict[str, deque[float]] = {}
         self._versions: dict[str, int] = {}  # per tool: bumped by every observation
+        # Per tool, (version, reach) of recent observations: reach is the longest duration the observation
+        # added to or dropped from the history (`changed_since`).
+        self._changes: dict[str, deque[tuple[int, float]]] = {}
         # observe() runs where tool results arrive (server side), estimate() in the engine loop.
         self._lock = threading.Lock()
 
@@ -64,13 +68,36 @@ class DurationEstimator:
             return
         with self._lock:
             history = self._history.setdefault(tool_name, deque(maxlen=self.history_size))
+            dropped = history[0] if len(history) == history.maxlen else 0.0
             history.append(float(duration))
-            self._versions[tool_name] = self._versions.get(tool_name, 0) + 1
+            version = self._versions[tool_name] = self._versions.get(tool_name, 0) + 1
+            if len(history) < self.min_history:
+                reach = 0.0  # rule 1 does not read a history this short
+            elif len(history) == self.min_history:
+                reach = math.inf  # rule 1 starts to apply: every estimate of this tool may change
+            else:
+                reach = max(float(duration), dropped)
+            self._changes.setdefault(tool_name, deque(maxlen=CHANGE_LOG_SIZE)).append((version, reach))
 
     def version(self, tool_name: str | None) -> int:
         """How many observations of `tool_name` were recorded: an estimate made at one version holds
         (as a function of time) until the version changes."""
         return self._versions.get(tool_name, 0) if tool_name is not None else 0
+
+    def changed_since(self, tool_name: str, version: int) -> float:
+        """How far back the observations of `tool_name` since `version` reach: the longest duration they
+        added to or dropped from its history (0.0: none since). Rule 1 reads only the past calls longer
+        than the elapsed time, so for a call paused at least that long, now and from now on, every
+        estimate (`estimate`, `remaining`, `predicted`, `next_jump`) is what it was at `version`: a new
+        observation need not wake it. math.inf where that cannot be said (the history reached
+        `min_history`, or `version` is older than the recent changes kept)."""
+        with self._lock:
+            if version >= self._versions.get(tool_name, 0):
+                return 0.0
+            log = self._changes.get(tool_name, ())
+            if not log or log[0][0] > version + 1:
+                return math.inf
+            return max(reach for v, reach in log if v > version)
 
     def history(self, tool_name: str) -> list[float]:
         with self._lock:
