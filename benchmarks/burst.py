@@ -1,4 +1,4 @@
-"""A burst of agents on the real server, every policy on the same trace (issue 22): ample memory, or
+"""A burst of agents on the real server, every policy on the same trace: ample memory, or
 KV pressure with predictable tools (proactive swap-in).
 
 `--agents` agents arrive within `--spread` seconds (seeded uniform arrivals), each with a `--prompt`-token

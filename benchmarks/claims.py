@@ -6,7 +6,7 @@ the files it came from, so a reader can check a claim without trusting anyone's 
     python benchmarks/claims.py            # prints the table (markdown)
     python benchmarks/claims.py --check    # exit 1 unless README.md holds the table as printed
     python benchmarks/claims.py --ablation # the ablation's sustainable rates per seed (benchmarks/README.md)
-    python benchmarks/claims.py --parts parts_mix   # issue 22's parts on the real server, seeds 0-2
+    python benchmarks/claims.py --parts parts_mix   # the policy parts beyond the paper on the real server, seeds 0-2
 
 Latency and sustainable rates are recomputed from the per-request records of each sweep
 (`<folder>/records/<system>_<rate>.jsonl`), with the sweep's own rule: per rate the mean (and the
@@ -296,7 +296,7 @@ def ablation_table() -> str:
     return "\n".join(lines) + "\n"
 
 
-# Issue 22's parts table on the real server: (column, where it comes from, key, scale). "latency": the
+# The policy parts' table on the real server: (column, where it comes from, key, scale). "latency": the
 # request records (`Sweep.latency`); "metrics": what /metrics said (`Sweep.metrics`).
 PARTS_COLUMNS = (("norm. latency median (ms/tok)", "latency", "normalized_latency_median", 1000),
                  ("completion p50 (s)", "latency", "completion_p50", 1),
@@ -319,7 +319,7 @@ def _spread(xs: list[float]) -> str:
 
 
 def parts_table(prefix: str, baseline: str = "infercept-paper") -> str:
-    """Issue 22's must-show on the real server: every policy's sustainable programs/s at the median
+    """The policy parts beyond the paper on the real server: every policy's sustainable programs/s at the median
     normalized-latency SLO per seed (folders `<prefix>_seed<N>`), its ratio to `baseline`, and per rate
     the columns of `PARTS_COLUMNS`, mean [min-max] over the seeds."""
     sweeps = {seed: Sweep.load(RESULTS / f"{prefix}_seed{seed}") for seed in SEEDS
@@ -364,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 unless README.md holds this table")
     parser.add_argument("--ablation", action="store_true", help="print the ablation's per-seed table instead")
     parser.add_argument("--parts", metavar="PREFIX", default=None,
-                        help="print issue 22's parts table from results/PREFIX_seed<N>/ instead")
+                        help="print the policy parts' table (benchmarks/README.md, \"Beyond the paper\") from "
+                             "results/PREFIX_seed<N>/ instead")
     args = parser.parse_args(argv)
     if args.ablation:
         print(ablation_table(), end="")

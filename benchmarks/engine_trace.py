@@ -20,7 +20,7 @@ Metrics as in `policy_sim.py`: normalized latency (median over requests of (e2e 
 output tokens), completed requests/s (finished by the end of the arrival window + drain / that time),
 recompute share of forward tokens and of forward wall time (each step's time split pro rata over its
 tokens), memory waste (paused KV held on the device x time, over pool bytes x run time; idle gaps
-included). Absolute numbers are only comparable within one run on one machine (DESIGN §7).
+included). Absolute numbers are only comparable within one run on one machine.
 """
 from __future__ import annotations
 

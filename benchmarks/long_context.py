@@ -1,4 +1,4 @@
-"""Seeded long-context agent traces (issue 22, item 5): coding agents whose context grows from ~10k to
+"""Seeded long-context agent traces: coding agents whose context grows from ~10k to
 ~100k tokens over tens of steps, with heavy-tailed tool times (seconds to minutes, some human approvals).
 
 The paper's six augments (`workload.py`) keep contexts near 1k tokens; coding agents (SWE-bench-style:

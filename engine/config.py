@@ -62,7 +62,7 @@ class CacheConfig:
     # Device pool size. None: a fraction of the memory that is free at start-up.
     kv_cache_gb: float | None = None
     kv_cache_fraction: float = 0.25
-    # Host pool for swapped-out KV (the interception issue swaps into it).
+    # Host pool for swapped-out KV (paused contexts swap into it).
     host_kv_gb: float = 1.0
     # Prefix caching keeps freed full blocks addressable by content.
     enable_prefix_caching: bool = True

@@ -1,4 +1,4 @@
-"""A runner with no model: executes a `SchedulerOutput` by advancing a virtual clock (DESIGN §2).
+"""A runner with no model: executes a `SchedulerOutput` by advancing a virtual clock.
 
 The same scheduler that drives the real `ModelRunner` drives this one; only the mechanism differs.
 An iteration costs what the profile says it costs:

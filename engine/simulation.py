@@ -7,7 +7,7 @@ format is described in `benchmarks/workload.py`): a request arrives, decodes its
 for an interception of known duration, gets the tool result appended, decodes the next segment, and so
 on; its last segment finishes it.
 
-Metrics (paper §5, DESIGN §7), computed by `TraceResult.summary()`:
+Metrics (paper §5), computed by `TraceResult.summary()`:
 
 - normalized latency: median over requests of (end-to-end latency - time spent in interceptions) /
   generated tokens. A request still unfinished when the run stops counts with the time and tokens it
@@ -437,7 +437,7 @@ class TraceResult:
             "steps": self.stats.num_steps,
             "duration_s": self.duration,
             "output_tokens": sum(r.output_tokens for r in recs),
-            # Program view (issue 22): completion time = finish - arrival (unfinished: infinite, so an
+            # Program view: completion time = finish - arrival (unfinished: infinite, so an
             # overloaded system shows as such); resumed-step TTFT = a resumed turn's first token - the
             # tool result's arrival; first-turn TTFT alone (the new programs' wait).
             "completion_p50": _quantile([r.completion_time() for r in recs], 0.5),

@@ -4,7 +4,7 @@
     infercept generate --prompt TEXT    one completion (--chat applies the chat template)
     infercept chat                      interactive chat in the terminal
     infercept profile                   measure T_fwd(n), saturation point and copy bandwidth
-    infercept serve                     the OpenAI-compatible HTTP server (DESIGN §6)
+    infercept serve                     the OpenAI-compatible HTTP server
 
 Every command that takes --model defaults to the embedded SmolLM2-135M-Instruct. Heavy imports
 happen inside the commands so `infercept --help` is instant.
@@ -52,8 +52,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "+recompute-preemption (e.g. swap+swap-preemption) changes how KV leaves the device "
                         "under memory pressure; infercept-paper is the paper's policy exactly, and "
                         "+las-priority, +program-arrival-priority, +expected-waste, +prefetch, +context-cost, "
-                        "+deferred-swap, +admission, +ample-preserve, +ample-no-discard (+no-... to remove one) switch issue 22's "
-                        "parts. --backend vllm: infercept, infercept-paper, preserve, swap, prefix-cache or discard "
+                        "+deferred-swap, +admission, +ample-preserve, +ample-no-discard (+no-... to remove one) switch "
+                        "on one policy part beyond the paper each (benchmarks/README.md, \"Beyond the paper\"). "
+                        "--backend vllm: infercept, infercept-paper, preserve, swap, prefix-cache or discard "
                         "(the last two are stock vLLM)")
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    default=_env("PREFIX_CACHING", "1").lower() not in ("0", "false", "no", "off"),

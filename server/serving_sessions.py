@@ -8,7 +8,7 @@ when a turn calls only those, the server runs them while the generation waits pa
 the results and goes on (`tool_loop.serve_turns`). A session that is sent `token_ids` instead is
 token-level: the client decides where it pauses (serving_session_tokens.py).
 
-Errors per DESIGN §6: 404 for an unknown session, 409 for tool results to a session that is not paused,
+Errors: 404 for an unknown session, 409 for tool results to a session that is not paused,
 or any message while it generates, or a user message while it waits for tool results.
 """
 from __future__ import annotations

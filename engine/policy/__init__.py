@@ -1,7 +1,7 @@
 """Policy layer of the InferCept engine: cost model, waste equations, duration estimate, KV decisions.
 
 Pure Python (stdlib only, no torch), so the scheduler's decisions can be unit-tested and simulated
-without a model (DESIGN §2). Modules:
+without a model (`engine/modeled_runner.py`). Modules:
 
 - `profile`: `Profile` (``T_fwd``, ``S``, ``M``, copy bandwidth; JSON file format), `a100_gptj_6b()`.
 - `waste`: the paper's waste equations 1-4.

@@ -1,4 +1,4 @@
-"""Admission under overload (issue 22, item 4): AIMD on the number of active programs.
+"""Admission under overload: AIMD on the number of active programs.
 
 A program is an agent: one request that pauses at tool calls and resumes across turns. It is *active*
 from its first scheduled token until it finishes (running, paused wherever its KV is, or waiting to

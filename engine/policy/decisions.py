@@ -385,7 +385,7 @@ def cheaper_to_swap_than_discard(info: PausedInfo, iteration: IterationInfo, pro
     return swap < score(info, iteration, profile, chunked=True).waste_discard
 
 
-# -- durations as distributions (issue 22, item 1) ----------------------------------------------------
+# -- durations as distributions ----------------------------------------------------------------------
 #
 # The paper scores preserve with the expected remaining time, Eq. 2 at T_int = E[R]. Waste is linear in
 # R, so that is already the expectation of Eq. 2 over R; what a distribution adds is the option to stop
@@ -531,7 +531,7 @@ def without_discards(plan: KVPlan) -> KVPlan:
 
 def resume_imminent(expected_s: float, profile: Profile, step_s: float, host_tokens: int,
                     copy_steps: int = 1) -> bool:
-    """Proactive swap-in (issue 22, item 2): the expected remaining pause is below the time to copy
+    """Proactive swap-in: the expected remaining pause is below the time to copy
     `host_tokens` back plus one step, so a swap-in started now is done when the result arrives. The
     step is a full one (`step_s`, `Scheduler.step_lead_s`: the longest the scheduler may run before it
     can act again, from measured steps and at least a full token budget's forward time), not the
@@ -558,24 +558,24 @@ class Policy:
     - ``swap_synchronous``: swaps are whole-context and block the iteration (the paper's Swap baseline);
       False means swaps are budgeted per iteration and overlap the forward pass.
     - ``lazy_discard``: a discarded context's blocks stay content-addressed and reusable until evicted
-      (DESIGN §4); False frees them for good (the paper's baselines, vLLM 0.2).
+      (the prefix cache of today's servers); False frees them for good (the paper's baselines, vLLM 0.2).
     - ``preemption``: how KV forced off the device under memory pressure leaves it (`reclaim`):
       "recompute" (freed, recomputed later: the paper's baselines, vLLM) or "swap" (copied to the host
       when that wastes less than recomputing). Overridable per instance, for the ablation that
       separates this from the pause-time plan (`make_policy("swap+swap-preemption")`).
     - ``priority``: the order of the scheduler's queues (waiting, swapped, running; also who gives way
-      under memory pressure), one of `PRIORITIES` (issue 22, item 3). "arrival": the request's arrival
+      under memory pressure), one of `PRIORITIES`. "arrival": the request's arrival
       time (the paper's three FCFS queues; with ``keeps_arrival_time`` a resumed turn keeps its
       program's, without it the resume time). "program-arrival": the program's first arrival, whatever
       ``keeps_arrival_time`` says. "las": least attained service, the tokens the program has had
       computed before this turn was queued (Autellix), ties by program arrival. In this engine a resumed
       generation is the same request, so a request is a program.
     - ``expected_waste``: decide by expected waste over the remaining-time distribution, with re-queue
-      delays (`expected_waste_plan`; issue 22, item 1), instead of Eq. 2 at the mean. Only the
+      delays (`expected_waste_plan`), instead of Eq. 2 at the mean. Only the
       min-waste policies read it.
     - ``ample_preserve``: preserve every paused request while the device pool has room for all queued
-      work (`memory_ample`); the waste rule decides only under memory pressure (issue 22: with ample
-      memory `infercept` must never be worse than `prefix-cache`). ``"no-discard"`` (`AMPLE_NO_DISCARD`,
+      work (`memory_ample`); the waste rule decides only under memory pressure (the goal: with ample
+      memory `infercept` is never worse than `prefix-cache`). ``"no-discard"`` (`AMPLE_NO_DISCARD`,
       ``+ample-no-discard``): while memory is ample only what the waste rule would discard is preserved,
       and its swaps within the budget stay (`without_discards`): a recompute is never free, a budgeted
       swap on a GPU is, and it frees the room before pressure comes instead of leaving kept KV for the
@@ -584,7 +584,7 @@ class Policy:
       stalls its step), no discard only where it overlaps (a GPU). Measured on the H100 model
       (benchmarks/README.md, "Beyond the paper"): keeping everything cost the six-augment mix 3-12%, no
       discard costs it nothing; both halve `approval@10`'s latency. Only the min-waste policies read it.
-    - ``prefetch``: proactive swap-in (issue 22, item 2): a paused request whose KV is on the host starts
+    - ``prefetch``: proactive swap-in: a paused request whose KV is on the host starts
       coming back within the swap-in budget once its resume looks imminent (`resume_imminent`, on an
       estimate from a hint or the tool's history: `DurationEstimator.predicted`), and the
       plan keeps what came back on the device while it still does. Only the min-waste policies read it.
@@ -596,7 +596,7 @@ class Policy:
       budget is spent is kept for the iterations its swap needs, when that wastes less (`defer_swap`;
       beyond the paper, which weighs a discard only against preserving for the whole pause). Only the
       min-waste policies read it.
-    - ``admission``: admission under overload (issue 22, item 4): while the device pool thrashes, new
+    - ``admission``: admission under overload: while the device pool thrashes, new
       programs start only within an AIMD cap on the active ones (`admission.AdmissionController`, one
       per scheduler); turns of active programs are never held back. Any policy may add it.
     """
@@ -774,8 +774,8 @@ class HeuristicPreservePolicy(BudgetedSwapPolicy):
 
 class InferCeptPaperPolicy(Policy):
     """Figure 3 step 6, the paper's full system: chunked recompute, budgeted pipelined swap, min-waste
-    (§4.3), with this project's swap-preemption. Kept as it was when issue 22 began, so the comparison
-    with `infercept` can always be rerun."""
+    (§4.3), with this project's swap-preemption. Kept without the policy parts beyond the paper, so the
+    comparison with `infercept` can always be rerun."""
 
     name = "infercept-paper"
     chunked_recompute = True
@@ -841,8 +841,8 @@ class InferCeptPaperPolicy(Policy):
 
 
 class InferCeptPolicy(InferCeptPaperPolicy):
-    """The default: the paper's policy with the parts of issue 22 that the GPU-scale simulation
-    supports (benchmarks/README.md, "Beyond the paper": never worse than `infercept-paper` beyond
+    """The default: the paper's policy with the policy parts beyond the paper that the GPU-scale
+    simulation supports (benchmarks/README.md, "Beyond the paper": never worse than `infercept-paper` beyond
     seed-to-seed noise there, more resumes finding their KV on the device): expected-waste decisions
     and proactive swap-in; and while the device pool has room for all queued work, no swap or discard
     where copies stall the forward pass (a CPU; from the real server, benchmarks/README.md, "Ample
@@ -896,7 +896,7 @@ class SwapPolicy(Policy):
 
 
 class PrefixCachePolicy(DiscardPolicy):
-    """Today's vLLM V1 / SGLang (DESIGN §4): the tool call ends the request, its blocks stay in the
+    """Today's vLLM V1 / SGLang: the tool call ends the request, its blocks stay in the
     prefix cache until evicted, and the next request reuses what survived (chunked prefill for the rest).
     """
 

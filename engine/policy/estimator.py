@@ -19,7 +19,7 @@ Rules, first that applies:
    run for t seconds is expected to run about t more). It makes a fresh interception cheap to preserve and
    a long one increasingly expensive, and the paper measures it at 93% of an oracle.
 
-Why history before the hint (issue 22): a hint is the client's guess, often a tool's declared typical
+Why history before the hint: a hint is the client's guess, often a tool's declared typical
 duration written once and never checked; the history is what this tool's calls measured on this
 server. A hint serves until the tool has history, and for tools that never get any. An estimator
 built with ``hints_first`` puts the hint first: for an oracle whose hints are each call's true duration

@@ -1,6 +1,6 @@
 """The cost model the policy reasons with: forward time, saturation point, KV size, copy bandwidth.
 
-A `Profile` describes one (model, device, dtype) setup with four measured quantities (DESIGN §5):
+A `Profile` describes one (model, device, dtype) setup with four measured quantities:
 
 - ``M`` = ``bytes_per_token``: KV-cache bytes one token occupies (all layers, K and V).
 - ``T_fwd(n)``: seconds of one forward iteration that schedules ``n`` query tokens, given as samples
@@ -288,7 +288,7 @@ class Profile:
         return cls.from_json(Path(path).read_text())
 
 
-# -- hand-written GPU profiles (drive the modeled runner; DESIGN §2, §5) ---------------------------
+# -- hand-written GPU profiles (drive the modeled runner) --------------------------------------------
 
 # GPT-J-6B architecture (model card / config.json of EleutherAI/gpt-j-6b; the paper cites the model
 # in §5 but not its shape): 28 layers, hidden size 4096, full multi-head attention (no GQA).

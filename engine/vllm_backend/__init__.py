@@ -1,4 +1,4 @@
-"""The vLLM backend: vLLM V1 in its own environment, behind `EngineBackend` (issue 19).
+"""The vLLM backend: vLLM V1 in its own environment, behind `EngineBackend`.
 
 `backend.py` is the server's side (`VllmBackend`, exported by `infercept.engine`), `worker.py` the vLLM side
 (run by the vLLM environment's python), `process.py` the connection between them, `params.py` the sampling
