@@ -12,7 +12,7 @@ from .guided_decoding import GuidedDecoder
 from .kv_cache import KVCache
 from .models.llama import LlamaForCausalLM
 from .outputs import RunnerOutput, SchedulerOutput
-from .sampler import sample
+from .sampler import TokenHistory, sample
 
 
 def gpu_decode_kernel():
@@ -172,7 +172,9 @@ class ModelRunner:
         generators = [self._generator(c.request_id, c.sampling_params.seed) for c in to_sample]
         banned = [self._banned(c) for c in to_sample]
         allowed = self.guided.allowed_tokens(to_sample, logits.shape[-1]) if self.guided is not None else None
-        tokens = sample(logits, params, generators, banned, allowed)
+        histories = [TokenHistory(c.context_token_ids, c.num_output_tokens) if c.context_token_ids is not None
+                     else None for c in to_sample]
+        tokens = sample(logits, params, generators, banned, allowed, histories)
         if allowed is not None:
             self.guided.accept(to_sample, tokens)
         return RunnerOutput(sampled={c.request_id: t for c, t in zip(to_sample, tokens)})

@@ -15,6 +15,9 @@ class ScheduledChunk:
     sample: bool  # the chunk reaches the request's last token, so a next token is sampled
     sampling_params: SamplingParams
     num_output_tokens: int  # for min_tokens
+    # The request's tokens so far (its prompt, then its `num_output_tokens` outputs), for a request with
+    # penalties whose chunk samples (sampler.TokenHistory); None for every other chunk.
+    context_token_ids: list[int] | None = None
 
 
 @dataclass

@@ -1,7 +1,16 @@
-"""Turn logits into next tokens: greedy, temperature, top-k, top-p, per-request seeds, logprobs, and
-grammar masks (engine/guided_decoding.py)."""
+"""Turn logits into next tokens: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs,
+grammar masks (engine/guided_decoding.py), logit biases and penalties.
+
+In vLLM's order (vllm/v1/sample/sampler.py): masks (banned tokens, grammars), logit bias, penalties
+(repetition, frequency, presence); then greedy rows take the argmax, random rows are divided by their
+temperature and go through min-p, then top-k/top-p, then the draw. Logprobs are those of the masked
+logits, before bias and penalties (vLLM's default reports logits before everything). Each step is
+skipped unless some row asks for it, decided from the parameters on the host: a batch that asks for
+none of them costs nothing more and never waits on the device.
+"""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +25,89 @@ class AllowedTokens:
 
     rows: list[int]  # rows of the logits that are constrained
     mask: torch.Tensor  # [len(rows), V] bool on the CPU; True = allowed
+
+
+@dataclass
+class TokenHistory:
+    """A request's tokens as it samples its next one, for its penalties: the prompt, then `num_output`
+    tokens it generated (in this turn: a resumed turn's earlier context is its prompt, as in vLLM)."""
+
+    token_ids: Sequence[int]
+    num_output: int
+
+
+def _upload(data, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host list or tensor on `device`: on CUDA through pinned memory without waiting for the copy
+    (a plain `torch.tensor(..., device=...)` synchronizes the stream)."""
+    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """Adds each row's `logit_bias` to its logits, in place (ids past the logits' width are left out:
+    the server refuses them before they get here)."""
+    vocab = logits.shape[-1]
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for i, p in enumerate(params):
+        for token, bias in (p.logit_bias or {}).items():
+            if token < vocab:
+                rows.append(i)
+                cols.append(token)
+                values.append(bias)
+    if rows:
+        index = _upload([rows, cols], logits.device)
+        logits.index_put_((index[0], index[1]), _upload(values, logits.device, logits.dtype), accumulate=True)
+
+
+def apply_penalties(logits: torch.Tensor, histories: Sequence[TokenHistory],
+                    params: Sequence[SamplingParams]) -> torch.Tensor:
+    """vLLM's penalties (vllm/model_executor/layers/utils.py `apply_penalties`) on logits [R, V], one row
+    per history: repetition (a token seen in the prompt or the output: logit / penalty if > 0, else
+    logit * penalty), then frequency (minus penalty x its count in the output), then presence (minus
+    penalty if the output has it). The counts are built on the device from one upload of the rows'
+    token ids (a scatter-add into [R, V]); nothing is read back."""
+    num_rows, vocab = logits.shape
+    device = logits.device
+    lengths = torch.tensor([len(h.token_ids) for h in histories])
+    num_outputs = torch.tensor([h.num_output for h in histories])
+    ids = torch.cat([torch.as_tensor(h.token_ids, dtype=torch.long) for h in histories])
+    # Each token's row, and whether it is an output token (the last `num_output` of its row).
+    row = torch.repeat_interleave(torch.arange(num_rows), lengths)
+    position = torch.arange(len(ids)) - (lengths.cumsum(0) - lengths)[row]
+    is_output = position >= (lengths - num_outputs)[row]
+    keep = ids < vocab  # (token ids come from this model; a wider tokenizer could not have written others)
+    key = row * vocab + ids
+    output_key = _upload(key[is_output & keep], device)
+    counts = torch.zeros(num_rows * vocab, dtype=torch.float32, device=device)  # (exact counts up to 2^24)
+    counts.index_add_(0, output_key, torch.ones(len(output_key), dtype=torch.float32, device=device))
+    counts = counts.view(num_rows, vocab)
+    seen = counts > 0
+    repetition = [p.repetition_penalty for p in params]
+    if any(r != 1 for r in repetition):
+        in_prompt = torch.zeros(num_rows * vocab, dtype=torch.bool, device=device)
+        in_prompt.index_fill_(0, _upload(key[~is_output & keep], device), True)
+        penalty = torch.where(in_prompt.view(num_rows, vocab) | seen,
+                              _upload(repetition, device, logits.dtype)[:, None], 1.0)
+        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    frequency = [p.frequency_penalty for p in params]
+    if any(frequency):
+        logits = logits - _upload(frequency, device, logits.dtype)[:, None] * counts
+    presence = [p.presence_penalty for p in params]
+    if any(presence):
+        logits = logits - _upload(presence, device, logits.dtype)[:, None] * seen
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """logits: [B, V] (temperature applied); min_p: [B]. Masks with -inf the tokens whose probability is
+    below min_p x the row's highest (vLLM's `MinPLogitsProcessor`; min_p 0 changes nothing)."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+    return logits.masked_fill(probs < threshold, float("-inf"))
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -35,16 +127,29 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           banned: list[list[int]], allowed: AllowedTokens | None = None) -> list[SampledToken]:
+           banned: list[list[int]], allowed: AllowedTokens | None = None,
+           histories: Sequence[TokenHistory | None] | None = None) -> list[SampledToken]:
     """logits: [B, V] fp32, one row per request to sample; banned: token ids forbidden per row;
     allowed: grammar masks. Both act before everything else, so top-k/top-p, the random draw and
-    the logprobs all see only the tokens that may follow."""
+    the logprobs all see only the tokens that may follow. histories: each row's tokens, needed (only)
+    for the rows whose parameters set a penalty."""
     for row, ids in enumerate(banned):
         if ids:
             logits[row, ids] = float("-inf")
     if allowed is not None:
         rows = torch.tensor(allowed.rows, device=logits.device)
         logits[rows] = logits[rows].masked_fill(~allowed.mask.to(logits.device), float("-inf"))
+    # Logprobs are the model's (after the masks), before the bias and the penalties, as vLLM reports them.
+    want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
+    logprobs = logits[want_logprobs].log_softmax(dim=-1) if want_logprobs else None
+    if any(p.logit_bias for p in params):
+        apply_logit_bias(logits, params)
+    penalized = [i for i, p in enumerate(params) if p.penalized]
+    if penalized:
+        if histories is None or any(histories[i] is None for i in penalized):
+            raise ValueError("a request with penalties samples without its token history")
+        rows = _upload(penalized, logits.device)
+        logits[rows] = apply_penalties(logits[rows], [histories[i] for i in penalized], [params[i] for i in penalized])
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
@@ -53,15 +158,15 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         scaled = logits[rows] / temps[:, None]
         top_k = torch.tensor([params[i].top_k for i in random_rows], device=logits.device)
         top_p = torch.tensor([params[i].top_p for i in random_rows], device=logits.device)
+        if any(params[i].min_p > 0 for i in random_rows):
+            scaled = apply_min_p(scaled, _upload([params[i].min_p for i in random_rows], logits.device))
         if any(params[i].top_k > 0 or params[i].top_p < 1 for i in random_rows):  # asked of the host: no sync
             scaled = apply_top_k_top_p(scaled, top_k, top_p)
         probs = scaled.softmax(dim=-1)
         for j, i in enumerate(random_rows):
             tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
-    want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
     out = [SampledToken(int(t)) for t in tokens.tolist()]
-    if want_logprobs:
-        logprobs = logits[want_logprobs].log_softmax(dim=-1)
+    if logprobs is not None:
         for j, i in enumerate(want_logprobs):
             out[i].logprob = float(logprobs[j, out[i].token_id])
             k = params[i].logprobs

@@ -1,6 +1,7 @@
 """Per-request sampling settings."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,10 +57,26 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; k: the sampled token's logprob plus the top k
     skip_special_tokens: bool = True
     guided: GuidedDecodingParams | None = None  # every turn's output must match this grammar
+    # Penalties, as vLLM defines them (engine/sampler.py): presence and frequency (OpenAI's) over the
+    # tokens this turn generated so far, repetition (HF's, CTRL's rule) over the prompt and those tokens.
+    presence_penalty: float = 0.0  # [-2, 2]: subtracted from the logit of every token the output has
+    frequency_penalty: float = 0.0  # [-2, 2]: subtracted once per occurrence in the output
+    repetition_penalty: float = 1.0  # > 0: a seen token's logit is divided by it if > 0, else multiplied
+    min_p: float = 0.0  # [0, 1]: random sampling drops tokens less likely than min_p x the most likely one
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self.logit_bias = _checked_logit_bias(self.logit_bias)
+        if not -2 <= self.presence_penalty <= 2:
+            raise ValueError("presence_penalty must be in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            raise ValueError("frequency_penalty must be in [-2, 2]")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError("repetition_penalty must be a finite number > 0")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
@@ -83,3 +100,28 @@ class SamplingParams:
     def greedy(self) -> bool:
         # A temperature this small is greedy in effect, and dividing fp32 logits by it overflows.
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalized(self) -> bool:
+        """Some penalty is set: sampling needs the request's tokens (prompt and output)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+def _checked_logit_bias(bias: dict | None) -> dict[int, float] | None:
+    """`bias` with integer token ids (JSON's string keys such as "123" are converted); None if empty.
+    ValueError for a key that is not a token id or a bias outside [-100, 100]. Whether an id is in the
+    model's vocabulary is for whoever knows the vocabulary (the server answers 400)."""
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token = int(key) if isinstance(key, (int, str)) and not isinstance(key, bool) else None
+        except ValueError:
+            token = None
+        if token is None or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids (non-negative integers); got {key!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise ValueError(f"logit_bias values must be numbers in [-100, 100]; got {value!r} for token {token}")
+        out[token] = float(value)
+    return out

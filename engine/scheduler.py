@@ -455,8 +455,8 @@ class Scheduler:
         `RECENT_STEPS` steps as measured, and at least the profile's forward time of a full token budget.
         Proactive swap-in must act this far ahead of a resume. The profile alone times the model's
         forward pass; a real step also samples, detokenizes and copies, and decode steps over long
-        contexts read more KV than the profile's prefill (the real-server burst of 2026-11-25: profile
-        0.25 s, steps up to 0.7 s)."""
+        contexts read more KV than the profile's prefill (a burst of agents on the real server on a CPU:
+        profile 0.25 s, steps up to 0.7 s)."""
         profiled = self.profile.t_fwd(self.config.max_num_batched_tokens) if self.profile is not None else 0.0
         return max(profiled, max(self._recent_step_s, default=0.0))
 
@@ -732,14 +732,16 @@ class Scheduler:
         for r, n in scheduled:
             start = r.num_computed_tokens
             out.num_recomputed_tokens += max(0, min(start + n, r.num_computed_high) - start)
+            sample = start + n == r.num_tokens
             out.chunks.append(ScheduledChunk(
                 request_id=r.request_id,
                 token_ids=r.token_ids[start:start + n],
                 start_pos=start,
                 block_table=list(self.blocks.block_table(r.request_id)),
-                sample=start + n == r.num_tokens,
+                sample=sample,
                 sampling_params=r.sampling_params,
                 num_output_tokens=r.num_output_tokens,
+                context_token_ids=list(r.token_ids) if sample and r.sampling_params.penalized else None,
             ))
         out.num_thrashed_tokens += out.num_recomputed_tokens
         out.num_paused_device_tokens = self.paused_device_tokens()

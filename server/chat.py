@@ -17,16 +17,17 @@ Three jobs:
 
   so the rendering of a conversation extends, token for token, the context of the generation that
   produced its last tool call: the tokens appended on an implicit resume are exactly what a fresh
-  rendering of the whole conversation adds after the paused tokens (DESIGN §3). A thinking model's
+  rendering of the whole conversation adds after the paused tokens. A thinking model's
   turn keeps its thinking that way, although the client's message has none and thinking templates
   (Qwen3's) drop it, or render the turn apart when it is the last message (`_turn_end_in`).
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -167,6 +168,9 @@ class AssistantTurn:
 
     message: Message
     token_ids: tuple[int, ...]  # the turn's tokens: server prefill + generated (EOS included)
+    # The chat template's extra arguments (`chat_template_kwargs`) its prompt was rendered with: a later
+    # rendering of the conversation renders the turn's prompt with them again, whatever that request asks.
+    template_kwargs: Mapping[str, Any] | None = None
 
 
 TurnLookup = Callable[[Message], "AssistantTurn | None"]
@@ -197,20 +201,25 @@ class ChatRenderer:
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
 
     def render(self, messages: Sequence[Message], tools: Sequence[ToolSpec] | None,
-               known_turn: TurnLookup | None = None, prefill: str = "") -> list[int]:
+               known_turn: TurnLookup | None = None, prefill: str = "",
+               template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """Prompt token ids for `messages` + the generation prompt (+ `prefill`), with every assistant
-        turn `known_turn` recognizes rendered as its exact generated tokens."""
+        turn `known_turn` recognizes rendered as its exact generated tokens. `template_kwargs`: extra
+        arguments of the chat template (`chat_template_kwargs`); a known turn's prompt is rendered with
+        its own (`AssistantTurn.template_kwargs`), as when it was generated."""
+        self.check_template_kwargs(template_kwargs)
         prepared, index = self._prepare(messages, tools)
-        full = self._apply(prepared, True, tools)
+        full = self._apply(prepared, True, tools, template_kwargs)
         ids: list[int] = []
         pos = 0
         for i, m in enumerate(messages):
             turn = known_turn(m) if known_turn is not None and m.role == "assistant" and m.tool_calls else None
             if turn is None or index[i] == 0:
                 continue
-            head = self._apply(prepared[:index[i]], False, tools)  # the conversation before the turn
-            before = self._apply(prepared[:index[i]], True, tools)  # + the generation prompt: its prompt
-            upto = self._apply(prepared[:index[i] + 1], False, tools)  # the turn as the last message
+            kwargs = turn.template_kwargs
+            head = self._apply(prepared[:index[i]], False, tools, kwargs)  # the conversation before the turn
+            before = self._apply(prepared[:index[i]], True, tools, kwargs)  # + the generation prompt: its prompt
+            upto = self._apply(prepared[:index[i] + 1], False, tools, kwargs)  # the turn as the last message
             end = self._turn_end_in(full, head, before, upto) if len(head) >= pos else None
             if end is None:
                 return self.encode(full) + self.encode(prefill)  # a template that is not prefix-stable
@@ -258,8 +267,23 @@ class ChatRenderer:
                 return self.turn_end[len(eos_text):]
         return self.turn_end
 
-    def _apply(self, prepared: list[dict], add_generation_prompt: bool, tools=None) -> str:
-        kwargs = {}
+    def check_template_kwargs(self, template_kwargs: Mapping[str, Any] | None) -> None:
+        """400 for `chat_template_kwargs` that name an argument of `apply_chat_template` itself (the
+        server decides the template, the tools, the generation prompt and the output) or its messages."""
+        if not template_kwargs:
+            return
+        taken = sorted(set(template_kwargs) & self._reserved_kwargs())
+        if taken:
+            raise bad_request(f"chat_template_kwargs may not set {', '.join(taken)}: the server sets these",
+                              param="chat_template_kwargs")
+
+    def _reserved_kwargs(self) -> set[str]:
+        params = inspect.signature(self.tokenizer.apply_chat_template).parameters.values()
+        return {p.name for p in params if p.kind is not p.VAR_KEYWORD} | {"messages", "conversation", "self"}
+
+    def _apply(self, prepared: list[dict], add_generation_prompt: bool, tools=None,
+               template_kwargs: Mapping[str, Any] | None = None) -> str:
+        kwargs = dict(template_kwargs or {})
         if tools and self.native_tools:
             kwargs["tools"] = [dict(t.definition) for t in tools]
         return self.tokenizer.apply_chat_template(prepared, tokenize=False,

@@ -2,7 +2,8 @@
 
 Requests are validated strictly where OpenAI is strict (`extra="forbid"`: an unknown top-level field is
 a 400, as OpenAI answers "Unrecognized request argument supplied"), with vLLM's extras (`ignore_eos`,
-`min_tokens`, `top_k`, `return_token_ids`) and ours (`session_id`, `intercept`). Messages are lenient
+`min_tokens`, `top_k`, `min_p`, `repetition_penalty`, `return_token_ids`, and on chat completions
+`chat_template_kwargs`) and ours (`session_id`, `intercept`). Messages are lenient
 (`extra="ignore"`) because SDKs echo response messages back with fields such as `refusal` and
 `annotations`. Responses keep OpenAI's keys, nulls included; a stream delta is a plain dict because
 OpenAI sends only the keys that changed.
@@ -109,6 +110,8 @@ class SamplingFields(Strict):
     user: str | None = None
     # vLLM extras
     top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     return_token_ids: bool = False
@@ -210,6 +213,9 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    # vLLM's: extra keyword arguments of the tokenizer's `apply_chat_template` (variables of the template,
+    # such as Qwen3's `enable_thinking`)
+    chat_template_kwargs: dict[str, Any] | None = None
     # ours: tools the server runs itself (by name, see server/tool_loop.py); their calls never leave it
     server_tools: list[str] | None = Field(default=None, min_length=1)
     # Accepted for compatibility and otherwise ignored (they change nothing a local server does).

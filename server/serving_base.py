@@ -46,10 +46,6 @@ class Frontend:
 def check_unsupported(req: SamplingFields) -> None:
     if req.n not in (None, 1):
         raise bad_request("only n=1 is supported", param="n")
-    if req.frequency_penalty or req.presence_penalty:
-        raise bad_request("frequency_penalty and presence_penalty are not supported", param="frequency_penalty")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", param="logit_bias")
 
 
 ErrorEvent = Callable[[APIError], dict]  # a stream's rendering of an error

@@ -63,7 +63,8 @@ class ChatServing(Frontend):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         return TurnSpec("chat", Sampling.of(req, req.max_completion_tokens or req.max_tokens, logprobs),
                         tuple(messages), mode=mode, intercept=req.intercept, holder=session, owner=owner,
-                        answer_schema=req.response_format.answer_schema() if req.response_format else None)
+                        answer_schema=req.response_format.answer_schema() if req.response_format else None,
+                        template_kwargs=req.chat_template_kwargs or None)
 
     async def open(self, spec: TurnSpec) -> Turn:
         """Open the turn; its chat session (if any) is generating until `close`."""

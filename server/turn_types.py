@@ -2,8 +2,9 @@
 yields (`ReasoningDelta`, `TextDelta`, `CallOpened`, `CallArguments`, `CallDone`, `TurnPaused`, `TurnFinished`)."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from infercept.engine.backend import RequestOutput
 
@@ -26,11 +27,17 @@ class Sampling:
     stop: str | Sequence[str] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # top logprobs per sampled token; None: no logprobs
+    presence_penalty: float | None = None  # None: 0
+    frequency_penalty: float | None = None  # None: 0
+    repetition_penalty: float | None = None  # None: 1
+    min_p: float | None = None  # None: 0
+    logit_bias: Mapping[str, float] | None = None  # token id (a JSON key: a string) -> bias
 
     @classmethod
     def of(cls, req: SamplingFields, max_tokens: int | None, logprobs: int | None = None) -> Sampling:
         return cls(req.temperature, req.top_p, req.top_k, req.seed, max_tokens, req.min_tokens, req.stop,
-                   req.ignore_eos, logprobs)
+                   req.ignore_eos, logprobs, req.presence_penalty, req.frequency_penalty, req.repetition_penalty,
+                   req.min_p, req.logit_bias)
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,9 @@ class TurnSpec:
     id_prefix: str = "chatcmpl-"
     request_id: str | None = None  # instead of a new id with `id_prefix`
     param: str = "messages"  # the request field that prompt errors name
+    # Extra keyword arguments of the chat template (`chat_template_kwargs`, a chat turn's); a paused turn
+    # keeps its own, with which its prompt is rendered again when a later turn continues it (chat.py)
+    template_kwargs: Mapping[str, Any] | None = None
 
     @property
     def is_chat(self) -> bool:

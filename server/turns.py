@@ -225,7 +225,7 @@ class Turn:
                 prefill_ids = len(self.turns.renderer.encode(self.prefill)) if self.prefill else 0
                 turn_ids = tuple(engine.prompt_ids[len(engine.prompt_ids) - prefill_ids:] + out.token_ids)
                 handle = Paused(engine.request_id, engine.prompt_ids + list(out.token_ids),
-                                AssistantTurn(message, turn_ids), spec.messages)
+                                AssistantTurn(message, turn_ids, spec.template_kwargs), spec.messages)
         else:
             text = self.prefill + text
             result = TurnResult(text, [], finish_reason(out), Message("assistant", text), reasoning)
@@ -316,7 +316,8 @@ class Turns:
         mode, fmt = spec.mode, self.format
         prefill = fmt.forced_prefill(mode.forced_name) if mode.forced else ""
         try:
-            prompt_ids = self.renderer.render(spec.messages, mode.tools, self.conversations.known_turn, prefill)
+            prompt_ids = self.renderer.render(spec.messages, mode.tools, self.conversations.known_turn, prefill,
+                                              spec.template_kwargs)
         except APIError:
             raise
         except Exception as e:  # the template (jinja) or the tokenizer refused the input
@@ -387,12 +388,34 @@ class Turns:
                               f"{s.max_tokens} for the completion).", param="max_tokens",
                               code="context_length_exceeded")
         stop = [s.stop] if isinstance(s.stop, str) else list(s.stop or [])
+        logit_bias = self.logit_bias(s.logit_bias)
         try:
             return SamplingParams(
                 temperature=1.0 if s.temperature is None else s.temperature,
                 top_p=1.0 if s.top_p is None else s.top_p,
                 top_k=max(s.top_k or 0, 0), seed=s.seed,
                 max_tokens=room if s.max_tokens is None else s.max_tokens, min_tokens=s.min_tokens,
-                stop=stop, ignore_eos=s.ignore_eos, logprobs=s.logprobs, skip_special_tokens=skip_special_tokens)
+                stop=stop, ignore_eos=s.ignore_eos, logprobs=s.logprobs, skip_special_tokens=skip_special_tokens,
+                presence_penalty=s.presence_penalty or 0.0, frequency_penalty=s.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if s.repetition_penalty is None else s.repetition_penalty,
+                min_p=s.min_p or 0.0, logit_bias=logit_bias)
         except ValueError as e:
             raise bad_request(str(e)) from None
+
+    def logit_bias(self, bias) -> dict[int, float] | None:
+        """`logit_bias` with integer token ids; 400 for a key that is not a token id of this model, or a
+        bias outside [-100, 100] (OpenAI's range)."""
+        out: dict[int, float] = {}
+        for key, value in (bias or {}).items():
+            try:
+                token = int(key)
+            except (TypeError, ValueError):
+                token = None
+            if token is None or not 0 <= token < self.vocab_size:
+                raise bad_request(f"logit_bias keys must be token ids in [0, {self.vocab_size}); got {key!r}",
+                                  param="logit_bias")
+            if not -100 <= value <= 100:
+                raise bad_request(f"logit_bias values must be in [-100, 100]; got {value!r} for token {token}",
+                                  param="logit_bias")
+            out[token] = float(value)
+        return out or None

@@ -365,7 +365,7 @@ BAD_CHAT = [
                             "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400),
     ("empty stop", {"model": MODEL, "messages": QUESTION, "stop": [""]}, 400),
     ("n=2", {"model": MODEL, "messages": QUESTION, "n": 2}, 400),
-    ("penalty", {"model": MODEL, "messages": QUESTION, "presence_penalty": 0.5}, 400),
+    ("penalty out of range", {"model": MODEL, "messages": QUESTION, "presence_penalty": 2.5}, 400),
     ("bad session id", {"model": MODEL, "messages": QUESTION, "session_id": "a b"}, 400),
     ("unknown session", {"model": MODEL, "messages": [{"role": "tool", "tool_call_id": "x", "content": "1"}],
                          "session_id": "ghost"}, 404),

@@ -23,6 +23,12 @@ def vllm_sampling_fields(params: SamplingParams, resumable: bool, rule: TurnRule
         "temperature": 0.0 if params.greedy else params.temperature,
         "top_p": params.top_p,
         "top_k": params.top_k,  # 0 = off in both
+        # vLLM's own fields, which engine/sampler.py follows: the same definitions, in the same order.
+        "min_p": params.min_p,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "repetition_penalty": params.repetition_penalty,
+        "logit_bias": dict(params.logit_bias) if params.logit_bias else None,  # int token ids (pickled, not JSON)
         "seed": params.seed,
         "max_tokens": params.max_tokens,
         "min_tokens": params.min_tokens,
