@@ -40,10 +40,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="host KV pool for swapped-out requests, GiB (default 1)")
     g.add_argument("--max-num-batched-tokens", type=int, default=_env("MAX_NUM_BATCHED_TOKENS", None),
                    help="tokens per forward pass (default: 256 on a CPU; on a GPU the measured profile's "
-                        "saturation point, at least 256)")
+                        "saturation point, at least 256; --backend vllm: vLLM's own default)")
     g.add_argument("--enforce-eager", action="store_true", default=_env("ENFORCE_EAGER", "0") not in ("0", ""),
                    help="no CUDA graphs (a GPU otherwise replays decode steps from captured graphs)")
-    g.add_argument("--max-num-seqs", type=int, default=int(_env("MAX_NUM_SEQS", 64)))
+    g.add_argument("--max-num-seqs", type=int, default=_optional_int(_env("MAX_NUM_SEQS", None)),
+                   help="sequences in a forward pass at most (default 64; --backend vllm: vLLM's own default)")
     g.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN", None))
     g.add_argument("--threads", type=int, default=_env("THREADS", None), help="torch CPU threads")
     g.add_argument("--policy", default=_env("POLICY", None),
@@ -66,10 +67,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_cache_gb=None if args.kv_cache_gb is None else float(args.kv_cache_gb),
                 host_kv_gb=args.host_kv_gb,
                 max_num_batched_tokens=None if args.max_num_batched_tokens is None else int(args.max_num_batched_tokens),
-                max_num_seqs=args.max_num_seqs,
                 max_model_len=None if args.max_model_len is None else int(args.max_model_len),
                 num_threads=None if args.threads is None else int(args.threads), policy=args.policy or "infercept",
-                enable_prefix_caching=args.prefix_caching, enforce_eager=args.enforce_eager)
+                enable_prefix_caching=args.prefix_caching, enforce_eager=args.enforce_eager,
+                # unset: the engine's own default (SchedulerConfig.max_num_seqs)
+                **({} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}))
 
 
 def add_backend_args(p: argparse.ArgumentParser) -> None:
@@ -80,20 +82,37 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
                         "present, else native")
     g.add_argument("--vllm-python", default=_env("VLLM_PYTHON", None),
                    help="python of the vLLM environment (default: .venv-vllm/bin/python, made by `make vllm-env`)")
-    v = p.add_argument_group("vLLM's own engine options (--backend vllm only)")
+    v = p.add_argument_group("vLLM's own engine options (--backend vllm only; unset: vLLM's defaults)")
     v.add_argument("--tensor-parallel-size", type=int, default=_env("TENSOR_PARALLEL_SIZE", None))
     v.add_argument("--pipeline-parallel-size", type=int, default=_env("PIPELINE_PARALLEL_SIZE", None))
     v.add_argument("--gpu-memory-utilization", type=float, default=_env("GPU_MEMORY_UTILIZATION", None),
                    help="share of GPU memory vLLM may use (weights, activations and KV)")
-    v.add_argument("--async-scheduling", action="store_true",
-                   default=_env("ASYNC_SCHEDULING", "0").lower() not in ("0", "", "false", "no", "off"),
+    v.add_argument("--quantization", default=_env("QUANTIZATION", None),
+                   help="vLLM's weight quantization method (fp8, awq, gptq, ...; default: the checkpoint's)")
+    v.add_argument("--kv-cache-dtype", default=_env("KV_CACHE_DTYPE", None),
+                   help="vLLM's KV cache dtype (auto, fp8, fp8_e4m3, fp8_e5m2, ...; default auto: the model's)")
+    async_env = _env("ASYNC_SCHEDULING", None)
+    v.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   default=None if async_env is None else async_env.lower() not in ("0", "false", "no", "off"),
                    help="vLLM's asynchronous scheduling (GPU: the next step is scheduled while one runs); under "
-                        "infercept, infercept-paper and preserve it runs our AsyncInterceptScheduler. Default off: "
-                        "those policies schedule synchronously (InterceptScheduler), and prefix-cache and discard "
-                        "take vLLM's own default")
+                        "infercept, infercept-paper, preserve and swap our AsyncInterceptScheduler runs it. Default: "
+                        "vLLM's own (asynchronous on a GPU where vLLM supports it, synchronous on a CPU), with our "
+                        "scheduler following it; --no-async-scheduling turns it off")
+    v.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="any of vLLM's engine arguments (vllm.engine.arg_utils.EngineArgs), e.g. block_size=32 "
+                        "or max_num_partial_prefills=2; VALUE is read as JSON when it parses (numbers, true, "
+                        "objects), else as a string; repeatable. An argument with a flag of its own is refused: "
+                        "use the flag")
 
 
-VLLM_ONLY = ("tensor_parallel_size", "pipeline_parallel_size", "gpu_memory_utilization", "async_scheduling")
+VLLM_ONLY = ("tensor_parallel_size", "pipeline_parallel_size", "gpu_memory_utilization", "quantization",
+             "kv_cache_dtype", "async_scheduling")
+# vLLM's engine arguments the server's own flags set: --vllm-arg refuses them, naming the flag.
+FLAG_OF_ENGINE_ARG = {"model": "--model", "dtype": "--dtype", "max_model_len": "--max-model-len",
+                      "max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
+                      "enable_prefix_caching": "--no-prefix-caching", "kv_cache_memory_bytes": "--kv-cache-gb",
+                      "enforce_eager": "--enforce-eager",
+                      **{name: "--" + name.replace("_", "-") for name in VLLM_ONLY}}
 
 
 def chosen_backend(args: argparse.Namespace) -> str:
@@ -106,14 +125,36 @@ def chosen_backend(args: argparse.Namespace) -> str:
     return "vllm" if os.path.isfile(python) and shutil.which("nvidia-smi") else "native"
 
 
+def parse_vllm_args(items: list[str]) -> dict:
+    """`--vllm-arg KEY=VALUE`s as engine arguments: KEY with dashes or underscores, VALUE as JSON when it
+    parses, else the string. ValueError for an item without `=`, or a KEY one of our flags sets."""
+    import json
+
+    parsed = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not eq or not key:
+            raise ValueError(f"--vllm-arg {item!r}: expected KEY=VALUE")
+        if key in FLAG_OF_ENGINE_ARG:
+            raise ValueError(f"--vllm-arg {item!r}: {key} has a flag of its own, {FLAG_OF_ENGINE_ARG[key]}")
+        try:
+            parsed[key] = json.loads(value)
+        except ValueError:
+            parsed[key] = value
+    return parsed
+
+
 def vllm_only_args(args: argparse.Namespace) -> dict:
-    """The vLLM-only flags that were given."""
-    return {name: getattr(args, name) for name in VLLM_ONLY if getattr(args, name) not in (None, False)}
+    """The vLLM-only flags that were given (--no-async-scheduling too), as engine arguments."""
+    return {name: getattr(args, name) for name in VLLM_ONLY if getattr(args, name) is not None}
 
 
 def vllm_engine_args(args: argparse.Namespace) -> dict:
-    """The flags given that vLLM takes as engine arguments of its own: the vLLM-only ones, --enforce-eager."""
-    return vllm_only_args(args) | ({"enforce_eager": True} if args.enforce_eager else {})
+    """The engine arguments of vLLM's own the flags give: the vLLM-only flags, --enforce-eager and every
+    --vllm-arg. What is not given stays at vLLM's default."""
+    return (vllm_only_args(args) | ({"enforce_eager": True} if args.enforce_eager else {})
+            | parse_vllm_args(args.vllm_arg))
 
 
 def build_backend(args: argparse.Namespace):
@@ -122,8 +163,10 @@ def build_backend(args: argparse.Namespace):
     if args.backend == "native":
         from infercept.engine import NativeBackend
 
-        if vllm_only_args(args):
-            raise SystemExit(f"infercept serve: {', '.join('--' + n.replace('_', '-') for n in vllm_only_args(args))} "
+        # (--no-async-scheduling asks for what the native engine does anyway)
+        given = [FLAG_OF_ENGINE_ARG[n] for n, value in vllm_only_args(args).items() if value is not False]
+        if given or args.vllm_arg:
+            raise SystemExit(f"infercept serve: {', '.join(given + ['--vllm-arg'] * bool(args.vllm_arg))} "
                              "only apply to --backend vllm")
         return NativeBackend.create(args.model, **engine_kwargs(args))
     from infercept.engine import VllmBackend
@@ -133,9 +176,9 @@ def build_backend(args: argparse.Namespace):
         args.model, python=args.vllm_python, policy=args.policy or "infercept",
         dtype=args.dtype, max_model_len=None if args.max_model_len is None else int(args.max_model_len),
         kv_cache_gb=None if args.kv_cache_gb is None else float(args.kv_cache_gb), host_kv_gb=args.host_kv_gb,
+        # Unless given, vLLM's own defaults (those `vllm serve` takes on the hardware), not the native engine's
         max_num_seqs=args.max_num_seqs,
-        # Unless given, 256: the native engine's CPU default (SchedulerConfig), not vLLM's own default
-        max_num_batched_tokens=int(args.max_num_batched_tokens or 256),
+        max_num_batched_tokens=None if args.max_num_batched_tokens is None else int(args.max_num_batched_tokens),
         enable_prefix_caching=args.prefix_caching,
         engine_args=vllm_engine_args(args))
 

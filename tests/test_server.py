@@ -9,6 +9,7 @@ fresh token-level request of the whole conversation).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 
 import httpx
@@ -662,6 +663,11 @@ def test_serve_flags_default_to_the_engine_config(monkeypatch):
 
     assert default_step_tokens(torch.device("cpu"), h100_llama3_8b(), 64) == SchedulerConfig.max_num_batched_tokens
     assert default_step_tokens(torch.device("cuda"), h100_llama3_8b(), 64) == h100_llama3_8b().saturation_point
-    assert args.max_num_seqs == SchedulerConfig.max_num_seqs
+    # unset: each backend's own default, the engine config's on the native engine (vLLM's on --backend vllm)
+    from infercept.engine.engine import Engine
+    from infercept.server.cli import engine_kwargs
+
+    assert args.max_num_seqs is None and "max_num_seqs" not in engine_kwargs(args)
+    assert inspect.signature(Engine).parameters["max_num_seqs"].default == SchedulerConfig.max_num_seqs
     assert args.host_kv_gb == CacheConfig.host_kv_gb
     assert args.prefix_caching == CacheConfig.enable_prefix_caching

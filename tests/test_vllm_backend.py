@@ -77,7 +77,7 @@ def test_a_sessions_stop_strings_go_to_our_scheduler_not_to_vllms_detokenizer():
 
 FLOAT32_KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4  # SmolLM2: 30 layers, 3 KV heads of 64, K and V
 POOL_TOKENS = 4608  # the device pool: max_model_len (4096) must fit, and one long prompt can evict the rest
-MAX_NUM_SEQS = 64  # vLLM's seats for running requests (the backend's default)
+MAX_NUM_SEQS = 64  # vLLM's seats for running requests (given: unset, vLLM takes its own default)
 
 
 def tool_turn_tokens(tokenizer) -> int:

@@ -9,8 +9,10 @@ On a GPU host (two GPUs for the tensor-parallel tests), with the GPU build of vL
 The GPU tests are marked `gpu` and skip without a CUDA device (the tensor-parallel ones without two), or
 without the vLLM environment. They have never run on the machines this project is developed on, which have
 no GPU: what they would find there is unknown until they run on one. The tests at the top need no GPU and
-run everywhere: the flag that turns asynchronous scheduling on, the engine arguments it gives vLLM, and the
-model the tensor-parallel tests shard.
+run everywhere: the flags for asynchronous scheduling and the scheduler they give vLLM, vLLM's own defaults
+where no flag is given, `--vllm-arg` and the named vLLM flags, what the backend refuses before vLLM starts
+(data parallelism, a scheduler or connector of one's own under a session policy), and the model the
+tensor-parallel tests shard.
 
 Each GPU test is the tool-call pause/resume of tests/test_vllm_backend.py: a turn writes a get_weather call
 and pauses with its KV inside vLLM, the tool result is appended, and the resumed turn reuses the paused KV
@@ -84,8 +86,9 @@ def serve(*flags: str):
 
 
 @pytest.mark.parametrize("flags,policy,scheduler,async_scheduling", [
-    ((), "infercept", "InterceptScheduler", False),
+    ((), "infercept", "intercept_scheduler", None),  # vLLM's own choice, which intercept_scheduler follows
     (("--async-scheduling",), "infercept", "AsyncInterceptScheduler", True),
+    (("--no-async-scheduling",), "infercept", "InterceptScheduler", False),
     (("--policy", "preserve", "--async-scheduling"), "preserve", "AsyncInterceptScheduler", True),
     (("--policy", "prefix-cache"), "prefix-cache", None, None),  # stock vLLM: its own default
     (("--policy", "prefix-cache", "--async-scheduling"), "prefix-cache", None, True),
@@ -109,27 +112,124 @@ def test_the_async_scheduling_flag_reaches_vllm_with_our_async_scheduler(worker_
 def test_the_async_scheduling_flag_is_vllms_only(monkeypatch):
     from infercept.server import cli
 
+    monkeypatch.delenv("INFERCEPT_ASYNC_SCHEDULING", raising=False)
     assert cli.vllm_engine_args(serve("--backend", "vllm", "--async-scheduling")) == {"async_scheduling": True}
+    assert cli.vllm_engine_args(serve("--backend", "vllm", "--no-async-scheduling")) == {"async_scheduling": False}
     assert cli.vllm_engine_args(serve("--backend", "vllm")) == {}
     with pytest.raises(SystemExit, match="--async-scheduling only apply to --backend vllm"):
         cli.build_backend(serve("--backend", "native", "--async-scheduling"))
+    assert serve().async_scheduling is None
     monkeypatch.setenv("INFERCEPT_ASYNC_SCHEDULING", "1")
-    assert serve().async_scheduling
+    assert serve().async_scheduling is True
     monkeypatch.setenv("INFERCEPT_ASYNC_SCHEDULING", "0")
-    assert not serve().async_scheduling
+    assert serve().async_scheduling is False
 
 
-def test_the_schedulers_the_backend_names_exist_in_the_repository():
+def test_the_schedulers_the_backend_names_exist_in_the_repository(worker_configs):
     """vLLM imports them by name from the repository root (scheduler.py needs vLLM, so it is read, not
-    imported, here): each subclasses the vLLM scheduler its scheduling mode expects."""
+    imported, here): each class subclasses the vLLM scheduler its scheduling mode expects, and the
+    function named when vLLM chooses builds one of the two (tests/vllm_scheduler_cases.py runs it)."""
     from infercept.engine.vllm_backend.backend import ASYNC_SCHEDULER_CLS, SCHEDULER_CLS
+    from infercept.server import cli
 
+    with pytest.raises(_Started):
+        cli.build_backend(serve("--backend", "vllm"))
+    chosen_by_vllm = worker_configs[0]["engine"]["scheduler_cls"]
     bases = {"InterceptScheduler": "Scheduler", "AsyncInterceptScheduler": "AsyncScheduler"}
-    for dotted in (SCHEDULER_CLS, ASYNC_SCHEDULER_CLS):
+    for dotted in (SCHEDULER_CLS, ASYNC_SCHEDULER_CLS, chosen_by_vllm):
         module, name = dotted.rsplit(".", 1)
         tree = ast.parse((ROOT / (module.replace(".", "/") + ".py")).read_text())
-        (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name]
-        assert bases[name] in {b.id for b in cls.bases if isinstance(b, ast.Name)}
+        (node,) = [n for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name == name]
+        if isinstance(node, ast.ClassDef):
+            assert bases[name] in {b.id for b in node.bases if isinstance(b, ast.Name)}
+        else:
+            assert set(bases) <= {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}, name
+
+
+def test_vllms_own_defaults_stay_vllms_unless_given(worker_configs, monkeypatch):
+    """Unset, the server hands vLLM no max_num_seqs, max_num_batched_tokens or async_scheduling (vLLM then
+    takes what `vllm serve` takes on the hardware, worker.py); given, each reaches it."""
+    from infercept.server import cli
+
+    for name in ("MAX_NUM_SEQS", "MAX_NUM_BATCHED_TOKENS", "ASYNC_SCHEDULING"):
+        monkeypatch.delenv(f"INFERCEPT_{name}", raising=False)
+    for policy in ("infercept", "prefix-cache"):
+        with pytest.raises(_Started):
+            cli.build_backend(serve("--backend", "vllm", "--policy", policy))
+    with pytest.raises(_Started):
+        cli.build_backend(serve("--backend", "vllm", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
+                                "--no-async-scheduling"))
+    *defaults, given = (config["engine"] for config in worker_configs)
+    for engine in defaults:
+        assert not {"max_num_seqs", "max_num_batched_tokens", "async_scheduling"} & set(engine), engine
+    assert (given["max_num_seqs"], given["max_num_batched_tokens"], given["async_scheduling"]) == (8, 512, False)
+
+
+def test_vllm_arg_passes_any_engine_argument_and_the_named_flags_reach_vllm(worker_configs, monkeypatch):
+    from infercept.server import cli
+
+    monkeypatch.setenv("INFERCEPT_KV_CACHE_DTYPE", "fp8_e5m2")
+    with pytest.raises(_Started):
+        cli.build_backend(serve("--backend", "vllm", "--quantization", "fp8", "--vllm-arg", "block_size=32",
+                                "--vllm-arg", "max-num-partial-prefills=2",
+                                "--vllm-arg", "enable_chunked_prefill=false",
+                                "--vllm-arg", 'compilation_config={"cudagraph_mode": "PIECEWISE"}',
+                                "--vllm-arg", "tokenizer_mode=slow", "--vllm-arg", "served_model_name=a=b",
+                                "--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.5",
+                                "--pipeline-parallel-size", "1"))
+    engine = worker_configs[0]["engine"]
+    assert {k: engine[k] for k in ("quantization", "kv_cache_dtype", "block_size", "max_num_partial_prefills",
+                                   "enable_chunked_prefill", "compilation_config", "tokenizer_mode",
+                                   "served_model_name", "tensor_parallel_size", "gpu_memory_utilization",
+                                   "pipeline_parallel_size")} == {
+        "quantization": "fp8", "kv_cache_dtype": "fp8_e5m2", "block_size": 32, "max_num_partial_prefills": 2,
+        "enable_chunked_prefill": False, "compilation_config": {"cudagraph_mode": "PIECEWISE"},
+        "tokenizer_mode": "slow", "served_model_name": "a=b", "tensor_parallel_size": 2,
+        "gpu_memory_utilization": 0.5, "pipeline_parallel_size": 1}
+    for item, error in (("max_num_seqs=8", "flag of its own, --max-num-seqs"),
+                        ("kv-cache-dtype=fp8", "flag of its own, --kv-cache-dtype"),
+                        ("block_size", "expected KEY=VALUE")):
+        with pytest.raises(ValueError, match=error):
+            cli.build_backend(serve("--backend", "vllm", "--vllm-arg", item))
+    with pytest.raises(SystemExit, match="--kv-cache-dtype, --vllm-arg only apply to --backend vllm"):
+        cli.build_backend(serve("--backend", "native", "--vllm-arg", "block_size=32"))
+    assert len(worker_configs) == 1
+
+
+def test_the_policies_own_scheduler_and_connector_are_not_overridden(worker_configs):
+    """Under a session policy the backend sets vLLM's scheduler_cls and kv_transfer_config itself: given
+    by the user they are refused before vLLM starts; stock vLLM (prefix-cache) takes them. The user's
+    additional_config keeps its keys beside the scheduler's."""
+    from infercept.server import cli
+
+    for item in ("scheduler_cls=my.Scheduler", 'kv_transfer_config={"kv_connector": "LMCacheConnectorV1"}'):
+        with pytest.raises(ValueError, match="sets them itself"):
+            cli.build_backend(serve("--backend", "vllm", "--vllm-arg", item))
+    assert not worker_configs
+    with pytest.raises(_Started):
+        cli.build_backend(serve("--backend", "vllm", "--policy", "prefix-cache", "--vllm-arg", "scheduler_cls=my.S"))
+    with pytest.raises(_Started):
+        cli.build_backend(serve("--backend", "vllm", "--vllm-arg", 'additional_config={"mine": 1}'))
+    stock, ours = (config["engine"] for config in worker_configs)
+    assert stock["scheduler_cls"] == "my.S"
+    assert ours["additional_config"]["mine"] == 1 and ours["additional_config"]["infercept"]["policy"] == "infercept"
+
+
+@pytest.mark.parametrize("policy", ["infercept", "prefix-cache"])
+def test_data_parallel_vllm_is_refused_before_the_worker_starts(worker_configs, policy):
+    """data_parallel_size > 1 would start an engine core per rank, each with its own scheduler, while the
+    worker links one policy channel (and reads one KV pool): refused in `create`, before any worker."""
+    from infercept.engine import VllmBackend
+    from infercept.server import cli
+
+    with pytest.raises(ValueError, match="data_parallel_size=2 is not supported.*one policy channel"):
+        VllmBackend.create("/nonexistent", python="/nonexistent/python", policy=policy,
+                           engine_args={"data_parallel_size": 2})
+    with pytest.raises(ValueError, match="data_parallel_size=2 is not supported"):
+        cli.build_backend(serve("--backend", "vllm", "--policy", policy, "--vllm-arg", "data_parallel_size=2"))
+    assert not worker_configs
+    with pytest.raises(_Started):  # one rank is what it always was
+        cli.build_backend(serve("--backend", "vllm", "--policy", policy, "--vllm-arg", "data_parallel_size=1"))
 
 
 def widened_for_tensor_parallel(src: str, dst: str, tp: int) -> str:

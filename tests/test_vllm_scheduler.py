@@ -12,9 +12,14 @@ result arrived (not until the scheduler's next step); the host tier
 (`HostTierConnector`, with a fake worker copying real tensors in the order vLLM's model runner does):
 a swapped session's KV goes to the host and comes back position for position, reclaim swaps when a copy is
 cheaper, a full host pool means a discard, a context larger than the step's swap budget leaves over
-several steps, a session resumed mid-swap keeps its device KV, an ended one frees its host blocks; and the
-signatures of every vLLM internal the scheduler overrides or calls (a vLLM bump that changes one fails
-here).
+several steps, a session resumed mid-swap keeps its device KV, an ended one frees its host blocks; the
+connector on KV caches vLLM's own allocator lays out (every layout, blocks split into kernel blocks, host
+blocks not consecutive); models the policies cannot serve (two KV cache groups, MLA) refused at start; the
+worker's bytes per token from the KV cache dtype and MLA, and its bounded copy probe; the scheduler built
+for vLLM's choice of asynchronous scheduling; the signatures of every vLLM internal the scheduler
+overrides or calls (a vLLM bump that changes one fails here); and, read from vLLM's source, the order in
+each model runner it picks (the V1 runner, the CPU one, and the newer vllm/v1/worker/gpu/ one): swap-outs
+before anything writes the freed blocks, loads before the forward.
 """
 from __future__ import annotations
 
@@ -51,7 +56,12 @@ CASES = ("preserve_keeps_a_paused_sessions_blocks",
          "a_stop_string_ends_a_sessions_turn_at_the_token_the_output_stage_does",
          "tool_calls_end_a_sessions_turn_once_the_model_moves_past_them",
          "the_vllm_internals_we_use_have_the_signatures_we_were_written_against",
-         "the_connector_hooks_we_use_have_the_signatures_and_order_we_were_written_against")
+         "the_connector_hooks_we_use_have_the_signatures_and_order_we_were_written_against",
+         "every_model_runner_vllm_picks_copies_swap_outs_before_new_blocks_are_written_and_loads_before_the_forward",
+         "a_model_with_two_kv_cache_groups_or_mla_is_refused_at_start",
+         "the_host_tier_copies_blocks_in_every_kv_cache_layout_vllm_allocates",
+         "bytes_per_token_follows_the_kv_cache_dtype_and_mla",
+         "the_scheduler_vllm_builds_follows_its_choice_of_async_scheduling")
 
 pytestmark = pytest.mark.skipif(not os.path.isfile(VLLM_PYTHON),
                                 reason=f"no vLLM environment at {VLLM_PYTHON} (`make vllm-env`)")

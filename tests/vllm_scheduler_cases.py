@@ -8,9 +8,11 @@ runs this once and turns every case into a test. MODEL_DIR is read for its confi
 """
 from __future__ import annotations
 
+import ast
 import inspect
 import json
 import sys
+import textwrap
 import time
 import traceback
 from pathlib import Path
@@ -54,23 +56,33 @@ MODEL = sys.argv[1] if len(sys.argv) > 1 else None
 BYTES_PER_BLOCK = 2 * BLOCK * 4  # one layer, one KV head of size 1, float32: K and V
 
 
-def make(policy: str | None = "infercept", num_blocks: int = 64, profile: Profile | None = PROFILE,
-         cls=ours.InterceptScheduler, host_blocks: int | None = None, max_num_seqs: int = 16):
-    """A scheduler over `num_blocks` device blocks; with `host_blocks`, our host-tier connector too, and a
-    fake worker (`FakeWorker`) that runs its copies on real tensors."""
+def configs(policy: str | None = "infercept", num_blocks: int = 64, host_bytes: int | None = None,
+            max_num_seqs: int = 16, kv_groups: list | None = None, async_scheduling: bool | None = None):
+    """vLLM's configuration (our connector's `kv_transfer_config` with a pool of `host_bytes`, if given) and
+    a KV cache config of `num_blocks` blocks: `kv_groups`, or one group of one full-attention layer."""
     model = ModelConfig(model=MODEL, max_model_len=4096, dtype="float32", seed=0)
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256, max_model_len=4096,
-                            is_encoder_decoder=False, enable_chunked_prefill=True)
+                            is_encoder_decoder=False, enable_chunked_prefill=True, async_scheduling=async_scheduling)
     cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
     cache.num_gpu_blocks = num_blocks
-    transfer = None if host_blocks is None else KVTransferConfig(
+    transfer = None if host_bytes is None else KVTransferConfig(
         kv_connector="HostTierConnector", kv_connector_module_path="engine.vllm_backend.host_tier", kv_role="kv_both",
-        kv_connector_extra_config={"host_bytes": host_blocks * BYTES_PER_BLOCK})  # as backend.host_tier_config
+        kv_connector_extra_config={"host_bytes": host_bytes})  # as backend.host_tier_config
     config = VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache, kv_transfer_config=transfer,
                         additional_config=ours.scheduler_config(policy) if policy else {})
-    kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
+    kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=kv_groups or [
         KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1,
                                                       dtype=torch.float32))])
+    return config, kv
+
+
+def make(policy: str | None = "infercept", num_blocks: int = 64, profile: Profile | None = PROFILE,
+         cls=ours.InterceptScheduler, host_blocks: int | None = None, max_num_seqs: int = 16,
+         kv_groups: list | None = None, async_scheduling: bool | None = None):
+    """A scheduler over `num_blocks` device blocks; with `host_blocks`, our host-tier connector too, and a
+    fake worker (`FakeWorker`) that runs its copies on real tensors."""
+    config, kv = configs(policy, num_blocks, None if host_blocks is None else host_blocks * BYTES_PER_BLOCK,
+                         max_num_seqs, kv_groups, async_scheduling)
     s = cls(vllm_config=config, kv_cache_config=kv, structured_output_manager=StructuredOutputManager(config),
             block_size=BLOCK, log_stats=True)
     if profile is not None and cls is not Scheduler:
@@ -81,9 +93,10 @@ def make(policy: str | None = "infercept", num_blocks: int = 64, profile: Profil
 
 class FakeWorker:
     """A worker without a model: the worker side of the host-tier connector on a real KV tensor, run in
-    the order vLLM's model runner runs it (swap-outs, zeroing of new blocks, loads), and a "forward"
-    that writes each scheduled position's KV as a function of its token and position (`kv_value`), so
-    a resumed session's KV can be checked position by position."""
+    the order vLLM's model runners run it (swap-outs, zeroing of new blocks, loads: before the forward in
+    a step with a synchronous load, after it otherwise), and a "forward" that writes each scheduled
+    position's KV as a function of its token and position (`kv_value`), so a resumed session's KV can be
+    checked position by position."""
 
     def __init__(self, config, kv, num_blocks: int):
         self.cache = torch.zeros(num_blocks, 2, BLOCK)  # [block, K/V, slot]: one head of size 1
@@ -96,12 +109,18 @@ class FakeWorker:
         for block in out.new_block_ids_to_zero or ():
             self.cache[block] = 0
         self.connector.bind_connector_metadata(meta)
-        self.connector.start_load_kv(None)
-        self.connector.clear_connector_metadata()
+        # vLLM loads before the forward only in a step the scheduler marked as having a synchronous load
+        # (both runners: KVConnectorModelRunnerMixin._get_kv_connector_output, gpu/kv_connector.py).
+        assert out.has_sync_kv_loads or not meta.swap_in, "a step with swap-ins that vLLM would load after its forward"
+        if out.has_sync_kv_loads:
+            self.connector.start_load_kv(None)
         for rid, n in out.num_scheduled_tokens.items():
             request, blocks = s.requests[rid], s.kv_cache_manager.get_block_ids(rid)[0]
             for pos in range(request.num_computed_tokens - n, request.num_computed_tokens):
                 self.cache[blocks[pos // BLOCK], :, pos % BLOCK] = kv_value(request.all_token_ids[pos], pos)
+        if not out.has_sync_kv_loads:
+            self.connector.start_load_kv(None)
+        self.connector.clear_connector_metadata()
 
 
 def kv_value(token: int, pos: int) -> float:
@@ -524,6 +543,265 @@ def case_the_connector_hooks_we_use_have_the_signatures_and_order_we_were_writte
     source = inspect.getsource(GPUModelRunner.execute_model)
     order = [source.find(s) for s in ("handle_preemptions(", "self._update_states(", "maybe_get_kv_connector_output(")]
     assert -1 not in order and order == sorted(order), f"vLLM's model runner changed its order: {order}"
+
+
+def _calls(node) -> list[str]:
+    """The names of the functions and methods called anywhere in `node` (`a.b.c(...)` -> "c")."""
+    names = []
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Call):
+            func = sub.func
+            names.append(func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", ""))
+    return names
+
+
+def _unguarded_calls(body: list, first: str, then: set[str], taken=lambda test: False) -> list[str]:
+    """Calls to any of `then` in the statements `body` (a function's, recursively through its if, with,
+    for and try statements) that no call to `first` runs before on every path. A statement holding a
+    call to `first` (in a with statement: its items) guards what follows it in the same list and what
+    is nested in it (a simple statement holding both counts as guarded); an `if` whose test `taken` accepts
+    guards as if it were unconditional."""
+    missing: list[str] = []
+
+    def walk(stmts: list, guarded: bool) -> bool:
+        for stmt in stmts:
+            if isinstance(stmt, ast.If):
+                inner = walk(stmt.body, guarded)
+                walk(stmt.orelse, guarded)
+                missing.extend(c for c in _calls(stmt.test) if c in then and not guarded)
+                guarded = guarded or (taken(stmt.test) and inner)
+            elif isinstance(stmt, (ast.With, ast.AsyncWith)):
+                items = [c for item in stmt.items for c in _calls(item)]
+                missing.extend(c for c in items if c in then and not guarded and first not in items)
+                guarded = walk(stmt.body, guarded or first in items)
+            elif isinstance(stmt, (ast.For, ast.While, ast.Try)):
+                handlers = [h.body for h in getattr(stmt, "handlers", [])]
+                for block in (stmt.body, stmt.orelse, getattr(stmt, "finalbody", []), *handlers):
+                    walk(block, guarded)
+            elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            else:  # a simple statement: one holding `first` counts as guarded
+                calls = _calls(stmt)
+                if not guarded and first not in calls:
+                    missing.extend(c for c in calls if c in then)
+                guarded = guarded or first in calls
+        return guarded
+
+    walk(body, False)
+    return missing
+
+
+def _method(cls, name: str) -> ast.FunctionDef:
+    (fn,) = ast.parse(textwrap.dedent(inspect.getsource(getattr(cls, name)))).body
+    return fn
+
+
+def _order(fn, names: tuple[str, ...]) -> list[int]:
+    """The line of the first call to each of `names` in `fn` (-1: none)."""
+    lines = {}
+    for sub in ast.walk(fn):
+        if isinstance(sub, ast.Call):
+            func = sub.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name in names:
+                lines[name] = min(lines.get(name, sub.lineno), sub.lineno)
+    return [lines.get(name, -1) for name in names]
+
+
+def case_every_model_runner_vllm_picks_copies_swap_outs_before_new_blocks_are_written_and_loads_before_the_forward():
+    """The order the host tier relies on, in each model runner vLLM 0.32 runs on CUDA and on CPU: the V1
+    runner (gpu_model_runner.py; the CPU runner inherits its execute_model) and the newer one
+    (vllm/v1/worker/gpu/, vLLM's default on CUDA where Triton is). Swap-outs (`handle_preemptions`) run
+    before anything writes the blocks the scheduler freed, loads (`start_load_kv`) before the forward in
+    a step with a synchronous load (the scheduler marks every step that admits a request with external
+    tokens: our loads; `FakeWorker` checks it step by step)."""
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+    from vllm.v1.worker import kv_connector_model_runner_mixin as mixin
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.gpu import kv_connector as v2_connector
+    from vllm.v1.worker.gpu import model_runner as v2
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    forwards = {"_model_forward", "model", "run_fullgraph", "run_pw_graph", "run"}
+    # V1: swap-outs first (inside `if has_kv_transfer_group():`, true whenever our connector runs), then
+    # _update_states (zeroes new blocks, applies copy-on-write copies), then the forward inside the
+    # connector's context, which loads before it.
+    assert CPUModelRunner.execute_model is GPUModelRunner.execute_model, "the CPU runner has its own execute_model"
+    v1 = _method(GPUModelRunner, "execute_model")
+    has_group = lambda test: "has_kv_transfer_group" in _calls(test)  # noqa: E731
+    early = _unguarded_calls(v1.body, "handle_preemptions", {"_update_states", *forwards}, has_group)
+    assert not early, f"vLLM's V1 runner writes blocks or runs the forward before the swap-outs: {early}"
+    early = _unguarded_calls(v1.body, "maybe_get_kv_connector_output", forwards)
+    assert not early, f"vLLM's V1 runner runs the forward outside the connector's context: {early}"
+    assert "_get_kv_connector_output" in _calls(_method(mixin.KVConnectorModelRunnerMixin,
+                                                         "maybe_get_kv_connector_output"))
+    context = inspect.getsource(mixin.KVConnectorModelRunnerMixin._get_kv_connector_output)
+    assert "start_after_forward = not scheduler_output.has_sync_kv_loads" in context, "the V1 load rule changed"
+    assert context.index("kv_connector.start_load_kv(") < context.index("yield output"), "V1 loads after the forward"
+    # V2: the connector's pre_forward runs before every forward, in a step without tokens too (no_forward),
+    # and runs the swap-outs, then a synchronous load.
+    run = _method(v2.GPUModelRunner, "execute_model")
+    early = _unguarded_calls(run.body, "pre_forward", forwards)
+    assert not early, f"vLLM's V2 runner runs the forward before the connector's pre_forward: {early}"
+    pre = inspect.getsource(v2_connector.ActiveKVConnector.pre_forward)
+    assert pre.index("handle_preemptions(") < pre.index("if scheduler_output.has_sync_kv_loads:") \
+        < pre.index("self._start_load_kv()"), "V2's pre_forward changed its order"
+    assert "start_load_kv" in _calls(_method(v2_connector.ActiveKVConnector, "_start_load_kv"))
+    assert "pre_forward" in _calls(_method(v2_connector.ActiveKVConnector, "no_forward"))
+    # ... but V2 zeroes new blocks and applies copy-on-write copies (update_requests) before pre_forward.
+    # Neither happens on a KV cache the host tier accepts: vLLM zeroes only a cache with Mamba layers or
+    # mixed precisions, and copies on write only for a prefix-cache hit inside a block, which one group
+    # never has (its hits are whole blocks).
+    update, pre_forward = _order(run, ("update_requests", "pre_forward"))
+    assert -1 < update < pre_forward, "V2's order changed: revisit what the host tier assumes of it"
+    source = inspect.getsource(v2.GPUModelRunner.update_requests)
+    assert "new_block_ids_to_zero" in source and "kv_cache_block_copies" in source
+    config, kv = configs(host_bytes=32 * BYTES_PER_BLOCK)
+    assert host_tier.unsupported_kv_cache(kv) is None and not kv.needs_kv_cache_zeroing
+    assert resolve_kv_cache_block_sizes(kv, config) == (BLOCK, BLOCK), "one group's prefix hits are not whole blocks"
+
+
+def refused(fn) -> str:
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    raise AssertionError("not refused")
+
+
+def case_a_model_with_two_kv_cache_groups_or_mla_is_refused_at_start():
+    """Hybrid and sliding-window models (two KV cache groups) and MLA: the scheduler and the connector
+    refuse them at start, naming the policy that serves them; several full-attention layers in one group
+    (also as `UniformTypeKVCacheSpecs`) are served, and a host block holds one page of each."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowSpec, UniformTypeKVCacheSpecs
+
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=64)
+    mla = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    for groups, why in (([KVCacheGroupSpec(["a"], full), KVCacheGroupSpec(["b"], window)], "2 KV cache groups"),
+                        ([KVCacheGroupSpec(["a"], mla)], "MLAAttentionSpec")):
+        config, kv = configs(host_bytes=4096, kv_groups=groups)
+        for build in (lambda: make("preserve", kv_groups=groups),
+                      lambda: host_tier.HostTierConnector(config, KVConnectorRole.WORKER, kv)):
+            message = refused(build)
+            assert why in message and "--policy prefix-cache" in message, message
+    s = make("preserve", kv_groups=[KVCacheGroupSpec(["a", "b"], full)], host_blocks=8)
+    assert host_tier.bytes_per_block(s.kv_cache_config) == 2 * full.page_size_bytes
+    uniform = configs(kv_groups=[KVCacheGroupSpec(["a", "b"], UniformTypeKVCacheSpecs(
+        block_size=BLOCK, kv_cache_specs={"a": full, "b": full}))])[1]
+    assert host_tier.unsupported_kv_cache(uniform) is None
+    assert host_tier.bytes_per_block(uniform) == 2 * full.page_size_bytes, "a uniform group's pages counted twice"
+
+
+def case_the_host_tier_copies_blocks_in_every_kv_cache_layout_vllm_allocates():
+    """The connector on KV caches allocated by vLLM's own `allocate_kv_cache` (what both model runners
+    hand `register_kv_caches`), in every layout, with vLLM's blocks split into kernel blocks where vLLM
+    splits them: swapped-out pages come back into other blocks byte for byte, as vLLM's KVCacheTensor
+    addresses them, over host blocks that are not consecutive. 4 blocks and 4 KV heads: the connector
+    once took the block dimension to be the first of that size, the heads here under a kernel split."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+    from vllm.v1.kv_cache_interface import compute_layer_kv_cache_shape_bytes, compute_layout_strides
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    assert host_tier.host_runs([0, 1, 5, 2, 3, 9]) == [(0, 0, 2), (2, 5, 1), (3, 2, 2), (5, 9, 1)]
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=4, head_size=2, dtype=torch.float32)
+    num_blocks, layers = 4, ["l0", "l1", "l2"]
+    tried = []
+    for layout in KVCacheLayout:
+        for kernel in (BLOCK, BLOCK // 2):
+            config, _ = configs(host_bytes=8 * len(layers) * spec.page_size_bytes)
+            config.cache_config.kv_cache_layout = layout.name
+            kv = get_kv_cache_config_from_groups(config, [KVCacheGroupSpec(layers, spec)],
+                                                 num_blocks * len(layers) * spec.page_size_bytes)
+            assert kv.num_blocks == num_blocks
+            try:
+                caches = allocate_kv_cache(kv, torch.device("cpu"), layout, [kernel])
+            except ValueError as e:  # vLLM splits blocks only where each is one dense page
+                assert kernel != BLOCK and "cannot be split" in str(e), e
+                continue
+            assert caches["l0"].shape[0] == num_blocks * BLOCK // kernel
+            # Every (layer, block) page through vLLM's own byte addressing of the allocation.
+            (tensor,) = kv.kv_cache_tensors
+            storage = caches["l0"].untyped_storage()
+            raw = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+            strides = compute_layout_strides(spec, num_blocks, len(layers), layout,
+                                             fixed_strides=(tensor.layer_stride, tensor.block_stride, None, None, None))
+            pages = torch.as_strided(raw, (len(layers), *compute_layer_kv_cache_shape_bytes(spec, num_blocks)),
+                                     strides, tensor.offset)
+            cells = pages[0, 0].numel()
+            for layer in range(len(layers)):
+                for block in range(num_blocks):
+                    pages[layer, block] = ((torch.arange(cells) + 31 * block + 7 * layer) % 251).view(pages.shape[2:])
+            before = pages.clone()
+            connector = host_tier.HostTierConnector(config, KVConnectorRole.WORKER, kv)
+            connector.register_kv_caches(caches)
+            connector.handle_preemptions(host_tier.HostTierMetadata(swap_out=[(3, 0), (1, 1), (0, 5)]))
+            raw.zero_()
+            connector.bind_connector_metadata(host_tier.HostTierMetadata(swap_in=[(2, 0), (0, 1), (1, 5)]))
+            connector.start_load_kv(None)
+            connector.clear_connector_metadata()
+            for device, was in ((2, 3), (0, 1), (1, 0)):
+                assert torch.equal(pages[:, device], before[:, was]), f"{layout.name}, kernel {kernel}: block {device}"
+            assert not pages[:, 3].any(), f"{layout.name}, kernel {kernel}: a block no pair names was written"
+            tried.append(f"{layout.name}/{kernel}")
+    assert len(tried) > len(KVCacheLayout) and all(f"{layout.name}/{BLOCK}" in tried for layout in KVCacheLayout), tried
+
+
+def case_bytes_per_token_follows_the_kv_cache_dtype_and_mla():
+    """The worker's bytes per token (its host pool size, the policy's copy cost) as vLLM's KV cache spec
+    sizes a page: the KV cache dtype (fp8: one byte), and MLA's one latent vector per token; and the
+    copy-bandwidth probe allocates at most 64 MiB on the device, whatever the block size."""
+    from types import SimpleNamespace
+
+    from engine.vllm_backend import worker
+
+    def fake(cache_dtype: str, use_mla: bool = False, kv_heads: int = 8, head_size: int = 128):
+        model = SimpleNamespace(dtype=torch.bfloat16, use_mla=use_mla, get_num_kv_heads=lambda parallel: kv_heads,
+                                get_head_size=lambda: head_size,
+                                get_num_layers_by_block_type=lambda parallel, kind: 32 if kind == "attention" else 0)
+        return SimpleNamespace(model_config=model, cache_config=SimpleNamespace(cache_dtype=cache_dtype),
+                               parallel_config=None)
+
+    assert worker.kv_bytes_per_token(fake("auto")) == 2 * 8 * 128 * 2 * 32  # K and V, bfloat16
+    assert worker.kv_bytes_per_token(fake("fp8")) == 2 * 8 * 128 * 1 * 32
+    assert worker.kv_bytes_per_token(fake("float32")) == 2 * 8 * 128 * 4 * 32
+    assert worker.kv_bytes_per_token(fake("auto", use_mla=True, kv_heads=1, head_size=576)) == 576 * 2 * 32
+    config, _ = configs()  # vLLM's own configuration of SmolLM2-135M in float32: 30 layers, 3 KV heads of 64
+    assert worker.kv_bytes_per_token(config) == 2 * 30 * 3 * 64 * 4
+    # The connector sizes its host blocks from the KV cache config: the same bytes for the same spec.
+    fp8 = FullAttentionSpec(block_size=BLOCK, num_kv_heads=8, head_size=128, dtype=torch.uint8)
+    kv = KVCacheConfig(num_blocks=4, kv_cache_tensors=[],
+                       kv_cache_groups=[KVCacheGroupSpec([f"l{i}" for i in range(32)], fp8)])
+    assert host_tier.bytes_per_block(kv) == worker.kv_bytes_per_token(fake("fp8")) * BLOCK
+    allocated = []
+    randint = torch.randint
+
+    def recording(*args, **kwargs):
+        out = randint(*args, **kwargs)
+        allocated.append(out.numel() * out.element_size())
+        return out
+
+    torch.randint = recording
+    try:
+        worker.copy_bandwidth("cpu", 2**30)  # a 1 GiB block: a model far larger than any here
+    finally:
+        torch.randint = randint
+    assert allocated == [32 * 2**20], allocated  # the blocks; as much again for the copy's gathered blocks
+
+
+def case_the_scheduler_vllm_builds_follows_its_choice_of_async_scheduling():
+    """`intercept_scheduler` (the backend's scheduler_cls unless async scheduling is asked for or off)
+    builds the scheduler that matches vLLM's final choice: vLLM's CPU platform turns asynchronous
+    scheduling off even when asked; on a GPU vLLM turns it on by default."""
+    config, _ = configs(async_scheduling=True)
+    assert config.scheduler_config.async_scheduling is False, "vLLM's CPU platform no longer turns it off"
+    for async_scheduling, cls in ((True, ours.AsyncInterceptScheduler), (False, ours.InterceptScheduler)):
+        config, kv = configs("preserve")
+        config.scheduler_config.async_scheduling = async_scheduling  # as vLLM resolved it
+        s = ours.intercept_scheduler(vllm_config=config, kv_cache_config=kv, block_size=BLOCK, log_stats=True,
+                                     structured_output_manager=StructuredOutputManager(config))
+        assert type(s) is cls, (async_scheduling, type(s))
 
 
 def case_the_vllm_internals_we_use_have_the_signatures_we_were_written_against():

@@ -136,22 +136,37 @@ class VllmBackend(EngineBackend):
     def create(cls, model: str | None = None, *, python: str | None = None, policy: str = "infercept",
                dtype: str = "auto", max_model_len: int | None = None, kv_cache_gb: float | None = None,
                host_kv_gb: float = 1.0,
-               max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
+               max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
                enable_prefix_caching: bool = True, seed: int = 0, env: dict[str, str] | None = None,
                engine_args: dict | None = None, startup_timeout: float = STARTUP_TIMEOUT_S) -> "VllmBackend":
         """Start vLLM on `model` (None: the embedded default) in `python` (default_vllm_python()).
         Blocks until vLLM is ready. `host_kv_gb`: the host pool swapped sessions' KV waits in (session
-        policies; 0: none, and `swap` is refused). `env`: extra environment for the worker (VLLM_* settings);
-        `engine_args`: more of vLLM's engine arguments (tensor_parallel_size, gpu_memory_utilization, ...)."""
+        policies; 0: none, and `swap` is refused). `max_num_seqs`, `max_num_batched_tokens`: None leaves
+        vLLM's own defaults (those `vllm serve` takes on the hardware). `env`: extra environment for the
+        worker (VLLM_* settings); `engine_args`: more of vLLM's engine arguments (tensor_parallel_size,
+        gpu_memory_utilization, kv_cache_dtype, async_scheduling, ...; unset: vLLM's defaults)."""
         from transformers import AutoTokenizer
 
         from ..engine import eos_ids_of
 
+        engine_args = dict(engine_args or {})
         if policy not in SESSION_POLICIES and policy not in STOCK_POLICIES:
             raise ValueError(f"policy {policy!r} is not available on the vLLM backend: choose one of "
                              f"{', '.join((*SESSION_POLICIES, *STOCK_POLICIES))}")
         if policy == "swap" and not host_kv_gb > 0:
             raise ValueError("policy 'swap' needs a host pool: --host-kv-gb > 0")
+        if int(engine_args.get("data_parallel_size") or 1) > 1:
+            # Checked before the worker starts: vLLM would start one engine core per rank.
+            raise ValueError(
+                f"data_parallel_size={engine_args['data_parallel_size']} is not supported on the vLLM backend: each "
+                "data-parallel rank is an engine core of its own, with its own scheduler, while the worker links one "
+                "policy channel to one engine core (and reads one KV pool). Run one server per replica behind a "
+                "load balancer instead (docs/operators.md, several replicas)")
+        if policy in SESSION_POLICIES:
+            owned = sorted({"scheduler_cls", "kv_transfer_config"} & set(engine_args))
+            if owned:
+                raise ValueError(f"{', '.join(owned)}: under policy {policy!r} the vLLM backend sets them itself (our "
+                                 "scheduler and host tier); --policy prefix-cache runs stock vLLM with your own")
         enable_prefix_caching = STOCK_POLICIES.get(policy, enable_prefix_caching)
         python = python or default_vllm_python()
         if not os.path.isfile(python):
@@ -171,13 +186,16 @@ class VllmBackend(EngineBackend):
             # the host tier and the model (the kernel's OOM killer ended it on a 24 GiB machine): the
             # native engine's default instead. On a GPU vLLM's own rule (gpu_memory_utilization) stands.
             args["kv_cache_memory_bytes"] = int(available_host_memory_bytes() * CacheConfig.kv_cache_fraction)
-        args = {k: v for k, v in args.items() if v is not None} | (engine_args or {})
+        args = {k: v for k, v in args.items() if v is not None} | engine_args
         if policy in SESSION_POLICIES:
-            # Our scheduler subclasses vLLM's synchronous one, or with engine_args async_scheduling=True
-            # (--async-scheduling, GPU) vLLM's AsyncScheduler; vLLM imports it from the repository root.
-            async_scheduling = bool(args.get("async_scheduling"))
-            args |= {"scheduler_cls": ASYNC_SCHEDULER_CLS if async_scheduling else SCHEDULER_CLS,
-                     "async_scheduling": async_scheduling, "additional_config": {"infercept": {"policy": policy}}}
+            # Our scheduler subclasses vLLM's synchronous one, or vLLM's AsyncScheduler, whichever way vLLM
+            # schedules: as engine_args async_scheduling says (--async-scheduling / --no-async-scheduling), else
+            # as vLLM decides once its configuration is final (asynchronously on a GPU where it can), which
+            # `intercept_scheduler` follows. vLLM imports it from the repository root.
+            scheduler_cls = {True: ASYNC_SCHEDULER_CLS, False: SCHEDULER_CLS}.get(
+                args.get("async_scheduling"), "engine.vllm_backend.scheduler.intercept_scheduler")
+            args |= {"scheduler_cls": scheduler_cls,
+                     "additional_config": dict(args.get("additional_config") or {}) | {"infercept": {"policy": policy}}}
             if host_kv_gb > 0:
                 args["kv_transfer_config"] = host_tier_config(int(host_kv_gb * 2**30))
         env = {"PYTHONPATH": os.pathsep.join(filter(None, (REPO_ROOT, os.environ.get("PYTHONPATH"))))} | (env or {})

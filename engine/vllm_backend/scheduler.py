@@ -1,6 +1,10 @@
 """InferCept's policy inside vLLM: `InterceptScheduler`, a subclass of vLLM V1's `Scheduler`.
 
-vLLM loads it by name in its engine-core process (`SchedulerConfig.scheduler_cls`); it is configured by
+vLLM loads it by name in its engine-core process (`SchedulerConfig.scheduler_cls` names
+`intercept_scheduler`, which builds it, or `AsyncInterceptScheduler` when vLLM schedules asynchronously,
+as it does by default on a GPU); it refuses a model whose KV cache is not one group of full attention
+(`host_tier.unsupported_kv_cache`: hybrid, sliding-window and MLA models run on stock vLLM, `--policy
+prefix-cache`). It is configured by
 `additional_config["infercept"]` (`scheduler_config(...)` builds it): the policy's name and, optionally,
 the address of the policy channel to the worker (`PolicyChannel`). Runs on vLLM's python, with the
 repository root on `sys.path`: it imports vllm and our pure-python `engine.policy` and output stage
@@ -56,7 +60,7 @@ from vllm.v1.request import Request, RequestStatus
 from engine.output_stage import TurnRule, TurnWatch
 from engine.policy import (DurationEstimator, IterationInfo, KVAction, PausedInfo, Profile, make_policy)
 from engine.policy.decisions import iteration_swap_limit
-from engine.vllm_backend.host_tier import HostTierConnector
+from engine.vllm_backend.host_tier import HostTierConnector, refusal
 from engine.vllm_backend.params import TURN_RULE_KEY
 
 logger = logging.getLogger("infercept.vllm_scheduler")
@@ -103,7 +107,10 @@ class _InterceptMixin:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         config = (self.vllm_config.additional_config or {}).get(CONFIG_KEY) or {}
-        self.intercept_policy = make_policy(config.get("policy") or "infercept")
+        policy = config.get("policy") or "infercept"
+        if (error := refusal(self.kv_cache_config, f"the policy {policy!r} (InterceptScheduler)")) is not None:
+            raise ValueError(error)
+        self.intercept_policy = make_policy(policy)
         self.profile: Profile | None = None
         self.estimator = DurationEstimator()
         self.pauses: dict[str, _Pause] = {}
@@ -422,3 +429,12 @@ class InterceptScheduler(_InterceptMixin, Scheduler):
 
 class AsyncInterceptScheduler(_InterceptMixin, AsyncScheduler):
     """The same, for vLLM's asynchronous scheduling (GPU)."""
+
+
+def intercept_scheduler(*args, vllm_config, **kwargs) -> InterceptScheduler | AsyncInterceptScheduler:
+    """What the backend names as vLLM's `scheduler_cls`: vLLM's engine core calls it as it would call a
+    scheduler class, once its configuration is final, and it builds the scheduler that matches vLLM's
+    own choice of scheduling (`SchedulerConfig.async_scheduling`: on by default on a GPU, where vLLM
+    supports it; off on a CPU): `AsyncInterceptScheduler` or `InterceptScheduler`."""
+    cls = AsyncInterceptScheduler if vllm_config.scheduler_config.async_scheduling else InterceptScheduler
+    return cls(*args, vllm_config=vllm_config, **kwargs)

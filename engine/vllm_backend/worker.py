@@ -155,11 +155,15 @@ class Worker:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from vllm.config import KVTransferConfig
+        from vllm.usage.usage_lib import UsageContext
 
         args = dict(self.engine_args)
         if "kv_transfer_config" in args:  # our host tier's connector (host_tier.py), as plain data
             args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
-        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=[self.stats.logger_factory()])
+        # vLLM's defaults for what the backend leaves unset (max_num_batched_tokens, max_num_seqs, ...) are
+        # those `vllm serve` takes on this hardware.
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args), usage_context=UsageContext.OPENAI_API_SERVER,
+                                             stat_loggers=[self.stats.logger_factory()])
         info = self.info()
         if self.policy is not None:
             self.policy.wait_connected()
@@ -188,9 +192,8 @@ class Worker:
         from vllm.platforms import current_platform
 
         config = self.llm.vllm_config
-        model, cache, parallel = config.model_config, config.cache_config, config.parallel_config
-        bytes_per_token = (2 * model.get_num_layers(parallel) * model.get_num_kv_heads(parallel)
-                           * model.get_head_size() * model.dtype.itemsize)
+        model, cache = config.model_config, config.cache_config
+        bytes_per_token = kv_bytes_per_token(config)
         transfer = config.kv_transfer_config
         host_bytes = (transfer.kv_connector_extra_config or {}).get("host_bytes", 0) if transfer else 0
         return {"max_model_len": model.max_model_len, "vocab_size": model.get_vocab_size(),
@@ -229,7 +232,7 @@ class Worker:
         samples = [[1, max(decode, 1e-6)]] + [s for s in samples if s[0] > 1]
         await self.llm.reset_prefix_cache()
         self.stats.reset()
-        d2h, h2d = copy_bandwidth(info["device"], info["bytes_per_token"] * info["block_size"], model.dtype)
+        d2h, h2d = copy_bandwidth(info["device"], info["bytes_per_token"] * info["block_size"])
         return {"format": "infercept-profile/1", "model": model.model, "device": info["device"], "dtype": info["dtype"],
                 "bytes_per_token": info["bytes_per_token"], "block_size": info["block_size"],
                 "t_fwd_fit": "piecewise-linear", "t_fwd_samples": samples, "saturation_point": None,
@@ -321,32 +324,67 @@ class Worker:
                 "cached": out.num_cached_tokens or 0}
 
 
-def copy_bandwidth(device: str, block_bytes: int, dtype, num_blocks: int = 256) -> tuple[float, float]:
+def kv_bytes_per_token(config) -> int:
+    """KV cache bytes one token takes in this rank's attention layers, as vLLM's KV cache spec sizes a
+    page (`AttentionSpec.page_size_bytes`, for a block of one token): the KV cache dtype
+    (`cache_config.cache_dtype`: `auto` is the model's dtype, `fp8` one byte, ...), K and V for each KV
+    head, or MLA's one latent vector per token (no V). Packed quantized formats whose scales the attention
+    backend adds to the page (`int8_per_token_head`, ...) are counted by their data alone."""
+    from vllm.utils.torch_utils import get_kv_cache_torch_dtype
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    model, cache, parallel = config.model_config, config.cache_config, config.parallel_config
+    dtype = get_kv_cache_torch_dtype(cache.cache_dtype, model.dtype)
+    spec = (MLAAttentionSpec if model.use_mla else FullAttentionSpec)(
+        block_size=1, num_kv_heads=model.get_num_kv_heads(parallel), head_size=model.get_head_size(), dtype=dtype)
+    return spec.page_size_bytes * model.get_num_layers_by_block_type(parallel, "attention")
+
+
+COPY_PROBE_BYTES = 64 * 2**20
+
+
+def copy_bandwidth(device: str, block_bytes: int, budget_bytes: int = COPY_PROBE_BYTES,
+                   max_blocks: int = 256) -> tuple[float, float]:
     """Bytes/s of the host tier's copies (device->host, host->device), measured as host_tier.py copies:
-    blocks gathered by index on one side, scattered by index on the other. On a CPU both sides are the
-    same memory; on a GPU the host side is pinned."""
+    blocks gathered (or scattered) by index on the device, the host side one contiguous run of the
+    host pool (pinned on a GPU, copied asynchronously). On a CPU both sides are the same memory.
+
+    Runs after vLLM sized its KV pool to the device's memory, so it allocates at most `budget_bytes`
+    (64 MiB) on the device whatever the block size: half for the blocks (up to `max_blocks`, fewer as
+    blocks grow; a block larger than that is measured as one block of that size), half for the copy's
+    gathered or staged blocks."""
     import torch
 
-    elements = max(block_bytes // dtype.itemsize, 1)
-    on_device = torch.randn(num_blocks, elements, device=device).to(dtype)
-    host = torch.empty(num_blocks, elements, dtype=dtype, pin_memory=device == "cuda")
-    index = torch.randperm(num_blocks)
-    device_index = index.to(device)
+    half = max(budget_bytes // 2, 1)
+    block_bytes = max(min(block_bytes, half), 1)
+    num_blocks = max(min(max_blocks, half // block_bytes), 1)
+    on_device = torch.randint(0, 256, (num_blocks, block_bytes), dtype=torch.uint8, device=device)
+    host = torch.empty(num_blocks, block_bytes, dtype=torch.uint8, pin_memory=device == "cuda")
+    index = torch.randperm(num_blocks).to(device)
+    cuda = device == "cuda"
+
+    def d2h() -> None:
+        host.copy_(on_device.index_select(0, index), non_blocking=cuda)
+
+    def h2d() -> None:
+        staged = torch.empty_like(on_device)
+        staged.copy_(host, non_blocking=cuda)
+        on_device.index_copy_(0, index, staged)
 
     def rate(copy) -> float:
         copy()  # warm-up
         best = math.inf
         for _ in range(3):
+            if cuda:
+                torch.cuda.synchronize()
             began = time.perf_counter()
             copy()
-            if device == "cuda":
+            if cuda:
                 torch.cuda.synchronize()
             best = min(best, time.perf_counter() - began)
         return num_blocks * block_bytes / best
 
-    d2h = rate(lambda: host.index_copy_(0, index, on_device.index_select(0, device_index).to("cpu")))
-    h2d = rate(lambda: on_device.index_copy_(0, device_index, host.index_select(0, index).to(device)))
-    return d2h, h2d
+    return rate(d2h), rate(h2d)
 
 
 def sampling_params(fields: dict):
