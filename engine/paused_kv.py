@@ -1,7 +1,12 @@
 """Where paused requests' KV lives, kept as it moves, and which paused requests a step must plan.
 
 An agent platform holds many more waiting agents than running ones, so nothing a step does may walk
-every paused request. This index (mechanism; the scheduler owns it) keeps:
+every paused request. This index (mechanism) serves both schedulers: the native one (`engine/scheduler.py`)
+and the vLLM backend's (`engine/vllm_backend/scheduler.py`, for its paused sessions). Each owns one and
+reports to it as KV moves; each settles the holders its plan preserved through the same
+`PausedKV.settle_preserved`. It reads from a request only `request_id`, `num_tokens`, `priority` (a
+tuple: queue order) and `paused_at` (the pause's start on the owner's clock); duration keys and history
+versions come from its users. It keeps:
 
 - per paused request its (device, host) KV tokens, updated by the scheduler whenever they change
   (`add`, `moved`, `remove`), and totals by location and by state, so the idle-memory clock, the
@@ -25,8 +30,9 @@ every paused request. This index (mechanism; the scheduler owns it) keeps:
   before its horizon (`host_holders_before`) and the new ones, never for all of them.
 
 Every wake is conservative (early rather than late), so a step plans exactly the requests whose
-decision could differ from PRESERVE; `Scheduler(event_driven=False)` plans every holder every step, and
-tests compare the two decision by decision.
+decision could differ from PRESERVE; `Scheduler(event_driven=False)` (for the vLLM backend's scheduler,
+an index with `event_driven` False) plans every holder every step, and tests compare the two decision by
+decision (tests/test_event_driven_plan.py; tests/vllm_scheduler_cases.py).
 """
 from __future__ import annotations
 
@@ -34,11 +40,19 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from .policy.decisions import PausedInfo, PreserveGuard
 from .policy.estimator import DurationEstimator
-from .request import Request
+
+if TYPE_CHECKING:  # any record with the attributes above: the native `Request`, the vLLM backend's pause
+    from .request import Request
 
 PAUSED_KV_STATES = ("device", "host", "partial", "discarded")
+
+# A settled paused request wakes this much before its guard could be crossed: clock arithmetic rounds,
+# and waking early only costs a plan.
+WAKE_EARLY_S = 1e-6
 
 
 def kv_state(device: int, host: int) -> str:
@@ -213,6 +227,36 @@ class PausedKV:
             e.tool = tool
             self._by_tool.setdefault(tool, set()).add(request_id)
         self._compact()
+
+    def settle_preserved(self, request: Request, info: PausedInfo, guard: PreserveGuard | None,
+                         duration_key: str | None, duration_hint: float | None) -> None:
+        """The plan just preserved this holder (`info`: how the plan saw it, its estimate from this
+        index's history with `duration_key` and `duration_hint`), and its policy gave `guard`
+        (`Policy.preserve_guard`): it sleeps until the guard may be crossed. The expected remaining time
+        grows at most as fast as the clock until its next jump (`DurationEstimator.next_jump`), so each
+        bound gets a timer; a guard that holds only while the device pool is ample wakes the first step
+        it is not. No guard, or one already crossed: planned again next step. Both schedulers settle
+        through here."""
+        if guard is None or not info.expected_s < guard.expected_s:
+            return  # planned again next step
+        now = request.paused_at + info.elapsed_s  # the clock the plan read
+        jump = self.history.next_jump(now, request.paused_at, duration_key, duration_hint)
+
+        def wake(bound: float) -> float:
+            if bound == math.inf:
+                return math.inf
+            return min(now + max(bound - info.expected_s, 0.0), jump) - WAKE_EARLY_S
+
+        tool = duration_key if guard.reads_estimate else None  # else no new duration can wake it
+        self.settle(request.request_id, wake(guard.expected_s), wake(guard.swap_expected_s),
+                    guard.swap_iteration_s, guard.min_running_tokens, tool, self.history.version(tool),
+                    guard.while_ample)
+
+    def replan(self, request_id: str) -> None:
+        """Plan this holder again next step: what its estimate reads changed outside the tool histories
+        (a tool name or client hint learned after it paused)."""
+        if request_id in self._entries:
+            self._wake(request_id)
 
     # -- which host holders to look at -----------------------------------------------------------------
     def host_holders_before(self, t: float, now: float) -> list[Request]:

@@ -42,17 +42,13 @@ from collections.abc import Callable
 from .block_manager import BlockManager, chain_hashes
 from .config import SchedulerConfig
 from .outputs import RunnerOutput, ScheduledChunk, SchedulerOutput
-from .paused_kv import PausedKV, kv_state
+from .paused_kv import WAKE_EARLY_S, PausedKV, kv_state
 from .policy import (DurationEstimator, IterationInfo, KVAction, PausedInfo, Policy, Profile,
                      split_swap_budget, swap_room)
 from .policy.admission import AdmissionController
 from .policy.decisions import iteration_swap_limit, memory_ample, resume_imminent
 from .request import Request, RequestStatus
 
-
-# A settled paused request wakes this much before its guard could be crossed: clock arithmetic rounds,
-# and waking early only costs a plan.
-WAKE_EARLY_S = 1e-6
 
 # Steps whose measured time sets proactive swap-in's lead (`Scheduler.step_lead_s`): enough to see the
 # long steps of the current mix (on this CPU server a prefill chunk every ten or so 40 ms decode steps;
@@ -373,30 +369,11 @@ class Scheduler:
                 out.num_discarded_tokens += self._discard(request)
             elif decision.action is KVAction.SWAP_OUT:
                 self._swap_out_or_discard(out, request, -(-decision.swap_out_tokens // bs))
-            else:
-                self._settle(request, infos[request.request_id], iteration)
+            else:  # preserved: it sleeps until its policy's guard may be crossed (`PausedKV.settle_preserved`)
+                info = infos[request.request_id]
+                guard = self.policy.preserve_guard(info, iteration, self.profile)
+                self.paused_kv.settle_preserved(request, info, guard, request.duration_key, request.duration_hint)
         return swap_in_budget
-
-    def _settle(self, request: Request, info: PausedInfo, iteration: IterationInfo) -> None:
-        """A preserved request sleeps until its policy's guard may be crossed (`PreserveGuard`): the
-        expected remaining time grows at most as fast as the clock until its next jump
-        (`DurationEstimator.next_jump`), so each bound gets a timer; a guard that holds only while the
-        device pool is ample wakes the first step it is not."""
-        guard = self.policy.preserve_guard(info, iteration, self.profile)
-        if guard is None or not info.expected_s < guard.expected_s:
-            return  # planned again next step
-        now = request.paused_at + info.elapsed_s
-        jump = self.estimator.next_jump(now, request.paused_at, request.duration_key, request.duration_hint)
-
-        def wake(bound: float) -> float:
-            if bound == math.inf:
-                return math.inf
-            return min(now + max(bound - info.expected_s, 0.0), jump) - WAKE_EARLY_S
-
-        tool = request.duration_key if guard.reads_estimate else None  # else no new duration can wake it
-        self.paused_kv.settle(request.request_id, wake(guard.expected_s), wake(guard.swap_expected_s),
-                              guard.swap_iteration_s, guard.min_running_tokens, tool,
-                              self.estimator.version(tool), guard.while_ample)
 
     def _iteration_info(self, swap_out_budget: int) -> IterationInfo:
         running_tokens = sum(r.num_computed_tokens for r in self.running)

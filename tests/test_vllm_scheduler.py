@@ -12,7 +12,9 @@ result arrived (not until the scheduler's next step); the host tier
 (`HostTierConnector`, with a fake worker copying real tensors in the order vLLM's model runner does):
 a swapped session's KV goes to the host and comes back position for position, reclaim swaps when a copy is
 cheaper, a full host pool means a discard, a context larger than the step's swap budget leaves over
-several steps, a session resumed mid-swap keeps its device KV, an ended one frees its host blocks; the
+several steps, a session resumed mid-swap keeps its device KV, an ended one frees its host blocks;
+paused sessions on a slow tool are planned only when their decision may change (the paused-KV index,
+engine/paused_kv.py), deciding what planning every session every step decides; the
 connector on KV caches vLLM's own allocator lays out (every layout, blocks split into kernel blocks, host
 blocks not consecutive); models the policies cannot serve (two KV cache groups, MLA) refused at start; the
 worker's bytes per token from the KV cache dtype and MLA, and its bounded copy probe; the scheduler built
@@ -53,6 +55,7 @@ CASES = ("preserve_keeps_a_paused_sessions_blocks",
          "a_context_larger_than_the_swap_budget_leaves_over_several_steps",
          "a_session_resumed_mid_swap_keeps_its_device_kv",
          "ending_a_swapped_session_frees_its_host_blocks",
+         "paused_sessions_on_a_slow_tool_are_planned_only_when_their_decision_may_change",
          "a_stop_string_ends_a_sessions_turn_at_the_token_the_output_stage_does",
          "tool_calls_end_a_sessions_turn_once_the_model_moves_past_them",
          "the_vllm_internals_we_use_have_the_signatures_we_were_written_against",

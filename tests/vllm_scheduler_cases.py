@@ -16,6 +16,7 @@ import textwrap
 import time
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: `engine`
 
@@ -435,6 +436,75 @@ def case_ending_a_swapped_session_frees_its_host_blocks():
     step(s)
     step(s)
     assert s.host_tier.free_host_tokens == 32 * BLOCK and not s.host_tier.copies
+
+
+def paused_on_a_slow_tool(event_driven: bool) -> tuple[list, list]:
+    """A scripted run under `heuristic-preserve` (preserve while the expected remaining pause is under
+    2 s; no host tier, so discard after) on a virtual clock, 50 ms a step: twelve sessions pause, in two
+    batches, on a tool whose past calls took 1.5 s; one is told later that it waits for a human for
+    100 s (a hint its estimate reads at once); one resumes, adding a duration to the tool's history, and
+    pauses again. Returns, per step, where each paused session's KV is (computed tokens, on the device)
+    and, per plan, the sessions the policy's plan saw and those holding device KV then. `event_driven`
+    False: the index plans every holder every step."""
+    clock = [1000.0]
+    real_time, ours.time = ours.time, SimpleNamespace(monotonic=lambda: clock[0])
+    try:
+        s = make("heuristic-preserve", num_blocks=128)
+        s.paused_kv.event_driven = event_driven
+        for _ in range(3):
+            s.estimator.observe("slow", 1.5)
+        plan, seen = s.intercept_policy.plan, []
+
+        def counting_plan(paused, iteration, profile):
+            holders = {rid for rid, p in s.pauses.items() if p.frontier is None}
+            seen.append((sorted(ours.external_id(p.request_id) for p in paused), sorted(holders)))
+            return plan(paused, iteration, profile)
+
+        s.intercept_policy.plan = counting_plan
+        told, where = set(), []
+        for k in range(90):
+            if k in (0, 10):
+                for i in range(k // 10 * 6, k // 10 * 6 + 6):
+                    s.add_request(request(f"s{i}", prompt(20, 1000 * (i + 1))))
+            if k == 20:
+                s._on_message({"op": "pause", "id": "s1", "tool": "human", "expected_s": 100.0})
+            if k == 25:
+                s.add_request(request("s2", [SAMPLED, *prompt(3, 9000)]))
+                told.discard("s2")
+            step(s)
+            clock[0] += 0.05
+            for rid in sorted(set(s.pauses) - told):  # the worker names each pause's tool
+                s._on_message({"op": "pause", "id": rid, "tool": "slow"})
+                told.add(rid)
+            where.append({rid: (p.request.num_computed_tokens, p.frontier is None) for rid, p in s.pauses.items()})
+        assert len(s.estimator.history("slow")) == 4, "s2's pause did not reach the tool's history"
+        return where, seen
+    finally:
+        ours.time = real_time
+
+
+def case_paused_sessions_on_a_slow_tool_are_planned_only_when_their_decision_may_change():
+    """The paused-KV index (`engine/paused_kv.py`) on the vLLM side: once preserved under the policy's
+    guard, sessions waiting on a slow tool are not planned again until the guard may be crossed (their
+    estimate's next jump, the bound's timer, a new hint, a new duration in their tool's history), and
+    every step leaves every session's KV where planning every session every step leaves it."""
+    reference, every_step = paused_on_a_slow_tool(event_driven=False)
+    events, planned = paused_on_a_slow_tool(event_driven=True)
+    assert len(events) == len(reference)
+    for k, (a, b) in enumerate(zip(reference, events)):
+        assert a == b, f"step {k}: planning every step left {a}, event-driven planning {b}"
+    # The scenario decides something: all twelve preserved at once, s1 discarded once a human's turn is
+    # expected, every session discarded in the end (its pause outgrew 2 s).
+    assert max(sum(on_device for _, on_device in w.values()) for w in reference) == 12, reference
+    assert reference[19]["s1"] == (21, True) and reference[20]["s1"] == (0, False), "the hint did not discard s1"
+    assert reference[-1] == {f"s{i}": (0, False) for i in range(12)}, reference[-1]
+    # Planning every step sees every holder every step; the index, only fresh pauses and woken ones.
+    assert all(seen == holders for seen, holders in every_step), every_step
+    assert len(planned) == len(every_step) and all(set(a) <= set(h) for a, h in planned), planned
+    quiet = sum(1 for seen, holders in planned if not seen and len(holders) >= 7)
+    assert quiet >= 20, f"only {quiet} steps with 7 or more holders planned none of them: {planned}"
+    total, reference_total = sum(len(a) for a, _ in planned), sum(len(a) for a, _ in every_step)
+    assert total * 4 < reference_total, (total, reference_total, planned)
 
 
 def run_script(s, rid: str, script: list[int]):

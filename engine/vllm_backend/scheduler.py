@@ -7,17 +7,20 @@ as it does by default on a GPU); it refuses a model whose KV cache is not one gr
 prefix-cache`). It is configured by
 `additional_config["infercept"]` (`scheduler_config(...)` builds it): the policy's name and, optionally,
 the address of the policy channel to the worker (`PolicyChannel`). Runs on vLLM's python, with the
-repository root on `sys.path`: it imports vllm and our pure-python `engine.policy` and output stage
-(`engine.output_stage`), nothing else of ours.
+repository root on `sys.path`: it imports vllm and our pure-python `engine.policy`, paused-KV index
+(`engine.paused_kv`) and output stage (`engine.output_stage`), nothing else of ours.
 
 A paused generation is a vLLM streaming-input session waiting for its next chunk
 (`WAITING_FOR_STREAMING_REQ`). Stock vLLM keeps its KV blocks until the session ends ("preserve", and
 paused sessions can fill the pool). Here:
 
-- every step, before vLLM's own scheduling, the policy plans over the paused sessions that hold device
-  KV (`Policy.plan`, the same code the native engine runs): each keeps its blocks, is swapped out to the
-  host tier (within the step's swap budget, `Profile.swap_budget_tokens`; a context larger than the
-  budget is copied over several steps and leaves the device when the copy completes), or is discarded;
+- every step, before vLLM's own scheduling, the policy plans the paused sessions that hold device KV
+  and whose decision could change (`Policy.plan`, the same code the native engine runs, over the same
+  paused-KV index, `engine/paused_kv.py`: fresh pauses, and a preserved one only once its
+  `PreserveGuard` may be crossed, so sessions waiting on slow tools cost a step nothing): each keeps its
+  blocks, is swapped out to the host tier (within the step's swap budget, `Profile.swap_budget_tokens`;
+  a context larger than the budget is copied over several steps, going on every step, and leaves the
+  device when the copy completes), or is discarded;
 - when an allocation fails (a running request's next chunk, or a waiting request's admission), paused
   KV is reclaimed first, newest paused first, swapped or discarded as `Policy.reclaim` says, and only
   then does vLLM preempt a running request: paused KV never blocks live work, so a pool of paused
@@ -43,14 +46,15 @@ it the swap budget is 0 and `infercept` chooses between preserve and discard.
 The forward-time profile the policy needs is measured by the worker on this vLLM instance at start-up
 and sent over the channel (`{"op": "profile"}`); until it arrives nothing is discarded by plan (reclaim
 under memory pressure needs no profile). Tool names and client hints for the duration estimate arrive
-the same way (`{"op": "pause"}`), after the server has judged the turn; the scheduler measures each
-pause itself (pause to the next chunk) and feeds the estimator.
+the same way (`{"op": "pause"}`, which has the session planned again), after the server has judged the
+turn; the scheduler measures each pause itself (pause to the next chunk) and feeds the estimator.
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, replace
+from functools import cached_property
 from multiprocessing.connection import Client, Connection
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -58,8 +62,9 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from engine.output_stage import TurnRule, TurnWatch
+from engine.paused_kv import PausedKV
 from engine.policy import (DurationEstimator, IterationInfo, KVAction, PausedInfo, Profile, make_policy)
-from engine.policy.decisions import iteration_swap_limit
+from engine.policy.decisions import iteration_swap_limit, memory_ample, swap_room
 from engine.vllm_backend.host_tier import HostTierConnector, refusal
 from engine.vllm_backend.params import TURN_RULE_KEY
 
@@ -91,14 +96,26 @@ def scheduler_config(policy: str, channel: str | None = None, authkey: str | Non
 
 @dataclass
 class _Pause:
-    """A paused session as the scheduler follows it."""
+    """A paused session as the scheduler follows it; also its record in the paused-KV index
+    (`engine/paused_kv.py` reads `request_id`, `num_tokens`, `priority` and `paused_at`)."""
 
     request: Request
-    paused_at: float
+    paused_at: float  # time.monotonic, the clock of the scheduler's plans
+    num_tokens: int = 0  # its context at the pause (what the index counts as kept or discarded)
     tool: str | None = None
     hint_s: float | None = None
     result_at: float | None = None  # when its tool result reached the server (time.monotonic, one clock per host)
     frontier: int | None = None  # set while off the device: the computed tokens it had (vLLM's session update needs it)
+
+    @property
+    def request_id(self) -> str:
+        """The worker's id (the key of `pauses` and of the index)."""
+        return external_id(self.request.request_id)
+
+    @property
+    def priority(self) -> tuple:
+        """Queue order: arrival, as reclaim orders paused sessions (`_newest_paused_holder`)."""
+        return (self.request.arrival_time,)
 
 
 class _InterceptMixin:
@@ -198,7 +215,13 @@ class _InterceptMixin:
         finished = super()._handle_stopped_request(request)
         self.resumed_hits.pop(external_id(request.request_id), None)
         if not finished and request.status == PAUSED:
-            self.pauses[external_id(request.request_id)] = _Pause(request, time.monotonic())
+            rid = external_id(request.request_id)
+            self._forget_pause(rid)  # (none: a session pauses once a turn)
+            pause = self.pauses[rid] = _Pause(request, time.monotonic(),
+                                              max(request.num_tokens, request.num_computed_tokens))
+            self.paused_kv.add(pause, *self._kv_tokens(pause))
+            if self._host_tokens(pause):  # a copy of its prefix left from an earlier pause: its swap goes on
+                self._swapping[rid] = pause
             self.reset_preempted_req_ids.add(request.request_id)  # the model runner frees its slot next step
         return finished
 
@@ -210,7 +233,7 @@ class _InterceptMixin:
     def _update_request_as_session(self, session: Request, update) -> None:
         rid = external_id(session.request_id)
         self._read_channel()  # the result's arrival time, sent ahead of this input
-        pause = self.pauses.pop(rid, None)
+        pause = self._forget_pause(rid)
         if pause is not None:
             # Until the result arrived, not until this step: as the native scheduler (`Scheduler.resume`).
             now = time.monotonic()
@@ -241,35 +264,54 @@ class _InterceptMixin:
         for request in finished:
             self.turn_watches.pop(request.request_id, None)
             rid = external_id(request.request_id)
-            self.pauses.pop(rid, None)
+            self._forget_pause(rid)
             self.recompute_from.pop(rid, None)
             self.resumed_hits.pop(rid, None)
             self._next_grammar.pop(rid, None)
         return finished
 
     # -- the policy ---------------------------------------------------------------------------------
+    @cached_property
+    def paused_kv(self) -> PausedKV:
+        """The paused sessions in the native scheduler's index (`engine/paused_kv.py`): where their KV is,
+        and which of them a plan must see. Made on first use, over this scheduler's tool durations."""
+        return PausedKV(True, self.estimator)
+
+    @cached_property
+    def _swapping(self) -> dict[str, _Pause]:
+        """Paused sessions whose swap-out runs over several steps (a part on the host, every block still on
+        the device): they go on every step (`_continue_swaps`), outside the plan."""
+        return {}
+
     def _plan(self) -> None:
-        holders = [p for p in self.pauses.values() if p.frontier is None]
-        if not holders or self.profile is None:
-            return
+        """Swaps in progress go on; then the policy plans the paused sessions holding device KV whose
+        decision could differ from PRESERVE now (`PausedKV.to_plan`: fresh pauses, those it did not
+        preserve under a guard, and preserved ones whose `PreserveGuard` may be crossed), and the ones it
+        preserves sleep until then (`PausedKV.settle_preserved`)."""
+        if self.profile is None or not self.paused_kv.device_tokens:
+            return  # no profile yet, or no paused session holds device KV: nothing to decide
         now = time.monotonic()
         iteration = self._iteration_info()
-        budget = self._continue_swaps([p for p in holders if self._host_tokens(p)], iteration.swap_out_budget)
-        iteration = replace(iteration, swap_out_budget=budget)
-        plan = self.intercept_policy.plan([self._paused_info(p, now) for p in holders if not self._host_tokens(p)],
-                                          iteration, self.profile)
+        iteration = replace(iteration, swap_out_budget=self._continue_swaps(iteration.swap_out_budget))
+        due = self.paused_kv.to_plan(now, iteration.num_running_tokens, swap_room(iteration) > 0,
+                                     self.profile.t_fwd(iteration.num_batched_tokens), ample=memory_ample(iteration))
+        infos = {p.request_id: self._paused_info(p, now) for p in due if p.request_id not in self._swapping}
+        plan = self.intercept_policy.plan(list(infos.values()), iteration, self.profile)
         for decision in plan:
-            pause = self.pauses[external_id(decision.request_id)]
+            rid = external_id(decision.request_id)
+            pause = self.pauses[rid]
             if decision.action is KVAction.DISCARD:
                 self._leave_device(pause, reclaimed=False)
             elif decision.action is KVAction.SWAP_OUT:
                 self._swap_part(pause, decision.swap_out_tokens)
-            # PRESERVE keeps the blocks.
+            else:  # PRESERVE keeps the blocks, and the session sleeps while its policy's guard holds
+                guard = self.intercept_policy.preserve_guard(infos[rid], iteration, self.profile)
+                self.paused_kv.settle_preserved(pause, infos[rid], guard, pause.tool, pause.hint_s)
 
-    def _continue_swaps(self, partial: list[_Pause], budget: int) -> int:
+    def _continue_swaps(self, budget: int) -> int:
         """Swaps begun in an earlier step go on first, oldest first, within the step's budget (it is
         the same decision, not a new one); returns the budget left."""
-        for pause in sorted(partial, key=lambda p: p.request.arrival_time):
+        for pause in sorted(self._swapping.values(), key=lambda p: p.request.arrival_time):
             left = pause.request.num_computed_tokens - self._host_tokens(pause)
             amount = left if left <= budget else budget // self.block_size * self.block_size
             if amount > 0:
@@ -285,6 +327,9 @@ class _InterceptMixin:
             self._leave_device(pause, reclaimed=False, swap=True)
         elif not self._swap_out(pause, copied):
             self._leave_device(pause, reclaimed=False)
+        else:  # the rest goes on in the next steps
+            self._swapping[pause.request_id] = pause
+            self.paused_kv.moved(pause.request_id, *self._kv_tokens(pause))
 
     def _paused_info(self, pause: _Pause, now: float) -> PausedInfo:
         """A paused session holding device KV, as the policy sees it. Partly copied to the host (a swap
@@ -311,6 +356,19 @@ class _InterceptMixin:
     def _host_tokens(self, pause: _Pause) -> int:
         return 0 if self.host_tier is None else self.host_tier.host_tokens(pause.request.request_id)
 
+    def _kv_tokens(self, pause: _Pause) -> tuple[int, int]:
+        """(device, host) KV tokens of a paused session as the index counts them. While its swap runs over
+        several steps its blocks all stay on the device, but the part copied counts on the host, as the
+        policy sees it (`_paused_info`)."""
+        host = self._host_tokens(pause)
+        return (max(pause.request.num_computed_tokens - host, 0) if pause.frontier is None else 0), host
+
+    def _forget_pause(self, rid: str) -> _Pause | None:
+        """The session resumed or ended: it leaves the paused sessions and the index."""
+        self.paused_kv.remove(rid)
+        self._swapping.pop(rid, None)
+        return self.pauses.pop(rid, None)
+
     def _swap_out(self, pause: _Pause, num_tokens: int) -> bool:
         """Have the connector copy the session's KV up to `num_tokens` to the host this step."""
         request = pause.request
@@ -328,6 +386,8 @@ class _InterceptMixin:
         pause.frontier = frontier
         self._free_request_blocks(request)
         request.num_computed_tokens = 0
+        self._swapping.pop(pause.request_id, None)
+        self.paused_kv.moved(pause.request_id, *self._kv_tokens(pause))
         self._requeue.append(request)
         if not self._scheduling:
             self._move_requeued()
@@ -392,6 +452,7 @@ class _InterceptMixin:
             pause = self.pauses.get(msg["id"])
             if pause is not None:
                 pause.tool, pause.hint_s = msg.get("tool"), msg.get("expected_s")
+                self.paused_kv.replan(msg["id"])  # its estimate reads them: a preserve settled without them ends
         elif msg["op"] == "result":
             pause = self.pauses.get(msg["id"])
             if pause is not None:
