@@ -15,7 +15,7 @@ from .env import step_log_path
 from .kv_cache import GIB, KVCache, available_memory_bytes, num_blocks_for
 from .model_loader import load_model, load_spec
 from .model_runner import ModelRunner
-from .output_stage import Action, TurnOutput, call_judge
+from .output_stage import Action, TurnOutput
 from .outputs import RequestOutput, SchedulerOutput
 from .policy import Profile, make_policy
 from .profiler import FULL_SIZES, cached_profile_path, load_or_measure, measure_profile
@@ -168,7 +168,9 @@ class Engine:
             raise ValueError(f"the context would exceed this model's limit of {self.config.scheduler.max_model_len}")
         if any(not 0 <= t < self.spec.vocab_size for t in token_ids):
             raise ValueError(f"token ids must be in [0, {self.spec.vocab_size})")
-        call_judge(intercept)  # an unknown format fails before anything changes
+        # The new turn's output stage, built before anything changes (an unknown tool format fails here).
+        turn = TurnOutput(self.tokenizer, request.token_ids + token_ids, params or request.sampling_params,
+                          intercept or request.intercept)
         if params is not None:
             request.sampling_params = params
         if intercept is not None:
@@ -178,8 +180,7 @@ class Engine:
         self.stats.count_resume(location["device"], location["host"])
         self.scheduler.resume(request_id, token_ids, result_at)
         self._hold_paused_kv()
-        self.turns[request_id] = TurnOutput(self.tokenizer, request.token_ids, request.sampling_params,
-                                            request.intercept)
+        self.turns[request_id] = turn
         return location
 
     def abort(self, request_id: str) -> None:
