@@ -69,26 +69,35 @@ def hf_decode(model, batch: int, prompt_len: int, new_tokens: int) -> float:
     return batch * (new_tokens - 1) / elapsed
 
 
-def engine_prefill(llm, prompt_len: int) -> float:
+def engine_prefill(llm, prompt_len: int, repeats: int = 3) -> float:
+    """Median of `repeats` prefills after one at the same length (on a GPU the first pass of a new shape
+    picks and loads its kernels). Run with prefix caching off: the repeats share their prompt."""
     from infercept.engine import SamplingParams
 
     prompt = [100 + j % 1000 for j in range(prompt_len)]
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    llm.generate([prompt[:64]], params)
-    start = time.perf_counter()
     llm.generate([prompt], params)
-    return prompt_len / (time.perf_counter() - start)
-
-
-def hf_prefill(model, prompt_len: int) -> float:
-    prompt = torch.tensor([[100 + j % 1000 for j in range(prompt_len)]], device=model.device)
-    with torch.inference_mode():
-        model(prompt[:, :64])
-        _sync(model.device)
+    times = []
+    for _ in range(repeats):
         start = time.perf_counter()
+        llm.generate([prompt], params)
+        times.append(time.perf_counter() - start)
+    return prompt_len / sorted(times)[len(times) // 2]
+
+
+def hf_prefill(model, prompt_len: int, repeats: int = 3) -> float:
+    """As `engine_prefill`: the median of `repeats` forward passes after one of the same length."""
+    prompt = torch.tensor([[100 + j % 1000 for j in range(prompt_len)]], device=model.device)
+    times = []
+    with torch.inference_mode():
         model(prompt)
-        _sync(model.device)
-        return prompt_len / (time.perf_counter() - start)
+        for _ in range(repeats):
+            _sync(model.device)
+            start = time.perf_counter()
+            model(prompt)
+            _sync(model.device)
+            times.append(time.perf_counter() - start)
+    return prompt_len / sorted(times)[len(times) // 2]
 
 
 def main() -> None:

@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--prefill-len", type=int, default=1000)
     ap.add_argument("--kv-cache-gb", type=float, default=4.0)
+    ap.add_argument("--enforce-eager", action="store_true", help="the engine without CUDA graphs")
     args = ap.parse_args(argv)
 
     from transformers import AutoModelForCausalLM
@@ -52,7 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     # No prefix caching: the warm-up runs share prompts with the measured runs, which must compute everything.
     llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_gb=args.kv_cache_gb,
-              max_num_batched_tokens=max(1024, args.prefill_len), enable_prefix_caching=False, progress=False)
+              max_num_batched_tokens=max(1024, args.prefill_len), enable_prefix_caching=False, progress=False,
+              enforce_eager=args.enforce_eager)
     engine = llm.engine
     hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=engine.config.dtype).to(engine.config.device).eval()
     params = list(engine.model.parameters())

@@ -6,6 +6,7 @@
 #   3. pytest -m gpu over the test files that hold gpu-marked tests
 #   4. the 8B shape's measured profile beside the hand-written h100_llama3_8b()
 #   5. engine vs transformers: decode at batch 1, 8, 32 and a 1,000-token prefill, 8B shape
+#   5b. where a step's time goes (step_profile.py): step vs runner time, cProfile, torch.profiler
 #   6. benchmarks/engine_trace.py, policies prefix-cache and infercept, 1 GiB and 16 GiB device pools
 # then summary.json / summary.md. Each step has its own time limit, all of them within BUDGET_S (480 s: the
 # whole check); a failed step does not stop the next. Results: benchmarks/results/gpu-<card>-<date>/ under $OUT
@@ -99,14 +100,14 @@ export INSTALL PY PACK W RES
 step setup 60 bash -c setup
 
 if [ "$DRY" = 1 ]; then
-    BIG_SHAPE=tiny DTYPE=float32 DEVICE=cpu BATCHES="1 2"
+    BIG_SHAPE=tiny DTYPE=float32 DEVICE=cpu BATCHES="1 2" STEP_BATCHES="1 2"
     PROFILE_POOLS="--kv-cache-gb 0.05 --host-kv-gb 0.05" DECODE_POOL="--kv-cache-gb 0.05"
     TRACE_UNTIL=${TRACE_UNTIL:-5} TRACE_POOLS="0.002 0.05" TRACE_OVERHEAD=5
     TRACE_ARGS="--rate 2 --window 3 --context-scale 0.05 --decode-scale 0.1 --interception-scale 0.02
         --max-interceptions 2 --max-context 256 --host-kv-gb 0.01 --max-num-batched-tokens 64 --max-num-seqs 16
         --threads 1"
 else
-    BIG_SHAPE=llama3-8b DTYPE=bfloat16 DEVICE=auto BATCHES="1 8 32"
+    BIG_SHAPE=llama3-8b DTYPE=bfloat16 DEVICE=auto BATCHES="1 8 32" STEP_BATCHES="1 32"
     PROFILE_POOLS="--kv-cache-gb 16 --host-kv-gb 4" DECODE_POOL="--kv-cache-gb 4"
     TRACE_UNTIL=${TRACE_UNTIL:-40} TRACE_POOLS="1 16" TRACE_OVERHEAD=20  # per policy: load, profile, graphs
     # Paper-scale contexts, half the decode, interceptions x0.3: 54 requests arrive in 15 s.
@@ -140,6 +141,16 @@ step "profile vs hand-written" 90 $PY benchmarks/gpu/profile_vs_hand.py --model 
 # shellcheck disable=SC2086
 step "engine vs transformers" 120 $PY benchmarks/gpu/decode_vs_hf.py --model "$BIG" --out "$RES" \
     --dtype $DTYPE --device $DEVICE --batches $BATCHES $DECODE_POOL
+if [ "$(tail -1 "$RES/steps.tsv" | cut -f2)" != 0 ]; then
+    # Without CUDA graphs, so a failure of theirs still leaves the comparison (recorded as its own step).
+    # shellcheck disable=SC2086
+    step "engine vs transformers, eager" 120 $PY benchmarks/gpu/decode_vs_hf.py --model "$BIG" --out "$RES" \
+        --dtype $DTYPE --device $DEVICE --batches $BATCHES $DECODE_POOL --enforce-eager
+fi
+
+# shellcheck disable=SC2086
+step "step profile" 120 $PY benchmarks/gpu/step_profile.py --model "$BIG" --out "$RES" --dtype $DTYPE \
+    --device $DEVICE $DECODE_POOL --batches $STEP_BATCHES --eager-too
 
 # Two runs of two policies share what is left: each policy gets --until seconds plus its start-up.
 LEFT=$((DEADLINE - $(date +%s) - RESERVE_S))

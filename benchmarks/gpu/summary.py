@@ -101,6 +101,13 @@ def summarize(res: Path, seconds: float | None = None, dry: bool = False) -> dic
     s["transformers_prefill_tok_s"] = prefill["transformers_tok_s"] if prefill else None
     s["engine_kernels"] = dec.get("kernels")
 
+    # A decode step as the engine runs it (CUDA graphs where captured), beside the profile's eager pass.
+    step_profile = _load(res / "step_profile.json") or {}
+    for batch in (1, 32):
+        row = step_profile.get(f"decode_batch{batch}") or {}
+        s[f"decode_step_batch{batch}_ms"] = row.get("step_ms_median")
+        s[f"decode_runner_batch{batch}_ms"] = row.get("runner_ms_median")
+
     # Batch-1 decode streams every weight once a step: tokens/s <= HBM bandwidth / weight bytes.
     s["weight_bytes"] = dec.get("weight_bytes")
     s["hbm_bytes_per_s"] = hbm_bytes_per_s(card)

@@ -1,0 +1,188 @@
+"""Where an engine step's time goes, so a GPU run leaves enough to speed the engine up without a GPU at
+hand: decode steps at batch 1 and 32 and a 1,000-token prefill, each timed step by step (wall time of
+`engine.step()` beside the runner's share), under cProfile (the Python functions a step spends its host
+time in) and under torch.profiler (the kernels and their device time, and the host time of each op).
+
+    python3 benchmarks/gpu/step_profile.py --model /tmp/llama3-8b --out RESULTS_DIR
+
+Writes `step_profile.json` (per-workload step times) and `step_profile.txt` (the tables) into RESULTS_DIR.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _start(llm, prompts: list[list[int]], new_tokens: int) -> list[str]:
+    """Adds the prompts and steps until every one is prefilled: what follows is decode only."""
+    from infercept.engine import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    while any(engine.scheduler.requests[i].num_computed_tokens < len(p) for i, p in zip(ids, prompts)):
+        engine.step()
+    return ids
+
+
+def _finish(llm) -> None:
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+
+
+def timed_steps(llm, steps: int) -> dict:
+    """Wall time of each `engine.step()` and of the runner's part of it (`runner.run` up to its sampled
+    ids on the host), in ms: the rest is scheduling and output processing."""
+    engine, runner = llm.engine, llm.engine.runner
+    run = runner.run
+    runner_ms: list[float] = []
+
+    def timed_run(output):
+        start = time.perf_counter()
+        result = run(output)
+        runner_ms.append(1e3 * (time.perf_counter() - start))
+        return result
+
+    runner.run = timed_run
+    step_ms = []
+    try:
+        for _ in range(steps):
+            start = time.perf_counter()
+            engine.step()
+            step_ms.append(1e3 * (time.perf_counter() - start))
+    finally:
+        runner.run = run
+    return {"step_ms_median": statistics.median(step_ms), "runner_ms_median": statistics.median(runner_ms),
+            "step_ms": [round(t, 3) for t in step_ms], "runner_ms": [round(t, 3) for t in runner_ms]}
+
+
+def python_profile(llm, steps: int, top: int = 25) -> str:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        llm.engine.step()
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("cumulative").print_stats(top)
+    stats.sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
+def kernel_profile(fn, device: torch.device, top: int = 25) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        _sync(device)
+    averages = prof.key_averages()
+    parts = [averages.table(sort_by="self_cpu_time_total", row_limit=top)]
+    if device.type == "cuda":
+        parts.append(averages.table(sort_by="self_cuda_time_total", row_limit=top))
+    return "\n".join(parts)
+
+
+def decode_workload(llm, batch: int, steps: int, prompt_len: int, report: list[str], result: dict) -> None:
+    device = llm.engine.config.device
+    prompts = [[100 + (i * 7 + j) % 1000 for j in range(prompt_len)] for i in range(batch)]
+    # Enough tokens for the timed, the cProfile and the torch.profiler steps.
+    _start(llm, prompts, new_tokens=3 * steps + 8)
+    for _ in range(3):  # warm-up
+        llm.engine.step()
+    result[f"decode_batch{batch}"] = timed_steps(llm, steps)
+    report.append(f"## decode, batch {batch}: engine.step() median {result[f'decode_batch{batch}']['step_ms_median']:.2f} "
+                  f"ms, runner.run median {result[f'decode_batch{batch}']['runner_ms_median']:.2f} ms\n")
+    report.append(f"### cProfile over {steps} steps\n" + python_profile(llm, steps))
+    report.append(f"### torch.profiler over {steps // 2} steps\n"
+                  + kernel_profile(lambda: [llm.engine.step() for _ in range(steps // 2)], device))
+    _finish(llm)
+
+
+def prefill_workload(llm, prompt_len: int, report: list[str], result: dict) -> None:
+    from infercept.engine import SamplingParams
+
+    device = llm.engine.config.device
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    prompt = [100 + j % 1000 for j in range(prompt_len)]
+    llm.generate([prompt], params)  # warm-up at this very length
+    times = []
+    for _ in range(3):
+        _sync(device)
+        start = time.perf_counter()
+        llm.generate([prompt], params)
+        times.append(1e3 * (time.perf_counter() - start))
+    result["prefill"] = {"tokens": prompt_len, "ms": [round(t, 3) for t in times],
+                         "tok_s": prompt_len / (statistics.median(times) / 1e3)}
+    report.append(f"## prefill, {prompt_len} tokens: {statistics.median(times):.2f} ms (median of 3)\n")
+    report.append("### torch.profiler, one prefill\n" + kernel_profile(lambda: llm.generate([prompt], params), device))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True, help="results folder")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--prefill-len", type=int, default=1000)
+    ap.add_argument("--kv-cache-gb", type=float, default=4.0)
+    ap.add_argument("--eager-too", action="store_true", help="also time the decode steps with --enforce-eager")
+    args = ap.parse_args(argv)
+
+    from infercept.engine import LLM
+
+    result: dict = {"torch": torch.__version__}
+    report = [f"# engine step profile: {args.model}, {args.dtype}\n"]
+    kwargs = dict(dtype=args.dtype, device=args.device, kv_cache_gb=args.kv_cache_gb,
+                  max_num_batched_tokens=max(1024, args.prefill_len), enable_prefix_caching=False, progress=False)
+    try:
+        llm = LLM(args.model, **kwargs)
+        result["kernels"] = llm.engine.runner.kernels
+        report.append(f"engine kernels {result['kernels']}\n")
+        for batch in args.batches:
+            decode_workload(llm, batch, args.steps, 32, report, result)
+        prefill_workload(llm, args.prefill_len, report, result)
+        del llm
+    except Exception:  # the eager comparison below still runs, and the error is in the report
+        report.append("## the default engine failed\n" + traceback.format_exc())
+        result["error"] = traceback.format_exc(limit=3)
+    if args.eager_too:
+        # The same decode steps without CUDA graphs, timed only: what the graphs save, side by side.
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        llm = LLM(args.model, **kwargs, enforce_eager=True)
+        result["eager"] = {"kernels": llm.engine.runner.kernels}
+        for batch in args.batches:
+            prompts = [[100 + (i * 7 + j) % 1000 for j in range(32)] for i in range(batch)]
+            _start(llm, prompts, new_tokens=args.steps + 8)
+            for _ in range(3):
+                llm.engine.step()
+            row = result["eager"][f"decode_batch{batch}"] = timed_steps(llm, args.steps)
+            report.append(f"## eager (--enforce-eager), decode, batch {batch}: engine.step() median "
+                          f"{row['step_ms_median']:.2f} ms, runner.run median {row['runner_ms_median']:.2f} ms\n")
+            _finish(llm)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "step_profile.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "step_profile.txt").write_text("\n".join(report))
+    print("\n".join(part.splitlines()[0] for part in report if part.startswith("#")))
+
+
+if __name__ == "__main__":
+    main()
