@@ -32,7 +32,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernels as kernels
 
 
 @dataclass
@@ -92,13 +91,13 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, cpu_kernels: bool = False
-                    ) -> torch.Tensor:
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, kernels=None) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [slots, Hkv, D]. Returns [T, H, D].
 
-    cpu_kernels: the caller has already written k and v to the cache (`cpu_kernels.rope_and_cache`),
-    and single-token queries go through our paged decode kernel instead of gather + SDPA."""
-    if not cpu_kernels:  # write first, so every query can read its own token from the cache
+    kernels: the model's fused kernels (`cpu_kernels`, `triton_fused`): the caller has already written k
+    and v to the cache with their `rope_and_cache`, and single-token queries go through their
+    `paged_decode_attention` instead of gather + SDPA."""
+    if kernels is None:  # write first, so every query can read its own token from the cache
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
     if meta.varlen is not None:
@@ -125,7 +124,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Att
     if meta.decode_rows is not None:
         bd = meta.decode_rows.shape[0]
         qd = q if not meta.prefills else q[meta.decode_rows]  # [Bd, H, D]
-        if cpu_kernels:
+        if kernels is not None:
             o = kernels.paged_decode_attention(qd, k_cache, v_cache, meta.decode_key_blocks.view(bd, -1),
                                                meta.decode_lens, scale, block_size)
         elif meta.decode_kernel is not None:

@@ -43,6 +43,11 @@ def load_model(model_dir: str, spec: ModelSpec, dtype: torch.dtype, device: torc
     model.eval()
     if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
         model.prepare_cpu_kernels()
+    elif device.type == "cuda":
+        from . import triton_fused  # imports Triton: on CUDA hosts only (a third of a second at every CPU start)
+
+        if triton_fused.applies(device, dtype):
+            model.use_fused_kernels(triton_fused)
     return model
 
 

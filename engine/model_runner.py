@@ -12,7 +12,7 @@ from .guided_decoding import GuidedDecoder
 from .kv_cache import KVCache
 from .models.llama import LlamaForCausalLM
 from .outputs import RunnerOutput, SchedulerOutput
-from .sampler import TokenHistory, sample
+from .sampler import TokenHistory, sample, to_device
 
 
 def gpu_decode_kernel():
@@ -51,7 +51,8 @@ class ModelRunner:
         """Names the kernels a forward pass runs, for caches of measurements (profiles)."""
         if self.device.type == "cpu":
             return cpu_kernels.signature()
-        return "+".join(["torch-kernels"] + ["triton-decode"] * (self.decode_kernel is not None)
+        return "+".join(["torch-kernels"] + ["triton-fused"] * (self.model.norm.kernels is not None)
+                        + ["triton-decode"] * (self.decode_kernel is not None)
                         + ["flash-attn"] * self.use_varlen + ["cuda-graphs"] * (self.graphs is not None))
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
@@ -167,7 +168,10 @@ class ModelRunner:
                 to_sample.append(chunk)
         if not to_sample:
             return RunnerOutput(sampled={})
-        logits = self.model.compute_logits(hidden[rows])
+        # A slice where the rows are the first ones in order (every decode-only step): indexing with a list
+        # copies it to the device and waits for the pass to finish before the logits are even queued.
+        picked = hidden[:len(rows)] if rows[-1] == len(rows) - 1 else hidden[to_device(rows, hidden.device)]
+        logits = self.model.compute_logits(picked)
         params = [c.sampling_params for c in to_sample]
         generators = [self._generator(c.request_id, c.sampling_params.seed) for c in to_sample]
         banned = [self._banned(c) for c in to_sample]

@@ -36,7 +36,7 @@ class TokenHistory:
     num_output: int
 
 
-def _upload(data, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+def to_device(data, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A host list or tensor on `device`: on CUDA through pinned memory without waiting for the copy
     (a plain `torch.tensor(..., device=...)` synchronizes the stream)."""
     t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
@@ -59,8 +59,8 @@ def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
                 cols.append(token)
                 values.append(bias)
     if rows:
-        index = _upload([rows, cols], logits.device)
-        logits.index_put_((index[0], index[1]), _upload(values, logits.device, logits.dtype), accumulate=True)
+        index = to_device([rows, cols], logits.device)
+        logits.index_put_((index[0], index[1]), to_device(values, logits.device, logits.dtype), accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, histories: Sequence[TokenHistory],
@@ -81,7 +81,7 @@ def apply_penalties(logits: torch.Tensor, histories: Sequence[TokenHistory],
     is_output = position >= (lengths - num_outputs)[row]
     keep = ids < vocab  # (token ids come from this model; a wider tokenizer could not have written others)
     key = row * vocab + ids
-    output_key = _upload(key[is_output & keep], device)
+    output_key = to_device(key[is_output & keep], device)
     counts = torch.zeros(num_rows * vocab, dtype=torch.float32, device=device)  # (exact counts up to 2^24)
     counts.index_add_(0, output_key, torch.ones(len(output_key), dtype=torch.float32, device=device))
     counts = counts.view(num_rows, vocab)
@@ -89,16 +89,16 @@ def apply_penalties(logits: torch.Tensor, histories: Sequence[TokenHistory],
     repetition = [p.repetition_penalty for p in params]
     if any(r != 1 for r in repetition):
         in_prompt = torch.zeros(num_rows * vocab, dtype=torch.bool, device=device)
-        in_prompt.index_fill_(0, _upload(key[~is_output & keep], device), True)
+        in_prompt.index_fill_(0, to_device(key[~is_output & keep], device), True)
         penalty = torch.where(in_prompt.view(num_rows, vocab) | seen,
-                              _upload(repetition, device, logits.dtype)[:, None], 1.0)
+                              to_device(repetition, device, logits.dtype)[:, None], 1.0)
         logits = torch.where(logits > 0, logits / penalty, logits * penalty)
     frequency = [p.frequency_penalty for p in params]
     if any(frequency):
-        logits = logits - _upload(frequency, device, logits.dtype)[:, None] * counts
+        logits = logits - to_device(frequency, device, logits.dtype)[:, None] * counts
     presence = [p.presence_penalty for p in params]
     if any(presence):
-        logits = logits - _upload(presence, device, logits.dtype)[:, None] * seen
+        logits = logits - to_device(presence, device, logits.dtype)[:, None] * seen
     return logits
 
 
@@ -135,9 +135,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     for the rows whose parameters set a penalty."""
     for row, ids in enumerate(banned):
         if ids:
-            logits[row, ids] = float("-inf")
+            logits[row, to_device(ids, logits.device)] = float("-inf")
     if allowed is not None:
-        rows = torch.tensor(allowed.rows, device=logits.device)
+        rows = to_device(allowed.rows, logits.device)
         logits[rows] = logits[rows].masked_fill(~allowed.mask.to(logits.device), float("-inf"))
     # Logprobs are the model's (after the masks), before the bias and the penalties, as vLLM reports them.
     want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -148,18 +148,18 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     if penalized:
         if histories is None or any(histories[i] is None for i in penalized):
             raise ValueError("a request with penalties samples without its token history")
-        rows = _upload(penalized, logits.device)
+        rows = to_device(penalized, logits.device)
         logits[rows] = apply_penalties(logits[rows], [histories[i] for i in penalized], [params[i] for i in penalized])
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
-        rows = torch.tensor(random_rows, device=logits.device)
-        temps = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)
+        rows = to_device(random_rows, logits.device)
+        temps = to_device([params[i].temperature for i in random_rows], logits.device, torch.float32)
         scaled = logits[rows] / temps[:, None]
-        top_k = torch.tensor([params[i].top_k for i in random_rows], device=logits.device)
-        top_p = torch.tensor([params[i].top_p for i in random_rows], device=logits.device)
+        top_k = to_device([params[i].top_k for i in random_rows], logits.device)
+        top_p = to_device([params[i].top_p for i in random_rows], logits.device, torch.float32)
         if any(params[i].min_p > 0 for i in random_rows):
-            scaled = apply_min_p(scaled, _upload([params[i].min_p for i in random_rows], logits.device))
+            scaled = apply_min_p(scaled, to_device([params[i].min_p for i in random_rows], logits.device))
         if any(params[i].top_k > 0 or params[i].top_p < 1 for i in random_rows):  # asked of the host: no sync
             scaled = apply_top_k_top_p(scaled, top_k, top_p)
         probs = scaled.softmax(dim=-1)

@@ -103,6 +103,9 @@ llm = LLM(sys.argv[1], dtype="float32", device="cpu", kv_cache_gb=0.01, max_num_
 engine = llm.engine
 engine.runner.graphs = DecodeGraphs(engine.model, engine.kv_cache, engine.config.device, 4,
                                     engine.config.scheduler.max_model_len, paged_decode_attention, capture=False)
+if sys.argv[2] == "fused":  # the GPU's fused kernels too (they serve 16-bit models there; any dtype runs them)
+    from infercept.engine import triton_fused
+    engine.model.use_fused_kernels(triton_fused)
 prompts = [[5, 9, 12], list(range(20, 40)), [7] * 17]
 params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (5, 3, 4)]
 print(json.dumps({"interpreted": type(paged_decode_attention.__globals__["_paged_decode_kernel"]).__name__,
@@ -110,16 +113,18 @@ print(json.dumps({"interpreted": type(paged_decode_attention.__globals__["_paged
 """
 
 
+@pytest.mark.parametrize("kernels", ["torch", "fused"])
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton runs on Linux")
-def test_static_decode_path_with_the_triton_kernel_matches_transformers(tmp_path, default_model_dir):
+def test_static_decode_path_with_the_triton_kernel_matches_transformers(tmp_path, default_model_dir, kernels):
     """The GPU's decode path end to end on the CPU: static buffers, padding into the scratch block and the
     Triton kernel (under its interpreter, in a child process: see test_triton_decode.py), on a tiny
-    random Llama, token by token against transformers."""
+    random Llama, token by token against transformers; "fused": with the fused Triton kernels of
+    triton_fused (norms, SiLU, RoPE + cache write) in prefill and decode steps as well."""
     from test_architectures import TINY, build_tiny_model
 
     hf = build_tiny_model(LlamaConfig(**TINY), tmp_path / "model", default_model_dir)
     env = {**os.environ, "TRITON_INTERPRET": "1", "INFERCEPT_CACHE": str(tmp_path / "cache")}
-    run = subprocess.run([sys.executable, "-c", TRITON_GRAPH_PATH, str(tmp_path / "model")], env=env,
+    run = subprocess.run([sys.executable, "-c", TRITON_GRAPH_PATH, str(tmp_path / "model"), kernels], env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
@@ -140,6 +145,9 @@ def test_cuda_graphs_match_the_eager_engine(default_model_dir, dtype, monkeypatc
     eager = LLM(default_model_dir, enforce_eager=True, **kwargs)
     graphs = graphed.engine.runner.graphs
     assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8]
+    # 16-bit models on a GPU run the fused Triton kernels (tests/test_triton_fused.py), fp32 ones the torch path
+    from infercept.engine import triton_fused
+    assert graphed.engine.model.norm.kernels is (triton_fused if dtype == "bfloat16" else None)
     assert eager.engine.runner.graphs is None
     replays = []
     run = graphs.run
@@ -148,3 +156,4 @@ def test_cuda_graphs_match_the_eager_engine(default_model_dir, dtype, monkeypatc
     assert [o.token_ids for o in graphed.generate(PROMPTS, params)] == \
         [o.token_ids for o in eager.generate(PROMPTS, params)]
     assert {5, 3, 1} <= set(replays)
+

@@ -37,6 +37,11 @@ CASES = {
     "strided-q-fp16": (LENS, 4, 2, 64, 16, F16, I32, True, 2e-3),
     # a head_dim that is not a power of two (masked to 64 lanes) and blocks of 8 tokens
     "D40-block8-fp32": ([1, 7, 8, 9, 20], 3, 1, 40, 8, F32, I32, False, 1e-5),
+    # contexts of several 64-position tiles (the kernel's rounds), ending inside, at and past a tile's end
+    "tiles-fp32": ([63, 64, 65, 150], 8, 2, 64, 16, F32, I64, False, 1e-5),
+    "tiles-bf16": ([63, 64, 65, 150], 8, 2, 64, 16, BF16, I32, False, 2e-2),
+    # a block size that is not a power of two (a tile ends inside a block)
+    "block12-fp32": ([1, 11, 12, 13, 100], 4, 2, 64, 12, F32, I64, False, 1e-5),
 }
 
 

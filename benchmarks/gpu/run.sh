@@ -19,7 +19,8 @@
 #
 # Variables: PYTHON (python3), PACK (.gpu-check), OUT, DRY=1 (as --dry), INSTALL=1 (install the wheels in a
 # dry run too: on a CPU machine whose Python lacks them, with a pack for its Python version), BUDGET_S (480),
-# TRACE_UNTIL (seconds per policy, 40; shortened to fit the budget), KEEP=1 (keep the scratch folder).
+# TRACE_UNTIL (seconds per policy, 40; shortened to fit the budget), TRACE_POOLS (device pools in GiB, "1 16"),
+# KEEP=1 (keep the scratch folder).
 set -u
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -109,7 +110,7 @@ if [ "$DRY" = 1 ]; then
 else
     BIG_SHAPE=llama3-8b DTYPE=bfloat16 DEVICE=auto BATCHES="1 8 32" STEP_BATCHES="1 32"
     PROFILE_POOLS="--kv-cache-gb 16 --host-kv-gb 4" DECODE_POOL="--kv-cache-gb 4"
-    TRACE_UNTIL=${TRACE_UNTIL:-40} TRACE_POOLS="1 16" TRACE_OVERHEAD=20  # per policy: load, profile, graphs
+    TRACE_UNTIL=${TRACE_UNTIL:-40} TRACE_POOLS=${TRACE_POOLS:-1 16} TRACE_OVERHEAD=20  # per policy: load, profile, graphs
     # Paper-scale contexts, half the decode, interceptions x0.3: 54 requests arrive in 15 s.
     TRACE_ARGS="--rate 4 --window 15 --context-scale 1 --decode-scale 0.5 --interception-scale 0.3
         --max-interceptions 4 --max-context 4096 --host-kv-gb 8 --max-num-batched-tokens 512 --max-num-seqs 64
@@ -152,9 +153,10 @@ fi
 step "step profile" 120 $PY benchmarks/gpu/step_profile.py --model "$BIG" --out "$RES" --dtype $DTYPE \
     --device $DEVICE $DECODE_POOL --batches $STEP_BATCHES --eager-too
 
-# Two runs of two policies share what is left: each policy gets --until seconds plus its start-up.
+# Each pool runs two policies; the runs share what is left: each policy gets --until seconds plus its start-up.
 LEFT=$((DEADLINE - $(date +%s) - RESERVE_S))
-UNTIL=$((LEFT / 4 - TRACE_OVERHEAD))
+RUNS=$((2 * $(echo $TRACE_POOLS | wc -w)))
+UNTIL=$((LEFT / RUNS - TRACE_OVERHEAD))
 UNTIL=$((UNTIL < TRACE_UNTIL ? UNTIL : TRACE_UNTIL))
 echo
 echo "engine trace: --until $UNTIL s per policy ($LEFT s left)"

@@ -65,7 +65,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    use_cpu_kernel = False  # set at load for CPU bf16 (LlamaForCausalLM.prepare_cpu_kernels)
+    # The fused add + norm (`add_rms_norm`) of cpu_kernels (CPU, bf16) or triton_fused (CUDA, 16-bit),
+    # set at load (LlamaForCausalLM.prepare_cpu_kernels / use_fused_kernels); None: the torch path.
+    kernels = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in fp32, cast back, then scale: the reference's order of operations, so bf16
@@ -74,8 +76,8 @@ class RMSNorm(nn.Module):
 
     def add_and_norm(self, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream h plus a block's output delta (None: nothing to add), and its norm."""
-        if self.use_cpu_kernel:
-            return cpu_kernels.add_rms_norm(h, delta, self.weight, self.eps), h  # h updated in place
+        if self.kernels is not None:
+            return self.kernels.add_rms_norm(h, delta, self.weight, self.eps), h  # h updated in place
         if delta is not None:
             h = h + delta
         return self(h), h
@@ -115,7 +117,9 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    use_cpu_kernels = False  # set at load for CPU bf16 without q/k norm (prepare_cpu_kernels)
+    # The fused RoPE + cache write and decode attention (`rope_and_cache`, `paged_decode_attention`) of
+    # cpu_kernels or triton_fused, as RMSNorm.kernels; only without q/k norms.
+    kernels = None
 
     def forward(self, x: torch.Tensor, rotary: Rotary, meta: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -123,8 +127,8 @@ class Attention(nn.Module):
         H, Hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x)
         heads = qkv.view(T, H + 2 * Hkv, self.head_dim)  # q heads, then k heads, then v
-        if self.use_cpu_kernels:  # RoPE in place (seen through `heads`) and the cache written by one kernel
-            cpu_kernels.rope_and_cache(qkv, rotary.positions, rotary.cos_table, rotary.sin_table, kv_cache[0],
+        if self.kernels is not None:  # RoPE in place (seen through `heads`) and the cache written by one kernel
+            self.kernels.rope_and_cache(qkv, rotary.positions, rotary.cos_table, rotary.sin_table, kv_cache[0],
                                        kv_cache[1], meta.slot_mapping, H, Hkv, self.head_dim)
             q, k = heads[:, :H], heads[:, H:H + Hkv]
         elif self.q_norm is None:
@@ -135,7 +139,7 @@ class Attention(nn.Module):
             q = apply_rope(self.q_norm(heads[:, :H]), rotary.cos, rotary.sin)
             k = apply_rope(self.k_norm(heads[:, H:H + Hkv]), rotary.cos, rotary.sin)
         v = heads[:, H + Hkv:]  # [T, Hkv, D]
-        o = paged_attention(q, k, v, meta, kv_cache[0], kv_cache[1], self.scale, cpu_kernels=self.use_cpu_kernels)
+        o = paged_attention(q, k, v, meta, kv_cache[0], kv_cache[1], self.scale, kernels=self.kernels)
         return self.o_proj(o.reshape(T, self.q_size))
 
 
@@ -146,11 +150,11 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
         self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
 
-    use_cpu_kernel = False  # set at load for CPU bf16 (prepare_cpu_kernels)
+    kernels = None  # the fused `silu_mul`, as RMSNorm.kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_cpu_kernel:
-            return self.down_proj(cpu_kernels.silu_mul(self.gate_up_proj(x)))
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -212,7 +216,7 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
         h = self.embed_tokens(input_ids)
         rotary = Rotary(positions, self.cos_table, self.sin_table)
-        if not self.layers[0].self_attn.use_cpu_kernels:
+        if self.layers[0].self_attn.kernels is None:
             rotary.cos = self.cos_table[positions].unsqueeze(1)  # [T, 1, D]
             rotary.sin = self.sin_table[positions].unsqueeze(1)  # [T, 1, D], first half negated
         delta = None
@@ -223,6 +227,15 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [B, hidden] -> logits [B, vocab] in fp32."""
         return self.lm_head(hidden).float()
+
+    def use_fused_kernels(self, kernels) -> None:
+        """Residual add + RMSNorm, SiLU-and-multiply, RoPE + cache write and decode attention through
+        `kernels` (a module with cpu_kernels' functions, as triton_fused on a GPU)."""
+        for module in self.modules():
+            if isinstance(module, (MLP, RMSNorm)):  # (q/k norms never take the add_and_norm path)
+                module.kernels = kernels
+            elif isinstance(module, Attention) and module.q_norm is None:
+                module.kernels = kernels
 
     def prepare_cpu_kernels(self) -> None:
         """CPU bf16/fp16 only (fp32 gains nothing): time our bf16 kernel against oneDNN on one layer's
@@ -245,6 +258,6 @@ class LlamaForCausalLM(nn.Module):
                 elif module.packed is None:
                     module.pack_for_cpu()
             elif isinstance(module, (MLP, RMSNorm)):  # (q/k norms never take the add_and_norm path)
-                module.use_cpu_kernel = fused
+                module.kernels = cpu_kernels if fused else None
             elif isinstance(module, Attention):
-                module.use_cpu_kernels = fused and module.q_norm is None
+                module.kernels = cpu_kernels if fused and module.q_norm is None else None
