@@ -71,7 +71,7 @@ def test_random_model_has_the_shape_and_loads_in_the_engine_and_transformers(tin
 
 
 def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
-    """profile_vs_hand, decode_vs_hf and engine_trace on the tiny model as run.sh calls them (smaller), then
+    """profile_vs_hand, decode_vs_hf, step_profile and engine_trace on the tiny model as run.sh calls them (smaller), then
     the summary of what they wrote."""
     monkeypatch.setenv("INFERCEPT_CACHE", str(tmp_path / "cache"))  # the engine's cached start-up profile
     model, res = tiny_model["path"], tmp_path / "res"
@@ -82,6 +82,9 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
     load_gpu("decode_vs_hf").main(["--model", model, "--out", str(res), "--dtype", "float32", "--device", "cpu",
                                    "--batches", "1", "2", "--prompt-len", "8", "--decode-tokens", "8",
                                    "--prefill-len", "64", "--kv-cache-gb", "0.02"])
+    load_gpu("step_profile").main(["--model", model, "--out", str(res), "--dtype", "float32", "--device", "cpu",
+                                   "--batches", "1", "--steps", "4", "--prefill-len", "64", "--kv-cache-gb", "0.02",
+                                   "--eager-too"])
     load_bench("engine_trace").main(
         ["--model", model, "--policies", "prefix-cache", "infercept", "--rate", "2", "--window", "1", "--until", "3",
          "--context-scale", "0.05", "--decode-scale", "0.05", "--interception-scale", "0.01",
@@ -112,6 +115,10 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
     assert "(timed out)" in text and "skipped: no time left" in text
     assert "| 0.002 GiB | infercept |" in text and "3 passed, 1 failed" in text
     assert (res / "profile.json").exists() and (res / "decode_vs_hf.md").exists()
+    assert s["decode_step_batch1_ms"] > 0 and s["decode_step_batch32_ms"] is None
+    steps = json.loads((res / "step_profile.json").read_text())
+    assert "error" not in steps and steps["prefill"]["tok_s"] > 0 and steps["eager"]["decode_batch1"]["step_ms"]
+    assert "cumulative" in (res / "step_profile.txt").read_text()  # the cProfile table
 
 
 def test_batch1_bound_uses_the_cards_hbm_bandwidth():
