@@ -129,7 +129,8 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}"
         token_ids = self.tokenize_prompt(prompt)
         self._validate(token_ids)
-        turn = TurnOutput(self.tokenizer, token_ids, params, intercept)  # an unknown format fails here
+        turn = TurnOutput(self.tokenizer, token_ids, params, intercept,  # an unknown format fails here
+                          self.eos_token_ids)
         request = Request(request_id, token_ids, params, self.eos_token_ids,
                           arrival_time=self.scheduler.clock() if arrival_time is None else arrival_time,
                           intercept=intercept)
@@ -179,7 +180,7 @@ class Engine:
         self.scheduler.resume(request_id, token_ids, result_at)
         self._hold_paused_kv()
         self.turns[request_id] = TurnOutput(self.tokenizer, request.token_ids, request.sampling_params,
-                                            request.intercept)
+                                            request.intercept, self.eos_token_ids)
         return location
 
     def abort(self, request_id: str) -> None:
