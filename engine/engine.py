@@ -129,7 +129,8 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}"
         token_ids = self.tokenize_prompt(prompt)
         self._validate(token_ids)
-        turn = TurnOutput(self.tokenizer, token_ids, params, intercept)  # an unknown format fails here
+        turn = TurnOutput(self.tokenizer, token_ids, params, intercept,  # an unknown format fails here
+                          self.eos_token_ids)
         request = Request(request_id, token_ids, params, self.eos_token_ids,
                           arrival_time=self.scheduler.clock() if arrival_time is None else arrival_time,
                           intercept=intercept)
@@ -170,7 +171,7 @@ class Engine:
             raise ValueError(f"token ids must be in [0, {self.spec.vocab_size})")
         # The new turn's output stage, built before anything changes (an unknown tool format fails here).
         turn = TurnOutput(self.tokenizer, request.token_ids + token_ids, params or request.sampling_params,
-                          intercept or request.intercept)
+                          intercept or request.intercept, self.eos_token_ids)
         if params is not None:
             request.sampling_params = params
         if intercept is not None:

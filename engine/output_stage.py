@@ -62,12 +62,21 @@ GO_ON = Verdict(Action.GO_ON)
 class TurnOutput:
     """One turn of one request: its text so far and its rule."""
 
-    def __init__(self, tokenizer, context: list[int], params: SamplingParams, intercept: InterceptParams | None):
-        """`context`: every token before the turn's first output (its tail seeds the detokenizer)."""
+    def __init__(self, tokenizer, context: list[int], params: SamplingParams, intercept: InterceptParams | None,
+                 eos_token_ids: frozenset[int] | None = None):
+        """`context`: every token before the turn's first output (its tail seeds the detokenizer).
+        `eos_token_ids`: the model's end-of-sequence tokens (None: the tokenizer's)."""
         self.detok = IncrementalDetokenizer(tokenizer, context, params.skip_special_tokens, params.stop)
         self.judge = call_judge(intercept)
         self.pause_on_stop = intercept is not None and intercept.pause_on_stop
         self.params = params
+        # The token that stops the turn (EOS, a stop token) is not text, as in vLLM: with
+        # skip_special_tokens off (tool formats whose markers are special tokens), "<|eot_id|>" or
+        # "</s>" would otherwise end the turn's text and its content.
+        if eos_token_ids is None:
+            eos = getattr(tokenizer, "eos_token_id", None)
+            eos_token_ids = frozenset() if eos is None else frozenset([eos])
+        self.end_ids = (frozenset() if params.ignore_eos else eos_token_ids) | frozenset(params.stop_token_ids)
 
     @property
     def text(self) -> str:
@@ -75,6 +84,8 @@ class TurnOutput:
 
     def add(self, token_id: int) -> str | None:
         """One generated token; returns the stop string it completed, if any."""
+        if token_id in self.end_ids:
+            return None
         return self.detok.add(token_id)
 
     def decide(self, stopped: bool) -> Verdict:

@@ -8,9 +8,10 @@ the stop strings: a turn's calls are parsed once, checked against the request's 
 arguments valid under its parameters schema), and the engine pauses only on calls the client can
 answer. `RequestOutput.tool_calls` / `.content` carry the verdict; the server only renders it.
 
-Only the Hermes family (``<tool_call>...</tool_call>``) can be forced by a grammar, streamed call by call,
-and prompted for templates without a tool section (hermes_format.py); the others are parsed and judged
-alike, and forced by prompting alone.
+Every family the parsers read (hermes, llama3_json, mistral, pythonic) is forced by a grammar, kept from
+calling by one under tool_choice "none", may answer in JSON or call under a JSON response_format, and
+has its grammar-written calls followed while they stream (call_formats.py; hermes_format.py for
+Hermes). Templates without a tool section get a Hermes-style tool prompt whatever the family.
 
 Pure standard library (jsonschema imported when a request's tools are compiled): importable without
 torch, so a backend in another process can run the same judge.
@@ -18,14 +19,18 @@ torch, so a backend in another process can run the same judge.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from . import hermes_format as hermes
+from .call_formats import writer_for
 from .reasoning_parsers import get_reasoning_parser
 from .tool_parsers import ToolCall, get_tool_parser
 from .tool_spec import ToolSpec
+
+# Call markers that are special tokens in some vocabularies: a grammar names them by id (call_formats.py).
+MARKER_TOKENS = ("[TOOL_CALLS]", "[ARGS]", "<|python_tag|>", "<|python_start|>", "<|python_end|>")
 
 
 @dataclass(frozen=True)
@@ -53,15 +58,27 @@ def _validator(schema: dict) -> Callable[[Any], bool]:
 
 
 class ToolFormat:
-    """One chat family's tool calls (stateless; one instance serves every request)."""
+    """One chat family's tool calls (stateless; one instance serves every request).
 
-    def __init__(self, family: str):
+    `chat_template` and `token_ids` (the vocabulary's ids of the family's marker tokens) pick how calls
+    are written where a family has several forms (Mistral's ``[ARGS]`` form) and let grammars name
+    special tokens; `for_tokenizer` reads both from a tokenizer."""
+
+    def __init__(self, family: str, chat_template: str | None = None, token_ids: Mapping[str, int] | None = None):
         self.parser = get_tool_parser(family)  # ValueError for an unknown family
         self.family = family
-        # Calls written by a grammar and followed while they stream: the Hermes form only.
-        self.guided = family == "hermes"
-        # Llama's <|python_tag|> and Mistral's [TOOL_CALLS] are special tokens the parser must see.
+        self.writer = writer_for(family, chat_template, token_ids)
+        # Llama's <|python_tag|>, Mistral's [TOOL_CALLS] and pythonic's <|python_start|> are special tokens
+        # the parser must see.
         self.keeps_special_tokens = family != "hermes"
+
+    @classmethod
+    def for_tokenizer(cls, family: str, tokenizer) -> "ToolFormat":
+        """The format of `family` as `tokenizer` (Hugging Face's) writes it: its chat template, and the
+        ids of the call markers that are tokens of its own."""
+        added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+        token_ids = {m: added[m] for m in MARKER_TOKENS if m in added}
+        return cls(family, getattr(tokenizer, "chat_template", None), token_ids)
 
     @property
     def openers(self) -> tuple[str, ...]:
@@ -69,28 +86,25 @@ class ToolFormat:
 
     # -- the prompt side --
     def forced_prefill(self, tool_name: str | None) -> str:
-        """Text that starts a turn that must call `tool_name` (None: any tool); "" where calls are
-        forced by prompting alone."""
-        return hermes.forced_prefill(tool_name) if self.guided else ""
+        """Text that starts a turn that must call `tool_name` (None: any tool), put at the end of its
+        prompt: the fixed opening of the call."""
+        return self.writer.forced_prefill(tool_name)
 
     def forced_grammar(self, tools: Sequence[ToolSpec], tool_name: str | None, parallel: bool) -> str | None:
         """Lark grammar of the rest of a forced turn after `forced_prefill(tool_name)`: calls of the
-        allowed tools with arguments that follow their schemas (None: forced by prompting alone)."""
-        if not self.guided:
-            return None
-        allowed = [t for t in tools if tool_name is None or t.name == tool_name]
-        return hermes.calls_grammar(allowed, self.forced_prefill(tool_name), parallel)
+        allowed tools with arguments that follow their schemas (ValueError: a tool this format cannot
+        write under a grammar)."""
+        return self.writer.forced_grammar(tools, tool_name, parallel)
 
     def answer_or_call_grammar(self, tools: Sequence[ToolSpec], parallel: bool, answer_schema: dict) -> str | None:
         """Lark grammar of an auto turn under a JSON response_format: calls of the tools (arguments per
-        schema) or a JSON answer that follows `answer_schema` (None: not expressible in this format)."""
-        return hermes.calls_grammar(tools, "", parallel, answer_schema) if self.guided else None
+        schema) or a JSON answer that follows `answer_schema`."""
+        return self.writer.answer_or_call_grammar(tools, parallel, answer_schema)
 
     def no_call_grammar(self) -> str | None:
         """Lark grammar of a turn that sees the tools but may not call them: text that never opens a
-        call. None for other formats: their openers (llama3_json's bare "{") are also ordinary text, so a
-        call written there stays content."""
-        return hermes.text_without_grammar(hermes.OPENER) if self.guided else None
+        call (each format's opening refused, call_formats.py)."""
+        return self.writer.no_call_grammar()
 
     @staticmethod
     def json_grammar_schema(schema: dict) -> dict:
@@ -109,22 +123,14 @@ class ToolFormat:
 
     # -- the stream side --
     def partial_calls(self, text: str) -> list[hermes.PartialCall]:
-        """Calls a stream may show while they are written (guided Hermes turns); [] otherwise."""
-        return hermes.partial_calls(text) if self.guided else []
+        """Calls a stream may show while they are written, in the form the format's grammars write;
+        [] for text in any other form."""
+        return self.writer.partial_calls(text)
 
     def safe_content(self, text: str) -> str:
         """The part of `text` that cannot belong to a tool call: before the first call opener (or a
         trailing piece that may still become one), trailing whitespace held back."""
-        cut = len(text)
-        for opener in self.openers:
-            at = text.find(opener)
-            if at >= 0:
-                cut = min(cut, at)
-            for k in range(min(len(opener) - 1, len(text)), 0, -1):
-                if text.endswith(opener[:k]):
-                    cut = min(cut, len(text) - k)
-                    break
-        return text[:cut].rstrip()
+        return self.writer.safe_content(text)
 
 
 class CallJudge:

@@ -1,7 +1,7 @@
 """Tool-call parsers: where does a generated turn contain tool calls, and when may the engine pause?
 
 The engine calls a parser on the text generated so far in the current assistant turn (after every new
-token). Parsers are stateless, so one instance can serve any number of requests. Three chat families:
+token). Parsers are stateless, so one instance can serve any number of requests. Four chat families:
 
 ``hermes``       ``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`` (Qwen2.5, Qwen3,
                  Hermes, and our own prompt for templates without a tool section, e.g. SmolLM2). Several
@@ -10,6 +10,8 @@ token). Parsers are stateless, so one instance can serve any number of requests.
                  accepted too), optionally after ``<|python_tag|>``; several calls separated by ``;``.
 ``mistral``      ``[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]``, and the v11+ form
                  ``[TOOL_CALLS]f[ARGS]{...}`` (also ``f[CALL_ID]id[ARGS]{...}`` and ``f{...}``).
+``pythonic``     Llama 3.2 / Llama 4 pythonic templates: the message is a Python list of calls,
+                 ``[f(a=1, b="x"), g()]``, optionally inside ``<|python_start|>...<|python_end|>``.
 
 Special tokens (``<|python_tag|>``, ``[TOOL_CALLS]``, ``[ARGS]``) must be kept in the detokenized text
 (``<tool_call>`` is ordinary text for most Hermes-style vocabularies). Without ``<|python_tag|>`` a
@@ -44,14 +46,16 @@ over the text (regex scans in C).
 """
 from __future__ import annotations
 
+import ast
 import json
 import re
+import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 __all__ = ["PARSERS", "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser", "ParseResult",
-           "ToolCall", "ToolParser", "get_tool_parser", "parser_for_model"]
+           "PythonicToolParser", "ToolCall", "ToolParser", "get_tool_parser", "parser_for_model"]
 
 
 @dataclass(frozen=True)
@@ -455,10 +459,181 @@ class MistralToolParser(ToolParser):
         return [call if call is not None else raw]
 
 
+class PythonicToolParser(ToolParser):
+    """Pythonic calls (Llama 3.2 / Llama 4 style, the templates that ask for
+    ``[func_name1(params_name1=params_value1, ...), func_name2(params)]``): one Python list of calls
+    that starts the message, optionally wrapped in ``<|python_start|>`` ... ``<|python_end|>``.
+
+    A call is ``name(key=value, ...)``: a name or a dotted name, keyword arguments only, values Python
+    or JSON literals (``'x'``, ``"x"``, numbers, ``True``/``true``, ``None``/``null``, lists, tuples,
+    dicts with literal keys). A message that starts with ``[`` but not with ``[name(`` (a JSON array, a
+    markdown link) is content; so is everything after the list. The list is read with ``ast`` (never
+    evaluated): a list that does not parse is one invalid span; in one that does, each element is a
+    call or an invalid item on its own. Parallel calls are elements of the same list, so a message holds
+    one span at most.
+    """
+
+    name = "pythonic"
+    START = "<|python_start|>"
+    END = "<|python_end|>"
+    openers = ("[", START)
+    _head = re.compile(r"\[\s*[A-Za-z_][A-Za-z0-9_]*(?:\s*\.\s*[A-Za-z_][A-Za-z0-9_]*)*\s*\(")
+    _head_prefix = re.compile(r"\[\s*(?:[A-Za-z_][A-Za-z0-9_]*(?:\s*\.\s*(?:[A-Za-z_][A-Za-z0-9_]*)?)*\s*)?\Z")
+    _OUTSIDE = re.compile(r"[\"'()\[\]{}]")
+
+    @classmethod
+    def _list_end(cls, text: str, start: int) -> int | None:
+        """``text[start]`` is ``[``: index just after the bracket that balances it (brackets in Python
+        strings, single- or double-quoted, ignored), or None while it is still open."""
+        depth, pos = 0, start
+        while True:
+            m = cls._OUTSIDE.search(text, pos)
+            if m is None:
+                return None
+            ch, pos = m.group(), m.end()
+            if ch in "\"'":
+                while True:  # to the closing quote of the same kind; a backslash escapes one character
+                    k = min((i for i in (text.find(ch, pos), text.find("\\", pos)) if i >= 0), default=-1)
+                    if k < 0:
+                        return None
+                    if text[k] == "\\":
+                        pos = k + 2
+                        continue
+                    pos = k + 1
+                    break
+            elif ch in "([{":
+                depth += 1
+            else:
+                depth -= 1
+                if depth == 0:
+                    return pos
+
+    def _spans(self, text: str) -> list[_Span]:
+        start = len(text) - len(text.lstrip())
+        pos = start
+        wrapped = text.startswith(self.START, pos)
+        if wrapped:
+            pos += len(self.START)
+            pos += len(text[pos:]) - len(text[pos:].lstrip())
+        elif pos < len(text) and self.START.startswith(text[pos:]):
+            return [_Span(start, len(text), False)]  # the wrapper's opening, still being written
+        if pos == len(text):
+            return [_Span(start, len(text), False)] if wrapped else []
+        if text[pos] != "[":
+            return []
+        end = self._list_end(text, pos)
+        if end is None:  # open: a call list while its head can still be one
+            head = self._head.match(text, pos) is not None or self._head_prefix.match(text, pos) is not None
+            return [_Span(start, len(text), False)] if head else []
+        if self._head.match(text, pos) is None:
+            return []  # a list, but not of calls: content
+        rest = text[end:].lstrip()
+        if rest.startswith(self.END):
+            end = len(text) - len(rest) + len(self.END)
+        return [_Span(start, end, True)]
+
+    def _may_continue(self, rest: str) -> bool:
+        rest = rest.strip()
+        return not rest or self.END.startswith(rest)
+
+    def _parse_span(self, raw: str) -> list[ToolCall | str]:
+        body = raw.strip()
+        if body.startswith(self.START):
+            body = body[len(self.START):]
+        if body.endswith(self.END):
+            body = body[:-len(self.END)]
+        body = body.strip()
+        try:
+            with warnings.catch_warnings():  # model output: an escape Python does not know ("\\/") is no warning
+                warnings.simplefilter("ignore", SyntaxWarning)
+                warnings.simplefilter("ignore", DeprecationWarning)
+                tree = ast.parse(body, mode="eval").body
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return [raw]
+        if not isinstance(tree, ast.List):
+            return [raw]
+        out: list[ToolCall | str] = []
+        for element in tree.elts:
+            item_raw = ast.get_source_segment(body, element) or ""
+            call = self._call(element, body, item_raw)
+            out.append(call if call is not None else item_raw)
+        return out or [raw]
+
+    @classmethod
+    def _call(cls, node: ast.expr, body: str, raw: str) -> ToolCall | None:
+        if not isinstance(node, ast.Call) or node.args:
+            return None
+        name = _dotted_name(node.func)
+        if name is None:
+            return None
+        arguments: dict[str, Any] = {}
+        for keyword in node.keywords:
+            if keyword.arg is None or keyword.arg in arguments:  # **kwargs, or a repeated keyword
+                return None
+            ok, value = _literal(keyword.value, body)
+            if not ok:
+                return None
+            arguments[keyword.arg] = value
+        return _make_call(None, raw, arguments=arguments, name=name)
+
+
+def _dotted_name(node: ast.expr) -> str | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])
+
+
+_JSON_NAMES = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
+
+
+def _literal(node: ast.expr, body: str) -> tuple[bool, Any]:
+    """A pythonic argument's value as JSON data: the source read as JSON first (what a grammar writes,
+    escapes and all), else as a Python literal, with JSON's true/false/null accepted too."""
+    segment = ast.get_source_segment(body, node)
+    if segment is not None:
+        ok, value = _try_loads(segment)
+        if ok:
+            return True, value
+    try:
+        return True, _python_literal(node)
+    except (ValueError, TypeError, RecursionError):
+        return False, None
+
+
+def _python_literal(node: ast.expr) -> Any:
+    if isinstance(node, ast.Constant):
+        if node.value is None or isinstance(node.value, (bool, str, int)):
+            return node.value
+        if isinstance(node.value, float) and node.value == node.value and abs(node.value) != float("inf"):
+            return node.value
+        raise ValueError("not a JSON value")
+    if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
+        return _JSON_NAMES[node.id]
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_python_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        out = {}
+        for key, value in zip(node.keys, node.values):
+            if not isinstance(key, ast.Constant) or not isinstance(key.value, str):
+                raise ValueError("dict keys must be strings")
+            out[key.value] = _python_literal(value)
+        return out
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        value = _python_literal(node.operand)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError("a sign before a non-number")
+        return -value if isinstance(node.op, ast.USub) else value
+    raise ValueError("not a literal")
+
+
 # -- registry ----------------------------------------------------------------------------------------
 
 PARSERS: dict[str, type[ToolParser]] = {
-    cls.name: cls for cls in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)
+    cls.name: cls for cls in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser)
 }
 
 
@@ -474,9 +649,11 @@ def parser_for_model(model_type: str, chat_template: str | None) -> str:
     """The parser name for a model, from its ``config.model_type`` and its chat template.
 
     First that applies: the template mentions ``<tool_call>`` -> ``hermes``; ``[TOOL_CALLS]`` ->
-    ``mistral``; ``<|python_tag|>`` -> ``llama3_json``; a Llama model type whose template uses
-    ``<|eot_id|>`` and a ``"parameters"`` JSON -> ``llama3_json``; otherwise (Qwen2/Qwen3, or a template
-    without a tool section, for which the server supplies a Hermes-style tool prompt) -> ``hermes``.
+    ``mistral``; it asks for calls ``in the format of [func_name1(...)`` (the pythonic templates of
+    Llama 3.2 and Llama 4) -> ``pythonic``; ``<|python_tag|>`` -> ``llama3_json``; a Llama model type
+    whose template uses ``<|eot_id|>`` and a ``"parameters"`` JSON -> ``llama3_json``; otherwise
+    (Qwen2/Qwen3, or a template without a tool section, for which the server supplies a Hermes-style tool
+    prompt) -> ``hermes``.
     """
     template = chat_template or ""
     model_type = (model_type or "").lower()
@@ -484,6 +661,8 @@ def parser_for_model(model_type: str, chat_template: str | None) -> str:
         return "hermes"
     if "[TOOL_CALLS]" in template:
         return "mistral"
+    if "[func_name1(" in template:
+        return "pythonic"
     if "<|python_tag|>" in template:
         return "llama3_json"
     if model_type.startswith("llama") and "<|eot_id|>" in template and '"parameters"' in template:

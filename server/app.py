@@ -87,6 +87,7 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
     # The event loop tokenizes and renders while the engine thread detokenizes: separate instances, so
     # the two threads never share a tokenizer's mutable state.
     tokenizer = AutoTokenizer.from_pretrained(info.model)
+    tool_format = ToolFormat.for_tokenizer(tool_parser, tokenizer)  # its call form and marker tokens
     renderer = ChatRenderer(tokenizer, info.eos_token_ids, tool_format) if tokenizer.chat_template else None
     turns = Turns(EngineTurns(backend, metrics), conversations, metrics, admission, renderer,
                   info.max_model_len, info.vocab_size, info.guided_decoding, reasoning)

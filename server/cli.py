@@ -246,7 +246,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-concurrent-requests", type=int, default=int(_env("MAX_CONCURRENT_REQUESTS", 512)),
                    help="requests generating at once; beyond, 429 with Retry-After (default 512)")
     g.add_argument("--tool-parser", default=_env("TOOL_PARSER", None),
-                   help="tool-call format: hermes, llama3_json or mistral (default: from the model's chat template)")
+                   help="tool-call format: hermes, llama3_json, mistral or pythonic (default: from the model's chat "
+                        "template)")
     g.add_argument("--reasoning-parser", default=_env("REASONING_PARSER", None), choices=sorted(REASONING_PARSERS),
                    help="thinking format, as vLLM names it: qwen3 or deepseek_r1. <think>...</think> goes to "
                         "reasoning_content (chat) or a reasoning item (Responses), tool calls are read after it, "

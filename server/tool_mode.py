@@ -3,12 +3,12 @@ them (`ToolMode`), and the grammar that enforces that (`with_grammar`).
 
 `tool_choice` "none" keeps the tools in the prompt (as vLLM does), so an agent's last, answering step
 renders the same prefix as its calling steps and resumes or reuses it; a grammar then keeps the turn
-from opening a call (Hermes format; in other formats a call the model writes anyway stays content).
+from opening a call (every tool format has one: engine/call_formats.py).
 
 `response_format` json_object / json_schema constrains the answer (a turn without tool calls) to a
 JSON object / to JSON that follows the schema: with no tools or tool_choice "none", the turn is that
-JSON; with "auto" (Hermes format), it is either calls or that JSON, the model chooses; a forced turn is
-calls only, so the format has nothing to constrain there.
+JSON; with "auto", it is either calls or that JSON, the model chooses; a forced turn is calls only, so
+the format has nothing to constrain there.
 """
 from __future__ import annotations
 
@@ -52,12 +52,13 @@ def turn_grammar(fmt: ToolFormat, params: SamplingParams, mode: ToolMode, answer
     auto + JSON answer -> calls or that JSON; JSON answer alone (no tools, or tool_choice none)
     -> that JSON; tool_choice none -> text that never opens a call."""
     if mode.forced:
-        lark, param = fmt.forced_grammar(mode.tools, mode.forced_name, mode.parallel), "tool_choice"
+        lark, param = _written(lambda: fmt.forced_grammar(mode.tools, mode.forced_name, mode.parallel)), "tool_choice"
     elif mode.parse and answer_schema is not None:
-        lark, param = fmt.answer_or_call_grammar(mode.tools, mode.parallel, answer_schema), "response_format"
+        lark, param = _written(lambda: fmt.answer_or_call_grammar(mode.tools, mode.parallel, answer_schema)), \
+            "response_format"
         if lark is None:
-            raise bad_request("response_format json_object/json_schema with tools and tool_choice auto needs the "
-                              f"Hermes tool-call format (this model's is {fmt.family}); send "
+            raise bad_request("response_format json_object/json_schema with tools and tool_choice auto cannot be "
+                              f"enforced in this model's tool-call format ({fmt.family}); send "
                               "tool_choice none for a JSON answer", param="response_format")
     elif answer_schema is not None:
         return (_compile("response_format", json_schema=fmt.json_grammar_schema(answer_schema)),
@@ -69,6 +70,16 @@ def turn_grammar(fmt: ToolFormat, params: SamplingParams, mode: ToolMode, answer
     else:
         return None
     return None if lark is None else (_compile(param, lark=lark), param)
+
+
+def _written(build) -> str | None:
+    """A tool format's grammar; 400 where the format cannot write the tools' calls under a grammar (a
+    pythonic call of a parameter that is no Python identifier, say)."""
+    try:
+        return build()
+    except ValueError as e:
+        raise bad_request(f"the tools' calls cannot be enforced in this model's tool-call format: {e}",
+                          param="tools") from None
 
 
 def _compile(param: str, **grammar) -> GuidedDecodingParams:

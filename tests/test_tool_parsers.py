@@ -16,13 +16,15 @@ from hypothesis import strategies as st
 
 from stdlib_only import non_stdlib_imports
 from infercept.engine.tool_parsers import (PARSERS, HermesToolParser, Llama3JsonToolParser, MistralToolParser,
-                                           ParseResult, ToolCall, ToolParser, get_tool_parser, parser_for_model)
+                                           ParseResult, PythonicToolParser, ToolCall, ToolParser, get_tool_parser,
+                                           parser_for_model)
 
 MODULE = Path(__file__).resolve().parents[1] / "engine" / "tool_parsers.py"
 
 hermes = HermesToolParser()
 llama = Llama3JsonToolParser()
 mistral = MistralToolParser()
+pythonic = PythonicToolParser()
 
 
 def state(parser: ToolParser, text: str) -> tuple[int, bool, bool, bool]:
@@ -334,6 +336,68 @@ def test_mistral_without_marker_is_content():
     assert mistral.parse(text) == ParseResult(content=text, tool_calls=[], invalid=[])
 
 
+# -- pythonic --------------------------------------------------------------------------------------
+
+def test_pythonic_calls_python_and_json_literals():
+    text = ('[get_weather(city="Paris", days=3), search.web(q=\'it\\\'s "x"]\', tags=["a", (1, -2.5)], '
+            'opts={"deep": True, "n": None}, raw=true, none=null)]')
+    result = pythonic.parse(text)
+    assert calls(result) == [("get_weather", {"city": "Paris", "days": 3}),
+                             ("search.web", {"q": 'it\'s "x"]', "tags": ["a", [1, -2.5]],
+                                             "opts": {"deep": True, "n": None}, "raw": True, "none": None})]
+    assert [c.raw for c in result.tool_calls] == ['get_weather(city="Paris", days=3)', text[text.index("search"):-1]]
+    assert result.content == "" and result.invalid == []
+    assert calls(pythonic.parse("[clock()]")) == [("clock", {})]
+    # JSON escapes are read as JSON (what a grammar writes), not as Python
+    assert calls(pythonic.parse('[f(s="a\\/b\\u00e9")]')) == [("f", {"s": "a/b\u00e9"})]
+
+
+def test_pythonic_wrapped_in_python_start_and_end():
+    text = '<|python_start|>[f(a=1)]<|python_end|>'
+    assert calls(pythonic.parse(text)) == [("f", {"a": 1})] and pythonic.parse(text).content == ""
+    assert state(pythonic, text) == (1, False, True, False)
+    assert state(pythonic, "<|python_st") == (0, True, False, False)
+    assert state(pythonic, text[:-len("<|python_end|>")] + "<|python") == (1, False, True, False)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("[", (0, True, False, False)),
+    ("[get_wea", (0, True, False, False)),
+    ('[get_weather(city="Pa', (0, True, False, False)),
+    ('[get_weather(city="]"', (0, True, False, False)),  # a bracket inside a string does not close
+    ('[f(a=1), g(', (0, True, False, False)),
+    ("[f()]", (1, False, True, False)),
+    ("[f()]\n", (1, False, True, False)),
+    ("[f()] Done.", (1, False, False, True)),
+    ("[f()]\n[g()]", (1, False, False, True)),  # one list per message
+    ("[1, 2]", (0, False, False, False)),  # a list, not of calls: content
+    ("[see the docs](https://x)", (0, False, False, False)),
+    ("Sure: [f()]", (0, False, False, False)),  # calls start the message
+    ("", (0, False, False, False)),
+])
+def test_pythonic_pause_rule(text, expected):
+    assert state(pythonic, text) == expected
+
+
+@pytest.mark.parametrize("text, invalid", [
+    ("[f(1)]", ["f(1)"]),  # positional arguments
+    ("[f(a=b)]", ["f(a=b)"]),  # a variable, not a literal
+    ("[f(a=1, a=2)]", ["f(a=1, a=2)"]),
+    ("[f(**kw)]", ["f(**kw)"]),
+    ("[f(a=1j)]", ["f(a=1j)"]),
+    ("[f(a={1: 2})]", ["f(a={1: 2})"]),
+    ("[f(a=1)(b=2)]", ["f(a=1)(b=2)"]),
+    ("[f(a=1]", None),  # never closes: still open at the end of the turn
+    ("[f(a=1) g(b=2)]", ["[f(a=1) g(b=2)]"]),  # not Python
+])
+def test_pythonic_invalid_calls_stay_content(text, invalid):
+    result = pythonic.parse(text)
+    assert result.tool_calls == []
+    assert result.invalid == (invalid if invalid is not None else [text])
+    mixed = pythonic.parse("[f(a=1), g(1), h()]")
+    assert calls(mixed) == [("f", {"a": 1}), ("h", {})] and mixed.invalid == ["g(1)"]
+
+
 # -- round trips (hypothesis) ----------------------------------------------------------------------
 
 json_scalars = (st.none() | st.booleans() | st.integers(-10**18, 10**18)
@@ -347,9 +411,24 @@ names = st.from_regex(r"[A-Za-z_][A-Za-z0-9_.\-]{0,15}", fullmatch=True)
 call_lists = st.lists(st.tuples(names, arguments_dicts), min_size=1, max_size=3)
 
 
+def expressible(family: str, tool_calls: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+    """The calls as ``family`` can write them: pythonic names and keywords are Python identifiers."""
+    if family != "pythonic":
+        return tool_calls
+    def ident(text: str, i: int) -> str:
+        text = "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in text if ch.isascii())
+        return f"k{i}_{text}"
+    return [(".".join(ident(part, 0) for part in name.split(".")),
+             {ident(k, i): v for i, (k, v) in enumerate(a.items())}) for name, a in tool_calls]
+
+
 def render(family: str, tool_calls: list[tuple[str, dict]], variant: int, ascii_: bool) -> str:
     """The text a model of ``family`` would generate for these calls (variant picks among the forms)."""
     dumps = lambda obj: json.dumps(obj, ensure_ascii=ascii_, indent=None if variant % 2 else 1)  # noqa: E731
+    if family == "pythonic":  # values as JSON (as a grammar writes them) or as Python literals
+        value = dumps if variant % 2 else repr
+        calls_ = ", ".join(f"{n}({', '.join(f'{k}={value(v)}' for k, v in a.items())})" for n, a in tool_calls)
+        return ("<|python_start|>" if variant == 3 else "") + f"[{calls_}]"
     if family == "hermes":
         sep = "\n" if variant % 2 else ""
         return sep.join(f"<tool_call>\n{dumps({'name': n, 'arguments': a})}\n</tool_call>" for n, a in tool_calls)
@@ -366,9 +445,10 @@ def render(family: str, tool_calls: list[tuple[str, dict]], variant: int, ascii_
        ascii_=st.booleans(), content=st.text(max_size=20))
 def test_parse_round_trips_rendered_calls(family, tool_calls, variant, ascii_, content):
     parser = get_tool_parser(family)
+    tool_calls = expressible(family, tool_calls)
     body = render(family, tool_calls, variant, ascii_)
-    if family == "llama3_json" and not body.startswith("<|python_tag|>"):
-        content = ""  # untagged Llama calls must start the message
+    if family == "pythonic" or (family == "llama3_json" and not body.startswith("<|python_tag|>")):
+        content = ""  # untagged Llama calls and pythonic lists must start the message
     elif any(marker in content for marker in ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>")):
         content = ""
     text = content + body
@@ -391,7 +471,7 @@ def test_streaming_prefixes_never_pause_inside_a_run_of_calls(family, tool_calls
     """Over every prefix of a run of calls: counts only grow, an open span and a possible next call exclude
     each other, and turn_done stays false (between calls, the next opening marker may always follow)."""
     parser = get_tool_parser(family)
-    text = render(family, tool_calls, variant, ascii_=False)
+    text = render(family, expressible(family, tool_calls), variant, ascii_=False)
     previous = 0
     for i in range(len(text) + 1):
         count, pending, may_continue, done = state(parser, text[:i])
@@ -399,7 +479,7 @@ def test_streaming_prefixes_never_pause_inside_a_run_of_calls(family, tool_calls
         assert not (pending and may_continue)
         assert not done, text[:i]
         previous = count
-    assert previous == (1 if family == "mistral" and variant % 2 else len(tool_calls))
+    assert previous == (1 if (family == "mistral" and variant % 2) or family == "pythonic" else len(tool_calls))
 
 
 fragments = st.sampled_from(["<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "{", "}",
@@ -424,12 +504,12 @@ def test_arbitrary_text_never_breaks_the_invariants(family, pieces):
 # -- registry and model mapping --------------------------------------------------------------------
 
 def test_registry():
-    assert sorted(PARSERS) == ["hermes", "llama3_json", "mistral"]
+    assert sorted(PARSERS) == ["hermes", "llama3_json", "mistral", "pythonic"]
     for name, cls in PARSERS.items():
         parser = get_tool_parser(name)
         assert isinstance(parser, cls) and isinstance(parser, ToolParser) and parser.name == name
-    with pytest.raises(ValueError, match="hermes, llama3_json, mistral"):
-        get_tool_parser("pythonic")
+    with pytest.raises(ValueError, match="hermes, llama3_json, mistral, pythonic"):
+        get_tool_parser("qwen3_xml")
 
 
 QWEN_TEMPLATE = ('{%- if tools %}...For each function call, return a json object with function name and arguments '
@@ -442,6 +522,10 @@ LLAMA32_TEMPLATE = ('Respond in the format {"name": function name, "parameters":
                     "its value}.Do not use variables.{{- '<|eot_id|>' }}")
 LLAMA3_TEMPLATE = "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + content + '<|eot_id|>' }}"
 MISTRAL_TEMPLATE = '{{- "[AVAILABLE_TOOLS] [" }}...{{- "[TOOL_CALLS] [" }}...{{- "[/AVAILABLE_TOOLS]" }}'
+# vLLM's pythonic templates (Llama 3.2, Llama 4) ask for calls so; they also write <|eot_id|> / <|python_tag|>
+PYTHONIC_TEMPLATE = ("{{- 'If you decide to invoke any of the function(s), you MUST put it in the format of "
+                     "[func_name1(params_name1=params_value1, params_name2=params_value2...), func_name2(params)]' }}"
+                     "{{- '<|python_tag|>' }}{{- '<|eot_id|>' }}")
 CHATML_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] "
                    "+ '<|im_end|>' + '\\n'}}{% endfor %}")
 
@@ -459,6 +543,8 @@ CHATML_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['rol
     ("qwen2", LLAMA32_TEMPLATE, "hermes"),  # the "parameters" heuristic is for Llama model types only
     ("mistral", MISTRAL_TEMPLATE, "mistral"),
     ("mistral", "[INST] {{ content }} [/INST]", "hermes"),  # Mistral v0.1: no tools
+    ("llama", PYTHONIC_TEMPLATE, "pythonic"),
+    ("llama4", PYTHONIC_TEMPLATE, "pythonic"),
 ])
 def test_parser_for_model(model_type, template, expected):
     assert parser_for_model(model_type, template) == expected

@@ -257,7 +257,8 @@ class VllmBackend(EngineBackend):
         if not prompt:
             raise ValueError("the prompt is empty")
         gen = _Generation(request_id, list(prompt), list(prompt), params, intercept,
-                          TurnOutput(self.tokenizer, prompt, params, intercept), turn_start=len(prompt),
+                          TurnOutput(self.tokenizer, prompt, params, intercept, self.info.eos_token_ids),
+                          turn_start=len(prompt),
                           session=self.sessions and may_pause(intercept), wire_id=request_id)
         fields = vllm_sampling_fields(params, gen.session, TurnRule.of(params, intercept))
         with self._lock:
@@ -283,7 +284,8 @@ class VllmBackend(EngineBackend):
             raise ValueError("nothing to append: a resume needs at least one token")
         self._check_tokens(appended, len(gen.context) + len(appended))
         params, intercept = params or gen.params, intercept or gen.intercept
-        stage = TurnOutput(self.tokenizer, gen.context + list(appended), params, intercept)  # may raise
+        stage = TurnOutput(self.tokenizer, gen.context + list(appended), params, intercept,  # may raise
+                           self.info.eos_token_ids)
         # A session stays one, whatever the turn's rule; a stock turn is a request of its own.
         fields = vllm_sampling_fields(params, gen.session, TurnRule.of(params, intercept))
         gen.params, gen.intercept, gen.stage = params, intercept, stage
