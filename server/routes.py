@@ -52,6 +52,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     return await (state.chat_server_tools if body.server_tools else state.chat).create(body, request)
 
 
+# vLLM's render routes: the prompt token ids a request would be served with. vllm-router's cache_aware
+# policy asks every replica for them and routes a request where the longest prefix of its ids went before.
+@router.post("/v1/chat/completions/render")
+async def render_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    return JSONResponse(request.app.state.chat.render(body, request))
+
+
+@router.post("/v1/completions/render")
+async def render_completion(body: CompletionRequest, request: Request) -> Response:
+    return JSONResponse(request.app.state.completions.render(body))
+
+
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     return await request.app.state.completions.create(body, request)

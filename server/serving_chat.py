@@ -30,7 +30,7 @@ from .chat import Message, normalize_messages, tool_specs
 from .conversations import Conversation, Kind, State
 from .protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatMessage, ChoiceLogprobs, CompletionTokensDetails, FunctionCall,
-                       PromptTokensDetails, TokenLogprob, ToolCall, TopLogprob, Usage, bad_request, now)
+                       PromptTokensDetails, TokenLogprob, ToolCall, TopLogprob, Usage, bad_request, new_id, now)
 from .serving_base import Frontend, check_unsupported, respond
 from .tenants import owner_of
 from .tool_mode import tool_mode
@@ -47,8 +47,17 @@ class ChatServing(Frontend):
         return await respond(raw, req.stream, lambda: self._stream(req, turn), lambda: self._full(req, turn),
                              lambda: self.close(turn), headers(turn), f"request {turn.id}")
 
-    def spec(self, req: ChatCompletionRequest, raw: Request) -> TurnSpec:
-        """The turn `req` asks for (400 / 404 / 409 on bad requests); with a `session_id`, its session's."""
+    def render(self, req: ChatCompletionRequest, raw: Request) -> dict:
+        """vLLM's render answer (`POST /v1/chat/completions/render`): the prompt token ids `req` would be
+        served with (its session's conversation first, for a `session_id` request that continues one),
+        nothing run or stored. A router that routes by token prefix (vllm-router's cache_aware) sends a
+        resume to the replica that served the turn it extends."""
+        spec = self.spec(req, raw, peek=True)
+        return {"request_id": new_id("chatcmpl-"), "token_ids": self.turns.render_prompt(spec)}
+
+    def spec(self, req: ChatCompletionRequest, raw: Request, peek: bool = False) -> TurnSpec:
+        """The turn `req` asks for (400 / 404 / 409 on bad requests); with a `session_id`, its session's.
+        peek: only to render its prompt: a named session is read, not opened or checked for a turn."""
         self.check_model(req.model)
         check_unsupported(req)
         choice = req.tool_choice if req.tool_choice is None or isinstance(req.tool_choice, str) \
@@ -59,7 +68,7 @@ class ChatServing(Frontend):
         messages = normalize_messages(req.messages, validate=False)
         session = None
         if session_id is not None:
-            messages, session = self._session_messages(session_id, messages, owner)
+            messages, session = self._session_messages(session_id, messages, owner, peek)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         return TurnSpec("chat", Sampling.of(req, req.max_completion_tokens or req.max_tokens, logprobs),
                         tuple(messages), mode=mode, intercept=req.intercept, holder=session, owner=owner,
@@ -86,21 +95,24 @@ class ChatServing(Frontend):
             session.state = State.PAUSED if session.paused is not None else State.IDLE
             self.conversations.touch(session)
 
-    def _session_messages(self, session_id: str, messages: list[Message],
-                          owner: str | None) -> tuple[list[Message], Conversation]:
+    def _session_messages(self, session_id: str, messages: list[Message], owner: str | None,
+                          peek: bool = False) -> tuple[list[Message], Conversation | None]:
         """Explicit continuation. Messages that start with tool results continue the session's stored
-        conversation (which must be paused at tool calls); any other list is the whole conversation."""
+        conversation (which must be paused at tool calls); any other list is the whole conversation.
+        peek: the messages only (no session opened, none returned, its state not checked)."""
         session = self.conversations.named(Kind.CHAT, session_id, owner)
-        if session is not None and session.state is State.GENERATING:
+        if not peek and session is not None and session.state is State.GENERATING:
             raise APIError(409, f"session {session_id!r} has a request in flight", param="session_id",
                            code="session_busy")
         if messages[0].role == "tool":
             if session is None:
                 raise APIError(404, f"unknown session {session_id!r}", param="session_id", code="session_not_found")
-            if session.paused is None:
+            if not peek and session.paused is None:
                 raise APIError(409, f"session {session_id!r} is not paused at a tool call", param="session_id",
                                code="session_not_paused")
             messages = list(session.messages) + messages
+        if peek:
+            return messages, None
         return messages, session or self.conversations.open_named(Kind.CHAT, session_id, owner)
 
     @staticmethod

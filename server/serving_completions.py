@@ -51,6 +51,13 @@ class CompletionServing(Frontend):
             lambda: self._full(response_id, req, turns, echoes), once(lambda: self._close(turns, release)),
             {"X-Request-Id": response_id}, f"request {response_id}")
 
+    def render(self, req: CompletionRequest) -> list[dict]:
+        """vLLM's render answer (`POST /v1/completions/render`): each prompt's token ids, nothing run."""
+        self.check_model(req.model)
+        return [{"request_id": new_id("cmpl-"), "token_ids": self.turns.render_prompt(
+                    TurnSpec("completions", Sampling(), prompt_ids=tuple(ids), param="prompt"))}
+                for ids in self._prompts(req.prompt)]
+
     # -- pieces ------------------------------------------------------------------------------------
     def _prompts(self, prompt) -> list[list[int]]:
         try:

@@ -310,20 +310,8 @@ class Turns:
                 pause_on_stop=True, expected_s=spec.intercept.expected_s, kind=spec.intercept.kind)
             return _Prepared(spec, spec.request_id or new_id(spec.id_prefix), prompt_ids, self.sampling_params(spec, len(prompt_ids)),
                              intercept)
-        if self.renderer is None:
-            raise APIError(400, "this model has no chat template; use /v1/completions", code="no_chat_template")
-        validate_tool_flow(spec.messages)
+        prompt_ids, prefill = self._render(spec)
         mode, fmt = spec.mode, self.format
-        prefill = fmt.forced_prefill(mode.forced_name) if mode.forced else ""
-        try:
-            prompt_ids = self.renderer.render(spec.messages, mode.tools, self.conversations.known_turn, prefill,
-                                              spec.template_kwargs)
-        except APIError:
-            raise
-        except Exception as e:  # the template (jinja) or the tokenizer refused the input
-            raise bad_request(f"the conversation could not be rendered with the model's chat template: {e}",
-                              param=spec.param) from None
-        self.check_prompt(prompt_ids, spec.param)
         params = self.sampling_params(spec, len(prompt_ids), skip_special_tokens=not (mode.parse and fmt.keeps_special_tokens))
         params = with_grammar(fmt, params, mode, spec.answer_schema, self.guided_decoding, self.reasoning is not None)
         # A turn the server opened with a forced call's prefill starts with that call: it does not think.
@@ -344,6 +332,32 @@ class Turns:
                                         kind=hint.kind if hint else "tool")
         return _Prepared(spec, spec.request_id or new_id(spec.id_prefix), prompt_ids, params, intercept, prefill,
                          reasoning)
+
+    def render_prompt(self, spec: TurnSpec) -> list[int]:
+        """The prompt token ids `spec` would be served with (400 on bad input); nothing runs."""
+        if not spec.is_chat:
+            prompt_ids = list(spec.prompt_ids)
+            self.check_prompt(prompt_ids, spec.param)
+            return prompt_ids
+        return self._render(spec)[0]
+
+    def _render(self, spec: TurnSpec) -> tuple[list[int], str]:
+        """A chat turn's prompt token ids and the prefill they end with (a forced call's opening)."""
+        if self.renderer is None:
+            raise APIError(400, "this model has no chat template; use /v1/completions", code="no_chat_template")
+        validate_tool_flow(spec.messages)
+        mode = spec.mode
+        prefill = self.format.forced_prefill(mode.forced_name) if mode.forced else ""
+        try:
+            prompt_ids = self.renderer.render(spec.messages, mode.tools, self.conversations.known_turn, prefill,
+                                              spec.template_kwargs)
+        except APIError:
+            raise
+        except Exception as e:  # the template (jinja) or the tokenizer refused the input
+            raise bad_request(f"the conversation could not be rendered with the model's chat template: {e}",
+                              param=spec.param) from None
+        self.check_prompt(prompt_ids, spec.param)
+        return prompt_ids, prefill
 
     def _claim(self, spec: TurnSpec, prompt_ids: list[int]) -> Paused | None:
         """The paused generation the turn continues, taken out of the store: its holder's, or found by the
