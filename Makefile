@@ -22,8 +22,21 @@ download: install
 
 # The OpenAI-compatible server on 127.0.0.1:8000 (flags: `infercept serve --help`, or INFERCEPT_* variables).
 # `make serve BACKEND=vllm` sets up .venv-vllm first and serves through vLLM (docs/operators.md §7).
-serve: download $(if $(filter vllm auto,$(BACKEND)),vllm-env)
-	$(BIN)/infercept serve $(if $(BACKEND),--backend $(BACKEND))
+# `make serve REPLICAS=N`: N servers on 127.0.0.1:8001.. (THREADS= torch threads each, default 1) behind
+# vllm-router on 127.0.0.1:8000, one URL; a resume goes to the replica holding its pause (server/replicas.py,
+# docs/replicas.md; ROUTER_POLICY=kv_aware for clients that send X-Session-Id).
+REPLICAS ?=
+THREADS ?=
+ROUTER_POLICY ?=
+serve: download $(if $(filter vllm auto,$(BACKEND)),vllm-env) $(if $(REPLICAS),router)
+	$(if $(REPLICAS),$(BIN)/python -m infercept.server.replicas --replicas $(REPLICAS) $(if $(THREADS),--threads $(THREADS)) \
+		$(if $(ROUTER_POLICY),--router-policy $(ROUTER_POLICY)) $(if $(BACKEND),-- --backend $(BACKEND)),\
+		$(BIN)/infercept serve $(if $(BACKEND),--backend $(BACKEND)) $(if $(THREADS),--threads $(THREADS)))
+
+# The router for `make serve REPLICAS=N` (pyproject.toml's `router` extra; the test extra has it too).
+.PHONY: router
+router: install
+	@$(BIN)/python -c "import vllm_router" 2>/dev/null || $(BIN)/pip install --quiet -e ".[router]"
 
 # The tests include the vLLM backend's (tests/test_vllm_backend.py), so this also sets up .venv-vllm, and
 # the dashboard's in a headless browser (tests/test_dashboard.py), so Debian's chromium where it can.

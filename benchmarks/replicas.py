@@ -1,0 +1,317 @@
+"""Replicas behind vllm-router (server/replicas.py): does a resume reach the replica that holds its pause,
+and do two replicas serve about twice the agents of one?
+
+    python benchmarks/replicas.py                 # 24 agents, ~1,000-token prompts, 5 steps, 0.5 s tools
+    python benchmarks/replicas.py --agents 8 --steps 3 --words 100 --out /tmp/replicas   # a quick look
+
+Three runs, one after another, each with fresh prompts (no run finds another's prefix in a cache):
+
+  one          one `infercept serve --threads T`, the agents straight at it;
+  cache_aware  `python -m infercept.server.replicas --replicas N --threads T` (N servers, T threads each,
+               behind vllm-router's cache-aware policy, the launcher's default);
+  round_robin  vllm-router with --policy round_robin over the same N servers.
+
+Every agent starts at once and runs its loop with the official openai SDK, sending the whole
+conversation every step (an unmodified client): a unique ~1,000-token task, then `--steps - 1` steps
+that each end in a forced call of `lookup` (tool_choice named) followed by `--tool-s` seconds of "tool",
+then a last step that answers (tool_choice none). Every step but the first resumes a paused generation;
+`cached_tokens` is the server's own report, and a resumed step with >= 90% of its prompt cached found its
+pause (a step that landed on another replica finds at most the prefix it shares with other agents there:
+the tool definitions). Throughput is agents / (time from the first request to the last answer).
+
+Writes `<out>/replicas.json` (every step of every agent of every run) and `<out>/replicas.md`.
+The agent loop (`run_agent`, `run_agents`) is also what tests/test_replicas.py drives.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from machine import cpu_name, today  # noqa: E402
+
+TOOL = {"name": "lookup", "description": "Look up one entry of the list by its position",
+        "parameters": {"type": "object", "properties": {"index": {"type": "integer"}}, "required": ["index"],
+                       "additionalProperties": False}}
+CHAT_TOOLS = [{"type": "function", "function": TOOL}]
+RESPONSES_TOOLS = [{"type": "function", **TOOL}]
+VOCABULARY = ("apple", "river", "stone", "cloud", "maple", "orbit", "pixel", "tiger", "violet", "harbor",
+              "copper", "meadow", "lantern", "glacier", "saffron", "timber")
+HIT = 0.9  # a resumed step with at least this share of its prompt cached found its pause
+
+
+def task(rng: random.Random, words: int) -> tuple[str, list[str]]:
+    """A unique task of `words` entries (~4.4 tokens each with the embedded model's tokenizer), and the entries."""
+    items = [f"{rng.choice(VOCABULARY)}{rng.randrange(1000)}" for _ in range(words)]
+    return (f"Task {rng.randrange(10**9)}: look up each of these entries in order, one call at a time: "
+            f"{' '.join(items)}"), items
+
+
+def lookup(items: list[str], arguments: str) -> str:
+    """The tool: the agent's own entry at the index the call names."""
+    try:
+        index = int(json.loads(arguments)["index"])
+    except (ValueError, KeyError, TypeError):
+        return "Error: call lookup with an integer index"
+    return json.dumps({"index": index, "entry": items[index % len(items)]})
+
+
+def default_model(base_url: str) -> str:
+    r = httpx.get(f"{base_url}/v1/models", timeout=10)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+def _share(prompt: int, cached: int) -> float:
+    return cached / prompt if prompt else 0.0
+
+
+def run_agent(client: openai.OpenAI, model: str, seed: str, steps: int = 3, words: int = 100, tool_s: float = 0.0,
+              mode: str = "implicit", max_tokens: int = 32, identical_results: bool = False, on_step=None) -> dict:
+    """One agent's loop; returns {"steps": [...], "error": None or {"status", "message", "step"}}.
+
+    `mode`: implicit (chat, the whole conversation every step), session (chat under an X-Session-Id
+    header, only the tool results after the first step) or responses (previous_response_id, with the
+    same X-Session-Id header on every request). The last step answers without a tool call.
+    `identical_results`: every agent's tool returns the same text at the same step (`entry <step>: <the
+    call's arguments>`) instead of the entry from its own list."""
+    rng = random.Random(seed)
+    text, items = task(rng, words)
+    session = f"agent-{seed}"
+    headers = {"X-Session-Id": session} if mode in ("session", "responses") else None
+    messages, new, previous = [{"role": "user", "content": text}], None, None
+    records: list[dict] = []
+    for step in range(steps):
+        last = step == steps - 1
+        start = time.perf_counter()
+        try:
+            if mode == "responses":
+                choice = "none" if last else {"type": "function", "name": TOOL["name"]}
+                r = client.responses.create(model=model, input=text if previous is None else new,
+                                            previous_response_id=previous, tools=RESPONSES_TOOLS,
+                                            tool_choice=choice, max_output_tokens=max_tokens if not last else 16,
+                                            temperature=0, extra_headers=headers)
+                prompt, cached = r.usage.input_tokens, r.usage.input_tokens_details.cached_tokens or 0
+                calls = [(o.call_id, o.arguments) for o in r.output if o.type == "function_call"]
+                previous = r.id
+            else:
+                choice = "none" if last else {"type": "function", "function": {"name": TOOL["name"]}}
+                sent = messages if mode == "implicit" or step == 0 else new
+                r = client.chat.completions.create(model=model, messages=sent, tools=CHAT_TOOLS, tool_choice=choice,
+                                                   max_tokens=max_tokens if not last else 16, temperature=0,
+                                                   extra_headers=headers,
+                                                   extra_body={"session_id": session} if mode == "session" else None)
+                details = r.usage.prompt_tokens_details
+                prompt, cached = r.usage.prompt_tokens, (details.cached_tokens or 0) if details else 0
+                message = r.choices[0].message
+                calls = [(c.id, c.function.arguments) for c in message.tool_calls or []]
+                messages.append(message.model_dump(exclude_none=True))
+        except openai.APIStatusError as e:
+            return {"steps": records, "error": {"status": e.status_code, "message": str(e)[:300], "step": step}}
+        except openai.APIConnectionError as e:
+            return {"steps": records, "error": {"status": None, "message": str(e)[:300], "step": step}}
+        records.append({"step": step, "prompt_tokens": prompt, "cached_tokens": cached,
+                        "cached_share": round(_share(prompt, cached), 4), "e2e_s": round(time.perf_counter() - start, 3)})
+        if on_step is not None:
+            on_step(step)
+        if last:
+            break
+        if not calls:
+            return {"steps": records, "error": {"status": 200, "message": "no tool call on a forced step", "step": step}}
+        time.sleep(tool_s)
+        results = [{"call_id": cid, "output": f"entry {step}: {args}" if identical_results else lookup(items, args)}
+                   for cid, args in calls]
+        if mode == "responses":
+            new = [{"type": "function_call_output", **r} for r in results]
+        else:
+            new = [{"role": "tool", "tool_call_id": r["call_id"], "content": r["output"]} for r in results]
+            messages += new
+    return {"steps": records, "error": None}
+
+
+def run_agents(base_url: str, agents: int, tag: str, at_once: bool = True, model: str | None = None,
+               **kwargs) -> dict:
+    """`agents` agents through `base_url` (all at once, or one after another): their loops and the wall time."""
+    model = model or default_model(base_url)
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    start = time.perf_counter()
+    seeds = [f"{tag}-{i}" for i in range(agents)]
+    if at_once:
+        with concurrent_futures(agents) as pool:
+            loops = list(pool.map(lambda s: run_agent(client, model, s, **kwargs), seeds))
+    else:
+        loops = [run_agent(client, model, s, **kwargs) for s in seeds]
+    return {"agents": loops, "wall_s": round(time.perf_counter() - start, 3)}
+
+
+def concurrent_futures(n: int) -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(max_workers=max(1, n))
+
+
+def resumed(loops: list[dict]) -> list[dict]:
+    return [s for loop in loops for s in loop["steps"] if s["step"] > 0]
+
+
+def summarize(run: dict) -> dict:
+    loops = run["agents"]
+    back = resumed(loops)
+    hits = [s for s in back if s["cached_share"] >= HIT]
+    firsts = [loop["steps"][0]["prompt_tokens"] for loop in loops if loop["steps"]]
+    done = [loop for loop in loops if loop["error"] is None]
+    return {"agents": len(loops), "finished": len(done), "errors": [loop["error"] for loop in loops if loop["error"]],
+            "wall_s": run["wall_s"], "agents_per_s": round(len(done) / run["wall_s"], 4),
+            "resumed_steps": len(back), "resumed_hits": len(hits),
+            "resumed_hit_share": round(len(hits) / len(back), 4) if back else None,
+            "resumed_cached_share": round(sum(s["cached_tokens"] for s in back) / max(1, sum(s["prompt_tokens"] for s in back)), 4),
+            "first_prompt_tokens_median": statistics.median(firsts) if firsts else None,
+            "resumed_e2e_median_s": round(statistics.median(s["e2e_s"] for s in back), 3) if back else None}
+
+
+# -- the runs --------------------------------------------------------------------------------------------
+
+def _processes():
+    from sweep import ServerProcess, free_port  # noqa: E402  (tqdm, only for the benchmark's own runs)
+    return ServerProcess, free_port
+
+
+def run_one(args, out: Path) -> dict:
+    ServerProcess, free_port = _processes()
+    port = free_port()
+    exe = str(Path(sys.executable).with_name("infercept"))
+    server = ServerProcess([exe, "serve", "--port", str(port), "--threads", str(args.threads), "--log-level", "warning",
+                            *args.serve_arg], port, "one server", out / "one.log")
+    try:
+        server.wait_ready(timeout=900)
+        return measure(server.base_url, "one", args)
+    finally:
+        server.stop()
+
+
+def measure(url: str, name: str, args) -> dict:
+    load = os.getloadavg()[0]
+    run = run_agents(url, args.agents, f"{name}-{time.time_ns()}", steps=args.steps, words=args.words,
+                     tool_s=args.tool_s, identical_results=args.identical_results)
+    summary = summarize(run)
+    summary["load_average_before"] = round(load, 2)
+    print(f"{name}: {json.dumps(summary)}", file=sys.stderr, flush=True)
+    return {"summary": summary, **run}
+
+
+def run_replicas(args, out: Path) -> dict[str, dict]:
+    """The launcher with its default policy, then a round-robin router over the same replicas."""
+    from infercept.server.replicas import router_argv, router_executable
+
+    ServerProcess, free_port = _processes()
+    port, base, metrics = free_port(), free_port(), free_port()
+    while any(_busy(base + i) for i in range(args.replicas)):
+        base = free_port()
+    launcher = ServerProcess([sys.executable, "-m", "infercept.server.replicas", "--replicas", str(args.replicas),
+                              "--threads", str(args.threads), "--port", str(port), "--base-port", str(base),
+                              "--metrics-port", str(metrics), "--log-dir", str(out / "logs"), "--no-restart",
+                              "--", "--log-level", "warning", *args.serve_arg],
+                             port, f"{args.replicas} replicas + router", out / "launcher.log")
+    runs = {}
+    try:
+        launcher.wait_ready(timeout=900)
+        runs["cache_aware"] = measure(launcher.base_url, "cache_aware", args)
+        workers = [f"http://127.0.0.1:{base + i}" for i in range(args.replicas)]
+        rr_port = free_port()
+        rr = ServerProcess(router_argv(router_executable(), workers, "127.0.0.1", rr_port, "round_robin", free_port()),
+                           rr_port, "round-robin router", out / "round_robin_router.log")
+        try:
+            rr.wait_ready(timeout=120)
+            runs["round_robin"] = measure(rr.base_url, "round_robin", args)
+        finally:
+            rr.stop()
+    finally:
+        launcher.stop()
+    return runs
+
+
+def _busy(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def report(doc: dict) -> str:
+    runs, a = doc["runs"], doc["args"]
+    lines = [f"# Replicas behind vllm-router: {a['agents']} agents, {a['steps']} steps, {a['tool_s']} s tools",
+             "", f"{doc['machine']}, {doc['date']}; `{doc['command']}`; {a['replicas']} replicas x {a['threads']} "
+             f"thread(s) vs one server x {a['threads']} thread(s); vllm-router {doc['router_version']}.", "",
+             "| run | finished | wall (s) | agents/s | resumed steps >= 90% cached | cached share of resumed prompts "
+             "| first prompt tokens (median) | resumed step e2e, median (s) | load avg before |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, run in runs.items():
+        s = run["summary"]
+        hit = f"{s['resumed_hits']}/{s['resumed_steps']} ({100 * (s['resumed_hit_share'] or 0):.1f}%)"
+        lines.append(f"| {name} | {s['finished']}/{s['agents']} | {s['wall_s']:.1f} | {s['agents_per_s']:.3f} | {hit} | "
+                     f"{100 * s['resumed_cached_share']:.1f}% | {s['first_prompt_tokens_median']} | "
+                     f"{s['resumed_e2e_median_s']} | {s['load_average_before']} |")
+    goals = doc["goals"]
+    lines += ["", "Goals: " + "; ".join(f"{k}: {v}" for k, v in goals.items()), ""]
+    return "\n".join(lines)
+
+
+def goals_of(runs: dict) -> dict:
+    goals = {}
+    if "cache_aware" in runs:
+        share = runs["cache_aware"]["summary"]["resumed_hit_share"] or 0
+        goals["cache_aware resumed steps >= 90% cached in >= 95%"] = f"{100 * share:.1f}% ({'met' if share >= 0.95 else 'not met'})"
+    if "round_robin" in runs:
+        goals["round_robin resumed steps >= 90% cached"] = f"{100 * (runs['round_robin']['summary']['resumed_hit_share'] or 0):.1f}%"
+    if "one" in runs and "cache_aware" in runs:
+        ratio = runs["cache_aware"]["summary"]["agents_per_s"] / runs["one"]["summary"]["agents_per_s"]
+        goals["agents/s, replicas / one (>= 1.8x)"] = f"{ratio:.2f}x ({'met' if ratio >= 1.8 else 'not met'})"
+    return goals
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--agents", type=int, default=24)
+    p.add_argument("--steps", type=int, default=5, help="model calls per agent; all but the last end in a tool call")
+    p.add_argument("--words", type=int, default=170,
+                   help="words of each agent's task (170: a ~1,000-token first prompt with the tool definitions)")
+    p.add_argument("--tool-s", type=float, default=0.5, help="seconds each tool call takes")
+    p.add_argument("--identical-results", action="store_true",
+                   help="every agent's tool returns the same text at the same step (the router's cache-aware "
+                        "matching then sends some resumes elsewhere)")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch threads of each server, the single one too")
+    p.add_argument("--runs", nargs="+", default=["one", "cache_aware", "round_robin"],
+                   choices=("one", "cache_aware", "round_robin"))
+    p.add_argument("--serve-arg", action="append", default=[], help="one more `infercept serve` argument (repeat)")
+    p.add_argument("--out", default=str(Path(__file__).with_name("results") / "replicas"))
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = {}
+    if "one" in args.runs:
+        runs["one"] = run_one(args, out)
+    if {"cache_aware", "round_robin"} & set(args.runs):
+        both = run_replicas(args, out)
+        runs.update({k: v for k, v in both.items() if k in args.runs})
+    from importlib.metadata import version
+
+    doc = {"machine": cpu_name(), "date": today(), "command": " ".join(["python benchmarks/replicas.py", *(sys.argv[1:] if argv is None else argv)]),
+           "router_version": version("vllm-router"), "args": vars(args), "runs": runs, "goals": goals_of(runs)}
+    (out / "replicas.json").write_text(json.dumps(doc, indent=1) + "\n")
+    text = report(doc)
+    (out / "replicas.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

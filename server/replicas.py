@@ -1,0 +1,355 @@
+"""Replicas of `infercept serve` behind vLLM's router (the `vllm-router` package), one URL for clients.
+
+    python -m infercept.server.replicas --replicas 2                  # router on 127.0.0.1:8000,
+                                                                      # replicas on 8001 and 8002
+    python -m infercept.server.replicas --replicas 4 --threads 2 -- --policy swap --kv-cache-gb 1
+    make serve REPLICAS=2 [THREADS=2]
+
+A paused generation lives in the process that paused it, so the request that resumes it has to reach
+that replica. vllm-router 0.1.17 has no one policy that does this for every kind of client, so the
+launcher offers two (`--router-policy`):
+
+* `cache_aware` (the default): the router asks every replica to render a chat request into prompt token
+  ids (the server's `POST /v1/chat/completions/render`, vLLM's route) and sends it where the longest
+  prefix of those ids went before (when that prefix is over `--cache-threshold` of the request; otherwise
+  to the least loaded replica). An implicit resume (the whole conversation sent again with the tool
+  results: the OpenAI SDK's chat loop, LangChain, ...) renders to ids that extend those of the turn that
+  paused, and so does a chat request that continues a session named in its body (`session_id`: the
+  replica that holds the session renders its stored conversation first), so both go home. Not: a
+  session named in the X-Session-Id header alone (the router sends no headers with its render calls)
+  and Responses chains (`previous_response_id`: the router does not render stateful requests and
+  balances them by load, so on another replica they fail, 404).
+* `kv_aware` with session affinity (`--affinity-ttl`, default 3600 s), for clients that send an
+  `X-Session-Id` header: chat sessions and Responses chains whose requests carry the header stay on the
+  replica their first request went to. Requests without the header are balanced by load (the router's
+  KV-aware matching needs KV events that the server does not publish), so implicit resumes then miss.
+
+The native /v1/sessions routes cannot be routed under either: the replica makes the session id up when
+the session is created, so no request before that names it (docs/replicas.md).
+
+The launcher starts the replicas (`infercept serve` on consecutive ports, `--threads` each), waits for
+their /health, starts the router, waits for its /readiness, and then watches: a replica that exits is
+started again on its port (the router sends its traffic to the others meanwhile and takes it back once
+it is healthy); if the router exits, everything stops. Ctrl-C or SIGTERM stops the router, then the
+replicas (each with its own graceful shutdown), then exits.
+
+Each replica runs `infercept serve` through this module (`replica` below), which puts one ASGI layer
+in front of the server's app and changes nothing else: DropRouterDefaults removes the SGLang sampling
+fields the router adds to every chat and completion body it forwards or renders (`no_stop_trim: false`, `skip_special_tokens: true`, ...; the server refuses unknown
+fields with a 400) when they hold exactly the router's defaults; any other value still reaches the server
+and is refused there.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO
+
+ROUTER_PACKAGE = "vllm-router"  # pinned in pyproject.toml's `router` extra
+ROUTER_POLICIES = ("cache_aware", "kv_aware", "round_robin", "consistent_hash", "power_of_two", "random")
+
+# The fields vllm-router 0.1.17 adds to every chat/completions body it forwards, with the values it
+# writes when the client sent none (ignore_eos is one of the server's own fields, so it is not here).
+ROUTER_DEFAULTS = {"no_stop_trim": False, "continue_final_message": False, "skip_special_tokens": True,
+                   "separate_reasoning": True, "stream_reasoning": True, "return_hidden_states": False,
+                   "include_reasoning": True}
+# (and to the render calls it makes of each replica for cache_aware, from the same body)
+REWRITTEN_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/chat/completions/render", "/v1/completions/render")
+
+
+# -- a replica ----------------------------------------------------------------------------------------
+
+class DropRouterDefaults:
+    """ASGI middleware: removes ROUTER_DEFAULTS from a JSON body POSTed to REWRITTEN_PATHS where they
+    hold exactly those values. Everything else passes through unchanged."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in REWRITTEN_PATHS:
+            return await self.app(scope, receive, send)
+        chunks = []
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away before sending its body
+                return await self.app(scope, _replay([message], receive), send)
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        body = b"".join(chunks)
+        stripped = strip_router_defaults(body)
+        if stripped is not body:
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
+            scope = dict(scope, headers=headers + [(b"content-length", str(len(stripped)).encode())])
+        return await self.app(scope, _replay([{"type": "http.request", "body": stripped, "more_body": False}],
+                                             receive), send)
+
+
+def _replay(messages: list, receive):
+    async def replay():
+        return messages.pop(0) if messages else await receive()
+    return replay
+
+
+def strip_router_defaults(body: bytes) -> bytes:
+    """`body` without the router's default extras (the same object when there is nothing to drop, or
+    when it is not a JSON object: the server answers that as it always does)."""
+    try:
+        request = json.loads(body)
+    except ValueError:
+        return body
+    if not isinstance(request, dict):
+        return body
+    drop = [k for k, v in ROUTER_DEFAULTS.items() if k in request and request[k] is v]
+    if not drop:
+        return body
+    for key in drop:
+        del request[key]
+    return json.dumps(request).encode()
+
+
+def replica(argv: list[str]) -> None:
+    """`infercept serve ARGV` with DropRouterDefaults in front of the app."""
+    import infercept.server.app as app_module
+    from infercept.server.cli import main as cli_main
+
+    build_app = app_module.build_app
+
+    def build_app_behind_router(*args, **kwargs):
+        app = build_app(*args, **kwargs)
+        app.add_middleware(DropRouterDefaults)
+        return app
+
+    app_module.build_app = build_app_behind_router  # cmd_serve imports it from the module when it runs
+    cli_main(["serve", *argv])
+
+
+# -- the launcher ----------------------------------------------------------------------------------------
+
+def router_executable() -> str | None:
+    """vllm-router's command: beside this Python first (a virtual environment), then on PATH."""
+    return (shutil.which("vllm-router", path=os.path.dirname(sys.executable))
+            or shutil.which("vllm-router"))
+
+
+def router_argv(exe: str, workers: list[str], host: str, port: int, policy: str, metrics_port: int,
+                cache_threshold: float = 0.5, affinity_ttl: float = 3600, extra: list[str] = ()) -> list[str]:
+    """vllm-router's command line for `policy` (kv_aware: with session affinity for `affinity_ttl` s)."""
+    by_policy = {"cache_aware": ["--cache-threshold", str(cache_threshold)],
+                 "kv_aware": ["--kv-aware-session-affinity-ttl-secs", str(int(affinity_ttl))]}
+    return [exe, "--host", host, "--port", str(port), "--worker-urls", *workers, "--policy", policy,
+            *by_policy.get(policy, []),
+            # Notice a dead replica in seconds (the default is a minute); requests fail over to the
+            # others by the router's retries before that.
+            "--health-check-interval-secs", "5", "--health-check-timeout-secs", "5",
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+            "--log-level", "warning", *extra]
+
+
+def _pdeathsig() -> None:
+    """In the child before exec: SIGTERM when the launcher dies, even by SIGKILL (Linux only)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class Child:
+    """A process of the launcher, in its own process group (the terminal's Ctrl-C reaches the launcher
+    only, which stops the children in order)."""
+
+    def __init__(self, name: str, argv: list[str], url: str, log: IO | None):
+        self.name, self.argv, self.url, self.log = name, argv, url, log
+        self.proc: subprocess.Popen | None = None
+        self.started = 0.0
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT if self.log else None,
+                                     stdin=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=_pdeathsig if sys.platform == "linux" else None)
+        self.started = time.monotonic()
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.running():
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def wait_ok(children: list[Child], path: str, timeout: float) -> None:
+    """Until GET child.url + path answers 200 for every child; raises if one exits or time runs out."""
+    import httpx
+
+    deadline, waiting = time.monotonic() + timeout, list(children)
+    while waiting:
+        for child in list(waiting):
+            if not child.running():
+                raise RuntimeError(f"{child.name} exited with status {child.proc.returncode} while starting")
+            try:
+                if httpx.get(child.url + path, timeout=2).status_code == 200:
+                    waiting.remove(child)
+            except httpx.HTTPError:
+                pass
+        if waiting and time.monotonic() > deadline:
+            raise TimeoutError(f"not ready after {timeout:.0f} s: {', '.join(c.name for c in waiting)}")
+        if waiting:
+            time.sleep(0.5)
+
+
+def stop(children: list[Child], timeout: float) -> None:
+    """SIGTERM to each, SIGKILL to what still runs after `timeout` seconds."""
+    for child in children:
+        child.signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for child in children:
+        if child.proc is None:
+            continue
+        try:
+            child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(f"infercept replicas: {child.name} did not stop in {timeout:.0f} s; killing it",
+                  file=sys.stderr, flush=True)
+            child.signal(signal.SIGKILL)
+            child.proc.wait()
+
+
+class Stop(Exception):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = lambda name, default: os.environ.get(f"INFERCEPT_{name}") or default  # noqa: E731
+    p = argparse.ArgumentParser(
+        prog="python -m infercept.server.replicas", allow_abbrev=False,
+        description="N `infercept serve` replicas behind vllm-router on one URL. Arguments after `--` go to "
+                    "every `infercept serve` (engine and server flags; not --port or --threads).")
+    p.add_argument("--replicas", type=int, default=int(env("REPLICAS", 2)), help="how many (default 2)")
+    p.add_argument("--host", default=env("HOST", "127.0.0.1"), help="the router's address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=int(env("PORT", 8000)), help="the router's port (default 8000)")
+    p.add_argument("--base-port", type=int, default=None,
+                   help="the first replica's port; the others follow (default: --port + 1). Replicas listen "
+                        "on 127.0.0.1 only: the router is the way in")
+    p.add_argument("--threads", type=int, default=int(env("THREADS", 1)),
+                   help="torch CPU threads of each replica (default 1)")
+    p.add_argument("--router-policy", choices=ROUTER_POLICIES, default="cache_aware",
+                   help="cache_aware (default): an implicit resume (the conversation sent again) goes to the "
+                        "replica that served its prefix; kv_aware: a request with an X-Session-Id header goes "
+                        "to the replica of its session (chat sessions, Responses chains); the others keep no "
+                        "conversation on its replica")
+    p.add_argument("--cache-threshold", type=float, default=0.5,
+                   help="cache_aware: the share of a request's text its best replica must have seen for the "
+                        "request to go there rather than to the least loaded replica (default 0.5; a resume "
+                        "shares ~90%% or more, a new conversation only what it has in common with others)")
+    p.add_argument("--affinity-ttl", type=float, default=3600,
+                   help="kv_aware: seconds an idle X-Session-Id stays bound to its replica (default 3600, the "
+                        "server's --response-ttl; sessions live --idle-ttl, 600 s)")
+    p.add_argument("--metrics-port", type=int, default=29000, help="the router's Prometheus port (default 29000)")
+    p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for vllm-router, e.g. --router-arg=--retry-max-retries=3 (repeat)")
+    p.add_argument("--log-dir", default=None,
+                   help="write each process's output to <dir>/replica-<port>.log and router.log instead of "
+                        "this terminal")
+    p.add_argument("--startup-timeout", type=float, default=900, help="seconds to wait for health (default 900)")
+    p.add_argument("--no-restart", dest="restart", action="store_false",
+                   help="leave a replica that exits stopped (default: start it again)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["replica"]:
+        return replica(argv[1:])
+    serve_args = []
+    if "--" in argv:
+        at = argv.index("--")
+        argv, serve_args = argv[:at], argv[at + 1:]
+    args = build_parser().parse_args(argv)
+    if args.replicas < 1:
+        raise SystemExit("infercept replicas: --replicas must be at least 1")
+    if any(a.split("=")[0] in ("--port", "--threads", "--host") for a in serve_args):
+        raise SystemExit("infercept replicas: give --port, --threads and --host to the launcher, not after --")
+    exe = router_executable()
+    if exe is None:
+        raise SystemExit(f"infercept replicas: {ROUTER_PACKAGE} is not installed: pip install 'infercept[router]' "
+                         f"(or make serve REPLICAS=N, which installs it)")
+    base = args.base_port or args.port + 1
+    ports = [base + i for i in range(args.replicas)]
+    logs = Path(args.log_dir) if args.log_dir else None
+    if logs:
+        logs.mkdir(parents=True, exist_ok=True)
+
+    def log(name: str):
+        return open(logs / f"{name}.log", "a", buffering=1) if logs else None
+
+    def on_signal(sig, frame):
+        raise Stop(signal.Signals(sig).name)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    replicas: list[Child] = []
+    router: Child | None = None
+    status = 0
+    try:
+        for port in ports:
+            replicas.append(Child(f"replica :{port}", [sys.executable, "-m", "infercept.server.replicas", "replica",
+                                                       "--host", "127.0.0.1", "--port", str(port),
+                                                       "--threads", str(args.threads), *serve_args],
+                                  f"http://127.0.0.1:{port}", log(f"replica-{port}")))
+        print(f"infercept replicas: starting {args.replicas} on ports {ports[0]}-{ports[-1]} "
+              f"({args.threads} thread{'s' * (args.threads != 1)} each) ...", file=sys.stderr, flush=True)
+        wait_ok(replicas, "/health", args.startup_timeout)
+        workers = [r.url for r in replicas]
+        router = Child("router", router_argv(exe, workers, args.host, args.port, args.router_policy,
+                                             args.metrics_port, args.cache_threshold, args.affinity_ttl,
+                                             args.router_arg),
+                       f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}",
+                       log("router"))
+        wait_ok([router], "/readiness", 120)
+        print(f"infercept replicas: serving on http://{args.host}:{args.port}/v1 ({ROUTER_PACKAGE}, "
+              f"{args.router_policy}; replicas {', '.join(workers)})", flush=True)
+        while True:
+            time.sleep(0.5)
+            if not router.running():
+                raise RuntimeError(f"the router exited with status {router.proc.returncode}; stopping")
+            for r in replicas:
+                if not r.running():
+                    code = r.proc.returncode
+                    if not args.restart:
+                        continue
+                    print(f"infercept replicas: {r.name} exited with status {code}; its paused generations are "
+                          f"lost, the router sends its requests to the others; starting it again",
+                          file=sys.stderr, flush=True)
+                    # Not in a tight loop if it cannot start at all.
+                    time.sleep(max(0.0, 10 - (time.monotonic() - r.started)))
+                    r.start()
+    except Stop as stopped:
+        print(f"infercept replicas: stopping ({stopped})", file=sys.stderr, flush=True)
+    except (RuntimeError, TimeoutError) as e:
+        print(f"infercept replicas: {e}", file=sys.stderr, flush=True)
+        status = 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if router is not None:
+            stop([router], 15)
+        stop(replicas, 60)
+    sys.exit(status)
+
+
+if __name__ == "__main__":
+    main()

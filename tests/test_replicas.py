@@ -1,0 +1,257 @@
+"""Replicas behind vllm-router (server/replicas.py): two `infercept serve` processes (one thread each) and
+the router in front, started by the launcher as `make serve REPLICAS=2` starts them, driven by agents on
+the official openai SDK (benchmarks/replicas.py's loop: a unique task, forced tool calls, the whole
+conversation sent again each step).
+
+* cache_aware (the launcher's default; the router renders each request on every replica, the server's
+  /v1/chat/completions/render, and routes by the longest prefix of those ids): every resumed
+  step of concurrent agents finds its paused generation (>= 90% of its prompt cached), so it reached the
+  replica that paused it, and both replicas served agents; so does every step of chat sessions that name
+  their session in the body (only the tool results sent after the first step);
+* round_robin over the same replicas, agents one after another: consecutive steps alternate replicas, so
+  resumed steps miss (< 90% cached; what the right routing buys);
+* kv_aware with session affinity: Responses chains (previous_response_id) and chat sessions whose requests
+  carry an X-Session-Id header return to their replica;
+* one replica killed while agents run: agents that start afterwards get no 5xx (the router sends them to
+  the other replica).
+
+Skipped where the router is not installed (it is in the test extra; Linux wheels only). ~1.5 min on 2
+cores, most of it the two replicas loading the model.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bench_modules import load_bench
+from infercept.server.replicas import DropRouterDefaults, router_argv, router_executable, strip_router_defaults
+
+ROUTER_MISSING = importlib.util.find_spec("vllm_router") is None or router_executable() is None
+needs_router_skip = pytest.mark.skipif(ROUTER_MISSING, reason="vllm-router is not installed (pip install "
+                                                          "'infercept[router]'; Linux only)")
+
+
+def needs_router(test):
+    return pytest.mark.slow(needs_router_skip(test))
+
+WORDS = 100  # ~700-token first prompts: a resumed step is ~96% cached at home, ~40% on the other replica
+
+
+# -- the launcher's request fix-up (no router needed) ---------------------------------------------------
+
+def test_only_the_routers_default_extras_are_dropped():
+    routed = {"model": "m", "messages": [], "max_tokens": 5, "session_id": "s", "ignore_eos": False,
+              "no_stop_trim": False, "continue_final_message": False, "skip_special_tokens": True,
+              "separate_reasoning": True, "stream_reasoning": True, "return_hidden_states": False,
+              "include_reasoning": True}
+    assert json.loads(strip_router_defaults(json.dumps(routed).encode())) == {
+        "model": "m", "messages": [], "max_tokens": 5, "session_id": "s", "ignore_eos": False}
+    # A value the client chose is the server's to judge (it refuses it); other bodies pass as they are.
+    chosen = json.dumps({"model": "m", "no_stop_trim": True, "skip_special_tokens": 1}).encode()
+    assert strip_router_defaults(chosen) is chosen
+    for body in (b"not json", b"[1, 2]", b'{"model": "m"}'):
+        assert strip_router_defaults(body) is body
+
+
+def test_the_middleware_rewrites_chat_and_completions_bodies_only():
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    async def echo(request):
+        body = await request.body()
+        return JSONResponse({"body": json.loads(body), "length": request.headers["content-length"] == str(len(body))})
+
+    app = Starlette(routes=[Route("/{path:path}", echo, methods=["POST"])], middleware=[Middleware(DropRouterDefaults)])
+    client = TestClient(app)
+    routed = {"model": "m", "no_stop_trim": False, "skip_special_tokens": True}
+    for path, expected in (("/v1/chat/completions", {"model": "m"}), ("/v1/completions", {"model": "m"}),
+                           ("/v1/chat/completions/render", {"model": "m"}), ("/v1/completions/render", {"model": "m"}),
+                           ("/v1/responses", routed)):
+        answer = client.post(path, json=routed).json()
+        assert answer == {"body": expected, "length": True}, path
+
+
+# -- the launcher and the router ------------------------------------------------------------------------
+
+def free_ports(n: int) -> list[int]:
+    """`n` consecutive free loopback ports."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n < 65535 and all(_free(base + i) for i in range(n)):
+            return [base + i for i in range(n)]
+    raise RuntimeError("no free ports")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def wait_ok(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"exited with {proc.returncode}"
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(url)
+
+
+class Cluster:
+    def __init__(self, tmp: Path):
+        self.router_port, = free_ports(1)
+        self.replica_ports = free_ports(2)
+        self.url = f"http://127.0.0.1:{self.router_port}"
+        self.workers = [f"http://127.0.0.1:{p}" for p in self.replica_ports]
+        self.logs = tmp
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "infercept.server.replicas", "--replicas", "2", "--threads", "1",
+             "--port", str(self.router_port), "--base-port", str(self.replica_ports[0]),
+             "--metrics-port", str(free_ports(1)[0]), "--log-dir", str(tmp), "--no-restart",
+             "--", "--log-level", "warning"],
+            stdout=open(tmp / "launcher.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+    def replica_pid(self, port: int) -> int:
+        """The replica process listening on `port` (its command line names the port)."""
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                argv = cmdline.read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"infercept.server.replicas" in argv and b"replica" in argv and str(port).encode() in argv:
+                return int(cmdline.parent.name)
+        raise LookupError(port)
+
+    def extra_router(self, policy: str):
+        """Another vllm-router over the same replicas (as the launcher would start it with `policy`)."""
+        port, metrics = free_ports(1)[0], free_ports(1)[0]
+        proc = subprocess.Popen(router_argv(router_executable(), self.workers, "127.0.0.1", port, policy, metrics),
+                                stdout=open(self.logs / f"router-{policy}.log", "w"), stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        wait_ok(f"http://127.0.0.1:{port}/readiness", proc, 60)
+        return proc, f"http://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    cluster = Cluster(tmp_path_factory.mktemp("replicas"))
+    try:
+        wait_ok(cluster.url + "/readiness", cluster.proc, 600)
+        yield cluster
+    finally:
+        cluster.stop()
+    # SIGTERM stopped the router and both replicas, and the launcher exited cleanly.
+    assert cluster.proc.returncode == 0, (cluster.logs / "launcher.log").read_text()
+    assert not any(_listening(p) for p in [cluster.router_port, *cluster.replica_ports])
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_bench("replicas")
+
+
+def resumed_shares(run: dict) -> list[float]:
+    assert [loop["error"] for loop in run["agents"]] == [None] * len(run["agents"])
+    return [s["cached_share"] for loop in run["agents"] for s in loop["steps"] if s["step"] > 0]
+
+
+def requests_served(worker: str) -> float:
+    text = httpx.get(worker + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("infercept_requests_total{"))
+
+
+@needs_router
+def test_implicit_resumes_and_named_sessions_return_to_their_replica(cluster, bench):
+    run = bench.run_agents(cluster.url, 4, "home", steps=3, words=WORDS)
+    shares = resumed_shares(run)
+    assert len(shares) == 8 and min(shares) >= 0.9, shares
+    assert all(requests_served(w) > 0 for w in cluster.workers), "the router used one replica only"
+    # session_id in the body (and the header): after the first step only the tool results are sent.
+    sessions = bench.run_agents(cluster.url, 2, "named", steps=3, words=WORDS, mode="session")
+    shares = resumed_shares(sessions)
+    assert len(shares) == 4 and min(shares) >= 0.9, shares
+
+
+@needs_router
+def test_round_robin_sends_resumes_elsewhere(cluster, bench):
+    proc, url = cluster.extra_router("round_robin")
+    try:
+        # One agent at a time: each one's consecutive steps go to alternating replicas.
+        run = bench.run_agents(url, 4, "rr", at_once=False, steps=3, words=WORDS)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    shares = resumed_shares(run)
+    assert min(shares) < 0.9, shares
+
+
+@needs_router
+def test_responses_chains_and_header_sessions_return_home_under_kv_aware_affinity(cluster, bench):
+    proc, url = cluster.extra_router("kv_aware")
+    try:
+        runs = [bench.run_agents(url, 2, f"keyed-{mode}", steps=3, words=WORDS, mode=mode)
+                for mode in ("responses", "session")]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    for run in runs:
+        shares = resumed_shares(run)
+        assert len(shares) == 4 and min(shares) >= 0.9, shares
+
+
+@needs_router
+def test_a_dead_replica_fails_over(cluster, bench):
+    victim = cluster.replica_pid(cluster.replica_ports[1])
+    killed = threading.Event()
+
+    def kill_after_first_step(step: int) -> None:
+        if step == 0 and not killed.is_set():
+            killed.set()
+            os.kill(victim, signal.SIGKILL)
+
+    # Agents in flight when the replica dies (their outcome is reported, not asserted) ...
+    during = bench.run_agents(cluster.url, 4, "during", steps=3, words=WORDS, on_step=kill_after_first_step)
+    assert killed.is_set()
+    # ... and agents that start afterwards: all of them finish, none sees a 5xx.
+    after = bench.run_agents(cluster.url, 4, "after", steps=3, words=WORDS)
+    print("in flight:", [loop["error"] for loop in during["agents"]])
+    assert [loop["error"] for loop in after["agents"]] == [None] * 4
+    shares = resumed_shares(after)
+    assert min(shares) >= 0.9, shares  # all on the surviving replica, so all at home
