@@ -132,10 +132,11 @@ class Cluster:
         self.url = f"http://127.0.0.1:{self.router_port}"
         self.workers = [f"http://127.0.0.1:{p}" for p in self.replica_ports]
         self.logs = tmp
+        self.metrics_port, = free_ports(1)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "infercept.server.replicas", "--replicas", "2", "--threads", "1",
              "--port", str(self.router_port), "--base-port", str(self.replica_ports[0]),
-             "--metrics-port", str(free_ports(1)[0]), "--log-dir", str(tmp), "--no-restart",
+             "--metrics-port", str(self.metrics_port), "--log-dir", str(tmp), "--no-restart",
              "--", "--log-level", "warning"],
             stdout=open(tmp / "launcher.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -191,6 +192,18 @@ def resumed_shares(run: dict) -> list[float]:
     return [s["cached_share"] for loop in run["agents"] for s in loop["steps"] if s["step"] > 0]
 
 
+def router_render_results(cluster) -> dict[str, float]:
+    """vllm-router's count of the prompt ids it asked the replicas for, by result (`render`: answered;
+    `render_unavailable`: a replica did not answer, the request was balanced by load)."""
+    text = httpx.get(f"http://127.0.0.1:{cluster.metrics_port}/metrics", timeout=10).text
+    results: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm_router_kv_routing_inputs_total{"):
+            result = line.split('result="', 1)[1].split('"', 1)[0]
+            results[result] = results.get(result, 0) + float(line.rsplit(" ", 1)[1])
+    return results
+
+
 def requests_served(worker: str) -> float:
     text = httpx.get(worker + "/metrics", timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -203,6 +216,9 @@ def test_implicit_resumes_and_named_sessions_return_to_their_replica(cluster, be
     shares = resumed_shares(run)
     assert len(shares) == 8 and min(shares) >= 0.9, shares
     assert all(requests_served(w) > 0 for w in cluster.workers), "the router used one replica only"
+    # It routed by the ids the replicas rendered (their /v1/chat/completions/render), not by load alone.
+    renders = router_render_results(cluster)
+    assert renders.get("render", 0) >= 2 * 12, renders  # 12 requests, each rendered on both replicas
     # session_id in the body (and the header): after the first step only the tool results are sent.
     sessions = bench.run_agents(cluster.url, 2, "named", steps=3, words=WORDS, mode="session")
     shares = resumed_shares(sessions)
