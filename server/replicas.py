@@ -242,8 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=env("HOST", "127.0.0.1"), help="the router's address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=int(env("PORT", 8000)), help="the router's port (default 8000)")
     p.add_argument("--base-port", type=int, default=None,
-                   help="the first replica's port; the others follow (default: --port + 1). Replicas listen "
-                        "on 127.0.0.1 only: the router is the way in")
+                   help="the first replica's port; the others follow (default: --port + 1)")
+    p.add_argument("--replica-host", default=env("REPLICA_HOST", "127.0.0.1"),
+                   help="the replicas' address (default 127.0.0.1: the router is the way in); 0.0.0.0 in a "
+                        "container lets a Prometheus beside it scrape each replica's /metrics")
     p.add_argument("--threads", type=int, default=int(env("THREADS", 1)),
                    help="torch CPU threads of each replica (default 1)")
     p.add_argument("--router-policy", choices=ROUTER_POLICIES, default="cache_aware",
@@ -307,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for port in ports:
             replicas.append(Child(f"replica :{port}", [sys.executable, "-m", "infercept.server.replicas", "replica",
-                                                       "--host", "127.0.0.1", "--port", str(port),
+                                                       "--host", args.replica_host, "--port", str(port),
                                                        "--threads", str(args.threads), *serve_args],
                                   f"http://127.0.0.1:{port}", log(f"replica-{port}")))
         print(f"infercept replicas: starting {args.replicas} on ports {ports[0]}-{ports[-1]} "

@@ -403,6 +403,20 @@ def exported_metrics() -> set[str]:
     return set(re.findall(r"^# TYPE (\w+)", exposition, re.M)) | set(re.findall(r"^(\w+)[{ ]", exposition, re.M))
 
 
+def test_prometheus_scrapes_every_replica_of_the_replicas_profile(compose):
+    """The replicas listen on the compose network, and Prometheus lists one target per default replica (the
+    launcher's ports after the router's), so the dashboard's per-server and fleet panels see each one."""
+    command = compose["services"]["infercept-replicas"]["command"]
+    assert command[command.index("--replica-host") + 1] == "0.0.0.0"
+    replicas = int(re.search(r":-(\d+)", command[command.index("--replicas") + 1])[1])
+    config = yaml.safe_load((ROOT / "docker" / "monitoring" / "prometheus.yml").read_text())
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "infercept-replicas"]
+    assert job["static_configs"][0]["targets"] == [f"infercept-replicas:{8001 + i}" for i in range(replicas)]
+    dashboard = json.loads((ROOT / "docker" / "monitoring" / "infercept-dashboard.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    assert "sum by (instance) (infercept_paused_tokens)" in exprs and "sum(infercept_paused_tokens)" in exprs
+
+
 def test_the_grafana_dashboard_queries_real_metrics_and_compose_mounts_it(compose):
     dashboard = json.loads((ROOT / "docker" / "monitoring" / "infercept-dashboard.json").read_text())
     queried = {m for panel in dashboard["panels"] for target in panel["targets"]
