@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+
+from triton_interpreter import interpreted_outputs
 
 F32, BF16, F16, I32, I64 = torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64
 LENS = [1, 15, 16, 17, 40]  # one token, a block less one, exactly one, one past, several blocks
@@ -107,13 +108,7 @@ def run_kernel_in_interpreter(out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def kernel_outputs(tmp_path_factory):
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed (the `test` extra)")
-    out_path = str(tmp_path_factory.mktemp("triton_decode") / "outputs.pt")
-    child = subprocess.run([sys.executable, __file__, out_path], env={**os.environ, "TRITON_INTERPRET": "1"},
-                           capture_output=True, text=True, timeout=300)
-    assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
-    results = torch.load(out_path)
+    results = interpreted_outputs(__file__, tmp_path_factory.mktemp("triton_decode"))
     assert results["available"] and results["interpreted"], "the kernel did not run in Triton's interpreter"
     return results
 

@@ -5,14 +5,14 @@ test_triton_decode.py (whose docstring says why). bf16 is not among the cases: t
 with numpy, which has no bfloat16; fp16 rounds at the same places."""
 from __future__ import annotations
 
-import importlib.util
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+from triton_interpreter import interpreted_outputs
 
 # name: (rows, hidden / intermediate size, dtype, with a residual delta, tolerance)
 CASES = {
@@ -100,13 +100,7 @@ def run_in_interpreter(out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def kernel_outputs(tmp_path_factory):
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed (the `test` extra)")
-    out_path = str(tmp_path_factory.mktemp("triton_fused") / "outputs.pt")
-    child = subprocess.run([sys.executable, __file__, out_path], env={**os.environ, "TRITON_INTERPRET": "1"},
-                           capture_output=True, text=True, timeout=300)
-    assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
-    return torch.load(out_path)
+    return interpreted_outputs(__file__, tmp_path_factory.mktemp("triton_fused"))
 
 
 @pytest.mark.parametrize("name", list(CASES))
