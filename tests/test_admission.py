@@ -1,4 +1,4 @@
-"""Admission under overload (issue 22, item 4): the AIMD rule by hand, and the scheduler's hook (new
+"""Admission under overload: the AIMD rule by hand, and the scheduler's hook (new
 programs held back within the cap, turns of active programs never; no deadlock)."""
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ def test_long_context_traces_are_seeded_bounded_and_per_tool():
         ctx = workload.contexts_at_interceptions(r)
         assert max(ctx) + last["decode_tokens"] <= long_context.MAX_CONTEXT and ctx == sorted(ctx)
         contexts += ctx
-    # Long and growing (issue 22: 10k-100k), with minutes-long tails among the tool times.
+    # Long and growing (10k-100k tokens), with minutes-long tails among the tool times.
     assert min(contexts) >= 8_000 and max(contexts) > 60_000
     assert max(s["interception"]["duration_s"] for r in trace for s in r["segments"][:-1]) > 60
     small = long_context.long_context_trace(0.2, 300, seed=0, context_scale=0.05, max_context=8192,
@@ -363,7 +363,7 @@ def test_claims_refuse_an_unequal_memory_ratio_unless_the_row_says_so():
 
 
 def test_vllm_pressure_trace_and_server_command():
-    """benchmarks/vllm_pressure.py: the agents its must-show names, and one server command for every policy
+    """benchmarks/vllm_pressure.py: its default agents, and one server command for every policy
     but the policy itself (same pool, same chunk size)."""
     pressure = load_bench("vllm_pressure")
     args = pressure.argparse.Namespace(agents=24, rate=4.0, prompt=1000, steps=5, decode=32, returned=32, tool_s=2.0,
@@ -382,8 +382,8 @@ def test_vllm_pressure_trace_and_server_command():
 
 
 def test_burst_trace_and_numbers():
-    """benchmarks/burst.py: issue 22's burst by default (24 agents within 0.1 s, 1,000-token prompts, 5 turns
-    of 32 tokens, 0.5 s tools, a 4 GiB pool), and the must-show's numbers from request records."""
+    """benchmarks/burst.py: the burst by default (24 agents within 0.1 s, 1,000-token prompts, 5 turns
+    of 32 tokens, 0.5 s tools, a 4 GiB pool), and its numbers from request records."""
     burst = load_bench("burst")
     args = burst.parse_args(["--repeats", "2"])
     assert (args.kv_cache_gb, args.repeats, args.policies) == (4.0, 2, ["infercept", "infercept-paper", "prefix-cache"])

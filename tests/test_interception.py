@@ -1,6 +1,6 @@
 """Pause at interceptions, keep / swap / discard the KV, resume: token-exact under every policy.
 
-The invariant (DESIGN §3): with greedy sampling, the tokens generated after a resume are identical
+The invariant: with greedy sampling, the tokens generated after a resume are identical
 whichever strategy held the KV, and identical to a fresh request of the whole conversation.
 """
 from __future__ import annotations

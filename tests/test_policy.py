@@ -178,7 +178,7 @@ def test_estimator_needs_min_history_and_bounds_it():
 
 
 def test_estimator_history_wins_over_a_hint_once_it_has_data():
-    """Issue 22: a hint serves until the tool has history (3 calls), then the measured history wins; an
+    """A hint serves until the tool has history (3 calls), then the measured history wins; an
     outlived hint falls through to the elapsed time. An oracle's estimator (`hints_first`) keeps the hint."""
     est = DurationEstimator(min_history=3)
     for n in range(3):

@@ -1,4 +1,4 @@
-"""Issue 22's policy parts, each without a model: `infercept-paper` pinned, the program-level queue
+"""The policy parts beyond the paper, each without a model: `infercept-paper` pinned, the program-level queue
 order (`Policy.priority`), expected waste over the remaining-time distribution, and their names."""
 from __future__ import annotations
 
@@ -144,7 +144,7 @@ def agents(n: int, tool_s: float = 0.1) -> list[dict]:
 
 
 def test_with_ample_memory_every_resume_finds_its_kv_on_the_device():
-    """Issue 22: 12 agents in a 200-block pool (they need 70). The waste rule alone swaps paused agents out
+    """12 agents in a 200-block pool (they need 70). The waste rule alone swaps paused agents out
     and back in for nothing (on a CPU the copies stall the forward pass); the default keeps them all. In a
     pool they do not fit in, the default still moves paused KV off the device."""
     def run(policy, device_blocks):

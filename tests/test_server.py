@@ -1,8 +1,9 @@
 """The HTTP server end to end: a real uvicorn on a loopback port, driven by the official `openai` SDK
 (sync and async, streaming and not) and by raw HTTP where the SDK would refuse to send bad input.
 
-The central check is the DESIGN §3 invariant through the OpenAI API: the request that brings a tool
-result back resumes the paused generation (almost all of its prompt is cached), and its greedy output
+The central check is the resume invariant (a resumed generation equals a recomputed one) through the
+OpenAI API: the request that brings a tool result back resumes the paused generation (almost all of its
+prompt is cached), and its greedy output
 equals that of a server that recomputed everything (another instance with the discard policy, and a
 fresh token-level request of the whole conversation).
 """

@@ -1,10 +1,10 @@
-"""Robustness of the live server (issue 4, "Must show"), beyond tests/test_server.py:
+"""Robustness of the live server, beyond tests/test_server.py:
 
 * a 4-step tool loop over a ~1,000-token context through the official `openai` SDK: every step after
   the first resumes the paused generation (cached_tokens >= 90% of the prompt), and every step's greedy
   output (prompt and output token ids, calls, text) equals that of a second server that recomputes
   everything (`--policy discard`, no prefix cache) fed the same conversation;
-* the bad inputs of the issue's list that the batteries in test_server.py / test_responses.py /
+* the bad inputs that the batteries in test_server.py / test_responses.py /
   test_sessions_api.py leave out: tool results for calls never made on every front end, resuming twice,
   concurrent resumes of one generation (chat) and of one native session, huge max_tokens on the
   endpoints not yet checked (with the accepted boundary), empty messages / content;

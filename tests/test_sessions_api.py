@@ -1,5 +1,5 @@
 """Native sessions (/v1/sessions) against the live server with httpx: the tool loop pauses and resumes
-(cached prompt ≥ 90%), state and KV location are reported, 404/409 follow DESIGN §6, streams carry
+(cached prompt ≥ 90%), state and KV location are reported, 404/409 follow docs/operators.md, streams carry
 delta / tool_call / paused / done events, deleting a generating session aborts it, server tools run
 inside the server, and the walk-through example runs."""
 from __future__ import annotations
