@@ -402,7 +402,7 @@ def prepare_positive(case, http: httpx.Client, n: int) -> None:
         value = body.get(field)
         if field and (value is None or (isinstance(value, int) and 4 < value < 10_000)):
             body[field] = 4
-        if case.path == "/v1/chat/completions" and n % 2:
+        if case.path in ("/v1/chat/completions", "/v1/chat/completions/render") and n % 2:
             body["messages"] = QUESTION
         if case.path.endswith("/messages") and n % 4 == 1:  # a user message to the fresh session
             body.pop("tool_results", None)
