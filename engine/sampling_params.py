@@ -1,7 +1,9 @@
 """Per-request sampling settings."""
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -9,7 +11,8 @@ from typing import Any
 @dataclass(frozen=True)
 class GuidedDecodingParams:
     """Constrain what a request generates in each turn to a grammar: a Lark grammar (llguidance's
-    dialect, which may embed JSON schemas with ``%json {...}``) or a JSON schema. Exactly one is given.
+    dialect, which may embed JSON schemas with ``%json {...}``), a JSON schema, a regular expression
+    the whole output must match, or a list of strings the output must be one of. Exactly one is given.
 
     The grammar is compiled once here, so a grammar error is a ValueError when the request is made,
     never a failure in the middle of a step (engine/guided_decoding.py enforces it while decoding).
@@ -17,21 +20,38 @@ class GuidedDecodingParams:
 
     lark: str | None = None
     json_schema: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
     grammar: str = field(init=False, repr=False, compare=False)  # llguidance's serialized grammar
 
     def __post_init__(self):
-        if (self.lark is None) == (self.json_schema is None):
-            raise ValueError("guided decoding takes exactly one of lark and json_schema")
-        object.__setattr__(self, "grammar", compile_grammar(self.lark, self.json_schema))
+        if sum(x is not None for x in (self.lark, self.json_schema, self.regex, self.choice)) != 1:
+            raise ValueError("guided decoding takes exactly one of lark, json_schema, regex and choice")
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        object.__setattr__(self, "grammar", compile_grammar(self.lark, self.json_schema, self.regex, self.choice))
 
 
-def compile_grammar(lark: str | None, json_schema: dict[str, Any] | str | None) -> str:
-    """llguidance's grammar for a Lark grammar or a JSON schema; ValueError when it does not compile.
-    (Here, not in guided_decoding.py, which imports torch and this module: no import circle.)"""
+def choice_lark(choice: Sequence[str]) -> str:
+    """A Lark grammar whose only sentences are the given strings (JSON string literals are Lark's)."""
+    if not choice:
+        raise ValueError("choice needs at least one string")
+    return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choice)
+
+
+def compile_grammar(lark: str | None, json_schema: dict[str, Any] | str | None, regex: str | None = None,
+                    choice: Sequence[str] | None = None) -> str:
+    """llguidance's grammar for a Lark grammar, a JSON schema, a regex or a choice of strings; ValueError
+    when it does not compile. (Here, not in guided_decoding.py, which imports torch and this module: no
+    import circle.)"""
     import llguidance
 
+    if choice is not None:
+        lark = choice_lark(choice)
     if lark is not None:
         grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+    elif regex is not None:
+        grammar = llguidance.LLMatcher.grammar_from_regex(regex)
     else:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(json_schema)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)

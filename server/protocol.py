@@ -2,11 +2,12 @@
 
 Requests are validated strictly where OpenAI is strict (`extra="forbid"`: an unknown top-level field is
 a 400, as OpenAI answers "Unrecognized request argument supplied"), with vLLM's extras (`ignore_eos`,
-`min_tokens`, `top_k`, `min_p`, `repetition_penalty`, `return_token_ids`, and on chat completions
-`chat_template_kwargs`) and ours (`session_id`, `intercept`). Messages are lenient
-(`extra="ignore"`) because SDKs echo response messages back with fields such as `refusal` and
-`annotations`. Responses keep OpenAI's keys, nulls included; a stream delta is a plain dict because
-OpenAI sends only the keys that changed.
+`min_tokens`, `top_k`, `min_p`, `repetition_penalty`, `return_token_ids`, `structured_outputs` regex /
+choice and their older spellings `guided_regex` / `guided_choice`, and on chat completions
+`chat_template_kwargs`) and ours (`session_id`, `intercept`). Messages are lenient (`extra="ignore"`)
+because SDKs echo response messages back with fields such as `refusal` and `annotations`. Responses
+keep OpenAI's keys, nulls included; a stream delta is a plain dict because OpenAI sends only the keys
+that changed.
 """
 from __future__ import annotations
 
@@ -93,6 +94,21 @@ def _check_stop(v: str | list[str] | None) -> str | list[str] | None:
 Stop = Annotated[str | list[str] | None, AfterValidator(_check_stop)]  # OpenAI's `stop`: up to 16 strings
 
 
+class StructuredOutputs(Strict):
+    """vLLM's `structured_outputs`, the kinds that are not JSON: the whole output fullmatches `regex`, or
+    is exactly one of `choice` (grammar-constrained, server/structured.py). vLLM's other kinds (json,
+    grammar, structural_tag, ...) are refused as unknown fields; JSON is `response_format`'s."""
+
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        if (self.regex is None) == (self.choice is None):
+            raise ValueError("give exactly one of regex and choice")
+        return self
+
+
 class SamplingFields(Strict):
     """Fields common to both endpoints."""
 
@@ -115,6 +131,9 @@ class SamplingFields(Strict):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     return_token_ids: bool = False
+    structured_outputs: StructuredOutputs | None = None
+    guided_regex: str | None = None  # vLLM's older spellings of structured_outputs regex / choice
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
     # ours
     session_id: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")
     intercept: InterceptOptions | None = None

@@ -174,12 +174,44 @@ class McpToolChoice(Strict):
     name: str | None = None
 
 
-class TextFormat(Lenient):
+class PlainTextFormat(Lenient):
     type: Literal["text"]
 
 
+class JSONObjectFormat(Lenient):
+    type: Literal["json_object"]
+
+
+class JSONSchemaTextFormat(Lenient):
+    """Chat Completions' `response_format.json_schema`, flat under `text.format` as the Responses API has it."""
+
+    type: Literal["json_schema"]
+    name: str = Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")
+    schema_: dict[str, Any] = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None  # the output always follows the schema here, strict or not
+
+
+TextFormat = Annotated[Union[PlainTextFormat, JSONObjectFormat, JSONSchemaTextFormat], Field(discriminator="type")]
+
+
 class TextConfig(Lenient):
+    """What the response's text must be: free text, any JSON object, or JSON that follows a schema
+    (grammar-constrained by the same path as Chat Completions' response_format)."""
+
     format: TextFormat | None = None
+
+    def answer_schema(self) -> dict[str, Any] | None:
+        """The JSON schema the answer must follow; None for free text."""
+        fmt = self.format
+        if fmt is None or fmt.type == "text":
+            return None
+        return {"type": "object"} if fmt.type == "json_object" else fmt.schema_
+
+    def echoed(self) -> dict:
+        """The `text` field of the response object: the format as asked (OpenAI's keys), text by default."""
+        fmt = self.format.model_dump(by_alias=True, exclude_none=True) if self.format else {"type": "text"}
+        return {"format": fmt}
 
 
 class ResponsesRequest(Strict):
@@ -197,8 +229,8 @@ class ResponsesRequest(Strict):
     store: bool | None = True
     stream: bool | None = False
     metadata: dict[str, str] | None = None
-    # Accepted for compatibility and otherwise ignored.
     text: TextConfig | None = None
+    # Accepted for compatibility and otherwise ignored.
     truncation: Literal["auto", "disabled"] | None = None
     user: str | None = None
     service_tier: str | None = None

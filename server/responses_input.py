@@ -1,6 +1,7 @@
 """A Responses request as the turn layer takes it: its input items as chat messages, its function tools
-as `ToolSpec`s, and `ResponseTurn`, one request while it is served (its stream events numbered in
-order). Shared by the plain Responses front end (serving_responses.py) and its MCP one (responses_mcp.py).
+as `ToolSpec`s, its `text.format` as the JSON its answer must follow, and `ResponseTurn`, one request
+while it is served (its stream events numbered in order). Shared by the plain Responses front end
+(serving_responses.py) and its MCP one (responses_mcp.py).
 """
 from __future__ import annotations
 
@@ -53,6 +54,12 @@ def tool_spec(tool: FunctionTool) -> ToolSpec:
     """A Responses function tool as the turn takes it (its definition as Chat Completions shows it)."""
     return ToolSpec(tool.name, tool.parameters,
                     {"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)})
+
+
+def answer_format(req: ResponsesRequest) -> dict:
+    """The TurnSpec fields of `text.format`: the JSON its answer must follow, and the field errors name."""
+    schema = req.text.answer_schema() if req.text is not None else None
+    return {"answer_schema": schema, "answer_param": "text.format"} if schema is not None else {}
 
 
 @dataclass

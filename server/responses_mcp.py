@@ -44,7 +44,7 @@ from infercept.engine.backend import ToolSpec
 from .chat import Call, Message, validate_tool_flow
 from .mcp_config import function_name
 from .protocol import APIError, bad_request, new_id, now
-from .responses_input import ResponseTurn, input_messages, tool_spec
+from .responses_input import ResponseTurn, answer_format, input_messages, tool_spec
 from .protocol_responses import (FunctionTool, FunctionToolChoice, McpApprovalRequestItem, McpApprovalResponseItem,
                                  McpCallItem, McpListToolsItem, McpToolChoice, McpToolFilter, McpToolParam,
                                  OutputFunctionCall, OutputMcpApprovalRequest, OutputMcpCall, OutputMcpListTools,
@@ -352,7 +352,7 @@ class ResponsesMcp:
         parallel = req.parallel_tool_calls is not False
         sampling = Sampling(temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_output_tokens)
         spec = TurnSpec("chat", sampling, system + conversation, mode=tool_mode(specs or None, choice, parallel),
-                        id_prefix="resp_", param="input", owner=owner)
+                        id_prefix="resp_", param="input", owner=owner, **answer_format(req))
         turn = await serving.turns.open(spec)
         rt = ResponseTurn(req, model, new_id("msg_"), now(), conversation, turn)
         current = turn

@@ -6,14 +6,15 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import replace
 
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 
-from .protocol import APIError, SamplingFields, bad_request
-from .turns import Turns
+from .protocol import APIError, bad_request
+from .turns import Turn, TurnEvent, Turns, TurnSpec
 
 logger = logging.getLogger("infercept.server")
 
@@ -43,9 +44,62 @@ class Frontend:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def check_unsupported(req: SamplingFields) -> None:
-    if req.n not in (None, 1):
-        raise bad_request("only n=1 is supported", param="n")
+def check_n(n: int | None, pauses: str | None) -> None:
+    """n > 1 serves n independent samples, each its own turn. A turn that may pause cannot be one of
+    them: each sample would pause a generation of its own, and the request that resumes brings one
+    conversation. `pauses`: why this request's turn may pause (None: it cannot)."""
+    if (n or 1) > 1 and pauses is not None:
+        raise bad_request(f"n > 1 needs a turn that cannot pause, and {pauses}; send n=1", param="n")
+
+
+def samples(spec: TurnSpec, n: int, request_id: str, first: int = 0) -> list[TurnSpec]:
+    """`spec` as n sample turns with their own request ids. A seed is offset per sample (as vLLM does),
+    so seeded samples differ from each other and each is still reproducible."""
+    seed = spec.sampling.seed
+    return [replace(spec, request_id=f"{request_id}-{first + i}",
+                    sampling=replace(spec.sampling, seed=None if seed is None else seed + i)) for i in range(n)]
+
+
+async def close_all(turns: Sequence[Turn], release: Callable[[], None]) -> None:
+    """Close the turns admitted as one request, then release its admission."""
+    for turn in turns:
+        await turn.close()
+    release()
+
+
+async def merged_events(turns: Sequence[Turn]) -> AsyncIterator[tuple[int, TurnEvent]]:
+    """The events of all `turns`, as they come, each with its turn's index (n samples stream together)."""
+    if len(turns) == 1:
+        async for event in turns[0].events():
+            yield 0, event
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, turn: Turn) -> None:
+        try:
+            async for event in turn.events():
+                await queue.put((i, event))
+        except Exception as e:  # re-raised by the consumer, which ends the whole stream with it
+            await queue.put((i, e))
+        await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, t)) for i, t in enumerate(turns)]
+    try:
+        done = 0
+        while done < len(turns):
+            i, event = await queue.get()
+            if event is None:
+                done += 1
+            elif isinstance(event, Exception):
+                raise event
+            else:
+                yield i, event
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
 
 
 ErrorEvent = Callable[[APIError], dict]  # a stream's rendering of an error

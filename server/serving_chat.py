@@ -19,6 +19,7 @@ With `--reasoning-parser`, a thinking model's `<think>...</think>` is `message.r
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import AsyncIterator
@@ -31,7 +32,8 @@ from .conversations import Conversation, Kind, State
 from .protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatMessage, ChoiceLogprobs, CompletionTokensDetails, FunctionCall,
                        PromptTokensDetails, TokenLogprob, ToolCall, TopLogprob, Usage, bad_request, new_id, now)
-from .serving_base import Frontend, check_unsupported, respond
+from .serving_base import Frontend, check_n, close_all, merged_events, once, respond, samples
+from .structured import check_without_calls, output_constraint
 from .tenants import owner_of
 from .tool_mode import tool_mode
 from .turns import (CallArguments, CallOpened, ReasoningDelta, Sampling, TextDelta, Turn, TurnFinished, TurnSpec,
@@ -43,9 +45,15 @@ SESSION_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 class ChatServing(Frontend):
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         spec = self.spec(req, raw)
-        turn = await self.open(spec)
-        return await respond(raw, req.stream, lambda: self._stream(req, turn), lambda: self._full(req, turn),
-                             lambda: self.close(turn), headers(turn), f"request {turn.id}")
+        if (req.n or 1) == 1:
+            turn = await self.open(spec)
+            turns, response_id, cleanup, names = [turn], turn.id, lambda: self.close(turn), headers(turn)
+        else:  # n samples of a turn that cannot pause (`spec` checked it): n turns admitted as one request
+            response_id = new_id("chatcmpl-")
+            turns, release = await self.turns.open_batch(samples(spec, req.n, response_id))
+            cleanup, names = once(lambda: close_all(turns, release)), {"X-Request-Id": response_id}
+        return await respond(raw, req.stream, lambda: self._stream(req, response_id, turns),
+                             lambda: self._full(req, response_id, turns), cleanup, names, f"request {response_id}")
 
     def render(self, req: ChatCompletionRequest, raw: Request) -> dict:
         """vLLM's render answer (`POST /v1/chat/completions/render`): the prompt token ids `req` would be
@@ -59,11 +67,15 @@ class ChatServing(Frontend):
         """The turn `req` asks for (400 / 404 / 409 on bad requests); with a `session_id`, its session's.
         peek: only to render its prompt: a named session is read, not opened or checked for a turn."""
         self.check_model(req.model)
-        check_unsupported(req)
         choice = req.tool_choice if req.tool_choice is None or isinstance(req.tool_choice, str) \
             else req.tool_choice.function.name
         mode = tool_mode(tool_specs(req.tools) if req.tools else None, choice, req.parallel_tool_calls is not False)
+        constraint = output_constraint(req)
+        check_without_calls(constraint, mode.parse, req.response_format is not None
+                            and req.response_format.type != "text")
         session_id = session_id_of(req, raw)
+        check_n(req.n, "this one may end in tool calls and pause there (send tool_choice none, or no tools)"
+                if mode.parse else "a session keeps one conversation" if session_id is not None else None)
         owner = owner_of(raw)
         messages = normalize_messages(req.messages, validate=False)
         session = None
@@ -73,7 +85,7 @@ class ChatServing(Frontend):
         return TurnSpec("chat", Sampling.of(req, req.max_completion_tokens or req.max_tokens, logprobs),
                         tuple(messages), mode=mode, intercept=req.intercept, holder=session, owner=owner,
                         answer_schema=req.response_format.answer_schema() if req.response_format else None,
-                        template_kwargs=req.chat_template_kwargs or None)
+                        constraint=constraint, template_kwargs=req.chat_template_kwargs or None)
 
     async def open(self, spec: TurnSpec) -> Turn:
         """Open the turn; its chat session (if any) is generating until `close`."""
@@ -136,63 +148,75 @@ class ChatServing(Frontend):
         return ChoiceLogprobs(content=entries)
 
     # -- non-streaming -----------------------------------------------------------------------------
-    async def _full(self, req: ChatCompletionRequest, turn: Turn) -> dict:
-        end = await turn.result()
-        result, last = end.result, end.output
-        self.remember(turn, turn.spec.messages + (result.message,))
-        choice = ChatChoice(message=ChatMessage(content=result.content, tool_calls=tool_calls(result.calls),
-                                                reasoning_content=result.reasoning),
-                            logprobs=self._logprobs(req, last, 0, len(last.token_ids)),
-                            finish_reason=result.finish_reason,
-                            token_ids=list(last.token_ids) if req.return_token_ids else None)
+    async def _full(self, req: ChatCompletionRequest, response_id: str, turns: list[Turn]) -> dict:
+        ends = await asyncio.gather(*(turn.result() for turn in turns))
+        first = turns[0]
         response = ChatCompletionResponse(
-            id=turn.id, model=req.model, choices=[choice], usage=usage(end.usage),
-            prompt_token_ids=list(turn.prompt_ids) if req.return_token_ids else None, session_id=session_of(turn))
+            id=response_id, model=req.model, choices=[], usage=usage_of([end.usage for end in ends]),
+            prompt_token_ids=list(first.prompt_ids) if req.return_token_ids else None, session_id=session_of(first))
         body = response.model_dump(mode="json")
         for key in ("prompt_token_ids", "session_id"):
             if body[key] is None:
                 del body[key]
-        if body["choices"][0]["token_ids"] is None:
-            del body["choices"][0]["token_ids"]
+        body["choices"] = [self._choice(req, turn, end, i) for i, (turn, end) in enumerate(zip(turns, ends))]
+        return body
+
+    def _choice(self, req: ChatCompletionRequest, turn: Turn, end: TurnFinished, index: int) -> dict:
+        result, last = end.result, end.output
+        self.remember(turn, turn.spec.messages + (result.message,))
+        message = ChatMessage(content=result.content, tool_calls=tool_calls(result.calls),
+                              reasoning_content=result.reasoning)
+        choice = ChatChoice(index=index, message=message,
+                            logprobs=self._logprobs(req, last, 0, len(last.token_ids)),
+                            finish_reason=result.finish_reason,
+                            token_ids=list(last.token_ids) if req.return_token_ids else None)
+        body = choice.model_dump(mode="json")
+        if body["token_ids"] is None:
+            del body["token_ids"]
         if result.reasoning is None:
-            del body["choices"][0]["message"]["reasoning_content"]
+            del body["message"]["reasoning_content"]
         return body
 
     # -- streaming ---------------------------------------------------------------------------------
-    async def _stream(self, req: ChatCompletionRequest, turn: Turn) -> AsyncIterator[dict]:
+    async def _stream(self, req: ChatCompletionRequest, response_id: str, turns: list[Turn]) -> AsyncIterator[dict]:
+        """Each turn's chunks carry its choice index; with n > 1 the samples' chunks interleave as they are
+        generated (as OpenAI's do), and the usage chunk, if asked for, counts all of them, after the last."""
         created = now()
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        def chunk(delta: dict, finish_reason: str | None = None, logprobs=None, token_ids=None) -> dict:
-            c = ChatCompletionChunk(id=turn.id, created=created, model=req.model,
-                                    choices=[ChatChunkChoice(delta=delta, logprobs=logprobs,
+        def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs=None, token_ids=None) -> dict:
+            c = ChatCompletionChunk(id=response_id, created=created, model=req.model,
+                                    choices=[ChatChunkChoice(index=index, delta=delta, logprobs=logprobs,
                                                              finish_reason=finish_reason, token_ids=token_ids)])
             body = c.model_dump(mode="json", exclude={"usage"} if not include_usage else None)
             if token_ids is None:
                 del body["choices"][0]["token_ids"]
             return {"data": json.dumps(body, ensure_ascii=False)}
 
-        sent_tokens = 0  # tokens whose logprobs were sent
-        yield chunk({"role": "assistant", "content": "", "refusal": None})
-        async for event in turn.events():
+        sent_tokens = [0] * len(turns)  # of each turn: tokens whose logprobs were sent
+        ends: list[TurnUsage] = []
+        for i in range(len(turns)):
+            yield chunk(i, {"role": "assistant", "content": "", "refusal": None})
+        async for i, event in merged_events(turns):
             if isinstance(event, ReasoningDelta):
-                yield chunk({"reasoning_content": event.text})
+                yield chunk(i, {"reasoning_content": event.text})
             elif isinstance(event, TextDelta):
                 out = event.output
-                lp = self._logprobs(req, out, sent_tokens, len(out.token_ids))
-                sent_tokens = len(out.token_ids)
-                yield chunk({"content": event.text}, logprobs=lp)
+                lp = self._logprobs(req, out, sent_tokens[i], len(out.token_ids))
+                sent_tokens[i] = len(out.token_ids)
+                yield chunk(i, {"content": event.text}, logprobs=lp)
             elif isinstance(event, CallOpened | CallArguments):
-                yield chunk({"tool_calls": [call_delta(event)]})
+                yield chunk(i, {"tool_calls": [call_delta(event)]})
             elif isinstance(event, TurnFinished):
                 last = event.output
-                self.remember(turn, turn.spec.messages + (event.result.message,))
-                yield chunk({}, finish_reason=event.result.finish_reason,
-                            logprobs=self._logprobs(req, last, sent_tokens, len(last.token_ids)),
+                self.remember(turns[i], turns[i].spec.messages + (event.result.message,))
+                ends.append(event.usage)
+                yield chunk(i, {}, finish_reason=event.result.finish_reason,
+                            logprobs=self._logprobs(req, last, sent_tokens[i], len(last.token_ids)),
                             token_ids=list(last.token_ids) if req.return_token_ids else None)
-                if include_usage:
-                    yield {"data": ChatCompletionChunk(id=turn.id, created=created, model=req.model, choices=[],
-                                                       usage=usage(event.usage)).model_dump_json()}
+        if include_usage:
+            yield {"data": ChatCompletionChunk(id=response_id, created=created, model=req.model, choices=[],
+                                               usage=usage_of(ends)).model_dump_json()}
 
 
 # -- wire pieces (the server-tool front end shares them) ---------------------------------------------
@@ -217,6 +241,15 @@ def call_delta(event: CallOpened | CallArguments) -> dict:
         return {"index": event.index, "id": event.id, "type": "function",
                 "function": {"name": event.name, "arguments": ""}}
     return {"index": event.index, "function": {"arguments": event.delta}}
+
+
+def usage_of(samples: list[TurnUsage]) -> Usage:
+    """The usage of n samples of one prompt: the prompt counted once (as OpenAI does), every sample's
+    completion tokens."""
+    first = samples[0]
+    thinking = [u.reasoning_tokens for u in samples if u.reasoning_tokens is not None]
+    return usage(TurnUsage(first.prompt_tokens, first.cached_tokens, sum(u.completion_tokens for u in samples),
+                           sum(thinking) if thinking else None))
 
 
 def usage(u: TurnUsage) -> Usage:

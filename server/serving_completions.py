@@ -9,9 +9,8 @@ finishing, and the client resumes it by sending the prompt + generated tokens + 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 from fastapi.responses import Response
 from starlette.requests import Request
@@ -20,7 +19,8 @@ from infercept.engine.backend import RequestOutput
 
 from .protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                        PromptTokensDetails, Usage, bad_request, new_id, now)
-from .serving_base import Frontend, check_unsupported, once, respond
+from .serving_base import Frontend, check_n, close_all, merged_events, once, respond, samples
+from .structured import output_constraint
 from .tenants import owner_of
 from .turns import Sampling, TextDelta, Turn, TurnFinished, TurnSpec
 
@@ -32,7 +32,8 @@ class CompletionServing(Frontend):
 
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
-        check_unsupported(req)
+        check_n(req.n, "intercept makes each of its stops a pause" if req.intercept is not None else None)
+        constraint = output_constraint(req)
         if req.suffix:
             raise bad_request("suffix is not supported", param="suffix")
         if req.best_of not in (None, 1):
@@ -42,13 +43,17 @@ class CompletionServing(Frontend):
         prompts = self._prompts(req.prompt)
         response_id = new_id("cmpl-")
         sampling = Sampling.of(req, req.max_tokens, req.logprobs)
+        n = req.n or 1
+        # n samples of each prompt, in the order of their choice index: prompt p's are p*n ... p*n + n-1
         turns, release = await self.turns.open_batch([
-            TurnSpec("completions", sampling, prompt_ids=tuple(ids), intercept=req.intercept, owner=owner_of(raw),
-                     request_id=f"{response_id}-{i}", param="prompt") for i, ids in enumerate(prompts)])
-        echoes = [self._echo_text(req, ids, text) for ids, text in zip(prompts, self._prompt_texts(req.prompt))]
+            sample for p, ids in enumerate(prompts) for sample in samples(
+                TurnSpec("completions", sampling, prompt_ids=tuple(ids), intercept=req.intercept, owner=owner_of(raw),
+                         param="prompt", constraint=constraint), n, response_id, first=p * n)])
+        echoes = [self._echo_text(req, ids, text) for ids, text in zip(prompts, self._prompt_texts(req.prompt))
+                  for _ in range(n)]
         return await respond(
             raw, req.stream, lambda: self._stream(response_id, req, turns, echoes),
-            lambda: self._full(response_id, req, turns, echoes), once(lambda: self._close(turns, release)),
+            lambda: self._full(response_id, req, turns, echoes), once(lambda: close_all(turns, release)),
             {"X-Request-Id": response_id}, f"request {response_id}")
 
     def render(self, req: CompletionRequest) -> list[dict]:
@@ -88,12 +93,6 @@ class CompletionServing(Frontend):
             return ""
         return text if text is not None else self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    @staticmethod
-    async def _close(turns: list[Turn], release: Callable[[], None]) -> None:
-        for turn in turns:
-            await turn.close()
-        release()
-
     def _stop_reason(self, out: RequestOutput) -> str | int | None:
         return None if isinstance(out.stop_reason, int) and out.stop_reason in self.eos_token_ids else out.stop_reason
 
@@ -114,11 +113,14 @@ class CompletionServing(Frontend):
         return lp
 
     @staticmethod
-    def _usage(ends: list[TurnFinished]) -> Usage:
-        n_prompt = sum(e.usage.prompt_tokens for e in ends)
+    def _usage(ends: list[TurnFinished], n: int) -> Usage:
+        """Every choice's completion tokens; each prompt's tokens once, not once per sample (as OpenAI
+        counts them): its n samples have the same prompt, so the sums over samples are n times that."""
+        n_prompt = sum(e.usage.prompt_tokens for e in ends) // n
         n_out = sum(e.usage.completion_tokens for e in ends)
+        cached = sum(e.usage.cached_tokens for e in ends) // n  # (samples may differ here: their mean)
         return Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(e.usage.cached_tokens for e in ends)))
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
     @staticmethod
     def _choice_extras(req: CompletionRequest, choice: dict, turn: Turn, out: RequestOutput) -> dict:
@@ -142,7 +144,7 @@ class CompletionServing(Frontend):
                                       stop_reason=self._stop_reason(out),
                                       logprobs=self._logprobs(req, out, 0, len(out.token_ids), len(echoes[i])))
             choices.append(self._choice_extras(req, choice.model_dump(mode="json"), turn, out))
-        body = CompletionResponse(id=response_id, model=req.model, choices=[], usage=self._usage(ends))
+        body = CompletionResponse(id=response_id, model=req.model, choices=[], usage=self._usage(ends, req.n or 1))
         return body.model_dump(mode="json") | {"choices": choices}
 
     # -- streaming ---------------------------------------------------------------------------------
@@ -158,61 +160,36 @@ class CompletionServing(Frontend):
                 body["usage"] = None
             return {"data": json.dumps(body, ensure_ascii=False)}
 
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, turn: Turn) -> None:
-            try:
-                async for event in turn.events():
-                    await queue.put((i, event))
-            except Exception as e:
-                await queue.put((i, e))
-            await queue.put((i, None))
-
-        tasks = [asyncio.ensure_future(pump(i, t)) for i, t in enumerate(turns)]
         sent_chars = [0] * len(turns)  # of each turn's text
         sent_tokens = [0] * len(turns)  # whose logprobs were sent
         pending = [""] * len(turns)  # text not sent yet: the last delta goes out with the finish reason
         ends: list[TurnFinished] = []
-        try:
-            for i, echo in enumerate(echoes):
-                if echo:
-                    yield chunk({"index": i, "text": echo, "logprobs": None, "finish_reason": None})
-            done = 0
-            while done < len(turns):
-                i, event = await queue.get()
-                if event is None:
-                    done += 1
+        for i, echo in enumerate(echoes):
+            if echo:
+                yield chunk({"index": i, "text": echo, "logprobs": None, "finish_reason": None})
+        async for i, event in merged_events(turns):
+            if isinstance(event, TextDelta):
+                pending[i] += event.text
+                if event.output.turn_done or not pending[i]:
                     continue
-                if isinstance(event, Exception):
-                    raise event
-                if isinstance(event, TextDelta):
-                    pending[i] += event.text
-                    if event.output.turn_done or not pending[i]:
-                        continue
-                    out, finish = event.output, None
-                elif isinstance(event, TurnFinished):
-                    ends.append(event)
-                    out, finish = event.output, event.result.finish_reason
-                else:
-                    continue
-                lp = self._logprobs(req, out, sent_tokens[i], len(out.token_ids), len(echoes[i]) + sent_chars[i])
-                choice = {"index": i, "text": pending[i], "logprobs": lp.model_dump() if lp else None,
-                          "finish_reason": finish}
-                if finish:
-                    choice["stop_reason"] = self._stop_reason(out)
-                    if req.return_token_ids:
-                        choice["prompt_token_ids"] = list(turns[i].prompt_ids)
-                        choice["token_ids"] = list(out.token_ids)
-                yield chunk(choice)
-                sent_chars[i] += len(pending[i])
-                pending[i], sent_tokens[i] = "", len(out.token_ids)
-            if include_usage:
-                yield {"data": json.dumps({"id": response_id, "object": "text_completion", "created": created,
-                                           "model": req.model, "system_fingerprint": None, "choices": [],
-                                           "usage": self._usage(ends).model_dump(mode="json")})}
-        finally:
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(BaseException):
-                    await task
+                out, finish = event.output, None
+            elif isinstance(event, TurnFinished):
+                ends.append(event)
+                out, finish = event.output, event.result.finish_reason
+            else:
+                continue
+            lp = self._logprobs(req, out, sent_tokens[i], len(out.token_ids), len(echoes[i]) + sent_chars[i])
+            choice = {"index": i, "text": pending[i], "logprobs": lp.model_dump() if lp else None,
+                      "finish_reason": finish}
+            if finish:
+                choice["stop_reason"] = self._stop_reason(out)
+                if req.return_token_ids:
+                    choice["prompt_token_ids"] = list(turns[i].prompt_ids)
+                    choice["token_ids"] = list(out.token_ids)
+            yield chunk(choice)
+            sent_chars[i] += len(pending[i])
+            pending[i], sent_tokens[i] = "", len(out.token_ids)
+        if include_usage:
+            yield {"data": json.dumps({"id": response_id, "object": "text_completion", "created": created,
+                                       "model": req.model, "system_fingerprint": None, "choices": [],
+                                       "usage": self._usage(ends, req.n or 1).model_dump(mode="json")})}

@@ -24,7 +24,7 @@ from . import responses_mcp
 from .protocol_responses import (DeletedResponse, IncompleteDetails, InputTokensDetails, OutputFunctionCall, OutputItem,
                                  OutputMessage, OutputReasoning, OutputText, OutputTokensDetails, ReasoningText,
                                  ResponseObject, ResponsesRequest, ResponseUsage)
-from .responses_input import ResponseTurn, input_messages, tool_spec
+from .responses_input import ResponseTurn, answer_format, input_messages, tool_spec
 from .responses_mcp import ResponsesMcp
 from .serving_base import Frontend, respond
 from .tenants import owner_of
@@ -60,7 +60,7 @@ class ResponsesServing(Frontend):
         system = (Message("system", req.instructions),) if req.instructions else ()
         sampling = Sampling(temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_output_tokens)
         turn = await self.turns.open(TurnSpec("chat", sampling, system + conversation, mode=mode, id_prefix="resp_",
-                                              param="input", owner=owner))
+                                              param="input", owner=owner, **answer_format(req)))
         rt = ResponseTurn(req, model, new_id("msg_"), now(), conversation, turn, reasoning_id=new_id("rs_"))
         return await respond(raw, req.stream, lambda: self._events(rt), lambda: self._full(rt), turn.close,
                              {"X-Request-Id": rt.id}, f"response {rt.id}", error=rt.error, done=None)
@@ -112,7 +112,8 @@ class ResponsesServing(Frontend):
             parallel_tool_calls=req.parallel_tool_calls is not False, previous_response_id=req.previous_response_id,
             store=req.store is not False, temperature=req.temperature, top_p=req.top_p, tool_choice=tool_choice,
             tools=[t.model_dump(exclude_none=True) for t in req.tools or ()], usage=usage, user=req.user,
-            metadata=req.metadata or {})
+            metadata=req.metadata or {},
+            text=req.text.echoed() if req.text is not None else {"format": {"type": "text"}})
 
     def _finish(self, rt: ResponseTurn, end: TurnFinished, output: list[OutputItem]) -> dict:
         """The final response body; stored when the request asked for it."""

@@ -8,7 +8,8 @@ from opening a call (every tool format has one: engine/call_formats.py).
 `response_format` json_object / json_schema constrains the answer (a turn without tool calls) to a
 JSON object / to JSON that follows the schema: with no tools or tool_choice "none", the turn is that
 JSON; with "auto", it is either calls or that JSON, the model chooses; a forced turn is calls only, so
-the format has nothing to constrain there.
+the format has nothing to constrain there. A regex / choice (server/structured.py) is the whole
+output, so its turn has no calls to allow: its grammar alone constrains it.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass, replace
 from infercept.engine.backend import GuidedDecodingParams, SamplingParams, ToolFormat, ToolSpec
 
 from .protocol import bad_request
+from .structured import OutputConstraint
 
 
 @dataclass
@@ -29,15 +31,22 @@ class ToolMode:
 
 
 def with_grammar(fmt: ToolFormat, params: SamplingParams, mode: ToolMode, answer_schema: dict | None,
-                 guided_decoding: bool = True, thinking: bool = False) -> SamplingParams:
+                 guided_decoding: bool = True, thinking: bool = False, answer_param: str = "response_format",
+                 constraint: OutputConstraint | None = None) -> SamplingParams:
     """The turn's params constrained by its grammar, if it has one (see `turn_grammar`). Without
     `guided_decoding` (a backend that has none), tool_choice none goes unconstrained, as in formats
     without that grammar: a call the model writes anyway stays content. So does a `thinking` model's
     (--reasoning-parser): the no-call grammar refuses a turn that opens with "<", its <think> too."""
-    grammar = turn_grammar(fmt, params, mode, answer_schema, guided_decoding and not thinking)
+    if constraint is not None:  # a regex / choice: the front end refused turns that may call tools
+        return constrained(params, constraint.guided, constraint.param)
+    grammar = turn_grammar(fmt, params, mode, answer_schema, guided_decoding and not thinking, answer_param)
     if grammar is None:
         return params
-    guided, param = grammar
+    return constrained(params, *grammar)
+
+
+def constrained(params: SamplingParams, guided: GuidedDecodingParams, param: str) -> SamplingParams:
+    """`params` under the grammar `param` asked for (400 where the sampling cannot follow one)."""
     try:
         return replace(params, guided=guided)
     except ValueError as e:  # min_tokens / ignore_eos, which hold back the end a grammar decides
@@ -45,8 +54,10 @@ def with_grammar(fmt: ToolFormat, params: SamplingParams, mode: ToolMode, answer
 
 
 def turn_grammar(fmt: ToolFormat, params: SamplingParams, mode: ToolMode, answer_schema: dict | None,
-                 guided_decoding: bool = True) -> tuple[GuidedDecodingParams, str] | None:
+                 guided_decoding: bool = True,
+                 answer_param: str = "response_format") -> tuple[GuidedDecodingParams, str] | None:
     """The grammar of the turn and the request field that asks for it; None: the model writes freely.
+    `answer_param` names the field of the JSON answer (response_format; text.format on Responses).
 
     forced calls -> the calls grammar (an answer never comes, so response_format has no say);
     auto + JSON answer -> calls or that JSON; JSON answer alone (no tools, or tool_choice none)
@@ -55,14 +66,13 @@ def turn_grammar(fmt: ToolFormat, params: SamplingParams, mode: ToolMode, answer
         lark, param = _written(lambda: fmt.forced_grammar(mode.tools, mode.forced_name, mode.parallel)), "tool_choice"
     elif mode.parse and answer_schema is not None:
         lark, param = _written(lambda: fmt.answer_or_call_grammar(mode.tools, mode.parallel, answer_schema)), \
-            "response_format"
+            answer_param
         if lark is None:
-            raise bad_request("response_format json_object/json_schema with tools and tool_choice auto cannot be "
+            raise bad_request(f"{answer_param} json_object/json_schema with tools and tool_choice auto cannot be "
                               f"enforced in this model's tool-call format ({fmt.family}); send "
-                              "tool_choice none for a JSON answer", param="response_format")
+                              "tool_choice none for a JSON answer", param=answer_param)
     elif answer_schema is not None:
-        return (_compile("response_format", json_schema=fmt.json_grammar_schema(answer_schema)),
-                "response_format")
+        return (_compile(answer_param, json_schema=fmt.json_grammar_schema(answer_schema)), answer_param)
     elif mode.tools is not None and not mode.parse and guided_decoding and not (params.min_tokens or params.ignore_eos):
         # tool_choice none; with vLLM's min_tokens / ignore_eos the turn must not end where it wants,
         # which a grammar cannot combine with, so there it stays unconstrained (a call is content).
@@ -86,8 +96,8 @@ def _compile(param: str, **grammar) -> GuidedDecodingParams:
     try:
         return GuidedDecodingParams(**grammar)
     except ValueError as e:  # a schema feature the grammar compiler does not support
-        what = ("the response_format schema (or, with tool_choice auto, a tool's parameters)"
-                if param == "response_format" else "the tools' parameters")
+        what = (f"the {param} schema (or, with tool_choice auto, a tool's parameters)"
+                if param != "tool_choice" else "the tools' parameters")
         raise bad_request(f"{what} cannot be enforced: {e}",
                           param="tools" if param == "tool_choice" else param) from None
 

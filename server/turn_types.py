@@ -11,6 +11,7 @@ from infercept.engine.backend import RequestOutput
 from .chat import Call, Message
 from .conversations import Conversation, Paused
 from .protocol import APIError, InterceptOptions, SamplingFields
+from .structured import OutputConstraint
 from .tool_mode import ToolMode
 
 
@@ -50,6 +51,8 @@ class TurnSpec:
     prompt_ids: tuple[int, ...] | None = None
     mode: ToolMode = field(default_factory=lambda: ToolMode(None, False))
     answer_schema: dict | None = None  # JSON an answer without calls must follow
+    answer_param: str = "response_format"  # the request field that asks for it (errors name it)
+    constraint: OutputConstraint | None = None  # a regex / choice the whole output must match
     intercept: InterceptOptions | None = None  # chat: what its calls wait for; tokens: every stop pauses
     holder: Conversation | None = None  # the named conversation it continues; it keeps the turn's pause
     owner: str | None = None  # the tenant asking (server/tenants.py): it finds and keeps only its own pauses

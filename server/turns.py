@@ -34,7 +34,7 @@ from .conversations import ConversationStore, Paused
 from .engine_turn import Admission, EngineTurn, EngineTurns
 from .metrics import ServerMetrics
 from .protocol import APIError, bad_request, new_id
-from .tool_mode import with_grammar
+from .tool_mode import constrained, with_grammar
 from .turn_types import (CallArguments, CallDone, CallOpened, ReasoningDelta, Sampling, TextDelta, TurnEvent,
                          TurnFinished, TurnPaused, TurnResult, TurnSpec, TurnUsage, finish_reason)
 
@@ -308,20 +308,24 @@ class Turns:
             self.check_prompt(prompt_ids, spec.param)
             intercept = None if spec.intercept is None else InterceptParams(
                 pause_on_stop=True, expected_s=spec.intercept.expected_s, kind=spec.intercept.kind)
-            return _Prepared(spec, spec.request_id or new_id(spec.id_prefix), prompt_ids, self.sampling_params(spec, len(prompt_ids)),
-                             intercept)
+            params = self.sampling_params(spec, len(prompt_ids))
+            if spec.constraint is not None:
+                params = constrained(params, spec.constraint.guided, spec.constraint.param)
+            return _Prepared(spec, spec.request_id or new_id(spec.id_prefix), prompt_ids, params, intercept)
         prompt_ids, prefill = self._render(spec)
         mode, fmt = spec.mode, self.format
         params = self.sampling_params(spec, len(prompt_ids), skip_special_tokens=not (mode.parse and fmt.keeps_special_tokens))
-        params = with_grammar(fmt, params, mode, spec.answer_schema, self.guided_decoding, self.reasoning is not None)
+        params = with_grammar(fmt, params, mode, spec.answer_schema, self.guided_decoding, self.reasoning is not None,
+                              spec.answer_param, spec.constraint)
         # A turn the server opened with a forced call's prefill starts with that call: it does not think.
-        # Nor does one under a response_format grammar, from its first token, as a parser that takes the
-        # turn as thinking from there would (deepseek_r1's; qwen3's splits only a text that opens with
-        # <think>, whatever wrote it). With a reasoning parser tool_choice none has no grammar.
+        # Nor does one under a response_format (or regex / choice) grammar, from its first token, as a
+        # parser that takes the turn as thinking from there would (deepseek_r1's; qwen3's splits only a
+        # text that opens with <think>, whatever wrote it). With a reasoning parser tool_choice none has no grammar.
         reasoning = self.reasoning
         if reasoning is not None:  # (the template may have opened the thinking in the generation prompt)
             reasoning = reasoning.after_prompt(self.renderer.tokenizer.decode(prompt_ids[-8:]))
-        if prefill or (reasoning is not None and reasoning.starts_thinking and spec.answer_schema is not None):
+        whole_output = spec.answer_schema is not None or spec.constraint is not None
+        if prefill or (reasoning is not None and reasoning.starts_thinking and whole_output):
             reasoning = None
         intercept = None
         if mode.parse:

@@ -366,7 +366,7 @@ BAD_CHAT = [
     ("named unknown tool", {"model": MODEL, "messages": QUESTION, "tools": TOOLS,
                             "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400),
     ("empty stop", {"model": MODEL, "messages": QUESTION, "stop": [""]}, 400),
-    ("n=2", {"model": MODEL, "messages": QUESTION, "n": 2}, 400),
+    ("n=2 with tools (a turn that may pause)", {"model": MODEL, "messages": QUESTION, "tools": TOOLS, "n": 2}, 400),
     ("penalty out of range", {"model": MODEL, "messages": QUESTION, "presence_penalty": 2.5}, 400),
     ("bad session id", {"model": MODEL, "messages": QUESTION, "session_id": "a b"}, 400),
     ("unknown session", {"model": MODEL, "messages": [{"role": "tool", "tool_call_id": "x", "content": "1"}],

@@ -309,6 +309,31 @@ def test_forced_calls_and_tool_choice_none_on_vllm(vllm):
     assert set(json.loads(shaped.choices[0].message.content)) == {"city"}
 
 
+@needs_vllm
+def test_structured_outputs_and_n_samples_on_vllm(vllm):
+    """The server's regex / choice constraints, Responses text.format and n > 1 run on vLLM as on our
+    engine: the grammars as vLLM's structured outputs (its guidance backend), n samples as n requests."""
+    import re
+
+    import openai
+
+    _, base = vllm
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    phone = r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}"  # (\d would allow any Unicode digit, as Python's re does)
+    out = client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=24, temperature=0,
+                                         extra_body={"structured_outputs": {"regex": phone}})
+    assert re.fullmatch(phone, out.choices[0].message.content), out.choices[0].message.content
+    moods = ["sunny", "rainy"]
+    out = client.completions.create(model="smol", prompt="Tomorrow will be", max_tokens=8, temperature=1.0, n=3,
+                                    extra_body={"guided_choice": moods})
+    assert [c.index for c in out.choices] == [0, 1, 2] and all(c.text in moods for c in out.choices)
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    shaped = client.responses.create(model="smol", input="Name a city as JSON.", max_output_tokens=30, temperature=0,
+                                     text={"format": {"type": "json_schema", "name": "place", "schema": schema}})
+    assert set(json.loads(shaped.output_text)) == {"city"} and shaped.text.format.type == "json_schema"
+
+
 def tool_result_tokens(tokenizer) -> list[int]:
     return tokenizer.encode(f"\n<|im_start|>tool\n{RESULT}<|im_end|>\n<|im_start|>assistant\n",
                             add_special_tokens=False)

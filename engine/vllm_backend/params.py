@@ -6,7 +6,7 @@ never approximated.
 from __future__ import annotations
 
 from ..output_stage import TurnRule
-from ..sampling_params import SamplingParams
+from ..sampling_params import GuidedDecodingParams, SamplingParams
 
 # The key of `TurnRule` in vLLM's `SamplingParams.extra_args`, where our scheduler reads it.
 TURN_RULE_KEY = "infercept_turn"
@@ -41,9 +41,19 @@ def vllm_sampling_fields(params: SamplingParams, resumable: bool, rule: TurnRule
         "ignore_eos": params.ignore_eos,
         "logprobs": params.logprobs,
         "skip_special_tokens": params.skip_special_tokens,
-        # Grammars (forced tool calls, response_format) as vLLM's structured outputs, compiled by the
-        # same library as ours (llguidance: the worker runs vLLM with its `guidance` backend), which
-        # takes our Lark dialect as a `grammar`.
-        "structured_outputs": None if params.guided is None else
-        {"grammar": params.guided.lark} if params.guided.lark is not None else {"json": params.guided.json_schema},
+        # Grammars (forced tool calls, response_format, regex and choice) as vLLM's structured outputs,
+        # compiled by the same library as ours (llguidance: the worker runs vLLM with its `guidance`
+        # backend), which takes our Lark dialect as a `grammar`.
+        "structured_outputs": None if params.guided is None else structured_outputs(params.guided),
     }
+
+
+def structured_outputs(guided: GuidedDecodingParams) -> dict:
+    """vLLM's `StructuredOutputsParams` keyword arguments for our grammar (each kind has its own key)."""
+    if guided.lark is not None:
+        return {"grammar": guided.lark}
+    if guided.regex is not None:
+        return {"regex": guided.regex}
+    if guided.choice is not None:
+        return {"choice": list(guided.choice)}
+    return {"json": guided.json_schema}
