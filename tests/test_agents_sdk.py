@@ -1,0 +1,115 @@
+"""The OpenAI Agents SDK (`agents`), unmodified, against the live server with the embedded model: a
+function-tool agent run by `Runner.run` on the Responses model and on the Chat Completions model, and
+an agent with a pydantic `output_type`.
+
+The 135M model loops on its tool when it may choose, so each run is made deterministic with the SDK's
+own knobs: `tool_choice="required"` forces the call on the first step, `reset_tool_choice=False` keeps
+the SDK from resetting it to auto, and an `AgentHooks.on_tool_end` hook sets `tool_choice="none"` once
+the tool has run, so the second (resumed) step answers. `max_turns=2` bounds the run: a third model call
+raises `MaxTurnsExceeded`.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+
+import openai
+import pytest
+from pydantic import BaseModel
+
+pytest.importorskip("agents")
+from agents import (Agent, AgentHooks, ModelSettings, OpenAIChatCompletionsModel,  # noqa: E402
+                    OpenAIResponsesModel, RunConfig, Runner, function_tool)
+
+MODELS = {"responses": OpenAIResponsesModel, "chat_completions": OpenAIChatCompletionsModel}
+QUESTION = "What is the weather in Paris?"
+MIN_CACHED_SHARE = 0.9  # of the resumed step's prompt, as the other framework tests require
+
+
+class Weather(BaseModel):
+    city: str
+    temperature_c: int
+
+
+class AnswerAfterTheTool(AgentHooks):
+    """Forbids further tool calls once the tool has run, so the next step answers."""
+
+    async def on_tool_end(self, context, agent, tool, result) -> None:
+        agent.model_settings = dataclasses.replace(agent.model_settings, tool_choice="none")
+
+
+class Recorder:
+    """The SDK's HTTP traffic (request bodies and response statuses) and the tool's calls."""
+
+    def __init__(self):
+        self.bodies: list[dict] = []
+        self.statuses: list[int] = []
+        self.calls: list[str] = []
+
+    def client(self, base_url: str) -> openai.AsyncOpenAI:
+        async def on_request(request):
+            self.bodies.append(json.loads(request.content))
+
+        async def on_response(response):
+            self.statuses.append(response.status_code)
+
+        http = openai.DefaultAsyncHttpxClient(event_hooks={"request": [on_request], "response": [on_response]})
+        return openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120, http_client=http)
+
+    def weather_tool(self):
+        @function_tool
+        def get_weather(city: str) -> str:
+            """Get the current weather in a city."""
+            self.calls.append(city)
+            return f"Sunny, 24 C in {city}."
+
+        return get_weather
+
+
+def run_agent(base_url: str, api: str, output_type=None):
+    """One `Runner.run` of a fresh weather agent on `api`'s model: (result, recorder)."""
+    recorder = Recorder()
+
+    async def run():
+        agent = Agent(name="weather", instructions="You answer weather questions.", tools=[recorder.weather_tool()],
+                      model=MODELS[api]("smol", recorder.client(base_url)), output_type=output_type,
+                      hooks=AnswerAfterTheTool(), reset_tool_choice=False,
+                      model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=48))
+        return await Runner.run(agent, QUESTION, max_turns=2, run_config=RunConfig(tracing_disabled=True))
+
+    return asyncio.run(run()), recorder
+
+
+def assert_tool_then_cached_answer(result, recorder: Recorder) -> None:
+    """Two model calls, both HTTP 200: the first called the tool (which ran once), the second (tool results
+    appended to the same conversation) answered with most of its prompt reported cached."""
+    assert recorder.statuses == [200, 200], recorder.statuses
+    assert recorder.calls == ["Paris"]
+    assert [body["tool_choice"] for body in recorder.bodies] == ["required", "none"]
+    first, resumed = result.raw_responses
+    assert [item.type for item in first.output] == ["function_call"]
+    assert [item.type for item in resumed.output] == ["message"]
+    cached, prompt = resumed.usage.input_tokens_details.cached_tokens, resumed.usage.input_tokens
+    print(f"resumed step: {cached}/{prompt} prompt tokens cached")
+    assert cached >= MIN_CACHED_SHARE * prompt, (cached, prompt)
+
+
+@pytest.mark.parametrize("api", sorted(MODELS))
+def test_a_function_tool_agent_resumes_with_its_prompt_cached(agent_server_url, api):
+    """A plain-text agent: the tool runs, and the step after it reuses the paused prompt."""
+    result, recorder = run_agent(agent_server_url, api)
+    assert_tool_then_cached_answer(result, recorder)
+    assert isinstance(result.final_output, str) and result.final_output
+
+
+@pytest.mark.parametrize("api", sorted(MODELS))
+def test_an_output_type_agent_gets_a_validated_object(agent_server_url, api):
+    """`output_type` goes out as `text.format` (Responses) or `response_format` (Chat Completions), a
+    json_schema either way; the answer after the tool must parse into the pydantic model."""
+    result, recorder = run_agent(agent_server_url, api, output_type=Weather)
+    assert_tool_then_cached_answer(result, recorder)
+    schema_of_answer = recorder.bodies[1]["text"]["format"] if api == "responses" else \
+        recorder.bodies[1]["response_format"]
+    assert schema_of_answer["type"] == "json_schema"
+    assert isinstance(result.final_output, Weather) and result.final_output.city == "Paris"
