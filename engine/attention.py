@@ -33,7 +33,6 @@ import torch
 import torch.nn.functional as F
 
 
-
 @dataclass
 class PrefillSpan:
     """One sequence whose query spans several tokens in this step."""

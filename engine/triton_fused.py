@@ -63,7 +63,6 @@ if triton is not None:
         tl.store(out_ptr + row * stride_o + cols, (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype),
                  mask=mask)
 
-
     @triton.jit
     def _rope_and_cache_kernel(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
                                stride_t, stride_cos, stride_ks, stride_kh, stride_vs, stride_vh,

@@ -304,8 +304,7 @@ class Turns:
     def _prepare(self, spec: TurnSpec) -> _Prepared:
         """The turn's prompt, sampling parameters and interception rule (400 on bad input)."""
         if not spec.is_chat:
-            prompt_ids = list(spec.prompt_ids)
-            self.check_prompt(prompt_ids, spec.param)
+            prompt_ids = self.render_prompt(spec)
             intercept = None if spec.intercept is None else InterceptParams(
                 pause_on_stop=True, expected_s=spec.intercept.expected_s, kind=spec.intercept.kind)
             params = self.sampling_params(spec, len(prompt_ids))

@@ -257,7 +257,4 @@ class LlamaForCausalLM(nn.Module):
                     module.packed = None
                 elif module.packed is None:
                     module.pack_for_cpu()
-            elif isinstance(module, (MLP, RMSNorm)):  # (q/k norms never take the add_and_norm path)
-                module.kernels = cpu_kernels if fused else None
-            elif isinstance(module, Attention):
-                module.kernels = cpu_kernels if fused and module.q_norm is None else None
+        self.use_fused_kernels(cpu_kernels if fused else None)
