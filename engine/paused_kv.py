@@ -42,7 +42,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .policy.decisions import PausedInfo, PreserveGuard
+from .policy.plan import PausedInfo, PreserveGuard
 from .policy.estimator import DurationEstimator
 
 if TYPE_CHECKING:  # any record with the attributes above: the native `Request`, the vLLM backend's pause

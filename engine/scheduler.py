@@ -46,7 +46,7 @@ from .paused_kv import WAKE_EARLY_S, PausedKV, kv_state
 from .policy import (DurationEstimator, IterationInfo, KVAction, PausedInfo, Policy, Profile,
                      split_swap_budget, swap_room)
 from .policy.admission import AdmissionController
-from .policy.decisions import iteration_swap_limit, memory_ample, resume_imminent
+from .policy.budget import iteration_swap_limit, memory_ample, resume_imminent
 from .request import Request, RequestStatus
 
 

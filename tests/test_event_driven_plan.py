@@ -124,14 +124,14 @@ def test_deferred_swaps_make_every_decision_the_per_step_plan_makes(monkeypatch)
     sleep: the first 400 s of `parts_sim.py`'s long@0.15 (coding agents, 8k-100k-token contexts, token
     scale 16, the H100 model's pools), where the pool comes under pressure and swap-ins take the budget,
     decided the same with and without event-driven planning, with deferrals happening."""
-    from infercept.engine.policy import decisions
-    deferred, defer_swap = [], decisions.defer_swap
+    from infercept.engine.policy import min_waste
+    deferred, defer_swap = [], min_waste.defer_swap
 
     def counting(*args):
         deferred.append(defer_swap(*args))
         return deferred[-1]
 
-    monkeypatch.setattr(decisions, "defer_swap", counting)
+    monkeypatch.setattr(min_waste, "defer_swap", counting)
     trace = long_context.long_context_trace(0.15, 400.0, 0)
     profile = h100_llama3_8b(attention=True)
     logs = []

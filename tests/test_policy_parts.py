@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from infercept.engine.policy import (DurationEstimator, IterationInfo, KVAction, PausedInfo, Profile,
                                      make_policy, min_waste_plan)
-from infercept.engine.policy.decisions import InferCeptPaperPolicy, best_ttl_waste, expected_swap_waste
+from infercept.engine.policy.expected_waste import best_ttl_waste, expected_swap_waste
+from infercept.engine.policy.policies import InferCeptPaperPolicy
 from infercept.engine.simulation import SimulatedEngine
 
 
@@ -362,7 +363,7 @@ def test_prefetched_kv_stays_while_its_resume_looks_imminent():
     imminent. The paper's plan swaps such a request out (its 10 ms iteration exceeds the 4 ms round
     trip); with prefetch, KV brought back for it stays, and a request that was not prefetched is
     planned as before."""
-    from infercept.engine.policy.decisions import resume_imminent
+    from infercept.engine.policy.budget import resume_imminent
     p, it = toy_profile(), IterationInfo(300, 50, swap_out_budget=1000)
     back = PausedInfo("a", 0.0, 200, "device", 200, 0.5, 0.005, prefetched=True)
     assert resume_imminent(back.expected_s, p, p.t_fwd(50), 200)
@@ -490,7 +491,7 @@ def test_prefetch_waits_for_the_expected_resume_not_the_soonest_possible_one():
     """A heavy-tailed tool: one past call that outlasted this pause ends in 0.1 s, another in 10 s. The
     expected resume (5 s away) is not imminent; acting on the soonest one would hold every such pause's
     KV on the device (simulated six-augment mix: 23% of forward time recomputed, against 0.6%)."""
-    from infercept.engine.policy.decisions import resume_imminent
+    from infercept.engine.policy.budget import resume_imminent
     p = toy_profile()
     heavy = PausedInfo("a", 0.0, 200, "host", 0, 1.0, 5.05, remaining_s=(0.1, 10.0))
     assert not resume_imminent(heavy.expected_s, p, 0.2, 200)

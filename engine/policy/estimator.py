@@ -27,7 +27,7 @@ built with ``hints_first`` puts the hint first: for an oracle whose hints are ea
 
 `DurationEstimator.remaining` gives the same rules as a distribution (the history's survivors less the
 elapsed time; a hint or the elapsed time as one point), for the expected-waste decisions
-(`decisions.expected_waste_plan`).
+(`expected_waste.expected_waste_plan`).
 
 Why history matters: with rule 3 alone a 1 ms calculator and a 30 s human turn look the same when they
 start; with history the human turn is swapped or discarded at once and the calculator is never moved.

@@ -60,7 +60,7 @@ def waste_chunk_discard(C: int, C_other: int, M: int, t_fwd: TimeOfTokens, chunk
     Recomputing one chunk per iteration holds, on average, half the context while recomputation is in
     progress (first term: half of Eq. 1's). Each of the ``n`` iterations grows by the chunk's forward time,
     during which the other requests' memory waits (second term). The chunk size is ``S`` minus the running
-    batch's query tokens (paper §4.2; `decisions.recompute_chunk_size`).
+    batch's query tokens (paper §4.2; `budget.recompute_chunk_size`).
 
     ``T_fwd(C/n)`` is evaluated as written in the paper, i.e. the profile's full iteration time for
     ``C/n`` tokens, not the difference ``T_fwd(B + C/n) - T_fwd(B)``. This is the conservative reading:

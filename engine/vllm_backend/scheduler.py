@@ -64,7 +64,7 @@ from vllm.v1.request import Request, RequestStatus
 from engine.output_stage import TurnRule, TurnWatch
 from engine.paused_kv import PausedKV
 from engine.policy import (DurationEstimator, IterationInfo, KVAction, PausedInfo, Profile, make_policy)
-from engine.policy.decisions import iteration_swap_limit, memory_ample, swap_room
+from engine.policy.budget import iteration_swap_limit, memory_ample, swap_room
 from engine.vllm_backend.host_tier import HostTierConnector, refusal
 from engine.vllm_backend.params import TURN_RULE_KEY
 
