@@ -14,15 +14,11 @@ Prefill chunks run one SDPA call each (a chunk starting at position 0 attends to
 causal mask, a later chunk gathers its context from the cache). All single-token queries (decodes,
 and one-token resumes) are batched into one padded SDPA call.
 
-On CUDA with flash-attn installed (fp16/bf16), every sequence instead goes through one varlen kernel
-call: each sequence's context is gathered from the cache into a packed `[total_k, Hkv, D]` tensor and
-`flash_attn_varlen_func` runs with bottom-right-aligned causal masking, so prefill chunks, resumes and
-decodes share one launch. (Its native paged mode wants blocks of 256 tokens; ours are smaller.)
-
 On CUDA with Triton, single-token queries instead go through our paged decode kernel
-(`triton_decode.py`), which reads each context through its block table: no gathered copy of padded
-contexts, and no shape that depends on the contexts' lengths, so the same call runs inside a CUDA graph
-(`decode_graphs.py`).
+(`triton_decode.py`), and the queries of a step with prefill chunks all go through one paged attention
+kernel (`triton_prefill.py`, `PagedQueries`); both read each context through its block table, with no
+gathered copy and no shape that depends on the contexts' lengths, so the same calls run inside CUDA
+graphs (`cuda_graphs.py`). The torch path stays for the CPU and as the reference.
 """
 from __future__ import annotations
 
@@ -47,25 +43,17 @@ class PrefillSpan:
 
 
 @dataclass
-class VarlenMetadata:
-    """Packed layout for flash-attn's varlen kernel (CUDA only)."""
+class PagedQueries:
+    """Every query of a step through one paged attention kernel (`triton_prefill.paged_prefill_attention`'s
+    arguments; see there): sequence s owns rows [query_start[s], query_start[s + 1]) and a context of
+    seq_lens[s] tokens read through block_tables[s]; map_seq / map_row split the work over programs."""
 
-    key_slots: torch.Tensor  # [total_k] cache slots of every sequence's whole context, concatenated
-    cu_seqlens_q: torch.Tensor  # [B + 1] int32 query offsets
-    cu_seqlens_k: torch.Tensor  # [B + 1] int32 key offsets
-    max_seqlen_q: int
-    max_seqlen_k: int
-
-
-def flash_attn_varlen():
-    """flash-attn's varlen function when it can be used here, else None."""
-    if not torch.cuda.is_available():
-        return None
-    try:
-        from flash_attn import flash_attn_varlen_func
-    except ImportError:
-        return None
-    return flash_attn_varlen_func
+    block_tables: torch.Tensor  # [S, max_blocks]
+    query_start: torch.Tensor  # [S + 1]
+    seq_lens: torch.Tensor  # [S]
+    map_seq: torch.Tensor  # [P]
+    map_row: torch.Tensor  # [P]
+    kernel: Callable  # paged_prefill_attention, or paged_prefill_reference (CPU tests)
 
 
 @dataclass
@@ -77,7 +65,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [Bd, 1, 1, max_blocks * block_size] bool, False past each context
     decode_lens: torch.Tensor | None = None  # [Bd] context length of each single-token query
     block_size: int = 16
-    varlen: VarlenMetadata | None = None  # set instead of the above when flash-attn runs the step
+    paged: PagedQueries | None = None  # set instead of the above when one kernel takes every query
     # The kernel single-token queries go through (`triton_decode.paged_decode_attention` on CUDA, same
     # contract as the CPU one), reading decode_key_blocks and decode_lens; None: gather + SDPA with decode_mask.
     decode_kernel: Callable | None = None
@@ -99,11 +87,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Att
     if kernels is None:  # write first, so every query can read its own token from the cache
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
-    if meta.varlen is not None:
-        vl = meta.varlen
-        return flash_attn_varlen()(q, k_cache[vl.key_slots], v_cache[vl.key_slots], vl.cu_seqlens_q,
-                                   vl.cu_seqlens_k, vl.max_seqlen_q, vl.max_seqlen_k, softmax_scale=scale,
-                                   causal=True)
+    if meta.paged is not None:
+        p = meta.paged
+        return p.kernel(q, k_cache, v_cache, p.block_tables, p.query_start, p.seq_lens, p.map_seq, p.map_row,
+                        scale, meta.block_size)
     block_size = meta.block_size
     out = torch.empty_like(q)
     for span in meta.prefills:
@@ -137,4 +124,28 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Att
         if not meta.prefills:
             return o  # a decode-only step: the rows are already in order
         out[meta.decode_rows] = o
+    return out
+
+
+def paged_prefill_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
+                            map_seq: torch.Tensor, map_row: torch.Tensor, scale: float,
+                            block_size: int) -> torch.Tensor:
+    """`triton_prefill.paged_prefill_attention`'s contract in torch, one SDPA call per sequence (reads the
+    lengths on the host: for the CPU tests of the static-shape path, not for graphs). Rows no sequence
+    owns are zero."""
+    out = torch.zeros_like(q)
+    starts, lens = query_start.tolist(), seq_lens.tolist()
+    for s, length in enumerate(lens):
+        rows = slice(starts[s], starts[s + 1])
+        n = rows.stop - rows.start
+        if n == 0:
+            continue
+        blocks = block_tables[s, :-(-length // block_size)]
+        ks = _gather(k_cache, blocks, block_size)[:length].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+        vs = _gather(v_cache, blocks, block_size)[:length].transpose(0, 1).unsqueeze(0)
+        visible = torch.arange(length)[None, :] <= torch.arange(length - n, length)[:, None]  # [n, L]
+        o = F.scaled_dot_product_attention(q[rows].transpose(0, 1).unsqueeze(0), ks, vs,
+                                           attn_mask=visible.to(q.device), scale=scale, enable_gqa=True)
+        out[rows] = o[0].transpose(0, 1)
     return out

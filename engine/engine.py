@@ -58,7 +58,7 @@ class Engine:
                  seed: int = 0, num_threads: int | None = None, policy: str = "infercept",
                  profile: Profile | str | None = None, progress: bool = True, enforce_eager: bool = False):
         """max_num_batched_tokens: the step's token budget; None: `default_step_tokens`.
-        enforce_eager: no CUDA graphs (on CUDA, decode-only steps otherwise replay captured graphs)."""
+        enforce_eager: no CUDA graphs (on CUDA, steps otherwise replay captured graphs; `cuda_graphs.py`)."""
         from transformers import AutoTokenizer
 
         if model is None:
@@ -89,9 +89,10 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, num_host_blocks, block_size, enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.kv_cache, device_, self.eos_token_ids, seed, self.tokenizer,
                                   cuda_graphs=device_.type == "cuda" and not enforce_eager,
-                                  max_batch=max_num_seqs, max_model_len=max_len)
-        if device_.type == "cuda" and not enforce_eager and self.runner.graphs is None:
-            logger.warning("no Triton here: decode steps run eagerly, without CUDA graphs")
+                                  max_batch=max_num_seqs, max_model_len=max_len,
+                                  max_tokens=max_num_batched_tokens or 0)
+        if device_.type == "cuda" and not self.runner.graph_sets:
+            logger.warning("no Triton here: steps run on the torch path, without CUDA graphs")
         self.policy = make_policy(policy)
         if isinstance(profile, str):
             profile = Profile.load(profile)

@@ -6,7 +6,7 @@
 Block `b` of the device pool is `kv[:, :, b]`: every layer's K and V for `block_size` consecutive
 tokens of one request (the attention kernel wants each layer's blocks side by side). The device pool
 has one block more than the block manager hands out, the scratch block: padded rows of a CUDA-graph
-batch (`decode_graphs.py`) write their K/V there and read it back, so they never touch a request's.
+batch (`cuda_graphs.py`) write their K/V there and read it back, so they never touch a request's.
 The host pool is block-major instead, so a host block, and a run of consecutive host blocks, is one
 contiguous range of pinned memory: one asynchronous DMA copy each way. Swapping moves whole blocks between the pools
 by block id; which blocks, and when, is the scheduler's business. How the copies are ordered against

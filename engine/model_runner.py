@@ -6,8 +6,8 @@ import itertools
 import torch
 
 from . import cpu_kernels
-from .attention import AttentionMetadata, PrefillSpan, VarlenMetadata, flash_attn_varlen
-from .decode_graphs import DecodeGraphs
+from .attention import AttentionMetadata, PrefillSpan
+from .cuda_graphs import DecodeGraphs, MixedGraphs
 from .guided_decoding import GuidedDecoder
 from .kv_cache import KVCache
 from .models.llama import LlamaForCausalLM
@@ -15,20 +15,29 @@ from .outputs import RunnerOutput, SchedulerOutput
 from .sampler import TokenHistory, sample, to_device
 
 
-def gpu_decode_kernel():
-    """Triton's paged decode attention where Triton runs here, else None (imported only on CUDA hosts:
-    importing Triton takes a third of a second)."""
-    from . import triton_decode
+def gpu_attention_kernels():
+    """Triton's paged decode attention and paged attention of mixed steps where Triton runs here, else
+    (None, None) (imported only on CUDA hosts: importing Triton takes a third of a second)."""
+    from . import triton_decode, triton_prefill
 
-    return triton_decode.paged_decode_attention if triton_decode.available() else None
+    if not triton_decode.available():
+        return None, None
+    return triton_decode.paged_decode_attention, triton_prefill.paged_prefill_attention
+
+
+# Mixed steps of up to this many tokens replay graphs even when the step budget is smaller: the profile
+# measures passes up to 2,048 tokens (profiler.QUICK_SIZES_GPU) before the budget is chosen from it.
+GRAPH_TOKENS = 2048
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device,
                  eos_token_ids: frozenset[int], seed: int = 0, tokenizer=None, cuda_graphs: bool = False,
-                 max_batch: int = 0, max_model_len: int = 0):
-        """cuda_graphs: replay decode-only steps of up to `max_batch` requests from CUDA graphs (needs
-        CUDA and Triton; otherwise every step runs eagerly)."""
+                 max_batch: int = 0, max_model_len: int = 0, max_tokens: int = 0):
+        """On CUDA with Triton, steps of up to `max_batch` sequences (and `max_tokens` tokens, at least
+        GRAPH_TOKENS) run through static buffers (`cuda_graphs.py`): replayed from CUDA graphs with
+        `cuda_graphs`, launched kernel by kernel without. Everywhere else, and for bigger steps, the
+        torch path runs."""
         self.model = model
         # Grammar-constrained sampling needs the tokenizer (token bytes); without one, no grammars.
         self.guided = GuidedDecoder(tokenizer, eos_token_ids) if tokenizer is not None else None
@@ -38,13 +47,19 @@ class ModelRunner:
         self.eos_token_ids = sorted(eos_token_ids)
         self.generators: dict[str, torch.Generator] = {}
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
-        dtype = kv_cache.device_kv.dtype
-        self.use_varlen = flash_attn_varlen() is not None and device.type == "cuda" and dtype != torch.float32
-        self.decode_kernel = gpu_decode_kernel() if device.type == "cuda" else None
-        self.graphs: DecodeGraphs | None = None
-        if cuda_graphs and self.decode_kernel is not None:
-            self.graphs = DecodeGraphs(model, kv_cache, device, max_batch, max_model_len, self.decode_kernel,
-                                       capture=True)
+        self.decode_kernel, prefill_kernel = gpu_attention_kernels() if device.type == "cuda" else (None, None)
+        self.graph_sets: list[DecodeGraphs | MixedGraphs] = []
+        self.cuda_graphs = False
+        if self.decode_kernel is not None:
+            self.graph_sets = [
+                DecodeGraphs(model, kv_cache, device, max_batch, max_model_len, self.decode_kernel),
+                MixedGraphs(model, kv_cache, device, max(max_tokens, GRAPH_TOKENS), max_batch, max_model_len,
+                            prefill_kernel)]
+            if cuda_graphs:
+                pool = torch.cuda.graph_pool_handle()  # one pool: steps replay one at a time
+                for graphs in self.graph_sets:
+                    graphs.capture(pool)
+                self.cuda_graphs = True
 
     @property
     def kernels(self) -> str:
@@ -52,8 +67,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             return cpu_kernels.signature()
         return "+".join(["torch-kernels"] + ["triton-fused"] * (self.model.norm.kernels is not None)
-                        + ["triton-decode"] * (self.decode_kernel is not None)
-                        + ["flash-attn"] * self.use_varlen + ["cuda-graphs"] * (self.graphs is not None))
+                        + ["triton-attention"] * bool(self.graph_sets) + ["cuda-graphs"] * self.cuda_graphs)
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
         if seed is None:
@@ -65,21 +79,6 @@ class ModelRunner:
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
         return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
-
-    def build_varlen_metadata(self, output: SchedulerOutput) -> VarlenMetadata:
-        key_slots: list[int] = []
-        cu_q, cu_k = [0], [0]
-        for chunk in output.chunks:
-            end = chunk.start_pos + len(chunk.token_ids)
-            key_slots += self._slots(chunk.block_table, 0, end)
-            cu_q.append(cu_q[-1] + len(chunk.token_ids))
-            cu_k.append(cu_k[-1] + end)
-        as_i32 = dict(device=self.device, dtype=torch.int32)
-        return VarlenMetadata(
-            key_slots=torch.tensor(key_slots, device=self.device), cu_seqlens_q=torch.tensor(cu_q, **as_i32),
-            cu_seqlens_k=torch.tensor(cu_k, **as_i32),
-            max_seqlen_q=max(len(c.token_ids) for c in output.chunks),
-            max_seqlen_k=max(c.start_pos + len(c.token_ids) for c in output.chunks))
 
     def build_metadata(self, output: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         input_ids: list[int] = []
@@ -93,10 +92,7 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, device=self.device), prefills=[],
                                  decode_rows=None, decode_key_blocks=None, decode_mask=None,
                                  block_size=self.block_size)
-        if self.use_varlen:
-            meta.varlen = self.build_varlen_metadata(output)
-        else:
-            self._add_torch_metadata(output, meta)
+        self._add_torch_metadata(output, meta)
         ids = torch.tensor(input_ids, device=self.device)
         pos = torch.tensor(positions, device=self.device)
         return ids, pos, meta
@@ -151,9 +147,10 @@ class ModelRunner:
         # The blocks this pass reads and writes (block 0 also pads eager decode block tables); lazy, as
         # they are only looked at while copies are in flight.
         blocks = itertools.chain([0], *(chunk.block_table for chunk in output.chunks))
-        if self.graphs is not None and self.graphs.fits(output):
+        static = next((graphs for graphs in self.graph_sets if graphs.fits(output)), None)
+        if static is not None:
             self.kv_cache.wait_for_copies(blocks)
-            hidden = self.graphs.run(output)
+            hidden = static.run(output)
         else:
             input_ids, positions, meta = self.build_metadata(output)
             self.kv_cache.wait_for_copies(blocks)

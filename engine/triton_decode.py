@@ -5,7 +5,7 @@ Layout (see `attention.py` and `kv_cache.py`): a layer's K and V caches are flat
 block table lists its blocks in order, so its position `p` lives in slot
 `table[p // block_size] * block_size + p % block_size`.
 
-Why a kernel: decode steps run from CUDA graphs (`decode_graphs.py`), which replay fixed shapes and
+Why a kernel: decode steps run from CUDA graphs (`cuda_graphs.py`), which replay fixed shapes and
 cannot sync with the host. The torch path gathers every sequence's whole padded context
 (`[B, max_blocks * block_size, Hkv, D]`) and masks it, a copy whose size is set by the longest context
 the graph was captured for. This kernel instead walks each sequence's own blocks through the table,

@@ -84,7 +84,7 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
                                    "--prefill-len", "64", "--kv-cache-gb", "0.02"])
     load_gpu("step_profile").main(["--model", model, "--out", str(res), "--dtype", "float32", "--device", "cpu",
                                    "--batches", "1", "--steps", "4", "--prefill-len", "64", "--kv-cache-gb", "0.02",
-                                   "--eager-too"])
+                                   "--mixed-chunk", "16", "--mixed-decodes", "2", "--eager-too"])
     load_bench("engine_trace").main(
         ["--model", model, "--policies", "prefix-cache", "infercept", "--rate", "2", "--window", "1", "--until", "3",
          "--context-scale", "0.05", "--decode-scale", "0.05", "--interception-scale", "0.01",
@@ -119,6 +119,8 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
     steps = json.loads((res / "step_profile.json").read_text())
     assert "error" not in steps and steps["prefill"]["tok_s"] > 0 and steps["eager"]["decode_batch1"]["step_ms"]
     assert "cumulative" in (res / "step_profile.txt").read_text()  # the cProfile table
+    assert s["mixed_step"] == "16 prefill tokens + 2 decodes" and s["mixed_step_ms"] > 0 and s["eager_mixed_step_ms"] > 0
+    assert "| mixed: 16 prefill tokens + 2 decodes |" in text
 
 
 def test_batch1_bound_uses_the_cards_hbm_bandwidth():

@@ -1,5 +1,6 @@
 """Where an engine step's time goes, so a GPU run leaves enough to speed the engine up without a GPU at
-hand: decode steps at batch 1 and 32 and a 1,000-token prefill, each timed step by step (wall time of
+hand: decode steps at batch 1 and 32, mixed steps (a 128-token prompt's prefill beside 8 decodes) and a
+1,000-token prefill, each timed step by step (wall time of
 `engine.step()` beside the runner's share), under cProfile (the Python functions a step spends its host
 time in) and under torch.profiler (the kernels and their device time, and the host time of each op).
 
@@ -44,9 +45,10 @@ def _finish(llm) -> None:
         llm.engine.step()
 
 
-def timed_steps(llm, steps: int) -> dict:
+def timed_steps(llm, steps: int, before_step=None) -> dict:
     """Wall time of each `engine.step()` and of the runner's part of it (`runner.run` up to its sampled
-    ids on the host), in ms: the rest is scheduling and output processing."""
+    ids on the host), in ms: the rest is scheduling and output processing. `before_step()`, untimed,
+    runs before each."""
     engine, runner = llm.engine, llm.engine.runner
     run = runner.run
     runner_ms: list[float] = []
@@ -61,6 +63,8 @@ def timed_steps(llm, steps: int) -> dict:
     step_ms = []
     try:
         for _ in range(steps):
+            if before_step is not None:
+                before_step()
             start = time.perf_counter()
             engine.step()
             step_ms.append(1e3 * (time.perf_counter() - start))
@@ -113,6 +117,28 @@ def decode_workload(llm, batch: int, steps: int, prompt_len: int, report: list[s
     _finish(llm)
 
 
+def mixed_steps(llm, decodes: int, chunk: int, steps: int) -> dict:
+    """`steps` steps that each prefill a new `chunk`-token prompt (one output token) beside `decodes`
+    running requests' decodes, timed as `timed_steps` does."""
+    from infercept.engine import SamplingParams
+
+    engine = llm.engine
+    _start(llm, [[100 + (i * 7 + j) % 1000 for j in range(32)] for i in range(decodes)], new_tokens=steps + 16)
+    for _ in range(3):
+        engine.step()
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    prompts = iter([[200 + (i * 11 + j) % 1000 for j in range(chunk)] for i in range(steps)])
+    result = timed_steps(llm, steps, before_step=lambda: engine.add_request(next(prompts), one))
+    _finish(llm)
+    return result
+
+
+def mixed_workload(llm, decodes: int, chunk: int, steps: int, report: list[str], result: dict) -> None:
+    row = result[f"mixed_{chunk}_plus_{decodes}"] = mixed_steps(llm, decodes, chunk, steps)
+    report.append(f"## mixed, a {chunk}-token prefill beside {decodes} decodes: engine.step() median "
+                  f"{row['step_ms_median']:.2f} ms, runner.run median {row['runner_ms_median']:.2f} ms\n")
+
+
 def prefill_workload(llm, prompt_len: int, report: list[str], result: dict) -> None:
     from infercept.engine import SamplingParams
 
@@ -142,7 +168,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prefill-len", type=int, default=1000)
     ap.add_argument("--kv-cache-gb", type=float, default=4.0)
-    ap.add_argument("--eager-too", action="store_true", help="also time the decode steps with --enforce-eager")
+    ap.add_argument("--mixed-chunk", type=int, default=128, help="prompt tokens a mixed step prefills")
+    ap.add_argument("--mixed-decodes", type=int, default=8, help="decodes beside it")
+    ap.add_argument("--eager-too", action="store_true",
+                    help="also time the decode and mixed steps with --enforce-eager")
     args = ap.parse_args(argv)
 
     from infercept.engine import LLM
@@ -157,13 +186,14 @@ def main(argv: list[str] | None = None) -> None:
         report.append(f"engine kernels {result['kernels']}\n")
         for batch in args.batches:
             decode_workload(llm, batch, args.steps, 32, report, result)
+        mixed_workload(llm, args.mixed_decodes, args.mixed_chunk, args.steps, report, result)
         prefill_workload(llm, args.prefill_len, report, result)
         del llm
     except Exception:  # the eager comparison below still runs, and the error is in the report
         report.append("## the default engine failed\n" + traceback.format_exc())
         result["error"] = traceback.format_exc(limit=3)
     if args.eager_too:
-        # The same decode steps without CUDA graphs, timed only: what the graphs save, side by side.
+        # The same decode and mixed steps without CUDA graphs, timed only: what the graphs save, side by side.
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         llm = LLM(args.model, **kwargs, enforce_eager=True)
@@ -177,6 +207,9 @@ def main(argv: list[str] | None = None) -> None:
             report.append(f"## eager (--enforce-eager), decode, batch {batch}: engine.step() median "
                           f"{row['step_ms_median']:.2f} ms, runner.run median {row['runner_ms_median']:.2f} ms\n")
             _finish(llm)
+        row = result["eager"]["mixed"] = mixed_steps(llm, args.mixed_decodes, args.mixed_chunk, args.steps)
+        report.append(f"## eager (--enforce-eager), mixed, a {args.mixed_chunk}-token prefill beside "
+                      f"{args.mixed_decodes} decodes: engine.step() median {row['step_ms_median']:.2f} ms\n")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "step_profile.json").write_text(json.dumps(result, indent=1) + "\n")

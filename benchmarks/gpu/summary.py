@@ -101,12 +101,18 @@ def summarize(res: Path, seconds: float | None = None, dry: bool = False) -> dic
     s["transformers_prefill_tok_s"] = prefill["transformers_tok_s"] if prefill else None
     s["engine_kernels"] = dec.get("kernels")
 
-    # A decode step as the engine runs it (CUDA graphs where captured), beside the profile's eager pass.
+    # Steps as the engine runs them (CUDA graphs where captured), and the same steps with --enforce-eager.
     step_profile = _load(res / "step_profile.json") or {}
+    eager = step_profile.get("eager") or {}
     for batch in (1, 32):
         row = step_profile.get(f"decode_batch{batch}") or {}
         s[f"decode_step_batch{batch}_ms"] = row.get("step_ms_median")
         s[f"decode_runner_batch{batch}_ms"] = row.get("runner_ms_median")
+        s[f"eager_decode_step_batch{batch}_ms"] = (eager.get(f"decode_batch{batch}") or {}).get("step_ms_median")
+    mixed = next((k for k in step_profile if k.startswith("mixed_")), None)
+    s["mixed_step"] = mixed and mixed.removeprefix("mixed_").replace("_plus_", " prefill tokens + ") + " decodes"
+    s["mixed_step_ms"] = mixed and step_profile[mixed].get("step_ms_median")
+    s["eager_mixed_step_ms"] = (eager.get("mixed") or {}).get("step_ms_median")
 
     # Batch-1 decode streams every weight once a step: tokens/s <= HBM bandwidth / weight bytes.
     s["weight_bytes"] = dec.get("weight_bytes")
@@ -174,6 +180,15 @@ def markdown(s: dict) -> str:
                   f"{s['hbm_bytes_per_s'] / 1e12:.2f} TB/s = {s['weight_stream_bound_batch1_ms']:.2f} ms a token, "
                   f"{s['weight_stream_bound_batch1_tok_s']:.0f} tok/s; the engine reaches "
                   f"{_f(s['decode_batch1_share_of_bound'] and 100 * s['decode_batch1_share_of_bound'], '{:.0f}')}%."]
+    if s["decode_step_batch1_ms"] is not None:
+        lines += ["", "**Steps** (`engine.step()` median ms; eager: `--enforce-eager`, the same kernels without "
+                  "graphs):", "", "| step | CUDA graphs | eager |", "|---|---:|---:|"]
+        for batch in (b for b in (1, 32) if s[f"decode_step_batch{b}_ms"] is not None):
+            lines.append(f"| decode, batch {batch} | {_f(s[f'decode_step_batch{batch}_ms'], '{:.2f}')} | "
+                         f"{_f(s[f'eager_decode_step_batch{batch}_ms'], '{:.2f}')} |")
+        if s["mixed_step"]:
+            lines.append(f"| mixed: {s['mixed_step']} | {_f(s['mixed_step_ms'], '{:.2f}')} | "
+                         f"{_f(s['eager_mixed_step_ms'], '{:.2f}')} |")
     lines += ["", "**Engine trace** (normalized latency, s/token; finished/requests):", "",
               "| device pool | policy | normalized latency | finished |", "|---|---|---:|---:|"]
     for pool, t in (s["engine_trace"] or {}).items():
