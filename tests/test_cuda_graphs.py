@@ -253,5 +253,5 @@ def test_cuda_graphs_match_the_eager_engine(default_model_dir, dtype, monkeypatc
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 9, 12, 3, 7, 5)]
     assert [o.token_ids for o in graphed.generate(prompts, params)] == \
         [o.token_ids for o in eager.generate(prompts, params)]
-    assert {5, 3, 1} <= {rows for graphs, rows in replays if graphs is decode}, replays
+    assert {5, 1} <= {rows for graphs, rows in replays if graphs is decode}, replays  # 5 pads to 8
     assert len({rows for graphs, rows in replays if graphs is mixed}) >= 2, replays
