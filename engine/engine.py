@@ -23,6 +23,7 @@ from .request import InterceptParams, Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .stats import EngineStats
+from .step_loop import StepLoop
 
 logger = logging.getLogger("infercept.engine")
 
@@ -109,6 +110,7 @@ class Engine:
             seed=seed, num_threads=num_threads)
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager, self.policy, self.profile)
         self.stats = EngineStats(bytes_per_token=self.profile.bytes_per_token)
+        self.loop = StepLoop(self.scheduler, self.runner, self.stats)
         log_path = step_log_path()
         self._step_log = open(log_path, "a", buffering=1) if log_path else None
         self.turns: dict[str, TurnOutput] = {}  # the output stage of each request's current turn
@@ -178,19 +180,13 @@ class Engine:
         if intercept is not None:
             request.intercept = intercept
         self.scheduler.decide_fresh_pause(request_id)
-        location = self.kv_location(request_id)
-        self.stats.count_resume(location["device"], location["host"])
-        self.scheduler.resume(request_id, token_ids, result_at)
-        self._hold_paused_kv()
+        location = self.loop.resume(request_id, token_ids, result_at)
         self.turns[request_id] = turn
         return location
 
     def abort(self, request_id: str) -> None:
-        was_paused = request_id in self.scheduler.paused
-        self.scheduler.abort(request_id)
+        self.loop.abort(request_id)
         self.turns.pop(request_id, None)
-        if was_paused:
-            self._hold_paused_kv()
 
     def kv_location(self, request_id: str) -> dict[str, int]:
         """Context tokens whose KV is on the device, on the host, or discarded (to recompute; `cached`
@@ -220,13 +216,7 @@ class Engine:
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
-        self.stats.hold(self.scheduler.clock())  # the paused KV held idle since the last change
-        scheduler_output = self.scheduler.schedule()
-        self.stats.hold(self.scheduler.clock(), scheduler_output.num_paused_device_tokens)  # after the plan
-        runner_output = self.runner.run(scheduler_output)
-        outputs = self._update(scheduler_output, runner_output)
-        self.stats.record(scheduler_output, time.perf_counter() - start)
-        self._hold_paused_kv()  # this step's pauses
+        scheduler_output, outputs = self.loop.step(self._update, lambda: time.perf_counter() - start)
         if self._step_log is not None:
             self._log_step(scheduler_output, start)
         return outputs
@@ -239,11 +229,6 @@ class Engine:
             "decode": len(decode), "prefill_tokens": out.num_batched_tokens - len(decode),
             "context_tokens": sum(c.start_pos + len(c.token_ids) for c in out.chunks),
             "swap_in": len(out.swap_in), "swap_out": len(out.swap_out)}) + "\n")
-
-    def _hold_paused_kv(self) -> None:
-        """The paused requests' device KV changed (a pause, resume or abort): charge the idle memory held
-        until now, then hold the new amount (`EngineStats.hold`)."""
-        self.stats.hold(self.scheduler.clock(), self.scheduler.paused_device_tokens())
 
     def _update(self, scheduler_output: SchedulerOutput, runner_output) -> list[RequestOutput]:
         outputs = []

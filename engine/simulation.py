@@ -51,6 +51,7 @@ from .request import InterceptParams, Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .stats import EngineStats
+from .step_loop import StepLoop
 
 PROMPT_TOKEN_ID = 7
 APPENDED_TOKEN_ID = 200
@@ -123,6 +124,7 @@ class SimulatedEngine:
         self.runner = ModeledRunner(profile, self.clock, self.block_size,
                                     swap_synchronous=self.policy.swap_synchronous)
         self.stats = EngineStats(bytes_per_token=profile.bytes_per_token)
+        self.loop = StepLoop(self.scheduler, self.runner, self.stats)
         self.acc = SimAccounting()
         self._last_turn: set[str] = set()
         self._ids = itertools.count()
@@ -164,9 +166,7 @@ class SimulatedEngine:
             raise ValueError("a resume needs at least one token")
         request = self.scheduler.paused[request_id]
         request.sampling_params = _greedy(max_tokens)
-        self.stats.count_resume(*self.scheduler.kv_tokens(request))
-        self.scheduler.resume(request_id, [APPENDED_TOKEN_ID] * num_appended_tokens, result_at=result_at)
-        self.stats.hold(self.clock.now(), self.paused_device_tokens())
+        self.loop.resume(request_id, [APPENDED_TOKEN_ID] * num_appended_tokens, result_at)
         if request.intercept is not None and (request.intercept.expected_s, request.intercept.kind) != \
                 (expected_s, kind or request.intercept.kind):
             request.intercept = InterceptParams(pause_on_stop=True, expected_s=expected_s,
@@ -175,9 +175,8 @@ class SimulatedEngine:
         return request
 
     def abort(self, request_id: str) -> None:
-        self.scheduler.abort(request_id)
+        self.loop.abort(request_id)
         self._last_turn.discard(request_id)
-        self.stats.hold(self.clock.now(), self.paused_device_tokens())
 
     def _set_last_turn(self, request_id: str, last_turn: bool) -> None:
         if last_turn:
@@ -196,11 +195,13 @@ class SimulatedEngine:
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> StepResult:
-        self.stats.hold(self.clock.now())
-        out = self.scheduler.schedule()
-        self.stats.hold(self.clock.now(), out.num_paused_device_tokens)
-        runner_output = self.runner.run(out)
+        out, (sampled, paused, finished) = self.loop.step(self._update, lambda: self.runner.last.seconds)
         cost = self.runner.last
+        self._account(out, cost)
+        return StepResult(out, cost, sampled, paused, finished)
+
+    def _update(self, out: SchedulerOutput, runner_output) -> tuple[list[Request], list[Request], list[Request]]:
+        """A turn ends when its scripted tokens are out: the request pauses, or finishes after its last turn."""
         sampled = self.scheduler.update(out, runner_output)
         paused, finished = [], []
         for request in sampled:
@@ -213,10 +214,7 @@ class SimulatedEngine:
             else:
                 self.scheduler.pause(request, [])
                 paused.append(request)
-        self.stats.record(out, cost.seconds)
-        self.stats.hold(self.clock.now(), self.paused_device_tokens())
-        self._account(out, cost)
-        return StepResult(out, cost, sampled, paused, finished)
+        return sampled, paused, finished
 
     def _account(self, out: SchedulerOutput, cost: IterationCost) -> None:
         acc = self.acc
