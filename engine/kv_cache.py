@@ -19,7 +19,7 @@ from collections.abc import Iterable
 import torch
 
 from .config import available_host_memory_bytes
-from .copy_stream import CopyStream
+from .copy_stream import CopyStream, to_device
 from .models.spec import ModelSpec
 
 GIB = 1024 ** 3
@@ -100,7 +100,7 @@ class KVCache:
             return
         device_ids = [d for d, _ in pairs]
         with self.copy_stream.copying(device_ids):
-            src = torch.tensor(device_ids, device=self.device_kv.device)
+            src = to_device(device_ids, self.device_kv.device)
             staged = self.device_kv.index_select(2, src).movedim(2, 0).contiguous()  # [n, 2, L, bs, Hkv, D]
             for i, first, n in consecutive_runs([h for _, h in pairs]):
                 self.host_kv[first:first + n].copy_(staged[i:i + n], non_blocking=True)
@@ -119,7 +119,7 @@ class KVCache:
                                  device=self.device_kv.device)  # [n, 2, L, bs, Hkv, D]
             for i, first, n in consecutive_runs([h for h, _ in pairs]):
                 staged[i:i + n].copy_(self.host_kv[first:first + n], non_blocking=True)
-            dst = torch.tensor(device_ids, device=self.device_kv.device)
+            dst = to_device(device_ids, self.device_kv.device)
             self.device_kv.index_copy_(2, dst, staged.movedim(0, 2))
 
     def wait_for_copies(self, device_blocks: Iterable[int]) -> None:

@@ -7,12 +7,13 @@ import torch
 
 from . import cpu_kernels
 from .attention import AttentionMetadata, PrefillSpan
+from .copy_stream import to_device
 from .cuda_graphs import DecodeGraphs, MixedGraphs
 from .guided_decoding import GuidedDecoder
 from .kv_cache import KVCache
 from .models.llama import LlamaForCausalLM
 from .outputs import RunnerOutput, SchedulerOutput
-from .sampler import TokenHistory, sample, to_device
+from .sampler import TokenHistory, sample
 
 
 def gpu_attention_kernels():

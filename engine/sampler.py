@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .copy_stream import to_device
 from .outputs import SampledToken
 from .sampling_params import SamplingParams
 
@@ -34,15 +35,6 @@ class TokenHistory:
 
     token_ids: Sequence[int]
     num_output: int
-
-
-def to_device(data, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A host list or tensor on `device`: on CUDA through pinned memory without waiting for the copy
-    (a plain `torch.tensor(..., device=...)` synchronizes the stream)."""
-    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:

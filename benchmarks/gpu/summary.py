@@ -168,7 +168,9 @@ def markdown(s: dict) -> str:
     if s["saturation_point"]:
         sp, d2h, h2d = s["saturation_point"], s["d2h_gb_s"], s["h2d_gb_s"]
         lines += ["", f"Saturation point {sp['measured']} vs {sp['hand_written']} tokens; copies device->host "
-                  f"{d2h['measured']:.1f} GB/s, host->device {h2d['measured']:.1f} GB/s vs {d2h['hand_written']:.1f}."]
+                  f"{d2h['measured']:.1f} GB/s, host->device {h2d['measured']:.1f} GB/s vs {d2h['hand_written']:.1f}"
+                  + (f"; {100 * s['copy_overlap']['measured']:.0f}% of a swap's copy time hidden behind a forward "
+                     "pass" if (s["copy_overlap"] or {}).get("measured") is not None else "") + "."]
     lines += ["", f"**Engine vs transformers** ({shape}; engine kernels {s['engine_kernels']}):", "",
               "| workload | infercept tok/s | transformers tok/s |", "|---|---:|---:|"]
     for b, tok_s in (s["decode_tok_s"] or {}).items():
