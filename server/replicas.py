@@ -31,7 +31,13 @@ The launcher starts the replicas (`infercept serve` on consecutive ports, `--thr
 their /health, starts the router, waits for its /readiness, and then watches: a replica that exits is
 started again on its port (the router sends its traffic to the others meanwhile and takes it back once
 it is healthy); if the router exits, everything stops. Ctrl-C or SIGTERM stops the router, then the
-replicas (each with its own graceful shutdown), then exits.
+replicas (each with its own graceful shutdown), then exits. While it runs, the fleet grows and shrinks by
+signal, as gunicorn's workers do: SIGTTIN starts one more replica on the next free port and, once it is
+healthy, adds it to the router (`/add_worker`), which sends it new agents from then on; SIGTTOU takes the
+newest replica out of the router (`/remove_worker`) and stops it gracefully (its paused generations are
+released and counted; their agents' next steps go to the others and recompute).
+
+    kill -TTIN $(pgrep -f 'infercept.server.replicas --replicas')    # one more replica
 
 Each replica runs `infercept serve` through this module (`replica` below), which puts one ASGI layer
 in front of the server's app and changes nothing else: DropRouterDefaults removes the SGLang sampling
@@ -232,6 +238,26 @@ class Stop(Exception):
     pass
 
 
+def port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def router_workers(router: Child, action: str, url: str) -> None:
+    """`action` (add_worker, remove_worker) `url` on the running router; raises unless it answers 2xx."""
+    import httpx
+
+    response = httpx.post(f"{router.url}/{action}", params={"url": url}, timeout=30)
+    if response.status_code >= 300:
+        raise RuntimeError(f"the router refused {action} {url}: {response.status_code} {response.text[:200]}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     env = lambda name, default: os.environ.get(f"INFERCEPT_{name}") or default  # noqa: E731
     p = argparse.ArgumentParser(
@@ -301,17 +327,50 @@ def main(argv: list[str] | None = None) -> None:
     def on_signal(sig, frame):
         raise Stop(signal.Signals(sig).name)
 
+    def new_replica(port: int) -> Child:
+        return Child(f"replica :{port}", [sys.executable, "-m", "infercept.server.replicas", "replica",
+                                          "--host", args.replica_host, "--port", str(port),
+                                          "--threads", str(args.threads), *serve_args],
+                     f"http://127.0.0.1:{port}", log(f"replica-{port}"))
+
+    def scale(step: int) -> None:
+        """One replica more (step 1) or fewer (-1), the router told; never below one."""
+        if step > 0:
+            port = max(int(r.url.rsplit(":", 1)[1]) for r in replicas) + 1
+            while not port_free(port):
+                port += 1
+            child = new_replica(port)
+            try:
+                wait_ok([child], "/health", args.startup_timeout)
+                router_workers(router, "add_worker", child.url)
+            except (RuntimeError, TimeoutError) as e:  # the fleet serves on as it was
+                stop([child], 60)
+                print(f"infercept replicas: {child.name} not added: {e}", file=sys.stderr, flush=True)
+                return
+            replicas.append(child)
+            print(f"infercept replicas: {child.name} added ({len(replicas)} replicas)", flush=True)
+        elif len(replicas) > 1:
+            child = replicas[-1]
+            try:
+                router_workers(router, "remove_worker", child.url)
+            except RuntimeError as e:
+                print(f"infercept replicas: {child.name} not removed: {e}", file=sys.stderr, flush=True)
+                return
+            replicas.pop()
+            stop([child], 60)
+            print(f"infercept replicas: {child.name} removed and stopped ({len(replicas)} replicas)", flush=True)
+
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    scaling: list[int] = []  # signals in, handled by the loop (not inside the handler: it starts processes)
+    signal.signal(signal.SIGTTIN, lambda sig, frame: scaling.append(1))
+    signal.signal(signal.SIGTTOU, lambda sig, frame: scaling.append(-1))
     replicas: list[Child] = []
     router: Child | None = None
     status = 0
     try:
         for port in ports:
-            replicas.append(Child(f"replica :{port}", [sys.executable, "-m", "infercept.server.replicas", "replica",
-                                                       "--host", args.replica_host, "--port", str(port),
-                                                       "--threads", str(args.threads), *serve_args],
-                                  f"http://127.0.0.1:{port}", log(f"replica-{port}")))
+            replicas.append(new_replica(port))
         print(f"infercept replicas: starting {args.replicas} on ports {ports[0]}-{ports[-1]} "
               f"({args.threads} thread{'s' * (args.threads != 1)} each) ...", file=sys.stderr, flush=True)
         wait_ok(replicas, "/health", args.startup_timeout)
@@ -326,6 +385,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{args.router_policy}; replicas {', '.join(workers)})", flush=True)
         while True:
             time.sleep(0.5)
+            while scaling:
+                scale(scaling.pop(0))
             if not router.running():
                 raise RuntimeError(f"the router exited with status {router.proc.returncode}; stopping")
             for r in replicas:

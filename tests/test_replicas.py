@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -250,6 +251,42 @@ def test_responses_chains_and_header_sessions_return_home_under_kv_aware_affinit
     for run in runs:
         shares = resumed_shares(run)
         assert len(shares) == 4 and min(shares) >= 0.9, shares
+
+
+def router_worker_urls(cluster) -> list[str]:
+    """The replicas the router sends requests to (its /list_workers)."""
+    text = httpx.get(cluster.url + "/list_workers", timeout=10).text
+    return sorted(set(re.findall(r"http://127\.0\.0\.1:\d+", text)))
+
+
+def wait_for(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(1)
+    raise TimeoutError(what)
+
+
+@needs_router
+def test_the_fleet_grows_and_shrinks_by_signal(cluster, bench):
+    """SIGTTIN to the launcher: a third replica starts, joins the router and takes new agents; SIGTTOU: it
+    leaves the router and stops, and the agents after that finish on the other two."""
+    assert router_worker_urls(cluster) == sorted(cluster.workers)
+    os.kill(cluster.proc.pid, signal.SIGTTIN)
+    grown = wait_for(lambda: [urls for urls in [router_worker_urls(cluster)] if len(urls) == 3], 300,
+                     "no third replica in the router")[0]
+    new, = set(grown) - set(cluster.workers)
+    run = bench.run_agents(cluster.url, 4, "grown", steps=2, words=WORDS)
+    assert [loop["error"] for loop in run["agents"]] == [None] * 4
+    assert requests_served(new) > 0, "the added replica took no new agent"
+    os.kill(cluster.proc.pid, signal.SIGTTOU)
+    wait_for(lambda: router_worker_urls(cluster) == sorted(cluster.workers), 120, "the replica is still routed to")
+    port = int(new.rsplit(":", 1)[1])
+    wait_for(lambda: not _listening(port), 120, "the removed replica still listens")
+    after = bench.run_agents(cluster.url, 2, "shrunk", steps=2, words=WORDS)
+    assert [loop["error"] for loop in after["agents"]] == [None] * 2
 
 
 @needs_router
