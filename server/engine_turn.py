@@ -54,6 +54,7 @@ class EngineTurn:
     observe_gap: Callable[[float], None] | None = None  # inter-token latency, per output after the first
     last: RequestOutput | None = None  # the last output handed out
     kept: bool = False  # its pause was handed to the conversation store
+    ended: bool = False  # its pause was aborted (`end`)
 
     @property
     def cached_tokens(self) -> int:
@@ -78,13 +79,19 @@ class EngineTurn:
             except RuntimeError as e:  # the engine is shutting down (or a step failed)
                 raise APIError(503, str(e), headers={"Retry-After": "5"}) from None
 
+    def end(self) -> None:
+        """End a turn that ended paused but that nobody will resume (a structured answer), now: its blocks
+        are freed as a finished request's are, before its client has the answer."""
+        if self.last is not None and self.last.paused and not self.kept and not self.ended:
+            self.ended = True
+            self.abort(self.request_id)
+
     async def close(self) -> None:
         """Leave the stream: a turn that has not ended is aborted (frees its blocks), and so is one that
         ended paused but was left before the store kept it (its request cut off in between)."""
         with contextlib.suppress(Exception):
             await self.stream.aclose()
-        if self.last is not None and self.last.paused and not self.kept:
-            self.abort(self.request_id)
+        self.end()
 
 
 class EngineTurns:

@@ -351,7 +351,8 @@ class ResponsesMcp:
             choice = "none"
         parallel = req.parallel_tool_calls is not False
         sampling = Sampling(temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_output_tokens)
-        spec = TurnSpec("chat", sampling, system + conversation, mode=tool_mode(specs or None, choice, parallel),
+        spec = TurnSpec("chat", sampling, system + conversation,
+                        mode=tool_mode(specs or None, choice, parallel, servers.tools),
                         id_prefix="resp_", param="input", owner=owner, **answer_format(req))
         turn = await serving.turns.open(spec)
         rt = ResponseTurn(req, model, new_id("msg_"), now(), conversation, turn)
@@ -364,7 +365,8 @@ class ResponsesMcp:
         def respec(spec: TurnSpec, messages: list[Message], num_calls: int) -> TurnSpec:
             done = req.max_tool_calls is not None and num_approved + num_calls >= req.max_tool_calls
             later = "none" if done else "auto" if choice not in (None, "none") else choice
-            return replace(spec, messages=tuple(messages), mode=tool_mode(specs or None, later, parallel))
+            return replace(spec, messages=tuple(messages),
+                           mode=tool_mode(specs or None, later, parallel, servers.tools))
 
         runnable = {name: t for name, t in servers.tools.items() if not t.needs_approval}
         out = Output(rt, servers, output)

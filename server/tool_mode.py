@@ -10,9 +10,19 @@ JSON object / to JSON that follows the schema: with no tools or tool_choice "non
 JSON; with "auto", it is either calls or that JSON, the model chooses; a forced turn is calls only, so
 the format has nothing to constrain there. A regex / choice (server/structured.py) is the whole
 output, so its turn has no calls to allow: its grammar alone constrains it.
+
+A structured answer (`ToolMode.answer`) is a turn whose request has exactly one tool, a tool_choice that
+names it and `parallel_tool_calls: false`: what LangChain's `with_structured_output(method=
+"function_calling")` sends, where the tool is the answer's schema, not a step of an agent loop, and no
+result comes back for its call. It ends at the call instead of pausing, its KV left to the prefix cache
+like any finished request's. Without `parallel_tool_calls: false` the same request is taken for a forced
+step of a one-tool agent loop and pauses, as do "required" with one tool and a name among several tools;
+so do a forced call of a tool the server runs itself and any turn of a named chat session (`session_id`),
+which its client may continue with only the tool results (turns.py applies the rule).
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 
 from infercept.engine.backend import GuidedDecodingParams, SamplingParams, ToolFormat, ToolSpec
@@ -28,6 +38,7 @@ class ToolMode:
     forced: bool = False  # a call is required (tool_choice "required" or named)
     forced_name: str | None = None  # named tool_choice
     parallel: bool = True
+    answer: bool = False  # a structured answer: its call ends the turn instead of pausing it
 
 
 def with_grammar(fmt: ToolFormat, params: SamplingParams, mode: ToolMode, answer_schema: dict | None,
@@ -102,9 +113,11 @@ def _compile(param: str, **grammar) -> GuidedDecodingParams:
                           param="tools" if param == "tool_choice" else param) from None
 
 
-def tool_mode(tools: list[ToolSpec] | None, choice: str | None, parallel: bool = True) -> ToolMode:
+def tool_mode(tools: list[ToolSpec] | None, choice: str | None, parallel: bool = True,
+              server_tools: Collection[str] = ()) -> ToolMode:
     """The turn's tools and whether it may, must or must not call them. `choice`: None, "none", "auto",
-    "required" or the name of the one tool to call (400 on contradictions)."""
+    "required" or the name of the one tool to call (400 on contradictions). `server_tools`: the names of
+    the tools the server runs itself (their results do come back, so forcing one is no answer)."""
     if not tools:
         if choice not in (None, "none", "auto"):
             raise bad_request("tool_choice requires tools", param="tool_choice")
@@ -119,4 +132,5 @@ def tool_mode(tools: list[ToolSpec] | None, choice: str | None, parallel: bool =
         return ToolMode(tools, True, forced=True, parallel=parallel)
     if choice not in {t.name for t in tools}:
         raise bad_request(f"tool_choice names {choice!r}, which is not in tools", param="tool_choice")
-    return ToolMode(tools, True, forced=True, forced_name=choice, parallel=False)
+    answer = len(tools) == 1 and not parallel and choice not in server_tools
+    return ToolMode(tools, True, forced=True, forced_name=choice, parallel=False, answer=answer)

@@ -210,7 +210,8 @@ class Turn:
     def _end(self, out: RequestOutput) -> tuple[TurnResult, Paused | None]:
         """The engine's verdict on the turn, rendered, and the handle of its paused generation. Tool calls
         that all count keep the generation paused for the request that brings their results (calls of
-        which some did not count end it: the paused context would show calls that never get results)."""
+        which some did not count end it: the paused context would show calls that never get results),
+        unless the turn is a structured answer (tool_mode.py), whose call is its result."""
         spec, engine = self.spec, self.engine
         handle = None
         reasoning, text = self._split(out.text)
@@ -221,7 +222,11 @@ class Turn:
             # thinking's included, stay the paused context (chat.py renders a known turn as its tokens).
             message = Message("assistant", out.content or "", None, tuple(calls))
             result = TurnResult(out.content or None, calls, "tool_calls", message, reasoning)
-            if out.paused:
+            # A structured answer's call is its result: nothing will resume it. A named conversation (chat
+            # session_id) is exempt: its client may continue it with only the tool results, which needs the pause.
+            if out.paused and spec.mode.answer and spec.holder is None:
+                engine.end()
+            elif out.paused:
                 prefill_ids = len(self.turns.renderer.encode(self.prefill)) if self.prefill else 0
                 turn_ids = tuple(engine.prompt_ids[len(engine.prompt_ids) - prefill_ids:] + out.token_ids)
                 handle = Paused(engine.request_id, engine.prompt_ids + list(out.token_ids),

@@ -152,3 +152,23 @@ def agent_server_url(default_model_dir):
     yield base + "/v1"
     server.should_exit = True
     thread.join(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def vllm_agent_server_url(default_model_dir):
+    """The same over the vLLM backend (`--backend vllm`, `live_server.VllmLiveServer`), started the first
+    time a test asks for it and shared by every framework test after that (vLLM takes ~40 s to start);
+    skips without the vLLM environment."""
+    from live_server import NO_VLLM, VllmLiveServer
+
+    if NO_VLLM:
+        pytest.skip(NO_VLLM)
+    live = VllmLiveServer(default_model_dir)
+    yield live.url
+    live.close()
+
+
+@pytest.fixture(scope="module", params=["native", "vllm"])
+def backend_url(request):
+    """The /v1 URL of the shared live server on each backend, for tests that run a framework on both."""
+    return request.getfixturevalue("agent_server_url" if request.param == "native" else "vllm_agent_server_url")

