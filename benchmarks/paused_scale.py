@@ -16,8 +16,8 @@ and every completion adds a duration to its tool's history):
 - `--server`: the real HTTP server with the embedded model. N paused generations are created through
   `/v1/completions` (15-token prompts of fresh ids + 1 generated token, `intercept` with `expected_s`
   3600), then one request decodes 128 tokens (greedy, EOS ignored) while they wait; decode speed =
-  (tokens - 1) / (last token - first token) of its stream, median of 3. Where the paused KV lives and how
-  many paused generations the server aborted are read from /metrics.
+  (tokens - 1) / (last token - first token) of its stream, median of 3 (`--repeats`). Where the paused
+  KV lives and how many paused generations the server aborted are read from /metrics.
 
     .venv/bin/python benchmarks/paused_scale.py --sim --server       # ~10 min on 2 cores
     .venv/bin/python benchmarks/paused_scale.py --sim --paused 10 100 # a quick look
@@ -237,7 +237,7 @@ def _paused_metrics(text: str) -> dict:
     return out
 
 
-async def _server_rows(base_url: str, paused_counts: list[int], completions: float) -> list[dict]:
+async def _server_rows(base_url: str, paused_counts: list[int], completions: float, repeats: int = 3) -> list[dict]:
     rng = random.Random(0)
     rows = []
     agents: list[Agent] = []
@@ -255,7 +255,7 @@ async def _server_rows(base_url: str, paused_counts: list[int], completions: flo
             began = time.perf_counter()
             if traffic is not None:
                 await asyncio.sleep(3.0)  # into the traffic's steady state
-            speeds = [await _decode_speed(http, model, rng) for _ in range(3)]
+            speeds = [await _decode_speed(http, model, rng) for _ in range(repeats)]
             stop.set()
             served = await traffic if traffic is not None else {}
             if served:
@@ -267,7 +267,7 @@ async def _server_rows(base_url: str, paused_counts: list[int], completions: flo
 
 
 def run_server(paused_counts: list[int], threads: int | None, logs: Path, extra: list[str],
-               completions: float = 0.0) -> list[dict]:
+               completions: float = 0.0, repeats: int = 3) -> list[dict]:
     exe = Path(sys.executable).with_name("infercept")
     port = free_port()
     argv = [str(exe), "serve", "--port", str(port), "--log-level", "warning",
@@ -276,7 +276,7 @@ def run_server(paused_counts: list[int], threads: int | None, logs: Path, extra:
     server = ServerProcess(argv, port, "infercept (defaults)", logs / "server.log")
     try:
         server.wait_ready(900)
-        return asyncio.run(_server_rows(server.base_url, paused_counts, completions))
+        return asyncio.run(_server_rows(server.base_url, paused_counts, completions, repeats))
     finally:
         server.stop()
 
@@ -311,7 +311,7 @@ def report(result: dict) -> str:
                   f"({base_row['paused']:,} paused). Under traffic: the completions a second the server served "
                   "while timing, and how many of them resumed the paused KV.", "",
                   "| paused generations held | tool completions / s (served) | resumed paused KV | decode tok/s "
-                  "(median of 3) | vs first row | paused KV (device / host / discarded) | aborted by the server |",
+                  f"(median of {len(rows[0]['runs'])}) | vs first row | paused KV (device / host / discarded) | aborted by the server |",
                   "|---|---|---|---|---|---|---|"]
         for r in rows:
             s = r["paused_by_state"]
@@ -337,6 +337,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "checkout's '--max-sessions 20000' (its default aborted paused generations past 256)")
     parser.add_argument("--completions", type=float, default=0.0,
                         help="tool completions a second among the paused agents while timing (default 0)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="server: decode runs per row, the median reported (default 3)")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     if not (args.sim or args.server):
@@ -349,7 +351,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["sim"] = run_sim(args.paused or list(SIM_PAUSED), args.policies, args.completions)
     if args.server:
         result["server"] = run_server(args.paused or list(SERVER_PAUSED), args.threads, out / "logs",
-                                      args.server_args.split(), args.completions)
+                                      args.server_args.split(), args.completions, args.repeats)
     (out / "paused_scale.json").write_text(json.dumps(result, indent=1) + "\n")
     text = report(result)
     (out / "paused_scale.md").write_text(text + "\n")

@@ -7,6 +7,9 @@ resumed context is the same either way; paused KV is reclaimed before a running 
 pool full of paused sessions still admits new work (and stock vLLM, on the same pool, does not: the
 deadlock the reclaim prevents); more paused sessions than vLLM's max_num_seqs still let new work and
 resumes run (each paused session is reported to the model runner as preempted, freeing its slot);
+paused sessions wait outside vLLM's queues and counts until their next chunk or end, and an engine with
+only paused sessions and a KV connector takes no step; the per-step report to the worker names only the
+sessions whose KV changed;
 min-waste discards a long pause and preserves a short one; a tool's history records the pause until its
 result arrived (not until the scheduler's next step); the host tier
 (`HostTierConnector`, with a fake worker copying real tensors in the order vLLM's model runner does):
@@ -43,6 +46,8 @@ CASES = ("preserve_keeps_a_paused_sessions_blocks",
          "reclaim_takes_paused_kv_before_preempting_a_running_request",
          "a_pool_of_paused_sessions_never_deadlocks",
          "paused_sessions_hold_no_running_seat",
+         "paused_sessions_wait_outside_vllms_queues",
+         "the_kv_report_carries_only_what_changed",
          "stock_vllm_deadlocks_on_the_same_pool",
          "infercept_discards_long_pauses_and_preserves_short_ones",
          "no_profile_no_plan",

@@ -272,6 +272,75 @@ def case_paused_sessions_hold_no_running_seat():
     assert len(s.running) == 0 and s.get_num_unfinished_requests() == 0, "paused sessions count as unfinished work"
 
 
+def case_paused_sessions_wait_outside_vllms_queues():
+    """A paused session is parked outside vLLM's queues until its next chunk (vLLM would scan every one of
+    them every step, skipping it); its resume and its end find it, the counts stay vLLM's, and an engine
+    with only parked sessions takes no step (with a KV connector vLLM takes a request in no queue for a
+    finished one awaiting cleanup: the engine would step without end, planning the fresh pauses away)."""
+    s = make("infercept", host_blocks=64)
+    for i in range(4):
+        s.add_request(request(f"p{i}", prompt(20, 1000 * (i + 1))))
+    for i in range(4):
+        run_until_paused(s, f"p{i}")
+    assert not s.has_requests(), "the engine core would step while only parked sessions are left"
+    step(s)  # the plan: some may leave the device
+    assert not s.waiting and not s.kv_holding_waiting and not s.deferred_waiting, "a paused session is queued"
+    assert s.num_waiting_for_streaming_input == 0 and s.get_num_unfinished_requests() == 0
+    assert s.get_request_counts() == (0, 0) and not s.has_requests()
+    out = resume(s, "p1", prompt(5, 9000))
+    assert "p1" in out.num_scheduled_tokens, "the resume did not run"
+    run_until_paused(s, "p1")
+    assert not s.waiting and not s.kv_holding_waiting
+    s.finish_requests("p2", RequestStatus.FINISHED_ABORTED)
+    assert "p2" not in s.requests and s.num_waiting_for_streaming_input == 0
+    s.add_request(request("new", prompt(30, 7000)))
+    run_until_paused(s, "new")
+    assert s.get_num_unfinished_requests() == 0 and not s.has_requests()
+    s.finish_requests(None, RequestStatus.FINISHED_ABORTED)  # (vLLM's shutdown)
+    assert not s.requests and not s._parked and s.num_waiting_for_streaming_input == 0
+
+
+def case_the_kv_report_carries_only_what_changed():
+    """The per-step report to the worker names only the sessions whose KV moved, paused, resumed or
+    ended since the last one (None: no longer paused): a step with thousands paused and nothing changed
+    sends nothing, and the reports, merged as the backend merges them, are `state()`."""
+    sent = []
+    s = make("preserve")
+    s.channel = SimpleNamespace(poll=lambda: False, send=sent.append)
+    merged: dict = {}
+
+    def merge():  # as the backend merges them (VllmBackend._on_message)
+        for msg in sent:
+            for rid, where in msg["paused"].items():
+                if where is None:
+                    merged.pop(rid, None)
+                else:
+                    merged[rid] = where
+        sent.clear()
+        return merged
+
+    for i in range(3):
+        s.add_request(request(f"p{i}", prompt(20, 1000 * (i + 1))))
+    for i in range(3):
+        run_until_paused(s, f"p{i}")
+    step(s)
+    assert merge() == s.state()["paused"] and len(merged) == 3
+    step(s)
+    assert not sent, f"a step that changed nothing sent {sent}"
+    s._leave_device(s.pauses["p1"], reclaimed=False)
+    step(s)
+    assert [set(m["paused"]) for m in sent] == [{"p1"}], sent
+    assert merge() == s.state()["paused"] and merged["p1"] == [0, 0, 21]
+    resume(s, "p0", prompt(5, 9000), max_tokens=4)
+    assert "p0" not in merge() and merged == s.state()["paused"]
+    run_until_paused(s, "p0")
+    step(s)
+    assert merge() == s.state()["paused"] and merged["p0"] == [s.requests["p0"].num_computed_tokens, 0, 0]
+    s.finish_requests("p2", RequestStatus.FINISHED_ABORTED)
+    step(s)
+    assert merge() == s.state()["paused"] == {"p0": merged["p0"], "p1": [0, 0, 21]}
+
+
 def case_stock_vllm_deadlocks_on_the_same_pool():
     """The same pool under vLLM's own scheduler: the new request never runs (the upstream report); this
     is what the case above prevents, and shows that case can fail."""
@@ -576,6 +645,11 @@ SIGNATURES = {
                                              "is_stale: bool = False) -> tuple[list[int], bool]",
     "Scheduler._free_request_blocks": "(self, request: vllm.v1.request.Request)",
     "Scheduler._request_blocks_can_be_freed": "(self, request: vllm.v1.request.Request) -> bool",
+    "Scheduler._holds_kv_blocks": "(request: vllm.v1.request.Request) -> bool",
+    "Scheduler._is_blocked_waiting_status": "(status: vllm.v1.request.RequestStatus) -> bool",
+    "Scheduler._enqueue_waiting_request": "(self, request: vllm.v1.request.Request) -> None",
+    "Scheduler.has_finished_requests": "(self) -> bool",
+    "Scheduler.get_request_counts": "(self) -> tuple[int, int]",
     "KVCacheManager.free": "(self, request: vllm.v1.request.Request) -> None",
     "FCFSRequestQueue.add_request": "(self, request: vllm.v1.request.Request) -> None",
     "FCFSRequestQueue.remove_request": "(self, request: vllm.v1.request.Request) -> None",
@@ -897,7 +971,7 @@ def case_the_vllm_internals_we_use_have_the_signatures_we_were_written_against()
     InputProcessor.assign_request_id(request)
     assert request.request_id != "chat-7f3a" and ours.external_id(request.request_id) == "chat-7f3a", \
         f"vLLM's internal id {request.request_id!r} no longer maps back"
-    for attr in ("kv_holding_waiting", "waiting", "running", "requests", "max_num_scheduled_tokens",
+    for attr in ("kv_holding_waiting", "waiting", "deferred_waiting", "running", "requests", "max_num_scheduled_tokens",
                  "num_waiting_for_streaming_input", "reset_preempted_req_ids"):
         assert hasattr(make("preserve"), attr), f"Scheduler has no {attr}"
 

@@ -118,9 +118,9 @@ class VllmBackend(EngineBackend):
         self._generations: dict[str, _Generation] = {}
         self._wires: dict[str, _Generation] = {}  # vLLM request id -> its generation
         self._lock = threading.Lock()  # _generations, _wires, _kv: the event loop and the reader thread
-        # The scheduler's last report (`kv` messages; lags vLLM by a step): paused sessions' KV
-        # ([device, host, discarded] tokens by vLLM id), the tokens found computed (prefix cache, host) by
-        # turns resumed after their KV left the device, counters.
+        # The scheduler's reports (`kv` messages; lag vLLM by a step): paused sessions' KV ([device, host,
+        # discarded] tokens by vLLM id; each report names the sessions whose KV changed), the tokens found
+        # computed (prefix cache, host) by turns resumed after their KV left the device, counters.
         self._kv_paused: dict[str, list[int]] = {}
         self._resumed_hits: dict[str, int] = {}
         self._counters: dict[str, int] = {}
@@ -440,7 +440,12 @@ class VllmBackend(EngineBackend):
             return
         if msg["op"] == "kv":
             with self._lock:
-                self._kv_paused, self._counters = msg["paused"], msg["counters"]
+                for rid, where in msg["paused"].items():  # the sessions whose KV moved, paused, resumed or ended
+                    if where is None:
+                        self._kv_paused.pop(rid, None)
+                    else:
+                        self._kv_paused[rid] = where
+                self._counters = msg["counters"]
                 self._resumed_hits.update(msg["resumed"])
             return
         with self._lock:
@@ -502,7 +507,6 @@ class VllmBackend(EngineBackend):
         device_tokens = sum(d for d, _ in kv.values())
         host_tokens = sum(h for _, h in kv.values())
         total = self.info.kv_capacity_tokens // self.block_size
-        in_vllm = sum(1 for g in paused if g.session)  # paused sessions wait in vLLM's queues
         return EngineSnapshot(
             num_steps=stats["num_steps"], num_preemptions=stats["num_preemptions"],
             num_discarded_tokens=counters.get("discarded_tokens", 0),
@@ -513,7 +517,7 @@ class VllmBackend(EngineBackend):
             host_blocks_total=self.host_blocks_total, host_blocks_used=-(-host_tokens // self.block_size),
             prefix_queried_blocks=stats["prefix_queried_tokens"] // self.block_size,
             prefix_hit_blocks=stats["prefix_hit_tokens"] // self.block_size,
-            num_running=stats["num_running"], num_waiting=max(stats["num_waiting"] - in_vllm, 0),
+            num_running=stats["num_running"], num_waiting=stats["num_waiting"],  # (paused sessions are in no queue)
             paused_by_state=states, resumes_by_kv=dict(self._resumes_by_kv),
             paused_tokens_by_location={"device": device_tokens, "host": host_tokens,
                                        "discarded": sum(len(g.context) for g in paused) - device_tokens - host_tokens})

@@ -26,19 +26,24 @@ paused sessions can fill the pool). Here:
   then does vLLM preempt a running request: paused KV never blocks live work, so a pool of paused
   sessions cannot deadlock;
 - a session whose KV leaves the device is freed like a preempted request (blocks back to the pool, still
-  in the prefix cache until evicted: lazy discard; `num_computed_tokens` = 0, moved to the plain waiting
-  queue). When its next chunk arrives, vLLM's session update runs against the frontier it had, so the
+  in the prefix cache until evicted: lazy discard; `num_computed_tokens` = 0; its next chunk queues it
+  in the plain waiting queue). When its next chunk arrives, vLLM's session update runs against the frontier it had, so the
   context is the same; admission then looks up the prefix cache, loads what the host holds past the hit
   (`HostTierConnector`, host_tier.py) and recomputes the rest;
 - a turn ends where the backend's output stage would end it: the turn's `TurnRule` (stop strings, tool
   calls the model has moved past) is checked on every token after vLLM's own stop checks, and a match
   stops the turn as EOS does, so the session waits with its KV (vLLM's own stop strings would end it);
-- a paused session holds no seat of vLLM's `max_num_seqs`, wherever its KV is. Stock vLLM counts each
-  session waiting for input as running when it admits (its V2 model runner keeps a slot per request until
-  the request ends or is preempted), so as many paused sessions as seats blocked every new and resumed
-  request for good. Here a paused session is reported to the model runner as preempted (its slot is freed;
-  its next chunk re-adds it from scratch, as every chunk of a session is) and admission counts only
-  `running`.
+- a paused session waits outside vLLM's queues and counts (parked until its next chunk or its end),
+  wherever its KV is: stock vLLM scans every session waiting for input every step (skipping it) and
+  counts each as a running seat when it admits (its V2 model runner keeps a slot per request until the
+  request ends or is preempted), so thousands of paused sessions would slow every step and as many as
+  `max_num_seqs` would block every new and resumed request for good. A paused session is also reported
+  to the model runner as preempted (its slot is freed; its next chunk re-adds it from scratch, as every
+  chunk of a session is). vLLM's test for finished requests awaiting a connector's cleanup
+  (`has_finished_requests`) counts the parked sessions too, so an engine with nothing but paused
+  sessions takes no step;
+- after each step that changed something, the worker is sent where the paused sessions' KV is, naming
+  only the sessions whose KV moved, paused, resumed or ended since the last report.
 
 The host tier exists when vLLM runs our connector (the backend configures it with a host pool size); without
 it the swap budget is 0 and `infercept` chooses between preserve and discard.
@@ -53,6 +58,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 from functools import cached_property
 from multiprocessing.connection import Client, Connection
@@ -75,8 +81,9 @@ PAUSED = RequestStatus.WAITING_FOR_STREAMING_REQ
 # The vLLM internals this module overrides or calls: tests/test_vllm_scheduler.py checks their signatures
 # against the installed vLLM, so a version bump that changes one fails there, not in production.
 OVERRIDDEN = ("schedule", "add_request", "_handle_stopped_request", "_update_request_as_session",
-              "finish_requests", "_update_request_with_output")
-CALLED = ("_free_request_blocks", "_request_blocks_can_be_freed")
+              "finish_requests", "_update_request_with_output", "has_finished_requests")
+CALLED = ("_free_request_blocks", "_request_blocks_can_be_freed", "_holds_kv_blocks", "_is_blocked_waiting_status",
+          "_enqueue_waiting_request", "get_request_counts")
 KV_CACHE_MANAGER_CALLED = ("allocate_slots", "free")
 QUEUE_CALLED = ("add_request", "remove_request")
 
@@ -106,6 +113,7 @@ class _Pause:
     hint_s: float | None = None
     result_at: float | None = None  # when its tool result reached the server (time.monotonic, one clock per host)
     frontier: int | None = None  # set while off the device: the computed tokens it had (vLLM's session update needs it)
+    queued_at: float | None = None  # its turn's arrival: its place in vLLM's queue when its next chunk comes
 
     @property
     def request_id(self) -> str:
@@ -143,10 +151,10 @@ class _InterceptMixin:
         self.channel: Connection | None = None
         if config.get("channel"):
             self.channel = Client(config["channel"], authkey=bytes.fromhex(config["authkey"]))
-        self._reported: dict | None = None
+        self._reported: tuple | None = None  # the resumed hits and counters last sent
+        self._moved: set[str] = set()  # sessions whose KV location the worker has not been sent since it changed
         self._next_grammar: dict = {}  # session -> its next chunk's StructuredOutputRequest (or None)
-        self._requeue: list[Request] = []  # discarded during a step, moved to `waiting` after it
-        self._scheduling = False
+        self._parked: set[str] = set()  # paused sessions kept out of vLLM's queues (vLLM's ids)
         self.turn_watches: dict[str, TurnWatch] = {}  # request -> its turn's rule, while the turn runs
         self._tokenizer = None  # loaded for the first turn with a rule
 
@@ -157,17 +165,7 @@ class _InterceptMixin:
             self._plan()
         except Exception:  # a fault in our policy must not take vLLM down: this step runs as stock vLLM
             logger.exception("the InferCept policy failed before this step; it runs without a plan")
-        self._scheduling = True
-        # vLLM's admission counts `running` plus the sessions waiting for input; paused ones hold no seat
-        # (`_handle_stopped_request`), so it sees none while it schedules (the count is kept for the rest:
-        # paused sessions are not unfinished work).
-        waiting_for_input, self.num_waiting_for_streaming_input = self.num_waiting_for_streaming_input, 0
-        try:
-            out = super().schedule(*args, **kwargs)
-        finally:
-            self.num_waiting_for_streaming_input += waiting_for_input
-            self._scheduling = False
-            self._move_requeued()
+        out = super().schedule(*args, **kwargs)
         self._last_batched_tokens = out.total_num_scheduled_tokens or self._last_batched_tokens
         for new in out.scheduled_new_reqs:
             frontier = self.recompute_from.pop(external_id(new.req_id), None)
@@ -220,10 +218,49 @@ class _InterceptMixin:
             pause = self.pauses[rid] = _Pause(request, time.monotonic(),
                                               max(request.num_tokens, request.num_computed_tokens))
             self.paused_kv.add(pause, *self._kv_tokens(pause))
+            self._moved.add(rid)
             if self._host_tokens(pause):  # a copy of its prefix left from an earlier pause: its swap goes on
                 self._swapping[rid] = pause
             self.reset_preempted_req_ids.add(request.request_id)  # the model runner frees its slot next step
+            self._park(request, pause)
         return finished
+
+    def _park(self, request: Request, pause: _Pause) -> None:
+        """Take a paused session out of vLLM's queues and counts until its next chunk: vLLM would scan it
+        every step (skipping it: blocked) and count it as holding a seat; parked, it costs a step nothing.
+        `pause.queued_at` keeps its place: the arrival its turn had."""
+        pause.queued_at = request.arrival_time
+        self.deferred_waiting.discard(request)
+        queue = self.kv_holding_waiting if self._holds_kv_blocks(request) else self.waiting
+        if isinstance(queue, deque) and queue and queue[-1] is request:
+            queue.pop()  # where vLLM has just put it
+        else:
+            queue.remove_request(request)
+        self.num_waiting_for_streaming_input -= 1
+        self._parked.add(request.request_id)
+
+    def _unpark(self, request: Request) -> bool:
+        """Back into vLLM's counts (its next chunk or its end arrived); True if it was parked."""
+        if request.request_id not in self._parked:
+            return False
+        self._parked.discard(request.request_id)
+        self.num_waiting_for_streaming_input += 1  # as vLLM counted it: its update or finish uncounts it
+        return True
+
+    def _requeue(self, session: Request, queued_at: float | None) -> None:
+        """A parked session whose next chunk arrived back in vLLM's queue: with a policy that keeps
+        arrival order, ahead of the requests that arrived after its turn did, else at the tail."""
+        if queued_at is None or not self.intercept_policy.keeps_arrival_time:
+            self._enqueue_waiting_request(session)
+            return
+        if self._is_blocked_waiting_status(session.status):
+            self.deferred_waiting.add(session)
+        queue = self.kv_holding_waiting if self._holds_kv_blocks(session) else self.waiting
+        if not isinstance(queue, deque):
+            queue.add_request(session)
+            return
+        at = next((i for i, r in enumerate(queue) if r.arrival_time > queued_at), len(queue))
+        queue.insert(at, session)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:  # a session's next chunk: its grammar, if any, is the turn's
@@ -233,6 +270,7 @@ class _InterceptMixin:
     def _update_request_as_session(self, session: Request, update) -> None:
         rid = external_id(session.request_id)
         self._read_channel()  # the result's arrival time, sent ahead of this input
+        parked = self._unpark(session)
         pause = self._forget_pause(rid)
         if pause is not None:
             # Until the result arrived, not until this step: as the native scheduler (`Scheduler.resume`).
@@ -250,17 +288,19 @@ class _InterceptMixin:
             super()._update_request_as_session(session, update)
             session.num_computed_tokens = 0
             self.recompute_from[rid] = pause.frontier
-            if not self.intercept_policy.keeps_arrival_time:  # requeued at the tail, like a new request
-                self.waiting.remove_request(session)
-                self.waiting.add_request(session)
         # vLLM 0.32 keeps a session's first grammar for every later chunk (finished, it would end each
         # turn at once); each turn gets its own, compiled as vLLM compiled it for the chunk, or none.
         session.structured_output_request = self._next_grammar.pop(rid, None)
         if session.structured_output_request is not None:
             session.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR  # until it is compiled
+        if parked:
+            self._requeue(session, pause.queued_at if pause is not None else None)
 
     def finish_requests(self, request_ids, finished_status):
-        finished = super().finish_requests(request_ids, finished_status)
+        ids = (request_ids,) if isinstance(request_ids, str) else None if request_ids is None else list(request_ids)
+        for rid in self._parked.intersection(self.requests if ids is None else ids):
+            self._unpark(self.requests[rid])  # (vLLM's finish uncounts it and finds it in no queue: nothing to remove)
+        finished = super().finish_requests(ids, finished_status)
         for request in finished:
             self.turn_watches.pop(request.request_id, None)
             rid = external_id(request.request_id)
@@ -269,6 +309,16 @@ class _InterceptMixin:
             self.resumed_hits.pop(rid, None)
             self._next_grammar.pop(rid, None)
         return finished
+
+    def has_finished_requests(self) -> bool:
+        """vLLM's test, with parked sessions counted: with a KV connector vLLM takes every request in
+        `requests` beyond its queues for a finished one awaiting the connector's cleanup, and the engine
+        core would step without end while any session is parked (each step planning the paused sessions,
+        so a fresh pause's KV would leave the device at once)."""
+        if self.finished_req_ids or self.connector is None or not self._parked:
+            return super().has_finished_requests()
+        num_running, num_waiting = self.get_request_counts()
+        return len(self.requests) > num_running + num_waiting + len(self._parked)
 
     # -- the policy ---------------------------------------------------------------------------------
     @cached_property
@@ -367,7 +417,10 @@ class _InterceptMixin:
         """The session resumed or ended: it leaves the paused sessions and the index."""
         self.paused_kv.remove(rid)
         self._swapping.pop(rid, None)
-        return self.pauses.pop(rid, None)
+        pause = self.pauses.pop(rid, None)
+        if pause is not None:
+            self._moved.add(rid)
+        return pause
 
     def _swap_out(self, pause: _Pause, num_tokens: int) -> bool:
         """Have the connector copy the session's KV up to `num_tokens` to the host this step."""
@@ -388,9 +441,7 @@ class _InterceptMixin:
         request.num_computed_tokens = 0
         self._swapping.pop(pause.request_id, None)
         self.paused_kv.moved(pause.request_id, *self._kv_tokens(pause))
-        self._requeue.append(request)
-        if not self._scheduling:
-            self._move_requeued()
+        self._moved.add(pause.request_id)
         if swapped:
             self.counters["num_swaps"] += 1
         else:
@@ -399,17 +450,6 @@ class _InterceptMixin:
         if reclaimed:
             self.counters["num_reclaims"] += 1
             self.counters["reclaimed_tokens"] += frontier
-
-    def _move_requeued(self) -> None:
-        """Discarded sessions leave the queue of KV holders for the plain waiting queue (still blocked
-        until their next chunk: vLLM skips them until then). Done between steps: during one, vLLM's scan
-        may hold a session it skipped in a list of its own and put it back when the scan ends."""
-        for request in self._requeue:
-            if request in self.kv_holding_waiting:
-                self.kv_holding_waiting.remove_request(request)
-            if request not in self.waiting:  # (a scan that met it after the discard put it there)
-                self.waiting.add_request(request)
-        self._requeue.clear()
 
     def _allocate_or_reclaim(self, request: Request, *args, **kwargs):
         """vLLM's `allocate_slots`, but a failure first takes paused KV off the device, newest paused
@@ -459,29 +499,37 @@ class _InterceptMixin:
                 pause.result_at = msg["at"]
 
     def state(self) -> dict:
-        """Sent to the worker on change: where each paused session's KV is ([device, host, discarded]
-        tokens), the tokens found computed (prefix cache and host) by each turn resumed after its KV left
-        the device, and the counters."""
-        paused = {}
-        for rid, p in self.pauses.items():
-            host = self._host_tokens(p)
-            if p.frontier is None:
-                paused[rid] = [p.request.num_computed_tokens, 0, 0]  # (a partial copy: still all on the device)
-            else:
-                paused[rid] = [0, host, p.frontier - host]
-        counters = dict(self.counters) | (self.host_tier.counters if self.host_tier is not None else {})
-        return {"paused": paused, "resumed": dict(self.resumed_hits), "counters": counters}
+        """Where each paused session's KV is ([device, host, discarded] tokens), the tokens found computed
+        (prefix cache and host) by each turn resumed after its KV left the device, and the counters."""
+        return {"paused": {rid: self._location(p) for rid, p in self.pauses.items()},
+                "resumed": dict(self.resumed_hits), "counters": self._all_counters()}
+
+    def _location(self, pause: _Pause) -> list[int]:
+        if pause.frontier is None:
+            return [pause.request.num_computed_tokens, 0, 0]  # (a partial copy: still all on the device)
+        host = self._host_tokens(pause)
+        return [0, host, pause.frontier - host]
+
+    def _all_counters(self) -> dict:
+        return dict(self.counters) | (self.host_tier.counters if self.host_tier is not None else {})
 
     def _report(self) -> None:
+        """Sent to the worker after a step that changed something: `state()`, but `paused` holds only the
+        sessions whose KV moved since the last report (None: no longer paused), so a step costs what
+        changed, not what is paused (thousands of sessions on slow tools change nothing for minutes)."""
         if self.channel is None:
+            self._moved.clear()
             return
-        state = self.state()
-        if state != self._reported:
-            self._reported = state
-            try:
-                self.channel.send({"op": "state", **state})
-            except OSError:
-                self.channel = None
+        paused = {rid: self._location(self.pauses[rid]) if rid in self.pauses else None for rid in self._moved}
+        self._moved.clear()
+        rest = (dict(self.resumed_hits), self._all_counters())
+        if not paused and rest == self._reported:
+            return
+        self._reported = rest
+        try:
+            self.channel.send({"op": "state", "paused": paused, "resumed": rest[0], "counters": rest[1]})
+        except OSError:
+            self.channel = None
 
 
 class InterceptScheduler(_InterceptMixin, Scheduler):

@@ -28,7 +28,8 @@ so the backend never slices cumulative lists. Token lists handed to vLLM are alw
 With `policy_channel`, vLLM runs `InterceptScheduler` (scheduler.py) in its engine-core process, and a
 Unix socket (a `Listener` with a random key; its address goes to the scheduler in vLLM's
 `additional_config`) links it to this process: `pause` hints, each `result`'s arrival time and the start-up profile go to it, and its
-`kv` state (where each paused session's KV is, what the policy did) comes back and is passed on. With a
+`kv` state (what the policy did, and where the KV is of each paused session whose KV moved, paused, resumed
+or ended since the last: None for one no longer paused) comes back and is passed on. With a
 host tier, vLLM also runs our KV connector (host_tier.py; `kv_transfer_config`, sent as plain data), and
 the start-up profile includes the copy bandwidth the connector's copies get (`copy_bandwidth`).
 """
@@ -54,7 +55,7 @@ class Stats:
     def __init__(self):
         self.num_steps = 0
         self.num_running = 0
-        self.num_waiting = 0  # queued, and paused sessions holding KV
+        self.num_waiting = 0  # queued (our scheduler keeps paused sessions in no queue)
         self.kv_cache_usage = 0.0
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
@@ -108,7 +109,9 @@ class PolicyChannel:
         self.listener = Listener(family="AF_UNIX", authkey=self.key)
         self.conn: Connection | None = None
         self.connected = threading.Event()
-        self.serving = threading.Event()  # set once `ready` went out: the start-up profile's states are not passed on
+        # Set once `ready` went out: the start-up profile's states are not passed on (its requests never
+        # pause, so no paused session's report is lost).
+        self.serving = threading.Event()
         threading.Thread(target=self.accept, name="infercept-policy-channel", daemon=True).start()
 
     def scheduler_config(self) -> dict:
