@@ -50,7 +50,7 @@ from __future__ import annotations
 import torch
 
 from .attention import AttentionMetadata, PagedQueries
-from .kv_cache import KVCache
+from .kv_cache import KVCache, token_slots
 from .models.llama import LlamaForCausalLM
 from .outputs import SchedulerOutput
 from .triton_prefill import max_programs, program_map, queries_per_program
@@ -184,7 +184,7 @@ class DecodeGraphs(_GraphSet):
         self._host_vectors[:, :padded] = torch.tensor([
             [c.token_ids[0] for c in output.chunks] + [0] * pad,
             positions + [0] * pad,
-            [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)] + [self.scratch_slot] * pad,
+            [token_slots(t, p, p + 1, bs)[0] for t, p in zip(tables, positions)] + [self.scratch_slot] * pad,
             [p + 1 for p in positions] + [1] * pad])
         for dst, src in zip((self.input_ids, self.positions, self.slot_mapping, self.context_lens), self._host_vectors):
             dst[:padded].copy_(src[:padded], non_blocking=True)
@@ -245,7 +245,7 @@ class MixedGraphs(_GraphSet):
             table = chunk.block_table
             ids += chunk.token_ids
             positions += range(chunk.start_pos, end)
-            slots += [table[p // bs] * bs + p % bs for p in range(chunk.start_pos, end)]
+            slots += token_slots(table, chunk.start_pos, end, bs)
             query_start.append(query_start[-1] + len(chunk.token_ids))
             seq_lens.append(end)
             tables.append(table[:-(-end // bs)])

@@ -36,6 +36,12 @@ def num_blocks_for(gib: float, block_bytes: int) -> int:
     return max(int(gib * GIB) // block_bytes, 0)
 
 
+def token_slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """The flat cache slots of positions [start, end) of a sequence whose blocks are `block_table`:
+    position p is token p % block_size of block block_table[p // block_size]."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
 def consecutive_runs(ids: list[int]) -> list[tuple[int, int, int]]:
     """(index into `ids`, first id, length) of each run of consecutive ids, in order."""
     runs: list[tuple[int, int, int]] = []

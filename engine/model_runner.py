@@ -10,7 +10,7 @@ from .attention import AttentionMetadata, PrefillSpan
 from .copy_stream import to_device
 from .cuda_graphs import DecodeGraphs, MixedGraphs
 from .guided_decoding import GuidedDecoder
-from .kv_cache import KVCache
+from .kv_cache import KVCache, token_slots
 from .models.llama import LlamaForCausalLM
 from .outputs import RunnerOutput, SchedulerOutput
 from .sampler import TokenHistory, sample
@@ -77,10 +77,6 @@ class ModelRunner:
             self.generators[request_id] = torch.Generator(device=self.device).manual_seed(seed)
         return self.generators[request_id]
 
-    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
-        bs = self.block_size
-        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
-
     def build_metadata(self, output: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         input_ids: list[int] = []
         positions: list[int] = []
@@ -89,7 +85,7 @@ class ModelRunner:
             end = chunk.start_pos + len(chunk.token_ids)
             input_ids += chunk.token_ids
             positions += range(chunk.start_pos, end)
-            slot_mapping += self._slots(chunk.block_table, chunk.start_pos, end)
+            slot_mapping += token_slots(chunk.block_table, chunk.start_pos, end, self.block_size)
         meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, device=self.device), prefills=[],
                                  decode_rows=None, decode_key_blocks=None, decode_mask=None,
                                  block_size=self.block_size)
