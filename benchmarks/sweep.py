@@ -71,6 +71,20 @@ SINGLE_STRATEGIES = ("discard", "improved-discard", "preserve", "swap", "prefix-
 PEER_POOLS = {"device": "vllm-device (prefix caching, discard mode; InferCept's device pool)",
               "total": "vllm-total (prefix caching, discard mode; InferCept's device + host pools)"}
 PAPER_BASELINES = ("discard", "improved-discard")
+# `POLICY@total`: POLICY given the host pool's bytes as device pool and no host pool. For a policy that
+# never puts KV in a host pool (discard, prefix-cache) this is the equal-memory baseline: on a CPU both
+# pools are the same DRAM, so a server that cannot use a host pool should get that memory as device pool.
+TOTAL = "@total"
+
+
+def system_pools(system: str, kv_cache_gb: float, host_kv_gb: float) -> tuple[str, float, float]:
+    """(policy, device GiB, host GiB) of a server named `system` (a policy, or `POLICY@total`)."""
+    policy, at, rest = system.partition("@")
+    if not at:
+        return system, kv_cache_gb, host_kv_gb
+    if "@" + rest != TOTAL:
+        raise ValueError(f"{system!r}: the only pool variant is POLICY{TOTAL}")
+    return policy, kv_cache_gb + host_kv_gb, 0.0
 # --workload: (what the report calls it, trace generator, its CPU scale preset).
 WORKLOADS = {"mix": ("Mixed trace (the paper's six augments)", generate_trace, CPU_SCALE),
              "long": ("Long-context coding agents (`long_context.py`)", long_context.long_context_trace,
@@ -143,10 +157,11 @@ def running_in_group(pgid: int) -> bool:
     return False
 
 
-def infercept_argv(policy: str, port: int, args) -> list[str]:
+def infercept_argv(system: str, port: int, args) -> list[str]:
     exe = shutil.which("infercept", path=os.path.dirname(sys.executable)) or "infercept"
-    return [exe, "serve", "--policy", policy, "--port", str(port), "--kv-cache-gb", str(args.kv_cache_gb),
-            "--host-kv-gb", str(args.host_kv_gb), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+    policy, device_gb, host_gb = system_pools(system, args.kv_cache_gb, args.host_kv_gb)
+    return [exe, "serve", "--policy", policy, "--port", str(port), "--kv-cache-gb", f"{device_gb:g}",
+            "--host-kv-gb", f"{host_gb:g}", "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--threads", str(args.threads), "--idle-ttl", str(args.idle_ttl), "--log-level", "warning",
             # The paper's baseline is 2023's vLLM: no prefix cache. `prefix-cache` is today's servers.
             *(["--no-prefix-caching"] if policy in PAPER_BASELINES else [])]
@@ -276,7 +291,8 @@ def run_rate(server: ServerProcess, name: str, api: str, served: str, rate: floa
     slug = name.split()[0]  # "vllm (prefix caching, discard mode)" -> "vllm"
     (records_dir / f"{slug}_{rate:g}.jsonl").write_text("".join(json.dumps(r.to_dict()) + "\n" for r in records))
     if metrics:
-        summary |= engine_shares(before, scrape(server.base_url), elapsed, args.kv_cache_gb * GIB)
+        device_gb = system_pools(name, args.kv_cache_gb, args.host_kv_gb)[1]
+        summary |= engine_shares(before, scrape(server.base_url), elapsed, device_gb * GIB)
     print(f"  {name} @ {rate:g} req/s: {summary['finished']}/{summary['requests']} done, mean norm. latency "
           f"{summary['normalized_latency_mean']:.3g} s/tok, cached {100 * summary['cached_share']:.0f}%"
           + (f", errors {summary['errors']}: {summary['first_error']}" if summary["errors"] else ""),
@@ -420,7 +436,10 @@ def plot(results: dict[str, dict[float, dict]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--policies", nargs="+", default=None, help=f"default: {' '.join(DEFAULT_POLICIES)}")
+    parser.add_argument("--policies", nargs="+", default=None,
+                        help=f"default: {' '.join(DEFAULT_POLICIES)}; POLICY{TOTAL} runs POLICY with the host pool's "
+                             "bytes added to its device pool and no host pool (the equal-memory baseline for a "
+                             "policy that never uses a host pool)")
     parser.add_argument("--rates", type=float, nargs="+", default=None, help=f"default: {DEFAULT_RATES}")
     parser.add_argument("--window", type=float, default=40.0, help="arrival window per run, seconds")
     parser.add_argument("--drain", type=float, default=20.0, help="seconds after the window before a run is cut off")

@@ -1,12 +1,14 @@
 """Engine vs Hugging Face transformers `generate`, side by side in one run.
 
-Same model, dtype and thread count for both. Decode throughput at several batch sizes (every
-sequence starts from a short prompt and decodes a fixed number of tokens with EOS ignored), and
-prefill throughput of one long prompt. Prints a markdown table with tokens/s and the ratio, and
-writes it with the machine and date to `<out>/throughput.md` and `.json` (`benchmarks/claims.py` reads
-the JSON).
+Same model and thread count for both. The engine runs in `--dtype`; transformers runs in each of
+`--transformers-dtypes` (by default the engine's dtype and float32: CPUs without native bf16 emulate it
+at a fraction of their fp32 speed, so either can be transformers' faster one), and each row's ratio is
+against the faster. Decode throughput at several batch sizes (every sequence starts from a short prompt
+and decodes a fixed number of tokens with EOS ignored), and prefill throughput of one long prompt.
+Prints a markdown table with tokens/s and the ratio, and writes it with the machine and date to
+`<out>/throughput.md` and `.json` (`benchmarks/claims.py` reads the JSON).
 
-    python benchmarks/throughput.py                      # embedded model, bf16, batches 1 8 32
+    python benchmarks/throughput.py                      # embedded model, bf16 (transformers bf16 and fp32), batches 1 8 32
     python benchmarks/throughput.py --batches 1 8 --decode-tokens 64 --dtype float32
 """
 from __future__ import annotations
@@ -103,7 +105,9 @@ def hf_prefill(model, prompt_len: int, repeats: int = 3) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2-135M-Instruct)")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="bfloat16", help="the engine's dtype")
+    ap.add_argument("--transformers-dtypes", nargs="+", default=None,
+                    help="transformers' dtypes, each run; the faster is the baseline (default: --dtype and float32)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--decode-tokens", type=int, default=64)
@@ -125,21 +129,27 @@ def main() -> None:
     # No prefix caching: the warm-up runs share prompts with the measured runs, which must compute everything.
     llm = LLM(model_dir, dtype=dtype, kv_cache_gb=1.0, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=False)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    hf_dtypes = list(dict.fromkeys(args.transformers_dtypes or [args.dtype, "float32"]))
+    hf = {name: AutoModelForCausalLM.from_pretrained(model_dir, dtype=resolve_dtype(name, None)).eval()
+          for name in hf_dtypes}
 
-    rows = []
+    rows = []  # (workload, engine tok/s, {transformers dtype: tok/s})
     for batch in args.batches:
         ours = engine_decode(llm, batch, args.prompt_len, args.decode_tokens)
-        theirs = hf_decode(hf, batch, args.prompt_len, args.decode_tokens)
+        theirs = {name: hf_decode(model, batch, args.prompt_len, args.decode_tokens) for name, model in hf.items()}
         rows.append((f"decode, batch {batch}", ours, theirs))
-    ours, theirs = engine_prefill(llm, args.prefill_len), hf_prefill(hf, args.prefill_len)
-    rows.append((f"prefill, {args.prefill_len}-token prompt", ours, theirs))
+    ours = engine_prefill(llm, args.prefill_len)
+    rows.append((f"prefill, {args.prefill_len}-token prompt", ours,
+                 {name: hf_prefill(model, args.prefill_len) for name, model in hf.items()}))
 
     lines = [f"# Engine vs transformers, side by side\n", f"{cpu_name()}, {today()}; model {Path(model_dir).name}, "
-             f"{args.dtype}, {args.threads} threads, torch {torch.__version__}. Command: `python "
+             f"engine {args.dtype}, transformers {' and '.join(hf_dtypes)}, {args.threads} threads, torch "
+             f"{torch.__version__}; each ratio against transformers' faster dtype. Command: `python "
              f"benchmarks/throughput.py {' '.join(sys.argv[1:])}`\n",
-             "| workload | infercept tok/s | transformers tok/s | ratio |", "|---|---:|---:|---:|"]
-    lines += [f"| {name} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x |" for name, ours, theirs in rows]
+             "| workload | infercept tok/s | " + " | ".join(f"transformers {n} tok/s" for n in hf_dtypes)
+             + " | ratio (vs the faster) |", "|---|---:|" + "---:|" * len(hf_dtypes) + "---:|"]
+    lines += [f"| {name} | {ours:.1f} | " + " | ".join(f"{theirs[n]:.1f}" for n in hf_dtypes)
+              + f" | {ours / max(theirs.values()):.2f}x |" for name, ours, theirs in rows]
     text = "\n".join(lines) + "\n"
     print(text)
     out = Path(args.out)
@@ -147,7 +157,9 @@ def main() -> None:
     (out / "throughput.md").write_text(text)
     (out / "throughput.json").write_text(json.dumps(
         {"cpu": cpu_name(), "date": today(), "dtype": args.dtype, "threads": args.threads,
-         "rows": [{"workload": n, "infercept_tok_s": a, "transformers_tok_s": b} for n, a, b in rows]}, indent=1))
+         "rows": [{"workload": n, "infercept_tok_s": a, "transformers_tok_s": max(b.values()),
+                   "transformers_dtype": max(b, key=b.get), "transformers_tok_s_by_dtype": b} for n, a, b in rows]},
+        indent=1))
 
 
 if __name__ == "__main__":

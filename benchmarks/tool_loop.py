@@ -12,6 +12,8 @@ generated delta (text or tool call) is the step's TTFT; `cached_tokens` is the s
     python benchmarks/tool_loop.py --policies discard prefix-cache swap infercept
     python benchmarks/tool_loop.py --backend vllm      # the same on the vLLM backend (one server at a time:
                                                        # vLLM's idle engine busy-polls its cores)
+    python benchmarks/tool_loop.py --backend vllm --policies prefix-cache@total infercept
+                                                       # stock vLLM given the host pool's bytes as device pool
 
 Writes `<out>/tool_loop.json` (every step of every loop) and `<out>/tool_loop.md` (medians over the
 resumed steps, and each policy's ratio to infercept).
@@ -33,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from machine import cpu_name, today  # noqa: E402
 from replay import default_model  # noqa: E402
-from sweep import ServerProcess, free_port  # noqa: E402
+from sweep import TOTAL, ServerProcess, free_port, system_pools  # noqa: E402
 
 WEATHER = {"name": "get_weather", "description": "Current weather of a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -124,13 +126,14 @@ def servers_of(policies: list[str], args, out: Path):
     exe = str(Path(sys.executable).with_name("infercept"))
     servers = {}
     try:
-        for policy in policies:
+        for system in policies:
             port = free_port()
+            policy, device_gb, host_gb = system_pools(system, args.kv_cache_gb, args.host_kv_gb)
             argv = [exe, "serve", "--policy", policy, "--port", str(port), "--threads", str(args.threads),
-                    "--kv-cache-gb", str(args.kv_cache_gb), "--log-level", "warning"]
+                    "--kv-cache-gb", f"{device_gb:g}", "--host-kv-gb", f"{host_gb:g}", "--log-level", "warning"]
             if args.backend == "vllm":
                 argv += ["--backend", "vllm", *(["--vllm-python", args.vllm_python] if args.vllm_python else [])]
-            servers[policy] = ServerProcess(argv, port, policy, out / f"{policy}.log",
+            servers[system] = ServerProcess(argv, port, system, out / f"{system}.log",
                                             env={"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"})
         for server in servers.values():
             server.wait_ready(timeout=900)
@@ -150,7 +153,8 @@ def one_loop(server: ServerProcess, policy: str, i: int, args) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--policies", nargs="+", default=["discard", "infercept"])
+    p.add_argument("--policies", nargs="+", default=["discard", "infercept"],
+                   help=f"POLICY{TOTAL}: POLICY given the host pool's bytes as device pool too, and no host pool")
     p.add_argument("--loops", type=int, default=3, help="loops per policy, interleaved")
     p.add_argument("--steps", type=int, default=4, help="tool calls per loop (all but the first resume)")
     p.add_argument("--max-tokens", type=int, default=40, help="per step: enough for one forced call")
@@ -158,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-cache-gb", type=float, default=0.5,
                    help="device KV pool of every server (the default takes a share of free memory, so "
                         "several servers at once would not fit)")
+    p.add_argument("--host-kv-gb", type=float, default=1.0, help="host KV pool of every server (the server's default)")
     p.add_argument("--backend", choices=("native", "vllm"), default="native")
     p.add_argument("--vllm-python", default=None, help="--backend vllm: the vLLM environment's python")
     p.add_argument("--out", default=str(Path(__file__).with_name("results") / "tool_loop"))
@@ -178,7 +183,8 @@ def main(argv: list[str] | None = None) -> None:
     summaries = {policy: summarize(runs) for policy, runs in loops.items()}
     backend = "" if args.backend == "native" else " --backend vllm"
     header = (f"# Tool loop over the openai SDK, one agent, idle server ({args.backend} backend)\n\n{cpu_name()}, "
-              f"{args.threads} thread(s) and {args.kv_cache_gb} GiB of device KV per server, {today()}; "
+              f"{args.threads} thread(s), {args.kv_cache_gb:g} GiB of device KV and {args.host_kv_gb:g} GiB of host KV per "
+              f"server ({TOTAL}: both as device KV), {today()}; "
               f"{args.loops} loops x {args.steps} forced calls per policy, "
               f"{'interleaved' if args.backend == 'native' else 'one server at a time'}. Command: "
               f"`python benchmarks/tool_loop.py --policies {' '.join(args.policies)} --loops {args.loops} "

@@ -8,10 +8,11 @@ is started alone (vLLM's engine busy-polls its cores), the trace is replayed thr
 resume (`benchmarks/replay.py --api resume`), and the server is stopped. `prefix-cache` is stock vLLM as
 agent loops use it: every turn a request that ends, every resume a new request of the whole context
 from the prefix cache; `infercept` keeps, swaps to its host tier or discards each paused session by
-min-waste inside vLLM (`engine/vllm_backend/scheduler.py`, `host_tier.py`). Both get the same device pool;
-`infercept` also gets a host pool of `--host-kv-gb` (stock vLLM V1 has no host tier for paused requests:
-its offloading connectors are CUDA-only write-through caches), stated with the results. Policies
-alternate, `--repeats` times.
+min-waste inside vLLM (`engine/vllm_backend/scheduler.py`, `host_tier.py`). Every server gets the same
+device pool and `infercept` also a host pool of `--host-kv-gb` (stock vLLM V1 has no host tier for paused
+requests on a CPU: its offloading connectors are CUDA-only), so `prefix-cache@total` is stock vLLM given
+that host pool's bytes as device pool too: the equal-memory baseline (on a CPU both pools are the same
+DRAM). Policies alternate, `--repeats` times.
 
     INFERCEPT_VLLM_PYTHON=/tmp/vllmenv/bin/python python benchmarks/vllm_pressure.py
 
@@ -31,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from machine import cpu_name, today  # noqa: E402
 from replay import summarize  # noqa: E402
-from sweep import ServerProcess, free_port, kv_bytes_per_token, replay_once  # noqa: E402
+from sweep import TOTAL, ServerProcess, free_port, kv_bytes_per_token, replay_once, system_pools  # noqa: E402
 
 GIB = 2 ** 30
 STOCK = ("prefix-cache", "discard")  # stock vLLM: no sessions, no host tier
@@ -52,11 +53,12 @@ def agent_trace(args) -> list[dict]:
     return trace
 
 
-def server_argv(policy: str, port: int, args, kv_cache_gb: float) -> list[str]:
+def server_argv(system: str, port: int, args, kv_cache_gb: float) -> list[str]:
     exe = str(Path(sys.executable).with_name("infercept"))
+    policy, device_gb, host_gb = system_pools(system, kv_cache_gb, args.host_kv_gb)
     return [exe, "serve", "--backend", "vllm", "--policy", policy, "--port", str(port), "--dtype", args.dtype,
-            "--kv-cache-gb", f"{kv_cache_gb:.6f}", "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--max-model-len", str(args.max_model_len), "--host-kv-gb", str(args.host_kv_gb), "--log-level", "warning",
+            "--kv-cache-gb", f"{device_gb:.6f}", "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--max-model-len", str(args.max_model_len), "--host-kv-gb", f"{host_gb:g}", "--log-level", "warning",
             *(["--vllm-python", args.vllm_python] if args.vllm_python else [])]
 
 
@@ -81,17 +83,19 @@ def run(policy: str, trace: list[dict], args, kv_cache_gb: float, log: Path) -> 
 
 
 def table(results: dict[str, list[dict]]) -> str:
-    rows = ["| policy | median normalized latency (s/token) | vs infercept | mean (s/token) | finished | "
+    med = {p: statistics.median(r["summary"]["normalized_latency_median"] for r in runs) for p, runs in results.items()}
+    # Ratios against infercept as configured, else against the first of our policies that ran.
+    base = "infercept" if "infercept" in med else next((p for p in med if p.partition("@")[0] not in STOCK), None)
+    rows = [f"| policy | median normalized latency (s/token) | vs {base} | mean (s/token) | finished | "
             "median TTFT (s) | cached prompt % | preemptions | discarded tokens | recomputed tokens | "
             "swapped out / in blocks |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    med = {p: statistics.median(r["summary"]["normalized_latency_median"] for r in runs) for p, runs in results.items()}
 
     def m(runs, key, scale=1.0):
         return statistics.median(r["summary"][key] * scale for r in runs)
 
     for policy, runs in results.items():
-        ratio = med[policy] / med["infercept"] if "infercept" in med else float("nan")
+        ratio = med[policy] / med[base] if base else float("nan")
         rows.append(f"| {policy} | {med[policy]:.4g} | {ratio:.2f}x | {m(runs, 'normalized_latency_mean'):.4g} | "
                     f"{m(runs, 'finished'):.0f}/{runs[0]['summary']['requests']} | {m(runs, 'ttft_median'):.3g} | "
                     f"{m(runs, 'cached_share', 100):.0f} | {m(runs, 'preemptions'):.0f} | "
@@ -102,7 +106,8 @@ def table(results: dict[str, list[dict]]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--policies", nargs="+", default=["prefix-cache", "infercept"])
+    p.add_argument("--policies", nargs="+", default=["prefix-cache", f"prefix-cache{TOTAL}", "infercept"],
+                   help=f"POLICY{TOTAL}: POLICY given the host pool's bytes as device pool too, and no host pool")
     p.add_argument("--agents", type=int, default=24)
     p.add_argument("--rate", type=float, default=4.0, help="agent arrivals per second")
     p.add_argument("--prompt", type=int, default=1000, help="prompt tokens per agent")
@@ -112,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tool-s", type=float, default=2.0, help="seconds each tool call takes")
     p.add_argument("--pool-tokens", type=int, default=4608, help="device KV pool, tokens")
     p.add_argument("--host-kv-gb", type=float, default=1.0,
-                   help="host pool for swapped sessions, GiB (session policies; stock vLLM has none)")
+                   help=f"host pool for swapped sessions, GiB (session policies; stock vLLM has none; POLICY{TOTAL} "
+                        "gets it as device pool)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=4096)
@@ -142,8 +148,9 @@ def main(argv: list[str] | None = None) -> None:
     header = (f"# vLLM backend under KV pressure\n\n{cpu_name()}, {today()}; {args.agents} agents at {args.rate:g}/s, "
               f"{args.prompt}-token prompts, {args.steps} turns of {args.decode} tokens, {args.tool_s:g} s tools "
               f"returning {args.returned} tokens; a {args.pool_tokens}-token pool ({kv_cache_gb:.3f} GiB {args.dtype}) "
-              f"for every policy, and for the session policies ({', '.join(p for p in args.policies if p not in STOCK)}) "
-              f"a {args.host_kv_gb:g} GiB host pool that stock vLLM does not have; servers one at a time on "
+              f"for every policy, and for the session policies ({', '.join(p for p in args.policies if p.partition('@')[0] not in STOCK and TOTAL not in p)}) "
+              f"a {args.host_kv_gb:g} GiB host pool that stock vLLM does not have ({TOTAL}: that host pool's bytes "
+              f"added to the device pool, no host pool); servers one at a time on "
               f"the same cores; {args.repeats} repeat(s). "
               f"Command: `{command.strip()}`")
     text = header + "\n\n" + table(results)
