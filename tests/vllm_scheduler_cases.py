@@ -632,6 +632,113 @@ def case_tool_calls_end_a_sessions_turn_once_the_model_moves_past_them():
     assert "a" not in s.turn_watches
 
 
+def vllm_tool_calls():
+    from vllm.tokenizers import get_tokenizer
+
+    from engine.vllm_backend.tool_calls import VllmToolCalls
+    return VllmToolCalls(get_tokenizer(MODEL), MODEL)
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def case_vllms_tool_parsers_read_a_turn_as_vllms_chat_serving_does():
+    """The worker's parse of an ended turn (tool_calls.py): the text without the EOS that ended it, read by
+    vLLM's parser of the turn's rule; the calls with vLLM's ids, the content outside them."""
+    from engine.vllm_backend.tool_calls import CallRule
+
+    parsers = vllm_tool_calls()
+    tokenizer = parsers.tokenizer
+    eos = tokenizer.eos_token_id
+
+    def read(name: str, text: str, reasoning: str | None = None, stop_reason=None, end: list[int] = [eos]):
+        ids = tokenizer.encode(text, add_special_tokens=False) + end
+        rule = CallRule.from_dict({"parser": name, "tools": [WEATHER_TOOL], "reasoning": reasoning})
+        return parsers.parse(rule, ids, "stop", stop_reason)
+
+    xml = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+    for name, text in (("qwen3_coder", "Let me look.\n" + xml),
+                       ("qwen3_json", 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": '
+                                      '{"city": "Paris"}}\n</tool_call>'),
+                       ("llama4_pythonic", '[get_weather(city="Paris")]')):
+        got = read(name, text)
+        (call,) = got["calls"]
+        assert call[:2] == ["get_weather", '{"city": "Paris"}'] and call[2], (name, got)
+        assert (got["content"] or "").strip() in ("", "Let me look."), (name, got)
+    assert read("qwen3_coder", "It is sunny.") == {"calls": [], "content": "It is sunny."}
+    # The thinking is read first, by vLLM's reasoning parser of the same name (as vLLM serves the two): the
+    # calls and the content come after it.
+    thought = read("qwen3_coder", "<think>The user asks for the weather.</think>\n" + xml, reasoning="qwen3")
+    assert [c[0] for c in thought["calls"]] == ["get_weather"] and not thought["content"], thought
+    answer = read("qwen3_coder", "<think>No tool needed.</think>\nIt is sunny.", reasoning="qwen3")
+    assert answer["calls"] == [] and answer["content"].strip() == "It is sunny.", answer
+    # A stop string ends the text before it; the turn's last token is text, not a stop token, then.
+    cut = read("qwen3_coder", xml + "\nObservation: none", stop_reason="\nObservation:", end=[])
+    assert [c[0] for c in cut["calls"]] == ["get_weather"], cut
+
+
+def case_the_worker_hands_a_turns_calls_to_the_backend_with_its_last_output():
+    """Each turn of a session gathers its own tokens; only its last output (finish_reason set) carries
+    the calls vLLM's parser found and the content, and a turn without a rule carries none."""
+    from engine.vllm_backend import worker as worker_module
+
+    worker = worker_module.Worker(None, {"engine": {}})
+    worker.tool_calls = vllm_tool_calls()
+    tokenizer = worker.tool_calls.tokenizer
+    rule = {"parser": "qwen3_json", "tools": [WEATHER_TOOL], "reasoning": None}
+    call = tokenizer.encode('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+                            add_special_tokens=False) + [tokenizer.eos_token_id]
+
+    def out(tokens, finish_reason=None):
+        return {"op": "out", "id": "s", "tokens": tokens, "finish_reason": finish_reason, "stop_reason": None}
+
+    worker.follow_calls("s", rule)
+    assert worker.with_calls("s", out(call[:5])) == out(call[:5])  # not ended: as it was
+    last = worker.with_calls("s", out(call[5:], "stop"))
+    assert [c[:2] for c in last["calls"]] == [["get_weather", '{"city": "Oslo"}']], last
+    worker.follow_calls("s", rule)  # the resume: a turn of its own, only its tokens read
+    cold = tokenizer.encode("It is cold.", add_special_tokens=False) + [tokenizer.eos_token_id]
+    answer = worker.with_calls("s", out(cold, "stop"))
+    assert answer["calls"] == [] and answer["content"] == "It is cold.", answer
+    worker.follow_calls("s", None)
+    assert "calls" not in worker.with_calls("s", out(call, "stop"))
+
+
+def case_an_unknown_or_unfit_tool_parser_is_refused():
+    parsers = vllm_tool_calls()
+    for name, said in (("qwen3_xmll", "vLLM's are: "), ("deepseek_v3", "tokenizer")):
+        try:
+            parsers.check(name)
+        except ValueError as e:
+            assert said in str(e), e
+        else:
+            raise AssertionError(f"{name} was accepted")
+    parsers.check("qwen3_coder")
+
+
+# The vLLM 0.32.0 signatures of what the worker calls of vLLM's parsers (tool_calls.py).
+PARSER_SIGNATURES = {
+    "ParserManager.get_parser": "(tool_parser_name: 'str | None' = None, reasoning_parser_name: 'str | None' = None, "
+                                "enable_auto_tools: 'bool' = False, model_name: 'str | None' = None, is_harmony: "
+                                "'bool' = False, tool_strict_level: 'str' = 'auto', tokenizer: 'TokenizerLike | None' "
+                                "= None) -> 'type[Parser] | None'",
+}
+
+
+def case_the_vllm_parser_api_we_call_has_the_signatures_we_were_written_against():
+    from vllm.parser.abstract_parser import Parser
+    from vllm.parser.parser_manager import ParserManager
+    from vllm.tool_parsers import ToolParserManager
+
+    got = str(inspect.signature(ParserManager.get_parser))
+    assert got == PARSER_SIGNATURES["ParserManager.get_parser"], f"ParserManager.get_parser{got}"
+    assert list(inspect.signature(Parser.parse).parameters) == \
+        ["self", "model_output", "request", "enable_auto_tools", "model_output_token_ids"], "Parser.parse changed"
+    assert list(inspect.signature(Parser.adjust_request).parameters) == ["self", "request"], "adjust_request changed"
+    assert "qwen3_coder" in ToolParserManager.list_registered()
+
+
 # The vLLM 0.32.0 signatures of what the scheduler overrides or calls (a bump that changes one fails here).
 SIGNATURES = {
     "Scheduler.schedule": "(self, throttle_prefills: bool = False) -> vllm.v1.core.sched.output.SchedulerOutput",

@@ -15,6 +15,11 @@ token as on our engine); then vLLM keeps it waiting with its KV, and this side d
 vLLM drops a session's last sampled token when the next chunk arrives (it never computed its KV), so a
 resume sends that token again before the appended ones.
 
+A turn whose calls one of vLLM's own tool parsers reads (family ``vllm:NAME``, `--tool-parser NAME`) has
+no call rule inside vLLM: it ends where the model ends it (EOS, a stop token or string, its length), and
+the worker runs vLLM's parser on it there (tool_calls.py); the calls come with its last output, and the
+output stage judges them as it judges ours.
+
 Where a paused session's KV waits is the policy's choice, made inside vLLM by `InterceptScheduler`
 (scheduler.py, the same `engine.policy` code as the native engine): `preserve` keeps it, `infercept`
 keeps, swaps or discards it by min-waste, `swap` swaps every pause; all give paused KV up before vLLM
@@ -41,6 +46,7 @@ from ..outputs import RequestOutput, SampledToken
 from ..request import InterceptParams
 from ..sampling_params import SamplingParams
 from ..stats import RESUME_KV_PLACES, resume_kv_place
+from ..tool_parsers import PARSERS, vllm_parser_name
 from .params import vllm_sampling_fields
 from .process import WorkerProcess
 
@@ -138,13 +144,17 @@ class VllmBackend(EngineBackend):
                host_kv_gb: float = 1.0,
                max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
                enable_prefix_caching: bool = True, seed: int = 0, env: dict[str, str] | None = None,
-               engine_args: dict | None = None, startup_timeout: float = STARTUP_TIMEOUT_S) -> "VllmBackend":
+               engine_args: dict | None = None, tool_parser: str | None = None,
+               startup_timeout: float = STARTUP_TIMEOUT_S) -> "VllmBackend":
         """Start vLLM on `model` (None: the embedded default) in `python` (default_vllm_python()).
         Blocks until vLLM is ready. `host_kv_gb`: the host pool swapped sessions' KV waits in (session
         policies; 0: none, and `swap` is refused). `max_num_seqs`, `max_num_batched_tokens`: None leaves
         vLLM's own defaults (those `vllm serve` takes on the hardware). `env`: extra environment for the
         worker (VLLM_* settings); `engine_args`: more of vLLM's engine arguments (tensor_parallel_size,
-        gpu_memory_utilization, kv_cache_dtype, async_scheduling, ...; unset: vLLM's defaults)."""
+        gpu_memory_utilization, kv_cache_dtype, async_scheduling, ...; unset: vLLM's defaults). `tool_parser`:
+        the server's `--tool-parser`; one of vLLM's (not ours, or ``vllm:NAME``) is checked against vLLM's
+        and the model's tokenizer before the model loads (ValueError: the worker's reason). Every one of
+        vLLM's tool parsers serves either way (`EngineInfo.vllm_tool_parsers`)."""
         from transformers import AutoTokenizer
 
         from ..engine import eos_ids_of
@@ -199,7 +209,9 @@ class VllmBackend(EngineBackend):
             if host_kv_gb > 0:
                 args["kv_transfer_config"] = host_tier_config(int(host_kv_gb * 2**30))
         env = {"PYTHONPATH": os.pathsep.join(filter(None, (REPO_ROOT, os.environ.get("PYTHONPATH"))))} | (env or {})
-        worker = WorkerProcess(python, {"engine": args, "policy_channel": policy in SESSION_POLICIES}, env)
+        vllm_tool_parser = vllm_parser_name(tool_parser) or (tool_parser if tool_parser not in PARSERS else None)
+        worker = WorkerProcess(python, {"engine": args, "policy_channel": policy in SESSION_POLICIES,
+                                        "tool_parser": vllm_tool_parser}, env)
         facts = worker.start(startup_timeout)
         tokenizer = AutoTokenizer.from_pretrained(model)
         with open(os.path.join(model, "config.json")) as f:
@@ -207,7 +219,8 @@ class VllmBackend(EngineBackend):
         info = EngineInfo(model=model, model_type=model_type, max_model_len=facts["max_model_len"],
                           vocab_size=facts["vocab_size"], eos_token_ids=eos_ids_of(model, tokenizer),
                           chat_template=tokenizer.chat_template, dtype=facts["dtype"], device=facts["device"],
-                          kv_capacity_tokens=facts["num_blocks"] * facts["block_size"])
+                          kv_capacity_tokens=facts["num_blocks"] * facts["block_size"],
+                          vllm_tool_parsers=tuple(facts["tool_parsers"]))
         return cls(worker, info, tokenizer, facts["block_size"], policy, facts.get("profile"), facts["host_blocks"])
 
     # -- life cycle -------------------------------------------------------------------------------
@@ -257,7 +270,7 @@ class VllmBackend(EngineBackend):
         if not prompt:
             raise ValueError("the prompt is empty")
         gen = _Generation(request_id, list(prompt), list(prompt), params, intercept,
-                          TurnOutput(self.tokenizer, prompt, params, intercept, self.info.eos_token_ids),
+                          TurnOutput(self.tokenizer, prompt, params, intercept, self.info.eos_token_ids, True),
                           turn_start=len(prompt),
                           session=self.sessions and may_pause(intercept), wire_id=request_id)
         fields = vllm_sampling_fields(params, gen.session, TurnRule.of(params, intercept))
@@ -268,7 +281,7 @@ class VllmBackend(EngineBackend):
             self._wires[request_id] = gen
         self._open(gen)
         self.worker.send({"op": "generate", "id": request_id, "prompt": list(prompt), "params": fields,
-                          "resumable": gen.session})
+                          "resumable": gen.session, "calls": _call_rule(gen.stage, intercept)})
         async for out in self._stream(gen):
             yield out
 
@@ -285,7 +298,7 @@ class VllmBackend(EngineBackend):
         self._check_tokens(appended, len(gen.context) + len(appended))
         params, intercept = params or gen.params, intercept or gen.intercept
         stage = TurnOutput(self.tokenizer, gen.context + list(appended), params, intercept,  # may raise
-                           self.info.eos_token_ids)
+                           self.info.eos_token_ids, True)
         # A session stays one, whatever the turn's rule; a stock turn is a request of its own.
         fields = vllm_sampling_fields(params, gen.session, TurnRule.of(params, intercept))
         gen.params, gen.intercept, gen.stage = params, intercept, stage
@@ -311,7 +324,7 @@ class VllmBackend(EngineBackend):
         gen.logprobs = []
         gen.paused = False
         self._open(gen)
-        self.worker.send(msg | {"params": fields})
+        self.worker.send(msg | {"params": fields, "calls": _call_rule(stage, intercept)})
         async for out in self._stream(gen):
             yield out
 
@@ -371,6 +384,8 @@ class VllmBackend(EngineBackend):
         turn that is a request of its own ends where the output stage says, and vLLM's request is
         aborted if it is still generating."""
         tokens, ended = msg["tokens"], msg["finish_reason"] is not None
+        if "calls" in msg:  # the turn's end, as vLLM's tool parser read it (the worker's)
+            gen.stage.take_vllm_calls(msg["calls"], msg["content"])
         verdict, stop_string, taken = None, None, 0
         for i, token in enumerate(tokens):
             gen.context.append(token)
@@ -533,6 +548,15 @@ class VllmBackend(EngineBackend):
             self._stats[seq] = (loop, future)
         self.worker.send({"op": "stats", "seq": seq})
         return await future
+
+
+def _call_rule(stage: TurnOutput, intercept: InterceptParams | None) -> dict | None:
+    """The worker's `tool_calls.CallRule` for a turn whose calls vLLM's parser reads (None: not one)."""
+    if stage.vllm_parser is None:
+        return None
+    tools = [dict(t.definition) or {"type": "function", "function": {"name": t.name, "parameters": t.arguments_schema}}
+             for t in intercept.tools or ()]
+    return {"parser": stage.vllm_parser, "tools": tools, "reasoning": intercept.reasoning_parser}
 
 
 def _sampled(token_id: int, logprob: float, entries: list, k: int) -> SampledToken:
