@@ -179,7 +179,7 @@ def build_backend(args: argparse.Namespace):
         # Unless given, vLLM's own defaults (those `vllm serve` takes on the hardware), not the native engine's
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=None if args.max_num_batched_tokens is None else int(args.max_num_batched_tokens),
-        enable_prefix_caching=args.prefix_caching,
+        enable_prefix_caching=args.prefix_caching, tool_parser=args.tool_parser,
         engine_args=vllm_engine_args(args))
 
 
@@ -247,7 +247,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="requests generating at once; beyond, 429 with Retry-After (default 512)")
     g.add_argument("--tool-parser", default=_env("TOOL_PARSER", None),
                    help="tool-call format: hermes, llama3_json, mistral or pythonic (default: from the model's chat "
-                        "template)")
+                        "template); on --backend vllm also any of vLLM's tool parsers, as vLLM's --tool-call-parser "
+                        "names them (qwen3_coder, kimi_k2, deepseek_v3, ...; vllm:NAME picks vLLM's where ours has "
+                        "the same name), read when the model ends its turn (docs/operators.md, tool-call formats)")
     g.add_argument("--reasoning-parser", default=_env("REASONING_PARSER", None), choices=sorted(REASONING_PARSERS),
                    help="thinking format, as vLLM names it: qwen3 or deepseek_r1. <think>...</think> goes to "
                         "reasoning_content (chat) or a reasoning item (Responses), tool calls are read after it, "
