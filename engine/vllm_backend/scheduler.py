@@ -401,7 +401,21 @@ class _InterceptMixin:
             budget = iteration_swap_limit(self.profile, self._last_batched_tokens)
             free_host = self.host_tier.free_host_tokens
         return IterationInfo(num_running_tokens=running, num_batched_tokens=self._last_batched_tokens,
-                             swap_out_budget=budget, free_host_tokens=free_host)
+                             swap_out_budget=budget, free_host_tokens=free_host,
+                             spare_device_tokens=self._spare_device_tokens())
+
+    def _spare_device_tokens(self) -> int | None:
+        """vLLM's free blocks, in tokens, less what queued work will need there: the waiting requests'
+        uncomputed tokens (no prefix hit assumed; a session resumed off the device counts its whole
+        context), the host KV of paused sessions, and one step's token budget; as the native scheduler
+        counts it. Only for a policy that reads it (`Policy.ample_preserve`): it walks vLLM's waiting
+        queues."""
+        if not self.intercept_policy.ample_preserve:
+            return None
+        waiting = sum(r.num_tokens - r.num_computed_tokens for queue in (self.waiting, self.kv_holding_waiting)
+                      for r in queue)
+        need = waiting + self.paused_kv.host_tokens + self.max_num_scheduled_tokens
+        return self.kv_cache_manager.block_pool.get_num_free_blocks() * self.block_size - need
 
     def _host_tokens(self, pause: _Pause) -> int:
         return 0 if self.host_tier is None else self.host_tier.host_tokens(pause.request.request_id)
