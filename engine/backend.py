@@ -46,6 +46,9 @@ class EngineInfo:
     # Grammar-constrained decoding (forced tool calls, response_format); without it the server asks for
     # a grammar only where the request needs one (and the backend refuses it: 400).
     guided_decoding: bool = True
+    # The KV policy as it runs (`Policy.label`: its name and the parts that differ from its class's); ""
+    # where the backend does not say.
+    policy: str = ""
 
     @property
     def model_name(self) -> str:

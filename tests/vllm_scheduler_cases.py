@@ -369,6 +369,21 @@ def case_infercept_discards_long_pauses_and_preserves_short_ones():
     assert s.state()["paused"] == {"short": [201, 0, 0], "long": [0, 0, 201]}
 
 
+def case_the_policy_runs_without_the_parts_only_the_native_engine_runs():
+    """A name asking for prefetch, admission or a queue order other than arrival is refused by the
+    scheduler as by the start-up check; `infercept`, whose class turns prefetch on, runs with it off (its
+    label says so), every part vLLM runs as its class has it."""
+    for name, part in (("infercept+prefetch", "+prefetch"), ("swap+las-priority", "+las-priority"),
+                       ("infercept-paper+admission", "+admission")):
+        message = refused(lambda: make(name))
+        assert part in message and "native engine" in message, message
+    policy = make("infercept").intercept_policy
+    assert (policy.prefetch, policy.admission, policy.priority) == (False, False, "arrival")
+    assert policy.label == "infercept+no-prefetch", policy.label
+    assert (policy.expected_waste, policy.deferred_swap, policy.ample_preserve, policy.preemption) == \
+        (True, True, "by-copy-overlap", "swap")
+
+
 def paused_for_an_hour(policy: str, profile: Profile = PROFILE):
     """Session "long" (201 tokens of KV) paused on a tool the client says lasts an hour, no host tier,
     in a pool of 64 blocks (1,024 tokens): room for all queued work (its 13 blocks held, 816 tokens free,

@@ -45,6 +45,11 @@ paused sessions can fill the pool). Here:
 - after each step that changed something, the worker is sent where the paused sessions' KV is, naming
   only the sessions whose KV moved, paused, resumed or ended since the last report.
 
+The policy runs with the parts this backend can run (`policy_parts.py`: expected waste, context cost,
+deferred swaps, ample-memory preserve, whose free-pool test reads vLLM's block pool and waiting queues, and
+the preemption rule for paused KV); a name asking for another (prefetch, a queue order other than arrival,
+admission) is refused here as at start-up, and a class's default of one runs switched off.
+
 The host tier exists when vLLM runs our connector (the backend configures it with a host pool size); without
 it the swap budget is 0 and `infercept` chooses between preserve and discard.
 
@@ -69,10 +74,11 @@ from vllm.v1.request import Request, RequestStatus
 
 from engine.output_stage import TurnRule, TurnWatch
 from engine.paused_kv import PausedKV
-from engine.policy import (DurationEstimator, IterationInfo, KVAction, PausedInfo, Profile, make_policy)
+from engine.policy import DurationEstimator, IterationInfo, KVAction, PausedInfo, Profile
 from engine.policy.budget import iteration_swap_limit, memory_ample, swap_room
 from engine.vllm_backend.host_tier import HostTierConnector, refusal
 from engine.vllm_backend.params import TURN_RULE_KEY
+from engine.vllm_backend.policy_parts import vllm_policy
 
 logger = logging.getLogger("infercept.vllm_scheduler")
 
@@ -135,7 +141,7 @@ class _InterceptMixin:
         policy = config.get("policy") or "infercept"
         if (error := refusal(self.kv_cache_config, f"the policy {policy!r} (InterceptScheduler)")) is not None:
             raise ValueError(error)
-        self.intercept_policy = make_policy(policy)
+        self.intercept_policy = vllm_policy(policy)  # the parts only the native engine runs: refused or off
         self.profile: Profile | None = None
         self.estimator = DurationEstimator()
         self.pauses: dict[str, _Pause] = {}
