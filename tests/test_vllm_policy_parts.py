@@ -137,8 +137,9 @@ def test_the_default_policy_starts_with_the_switched_off_parts_in_the_log(worker
         record.getMessage(), record.getMessage()
 
 
-@pytest.mark.parametrize("policy", ["infercept+deferred-swap+context-cost", "infercept-paper+ample-no-discard",
-                                    "preserve+swap-preemption", "infercept+no-prefetch+arrival-priority"])
+@pytest.mark.parametrize("policy", ["infercept-paper+deferred-swap+context-cost+expected-waste",
+                                    "infercept-paper+ample-no-discard", "preserve+swap-preemption",
+                                    "infercept+no-prefetch+arrival-priority"])
 def test_the_backend_starts_a_policy_with_parts_vllm_runs(worker_configs, caplog, policy):
     with caplog.at_level(logging.WARNING, logger="infercept.vllm_backend"), pytest.raises(_Started):
         create(policy)
