@@ -386,8 +386,8 @@ def case_the_policy_runs_without_the_parts_only_the_native_engine_runs():
 
 def paused_for_an_hour(policy: str, profile: Profile = PROFILE):
     """Session "long" (201 tokens of KV) paused on a tool the client says lasts an hour, no host tier,
-    in a pool of 64 blocks (1,024 tokens): room for all queued work (its 13 blocks held, 816 tokens free,
-    one step's budget 256)."""
+    in a pool of 64 blocks (1,024 tokens): room for all queued work (its 13 blocks held, about 800 tokens
+    free, one step's budget 256)."""
     s = make(policy, profile=profile)
     s.add_request(request("long", prompt(200)))
     run_until_paused(s, "long")
@@ -403,7 +403,7 @@ def case_ample_memory_keeps_paused_kv_on_a_cpu_until_the_pool_is_wanted():
     for _ in range(3):
         step(s)
     assert s.requests["long"].num_computed_tokens == 201, "discarded while the pool had room for everything"
-    s.add_request(request("big", prompt(600, 20000), max_tokens=1))  # 600 + 256 > 816 free: the room is wanted
+    s.add_request(request("big", prompt(600, 20000), max_tokens=1))  # 600 + 256 > ~800 free: the room is wanted
     step(s)
     assert s.requests["long"].num_computed_tokens == 0, "kept once a waiting request wanted the room"
     assert s.state()["paused"]["long"] == [0, 0, 201]
