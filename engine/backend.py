@@ -49,6 +49,9 @@ class EngineInfo:
     # vLLM's own tool parsers the backend runs (the vLLM backend: every one its vLLM has), for
     # `--tool-parser` names that are not ours (tool_format.tool_format_for).
     vllm_tool_parsers: tuple[str, ...] = ()
+    # The KV policy as it runs (`Policy.label`: its name and the parts that differ from its class's); ""
+    # where the backend does not say.
+    policy: str = ""
 
     @property
     def model_name(self) -> str:

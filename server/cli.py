@@ -56,7 +56,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "+deferred-swap, +admission, +ample-preserve, +ample-no-discard (+no-... to remove one) switch "
                         "on one policy part beyond the paper each (benchmarks/README.md, \"Beyond the paper\"). "
                         "--backend vllm: infercept, infercept-paper, preserve, swap, prefix-cache or discard "
-                        "(the last two are stock vLLM)")
+                        "(the last two are stock vLLM), the first four with the parts vLLM runs; +prefetch, "
+                        "+admission and a priority other than arrival are refused there, and infercept runs "
+                        "without prefetch (docs/operators.md, section 7)")
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    default=_env("PREFIX_CACHING", "1").lower() not in ("0", "false", "no", "off"),
                    help="do not keep freed KV blocks addressable by content (INFERCEPT_PREFIX_CACHING=0)")
@@ -350,9 +352,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
             if not self.should_exit:
                 host, port = self.servers[0].sockets[0].getsockname()[:2]
                 info = backend.info
-                policy = args.policy or "infercept"
+                policy = info.policy or args.policy or "infercept"  # as it runs: a part switched off shows
                 print(f"infercept: serving {name} ({args.backend}, {info.dtype}, {info.device}, policy {policy}) "
                       f"on http://{host}:{port}", flush=True)
+                if args.backend == "vllm":
+                    from infercept.engine.vllm_backend.policy_parts import summary
+
+                    print(f"infercept: {summary()}", flush=True)
 
     server = Server(config)
     # SIGTERM is how Docker and Kubernetes stop a container: a graceful stop is a success, status 0.

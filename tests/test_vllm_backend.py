@@ -453,13 +453,22 @@ def evict_the_prefix_cache(backend) -> None:
         asyncio.run(run_turn(backend.generate(prompt, greedy(1, ignore_eos=True), f"evict-{base}")))
 
 
+def wanting_the_pool(backend, base: int) -> list[int]:
+    """A prompt of distinct tokens that, waiting, leaves vLLM's pool without room for all queued work (its
+    tokens and one step's budget, the largest batch the worker's profile timed, exceed the pool): while the
+    pool has room, `infercept` keeps every pause on a CPU (ample-preserve)."""
+    budget = max(n for n, _ in backend.profile["t_fwd_samples"])
+    return [base + i for i in range(min(POOL_TOKENS - budget + 2 * backend.block_size, backend.info.max_model_len - 8))]
+
+
 @needs_vllm
 def test_long_pauses_leave_the_device_and_every_resume_equals_a_fresh_run(backend, tokenizer):
-    """Two pauses the client says last an hour. Min-waste swaps the first to the host tier inside vLLM
-    (on a CPU a copy costs far less than a recompute); the host then has no room for the second, which is
-    discarded (its blocks stay in the prefix cache). A long prompt evicts the prefix cache; the swapped
-    turn resumes from the host with nothing recomputed, the discarded one recomputes what the cache
-    lost; both decode what a fresh run of the same context does."""
+    """Two pauses the client says last an hour, each followed by a request that wants the pool's room.
+    Min-waste swaps the first to the host tier inside vLLM (on a CPU a copy costs far less than a
+    recompute); the host then has no room for the second, which is discarded (its blocks stay in the
+    prefix cache). A long prompt evicts the prefix cache; the swapped turn resumes from the host with
+    nothing recomputed, the discarded one recomputes what the cache lost; both decode what a fresh run of
+    the same context does."""
     assert backend.info.kv_capacity_tokens < POOL_TOKENS + backend.block_size, backend.info.kv_capacity_tokens
     for gen in backend._paused():  # earlier tests' pauses would hold host room this test sizes by itself
         backend.abort(gen.request_id)
@@ -471,7 +480,8 @@ def test_long_pauses_leave_the_device_and_every_resume_equals_a_fresh_run(backen
         assert first.paused, first
         contexts[rid] = context = prompt + first.token_ids
         # The policy decides at vLLM's steps, and an idle vLLM takes none (nothing needs the memory then).
-        asyncio.run(run_turn(backend.generate([1, 2, 3], greedy(2, ignore_eos=True), f"{rid}-nudge")))
+        nudge = wanting_the_pool(backend, 12000 if where == "host" else 24000)
+        asyncio.run(run_turn(backend.generate(nudge, greedy(2, ignore_eos=True), f"{rid}-nudge")))
         location = wait_for(lambda: asyncio.run(backend.kv_location(rid)), lambda loc: loc.device == 0)
         computed = len(context) - 1  # the last sampled token has no KV yet
         expected = (0, computed, 1) if where == "host" else (0, 0, len(context))

@@ -10,7 +10,10 @@ resumes run (each paused session is reported to the model runner as preempted, f
 paused sessions wait outside vLLM's queues and counts until their next chunk or end, and an engine with
 only paused sessions and a KV connector takes no step; the per-step report to the worker names only the
 sessions whose KV changed;
-min-waste discards a long pause and preserves a short one; a tool's history records the pause until its
+min-waste discards a long pause and preserves a short one; the policy runs without the parts only the
+native engine runs (refused when a name asks for one, off where its class has one on); ample-memory
+preserve keeps paused KV while vLLM's pool has room for all queued work (all of it on a CPU, no discard
+on a GPU) and lets the policy decide once the room is wanted; a tool's history records the pause until its
 result arrived (not until the scheduler's next step); the host tier
 (`HostTierConnector`, with a fake worker copying real tensors in the order vLLM's model runner does):
 a swapped session's KV goes to the host and comes back position for position, reclaim swaps when a copy is
@@ -52,6 +55,9 @@ CASES = ("preserve_keeps_a_paused_sessions_blocks",
          "the_kv_report_carries_only_what_changed",
          "stock_vllm_deadlocks_on_the_same_pool",
          "infercept_discards_long_pauses_and_preserves_short_ones",
+         "the_policy_runs_without_the_parts_only_the_native_engine_runs",
+         "ample_memory_keeps_paused_kv_on_a_cpu_until_the_pool_is_wanted",
+         "ample_no_discard_keeps_what_min_waste_would_discard_while_the_pool_has_room",
          "no_profile_no_plan",
          "ending_a_discarded_session_frees_everything",
          "measured_pause_feeds_the_estimator",

@@ -356,7 +356,7 @@ def case_stock_vllm_deadlocks_on_the_same_pool():
 
 
 def case_infercept_discards_long_pauses_and_preserves_short_ones():
-    s = make("infercept")
+    s = make("infercept", num_blocks=32)  # the pool is wanted: ample-memory preserve does not hold
     s.add_request(request("short", prompt(200)))
     s.add_request(request("long", prompt(200, 4000)))
     run_until_paused(s, "short")
@@ -367,6 +367,59 @@ def case_infercept_discards_long_pauses_and_preserves_short_ones():
     assert s.requests["short"].num_computed_tokens == 201, "the short pause was not preserved"
     assert s.requests["long"].num_computed_tokens == 0, "the long pause was not discarded"
     assert s.state()["paused"] == {"short": [201, 0, 0], "long": [0, 0, 201]}
+
+
+def case_the_policy_runs_without_the_parts_only_the_native_engine_runs():
+    """A name asking for prefetch, admission or a queue order other than arrival is refused by the
+    scheduler as by the start-up check; `infercept`, whose class turns prefetch on, runs with it off (its
+    label says so), every part vLLM runs as its class has it."""
+    for name, part in (("infercept+prefetch", "+prefetch"), ("swap+las-priority", "+las-priority"),
+                       ("infercept-paper+admission", "+admission")):
+        message = refused(lambda: make(name))
+        assert part in message and "native engine" in message, message
+    policy = make("infercept").intercept_policy
+    assert (policy.prefetch, policy.admission, policy.priority) == (False, False, "arrival")
+    assert policy.label == "infercept+no-prefetch", policy.label
+    assert (policy.expected_waste, policy.deferred_swap, policy.ample_preserve, policy.preemption) == \
+        (True, True, "by-copy-overlap", "swap")
+
+
+def paused_for_an_hour(policy: str, profile: Profile = PROFILE):
+    """Session "long" (201 tokens of KV) paused on a tool the client says lasts an hour, no host tier,
+    in a pool of 64 blocks (1,024 tokens): room for all queued work (its 13 blocks held, about 800 tokens
+    free, one step's budget 256)."""
+    s = make(policy, profile=profile)
+    s.add_request(request("long", prompt(200)))
+    run_until_paused(s, "long")
+    s._on_message({"op": "pause", "id": "long", "tool": "human", "expected_s": 3600.0})
+    return s
+
+
+def case_ample_memory_keeps_paused_kv_on_a_cpu_until_the_pool_is_wanted():
+    """`infercept` on a CPU (copies stall the forward pass; ample-preserve by copy overlap): an hour-long
+    pause keeps its KV while vLLM's pool has room for all queued work, and is discarded (min-waste) the
+    step a waiting request needs the room; without the part it is discarded at once."""
+    s = paused_for_an_hour("infercept")
+    for _ in range(3):
+        step(s)
+    assert s.requests["long"].num_computed_tokens == 201, "discarded while the pool had room for everything"
+    s.add_request(request("big", prompt(600, 20000), max_tokens=1))  # 600 + 256 > ~800 free: the room is wanted
+    step(s)
+    assert s.requests["long"].num_computed_tokens == 0, "kept once a waiting request wanted the room"
+    assert s.state()["paused"]["long"] == [0, 0, 201]
+    s = paused_for_an_hour("infercept+no-ample-preserve")
+    step(s)
+    assert s.requests["long"].num_computed_tokens == 0, "min-waste kept an hour-long pause"
+
+
+def case_ample_no_discard_keeps_what_min_waste_would_discard_while_the_pool_has_room():
+    """On a GPU (copies overlap the forward pass) `+ample-no-discard` turns min-waste's discards into
+    preserves while the pool has room, as `infercept` does there; `infercept-paper` discards."""
+    gpu = Profile.from_dict(PROFILE.to_dict() | {"device": "cuda"})
+    for policy, kept in (("infercept-paper+ample-no-discard", True), ("infercept", True), ("infercept-paper", False)):
+        s = paused_for_an_hour(policy, gpu)
+        step(s)
+        assert (s.requests["long"].num_computed_tokens == 201) is kept, (policy, s.state()["paused"])
 
 
 def case_no_profile_no_plan():
@@ -463,7 +516,7 @@ def paused_behind_a_slow_copy():
     """Session "a" (101 tokens of KV) paused for an hour under `infercept`, with a copy rate (10 MB/s) at
     which a decode-sized step's swap budget is ~48 tokens: its swap takes several steps."""
     slow = Profile.from_dict(PROFILE.to_dict() | {"d2h_bytes_per_s": 1e7, "h2d_bytes_per_s": 1e7})
-    s = make("infercept", host_blocks=32, profile=slow)
+    s = make("infercept", num_blocks=16, host_blocks=32, profile=slow)  # 16 blocks: the pool is wanted
     s.add_request(request("a", prompt(100)))
     run_until_paused(s, "a")
     s._on_message({"op": "pause", "id": "a", "expected_s": 3600.0})

@@ -48,6 +48,7 @@ from ..sampling_params import SamplingParams
 from ..stats import RESUME_KV_PLACES, resume_kv_place
 from ..tool_parsers import PARSERS, vllm_parser_name
 from .params import vllm_sampling_fields
+from .policy_parts import summary, switched_off, vllm_policy
 from .process import WorkerProcess
 
 # Policies on this backend: those run by our scheduler in vLLM over streaming sessions, and stock vLLM
@@ -118,7 +119,7 @@ class VllmBackend(EngineBackend):
         self.tokenizer = tokenizer
         self.block_size = block_size
         self.policy = policy
-        self.sessions = policy in SESSION_POLICIES  # paused turns wait in vLLM as streaming sessions
+        self.sessions = policy.split("+")[0] in SESSION_POLICIES  # paused turns wait in vLLM as streaming sessions
         self.profile = profile  # measured by the worker on this vLLM (session policies)
         self.host_blocks_total = host_blocks  # the host tier's pool (0: none)
         self._generations: dict[str, _Generation] = {}
@@ -160,10 +161,19 @@ class VllmBackend(EngineBackend):
         from ..engine import eos_ids_of
 
         engine_args = dict(engine_args or {})
-        if policy not in SESSION_POLICIES and policy not in STOCK_POLICIES:
-            raise ValueError(f"policy {policy!r} is not available on the vLLM backend: choose one of "
+        base = policy.split("+")[0]
+        if base not in SESSION_POLICIES and base not in STOCK_POLICIES:
+            raise ValueError(f"policy {base!r} is not available on the vLLM backend: choose one of "
                              f"{', '.join((*SESSION_POLICIES, *STOCK_POLICIES))}")
-        if policy == "swap" and not host_kv_gb > 0:
+        if base in STOCK_POLICIES and base != policy:
+            raise ValueError(f"policy {policy!r}: {base} is stock vLLM on this backend (its own scheduler), which "
+                             "runs none of the policy's parts; the native engine (--backend native) runs them")
+        # Refuses a part only the native engine runs; a class's default of one runs switched off (its label says so).
+        running = vllm_policy(policy).label if base in SESSION_POLICIES else policy
+        if base in SESSION_POLICIES and (off := switched_off(policy)):
+            logger.warning("policy %r runs on the vLLM backend as %r: %s only on the native engine. %s", policy,
+                           running, ", ".join(off), summary())
+        if base == "swap" and not host_kv_gb > 0:
             raise ValueError("policy 'swap' needs a host pool: --host-kv-gb > 0")
         if int(engine_args.get("data_parallel_size") or 1) > 1:
             # Checked before the worker starts: vLLM would start one engine core per rank.
@@ -172,12 +182,12 @@ class VllmBackend(EngineBackend):
                 "data-parallel rank is an engine core of its own, with its own scheduler, while the worker links one "
                 "policy channel to one engine core (and reads one KV pool). Run one server per replica behind a "
                 "load balancer instead (docs/operators.md, several replicas)")
-        if policy in SESSION_POLICIES:
+        if base in SESSION_POLICIES:
             owned = sorted({"scheduler_cls", "kv_transfer_config"} & set(engine_args))
             if owned:
                 raise ValueError(f"{', '.join(owned)}: under policy {policy!r} the vLLM backend sets them itself (our "
                                  "scheduler and host tier); --policy prefix-cache runs stock vLLM with your own")
-        enable_prefix_caching = STOCK_POLICIES.get(policy, enable_prefix_caching)
+        enable_prefix_caching = STOCK_POLICIES.get(base, enable_prefix_caching)
         python = python or default_vllm_python()
         if not os.path.isfile(python):
             raise FileNotFoundError(f"no python for the vLLM backend at {python!r}: run `make vllm-env`, or pass "
@@ -197,7 +207,7 @@ class VllmBackend(EngineBackend):
             # native engine's default instead. On a GPU vLLM's own rule (gpu_memory_utilization) stands.
             args["kv_cache_memory_bytes"] = int(available_host_memory_bytes() * CacheConfig.kv_cache_fraction)
         args = {k: v for k, v in args.items() if v is not None} | engine_args
-        if policy in SESSION_POLICIES:
+        if base in SESSION_POLICIES:
             # Our scheduler subclasses vLLM's synchronous one, or vLLM's AsyncScheduler, whichever way vLLM
             # schedules: as engine_args async_scheduling says (--async-scheduling / --no-async-scheduling), else
             # as vLLM decides once its configuration is final (asynchronously on a GPU where it can), which
@@ -210,7 +220,7 @@ class VllmBackend(EngineBackend):
                 args["kv_transfer_config"] = host_tier_config(int(host_kv_gb * 2**30))
         env = {"PYTHONPATH": os.pathsep.join(filter(None, (REPO_ROOT, os.environ.get("PYTHONPATH"))))} | (env or {})
         vllm_tool_parser = vllm_parser_name(tool_parser) or (tool_parser if tool_parser not in PARSERS else None)
-        worker = WorkerProcess(python, {"engine": args, "policy_channel": policy in SESSION_POLICIES,
+        worker = WorkerProcess(python, {"engine": args, "policy_channel": base in SESSION_POLICIES,
                                         "tool_parser": vllm_tool_parser}, env)
         facts = worker.start(startup_timeout)
         tokenizer = AutoTokenizer.from_pretrained(model)
@@ -220,7 +230,7 @@ class VllmBackend(EngineBackend):
                           vocab_size=facts["vocab_size"], eos_token_ids=eos_ids_of(model, tokenizer),
                           chat_template=tokenizer.chat_template, dtype=facts["dtype"], device=facts["device"],
                           kv_capacity_tokens=facts["num_blocks"] * facts["block_size"],
-                          vllm_tool_parsers=tuple(facts["tool_parsers"]))
+                          vllm_tool_parsers=tuple(facts["tool_parsers"]), policy=running)
         return cls(worker, info, tokenizer, facts["block_size"], policy, facts.get("profile"), facts["host_blocks"])
 
     # -- life cycle -------------------------------------------------------------------------------
