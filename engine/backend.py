@@ -20,14 +20,14 @@ from .reasoning_parsers import REASONING_PARSERS, THINK_END, ReasoningParser, ge
 from .request import InterceptParams
 from .sampling_params import GuidedDecodingParams, SamplingParams
 from .stats import RESUME_KV_PLACES  # the keys of EngineSnapshot.resumes_by_kv
-from .tool_format import ToolFormat, ToolSpec
+from .tool_format import ToolFormat, ToolSpec, VllmToolFormat, tool_format_for
 from .tool_parsers import ToolCall, parser_for_model
 
 __all__ = ["EngineBackend", "EngineInfo", "EngineSnapshot", "GuidedDecodingParams", "InterceptParams",
            "KVLocation", "PAUSED_KV_STATES", "REASONING_PARSERS", "RESUME_KV_PLACES", "ReasoningParser",
            "RequestOutput",
-           "SamplingParams", "THINK_END", "ToolCall", "ToolFormat", "ToolSpec", "get_reasoning_parser",
-           "parser_for_model"]
+           "SamplingParams", "THINK_END", "ToolCall", "ToolFormat", "ToolSpec", "VllmToolFormat", "get_reasoning_parser",
+           "parser_for_model", "tool_format_for"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,12 @@ class EngineInfo:
     # Grammar-constrained decoding (forced tool calls, response_format); without it the server asks for
     # a grammar only where the request needs one (and the backend refuses it: 400).
     guided_decoding: bool = True
+    # vLLM's own tool parsers the backend runs (the vLLM backend: every one its vLLM has), for
+    # `--tool-parser` names that are not ours (tool_format.tool_format_for).
+    vllm_tool_parsers: tuple[str, ...] = ()
+    # The KV policy as it runs (`Policy.label`: its name and the parts that differ from its class's); ""
+    # where the backend does not say.
+    policy: str = ""
 
     @property
     def model_name(self) -> str:

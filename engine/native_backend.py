@@ -21,7 +21,7 @@ class NativeBackend(EngineBackend):
             max_model_len=engine.config.scheduler.max_model_len, vocab_size=engine.spec.vocab_size,
             eos_token_ids=frozenset(engine.eos_token_ids), chat_template=engine.tokenizer.chat_template,
             dtype=str(engine.config.dtype).removeprefix("torch."), device=str(engine.config.device),
-            kv_capacity_tokens=engine.kv_capacity_tokens())
+            kv_capacity_tokens=engine.kv_capacity_tokens(), policy=engine.policy.label)
 
     @classmethod
     def create(cls, model: str | None = None, **engine_kwargs) -> "NativeBackend":

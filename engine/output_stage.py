@@ -24,13 +24,17 @@ from .outputs import RequestOutput
 from .request import InterceptParams
 from .sampling_params import SamplingParams
 from .tool_format import CallJudge, TurnCalls
+from .tool_parsers import ParsedByVllm, vllm_parser_name
 
 
-def call_judge(intercept: InterceptParams | None) -> CallJudge | None:
+def call_judge(intercept: InterceptParams | None, vllm_parses: bool = False) -> CallJudge | None:
     """The turn's call rule, or None when its calls cannot pause it. Raises ValueError for an unknown
-    tool format, so a request fails when it is added, not mid-generation."""
+    tool format, or for one of vLLM's parsers (``vllm:NAME``) where vLLM does not parse the turn
+    (`vllm_parses`: the vLLM backend), so a request fails when it is added, not mid-generation."""
     if intercept is None or intercept.tool_parser is None:
         return None
+    if vllm_parser_name(intercept.tool_parser) is not None and not vllm_parses:
+        raise ValueError(f"the tool parser {intercept.tool_parser!r} is vLLM's: it runs on the vLLM backend only")
     return CallJudge(intercept.tool_parser, intercept.tools, intercept.parallel_calls, intercept.text_prefix,
                      intercept.reasoning_parser)
 
@@ -63,11 +67,12 @@ class TurnOutput:
     """One turn of one request: its text so far and its rule."""
 
     def __init__(self, tokenizer, context: list[int], params: SamplingParams, intercept: InterceptParams | None,
-                 eos_token_ids: frozenset[int] | None = None):
+                 eos_token_ids: frozenset[int] | None = None, vllm_parses: bool = False):
         """`context`: every token before the turn's first output (its tail seeds the detokenizer).
-        `eos_token_ids`: the model's end-of-sequence tokens (None: the tokenizer's)."""
+        `eos_token_ids`: the model's end-of-sequence tokens (None: the tokenizer's). `vllm_parses`: the
+        backend runs vLLM's tool parsers, whose calls arrive with the turn's end (`take_vllm_calls`)."""
         self.detok = IncrementalDetokenizer(tokenizer, context, params.skip_special_tokens, params.stop)
-        self.judge = call_judge(intercept)
+        self.judge = call_judge(intercept, vllm_parses)
         self.pause_on_stop = intercept is not None and intercept.pause_on_stop
         self.params = params
         # The token that stops the turn (EOS, a stop token) is not text, as in vLLM: with
@@ -81,6 +86,17 @@ class TurnOutput:
     @property
     def text(self) -> str:
         return self.detok.text
+
+    @property
+    def vllm_parser(self) -> str | None:
+        """vLLM's name of the tool parser that reads this turn in vLLM's process, if one does."""
+        parser = self.judge.parser if self.judge is not None else None
+        return parser.name if isinstance(parser, ParsedByVllm) else None
+
+    def take_vllm_calls(self, calls: list, content: str | None) -> None:
+        """The calls vLLM's parser found in the ended turn ([name, arguments JSON, id] each) and the
+        content outside them: what `decide` judges at the turn's end."""
+        self.judge.parser.take(calls, content)
 
     def add(self, token_id: int) -> str | None:
         """One generated token; returns the stop string it completed, if any."""
@@ -142,7 +158,10 @@ class TurnRule:
 
     @classmethod
     def of(cls, params: SamplingParams, intercept: InterceptParams | None) -> "TurnRule":
-        calls = intercept is not None and intercept.tool_parser is not None
+        """vLLM's tool parsers read the whole turn once the model ended it: such a turn's rule has no
+        calls to watch for."""
+        calls = intercept is not None and intercept.tool_parser is not None \
+            and vllm_parser_name(intercept.tool_parser) is None
         return cls(tuple(params.stop), params.skip_special_tokens, intercept.tool_parser if calls else None,
                    intercept.text_prefix if calls else "", intercept.reasoning_parser if calls else None)
 

@@ -13,6 +13,10 @@ calling by one under tool_choice "none", may answer in JSON or call under a JSON
 has its grammar-written calls followed while they stream (call_formats.py; hermes_format.py for
 Hermes). Templates without a tool section get a Hermes-style tool prompt whatever the family.
 
+On the vLLM backend, a family may also be one of vLLM's own tool parsers (`VllmToolFormat`, family
+``vllm:NAME``): vLLM's parser reads the whole turn once it ends, in vLLM's process, and the judge here
+checks the calls it found (`tool_parsers.ParsedByVllm`). No grammar writes or forbids such calls.
+
 Pure standard library (jsonschema imported when a request's tools are compiled): importable without
 torch, so a backend in another process can run the same judge.
 """
@@ -26,7 +30,7 @@ from typing import Any
 from . import hermes_format as hermes
 from .call_formats import writer_for
 from .reasoning_parsers import get_reasoning_parser
-from .tool_parsers import ToolCall, get_tool_parser
+from .tool_parsers import PARSERS, VLLM_PREFIX, ToolCall, get_tool_parser, vllm_parser_name
 from .tool_spec import ToolSpec
 
 # Call markers that are special tokens in some vocabularies: a grammar names them by id (call_formats.py).
@@ -64,7 +68,11 @@ class ToolFormat:
     are written where a family has several forms (Mistral's ``[ARGS]`` form) and let grammars name
     special tokens; `for_tokenizer` reads both from a tokenizer."""
 
+    forces_calls = True  # tool_choice required / named: a prefill and a grammar write the call
+
     def __init__(self, family: str, chat_template: str | None = None, token_ids: Mapping[str, int] | None = None):
+        if vllm_parser_name(family) is not None:
+            raise ValueError(f"{family!r} is vLLM's tool parser: VllmToolFormat")
         self.parser = get_tool_parser(family)  # ValueError for an unknown family
         self.family = family
         self.writer = writer_for(family, chat_template, token_ids)
@@ -131,6 +139,62 @@ class ToolFormat:
         """The part of `text` that cannot belong to a tool call: before the first call opener (or a
         trailing piece that may still become one), trailing whitespace held back."""
         return self.writer.safe_content(text)
+
+
+class VllmToolFormat:
+    """One of vLLM's tool parsers as a format (family ``vllm:NAME``), on the vLLM backend: the parser runs in
+    vLLM's process on the whole turn once the model ended it (vllm_backend/tool_calls.py). Nothing here
+    knows how its calls are written, so no grammar forces or forbids them (tool_choice required / named
+    and a JSON response_format beside tools are refused; tool_choice none only leaves calls unparsed),
+    and a stream shows the turn's text only once it ended: any of it may be a call until vLLM's parser
+    has read it all."""
+
+    forces_calls = False
+    keeps_special_tokens = False  # the text the client sees; vLLM's parser decodes the tokens as it needs
+    openers: tuple[str, ...] = ()
+
+    def __init__(self, name: str):
+        self.name = name
+        self.family = VLLM_PREFIX + name
+
+    def forced_prefill(self, tool_name: str | None) -> str:
+        raise ValueError(f"vLLM's tool parser {self.name!r} cannot force a call")
+
+    def forced_grammar(self, tools: Sequence[ToolSpec], tool_name: str | None, parallel: bool) -> str | None:
+        raise ValueError(f"vLLM's tool parser {self.name!r} cannot force a call")
+
+    def answer_or_call_grammar(self, tools: Sequence[ToolSpec], parallel: bool, answer_schema: dict) -> None:
+        return None
+
+    def no_call_grammar(self) -> None:
+        return None
+
+    json_grammar_schema = staticmethod(ToolFormat.json_grammar_schema)
+    prompt_messages = staticmethod(ToolFormat.prompt_messages)
+    call_text = staticmethod(ToolFormat.call_text)
+
+    def partial_calls(self, text: str) -> list:
+        return []
+
+    def safe_content(self, text: str) -> str:
+        return ""
+
+
+def tool_format_for(name: str, tokenizer, vllm_parsers: Sequence[str] = ()) -> ToolFormat | VllmToolFormat:
+    """The format `--tool-parser NAME` serves: ours by that name (hermes, llama3_json, mistral, pythonic), else
+    vLLM's parser NAME where the backend runs vLLM's parsers (`vllm_parsers`, their names; ``vllm:NAME``
+    picks vLLM's where we have one of the same name). ValueError naming the valid names otherwise."""
+    vllm_name = vllm_parser_name(name) or (name if name not in PARSERS else None)
+    if vllm_name is None:
+        return ToolFormat.for_tokenizer(name, tokenizer)
+    if vllm_name in vllm_parsers:
+        return VllmToolFormat(vllm_name)
+    ours = ", ".join(sorted(PARSERS))
+    if not vllm_parsers:
+        raise ValueError(f"unknown tool parser {name!r}: this engine reads {ours}; vLLM's other tool parsers "
+                         "(qwen3_coder, kimi_k2, deepseek_v3, ...) run on the vLLM backend only (--backend vllm)")
+    raise ValueError(f"unknown tool parser {name!r}: choose one of ours ({ours}) or one of vLLM's "
+                     f"({', '.join(sorted(vllm_parsers))})")
 
 
 class CallJudge:

@@ -54,8 +54,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-__all__ = ["PARSERS", "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser", "ParseResult",
-           "PythonicToolParser", "ToolCall", "ToolParser", "get_tool_parser", "parser_for_model"]
+__all__ = ["PARSERS", "VLLM_PREFIX", "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser", "ParseResult",
+           "ParsedByVllm", "PythonicToolParser", "ToolCall", "ToolParser", "get_tool_parser", "parser_for_model",
+           "vllm_parser_name"]
 
 
 @dataclass(frozen=True)
@@ -65,12 +66,14 @@ class ToolCall:
     ``arguments`` is the JSON text of the arguments object, normalized with
     ``json.dumps(obj, ensure_ascii=False)``; ``raw`` is the exact generated text of the call, markers
     included (``<tool_call>...</tool_call>``, ``<|python_tag|>{...}``, ``[TOOL_CALLS]f[ARGS]{...}``;
-    for a Mistral JSON array, the array element).
+    for a Mistral JSON array, the array element; ``""`` for a call vLLM's parser found). ``id``: the id
+    the parser gave the call (vLLM's parsers give one; ours none, and the server names the call).
     """
 
     name: str
     arguments: str
     raw: str
+    id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -637,8 +640,54 @@ PARSERS: dict[str, type[ToolParser]] = {
 }
 
 
-def get_tool_parser(name: str) -> ToolParser:
-    """A parser instance by registry name; ValueError naming the known parsers otherwise."""
+# A family ``vllm:NAME`` is vLLM's tool parser NAME (``--tool-call-parser NAME``), which runs only where
+# vLLM runs: on the vLLM backend, in its worker process (engine/vllm_backend/tool_calls.py).
+VLLM_PREFIX = "vllm:"
+
+
+def vllm_parser_name(family: str | None) -> str | None:
+    """vLLM's name of the parser of a ``vllm:NAME`` family; None for ours (and for None)."""
+    return family[len(VLLM_PREFIX):] if family is not None and family.startswith(VLLM_PREFIX) else None
+
+
+class ParsedByVllm:
+    """A turn's calls as vLLM's parser found them, in vLLM's process, once the turn ended.
+
+    vLLM's parsers read a whole turn (``extract_tool_calls``), so such a turn is never done at a call
+    (``turn_done`` is false: it ends where the model ends it, at its EOS or stop token); the calls arrive
+    with the turn's last output (``take``), and ``parse`` answers with them whatever the text (before
+    they arrive: no calls, the text as content). A call whose arguments are not a JSON object is no call:
+    it stays in the content as text, as an invalid call span of ours does. One instance per turn."""
+
+    openers: tuple[str, ...] = ()
+
+    def __init__(self, name: str):
+        self.name = name
+        self.result: ParseResult | None = None
+
+    def take(self, calls: list[tuple[str, str, str | None]], content: str | None) -> None:
+        """vLLM's verdict: (name, arguments JSON, id) of each call, and the content outside them."""
+        valid, invalid = [], []
+        for name, arguments, call_id in calls:
+            ok, value = _try_loads(arguments) if isinstance(arguments, str) else (False, None)
+            if ok and isinstance(value, dict) and isinstance(name, str) and name:
+                valid.append(ToolCall(name, json.dumps(value, ensure_ascii=False), "", call_id))
+            else:
+                invalid.append(f"{name}({arguments})")
+        self.result = ParseResult("\n".join(filter(None, [(content or "").strip(), *invalid])), valid, invalid)
+
+    def turn_done(self, text: str) -> bool:
+        return False
+
+    def parse(self, text: str) -> ParseResult:
+        return self.result if self.result is not None else ParseResult(text.strip(), [], [])
+
+
+def get_tool_parser(name: str) -> ToolParser | ParsedByVllm:
+    """A parser instance by registry name (``vllm:NAME``: vLLM's, `ParsedByVllm`); ValueError naming the
+    known parsers otherwise."""
+    if (vllm_name := vllm_parser_name(name)) is not None:
+        return ParsedByVllm(vllm_name)
     try:
         return PARSERS[name]()
     except KeyError:

@@ -56,7 +56,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "+deferred-swap, +admission, +ample-preserve, +ample-no-discard (+no-... to remove one) switch "
                         "on one policy part beyond the paper each (benchmarks/README.md, \"Beyond the paper\"). "
                         "--backend vllm: infercept, infercept-paper, preserve, swap, prefix-cache or discard "
-                        "(the last two are stock vLLM)")
+                        "(the last two are stock vLLM), the first four with the parts vLLM runs; +prefetch, "
+                        "+admission and a priority other than arrival are refused there, and infercept runs "
+                        "without prefetch (docs/operators.md, section 7)")
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    default=_env("PREFIX_CACHING", "1").lower() not in ("0", "false", "no", "off"),
                    help="do not keep freed KV blocks addressable by content (INFERCEPT_PREFIX_CACHING=0)")
@@ -179,7 +181,7 @@ def build_backend(args: argparse.Namespace):
         # Unless given, vLLM's own defaults (those `vllm serve` takes on the hardware), not the native engine's
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=None if args.max_num_batched_tokens is None else int(args.max_num_batched_tokens),
-        enable_prefix_caching=args.prefix_caching,
+        enable_prefix_caching=args.prefix_caching, tool_parser=args.tool_parser,
         engine_args=vllm_engine_args(args))
 
 
@@ -247,7 +249,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="requests generating at once; beyond, 429 with Retry-After (default 512)")
     g.add_argument("--tool-parser", default=_env("TOOL_PARSER", None),
                    help="tool-call format: hermes, llama3_json, mistral or pythonic (default: from the model's chat "
-                        "template)")
+                        "template); on --backend vllm also any of vLLM's tool parsers, as vLLM's --tool-call-parser "
+                        "names them (qwen3_coder, kimi_k2, deepseek_v3, ...; vllm:NAME picks vLLM's where ours has "
+                        "the same name), read when the model ends its turn (docs/operators.md, tool-call formats)")
     g.add_argument("--reasoning-parser", default=_env("REASONING_PARSER", None), choices=sorted(REASONING_PARSERS),
                    help="thinking format, as vLLM names it: qwen3 or deepseek_r1. <think>...</think> goes to "
                         "reasoning_content (chat) or a reasoning item (Responses), tool calls are read after it, "
@@ -348,9 +352,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
             if not self.should_exit:
                 host, port = self.servers[0].sockets[0].getsockname()[:2]
                 info = backend.info
-                policy = args.policy or "infercept"
+                policy = info.policy or args.policy or "infercept"  # as it runs: a part switched off shows
                 print(f"infercept: serving {name} ({args.backend}, {info.dtype}, {info.device}, policy {policy}) "
                       f"on http://{host}:{port}", flush=True)
+                if args.backend == "vllm":
+                    from infercept.engine.vllm_backend.policy_parts import summary
+
+                    print(f"infercept: {summary()}", flush=True)
 
     server = Server(config)
     # SIGTERM is how Docker and Kubernetes stop a container: a graceful stop is a success, status 0.

@@ -201,9 +201,12 @@ class Turn:
                 sent[index] = arguments
         return events
 
-    def _call_id(self, index: int) -> str:
+    def _call_id(self, index: int, given: str | None = None) -> str:
+        """The id of the turn's call `index`: the one its parser `given` it (vLLM's parsers give one), unless
+        the stream already named it, else the server's own."""
         while len(self.call_ids) <= index:
-            self.call_ids.append(f"call_{uuid.uuid4().hex[:24]}")
+            named = given is not None and len(self.call_ids) == index
+            self.call_ids.append(given if named else f"call_{uuid.uuid4().hex[:24]}")
         return self.call_ids[index]
 
     # -- the end -----------------------------------------------------------------------------------
@@ -216,7 +219,7 @@ class Turn:
         handle = None
         reasoning, text = self._split(out.text)
         if out.tool_calls and spec.is_chat:  # (token turns pause at stops, never at parsed calls)
-            calls = [Call.make(self._call_id(i), c.name, c.arguments) for i, c in enumerate(out.tool_calls)]
+            calls = [Call.make(self._call_id(i, c.id), c.name, c.arguments) for i, c in enumerate(out.tool_calls)]
             # The message leaves the thinking out (its content is the text after it, as the engine read
             # it), as does the history a client sends back: it still names this turn, whose tokens, the
             # thinking's included, stay the paused context (chat.py renders a known turn as its tokens).
@@ -355,6 +358,13 @@ class Turns:
             raise APIError(400, "this model has no chat template; use /v1/completions", code="no_chat_template")
         validate_tool_flow(spec.messages)
         mode = spec.mode
+        if mode.forced and not self.format.forces_calls:
+            # vLLM forces such calls as a JSON list, not in the model's own format: the paused turn would
+            # not be what the model writes, nor what a resumed turn extends.
+            asked = "required" if mode.forced_name is None else f"naming {mode.forced_name!r}"
+            raise bad_request(f"tool_choice {asked} cannot be enforced with vLLM's tool parser "
+                              f"{self.format.name!r} (its calls are read once the model ends its turn, never "
+                              "written by a grammar); send tool_choice auto", param="tool_choice")
         prefill = self.format.forced_prefill(mode.forced_name) if mode.forced else ""
         try:
             prompt_ids = self.renderer.render(spec.messages, mode.tools, self.conversations.known_turn, prefill,

@@ -19,12 +19,13 @@ from infercept.server.settings import ServerSettings
 MODEL = "smol"
 
 
-def serve_in_thread(app) -> tuple:
+def serve_in_thread(app, lifespan: str = "on") -> tuple:
     """uvicorn with its lifespan in a daemon thread on a free loopback port: (server, thread, base URL).
-    Stop with `server.should_exit = True` and join the thread."""
+    Stop with `server.should_exit = True` and join the thread. `lifespan` "off": an app over a backend
+    another app's lifespan starts and stops."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on",
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan=lifespan,
                                            timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -11,6 +11,7 @@ prefix-cached or resumed one (vllm-backend.md).
 """
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 import os
@@ -54,8 +55,13 @@ async def run_turn(stream) -> object:
 # -- without vLLM -----------------------------------------------------------------------------------
 
 def test_the_worker_imports_only_the_standard_library_and_vllm():
-    worker = Path(__file__).resolve().parent.parent / "engine" / "vllm_backend" / "worker.py"
-    assert set(non_stdlib_imports(worker)) <= {"vllm", "torch"}  # (torch: vLLM's own dependency)
+    here = Path(__file__).resolve().parent.parent / "engine" / "vllm_backend"
+    # (torch: vLLM's own dependency; of ours, only tool_calls.py beside it, itself the standard library and vllm)
+    assert set(non_stdlib_imports(here / "worker.py")) <= {"vllm", "torch", "engine"}
+    ours = [(node.module, [a.name for a in node.names]) for node in ast.walk(ast.parse((here / "worker.py").read_text()))
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("engine")]
+    assert ours == [("engine.vllm_backend", ["tool_calls"])]
+    assert set(non_stdlib_imports(here / "tool_calls.py")) <= {"vllm"}
 
 
 def test_a_sessions_stop_strings_go_to_our_scheduler_not_to_vllms_detokenizer():
@@ -334,6 +340,99 @@ def test_structured_outputs_and_n_samples_on_vllm(vllm):
     assert set(json.loads(shaped.output_text)) == {"city"} and shaped.text.format.type == "json_schema"
 
 
+# -- vLLM's own tool parsers (--tool-parser NAME) -------------------------------------------------------
+
+QWEN3_XML_CALL = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+
+
+def written_exactly(text: str, max_tokens: int = 60) -> SamplingParams:
+    """A turn made to write `text` and then its EOS: SmolLM2 writes no Qwen3-Coder call by itself, and a
+    grammar carried by the request (vLLM's structured outputs) is what makes it write one."""
+    return greedy(max_tokens, guided=GuidedDecodingParams(lark="start: " + json.dumps(text)))
+
+
+@needs_vllm
+def test_vllms_qwen3_coder_parser_reads_the_turn_the_model_ended_and_its_call_pauses_and_resumes(backend, tokenizer):
+    """`--tool-parser qwen3_coder` (Qwen3-Coder's XML calls), which only vLLM reads: nothing watches for the
+    call inside vLLM, the turn ends at the model's EOS, the worker runs vLLM's parser on it, and the
+    session pauses on the call it found, with its KV; the tool result resumes it."""
+    prompt = chat_prompt(tokenizer, QUESTION)
+    intercept = InterceptParams(tool_parser="vllm:qwen3_coder", tools=(WEATHER,))
+    first = asyncio.run(run_turn(backend.generate(prompt, written_exactly("Let me look.\n" + QWEN3_XML_CALL),
+                                                  "vllm-parser-1", intercept)))
+    assert first.paused and not first.finished and first.finish_reason == "tool_calls", first
+    assert first.token_ids[-1] in backend.info.eos_token_ids and first.stop_reason == first.token_ids[-1]
+    (call,) = first.tool_calls
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
+    assert call.id.startswith("chatcmpl-tool-") and first.content == "Let me look."  # vLLM's id and content
+    context = prompt + first.token_ids
+    assert backend.paused_kv_tokens("vllm-parser-1") == len(context) - 1
+
+    appended = tool_result_tokens(tokenizer)
+    resumed = asyncio.run(run_turn(backend.resume("vllm-parser-1", appended, greedy(12), intercept)))
+    assert resumed.finished and not resumed.paused and resumed.num_cached_tokens == len(context) - 1, resumed
+    fresh = asyncio.run(run_turn(backend.generate(context + appended, greedy(12), "vllm-parser-1-fresh")))
+    assert fresh.token_ids == resumed.token_ids
+
+    # No call in the turn: an answer. A call of a tool the request does not have: the turn ends with it.
+    answer = asyncio.run(run_turn(backend.generate(prompt, written_exactly("It is sunny."), "vllm-parser-2",
+                                                   intercept)))
+    assert answer.finished and not answer.paused and answer.finish_reason == "stop" and answer.text == "It is sunny."
+    unknown = asyncio.run(run_turn(backend.generate(
+        prompt, written_exactly(QWEN3_XML_CALL.replace("get_weather", "get_time")), "vllm-parser-3", intercept)))
+    assert unknown.finished and not unknown.paused and not unknown.tool_calls, unknown
+    assert worker_stats(backend, lambda s: s["num_requests"] == 0)["num_requests"] == 0  # none left in vLLM
+
+
+@needs_vllm
+def test_the_server_serves_vllms_parser_by_name_and_resumes_its_calls(vllm):
+    """A second front end over the same vLLM worker (its lifespan off: the first app's owns the backend),
+    serving `--tool-parser qwen3_json` (vLLM's Hermes-style parser for Qwen's JSON calls; not one of ours by
+    that name). SmolLM2 follows the server's Hermes-style tool prompt and writes the call itself; the turn
+    pauses on what vLLM's parser found and the tool result resumes it, through the OpenAI SDK."""
+    import openai
+    from live_server import serve_in_thread
+
+    from infercept.server.app import build_app
+    from infercept.server.settings import ServerSettings
+
+    backend, _ = vllm
+    with pytest.raises(ValueError, match="one of ours .* or one of vLLM's .*qwen3_coder"):
+        build_app(backend, ServerSettings(tool_parser="qwen3_xmll"))
+    server, thread, base = serve_in_thread(build_app(backend, ServerSettings(served_model_name="smol",
+                                                                             tool_parser="qwen3_json")),
+                                           lifespan="off")
+    try:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        first = client.chat.completions.create(model="smol", messages=QUESTION, tools=TOOLS, max_tokens=60,
+                                               temperature=0)
+        assert first.choices[0].finish_reason == "tool_calls", first.choices[0]
+        (call,) = first.choices[0].message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+        assert call.id.startswith("chatcmpl-tool-")
+        conversation = QUESTION + [first.choices[0].message,
+                                   {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
+        second = client.chat.completions.create(model="smol", messages=conversation, tools=TOOLS, max_tokens=16,
+                                                temperature=0)
+        assert second.usage.prompt_tokens_details.cached_tokens == first.usage.total_tokens - 1, second.usage
+        with pytest.raises(openai.BadRequestError, match="vLLM's tool parser 'qwen3_json'"):
+            client.chat.completions.create(model="smol", messages=QUESTION, tools=TOOLS, tool_choice="required")
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@needs_vllm
+def test_a_tool_parser_vllm_does_not_have_is_refused_before_vllm_loads_the_model(default_model_dir):
+    from infercept.engine import VllmBackend
+
+    began = time.monotonic()
+    with pytest.raises(ValueError, match="unknown tool parser 'qwen3_xmll'; vLLM's are: .*qwen3_coder"):
+        VllmBackend.create(default_model_dir, python=VLLM_PYTHON, policy="infercept", tool_parser="qwen3_xmll",
+                           env=VLLM_ENV)
+    assert time.monotonic() - began < 30  # (vLLM takes ~40 s to load the model here)
+
+
 def tool_result_tokens(tokenizer) -> list[int]:
     return tokenizer.encode(f"\n<|im_start|>tool\n{RESULT}<|im_end|>\n<|im_start|>assistant\n",
                             add_special_tokens=False)
@@ -354,13 +453,22 @@ def evict_the_prefix_cache(backend) -> None:
         asyncio.run(run_turn(backend.generate(prompt, greedy(1, ignore_eos=True), f"evict-{base}")))
 
 
+def wanting_the_pool(backend, base: int) -> list[int]:
+    """A prompt of distinct tokens that, waiting, leaves vLLM's pool without room for all queued work (its
+    tokens and one step's budget, the largest batch the worker's profile timed, exceed the pool): while the
+    pool has room, `infercept` keeps every pause on a CPU (ample-preserve)."""
+    budget = max(n for n, _ in backend.profile["t_fwd_samples"])
+    return [base + i for i in range(min(POOL_TOKENS - budget + 2 * backend.block_size, backend.info.max_model_len - 8))]
+
+
 @needs_vllm
 def test_long_pauses_leave_the_device_and_every_resume_equals_a_fresh_run(backend, tokenizer):
-    """Two pauses the client says last an hour. Min-waste swaps the first to the host tier inside vLLM
-    (on a CPU a copy costs far less than a recompute); the host then has no room for the second, which is
-    discarded (its blocks stay in the prefix cache). A long prompt evicts the prefix cache; the swapped
-    turn resumes from the host with nothing recomputed, the discarded one recomputes what the cache
-    lost; both decode what a fresh run of the same context does."""
+    """Two pauses the client says last an hour, each followed by a request that wants the pool's room.
+    Min-waste swaps the first to the host tier inside vLLM (on a CPU a copy costs far less than a
+    recompute); the host then has no room for the second, which is discarded (its blocks stay in the
+    prefix cache). A long prompt evicts the prefix cache; the swapped turn resumes from the host with
+    nothing recomputed, the discarded one recomputes what the cache lost; both decode what a fresh run of
+    the same context does."""
     assert backend.info.kv_capacity_tokens < POOL_TOKENS + backend.block_size, backend.info.kv_capacity_tokens
     for gen in backend._paused():  # earlier tests' pauses would hold host room this test sizes by itself
         backend.abort(gen.request_id)
@@ -372,7 +480,8 @@ def test_long_pauses_leave_the_device_and_every_resume_equals_a_fresh_run(backen
         assert first.paused, first
         contexts[rid] = context = prompt + first.token_ids
         # The policy decides at vLLM's steps, and an idle vLLM takes none (nothing needs the memory then).
-        asyncio.run(run_turn(backend.generate([1, 2, 3], greedy(2, ignore_eos=True), f"{rid}-nudge")))
+        nudge = wanting_the_pool(backend, 12000 if where == "host" else 24000)
+        asyncio.run(run_turn(backend.generate(nudge, greedy(2, ignore_eos=True), f"{rid}-nudge")))
         location = wait_for(lambda: asyncio.run(backend.kv_location(rid)), lambda loc: loc.device == 0)
         computed = len(context) - 1  # the last sampled token has no KV yet
         expected = (0, computed, 1) if where == "host" else (0, 0, len(context))

@@ -10,7 +10,10 @@ resumes run (each paused session is reported to the model runner as preempted, f
 paused sessions wait outside vLLM's queues and counts until their next chunk or end, and an engine with
 only paused sessions and a KV connector takes no step; the per-step report to the worker names only the
 sessions whose KV changed;
-min-waste discards a long pause and preserves a short one; a tool's history records the pause until its
+min-waste discards a long pause and preserves a short one; the policy runs without the parts only the
+native engine runs (refused when a name asks for one, off where its class has one on); ample-memory
+preserve keeps paused KV while vLLM's pool has room for all queued work (all of it on a CPU, no discard
+on a GPU) and lets the policy decide once the room is wanted; a tool's history records the pause until its
 result arrived (not until the scheduler's next step); the host tier
 (`HostTierConnector`, with a fake worker copying real tensors in the order vLLM's model runner does):
 a swapped session's KV goes to the host and comes back position for position, reclaim swaps when a copy is
@@ -21,8 +24,10 @@ engine/paused_kv.py), deciding what planning every session every step decides; t
 connector on KV caches vLLM's own allocator lays out (every layout, blocks split into kernel blocks, host
 blocks not consecutive); models the policies cannot serve (two KV cache groups, MLA) refused at start; the
 worker's bytes per token from the KV cache dtype and MLA, and its bounded copy probe; the scheduler built
-for vLLM's choice of asynchronous scheduling; the signatures of every vLLM internal the scheduler
-overrides or calls (a vLLM bump that changes one fails here); and, read from vLLM's source, the order in
+for vLLM's choice of asynchronous scheduling; vLLM's own tool parsers as the worker runs them on an ended
+turn (tool_calls.py: calls, content, thinking, stop strings; unknown or unfit parsers refused); the
+signatures of every vLLM internal the scheduler overrides or calls, and of vLLM's parser API the worker
+calls (a vLLM bump that changes one fails here); and, read from vLLM's source, the order in
 each model runner it picks (the V1 runner, the CPU one, and the newer vllm/v1/worker/gpu/ one): swap-outs
 before anything writes the freed blocks, loads before the forward.
 """
@@ -50,6 +55,9 @@ CASES = ("preserve_keeps_a_paused_sessions_blocks",
          "the_kv_report_carries_only_what_changed",
          "stock_vllm_deadlocks_on_the_same_pool",
          "infercept_discards_long_pauses_and_preserves_short_ones",
+         "the_policy_runs_without_the_parts_only_the_native_engine_runs",
+         "ample_memory_keeps_paused_kv_on_a_cpu_until_the_pool_is_wanted",
+         "ample_no_discard_keeps_what_min_waste_would_discard_while_the_pool_has_room",
          "no_profile_no_plan",
          "ending_a_discarded_session_frees_everything",
          "measured_pause_feeds_the_estimator",
@@ -69,7 +77,11 @@ CASES = ("preserve_keeps_a_paused_sessions_blocks",
          "a_model_with_two_kv_cache_groups_or_mla_is_refused_at_start",
          "the_host_tier_copies_blocks_in_every_kv_cache_layout_vllm_allocates",
          "bytes_per_token_follows_the_kv_cache_dtype_and_mla",
-         "the_scheduler_vllm_builds_follows_its_choice_of_async_scheduling")
+         "the_scheduler_vllm_builds_follows_its_choice_of_async_scheduling",
+         "vllms_tool_parsers_read_a_turn_as_vllms_chat_serving_does",
+         "the_worker_hands_a_turns_calls_to_the_backend_with_its_last_output",
+         "an_unknown_or_unfit_tool_parser_is_refused",
+         "the_vllm_parser_api_we_call_has_the_signatures_we_were_written_against")
 
 pytestmark = pytest.mark.skipif(not os.path.isfile(VLLM_PYTHON),
                                 reason=f"no vLLM environment at {VLLM_PYTHON} (`make vllm-env`)")

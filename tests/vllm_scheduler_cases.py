@@ -356,7 +356,7 @@ def case_stock_vllm_deadlocks_on_the_same_pool():
 
 
 def case_infercept_discards_long_pauses_and_preserves_short_ones():
-    s = make("infercept")
+    s = make("infercept", num_blocks=32)  # the pool is wanted: ample-memory preserve does not hold
     s.add_request(request("short", prompt(200)))
     s.add_request(request("long", prompt(200, 4000)))
     run_until_paused(s, "short")
@@ -367,6 +367,59 @@ def case_infercept_discards_long_pauses_and_preserves_short_ones():
     assert s.requests["short"].num_computed_tokens == 201, "the short pause was not preserved"
     assert s.requests["long"].num_computed_tokens == 0, "the long pause was not discarded"
     assert s.state()["paused"] == {"short": [201, 0, 0], "long": [0, 0, 201]}
+
+
+def case_the_policy_runs_without_the_parts_only_the_native_engine_runs():
+    """A name asking for prefetch, admission or a queue order other than arrival is refused by the
+    scheduler as by the start-up check; `infercept`, whose class turns prefetch on, runs with it off (its
+    label says so), every part vLLM runs as its class has it."""
+    for name, part in (("infercept+prefetch", "+prefetch"), ("swap+las-priority", "+las-priority"),
+                       ("infercept-paper+admission", "+admission")):
+        message = refused(lambda: make(name))
+        assert part in message and "native engine" in message, message
+    policy = make("infercept").intercept_policy
+    assert (policy.prefetch, policy.admission, policy.priority) == (False, False, "arrival")
+    assert policy.label == "infercept+no-prefetch", policy.label
+    assert (policy.expected_waste, policy.deferred_swap, policy.ample_preserve, policy.preemption) == \
+        (True, True, "by-copy-overlap", "swap")
+
+
+def paused_for_an_hour(policy: str, profile: Profile = PROFILE):
+    """Session "long" (201 tokens of KV) paused on a tool the client says lasts an hour, no host tier,
+    in a pool of 64 blocks (1,024 tokens): room for all queued work (its 13 blocks held, about 800 tokens
+    free, one step's budget 256)."""
+    s = make(policy, profile=profile)
+    s.add_request(request("long", prompt(200)))
+    run_until_paused(s, "long")
+    s._on_message({"op": "pause", "id": "long", "tool": "human", "expected_s": 3600.0})
+    return s
+
+
+def case_ample_memory_keeps_paused_kv_on_a_cpu_until_the_pool_is_wanted():
+    """`infercept` on a CPU (copies stall the forward pass; ample-preserve by copy overlap): an hour-long
+    pause keeps its KV while vLLM's pool has room for all queued work, and is discarded (min-waste) the
+    step a waiting request needs the room; without the part it is discarded at once."""
+    s = paused_for_an_hour("infercept")
+    for _ in range(3):
+        step(s)
+    assert s.requests["long"].num_computed_tokens == 201, "discarded while the pool had room for everything"
+    s.add_request(request("big", prompt(600, 20000), max_tokens=1))  # 600 + 256 > ~800 free: the room is wanted
+    step(s)
+    assert s.requests["long"].num_computed_tokens == 0, "kept once a waiting request wanted the room"
+    assert s.state()["paused"]["long"] == [0, 0, 201]
+    s = paused_for_an_hour("infercept+no-ample-preserve")
+    step(s)
+    assert s.requests["long"].num_computed_tokens == 0, "min-waste kept an hour-long pause"
+
+
+def case_ample_no_discard_keeps_what_min_waste_would_discard_while_the_pool_has_room():
+    """On a GPU (copies overlap the forward pass) `+ample-no-discard` turns min-waste's discards into
+    preserves while the pool has room, as `infercept` does there; `infercept-paper` discards."""
+    gpu = Profile.from_dict(PROFILE.to_dict() | {"device": "cuda"})
+    for policy, kept in (("infercept-paper+ample-no-discard", True), ("infercept", True), ("infercept-paper", False)):
+        s = paused_for_an_hour(policy, gpu)
+        step(s)
+        assert (s.requests["long"].num_computed_tokens == 201) is kept, (policy, s.state()["paused"])
 
 
 def case_no_profile_no_plan():
@@ -463,7 +516,7 @@ def paused_behind_a_slow_copy():
     """Session "a" (101 tokens of KV) paused for an hour under `infercept`, with a copy rate (10 MB/s) at
     which a decode-sized step's swap budget is ~48 tokens: its swap takes several steps."""
     slow = Profile.from_dict(PROFILE.to_dict() | {"d2h_bytes_per_s": 1e7, "h2d_bytes_per_s": 1e7})
-    s = make("infercept", host_blocks=32, profile=slow)
+    s = make("infercept", num_blocks=16, host_blocks=32, profile=slow)  # 16 blocks: the pool is wanted
     s.add_request(request("a", prompt(100)))
     run_until_paused(s, "a")
     s._on_message({"op": "pause", "id": "a", "expected_s": 3600.0})
@@ -630,6 +683,113 @@ def case_tool_calls_end_a_sessions_turn_once_the_model_moves_past_them():
     assert last.stop_reason is None and str(last.finish_reason) == "stop", last
     resume(s, "a", [5, 6])  # the next turn carries no rule: nothing watches it
     assert "a" not in s.turn_watches
+
+
+def vllm_tool_calls():
+    from vllm.tokenizers import get_tokenizer
+
+    from engine.vllm_backend.tool_calls import VllmToolCalls
+    return VllmToolCalls(get_tokenizer(MODEL), MODEL)
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def case_vllms_tool_parsers_read_a_turn_as_vllms_chat_serving_does():
+    """The worker's parse of an ended turn (tool_calls.py): the text without the EOS that ended it, read by
+    vLLM's parser of the turn's rule; the calls with vLLM's ids, the content outside them."""
+    from engine.vllm_backend.tool_calls import CallRule
+
+    parsers = vllm_tool_calls()
+    tokenizer = parsers.tokenizer
+    eos = tokenizer.eos_token_id
+
+    def read(name: str, text: str, reasoning: str | None = None, stop_reason=None, end: list[int] = [eos]):
+        ids = tokenizer.encode(text, add_special_tokens=False) + end
+        rule = CallRule.from_dict({"parser": name, "tools": [WEATHER_TOOL], "reasoning": reasoning})
+        return parsers.parse(rule, ids, "stop", stop_reason)
+
+    xml = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+    for name, text in (("qwen3_coder", "Let me look.\n" + xml),
+                       ("qwen3_json", 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": '
+                                      '{"city": "Paris"}}\n</tool_call>'),
+                       ("llama4_pythonic", '[get_weather(city="Paris")]')):
+        got = read(name, text)
+        (call,) = got["calls"]
+        assert call[:2] == ["get_weather", '{"city": "Paris"}'] and call[2], (name, got)
+        assert (got["content"] or "").strip() in ("", "Let me look."), (name, got)
+    assert read("qwen3_coder", "It is sunny.") == {"calls": [], "content": "It is sunny."}
+    # The thinking is read first, by vLLM's reasoning parser of the same name (as vLLM serves the two): the
+    # calls and the content come after it.
+    thought = read("qwen3_coder", "<think>The user asks for the weather.</think>\n" + xml, reasoning="qwen3")
+    assert [c[0] for c in thought["calls"]] == ["get_weather"] and not thought["content"], thought
+    answer = read("qwen3_coder", "<think>No tool needed.</think>\nIt is sunny.", reasoning="qwen3")
+    assert answer["calls"] == [] and answer["content"].strip() == "It is sunny.", answer
+    # A stop string ends the text before it; the turn's last token is text, not a stop token, then.
+    cut = read("qwen3_coder", xml + "\nObservation: none", stop_reason="\nObservation:", end=[])
+    assert [c[0] for c in cut["calls"]] == ["get_weather"], cut
+
+
+def case_the_worker_hands_a_turns_calls_to_the_backend_with_its_last_output():
+    """Each turn of a session gathers its own tokens; only its last output (finish_reason set) carries
+    the calls vLLM's parser found and the content, and a turn without a rule carries none."""
+    from engine.vllm_backend import worker as worker_module
+
+    worker = worker_module.Worker(None, {"engine": {}})
+    worker.tool_calls = vllm_tool_calls()
+    tokenizer = worker.tool_calls.tokenizer
+    rule = {"parser": "qwen3_json", "tools": [WEATHER_TOOL], "reasoning": None}
+    call = tokenizer.encode('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+                            add_special_tokens=False) + [tokenizer.eos_token_id]
+
+    def out(tokens, finish_reason=None):
+        return {"op": "out", "id": "s", "tokens": tokens, "finish_reason": finish_reason, "stop_reason": None}
+
+    worker.follow_calls("s", rule)
+    assert worker.with_calls("s", out(call[:5])) == out(call[:5])  # not ended: as it was
+    last = worker.with_calls("s", out(call[5:], "stop"))
+    assert [c[:2] for c in last["calls"]] == [["get_weather", '{"city": "Oslo"}']], last
+    worker.follow_calls("s", rule)  # the resume: a turn of its own, only its tokens read
+    cold = tokenizer.encode("It is cold.", add_special_tokens=False) + [tokenizer.eos_token_id]
+    answer = worker.with_calls("s", out(cold, "stop"))
+    assert answer["calls"] == [] and answer["content"] == "It is cold.", answer
+    worker.follow_calls("s", None)
+    assert "calls" not in worker.with_calls("s", out(call, "stop"))
+
+
+def case_an_unknown_or_unfit_tool_parser_is_refused():
+    parsers = vllm_tool_calls()
+    for name, said in (("qwen3_xmll", "vLLM's are: "), ("deepseek_v3", "tokenizer")):
+        try:
+            parsers.check(name)
+        except ValueError as e:
+            assert said in str(e), e
+        else:
+            raise AssertionError(f"{name} was accepted")
+    parsers.check("qwen3_coder")
+
+
+# The vLLM 0.32.0 signatures of what the worker calls of vLLM's parsers (tool_calls.py).
+PARSER_SIGNATURES = {
+    "ParserManager.get_parser": "(tool_parser_name: 'str | None' = None, reasoning_parser_name: 'str | None' = None, "
+                                "enable_auto_tools: 'bool' = False, model_name: 'str | None' = None, is_harmony: "
+                                "'bool' = False, tool_strict_level: 'str' = 'auto', tokenizer: 'TokenizerLike | None' "
+                                "= None) -> 'type[Parser] | None'",
+}
+
+
+def case_the_vllm_parser_api_we_call_has_the_signatures_we_were_written_against():
+    from vllm.parser.abstract_parser import Parser
+    from vllm.parser.parser_manager import ParserManager
+    from vllm.tool_parsers import ToolParserManager
+
+    got = str(inspect.signature(ParserManager.get_parser))
+    assert got == PARSER_SIGNATURES["ParserManager.get_parser"], f"ParserManager.get_parser{got}"
+    assert list(inspect.signature(Parser.parse).parameters) == \
+        ["self", "model_output", "request", "enable_auto_tools", "model_output_token_ids"], "Parser.parse changed"
+    assert list(inspect.signature(Parser.adjust_request).parameters) == ["self", "request"], "adjust_request changed"
+    assert "qwen3_coder" in ToolParserManager.list_registered()
 
 
 # The vLLM 0.32.0 signatures of what the scheduler overrides or calls (a bump that changes one fails here).

@@ -1,6 +1,6 @@
 """Policy names: the registry (`POLICIES`), the paper's Figure 3 ablation order, and `make_policy`,
-which builds a policy from its name with parts switched after ``+`` (`VARIANTS`); `Policy.label` is the
-inverse.
+which builds a policy from its name with parts switched after ``+`` (`VARIANTS`, each setting one of
+`PARTS`: `part_setting`); `Policy.label` is the inverse.
 """
 from __future__ import annotations
 
@@ -32,7 +32,14 @@ VARIANTS = tuple(f"{p}-preemption" for p in PREEMPTIONS) + tuple(f"{p}-priority"
     "no-deferred-swap", "admission", "no-admission", "ample-preserve", "no-ample-preserve", "ample-no-discard")
 
 
-def _variant(part: str) -> tuple[str, object]:
+# The `Policy` attributes a part after "+" sets: the policy's switchable parts.
+PARTS = ("preemption", "priority", "expected_waste", "prefetch", "context_cost", "deferred_swap", "admission",
+         "ample_preserve")
+
+
+def part_setting(part: str) -> tuple[str, object]:
+    """The `Policy` attribute (one of `PARTS`) a part written after "+" sets, and its value; ValueError
+    naming the choices if unknown."""
     if part.endswith("-preemption") and part.removesuffix("-preemption") in PREEMPTIONS:
         return "preemption", part.removesuffix("-preemption")
     if part.endswith("-priority") and part.removesuffix("-priority") in PRIORITIES:
@@ -62,7 +69,7 @@ def make_policy(name: str, **kwargs) -> Policy:
     admission under overload (``"infercept-paper+admission"``); several may be chained. ValueError naming the choices if unknown."""
     base, *parts = name.split("+")
     for part in parts:
-        key, value = _variant(part)
+        key, value = part_setting(part)
         kwargs[key] = value
     try:
         cls = POLICIES[base]

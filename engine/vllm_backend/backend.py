@@ -15,6 +15,11 @@ token as on our engine); then vLLM keeps it waiting with its KV, and this side d
 vLLM drops a session's last sampled token when the next chunk arrives (it never computed its KV), so a
 resume sends that token again before the appended ones.
 
+A turn whose calls one of vLLM's own tool parsers reads (family ``vllm:NAME``, `--tool-parser NAME`) has
+no call rule inside vLLM: it ends where the model ends it (EOS, a stop token or string, its length), and
+the worker runs vLLM's parser on it there (tool_calls.py); the calls come with its last output, and the
+output stage judges them as it judges ours.
+
 Where a paused session's KV waits is the policy's choice, made inside vLLM by `InterceptScheduler`
 (scheduler.py, the same `engine.policy` code as the native engine): `preserve` keeps it, `infercept`
 keeps, swaps or discards it by min-waste, `swap` swaps every pause; all give paused KV up before vLLM
@@ -41,7 +46,9 @@ from ..outputs import RequestOutput, SampledToken
 from ..request import InterceptParams
 from ..sampling_params import SamplingParams
 from ..stats import RESUME_KV_PLACES, resume_kv_place
+from ..tool_parsers import PARSERS, vllm_parser_name
 from .params import vllm_sampling_fields
+from .policy_parts import summary, switched_off, vllm_policy
 from .process import WorkerProcess
 
 # Policies on this backend: those run by our scheduler in vLLM over streaming sessions, and stock vLLM
@@ -112,7 +119,7 @@ class VllmBackend(EngineBackend):
         self.tokenizer = tokenizer
         self.block_size = block_size
         self.policy = policy
-        self.sessions = policy in SESSION_POLICIES  # paused turns wait in vLLM as streaming sessions
+        self.sessions = policy.split("+")[0] in SESSION_POLICIES  # paused turns wait in vLLM as streaming sessions
         self.profile = profile  # measured by the worker on this vLLM (session policies)
         self.host_blocks_total = host_blocks  # the host tier's pool (0: none)
         self._generations: dict[str, _Generation] = {}
@@ -138,22 +145,35 @@ class VllmBackend(EngineBackend):
                host_kv_gb: float = 1.0,
                max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
                enable_prefix_caching: bool = True, seed: int = 0, env: dict[str, str] | None = None,
-               engine_args: dict | None = None, startup_timeout: float = STARTUP_TIMEOUT_S) -> "VllmBackend":
+               engine_args: dict | None = None, tool_parser: str | None = None,
+               startup_timeout: float = STARTUP_TIMEOUT_S) -> "VllmBackend":
         """Start vLLM on `model` (None: the embedded default) in `python` (default_vllm_python()).
         Blocks until vLLM is ready. `host_kv_gb`: the host pool swapped sessions' KV waits in (session
         policies; 0: none, and `swap` is refused). `max_num_seqs`, `max_num_batched_tokens`: None leaves
         vLLM's own defaults (those `vllm serve` takes on the hardware). `env`: extra environment for the
         worker (VLLM_* settings); `engine_args`: more of vLLM's engine arguments (tensor_parallel_size,
-        gpu_memory_utilization, kv_cache_dtype, async_scheduling, ...; unset: vLLM's defaults)."""
+        gpu_memory_utilization, kv_cache_dtype, async_scheduling, ...; unset: vLLM's defaults). `tool_parser`:
+        the server's `--tool-parser`; one of vLLM's (not ours, or ``vllm:NAME``) is checked against vLLM's
+        and the model's tokenizer before the model loads (ValueError: the worker's reason). Every one of
+        vLLM's tool parsers serves either way (`EngineInfo.vllm_tool_parsers`)."""
         from transformers import AutoTokenizer
 
         from ..engine import eos_ids_of
 
         engine_args = dict(engine_args or {})
-        if policy not in SESSION_POLICIES and policy not in STOCK_POLICIES:
-            raise ValueError(f"policy {policy!r} is not available on the vLLM backend: choose one of "
+        base = policy.split("+")[0]
+        if base not in SESSION_POLICIES and base not in STOCK_POLICIES:
+            raise ValueError(f"policy {base!r} is not available on the vLLM backend: choose one of "
                              f"{', '.join((*SESSION_POLICIES, *STOCK_POLICIES))}")
-        if policy == "swap" and not host_kv_gb > 0:
+        if base in STOCK_POLICIES and base != policy:
+            raise ValueError(f"policy {policy!r}: {base} is stock vLLM on this backend (its own scheduler), which "
+                             "runs none of the policy's parts; the native engine (--backend native) runs them")
+        # Refuses a part only the native engine runs; a class's default of one runs switched off (its label says so).
+        running = vllm_policy(policy).label if base in SESSION_POLICIES else policy
+        if base in SESSION_POLICIES and (off := switched_off(policy)):
+            logger.warning("policy %r runs on the vLLM backend as %r: %s only on the native engine. %s", policy,
+                           running, ", ".join(off), summary())
+        if base == "swap" and not host_kv_gb > 0:
             raise ValueError("policy 'swap' needs a host pool: --host-kv-gb > 0")
         if int(engine_args.get("data_parallel_size") or 1) > 1:
             # Checked before the worker starts: vLLM would start one engine core per rank.
@@ -162,12 +182,12 @@ class VllmBackend(EngineBackend):
                 "data-parallel rank is an engine core of its own, with its own scheduler, while the worker links one "
                 "policy channel to one engine core (and reads one KV pool). Run one server per replica behind a "
                 "load balancer instead (docs/operators.md, several replicas)")
-        if policy in SESSION_POLICIES:
+        if base in SESSION_POLICIES:
             owned = sorted({"scheduler_cls", "kv_transfer_config"} & set(engine_args))
             if owned:
                 raise ValueError(f"{', '.join(owned)}: under policy {policy!r} the vLLM backend sets them itself (our "
                                  "scheduler and host tier); --policy prefix-cache runs stock vLLM with your own")
-        enable_prefix_caching = STOCK_POLICIES.get(policy, enable_prefix_caching)
+        enable_prefix_caching = STOCK_POLICIES.get(base, enable_prefix_caching)
         python = python or default_vllm_python()
         if not os.path.isfile(python):
             raise FileNotFoundError(f"no python for the vLLM backend at {python!r}: run `make vllm-env`, or pass "
@@ -187,7 +207,7 @@ class VllmBackend(EngineBackend):
             # native engine's default instead. On a GPU vLLM's own rule (gpu_memory_utilization) stands.
             args["kv_cache_memory_bytes"] = int(available_host_memory_bytes() * CacheConfig.kv_cache_fraction)
         args = {k: v for k, v in args.items() if v is not None} | engine_args
-        if policy in SESSION_POLICIES:
+        if base in SESSION_POLICIES:
             # Our scheduler subclasses vLLM's synchronous one, or vLLM's AsyncScheduler, whichever way vLLM
             # schedules: as engine_args async_scheduling says (--async-scheduling / --no-async-scheduling), else
             # as vLLM decides once its configuration is final (asynchronously on a GPU where it can), which
@@ -199,7 +219,9 @@ class VllmBackend(EngineBackend):
             if host_kv_gb > 0:
                 args["kv_transfer_config"] = host_tier_config(int(host_kv_gb * 2**30))
         env = {"PYTHONPATH": os.pathsep.join(filter(None, (REPO_ROOT, os.environ.get("PYTHONPATH"))))} | (env or {})
-        worker = WorkerProcess(python, {"engine": args, "policy_channel": policy in SESSION_POLICIES}, env)
+        vllm_tool_parser = vllm_parser_name(tool_parser) or (tool_parser if tool_parser not in PARSERS else None)
+        worker = WorkerProcess(python, {"engine": args, "policy_channel": base in SESSION_POLICIES,
+                                        "tool_parser": vllm_tool_parser}, env)
         facts = worker.start(startup_timeout)
         tokenizer = AutoTokenizer.from_pretrained(model)
         with open(os.path.join(model, "config.json")) as f:
@@ -207,7 +229,8 @@ class VllmBackend(EngineBackend):
         info = EngineInfo(model=model, model_type=model_type, max_model_len=facts["max_model_len"],
                           vocab_size=facts["vocab_size"], eos_token_ids=eos_ids_of(model, tokenizer),
                           chat_template=tokenizer.chat_template, dtype=facts["dtype"], device=facts["device"],
-                          kv_capacity_tokens=facts["num_blocks"] * facts["block_size"])
+                          kv_capacity_tokens=facts["num_blocks"] * facts["block_size"],
+                          vllm_tool_parsers=tuple(facts["tool_parsers"]), policy=running)
         return cls(worker, info, tokenizer, facts["block_size"], policy, facts.get("profile"), facts["host_blocks"])
 
     # -- life cycle -------------------------------------------------------------------------------
@@ -257,7 +280,7 @@ class VllmBackend(EngineBackend):
         if not prompt:
             raise ValueError("the prompt is empty")
         gen = _Generation(request_id, list(prompt), list(prompt), params, intercept,
-                          TurnOutput(self.tokenizer, prompt, params, intercept, self.info.eos_token_ids),
+                          TurnOutput(self.tokenizer, prompt, params, intercept, self.info.eos_token_ids, True),
                           turn_start=len(prompt),
                           session=self.sessions and may_pause(intercept), wire_id=request_id)
         fields = vllm_sampling_fields(params, gen.session, TurnRule.of(params, intercept))
@@ -268,7 +291,7 @@ class VllmBackend(EngineBackend):
             self._wires[request_id] = gen
         self._open(gen)
         self.worker.send({"op": "generate", "id": request_id, "prompt": list(prompt), "params": fields,
-                          "resumable": gen.session})
+                          "resumable": gen.session, "calls": _call_rule(gen.stage, intercept)})
         async for out in self._stream(gen):
             yield out
 
@@ -285,7 +308,7 @@ class VllmBackend(EngineBackend):
         self._check_tokens(appended, len(gen.context) + len(appended))
         params, intercept = params or gen.params, intercept or gen.intercept
         stage = TurnOutput(self.tokenizer, gen.context + list(appended), params, intercept,  # may raise
-                           self.info.eos_token_ids)
+                           self.info.eos_token_ids, True)
         # A session stays one, whatever the turn's rule; a stock turn is a request of its own.
         fields = vllm_sampling_fields(params, gen.session, TurnRule.of(params, intercept))
         gen.params, gen.intercept, gen.stage = params, intercept, stage
@@ -311,7 +334,7 @@ class VllmBackend(EngineBackend):
         gen.logprobs = []
         gen.paused = False
         self._open(gen)
-        self.worker.send(msg | {"params": fields})
+        self.worker.send(msg | {"params": fields, "calls": _call_rule(stage, intercept)})
         async for out in self._stream(gen):
             yield out
 
@@ -371,6 +394,8 @@ class VllmBackend(EngineBackend):
         turn that is a request of its own ends where the output stage says, and vLLM's request is
         aborted if it is still generating."""
         tokens, ended = msg["tokens"], msg["finish_reason"] is not None
+        if "calls" in msg:  # the turn's end, as vLLM's tool parser read it (the worker's)
+            gen.stage.take_vllm_calls(msg["calls"], msg["content"])
         verdict, stop_string, taken = None, None, 0
         for i, token in enumerate(tokens):
             gen.context.append(token)
@@ -533,6 +558,15 @@ class VllmBackend(EngineBackend):
             self._stats[seq] = (loop, future)
         self.worker.send({"op": "stats", "seq": seq})
         return await future
+
+
+def _call_rule(stage: TurnOutput, intercept: InterceptParams | None) -> dict | None:
+    """The worker's `tool_calls.CallRule` for a turn whose calls vLLM's parser reads (None: not one)."""
+    if stage.vllm_parser is None:
+        return None
+    tools = [dict(t.definition) or {"type": "function", "function": {"name": t.name, "parameters": t.arguments_schema}}
+             for t in intercept.tools or ()]
+    return {"parser": stage.vllm_parser, "tools": tools, "reasoning": intercept.reasoning_parser}
 
 
 def _sampled(token_id: int, logprob: float, entries: list, k: int) -> SampledToken:

@@ -33,7 +33,8 @@ class WorkerProcess:
 
     def start(self, timeout: float) -> dict:
         """Launch the worker and wait until vLLM is ready; returns the worker's `info` message.
-        RuntimeError if it exits or stays silent for `timeout` seconds (vLLM's own log says why)."""
+        RuntimeError if it exits or stays silent for `timeout` seconds (vLLM's own log says why);
+        ValueError if it refused its configuration (the worker's reason)."""
         ours, theirs = socket.socketpair()
         self.proc = subprocess.Popen([self.python, WORKER_SCRIPT, str(theirs.fileno()), json.dumps(self.engine_args)],
                                      pass_fds=(theirs.fileno(),), env=os.environ | self.env)
@@ -51,6 +52,15 @@ class WorkerProcess:
         except EOFError:
             self.stop()
             raise RuntimeError("the vLLM worker exited while starting (its log is above)") from None
+        if ready["op"] == "refused":  # the worker exits by itself
+            self._stopping = True
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.conn.close()
+            raise ValueError(ready["error"])
         return ready["info"]
 
     def listen(self, on_message: Callable[[dict], None], on_exit: Callable[[], None]) -> None:

@@ -45,6 +45,11 @@ paused sessions can fill the pool). Here:
 - after each step that changed something, the worker is sent where the paused sessions' KV is, naming
   only the sessions whose KV moved, paused, resumed or ended since the last report.
 
+The policy runs with the parts this backend can run (`policy_parts.py`: expected waste, context cost,
+deferred swaps, ample-memory preserve, whose free-pool test reads vLLM's block pool and waiting queues, and
+the preemption rule for paused KV); a name asking for another (prefetch, a queue order other than arrival,
+admission) is refused here as at start-up, and a class's default of one runs switched off.
+
 The host tier exists when vLLM runs our connector (the backend configures it with a host pool size); without
 it the swap budget is 0 and `infercept` chooses between preserve and discard.
 
@@ -69,10 +74,11 @@ from vllm.v1.request import Request, RequestStatus
 
 from engine.output_stage import TurnRule, TurnWatch
 from engine.paused_kv import PausedKV
-from engine.policy import (DurationEstimator, IterationInfo, KVAction, PausedInfo, Profile, make_policy)
+from engine.policy import DurationEstimator, IterationInfo, KVAction, PausedInfo, Profile
 from engine.policy.budget import iteration_swap_limit, memory_ample, swap_room
 from engine.vllm_backend.host_tier import HostTierConnector, refusal
 from engine.vllm_backend.params import TURN_RULE_KEY
+from engine.vllm_backend.policy_parts import vllm_policy
 
 logger = logging.getLogger("infercept.vllm_scheduler")
 
@@ -135,7 +141,7 @@ class _InterceptMixin:
         policy = config.get("policy") or "infercept"
         if (error := refusal(self.kv_cache_config, f"the policy {policy!r} (InterceptScheduler)")) is not None:
             raise ValueError(error)
-        self.intercept_policy = make_policy(policy)
+        self.intercept_policy = vllm_policy(policy)  # the parts only the native engine runs: refused or off
         self.profile: Profile | None = None
         self.estimator = DurationEstimator()
         self.pauses: dict[str, _Pause] = {}
@@ -401,7 +407,21 @@ class _InterceptMixin:
             budget = iteration_swap_limit(self.profile, self._last_batched_tokens)
             free_host = self.host_tier.free_host_tokens
         return IterationInfo(num_running_tokens=running, num_batched_tokens=self._last_batched_tokens,
-                             swap_out_budget=budget, free_host_tokens=free_host)
+                             swap_out_budget=budget, free_host_tokens=free_host,
+                             spare_device_tokens=self._spare_device_tokens())
+
+    def _spare_device_tokens(self) -> int | None:
+        """vLLM's free blocks, in tokens, less what queued work will need there: the waiting requests'
+        uncomputed tokens (no prefix hit assumed; a session resumed off the device counts its whole
+        context), the host KV of paused sessions, and one step's token budget; as the native scheduler
+        counts it. Only for a policy that reads it (`Policy.ample_preserve`): it walks vLLM's waiting
+        queues."""
+        if not self.intercept_policy.ample_preserve:
+            return None
+        waiting = sum(r.num_tokens - r.num_computed_tokens for queue in (self.waiting, self.kv_holding_waiting)
+                      for r in queue)
+        need = waiting + self.paused_kv.host_tokens + self.max_num_scheduled_tokens
+        return self.kv_cache_manager.block_pool.get_num_free_blocks() * self.block_size - need
 
     def _host_tokens(self, pause: _Pause) -> int:
         return 0 if self.host_tier is None else self.host_tier.host_tokens(pause.request.request_id)

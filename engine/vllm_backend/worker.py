@@ -6,18 +6,24 @@ fastapi than the server, so the two cannot share one environment):
     <vllm python> worker.py FD CONFIG_JSON
 
 FD is this end of a socket pair (a `multiprocessing.connection.Connection`); CONFIG_JSON holds vLLM's
-engine arguments (`engine`) and whether vLLM runs our scheduler (`policy_channel`). Imports only the
-standard library, vllm and torch (our scheduler and connector are loaded by vLLM itself, by name). Every message is a dict.
+engine arguments (`engine`), whether vLLM runs our scheduler (`policy_channel`) and the one of vLLM's
+tool parsers the server serves, if any (`tool_parser`, checked before vLLM starts). Imports only the
+standard library, vllm and torch (our scheduler and connector are loaded by vLLM itself, by name), and
+tool_calls.py beside it (standard library and vllm: vLLM's tool parsers). Every message is a dict.
 
     backend -> worker                                   worker -> backend
     {"op": "generate", "id", "prompt", "params",        {"op": "ready", "info"}            once, at start
-     "resumable"}                                       {"op": "out", "id", "tokens", "logprobs",
-    {"op": "resume", "id", "tokens", "params", "at"}     "finish_reason", "stop_reason", "cached"}
-    {"op": "pause", "id", "tool", "expected_s"}         {"op": "gone", "id", "error",      vLLM let it go
-    {"op": "end", "id"}        a paused request ends     "bad_input"}
-    {"op": "abort", "id"}                               {"op": "kv", "paused", "resumed", "counters"}
-    {"op": "stats", "seq"}                              {"op": "stats", "seq", "stats"}
-    {"op": "shutdown"}
+     "resumable", "calls"}                              {"op": "refused", "error"}   or this: no start
+    {"op": "resume", "id", "tokens", "params", "at",    {"op": "out", "id", "tokens", "logprobs",
+     "calls"}                                            "finish_reason", "stop_reason", "cached"
+    {"op": "pause", "id", "tool", "expected_s"}          [, "calls", "content"]}
+    {"op": "end", "id"}        a paused request ends    {"op": "gone", "id", "error",      vLLM let it go
+    {"op": "abort", "id"}                                "bad_input"}
+    {"op": "stats", "seq"}                              {"op": "kv", "paused", "resumed", "counters"}
+    {"op": "shutdown"}                                  {"op": "stats", "seq", "stats"}
+
+`calls` (a `tool_calls.CallRule` as a dict, or None) names the one of vLLM's tool parsers that reads the
+turn: the turn's last output then carries the calls that parser found in it and their content.
 
 A resumable request is one vLLM streaming-input session: each turn stops on EOS, a stop token or
 max_tokens and then waits in vLLM (`finish_reason` set, the request not finished) until the next chunk
@@ -45,6 +51,8 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Connection, Listener
+
+from engine.vllm_backend import tool_calls  # (standard library and vllm only; the repository root is on the path)
 
 logger = logging.getLogger("infercept.vllm_worker")
 
@@ -147,6 +155,10 @@ class Worker:
         self.inputs: dict[str, asyncio.Queue] = {}  # resumable request -> its next chunks (None: the end)
         self.tasks: dict[str, asyncio.Task] = {}  # request -> the task streaming its outputs
         self.send_lock = threading.Lock()  # the event loop and the policy channel's reader both send
+        self.tool_parser: str | None = config.get("tool_parser")  # vLLM's, as the server serves it
+        self.tool_calls = None  # vLLM's tool parsers over the model's tokenizer (tool_calls.py), once vLLM runs
+        self.call_rules: dict[str, object] = {}  # request -> the CallRule of its turn, if vLLM parses its calls
+        self.turn_tokens: dict[str, list[int]] = {}  # request -> its turn's tokens so far (such turns only)
         self.policy: PolicyChannel | None = None
         if config.get("policy_channel"):
             self.policy = PolicyChannel(self.send)
@@ -160,6 +172,10 @@ class Worker:
         from vllm.config import KVTransferConfig
         from vllm.usage.usage_lib import UsageContext
 
+        if self.tool_parser is not None and self.tool_parser not in tool_calls.registered():
+            self.send({"op": "refused", "error": f"unknown tool parser {self.tool_parser!r}; vLLM's are: "
+                                                 f"{', '.join(tool_calls.registered())}"})
+            return
         args = dict(self.engine_args)
         if "kv_transfer_config" in args:  # our host tier's connector (host_tier.py), as plain data
             args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
@@ -167,6 +183,16 @@ class Worker:
         # those `vllm serve` takes on this hardware.
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args), usage_context=UsageContext.OPENAI_API_SERVER,
                                              stat_loggers=[self.stats.logger_factory()])
+        config = self.llm.vllm_config.model_config
+        self.tool_calls = tool_calls.VllmToolCalls(self.llm.get_tokenizer(), config.model,
+                                                   is_harmony=config.hf_config.model_type == "gpt_oss")
+        try:
+            if self.tool_parser is not None:
+                self.tool_calls.check(self.tool_parser)  # the tokenizer has what the parser needs
+        except ValueError as e:
+            self.send({"op": "refused", "error": str(e)})
+            self.llm.shutdown()
+            return
         info = self.info()
         if self.policy is not None:
             self.policy.wait_connected()
@@ -203,7 +229,7 @@ class Worker:
                 "dtype": str(model.dtype).removeprefix("torch."), "device": current_platform.device_type,
                 "block_size": cache.block_size, "num_blocks": cache.num_gpu_blocks or 0,
                 "bytes_per_token": bytes_per_token, "host_blocks": host_bytes // (bytes_per_token * cache.block_size),
-                "vllm_version": vllm.__version__}
+                "vllm_version": vllm.__version__, "tool_parsers": tool_calls.registered()}
 
     async def measure_profile(self, info: dict) -> dict:
         """The forward-time profile the policy needs, measured on this vLLM instance (`Profile.to_dict`'s
@@ -262,6 +288,8 @@ class Worker:
         from vllm.inputs import TokensPrompt
 
         op, rid = msg["op"], msg.get("id")
+        if op in ("generate", "resume"):
+            self.follow_calls(rid, msg.get("calls"))
         if op == "generate":
             params = sampling_params(msg["params"])
             prompt = TokensPrompt(prompt_token_ids=list(msg["prompt"]))
@@ -302,7 +330,7 @@ class Worker:
         gone = {"op": "gone", "id": rid, "error": None, "bad_input": False}
         try:
             async for out in self.llm.generate(prompt, params, request_id=rid):
-                self.send(self.output(rid, out))
+                self.send(self.with_calls(rid, self.output(rid, out)))
         except asyncio.CancelledError:
             pass
         except Exception as e:  # a request vLLM refused or failed: the backend's caller gets the reason
@@ -310,7 +338,28 @@ class Worker:
         finally:
             self.tasks.pop(rid, None)
             self.inputs.pop(rid, None)
+            self.follow_calls(rid, None)
             self.send(gone)
+
+    def follow_calls(self, rid: str, rule: dict | None) -> None:
+        """The rule of a request's next turn (each turn has its own): None, or vLLM's parser reads it."""
+        self.turn_tokens.pop(rid, None)
+        self.call_rules.pop(rid, None)
+        if rule is not None:
+            self.call_rules[rid] = tool_calls.CallRule.from_dict(rule)
+            self.turn_tokens[rid] = []
+
+    def with_calls(self, rid: str, msg: dict) -> dict:
+        """An output of a turn whose calls vLLM's parser reads: its last carries the calls and content."""
+        rule = self.call_rules.get(rid)
+        if rule is None:
+            return msg
+        tokens = self.turn_tokens[rid]
+        tokens += msg["tokens"]
+        if msg["finish_reason"] is None:
+            return msg
+        self.turn_tokens[rid] = []  # (a session's next turn starts with its resume, which sets its rule)
+        return msg | self.tool_calls.parse(rule, tokens, msg["finish_reason"], msg["stop_reason"])
 
     @staticmethod
     def output(rid: str, out) -> dict:

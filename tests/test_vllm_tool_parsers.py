@@ -1,0 +1,177 @@
+"""vLLM's own tool parsers (`--tool-parser NAME` on the vLLM backend), the parts that need no vLLM: which
+names serve and where, the output stage's verdict on the calls vLLM's parser found, and the server's
+rendering of them (over a scripted backend). The parse itself runs in vLLM's python
+(tests/vllm_scheduler_cases.py: `vllms_tool_parsers_read_a_turn_as_vllms_chat_serving_does`), and a live
+vLLM writes, pauses on and resumes such calls in tests/test_vllm_backend.py."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from stdlib_only import non_stdlib_imports
+
+from infercept.engine.backend import ToolFormat, VllmToolFormat, tool_format_for
+from infercept.engine.output_stage import Action, TurnOutput, TurnRule, call_judge
+from infercept.engine.request import InterceptParams
+from infercept.engine.sampling_params import SamplingParams
+from infercept.engine.tool_parsers import ParsedByVllm
+from infercept.engine.tool_spec import ToolSpec
+
+WEATHER = ToolSpec.function("get_weather", {"type": "object", "properties": {"city": {"type": "string"}},
+                                            "required": ["city"]})
+VLLMS = ("hermes", "kimi_k2", "qwen3_coder", "qwen3_json")  # as a vLLM worker lists them
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_a_name_serves_ours_first_else_vllms_where_vllm_runs():
+    assert type(tool_format_for("hermes", None, VLLMS)) is ToolFormat  # ours, though vLLM has one too
+    vllms = tool_format_for("qwen3_coder", None, VLLMS)
+    assert isinstance(vllms, VllmToolFormat) and vllms.family == "vllm:qwen3_coder"
+    assert tool_format_for("vllm:hermes", None, VLLMS).family == "vllm:hermes"  # vLLM's, asked by name
+    with pytest.raises(ValueError, match="one of ours .* or one of vLLM's .*kimi_k2, qwen3_coder"):
+        tool_format_for("qwen3_xmll", None, VLLMS)
+    # The native engine runs no vLLM parser: the error says where one runs.
+    with pytest.raises(ValueError, match="--backend vllm"):
+        tool_format_for("qwen3_coder", None, ())
+    with pytest.raises(ValueError, match="--backend vllm"):
+        tool_format_for("vllm:hermes", None, ())
+
+
+def test_only_the_vllm_backend_judges_a_turn_by_vllms_parser():
+    intercept = InterceptParams(tool_parser="vllm:qwen3_coder", tools=(WEATHER,))
+    with pytest.raises(ValueError, match="vLLM backend only"):  # the native engine refuses the request
+        call_judge(intercept)
+    assert isinstance(call_judge(intercept, vllm_parses=True).parser, ParsedByVllm)
+    # Inside vLLM nothing watches for its calls: the turn ends where the model ends it.
+    assert TurnRule.of(SamplingParams(), intercept).empty
+    assert TurnRule.of(SamplingParams(stop=["\n\n"]), intercept) == TurnRule(stop=("\n\n",))
+
+
+def turn(tokenizer, text: str, intercept: InterceptParams) -> TurnOutput:
+    stage = TurnOutput(tokenizer, [1, 2, 3], SamplingParams(temperature=0), intercept, frozenset({2}), vllm_parses=True)
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        stage.add(token)
+    return stage
+
+
+CALL_TEXT = "Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+
+
+def test_the_turn_pauses_on_the_calls_vllms_parser_found_and_only_at_its_end(tokenizer):
+    stage = turn(tokenizer, CALL_TEXT, InterceptParams(tool_parser="vllm:qwen3_coder", tools=(WEATHER,)))
+    assert stage.vllm_parser == "qwen3_coder"
+    assert stage.decide(stopped=False).action is Action.GO_ON  # never at a call: only where the model ends
+    stage.take_vllm_calls([["get_weather", '{"city":"Paris"}', "chatcmpl-tool-1"]], "Sure.")
+    verdict = stage.decide(stopped=True)
+    assert verdict.action is Action.PAUSE
+    (call,) = verdict.calls
+    assert (call.name, json.loads(call.arguments), call.id) == ("get_weather", {"city": "Paris"}, "chatcmpl-tool-1")
+    out = stage.output("r", [1, 2, 3], [], verdict, "stop", None, None, 0)
+    assert out.paused and out.finish_reason == "tool_calls" and out.content == "Sure." and out.tool_calls == [call]
+
+
+def test_calls_that_do_not_all_count_finish_the_turn_and_a_turn_without_calls_is_an_answer(tokenizer):
+    intercept = InterceptParams(tool_parser="vllm:qwen3_coder", tools=(WEATHER,))
+    unknown = turn(tokenizer, CALL_TEXT, intercept)
+    unknown.take_vllm_calls([["get_weather", '{"city": "Paris"}', "a"], ["get_time", "{}", "b"]], "Sure.")
+    verdict = unknown.decide(stopped=True)
+    assert verdict.action is Action.FINISH and [c.name for c in verdict.calls] == ["get_weather"]
+    assert "<function=get_weather>" in verdict.judged.content  # the turn's text: nothing is lost
+    # Arguments that are no JSON object make no call: they stay in the content, as text.
+    broken = turn(tokenizer, CALL_TEXT, intercept)
+    broken.take_vllm_calls([["get_weather", "Paris", "a"]], "Sure.")
+    verdict = broken.decide(stopped=True)
+    assert verdict.action is Action.FINISH and not verdict.calls
+    answer = turn(tokenizer, "It is sunny.", intercept)
+    answer.take_vllm_calls([], None)
+    verdict = answer.decide(stopped=True)
+    assert verdict.action is Action.FINISH and verdict.judged is None
+    assert answer.output("r", [], [], verdict, "stop", 2, None, 0).text == "It is sunny."
+
+
+def test_vllms_parser_runs_in_vllms_python_only():
+    """tool_calls.py runs in the worker, beside vLLM: the standard library and vllm, nothing of ours."""
+    assert set(non_stdlib_imports(REPO / "engine" / "vllm_backend" / "tool_calls.py")) <= {"vllm"}
+
+
+# -- the server over a backend that reports vLLM's parsers --------------------------------------------
+
+@pytest.fixture(scope="module")
+def served(default_model_dir):
+    """A live server over a scripted backend that runs vLLM's parsers, serving `--tool-parser qwen3_coder`:
+    its "weather" turn ends in a call with vLLM's id, as the vLLM backend's output stage returns one."""
+    from dataclasses import replace
+
+    import openai
+    from live_server import serve_in_thread
+    from scripted_backend import ScriptedBackend
+
+    from infercept.server.app import build_app
+    from infercept.server.settings import ServerSettings
+
+    backend = ScriptedBackend(default_model_dir)
+    backend.info = replace(backend.info, vllm_tool_parsers=VLLMS)
+    scripted_generate = backend.generate
+
+    async def generate(prompt, params, request_id, intercept=None):
+        backend.intercepts.append(intercept)
+        async for out in scripted_generate(prompt, params, request_id, intercept):
+            if out.tool_calls:
+                out.tool_calls = [replace(c, id="chatcmpl-tool-7") for c in out.tool_calls]
+            yield out
+
+    backend.intercepts = []
+    backend.generate = generate
+    server, thread, base = serve_in_thread(build_app(backend, ServerSettings(served_model_name="m",
+                                                                             tool_parser="qwen3_coder")))
+    yield backend, openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=30)
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_the_server_returns_vllms_calls_and_resumes_them(served):
+    backend, client = served
+    tools = [dict(WEATHER.definition)]
+    messages = [{"role": "user", "content": "What is the weather in Rome?"}]
+    first = client.chat.completions.create(model="m", messages=messages, tools=tools)
+    assert backend.intercepts[-1].tool_parser == "vllm:qwen3_coder"
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert (call.id, call.function.name, json.loads(call.function.arguments)) == \
+        ("chatcmpl-tool-7", "get_weather", {"city": "Rome"})
+    messages += [choice.message, {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    second = client.chat.completions.create(model="m", messages=messages, tools=tools)
+    assert backend.calls[-1][0] == "resume" and second.choices[0].message.content == "It is sunny."
+
+
+def test_a_stream_shows_vllms_calls_once_judged(served):
+    _, client = served
+    stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "weather?"}],
+                                            tools=[dict(WEATHER.definition)], stream=True)
+    chunks = [c.choices[0] for c in stream if c.choices]
+    calls = [tc for c in chunks for tc in c.delta.tool_calls or []]
+    assert [(tc.id, tc.function.name) for tc in calls if tc.id] == [("chatcmpl-tool-7", "get_weather")]
+    assert chunks[-1].finish_reason == "tool_calls"
+
+
+def test_forced_calls_and_json_answers_beside_calls_are_refused_with_vllms_parsers(served):
+    import openai
+
+    _, client = served
+    tools = [dict(WEATHER.definition)]
+    messages = [{"role": "user", "content": "What is the weather in Rome?"}]
+    for choice, said in (("required", "tool_choice required"),
+                         ({"type": "function", "function": {"name": "get_weather"}}, "naming 'get_weather'")):
+        with pytest.raises(openai.BadRequestError, match=f"{said} cannot be enforced with vLLM's tool parser "
+                                                         "'qwen3_coder'") as e:
+            client.chat.completions.create(model="m", messages=messages, tools=tools, tool_choice=choice)
+        assert e.value.body["param"] == "tool_choice"
+    with pytest.raises(openai.BadRequestError, match="vllm:qwen3_coder"):
+        client.chat.completions.create(model="m", messages=messages, tools=tools,
+                                       response_format={"type": "json_object"})
+    # tool_choice none: no grammar to keep calls out (nothing here knows how they are written), none parsed.
+    answer = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], tools=tools,
+                                            tool_choice="none")
+    assert answer.choices[0].message.content == "Hello there."
