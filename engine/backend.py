@@ -52,6 +52,8 @@ class EngineInfo:
     # The KV policy as it runs (`Policy.label`: its name and the parts that differ from its class's); ""
     # where the backend does not say.
     policy: str = ""
+    # What the backend says of the policy's parts at start-up (the vLLM backend: which of them run there).
+    policy_note: str = ""
 
     @property
     def model_name(self) -> str:

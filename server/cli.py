@@ -355,10 +355,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
                 policy = info.policy or args.policy or "infercept"  # as it runs: a part switched off shows
                 print(f"infercept: serving {name} ({args.backend}, {info.dtype}, {info.device}, policy {policy}) "
                       f"on http://{host}:{port}", flush=True)
-                if args.backend == "vllm":
-                    from infercept.engine.vllm_backend.policy_parts import summary
-
-                    print(f"infercept: {summary()}", flush=True)
+                if info.policy_note:
+                    print(f"infercept: {info.policy_note}", flush=True)
 
     server = Server(config)
     # SIGTERM is how Docker and Kubernetes stop a container: a graceful stop is a success, status 0.

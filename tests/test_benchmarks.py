@@ -378,7 +378,16 @@ def test_vllm_pressure_trace_and_server_command():
     a, b = (pressure.server_argv(p, 8000, args, 0.1) for p in ("prefix-cache", "infercept"))
     assert [x for x in a if x != "prefix-cache"] == [x for x in b if x != "infercept"]
     assert a[a.index("--backend") + 1] == "vllm" and a[a.index("--kv-cache-gb") + 1] == "0.100000"
-    assert a[a.index("--host-kv-gb") + 1] == "1.0"  # (stock vLLM has no sessions: it never uses it)
+    assert a[a.index("--host-kv-gb") + 1] == "1"  # (stock vLLM has no sessions: it never uses it)
+    # POLICY@total: the host pool's bytes as device pool too, and no host pool (the equal-memory baseline)
+    c = pressure.server_argv("prefix-cache@total", 8000, args, 0.1)
+    assert c[c.index("--policy") + 1] == "prefix-cache" and c[c.index("--kv-cache-gb") + 1] == "1.100000"
+    assert c[c.index("--host-kv-gb") + 1] == "0"
+    sweep = load_bench("sweep")
+    assert sweep.system_pools("infercept", 0.03, 0.1) == ("infercept", 0.03, 0.1)
+    assert sweep.system_pools("infercept@total", 0.03, 0.1) == ("infercept", 0.13, 0.0)
+    with pytest.raises(ValueError):
+        sweep.system_pools("infercept@device", 0.03, 0.1)
 
 
 def test_burst_trace_and_numbers():

@@ -356,6 +356,7 @@ def test_vllms_qwen3_coder_parser_reads_the_turn_the_model_ended_and_its_call_pa
     """`--tool-parser qwen3_coder` (Qwen3-Coder's XML calls), which only vLLM reads: nothing watches for the
     call inside vLLM, the turn ends at the model's EOS, the worker runs vLLM's parser on it, and the
     session pauses on the call it found, with its KV; the tool result resumes it."""
+    held = worker_stats(backend)["num_requests"]  # what earlier tests of the module left in vLLM
     prompt = chat_prompt(tokenizer, QUESTION)
     intercept = InterceptParams(tool_parser="vllm:qwen3_coder", tools=(WEATHER,))
     first = asyncio.run(run_turn(backend.generate(prompt, written_exactly("Let me look.\n" + QWEN3_XML_CALL),
@@ -381,7 +382,7 @@ def test_vllms_qwen3_coder_parser_reads_the_turn_the_model_ended_and_its_call_pa
     unknown = asyncio.run(run_turn(backend.generate(
         prompt, written_exactly(QWEN3_XML_CALL.replace("get_weather", "get_time")), "vllm-parser-3", intercept)))
     assert unknown.finished and not unknown.paused and not unknown.tool_calls, unknown
-    assert worker_stats(backend, lambda s: s["num_requests"] == 0)["num_requests"] == 0  # none left in vLLM
+    assert worker_stats(backend, lambda s: s["num_requests"] <= held)["num_requests"] <= held  # none of ours left
 
 
 @needs_vllm

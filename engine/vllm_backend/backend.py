@@ -230,7 +230,8 @@ class VllmBackend(EngineBackend):
                           vocab_size=facts["vocab_size"], eos_token_ids=eos_ids_of(model, tokenizer),
                           chat_template=tokenizer.chat_template, dtype=facts["dtype"], device=facts["device"],
                           kv_capacity_tokens=facts["num_blocks"] * facts["block_size"],
-                          vllm_tool_parsers=tuple(facts["tool_parsers"]), policy=running)
+                          vllm_tool_parsers=tuple(facts["tool_parsers"]), policy=running,
+                          policy_note=summary())
         return cls(worker, info, tokenizer, facts["block_size"], policy, facts.get("profile"), facts["host_blocks"])
 
     # -- life cycle -------------------------------------------------------------------------------
