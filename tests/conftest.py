@@ -172,3 +172,12 @@ def vllm_agent_server_url(default_model_dir):
 def backend_url(request):
     """The /v1 URL of the shared live server on each backend, for tests that run a framework on both."""
     return request.getfixturevalue("agent_server_url" if request.param == "native" else "vllm_agent_server_url")
+
+
+@pytest.fixture
+def worker_configs(monkeypatch):
+    """The configurations `VllmBackend.create` hands the vLLM worker, which is not started
+    (tests/unstarted_worker.py: the start raises `WorkerStarted`)."""
+    from unstarted_worker import record_worker_configs
+
+    return record_worker_configs(monkeypatch)

@@ -39,6 +39,8 @@ from test_vllm_backend import (QUESTION, VLLM_PYTHON, WEATHER, chat_prompt, gree
 
 from infercept.engine.backend import InterceptParams
 
+from unstarted_worker import WorkerStarted
+
 ROOT = Path(__file__).resolve().parent.parent
 GPU = (pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"), needs_vllm)
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor_parallel_size=2 needs two CUDA devices")
@@ -55,27 +57,6 @@ def gpu_test(cls):
 
 
 # -- without a GPU: the flag, the engine arguments, the model the tensor-parallel tests shard --------------
-
-class _Started(Exception):
-    """Raised where the vLLM worker would start: the test has what it came for."""
-
-
-@pytest.fixture
-def worker_configs(monkeypatch):
-    """The configurations `VllmBackend.create` hands the vLLM worker, which is not started."""
-    from infercept.engine.vllm_backend import backend
-
-    seen: list[dict] = []
-
-    class Recorder:
-        def __init__(self, python, config, env):
-            seen.append(config)
-
-        def start(self, timeout):
-            raise _Started
-
-    monkeypatch.setattr(backend, "WorkerProcess", Recorder)
-    return seen
 
 
 def serve(*flags: str):
@@ -97,7 +78,7 @@ def test_the_async_scheduling_flag_reaches_vllm_with_our_async_scheduler(worker_
                                                                          async_scheduling):
     from infercept.server import cli
 
-    with pytest.raises(_Started):
+    with pytest.raises(WorkerStarted):
         cli.build_backend(serve("--backend", "vllm", *flags))
     (config,) = worker_configs
     engine = config["engine"]
@@ -132,7 +113,7 @@ def test_the_schedulers_the_backend_names_exist_in_the_repository(worker_configs
     from infercept.engine.vllm_backend.backend import ASYNC_SCHEDULER_CLS, SCHEDULER_CLS
     from infercept.server import cli
 
-    with pytest.raises(_Started):
+    with pytest.raises(WorkerStarted):
         cli.build_backend(serve("--backend", "vllm"))
     chosen_by_vllm = worker_configs[0]["engine"]["scheduler_cls"]
     bases = {"InterceptScheduler": "Scheduler", "AsyncInterceptScheduler": "AsyncScheduler"}
@@ -154,9 +135,9 @@ def test_vllms_own_defaults_stay_vllms_unless_given(worker_configs, monkeypatch)
     for name in ("MAX_NUM_SEQS", "MAX_NUM_BATCHED_TOKENS", "ASYNC_SCHEDULING"):
         monkeypatch.delenv(f"INFERCEPT_{name}", raising=False)
     for policy in ("infercept", "prefix-cache"):
-        with pytest.raises(_Started):
+        with pytest.raises(WorkerStarted):
             cli.build_backend(serve("--backend", "vllm", "--policy", policy))
-    with pytest.raises(_Started):
+    with pytest.raises(WorkerStarted):
         cli.build_backend(serve("--backend", "vllm", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
                                 "--no-async-scheduling"))
     *defaults, given = (config["engine"] for config in worker_configs)
@@ -169,7 +150,7 @@ def test_vllm_arg_passes_any_engine_argument_and_the_named_flags_reach_vllm(work
     from infercept.server import cli
 
     monkeypatch.setenv("INFERCEPT_KV_CACHE_DTYPE", "fp8_e5m2")
-    with pytest.raises(_Started):
+    with pytest.raises(WorkerStarted):
         cli.build_backend(serve("--backend", "vllm", "--quantization", "fp8", "--vllm-arg", "block_size=32",
                                 "--vllm-arg", "max-num-partial-prefills=2",
                                 "--vllm-arg", "enable_chunked_prefill=false",
@@ -206,9 +187,9 @@ def test_the_policies_own_scheduler_and_connector_are_not_overridden(worker_conf
         with pytest.raises(ValueError, match="sets them itself"):
             cli.build_backend(serve("--backend", "vllm", "--vllm-arg", item))
     assert not worker_configs
-    with pytest.raises(_Started):
+    with pytest.raises(WorkerStarted):
         cli.build_backend(serve("--backend", "vllm", "--policy", "prefix-cache", "--vllm-arg", "scheduler_cls=my.S"))
-    with pytest.raises(_Started):
+    with pytest.raises(WorkerStarted):
         cli.build_backend(serve("--backend", "vllm", "--vllm-arg", 'additional_config={"mine": 1}'))
     stock, ours = (config["engine"] for config in worker_configs)
     assert stock["scheduler_cls"] == "my.S"
@@ -228,7 +209,7 @@ def test_data_parallel_vllm_is_refused_before_the_worker_starts(worker_configs, 
     with pytest.raises(ValueError, match="data_parallel_size=2 is not supported"):
         cli.build_backend(serve("--backend", "vllm", "--policy", policy, "--vllm-arg", "data_parallel_size=2"))
     assert not worker_configs
-    with pytest.raises(_Started):  # one rank is what it always was
+    with pytest.raises(WorkerStarted):  # one rank is what it always was
         cli.build_backend(serve("--backend", "vllm", "--policy", policy, "--vllm-arg", "data_parallel_size=1"))
 
 
@@ -411,7 +392,7 @@ def test_without_kv_cache_gb_vllm_on_a_cpu_gets_the_native_engines_share_of_memo
     monkeypatch.setattr(backend.shutil, "which", lambda name: "/usr/bin/nvidia-smi" if gpu else None)
     monkeypatch.setattr(backend, "available_host_memory_bytes", lambda: 20 * 2**30)
     for flags in ((), ("--kv-cache-gb", "2")):
-        with pytest.raises(_Started):
+        with pytest.raises(WorkerStarted):
             cli.build_backend(serve("--backend", "vllm", *flags))
     default, explicit = (config["engine"].get("kv_cache_memory_bytes") for config in worker_configs)
     assert default == (None if gpu else int(20 * 2**30 * CacheConfig.kv_cache_fraction))

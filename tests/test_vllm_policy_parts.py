@@ -17,6 +17,8 @@ from infercept.engine.policy.names import PARTS, part_setting
 from infercept.engine.vllm_backend import policy_parts
 from infercept.engine.vllm_backend.policy_parts import HONOURED, NATIVE_ONLY, summary, switched_off, vllm_policy
 
+from unstarted_worker import WorkerStarted
+
 ROOT = Path(__file__).resolve().parent.parent
 # The parts a name may write that switch on a part only the native engine runs.
 NATIVE_ONLY_ON = [v for v in VARIANTS if part_setting(v)[0] in NATIVE_ONLY and part_setting(v)[1] != getattr(
@@ -82,27 +84,6 @@ def test_the_summary_names_every_part_once():
 
 # -- the start-up check: before vLLM starts ---------------------------------------------------------------
 
-class _Started(Exception):
-    """Raised where the vLLM worker would start."""
-
-
-@pytest.fixture
-def worker_configs(monkeypatch):
-    """The configurations `VllmBackend.create` hands the vLLM worker, which is not started."""
-    from infercept.engine.vllm_backend import backend
-
-    seen: list[dict] = []
-
-    class Recorder:
-        def __init__(self, python, config, env):
-            seen.append(config)
-
-        def start(self, timeout):
-            raise _Started
-
-    monkeypatch.setattr(backend, "WorkerProcess", Recorder)
-    return seen
-
 
 def create(policy: str):
     from infercept.engine import VllmBackend
@@ -127,7 +108,7 @@ def test_stock_vllm_takes_no_parts(worker_configs, policy):
 
 
 def test_the_default_policy_starts_with_the_switched_off_parts_in_the_log(worker_configs, caplog):
-    with caplog.at_level(logging.WARNING, logger="infercept.vllm_backend"), pytest.raises(_Started):
+    with caplog.at_level(logging.WARNING, logger="infercept.vllm_backend"), pytest.raises(WorkerStarted):
         create("infercept")
     (config,) = worker_configs
     assert config["engine"]["additional_config"]["infercept"]["policy"] == "infercept"
@@ -141,7 +122,7 @@ def test_the_default_policy_starts_with_the_switched_off_parts_in_the_log(worker
                                     "infercept-paper+ample-no-discard", "preserve+swap-preemption",
                                     "infercept+no-prefetch+arrival-priority"])
 def test_the_backend_starts_a_policy_with_parts_vllm_runs(worker_configs, caplog, policy):
-    with caplog.at_level(logging.WARNING, logger="infercept.vllm_backend"), pytest.raises(_Started):
+    with caplog.at_level(logging.WARNING, logger="infercept.vllm_backend"), pytest.raises(WorkerStarted):
         create(policy)
     (config,) = worker_configs
     assert config["engine"]["additional_config"]["infercept"]["policy"] == policy
