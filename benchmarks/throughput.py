@@ -142,7 +142,7 @@ def main() -> None:
     rows.append((f"prefill, {args.prefill_len}-token prompt", ours,
                  {name: hf_prefill(model, args.prefill_len) for name, model in hf.items()}))
 
-    lines = [f"# Engine vs transformers, side by side\n", f"{cpu_name()}, {today()}; model {Path(model_dir).name}, "
+    lines = ["# Engine vs transformers, side by side\n", f"{cpu_name()}, {today()}; model {Path(model_dir).name}, "
              f"engine {args.dtype}, transformers {' and '.join(hf_dtypes)}, {args.threads} threads, torch "
              f"{torch.__version__}; each ratio against transformers' faster dtype. Command: `python "
              f"benchmarks/throughput.py {' '.join(sys.argv[1:])}`\n",

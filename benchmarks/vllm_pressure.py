@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from machine import cpu_name, today  # noqa: E402
 from replay import summarize  # noqa: E402
-from sweep import TOTAL, ServerProcess, free_port, kv_bytes_per_token, replay_once, system_pools  # noqa: E402
+from sweep import (TOTAL, ServerProcess, free_port, kv_bytes_per_token, policy_of, replay_once,  # noqa: E402
+                   system_pools)
 
 GIB = 2 ** 30
 STOCK = ("prefix-cache", "discard")  # stock vLLM: no sessions, no host tier
@@ -85,7 +86,7 @@ def run(policy: str, trace: list[dict], args, kv_cache_gb: float, log: Path) -> 
 def table(results: dict[str, list[dict]]) -> str:
     med = {p: statistics.median(r["summary"]["normalized_latency_median"] for r in runs) for p, runs in results.items()}
     # Ratios against infercept as configured, else against the first of our policies that ran.
-    base = "infercept" if "infercept" in med else next((p for p in med if p.partition("@")[0] not in STOCK), None)
+    base = "infercept" if "infercept" in med else next((p for p in med if policy_of(p) not in STOCK), None)
     rows = [f"| policy | median normalized latency (s/token) | vs {base} | mean (s/token) | finished | "
             "median TTFT (s) | cached prompt % | preemptions | discarded tokens | recomputed tokens | "
             "swapped out / in blocks |",
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     header = (f"# vLLM backend under KV pressure\n\n{cpu_name()}, {today()}; {args.agents} agents at {args.rate:g}/s, "
               f"{args.prompt}-token prompts, {args.steps} turns of {args.decode} tokens, {args.tool_s:g} s tools "
               f"returning {args.returned} tokens; a {args.pool_tokens}-token pool ({kv_cache_gb:.3f} GiB {args.dtype}) "
-              f"for every policy, and for the session policies ({', '.join(p for p in args.policies if p.partition('@')[0] not in STOCK and TOTAL not in p)}) "
+              f"for every policy, and for the session policies ({', '.join(p for p in args.policies if policy_of(p) not in STOCK and TOTAL not in p)}) "
               f"a {args.host_kv_gb:g} GiB host pool that stock vLLM does not have ({TOTAL}: that host pool's bytes "
               f"added to the device pool, no host pool); servers one at a time on "
               f"the same cores; {args.repeats} repeat(s). "
