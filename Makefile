@@ -39,8 +39,10 @@ router: install
 	@$(BIN)/python -c "import vllm_router" 2>/dev/null || $(BIN)/pip install --quiet -e ".[router]"
 
 # The tests include the vLLM backend's (tests/test_vllm_backend.py), so this also sets up .venv-vllm, and
-# the dashboard's in a headless browser (tests/test_dashboard.py), so Debian's chromium where it can.
-test: download vllm-env browser
+# the dashboard's in a headless browser (tests/test_dashboard.py), so Debian's chromium where it can. The
+# environments install side by side (-j3): each mostly waits on downloads and unpacking.
+test:
+	@$(MAKE) --no-print-directory -j3 download vllm-env browser
 	$(BIN)/python -m pytest -q
 
 # Debian's chromium for tests/test_dashboard.py: installed as root where apt-get exists; elsewhere that
