@@ -17,7 +17,8 @@ renders a past call and opens the assistant's turn). A random model calls nothin
 * **none**: the no-call grammar must refuse every way the format opens a call.
 
 The server's streaming of grammar-written calls and the resume of the paused turn are checked on a
-live server per format.
+live server per format. tests/test_vllm_tool_formats.py runs the same turns and server checks on the
+vLLM backend.
 """
 from __future__ import annotations
 
@@ -208,7 +209,8 @@ CORPUS = ["what is the weather in paris today", "the sky is clear and the temper
           '{"type": "object", "properties": {}, "required": [], "additionalProperties": false}}}']
 
 
-def build_family(folder, family: Family) -> None:
+def build_family(folder, family: Family, head_dim: int | None = None) -> None:
+    """The family's tiny model in `folder`; `head_dim` None: hidden size / heads (16)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -220,11 +222,15 @@ def build_family(folder, family: Family) -> None:
                                    pad_token=family.eos, additional_special_tokens=others)
     fast.chat_template = family.template.strip()
     fast.save_pretrained(folder)
+    # Full attention, as Mistral-7B-v0.3 and Mistral Small ship (MistralConfig's default is a sliding
+    # window, a KV cache the vLLM backend's policies do not serve).
+    window = {"sliding_window": None} if family.config is MistralConfig else {}
     config = family.config(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim or 16,
+                           max_position_embeddings=4096,
                            rms_norm_eps=1e-6, tie_word_embeddings=False,
                            bos_token_id=fast.convert_tokens_to_ids(family.bos),
-                           eos_token_id=fast.convert_tokens_to_ids(family.eos))
+                           eos_token_id=fast.convert_tokens_to_ids(family.eos), **window)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     randomize(model, seed=0)  # logits far apart: greedy choices are no near-ties
@@ -437,28 +443,42 @@ def run_turn(engine: Engine, prompt_ids: list[int], params: SamplingParams, inte
 SAMPLINGS = {"greedy": dict(temperature=0), "sampled": dict(temperature=1.0, seed=3)}
 
 
-@pytest.mark.parametrize("sampling", list(SAMPLINGS))
-@pytest.mark.parametrize("mode", ["auto", "required", "named"])
-@pytest.mark.parametrize("name", list(FAMILIES))
-def test_the_engine_pauses_on_the_formats_calls(name, mode, sampling, tokenizers, engines):
-    tokenizer, engine, family = tokenizers[name], engines[name], FAMILIES[name]
+def ending_bias(tokenizer) -> dict[int, float]:
+    """Logit biases under which a random model ends a string, an object, a list, a call and the turn
+    wherever the grammar lets it: the forced grammars allow open objects (`clock` has no parameters
+    schema), free strings and parallel calls, which such a model may go on writing until max_tokens (the
+    grammar tests above check that longer calls pass). The grammar still decides what may be written;
+    the model still picks the tool and the values."""
+    closers = [tokenizer.convert_tokens_to_ids(t) for t in ('"', "}", "]", ")")]
+    return dict.fromkeys([*closers, tokenizer.eos_token_id], 100.0)
+
+
+def forced_turn(name: str, mode: str, sampling: str, tokenizer):
+    """A turn of `mode` (auto, required, named) as the server would start it on the family's model: the
+    prompt ids (prompt and prefill, each tokenized on its own, as the server does), the prefill, the
+    sampling and the intercept parameters. Under auto, a test grammar writes the family's call (a random
+    model calls nothing by itself)."""
+    family = FAMILIES[name]
     fmt = tool_format(tokenizer, name)
     tool_name = "set_alarm" if mode == "named" else None
     prefill = fmt.forced_prefill(tool_name) if mode != "auto" else ""
     prompt = tokenizer.apply_chat_template(QUESTION, tools=OPENAI_TOOLS, tokenize=False, add_generation_prompt=True)
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-    prompt_ids = encode(prompt) + encode(prefill)  # each on its own, as the server does
+    prompt_ids = encode(prompt) + encode(prefill)
     parallel = family.parallel and mode != "named"
     lark = auto_grammar(tokenizer, family.auto_call) if mode == "auto" else \
         fmt.forced_grammar(TOOLS, tool_name, parallel)
-    # A random model may go on writing parallel calls as long as the grammar lets it: end-of-sequence is
-    # favoured, so it ends where the grammar first allows (after a call; the grammar tests above check
-    # that several calls pass).
-    bias = {tokenizer.eos_token_id: 100.0} if parallel and mode == "required" else None
-    params = SamplingParams(max_tokens=160, guided=GuidedDecodingParams(lark=lark), logit_bias=bias,
+    params = SamplingParams(max_tokens=160, guided=GuidedDecodingParams(lark=lark),
+                            logit_bias=ending_bias(tokenizer) if mode != "auto" else None,
                             skip_special_tokens=not fmt.keeps_special_tokens, **SAMPLINGS[sampling])
     intercept = InterceptParams(tool_parser=fmt.family, tools=TOOLS, parallel_calls=parallel, text_prefix=prefill)
-    out = run_turn(engine, prompt_ids, params, intercept)
+    return prompt_ids, prefill, params, intercept
+
+
+def check_paused_on_calls(name: str, mode: str, out, prefill: str, tokenizer) -> None:
+    """`out`, the last output of a `forced_turn`, paused on valid calls of the allowed tools, which are
+    the whole turn, after the grammar ended it."""
+    fmt = tool_format(tokenizer, name)
     assert out.paused and out.finish_reason == "tool_calls", (out.finish_reason, prefill + out.text)
     assert out.token_ids[-1] == tokenizer.eos_token_id, prefill + out.text  # the grammar ended the turn: EOS
     assert out.content == ""  # nothing but calls (the end-of-sequence token is no content)
@@ -471,10 +491,18 @@ def test_the_engine_pauses_on_the_formats_calls(name, mode, sampling, tokenizers
     elif mode == "named":
         assert [n for n, _ in calls] == ["set_alarm"]
     else:
-        assert len(calls) == 1 or family.parallel
+        assert len(calls) == 1 or FAMILIES[name].parallel
     # the same text, judged again, is the same verdict (what a stream and the final message agree on)
     assert [(c.name, c.arguments) for c in fmt.parser.parse(prefill + out.text).tool_calls] == \
         [(c.name, c.arguments) for c in out.tool_calls]
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLINGS))
+@pytest.mark.parametrize("mode", ["auto", "required", "named"])
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_the_engine_pauses_on_the_formats_calls(name, mode, sampling, tokenizers, engines):
+    prompt_ids, prefill, params, intercept = forced_turn(name, mode, sampling, tokenizers[name])
+    check_paused_on_calls(name, mode, run_turn(engines[name], prompt_ids, params, intercept), prefill, tokenizers[name])
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -503,13 +531,20 @@ def family_server(request, family_dirs):
 
 def test_streamed_forced_calls_and_their_resume(family_server, tokenizers):
     name, srv = family_server
-    client, tokenizer = srv.client(), tokenizers[name]
+    check_served_calls(name, srv.client(), tokenizers[name], srv.abort_paused)
+    srv.assert_no_leak()
+
+
+def check_served_calls(name: str, client, tokenizer, abort_paused) -> None:
+    """The live server of the family's model (served as MODEL): forced calls streamed and returned, the
+    request with a call's result resuming the paused turn, auto under a JSON response_format and
+    tool_choice none. `abort_paused()` drops the server's paused generations."""
     parallel = FAMILIES[name].parallel
+    bias = {str(t): b for t, b in ending_bias(tokenizer).items()}
     for choice in ("required", {"type": "function", "function": {"name": "set_alarm"}}):
         stream = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=OPENAI_TOOLS, tool_choice=choice,
                                                 temperature=0, max_tokens=160, stream=True,
-                                                parallel_tool_calls=parallel,
-                                                logit_bias={str(tokenizer.eos_token_id): 100} if parallel else None)
+                                                parallel_tool_calls=parallel, logit_bias=bias)
         pieces: dict[int, dict] = {}
         finish, content, deltas = None, "", 0
         for chunk in stream:
@@ -532,12 +567,12 @@ def test_streamed_forced_calls_and_their_resume(family_server, tokenizers):
             assert [p["name"] for p in pieces.values()] == ["set_alarm"]
         # JSON arguments stream as the grammar writes them; a pythonic call shows once it is complete
         assert deltas == len(pieces) if name == "pythonic" else deltas > len(pieces)
-        srv.abort_paused()
+        abort_paused()
 
     # non-streamed: the same call, and the request that brings its result resumes the paused turn
     first = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=OPENAI_TOOLS, tool_choice="required",
                                            temperature=0, max_tokens=160, parallel_tool_calls=False,
-                                           extra_body={"return_token_ids": True})
+                                           logit_bias=bias, extra_body={"return_token_ids": True})
     message = first.choices[0].message
     assert first.choices[0].finish_reason == "tool_calls" and not message.content
     (call,) = message.tool_calls
@@ -584,12 +619,11 @@ def test_streamed_forced_calls_and_their_resume(family_server, tokenizers):
         else:
             assert out.finish_reason == "stop" and not out.message.tool_calls, out
             jsonschema.validate(json.loads(out.message.content), answer)
-        srv.abort_paused()
+        abort_paused()
     assert outcomes <= {"tool_calls", "stop"}
 
     # tool_choice none: text, never a call
     none = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=OPENAI_TOOLS, tool_choice="none",
                                           temperature=1.0, seed=1, max_tokens=16)
     assert not none.choices[0].message.tool_calls and none.choices[0].finish_reason in ("stop", "length")
-    srv.abort_paused()
-    srv.assert_no_leak()
+    abort_paused()

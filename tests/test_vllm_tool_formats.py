@@ -1,0 +1,154 @@
+"""The tool-call formats but Hermes -- llama3_json, mistral (both forms), pythonic -- on the vLLM backend
+(Hermes: tests/test_vllm_backend.py): parsed, paused and resumed, streamed, forced, for tool_choice auto,
+"required" and a named tool.
+
+The families' tiny random-weight models of tests/test_tool_formats.py (their tokenizers, call markers
+as special tokens, and templates), with heads of 64 (vLLM's CPU attention has no kernel for their 16), each served
+by its own vLLM worker under `preserve`; the four start at once. Per family:
+
+* on the backend, a turn of each mode (greedy and sampled) set up as the native engine's test sets it
+  up -- under auto a test grammar writes the family's call, under required / named the format's prefill
+  and grammar, as vLLM's structured outputs -- must end in valid calls on which vLLM keeps the session
+  paused; the conversation with the calls and their results, rendered by the family's template, extends
+  the paused tokens, and the resume with the rest reuses all their KV and decodes what a fresh run does
+  (`mistral` up to v7 excepted: its template moves the tools, and the server serves such a conversation
+  fresh);
+* on a live server over the same worker, the checks the native engine's server passes
+  (`check_served_calls`): forced calls streamed and returned, their resume, auto under a JSON
+  response_format, tool_choice none.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import pytest
+from live_server import MODEL, NO_VLLM, VLLM_PYTHON, serve_in_thread
+from test_tool_formats import (FAMILIES, OPENAI_TOOLS, QUESTION, SAMPLINGS, build_family, check_paused_on_calls,
+                               check_served_calls, forced_turn, tool_format)
+
+from infercept.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(NO_VLLM is not None, reason=NO_VLLM or "")
+
+KV_BYTES_PER_TOKEN = 2 * 2 * 64 * 2 * 4  # 2 layers, 2 KV heads of 64, K and V, float32
+POOL_TOKENS = 4096
+
+
+@dataclass
+class Served:
+    backend: object  # VllmBackend
+    tokenizer: object
+    app: object
+    server: object  # uvicorn's, in `thread`
+    thread: object
+    base: str
+
+
+def start(folder: str, core: int) -> Served:
+    """The family's vLLM worker (without compiling the model: vLLM's eager mode), its OpenMP threads on
+    one core (four workers share two), and a live server over it whose lifespan owns it."""
+    from transformers import AutoTokenizer
+
+    from infercept.engine import VllmBackend
+    from infercept.server.app import build_app
+    from infercept.server.settings import ServerSettings
+
+    backend = VllmBackend.create(folder, python=VLLM_PYTHON, policy="preserve", dtype="float32", max_model_len=2048,
+                                 kv_cache_gb=POOL_TOKENS * KV_BYTES_PER_TOKEN / 2**30, host_kv_gb=0,
+                                 max_num_batched_tokens=256, engine_args={"enforce_eager": True},
+                                 env={"VLLM_CPU_OMP_THREADS_BIND": str(core)})
+    app = build_app(backend, ServerSettings(served_model_name=MODEL))
+    return Served(backend, AutoTokenizer.from_pretrained(folder), app, *serve_in_thread(app))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    folders = {}
+    for name, family in FAMILIES.items():
+        folders[name] = str(tmp_path_factory.mktemp(f"tiny-{name}-64"))
+        build_family(folders[name], family, head_dim=64)
+    with ThreadPoolExecutor(len(folders)) as pool:
+        futures = {name: pool.submit(start, folder, i % 2) for i, (name, folder) in enumerate(folders.items())}
+    started = {name: f.result() for name, f in futures.items() if f.exception() is None}
+    try:
+        for f in futures.values():
+            if f.exception() is not None:
+                raise f.exception()
+        yield started
+    finally:
+        for s in started.values():  # all at once: vLLM takes seconds to stop
+            s.server.should_exit = True
+        for s in started.values():
+            s.thread.join(timeout=60)
+            assert not s.backend.worker.alive, "the lifespan did not shut the vLLM worker down"
+
+
+async def last(stream):
+    async for out in stream:
+        pass
+    return out
+
+
+async def every_output(stream) -> list:
+    return [out async for out in stream]
+
+
+def conversation_after(calls, tokenizer) -> str:
+    """The question, the assistant's `calls` and a result for each, as the family's template renders them
+    for the model's next turn."""
+    assistant = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": f"call{i}", "type": "function", "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+        for i, c in enumerate(calls)]}
+    results = [{"role": "tool", "tool_call_id": f"call{i}", "content": "clear"} for i in range(len(calls))]
+    return tokenizer.apply_chat_template(QUESTION + [assistant] + results, tools=OPENAI_TOOLS, tokenize=False,
+                                         add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("mode", ["auto", "required", "named"])
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_the_vllm_backend_pauses_on_the_formats_calls_and_resumes(name, mode, served):
+    backend, tokenizer = served[name].backend, served[name].tokenizer
+    turns = {sampling: forced_turn(name, mode, sampling, tokenizer) for sampling in SAMPLINGS}
+
+    async def first_turns():
+        return await asyncio.gather(*(every_output(backend.generate(prompt_ids, params, f"{name}-{mode}-{sampling}",
+                                                                    intercept))
+                                      for sampling, (prompt_ids, _, params, intercept) in turns.items()))
+
+    streams = dict(zip(turns, asyncio.run(first_turns())))
+    outs = {sampling: stream[-1] for sampling, stream in streams.items()}
+    for sampling, out in outs.items():
+        check_paused_on_calls(name, mode, out, turns[sampling][1], tokenizer)
+    if mode == "auto":  # what a stream of the turn shows before the verdict: none of the call, as content or call
+        fmt = tool_format(tokenizer, name)
+        for stream in streams.values():
+            assert len(stream) > 1 and all(not o.tool_calls and fmt.safe_content(o.text) == "" for o in stream[:-1])
+    if not FAMILIES[name].resumes:
+        for sampling in turns:
+            backend.abort(f"{name}-{mode}-{sampling}")
+        return
+    for sampling, out in outs.items():
+        rid = f"{name}-{mode}-{sampling}"
+        context = turns[sampling][0] + out.token_ids
+        paused_text = tokenizer.decode(context, skip_special_tokens=False)
+        rendered = conversation_after(out.tool_calls, tokenizer)
+        assert rendered.startswith(paused_text), (paused_text, rendered)
+        appended = tokenizer.encode(rendered[len(paused_text):], add_special_tokens=False)
+        greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        resumed = asyncio.run(last(backend.resume(rid, appended, greedy)))
+        assert resumed.finished and resumed.num_cached_tokens == len(context) - 1, (resumed, len(context))
+        fresh = asyncio.run(last(backend.generate(context + appended, greedy, f"{rid}-fresh")))
+        assert fresh.token_ids == resumed.token_ids
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_the_server_over_vllm_streams_forced_calls_and_resumes_them(name, served):
+    import openai
+
+    s = served[name]
+    client = openai.OpenAI(base_url=s.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    check_served_calls(name, client, s.tokenizer,
+                       lambda: s.app.state.conversations.release_all("ttl", "the test starts afresh"))
