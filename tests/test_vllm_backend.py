@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from live_server import TEST_ENGINE_ARGS
 from stdlib_only import non_stdlib_imports
 
 from infercept.engine.backend import InterceptParams, SamplingParams, ToolFormat, ToolSpec
@@ -104,7 +105,7 @@ def vllm(default_model_dir, tokenizer):
     host_gb = 1.5 * tool_turn_tokens(tokenizer) * FLOAT32_KV_BYTES_PER_TOKEN / 2**30
     backend = VllmBackend.create(default_model_dir, python=VLLM_PYTHON, policy="infercept", dtype="float32",
                                  max_model_len=4096, kv_cache_gb=POOL_TOKENS * FLOAT32_KV_BYTES_PER_TOKEN / 2**30,
-                                 host_kv_gb=host_gb, max_num_seqs=MAX_NUM_SEQS,
+                                 host_kv_gb=host_gb, max_num_seqs=MAX_NUM_SEQS, engine_args=TEST_ENGINE_ARGS,
                                  env=VLLM_THREADS)  # (VLLM_CPU_KVCACHE_SPACE would override the pool)
     server, thread, base = serve_in_thread(build_app(backend, ServerSettings(served_model_name="smol")))
     yield backend, base
@@ -584,7 +585,7 @@ def stock(default_model_dir):
     from infercept.engine import VllmBackend
 
     backend = VllmBackend.create(default_model_dir, python=VLLM_PYTHON, policy="prefix-cache", dtype="float32",
-                                 max_model_len=4096, env=VLLM_ENV)
+                                 max_model_len=4096, env=VLLM_ENV, engine_args=TEST_ENGINE_ARGS)
     backend.start()
     yield backend
     backend.shutdown()
