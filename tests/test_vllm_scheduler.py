@@ -22,7 +22,7 @@ several steps, a session resumed mid-swap keeps its device KV, an ended one free
 proactive swap-in brings a session's host KV back once its result is near (past the prefix cache's hit,
 position for position, only into blocks nothing queued needs), so its resume loads nothing, while without
 it the resume loads the host KV itself, and an idle engine steps for host KV due back or asks the worker
-to wake it when the copy back may first be due;
+to wake it when the copy back may first be due (and the worker does);
 paused sessions on a slow tool are planned only when their decision may change (the paused-KV index,
 engine/paused_kv.py), deciding what planning every session every step decides; the
 connector on KV caches vLLM's own allocator lays out (every layout, blocks split into kernel blocks, host
@@ -88,6 +88,7 @@ CASES = ("preserve_keeps_a_paused_sessions_blocks",
          "the_scheduler_vllm_builds_follows_its_choice_of_async_scheduling",
          "vllms_tool_parsers_read_a_turn_as_vllms_chat_serving_does",
          "the_worker_hands_a_turns_calls_to_the_backend_with_its_last_output",
+         "the_worker_wakes_vllms_engine_core_when_the_scheduler_asks",
          "an_unknown_or_unfit_tool_parser_is_refused",
          "the_vllm_parser_api_we_call_has_the_signatures_we_were_written_against")
 

@@ -852,6 +852,37 @@ def case_the_worker_hands_a_turns_calls_to_the_backend_with_its_last_output():
     assert "calls" not in worker.with_calls("s", out(call, "stop"))
 
 
+def case_the_worker_wakes_vllms_engine_core_when_the_scheduler_asks():
+    """A `wake` from the scheduler (its reader thread) arms one timer on the event loop; a later request
+    replaces it; when it fires, a read-only call reaches vLLM's engine core (whose loop then asks the
+    scheduler whether to step). A pause hint sent to the scheduler wakes it at once."""
+    import asyncio
+
+    from engine.vllm_backend import worker as worker_module
+
+    calls = []
+
+    class Engine:
+        async def is_sleeping(self):
+            calls.append(time.monotonic())
+            return False
+
+    async def main():
+        worker = worker_module.Worker(None, {"engine": {}})
+        worker.llm, worker.loop = Engine(), asyncio.get_running_loop()
+        asked = time.monotonic()
+        await asyncio.to_thread(worker.wake_engine_at, asked + 0.3)
+        await asyncio.to_thread(worker.wake_engine_at, asked + 0.1)  # the scheduler's latest word
+        await asyncio.sleep(0.5)
+        assert len(calls) == 1 and asked + 0.1 <= calls[0] < asked + 0.3, [c - asked for c in calls]
+        worker.policy = SimpleNamespace(send=lambda msg: None)
+        worker.handle({"op": "pause", "id": "s", "tool": "search", "expected_s": 2.0})
+        await asyncio.sleep(0.05)
+        assert len(calls) == 2, "a pause hint did not wake the engine core"
+
+    asyncio.run(main())
+
+
 def case_an_unknown_or_unfit_tool_parser_is_refused():
     parsers = vllm_tool_calls()
     for name, said in (("qwen3_xmll", "vLLM's are: "), ("deepseek_v3", "tokenizer")):
