@@ -629,9 +629,10 @@ def case_an_idle_engine_steps_for_host_kv_due_back_and_asks_to_be_woken_before_t
     assert not s.has_requests()
 
 
-def case_prefetch_takes_only_blocks_nothing_queued_needs():
-    """A request waiting for vLLM's one seat keeps the room it will need (8 blocks of the 14 free, a
-    running request's next token one more): the host KV due back (7 blocks) waits."""
+def case_prefetch_takes_only_blocks_the_next_step_does_not_need():
+    """A request waiting for vLLM's one seat keeps the room the next step may admit it into (its 8 blocks
+    of the 14 free, less than a step's budget; a running request's next token one more): the host KV
+    due back (7 blocks) waits."""
     s = swapped_out_for_an_hour(max_num_seqs=1)
     s.add_request(request("runner", prompt(20, 20000), max_tokens=50))
     step(s)

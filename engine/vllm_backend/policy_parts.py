@@ -28,7 +28,7 @@ HONOURED = {
     "preemption": "the rule for paused KV taken back under memory pressure (Policy.reclaim); a running "
                   "request that vLLM itself preempts is recomputed under either rule",
     "prefetch": "a paused session whose KV is all on the host gets device blocks from vLLM's free pool (less "
-                "what running and waiting requests need) once its resume looks imminent, and the host tier "
+                "what running requests and the next step's admissions need) once its resume looks imminent, and the host tier "
                 "copies it back within the step's swap budget, whole (an idle engine is woken for it)",
 }
 # The parts only the native engine runs, and why not here. On this backend each stays at `Policy`'s own

@@ -172,7 +172,8 @@ class _InterceptMixin:
         self._next_grammar: dict = {}  # session -> its next chunk's StructuredOutputRequest (or None)
         self._parked: set[str] = set()  # paused sessions kept out of vLLM's queues (vLLM's ids)
         self._prefetched: set[str] = set()  # paused sessions whose host KV came back before their resume
-        self._planned_at: deque[tuple[float, bool]] = deque()  # steps scheduled, not yet updated: (when, ran tokens)
+        # Steps scheduled, not yet updated: (when, ran tokens); vLLM has at most its batch queue's in flight.
+        self._planned_at: deque[tuple[float, bool]] = deque(maxlen=8)
         self._recent_step_s: deque[float] = deque(maxlen=RECENT_STEPS)
         self._wake_sent = -math.inf  # the last time the worker was asked to wake the engine (`_idle_prefetch`)
         self._idle_stuck = False  # an idle step found a prefetch due and could bring none back
@@ -434,9 +435,11 @@ class _InterceptMixin:
         (`_prefetch_candidates`) get device blocks from vLLM's KV cache manager, past what the prefix
         cache still holds of them, and the connector copies the rest in this step (`swap_in_now`: the
         same copies, in the same order on the worker, as a resume's load; marked synchronous, so vLLM
-        loads before the forward). Only blocks nothing queued needs: vLLM's free blocks less what the
-        running requests still have to compute and their next token, and what the waiting requests
-        still have to compute. A session
+        loads before the forward). Only blocks the next step needs for queued work stay free: vLLM's free
+        blocks less what the running requests still have to compute and their next token, and what the
+        next step may admit of the waiting requests' tokens (one step's token budget); later admissions
+        take paused KV back as memory pressure does (reclaim), as on the native engine, where prefetch
+        keeps one block per running request. A session
         comes back whole (its KV split between the pools is nothing vLLM's admission could load), so the
         step's swap budget lets sessions through while any of it is left, the last one's copy running over
         it; a step that runs nothing has no budget (no forward for the copy to stall). Those the room
@@ -450,10 +453,11 @@ class _InterceptMixin:
         self._idle_stuck = False
         if not due or budget <= 0:
             return
+        waiting = sum(r.num_tokens - r.num_computed_tokens for queue in (self.waiting, self.kv_holding_waiting)
+                      for r in queue)
         spare = (self.kv_cache_manager.block_pool.get_num_free_blocks()
                  - sum(-(-(r.num_tokens - r.num_computed_tokens + 1) // self.block_size) for r in self.running)
-                 - sum(-(-(r.num_tokens - r.num_computed_tokens) // self.block_size)
-                       for queue in (self.waiting, self.kv_holding_waiting) for r in queue))
+                 - -(-min(waiting, self.max_num_scheduled_tokens) // self.block_size))
         brought = False
         for pause, host in due:
             if budget <= 0:
