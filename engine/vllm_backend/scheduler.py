@@ -409,7 +409,7 @@ class _InterceptMixin:
         profiled = self.profile.t_fwd(self.max_num_scheduled_tokens) if self.profile is not None else 0.0
         return max(profiled, max(self._recent_step_s, default=0.0))
 
-    def _prefetch_candidates(self, per_step: int | None) -> list[tuple[_Pause, int]]:
+    def _prefetch_candidates(self) -> list[tuple[_Pause, int]]:
         """Paused sessions whose KV is all on the host and whose resume looks imminent, soonest first,
         with their host tokens (`prefetch.due`: the policy's decision, as on the native engine). Only the
         host holders keyed before `prefetch.horizon` are looked at; each is keyed again by when its copy
@@ -417,7 +417,7 @@ class _InterceptMixin:
         by its tool only. A session whose swap-out is still going on (its KV partly on the host) is not
         a candidate; it is looked at again once its KV moves."""
         now, step_s = time.monotonic(), self._step_lead_s()
-        horizon = prefetch.horizon(now, self.profile, step_s, per_step, 0, self.paused_kv.host_tokens) + WAKE_EARLY_S
+        horizon = prefetch.horizon(now, self.profile, step_s, None, 0, self.paused_kv.host_tokens) + WAKE_EARLY_S
         holders = []
         for pause in self.paused_kv.host_holders_before(horizon, now):
             host = self._host_tokens(pause)
@@ -428,7 +428,7 @@ class _InterceptMixin:
             self.paused_kv.key_host(pause.request_id, at, pause.tool, self.estimator.version(pause.tool))
             if expected is not None:
                 holders.append((pause, host, expected))
-        return prefetch.due(holders, self.profile, step_s, per_step)
+        return prefetch.due(holders, self.profile, step_s, None)
 
     def _prefetch(self, out) -> None:
         """Proactive swap-in after vLLM scheduled this step: the sessions whose host KV is due back
@@ -447,9 +447,13 @@ class _InterceptMixin:
         if not self._prefetches():
             return
         meta, ran = out.kv_connector_metadata, out.total_num_scheduled_tokens > 0
-        per_step = iteration_swap_limit(self.profile, self._last_batched_tokens) if ran else None
-        due = self._prefetch_candidates(per_step)
-        budget = math.inf if per_step is None else per_step - len(meta.swap_in) * self.block_size  # after the loads
+        # Its lead is one step, whatever the budget: the copy back is whole, in one step, and the plan keeps
+        # prefetched KV only while its resume is that near (`Policy`'s waste plan); counting the budget's
+        # steps ahead would bring it back early, for the plan to send it away again.
+        due = self._prefetch_candidates()
+        budget = math.inf
+        if ran:  # after this step's loads
+            budget = iteration_swap_limit(self.profile, self._last_batched_tokens) - len(meta.swap_in) * self.block_size
         self._idle_stuck = False
         if not due or budget <= 0:
             return
@@ -499,7 +503,7 @@ class _InterceptMixin:
         if not self._prefetches() or self._idle_stuck:
             return False
         free = self.kv_cache_manager.block_pool.get_num_free_blocks()
-        if any(-(-host // self.block_size) <= free for _, host in self._prefetch_candidates(None)):
+        if any(-(-host // self.block_size) <= free for _, host in self._prefetch_candidates()):
             return True
         now, wake = time.monotonic(), self.paused_kv.next_host_key() - self._step_lead_s() + WAKE_EARLY_S
         if now < wake < math.inf and (wake != self._wake_sent or self._wake_sent <= now):
