@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     trace = burst_trace(args)
-    command = ("python benchmarks/burst.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
+    command = ("python benchmarks/burst.py " + shlex.join(argv if argv is not None else sys.argv[1:])).strip()
     results: dict[str, list[dict]] = {policy: [] for policy in args.policies}
     for i in range(args.repeats):
         for policy in args.policies:
