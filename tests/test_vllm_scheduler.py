@@ -20,7 +20,8 @@ a swapped session's KV goes to the host and comes back position for position, re
 cheaper, a full host pool means a discard, a context larger than the step's swap budget leaves over
 several steps, a session resumed mid-swap keeps its device KV, an ended one frees its host blocks;
 proactive swap-in brings a session's host KV back once its result is near (past the prefix cache's hit,
-position for position, only into blocks the next step does not need), so its resume loads nothing, while without
+position for position, only into blocks the next step does not need, one step ahead whatever the swap
+budget), so its resume loads nothing, while without
 it the resume loads the host KV itself, and an idle engine steps for host KV due back or asks the worker
 to wake it when the copy back may first be due (and the worker does);
 paused sessions on a slow tool are planned only when their decision may change (the paused-KV index,
@@ -73,6 +74,7 @@ CASES = ("preserve_keeps_a_paused_sessions_blocks",
          "a_session_resumed_mid_swap_keeps_its_device_kv",
          "ending_a_swapped_session_frees_its_host_blocks",
          "prefetch_brings_host_kv_back_before_the_resume_which_finds_it_on_the_device",
+         "prefetch_acts_one_step_ahead_whatever_the_swap_budget",
          "without_prefetch_the_resume_loads_host_kv_itself",
          "an_idle_engine_steps_for_host_kv_due_back_and_asks_to_be_woken_before_then",
          "prefetch_takes_only_blocks_the_next_step_does_not_need",

@@ -547,14 +547,17 @@ def case_a_session_resumed_mid_swap_keeps_its_device_kv():
     assert kv_matches(s, "a")
 
 
-def swapped_out_for_an_hour(policy: str = "infercept", max_num_seqs: int = 16):
+def swapped_out_for_an_hour(policy: str = "infercept", max_num_seqs: int = 16, profile: Profile = PROFILE):
     """Session "a" (101 tokens of KV) paused on a tool the client says lasts an hour and swapped to the
     host; then "b" took over most of its old blocks, so the prefix cache holds only its first few."""
-    s = make(policy, num_blocks=16, host_blocks=32, max_num_seqs=max_num_seqs)
+    s = make(policy, num_blocks=16, host_blocks=32, max_num_seqs=max_num_seqs, profile=profile)
     s.add_request(request("a", prompt(100)))
     run_until_paused(s, "a")
     s._on_message({"op": "pause", "id": "a", "tool": "search", "expected_s": 3600.0})
-    step(s)
+    for _ in range(6):  # (a copy slower than a step's budget takes several)
+        step(s)
+        if s.state()["paused"]["a"] == [0, 101, 0]:
+            break
     assert s.state()["paused"]["a"] == [0, 101, 0], s.state()
     s.add_request(request("b", prompt(200, 3000), max_tokens=3))
     run_until_paused(s, "b")
@@ -591,6 +594,26 @@ def case_prefetch_brings_host_kv_back_before_the_resume_which_finds_it_on_the_de
     new = {r.req_id: r for r in out.scheduled_new_reqs}
     assert new["a"].num_computed_tokens == 101 and out.num_scheduled_tokens["a"] == 21, new["a"]
     assert s.host_tier.counters["swapped_in_tokens"] == loaded and s.counters["recomputed_tokens"] == 0
+    assert kv_matches(s, "a")
+
+
+def case_prefetch_acts_one_step_ahead_whatever_the_swap_budget():
+    """At a copy rate (10 MB/s) whose swap budget takes several steps for the 101 tokens, the native
+    engine's lead would count those steps; here the copy back is whole, in one step, and the plan keeps
+    prefetched KV only while its resume is a step near, so the session stays on the host until then."""
+    slow = Profile.from_dict(PROFILE.to_dict() | {"d2h_bytes_per_s": 1e7, "h2d_bytes_per_s": 1e7})
+    s = swapped_out_for_an_hour(profile=slow)
+    s.add_request(request("runner", prompt(20, 20000), max_tokens=50))  # steps with a forward: a budget
+    step(s)
+    lead = s._step_lead_s() + slow.t_swap(101, "in")
+    result_due_in(s, "a", 2 * lead)
+    step(s)
+    assert s.state()["paused"]["a"] == [0, 101, 0], "brought back steps ahead of its resume"
+    result_due_in(s, "a", 0.5 * lead)
+    step(s)
+    assert s.state()["paused"]["a"] == [101, 0, 0], s.state()
+    step(s)
+    assert s.state()["paused"]["a"] == [101, 0, 0], "the plan sent it away again"
     assert kv_matches(s, "a")
 
 
