@@ -28,6 +28,9 @@ Under KV pressure (a device pool smaller than the agents' contexts) with every t
 
     python benchmarks/burst.py --kv-cache-gb 0.25 --tool-s 2 --policies infercept infercept+no-prefetch \
         --repeats 3 --out benchmarks/results/prefetch_<date>
+
+`--server-args` adds to every server's command line, e.g. `--server-args="--backend vllm"` (vLLM's CPU
+threads: `VLLM_CPU_OMP_THREADS_BIND` in the environment, which the servers inherit).
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ import argparse
 import json
 import math
 import random
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -86,7 +90,8 @@ def run(policy: str, trace: list[dict], args, out: Path, tag: str) -> dict:
     step_log = out / f"steps_{policy}_{tag}.jsonl"
     step_log.unlink(missing_ok=True)
     env = {"INFERCEPT_STEP_LOG": str(step_log)} if args.step_log else {}
-    server = ServerProcess(infercept_argv(policy, port, args), port, policy, out / f"{policy}_{tag}.log", env)
+    argv = infercept_argv(policy, port, args) + shlex.split(args.server_args)
+    server = ServerProcess(argv, port, policy, out / f"{policy}_{tag}.log", env)
     records, elapsed, before, after = replay_once(server, trace, args)
     summary = summarize(records, elapsed) | engine_shares(before, after, elapsed, args.kv_cache_gb * GIB)
     return {"summary": summary, "steps": step_totals(step_log), "records": [r.to_dict() for r in records]}
@@ -153,6 +158,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--until", type=float, default=600.0, help="cut a replay off after this many seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step-log", action="store_true", help="log every engine step's batch and time")
+    p.add_argument("--server-args", default="", help="more arguments for every `infercept serve`, one string "
+                                                     "(e.g. \"--backend vllm\")")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--out", default=str(Path(__file__).with_name("results") / f"burst_{today()}"))
     return p.parse_args(argv)
@@ -178,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     trace = burst_trace(args)
-    command = ("python benchmarks/burst.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
+    command = ("python benchmarks/burst.py " + shlex.join(argv if argv is not None else sys.argv[1:])).strip()
     results: dict[str, list[dict]] = {policy: [] for policy in args.policies}
     for i in range(args.repeats):
         for policy in args.policies:

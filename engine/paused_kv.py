@@ -253,10 +253,15 @@ class PausedKV:
                     guard.while_ample)
 
     def replan(self, request_id: str) -> None:
-        """Plan this holder again next step: what its estimate reads changed outside the tool histories
-        (a tool name or client hint learned after it paused)."""
-        if request_id in self._entries:
-            self._wake(request_id)
+        """Plan this holder again next step, and key its host KV again: what its estimate reads changed
+        outside the tool histories (a tool name or client hint learned after it paused)."""
+        e = self._entries.get(request_id)
+        if e is None:
+            return
+        self._wake(request_id)
+        if e.host:
+            self._host_unkey(request_id, e)
+            self._host_unkeyed.add(request_id)
 
     # -- which host holders to look at -----------------------------------------------------------------
     def host_holders_before(self, t: float, now: float) -> list[Request]:

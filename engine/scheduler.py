@@ -46,7 +46,8 @@ from .paused_kv import WAKE_EARLY_S, PausedKV, kv_state
 from .policy import (DurationEstimator, IterationInfo, KVAction, PausedInfo, Policy, Profile,
                      split_swap_budget, swap_room)
 from .policy.admission import AdmissionController
-from .policy.budget import iteration_swap_limit, memory_ample, resume_imminent
+from .policy import prefetch
+from .policy.budget import iteration_swap_limit, memory_ample
 from .request import Request, RequestStatus
 
 
@@ -445,46 +446,31 @@ class Scheduler:
         """Paused requests with KV on the host that may be due back before `horizon` (or have no key
         yet: `PausedKV.host_holders_before`) and whose remaining pause is predicted (a hint, the tool's
         history: the elapsed-time rule cannot say a resume is near), with their host tokens and that
-        expected remaining time. Each is keyed again by when its copy back could first be due: its
-        predicted resume less the copy's time (the prediction falls as fast as the clock until a jump,
-        where it only grows, so the key is early until its tool's history changes: `key_host`). Only
-        the estimate, not the full `_paused_info` with its remaining-time distribution."""
+        expected remaining time. Each is keyed again by when its copy back could first be due
+        (`prefetch.key_time`; early until its tool's history changes: `key_host`). Only the estimate,
+        not the full `_paused_info` with its remaining-time distribution."""
         now, out = self.clock(), []
         for r in self.paused_kv.host_holders_before(horizon, now):
             host = self.kv_tokens(r)[1]
             expected = self.estimator.predicted(now, r.paused_at, r.duration_key, r.duration_hint)
-            at = None if expected is None else now + expected - self.profile.t_swap(host, "in")
+            at = None if expected is None else prefetch.key_time(now, expected, self.profile, host)
             self.paused_kv.key_host(r.request_id, at, r.duration_key, self.estimator.version(r.duration_key))
             if expected is not None:
                 out.append((r, host, expected))
         return out
 
     def _prefetch_candidates(self) -> list[tuple[Request, int]]:
-        """Paused requests with KV on the host whose resume looks imminent (`resume_imminent`), soonest
-        first, with their host tokens: the policy's proactive swap-in (`Policy.prefetch`). Only under a
-        policy that prefetches.
-
-        The copies share the per-step swap budget, soonest first and after the resumed requests' own
-        swap-ins: a request whose KV comes back behind others' needs as many steps as the budget takes
-        to copy everything ahead of it and its own, so its lead counts them. Not a walk over every host
-        holder: none can need more steps than all host KV takes, or a longer copy than all of it, so
-        only those keyed before that horizon are looked at; the ones ahead of an imminent one in the
-        order are among them (their predicted resume is no later, their copy no longer than all)."""
+        """Paused requests with KV on the host whose resume looks imminent, soonest first, with their
+        host tokens: the policy's proactive swap-in (`prefetch.due`), after the resumed requests' own
+        swap-ins. Only under a policy that prefetches. Not a walk over every host holder: only those
+        keyed before `prefetch.horizon` are looked at."""
         if not self._prefetches():
             return []
         step_s, per_step = self.step_lead_s(), self._swap_budget_tokens()
         ahead = sum(self.kv_tokens(r)[1] for r in self.swapped)
-        all_host = self.paused_kv.host_tokens
-        most_steps = 1 if not per_step else max(1, -(-(ahead + all_host) // per_step))
-        horizon = self.clock() + most_steps * step_s + self.profile.t_swap(all_host, "in") + WAKE_EARLY_S
-        holders = sorted(self._host_holders_due_by(horizon), key=lambda x: (x[2], x[0].priority))
-        due = []
-        for r, host, expected in holders:
-            ahead += host
-            steps = 1 if not per_step else max(1, -(-ahead // per_step))
-            if resume_imminent(expected, self.profile, step_s, host, steps):
-                due.append((r, host))
-        return due
+        horizon = prefetch.horizon(self.clock(), self.profile, step_s, per_step, ahead,
+                                   self.paused_kv.host_tokens) + WAKE_EARLY_S
+        return prefetch.due(self._host_holders_due_by(horizon), self.profile, step_s, per_step, ahead)
 
     def _prefetch(self, out: SchedulerOutput, due: list[tuple[Request, int]], budget_blocks: int | None) -> None:
         """Swap in what this step's swap-in budget has left of paused requests' host KV, into device

@@ -1,6 +1,6 @@
 """Which of a policy's parts the vLLM backend runs (engine/vllm_backend/policy_parts.py), without vLLM: a
 name asking for a part only the native engine runs is refused by name before vLLM starts, the default
-`infercept` starts with those parts switched off, and docs/operators.md says the same as the code.
+`infercept` starts whole (prefetch included), and docs/operators.md says the same as the code.
 tests/vllm_scheduler_cases.py checks the same inside vLLM's scheduler, and that the parts it runs act
 there."""
 from __future__ import annotations
@@ -30,7 +30,7 @@ def test_every_part_is_either_run_on_vllm_or_native_only():
     assert set(HONOURED) | set(NATIVE_ONLY) == set(PARTS)
     assert not set(HONOURED) & set(NATIVE_ONLY)
     assert {part_setting(v)[0] for v in VARIANTS} == set(PARTS), "a variant sets an attribute PARTS does not name"
-    assert {"prefetch", "admission", "las-priority", "program-arrival-priority"} == set(NATIVE_ONLY_ON)
+    assert {"admission", "las-priority", "program-arrival-priority"} == set(NATIVE_ONLY_ON)
 
 
 @pytest.mark.parametrize("base", ["infercept", "infercept-paper", "preserve", "swap"])
@@ -60,14 +60,14 @@ def test_every_policy_runs_on_vllm_with_the_native_only_parts_off_and_the_others
     assert make_policy(on_vllm.label).label == on_vllm.label  # the label names what runs
 
 
-def test_the_default_policy_starts_on_vllm_with_prefetch_switched_off_visibly():
+def test_the_default_policy_runs_on_vllm_whole_with_prefetch():
     policy = vllm_policy("infercept")
-    assert policy.prefetch is False and policy.label == "infercept+no-prefetch"
-    assert switched_off("infercept") == ["prefetch"]
+    assert policy.prefetch is True and policy.label == "infercept"
+    assert switched_off("infercept") == []
     assert (policy.expected_waste, policy.deferred_swap, policy.ample_preserve, policy.preemption) == (
         True, True, "by-copy-overlap", "swap")
-    assert vllm_policy("infercept+no-prefetch").label == "infercept+no-prefetch"
-    assert switched_off("infercept+no-prefetch") == []  # the name already says so
+    assert vllm_policy("infercept+no-prefetch").prefetch is False
+    assert vllm_policy("infercept-paper+prefetch").prefetch is True
 
 
 @pytest.mark.parametrize("part", HONOURED_VARIANTS)
@@ -91,7 +91,7 @@ def create(policy: str):
     return VllmBackend.create("/nonexistent/model", python=sys.executable, policy=policy)
 
 
-@pytest.mark.parametrize("policy,named", [("infercept+prefetch", "+prefetch"), ("swap+las-priority", "+las-priority"),
+@pytest.mark.parametrize("policy,named", [("infercept+admission", "+admission"), ("swap+las-priority", "+las-priority"),
                                           ("preserve+admission", "+admission"),
                                           ("infercept-paper+program-arrival-priority", "+program-arrival-priority")])
 def test_the_backend_refuses_a_native_only_part_before_vllm_starts(worker_configs, policy, named):
@@ -107,18 +107,8 @@ def test_stock_vllm_takes_no_parts(worker_configs, policy):
     assert worker_configs == []
 
 
-def test_the_default_policy_starts_with_the_switched_off_parts_in_the_log(worker_configs, caplog):
-    with caplog.at_level(logging.WARNING, logger="infercept.vllm_backend"), pytest.raises(WorkerStarted):
-        create("infercept")
-    (config,) = worker_configs
-    assert config["engine"]["additional_config"]["infercept"]["policy"] == "infercept"
-    assert config["policy_channel"]
-    (record,) = [r for r in caplog.records if r.name == "infercept.vllm_backend"]
-    assert "'infercept+no-prefetch'" in record.getMessage() and "prefetch only on the native engine" in \
-        record.getMessage(), record.getMessage()
-
-
-@pytest.mark.parametrize("policy", ["infercept-paper+deferred-swap+context-cost+expected-waste",
+@pytest.mark.parametrize("policy", ["infercept", "infercept-paper+prefetch",
+                                    "infercept-paper+deferred-swap+context-cost+expected-waste",
                                     "infercept-paper+ample-no-discard", "preserve+swap-preemption",
                                     "infercept+no-prefetch+arrival-priority"])
 def test_the_backend_starts_a_policy_with_parts_vllm_runs(worker_configs, caplog, policy):

@@ -11,7 +11,7 @@ paused sessions wait outside vLLM's queues and counts until their next chunk or 
 only paused sessions and a KV connector takes no step; the per-step report to the worker names only the
 sessions whose KV changed;
 min-waste discards a long pause and preserves a short one; the policy runs without the parts only the
-native engine runs (refused when a name asks for one, off where its class has one on); ample-memory
+native engine runs (refused when a name asks for one), `infercept` whole; ample-memory
 preserve keeps paused KV while vLLM's pool has room for all queued work (all of it on a CPU, no discard
 on a GPU) and lets the policy decide once the room is wanted; a tool's history records the pause until its
 result arrived (not until the scheduler's next step); the host tier
@@ -19,6 +19,11 @@ result arrived (not until the scheduler's next step); the host tier
 a swapped session's KV goes to the host and comes back position for position, reclaim swaps when a copy is
 cheaper, a full host pool means a discard, a context larger than the step's swap budget leaves over
 several steps, a session resumed mid-swap keeps its device KV, an ended one frees its host blocks;
+proactive swap-in brings a session's host KV back once its result is near (past the prefix cache's hit,
+position for position, only into blocks the next step does not need, one step ahead whatever the swap
+budget), so its resume loads nothing, while without
+it the resume loads the host KV itself, and an idle engine steps for host KV due back or asks the worker
+to wake it when the copy back may first be due (and the worker does);
 paused sessions on a slow tool are planned only when their decision may change (the paused-KV index,
 engine/paused_kv.py), deciding what planning every session every step decides; the
 connector on KV caches vLLM's own allocator lays out (every layout, blocks split into kernel blocks, host
@@ -68,6 +73,11 @@ CASES = ("preserve_keeps_a_paused_sessions_blocks",
          "a_context_larger_than_the_swap_budget_leaves_over_several_steps",
          "a_session_resumed_mid_swap_keeps_its_device_kv",
          "ending_a_swapped_session_frees_its_host_blocks",
+         "prefetch_brings_host_kv_back_before_the_resume_which_finds_it_on_the_device",
+         "prefetch_acts_one_step_ahead_whatever_the_swap_budget",
+         "without_prefetch_the_resume_loads_host_kv_itself",
+         "an_idle_engine_steps_for_host_kv_due_back_and_asks_to_be_woken_before_then",
+         "prefetch_takes_only_blocks_the_next_step_does_not_need",
          "paused_sessions_on_a_slow_tool_are_planned_only_when_their_decision_may_change",
          "a_stop_string_ends_a_sessions_turn_at_the_token_the_output_stage_does",
          "tool_calls_end_a_sessions_turn_once_the_model_moves_past_them",
@@ -80,6 +90,7 @@ CASES = ("preserve_keeps_a_paused_sessions_blocks",
          "the_scheduler_vllm_builds_follows_its_choice_of_async_scheduling",
          "vllms_tool_parsers_read_a_turn_as_vllms_chat_serving_does",
          "the_worker_hands_a_turns_calls_to_the_backend_with_its_last_output",
+         "the_worker_wakes_vllms_engine_core_when_the_scheduler_asks",
          "an_unknown_or_unfit_tool_parser_is_refused",
          "the_vllm_parser_api_we_call_has_the_signatures_we_were_written_against")
 

@@ -370,16 +370,15 @@ def case_infercept_discards_long_pauses_and_preserves_short_ones():
 
 
 def case_the_policy_runs_without_the_parts_only_the_native_engine_runs():
-    """A name asking for prefetch, admission or a queue order other than arrival is refused by the
-    scheduler as by the start-up check; `infercept`, whose class turns prefetch on, runs with it off (its
-    label says so), every part vLLM runs as its class has it."""
-    for name, part in (("infercept+prefetch", "+prefetch"), ("swap+las-priority", "+las-priority"),
+    """A name asking for admission or a queue order other than arrival is refused by the scheduler as by
+    the start-up check; `infercept` runs whole, every part as its class has it."""
+    for name, part in (("infercept+admission", "+admission"), ("swap+las-priority", "+las-priority"),
                        ("infercept-paper+admission", "+admission")):
         message = refused(lambda: make(name))
         assert part in message and "native engine" in message, message
     policy = make("infercept").intercept_policy
-    assert (policy.prefetch, policy.admission, policy.priority) == (False, False, "arrival")
-    assert policy.label == "infercept+no-prefetch", policy.label
+    assert (policy.prefetch, policy.admission, policy.priority) == (True, False, "arrival")
+    assert policy.label == "infercept", policy.label
     assert (policy.expected_waste, policy.deferred_swap, policy.ample_preserve, policy.preemption) == \
         (True, True, "by-copy-overlap", "swap")
 
@@ -546,6 +545,125 @@ def case_a_session_resumed_mid_swap_keeps_its_device_kv():
     step(s)
     assert s.host_tier.free_host_tokens == 32 * BLOCK, "the partial copy's host blocks were not given back"
     assert kv_matches(s, "a")
+
+
+def swapped_out_for_an_hour(policy: str = "infercept", max_num_seqs: int = 16, profile: Profile = PROFILE):
+    """Session "a" (101 tokens of KV) paused on a tool the client says lasts an hour and swapped to the
+    host; then "b" took over most of its old blocks, so the prefix cache holds only its first few."""
+    s = make(policy, num_blocks=16, host_blocks=32, max_num_seqs=max_num_seqs, profile=profile)
+    s.add_request(request("a", prompt(100)))
+    run_until_paused(s, "a")
+    s._on_message({"op": "pause", "id": "a", "tool": "search", "expected_s": 3600.0})
+    for _ in range(6):  # (a copy slower than a step's budget takes several)
+        step(s)
+        if s.state()["paused"]["a"] == [0, 101, 0]:
+            break
+    assert s.state()["paused"]["a"] == [0, 101, 0], s.state()
+    s.add_request(request("b", prompt(200, 3000), max_tokens=3))
+    run_until_paused(s, "b")
+    s.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    step(s)
+    assert s.state()["paused"]["a"] == [0, 101, 0], "brought back an hour ahead of its resume"
+    return s
+
+
+def result_due_in(s, rid: str, seconds: float) -> None:
+    """The client's hint, learned now: the tool's result comes `seconds` from now."""
+    pause = s.pauses[rid]
+    s._on_message({"op": "pause", "id": rid, "tool": pause.tool,
+                   "expected_s": time.monotonic() - pause.paused_at + seconds})
+
+
+def case_prefetch_brings_host_kv_back_before_the_resume_which_finds_it_on_the_device():
+    """`infercept` (prefetch on): once the result is near, the session's KV comes back from the host in one
+    step, past what the prefix cache still holds, position for position; the plan keeps it there, the
+    host blocks go back to the pool, and the resume starts with every token computed, loading nothing."""
+    s = swapped_out_for_an_hour()
+    loaded = s.host_tier.counters["swapped_in_tokens"]
+    result_due_in(s, "a", 0.05)
+    out = step(s)
+    assert s.state()["paused"]["a"] == [101, 0, 0], s.state()
+    assert out.has_sync_kv_loads and 0 < s.host_tier.counters["swapped_in_tokens"] - loaded < 101, \
+        "not a copy of what the prefix cache lost"
+    assert kv_matches(s, "a"), "the KV brought back is not the KV the session had"
+    step(s)
+    assert s.state()["paused"]["a"] == [101, 0, 0], "the plan sent it away again"
+    assert s.host_tier.free_host_tokens == 32 * BLOCK and not s.host_tier.copies
+    loaded = s.host_tier.counters["swapped_in_tokens"]
+    out = resume(s, "a", prompt(20, 5000))
+    new = {r.req_id: r for r in out.scheduled_new_reqs}
+    assert new["a"].num_computed_tokens == 101 and out.num_scheduled_tokens["a"] == 21, new["a"]
+    assert s.host_tier.counters["swapped_in_tokens"] == loaded and s.counters["recomputed_tokens"] == 0
+    assert kv_matches(s, "a")
+
+
+def case_prefetch_acts_one_step_ahead_whatever_the_swap_budget():
+    """At a copy rate (10 MB/s) whose swap budget takes several steps for the 101 tokens, the native
+    engine's lead would count those steps; here the copy back is whole, in one step, and the plan keeps
+    prefetched KV only while its resume is a step near, so the session stays on the host until then."""
+    slow = Profile.from_dict(PROFILE.to_dict() | {"d2h_bytes_per_s": 1e7, "h2d_bytes_per_s": 1e7})
+    s = swapped_out_for_an_hour(profile=slow)
+    s.add_request(request("runner", prompt(20, 20000), max_tokens=50))  # steps with a forward: a budget
+    step(s)
+    lead = s._step_lead_s() + slow.t_swap(101, "in")
+    result_due_in(s, "a", 2 * lead)
+    step(s)
+    assert s.state()["paused"]["a"] == [0, 101, 0], "brought back steps ahead of its resume"
+    result_due_in(s, "a", 0.5 * lead)
+    step(s)
+    assert s.state()["paused"]["a"] == [101, 0, 0], s.state()
+    step(s)
+    assert s.state()["paused"]["a"] == [101, 0, 0], "the plan sent it away again"
+    assert kv_matches(s, "a")
+
+
+def case_without_prefetch_the_resume_loads_host_kv_itself():
+    s = swapped_out_for_an_hour("infercept+no-prefetch")
+    result_due_in(s, "a", 0.05)
+    step(s)
+    assert s.state()["paused"]["a"] == [0, 101, 0], s.state()
+    out = resume(s, "a", prompt(20, 5000))
+    assert out.has_sync_kv_loads and s.host_tier.counters["swapped_in_tokens"] > 0
+    assert s.counters["recomputed_tokens"] == 0 and kv_matches(s, "a")
+
+
+def case_an_idle_engine_steps_for_host_kv_due_back_and_asks_to_be_woken_before_then():
+    """With nothing running or waiting vLLM's engine core sleeps until `has_requests`: it owes a step to
+    host KV due back and otherwise asks the worker to wake it when the copy back may first be due (the
+    session's predicted resume less the copy and a step)."""
+    s = swapped_out_for_an_hour()
+    sent = []
+    s.channel = SimpleNamespace(poll=lambda: False, send=sent.append)
+    def wakes() -> list[float]:
+        return [m["at"] for m in sent if m["op"] == "wake"]
+
+    assert not s.has_requests(), "the engine steps for a resume an hour away"
+    assert len(wakes()) == 1 and wakes()[0] > time.monotonic() + 3000, wakes()
+    result_due_in(s, "a", 5.0)
+    assert not s.has_requests()
+    wake = wakes()[-1]
+    due = s.pauses["a"].paused_at + s.pauses["a"].hint_s - PROFILE.t_swap(101, "in") - s._step_lead_s()
+    assert abs(wake - due) < 0.05, (wake, due)
+    assert not s.has_requests() and len(wakes()) == 2, "asked again for the same wake"
+    result_due_in(s, "a", 0.05)
+    assert s.has_requests(), "no step for host KV due back"
+    step(s)
+    assert s.state()["paused"]["a"] == [101, 0, 0] and kv_matches(s, "a")
+    assert not s.has_requests()
+
+
+def case_prefetch_takes_only_blocks_the_next_step_does_not_need():
+    """A request waiting for vLLM's one seat keeps the room the next step may admit it into (its 8 blocks
+    of the 14 free, less than a step's budget; a running request's next token one more): the host KV
+    due back (7 blocks) waits."""
+    s = swapped_out_for_an_hour(max_num_seqs=1)
+    s.add_request(request("runner", prompt(20, 20000), max_tokens=50))
+    step(s)
+    s.add_request(request("waiter", prompt(120, 30000)))
+    result_due_in(s, "a", 0.05)
+    step(s)
+    assert s.requests["waiter"].status == RequestStatus.WAITING and free_blocks(s) >= 7
+    assert s.state()["paused"]["a"] == [0, 101, 0], "prefetch took the room a waiting request needs"
 
 
 def case_ending_a_swapped_session_frees_its_host_blocks():
@@ -758,6 +876,37 @@ def case_the_worker_hands_a_turns_calls_to_the_backend_with_its_last_output():
     assert "calls" not in worker.with_calls("s", out(call, "stop"))
 
 
+def case_the_worker_wakes_vllms_engine_core_when_the_scheduler_asks():
+    """A `wake` from the scheduler (its reader thread) arms one timer on the event loop; a later request
+    replaces it; when it fires, a read-only call reaches vLLM's engine core (whose loop then asks the
+    scheduler whether to step). A pause hint sent to the scheduler wakes it at once."""
+    import asyncio
+
+    from engine.vllm_backend import worker as worker_module
+
+    calls = []
+
+    class Engine:
+        async def is_sleeping(self):
+            calls.append(time.monotonic())
+            return False
+
+    async def main():
+        worker = worker_module.Worker(None, {"engine": {}})
+        worker.llm, worker.loop = Engine(), asyncio.get_running_loop()
+        asked = time.monotonic()
+        await asyncio.to_thread(worker.wake_engine_at, asked + 0.3)
+        await asyncio.to_thread(worker.wake_engine_at, asked + 0.1)  # the scheduler's latest word
+        await asyncio.sleep(0.5)
+        assert len(calls) == 1 and asked + 0.1 <= calls[0] < asked + 0.3, [c - asked for c in calls]
+        worker.policy = SimpleNamespace(send=lambda msg: None)
+        worker.handle({"op": "pause", "id": "s", "tool": "search", "expected_s": 2.0})
+        await asyncio.sleep(0.05)
+        assert len(calls) == 2, "a pause hint did not wake the engine core"
+
+    asyncio.run(main())
+
+
 def case_an_unknown_or_unfit_tool_parser_is_refused():
     parsers = vllm_tool_calls()
     for name, said in (("qwen3_xmll", "vLLM's are: "), ("deepseek_v3", "tokenizer")):
@@ -809,6 +958,11 @@ SIGNATURES = {
     "Scheduler._is_blocked_waiting_status": "(status: vllm.v1.request.RequestStatus) -> bool",
     "Scheduler._enqueue_waiting_request": "(self, request: vllm.v1.request.Request) -> None",
     "Scheduler.has_finished_requests": "(self) -> bool",
+    "Scheduler.update_from_output": "(self, scheduler_output: vllm.v1.core.sched.output.SchedulerOutput, "
+                                    "model_runner_output: vllm.v1.outputs.ModelRunnerOutput) -> "
+                                    "dict[int, vllm.v1.engine.EngineCoreOutputs]",
+    "KVCacheManager.get_computed_blocks": "(self, request: vllm.v1.request.Request) -> "
+                                          "tuple[vllm.v1.core.kv_cache_manager.KVCacheBlocks, int, int]",
     "Scheduler.get_request_counts": "(self) -> tuple[int, int]",
     "KVCacheManager.free": "(self, request: vllm.v1.request.Request) -> None",
     "FCFSRequestQueue.add_request": "(self, request: vllm.v1.request.Request) -> None",

@@ -14,6 +14,7 @@ without a model (`engine/modeled_runner.py`). Modules:
 - `expected_waste`: its expected-waste form over a remaining-time distribution.
 - `policies`: the baseline and ablation policies (`Policy` and its subclasses).
 - `names`: `POLICIES`, `make_policy` (with switchable parts: `VARIANTS`).
+- `prefetch`: proactive swap-in's choice of the paused requests whose host KV comes back now.
 - `admission`: `AdmissionController`, the AIMD cap on active programs under overload (`+admission`).
 """
 from .admission import AdmissionController

@@ -105,6 +105,6 @@ def resume_imminent(expected_s: float, profile: Profile, step_s: float, host_tok
     full step's 88). The mean, not the soonest, remaining time: acting on the soonest past call that
     outlasted this one holds the KV of every heavy-tailed pause on the device (the six-augment mix
     recomputed 23% of its forward time that way in simulation, against 0.6%). `copy_steps`: steps the
-    per-step swap budget needs for this copy and those queued ahead of it (`Scheduler._prefetch_candidates`)."""
+    per-step swap budget needs for this copy and those queued ahead of it (`prefetch.due`)."""
     return expected_s < profile.t_swap(host_tokens, "in") + copy_steps * step_s
 

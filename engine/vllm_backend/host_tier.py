@@ -16,7 +16,9 @@ before `handle_preemptions`: neither happens on a KV cache this connector accept
 When the session is admitted again, vLLM asks `get_num_new_matched_tokens`: the host holds its context
 past the prefix-cache hit, loaded synchronously (`start_load_kv`: vLLM runs a synchronous load before
 the forward) into the blocks vLLM allocated. Host blocks of a load are reusable only from the next step
-on (this step's swap-outs are copied before its loads).
+on (this step's swap-outs are copied before its loads). Proactive swap-in loads the same way, in a step
+vLLM has not scheduled the session in: the scheduler allocates its blocks once vLLM has scheduled the
+step and adds the copy to the step's metadata (`swap_in_now`).
 
 Worker side: `register_kv_caches` takes vLLM's per-layer views, `[B, H, N, C]` with the blocks in dim 0
 (`vllm.v1.worker.utils.allocate_kv_cache`; B is a multiple of vLLM's blocks when the attention backend
@@ -199,6 +201,20 @@ class HostTierConnector(KVConnectorBase_V1):
         copy.num_tokens = num_tokens
         return True
 
+    def swap_in_now(self, meta: "HostTierMetadata", request_id: str, device_blocks: list[int], start: int) -> None:
+        """Proactive swap-in of a paused session that vLLM has not scheduled: add the copy of its host KV
+        from token `start` (block-aligned: before it, the prefix cache holds it) into `device_blocks`
+        to this step's metadata, after vLLM built it (`meta`), and drop the host copy: its blocks are
+        reusable from the next step's swap-outs on, which run after this step's loads."""
+        copy = self.copies[request_id]
+        meta.swap_in += self._load_pairs(copy, device_blocks, start, copy.num_tokens)
+        self.counters["swapped_in_tokens"] += copy.num_tokens - start
+        self.drop(request_id)
+
+    def _load_pairs(self, copy: _HostCopy, device_blocks: list[int], start: int, end: int) -> list[tuple[int, int]]:
+        """(device block, host block) pairs that load tokens [start, end) of a host copy."""
+        return [(device_blocks[i], copy.blocks[i]) for i in range(start // self.block_size, -(-end // self.block_size))]
+
     def drop(self, request_id: str) -> None:
         """Forget the session's host copy (it ended, or its device KV is used instead)."""
         copy = self.copies.pop(request_id, None)
@@ -224,9 +240,7 @@ class HostTierConnector(KVConnectorBase_V1):
         copy = self.copies[request.request_id]
         device = self._kv_cache_manager.get_block_ids(request.request_id)[0]
         hit = self._hits.pop(request.request_id)  # block-aligned whenever vLLM takes an external load
-        end = hit + num_external_tokens
-        for index in range(hit // self.block_size, -(-end // self.block_size)):
-            self._in.append((device[index], copy.blocks[index]))
+        self._in += self._load_pairs(copy, device, hit, hit + num_external_tokens)
         self.counters["swapped_in_tokens"] += num_external_tokens
         self._loading.append(request.request_id)
 

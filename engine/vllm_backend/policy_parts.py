@@ -1,13 +1,13 @@
 """Which of a policy's parts the vLLM backend runs, and the policy it runs.
 
 A policy's parts are `Policy` attributes a name may switch after ``+`` (`engine.policy.names.PARTS`).
-`InterceptScheduler` (scheduler.py) runs the policy's plans, guards and reclaim rule on vLLM, so the parts
-that live in those run there as on the native engine; the parts that need mechanism only the native
-scheduler has (its own queue order, a swap-in ahead of the resume, its admission gate) do not. This module
-says which is which, in one place: the start-up check (backend.py, before vLLM starts) and the scheduler
-inside vLLM both build the policy with `vllm_policy`, so a name that asks for a part the backend cannot run
-is refused by name, and a class that turns one on by default (`infercept`: prefetch) runs with it
-switched off, visibly (its label says ``+no-prefetch``). Policy names and parts stay the policy layer's
+`InterceptScheduler` (scheduler.py) runs the policy's plans, guards, reclaim rule and choice of the host
+KV to bring back ahead of a resume on vLLM, so the parts that live in those run there as on the native
+engine; the parts that need mechanism only the native scheduler has (its own queue order, its admission
+gate) do not. This module says which is which, in one place: the start-up check (backend.py, before vLLM
+starts) and the scheduler inside vLLM both build the policy with `vllm_policy`, so a name that asks for a
+part the backend cannot run is refused by name, and a class that turned one on by default would run with
+it switched off, visibly (its label would say so). Policy names and parts stay the policy layer's
 (`engine.policy`); this module only reads them. No vLLM import: the server's environment reads it too.
 """
 from __future__ import annotations
@@ -27,14 +27,15 @@ HONOURED = {
                       "paused KV on the host, one step's token budget), in every mode",
     "preemption": "the rule for paused KV taken back under memory pressure (Policy.reclaim); a running "
                   "request that vLLM itself preempts is recomputed under either rule",
+    "prefetch": "a paused session whose KV is all on the host gets device blocks from vLLM's free pool (less "
+                "what running requests and the next step's admissions need) once its resume looks imminent, and the host tier "
+                "copies it back within the step's swap budget, whole (an idle engine is woken for it)",
 }
 # The parts only the native engine runs, and why not here. On this backend each stays at `Policy`'s own
 # value (off; arrival order).
 NATIVE_ONLY = {
     "priority": "vLLM orders its queues by arrival; least attained service and program arrival need the "
                 "native scheduler's queues",
-    "prefetch": "a swap-in ahead of the resume would need the host tier to load a session's KV while vLLM "
-                "has not scheduled it",
     "admission": "the AIMD cap reads the native engine's thrashing and holds new programs in its own queue",
 }
 

@@ -42,13 +42,21 @@ paused sessions can fill the pool). Here:
   chunk of a session is). vLLM's test for finished requests awaiting a connector's cleanup
   (`has_finished_requests`) counts the parked sessions too, so an engine with nothing but paused
   sessions takes no step;
+- proactive swap-in (`Policy.prefetch`): after vLLM has scheduled a step, a paused session whose KV is
+  all on the host and whose resume looks imminent (`engine.policy.prefetch`, the native engine's choice)
+  gets device blocks that nothing queued needs, from vLLM's KV cache manager (the prefix cache's hit
+  first), and the connector copies the rest back in that step, before its forward; the session is then
+  paused with its KV on the device, as if it had kept it, and its resume finds it there. An engine core
+  with nothing to run sleeps on its input queue: vLLM asks `has_finished_requests` before it sleeps, which
+  owes a step to host KV due back, and otherwise has the worker wake the engine core when the earliest copy
+  back may be due (`{"op": "wake"}`);
 - after each step that changed something, the worker is sent where the paused sessions' KV is, naming
   only the sessions whose KV moved, paused, resumed or ended since the last report.
 
 The policy runs with the parts this backend can run (`policy_parts.py`: expected waste, context cost,
-deferred swaps, ample-memory preserve, whose free-pool test reads vLLM's block pool and waiting queues, and
-the preemption rule for paused KV); a name asking for another (prefetch, a queue order other than arrival,
-admission) is refused here as at start-up, and a class's default of one runs switched off.
+deferred swaps, ample-memory preserve, whose free-pool test reads vLLM's block pool and waiting queues,
+proactive swap-in, and the preemption rule for paused KV); a name asking for another (a queue order other
+than arrival, admission) is refused here as at start-up.
 
 The host tier exists when vLLM runs our connector (the backend configures it with a host pool size); without
 it the swap budget is 0 and `infercept` chooses between preserve and discard.
@@ -62,6 +70,7 @@ turn; the scheduler measures each pause itself (pause to the next chunk) and fee
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, replace
@@ -73,8 +82,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from engine.output_stage import TurnRule, TurnWatch
-from engine.paused_kv import PausedKV
-from engine.policy import DurationEstimator, IterationInfo, KVAction, PausedInfo, Profile
+from engine.paused_kv import WAKE_EARLY_S, PausedKV
+from engine.policy import DurationEstimator, IterationInfo, KVAction, PausedInfo, Profile, prefetch
 from engine.policy.budget import iteration_swap_limit, memory_ample, swap_room
 from engine.vllm_backend.host_tier import HostTierConnector, refusal
 from engine.vllm_backend.params import TURN_RULE_KEY
@@ -86,11 +95,12 @@ CONFIG_KEY = "infercept"
 PAUSED = RequestStatus.WAITING_FOR_STREAMING_REQ
 # The vLLM internals this module overrides or calls: tests/test_vllm_scheduler.py checks their signatures
 # against the installed vLLM, so a version bump that changes one fails there, not in production.
-OVERRIDDEN = ("schedule", "add_request", "_handle_stopped_request", "_update_request_as_session",
-              "finish_requests", "_update_request_with_output", "has_finished_requests")
+OVERRIDDEN = ("schedule", "update_from_output", "add_request", "_handle_stopped_request",
+              "_update_request_as_session", "finish_requests", "_update_request_with_output", "has_finished_requests")
 CALLED = ("_free_request_blocks", "_request_blocks_can_be_freed", "_holds_kv_blocks", "_is_blocked_waiting_status",
           "_enqueue_waiting_request", "get_request_counts")
-KV_CACHE_MANAGER_CALLED = ("allocate_slots", "free")
+KV_CACHE_MANAGER_CALLED = ("allocate_slots", "free", "get_computed_blocks")
+RECENT_STEPS = 32  # measured steps the step lead reads (`_step_lead_s`), as the native scheduler's
 QUEUE_CALLED = ("add_request", "remove_request")
 
 
@@ -161,6 +171,12 @@ class _InterceptMixin:
         self._moved: set[str] = set()  # sessions whose KV location the worker has not been sent since it changed
         self._next_grammar: dict = {}  # session -> its next chunk's StructuredOutputRequest (or None)
         self._parked: set[str] = set()  # paused sessions kept out of vLLM's queues (vLLM's ids)
+        self._prefetched: set[str] = set()  # paused sessions whose host KV came back before their resume
+        # Steps scheduled, not yet updated: (when, ran tokens); vLLM has at most its batch queue's in flight.
+        self._planned_at: deque[tuple[float, bool]] = deque(maxlen=8)
+        self._recent_step_s: deque[float] = deque(maxlen=RECENT_STEPS)
+        self._wake_sent = -math.inf  # the last time the worker was asked to wake the engine (`_idle_prefetch`)
+        self._idle_stuck = False  # an idle step found a prefetch due and could bring none back
         self.turn_watches: dict[str, TurnWatch] = {}  # request -> its turn's rule, while the turn runs
         self._tokenizer = None  # loaded for the first turn with a rule
 
@@ -171,8 +187,14 @@ class _InterceptMixin:
             self._plan()
         except Exception:  # a fault in our policy must not take vLLM down: this step runs as stock vLLM
             logger.exception("the InferCept policy failed before this step; it runs without a plan")
+        planned_at = time.monotonic()
         out = super().schedule(*args, **kwargs)
+        self._planned_at.append((planned_at, out.total_num_scheduled_tokens > 0))
         self._last_batched_tokens = out.total_num_scheduled_tokens or self._last_batched_tokens
+        try:
+            self._prefetch(out)
+        except Exception:
+            logger.exception("the InferCept policy's proactive swap-in failed in this step; it goes on without")
         for new in out.scheduled_new_reqs:
             frontier = self.recompute_from.pop(external_id(new.req_id), None)
             if frontier is not None:
@@ -180,6 +202,15 @@ class _InterceptMixin:
                 self.resumed_hits[external_id(new.req_id)] = new.num_computed_tokens
         self._report()
         return out
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        """vLLM's, and the step's time from its planning (the step lead proactive swap-in needs: vLLM
+        updates steps in the order it scheduled them)."""
+        if self._planned_at:
+            planned_at, ran = self._planned_at.popleft()
+            if ran:
+                self._recent_step_s.append(time.monotonic() - planned_at)
+        return super().update_from_output(scheduler_output, model_runner_output)
 
     def _update_request_with_output(self, request: Request, new_token_ids: list[int], *args, **kwargs):
         """vLLM's stop checks, then the turn's rule (`TurnRule`, sent by the backend in the turn's
@@ -307,6 +338,7 @@ class _InterceptMixin:
         for rid in self._parked.intersection(self.requests if ids is None else ids):
             self._unpark(self.requests[rid])  # (vLLM's finish uncounts it and finds it in no queue: nothing to remove)
         finished = super().finish_requests(ids, finished_status)
+        self._idle_stuck = False  # their blocks are free: an idle step may find room for host KV due back
         for request in finished:
             self.turn_watches.pop(request.request_id, None)
             rid = external_id(request.request_id)
@@ -320,11 +352,12 @@ class _InterceptMixin:
         """vLLM's test, with parked sessions counted: with a KV connector vLLM takes every request in
         `requests` beyond its queues for a finished one awaiting the connector's cleanup, and the engine
         core would step without end while any session is parked (each step planning the paused sessions,
-        so a fresh pause's KV would leave the device at once)."""
+        so a fresh pause's KV would leave the device at once). vLLM asks it only when nothing runs or
+        waits: then a step is also owed to a paused session whose host KV is due back (`_idle_prefetch`)."""
         if self.finished_req_ids or self.connector is None or not self._parked:
             return super().has_finished_requests()
         num_running, num_waiting = self.get_request_counts()
-        return len(self.requests) > num_running + num_waiting + len(self._parked)
+        return len(self.requests) > num_running + num_waiting + len(self._parked) or self._idle_prefetch()
 
     # -- the policy ---------------------------------------------------------------------------------
     @cached_property
@@ -364,6 +397,120 @@ class _InterceptMixin:
                 guard = self.intercept_policy.preserve_guard(infos[rid], iteration, self.profile)
                 self.paused_kv.settle_preserved(pause, infos[rid], guard, pause.tool, pause.hint_s)
 
+    # -- proactive swap-in ----------------------------------------------------------------------------
+    def _prefetches(self) -> bool:
+        return (self.intercept_policy.prefetch and self.profile is not None and self.host_tier is not None
+                and self.paused_kv.host_tokens > 0)
+
+    def _step_lead_s(self) -> float:
+        """How long the next step may run before the scheduler can act again: the longest of the last
+        `RECENT_STEPS` steps as measured (planned to updated), and at least the profile's forward time of
+        a full token budget; as the native scheduler's `step_lead_s`."""
+        profiled = self.profile.t_fwd(self.max_num_scheduled_tokens) if self.profile is not None else 0.0
+        return max(profiled, max(self._recent_step_s, default=0.0))
+
+    def _prefetch_candidates(self) -> list[tuple[_Pause, int]]:
+        """Paused sessions whose KV is all on the host and whose resume looks imminent, soonest first,
+        with their host tokens (`prefetch.due`: the policy's decision, as on the native engine). Only the
+        host holders keyed before `prefetch.horizon` are looked at; each is keyed again by when its copy
+        back could first be due (`prefetch.key_time`), or, with no prediction (no tool history, no hint),
+        by its tool only. A session whose swap-out is still going on (its KV partly on the host) is not
+        a candidate; it is looked at again once its KV moves."""
+        now, step_s = time.monotonic(), self._step_lead_s()
+        horizon = prefetch.horizon(now, self.profile, step_s, None, 0, self.paused_kv.host_tokens) + WAKE_EARLY_S
+        holders = []
+        for pause in self.paused_kv.host_holders_before(horizon, now):
+            host = self._host_tokens(pause)
+            expected = None
+            if pause.frontier is not None:
+                expected = self.estimator.predicted(now, pause.paused_at, pause.tool, pause.hint_s)
+            at = None if expected is None else prefetch.key_time(now, expected, self.profile, host)
+            self.paused_kv.key_host(pause.request_id, at, pause.tool, self.estimator.version(pause.tool))
+            if expected is not None:
+                holders.append((pause, host, expected))
+        return prefetch.due(holders, self.profile, step_s, None)
+
+    def _prefetch(self, out) -> None:
+        """Proactive swap-in after vLLM scheduled this step: the sessions whose host KV is due back
+        (`_prefetch_candidates`) get device blocks from vLLM's KV cache manager, past what the prefix
+        cache still holds of them, and the connector copies the rest in this step (`swap_in_now`: the
+        same copies, in the same order on the worker, as a resume's load; marked synchronous, so vLLM
+        loads before the forward). Only blocks the next step needs for queued work stay free: vLLM's free
+        blocks less what the running requests still have to compute and their next token, and what the
+        next step may admit of the waiting requests' tokens (one step's token budget); later admissions
+        take paused KV back as memory pressure does (reclaim), as on the native engine, where prefetch
+        keeps one block per running request. A session
+        comes back whole (its KV split between the pools is nothing vLLM's admission could load), so the
+        step's swap budget lets sessions through while any of it is left, the last one's copy running over
+        it; a step that runs nothing has no budget (no forward for the copy to stall). Those the room
+        cannot take are passed over for smaller ones behind them."""
+        if not self._prefetches():
+            return
+        meta, ran = out.kv_connector_metadata, out.total_num_scheduled_tokens > 0
+        # Its lead is one step, whatever the budget: the copy back is whole, in one step, and the plan keeps
+        # prefetched KV only while its resume is that near (`Policy`'s waste plan); counting the budget's
+        # steps ahead would bring it back early, for the plan to send it away again.
+        due = self._prefetch_candidates()
+        budget = math.inf
+        if ran:  # after this step's loads
+            budget = iteration_swap_limit(self.profile, self._last_batched_tokens) - len(meta.swap_in) * self.block_size
+        self._idle_stuck = False
+        if not due or budget <= 0:
+            return
+        waiting = sum(r.num_tokens - r.num_computed_tokens for queue in (self.waiting, self.kv_holding_waiting)
+                      for r in queue)
+        spare = (self.kv_cache_manager.block_pool.get_num_free_blocks()
+                 - sum(-(-(r.num_tokens - r.num_computed_tokens + 1) // self.block_size) for r in self.running)
+                 - -(-min(waiting, self.max_num_scheduled_tokens) // self.block_size))
+        brought = False
+        for pause, host in due:
+            if budget <= 0:
+                break
+            need = -(-host // self.block_size)
+            if need <= spare and self._bring_back(pause, meta):
+                spare -= need
+                budget -= host
+                brought = True
+        out.has_sync_kv_loads = out.has_sync_kv_loads or brought
+        self._idle_stuck = not ran and not brought
+
+    def _bring_back(self, pause: _Pause, meta) -> bool:
+        """Device blocks for a paused session whose KV is all on the host, the prefix cache's hit first,
+        and the copy of the rest into them this step; it is then paused with its KV on the device, as if
+        it had kept it. False (nothing changed) if the pool cannot take it."""
+        request, frontier = pause.request, pause.frontier
+        if frontier is None or self._host_tokens(pause) != frontier:
+            return False
+        hit_blocks, hit, _ = self.kv_cache_manager.get_computed_blocks(request)
+        if hit > frontier or self._stock_allocate(request, 0, num_new_computed_tokens=hit, new_computed_blocks=hit_blocks,
+                                                  num_external_computed_tokens=frontier - hit) is None:
+            return False
+        device = self.kv_cache_manager.get_block_ids(request.request_id)[0]
+        self.host_tier.swap_in_now(meta, request.request_id, device, hit)
+        request.num_computed_tokens = frontier
+        pause.frontier = None
+        self._prefetched.add(pause.request_id)
+        self.paused_kv.moved(pause.request_id, *self._kv_tokens(pause))
+        self._moved.add(pause.request_id)
+        return True
+
+    def _idle_prefetch(self) -> bool:
+        """With nothing running or waiting: whether a step is owed to a paused session's host KV that is
+        due back and fits (the step brings it back), after the policy channel's news (a pause's tool or
+        hint keys its host KV again). If not, the worker is asked to wake the engine when the earliest
+        host key less a step lead has passed (vLLM's engine core sleeps on its input queue until then)."""
+        self._read_channel()
+        if not self._prefetches() or self._idle_stuck:
+            return False
+        free = self.kv_cache_manager.block_pool.get_num_free_blocks()
+        if any(-(-host // self.block_size) <= free for _, host in self._prefetch_candidates()):
+            return True
+        now, wake = time.monotonic(), self.paused_kv.next_host_key() - self._step_lead_s() + WAKE_EARLY_S
+        if now < wake < math.inf and (wake != self._wake_sent or self._wake_sent <= now):
+            self._wake_sent = wake
+            self._send({"op": "wake", "at": wake})
+        return False
+
     def _continue_swaps(self, budget: int) -> int:
         """Swaps begun in an earlier step go on first, oldest first, within the step's budget (it is
         the same decision, not a new one); returns the budget left."""
@@ -398,7 +545,7 @@ class _InterceptMixin:
         computed, host = request.num_computed_tokens, self._host_tokens(pause)
         return PausedInfo(request.request_id, request.arrival_time, max(request.num_tokens, computed),
                           "partial" if host else "device", computed - host, now - pause.paused_at, expected,
-                          remaining)
+                          remaining, pause.request_id in self._prefetched)
 
     def _iteration_info(self) -> IterationInfo:
         running = sum(r.num_computed_tokens for r in self.running)
@@ -408,7 +555,8 @@ class _InterceptMixin:
             free_host = self.host_tier.free_host_tokens
         return IterationInfo(num_running_tokens=running, num_batched_tokens=self._last_batched_tokens,
                              swap_out_budget=budget, free_host_tokens=free_host,
-                             spare_device_tokens=self._spare_device_tokens())
+                             spare_device_tokens=self._spare_device_tokens(),
+                             step_lead_s=self._step_lead_s() if self.intercept_policy.prefetch else None)
 
     def _spare_device_tokens(self) -> int | None:
         """vLLM's free blocks, in tokens, less what queued work will need there: the waiting requests'
@@ -437,6 +585,7 @@ class _InterceptMixin:
         """The session resumed or ended: it leaves the paused sessions and the index."""
         self.paused_kv.remove(rid)
         self._swapping.pop(rid, None)
+        self._prefetched.discard(rid)
         pause = self.pauses.pop(rid, None)
         if pause is not None:
             self._moved.add(rid)
@@ -460,6 +609,7 @@ class _InterceptMixin:
         self._free_request_blocks(request)
         request.num_computed_tokens = 0
         self._swapping.pop(pause.request_id, None)
+        self._prefetched.discard(pause.request_id)
         self.paused_kv.moved(pause.request_id, *self._kv_tokens(pause))
         self._moved.add(pause.request_id)
         if swapped:
@@ -546,8 +696,13 @@ class _InterceptMixin:
         if not paused and rest == self._reported:
             return
         self._reported = rest
+        self._send({"op": "state", "paused": paused, "resumed": rest[0], "counters": rest[1]})
+
+    def _send(self, msg: dict) -> None:
+        if self.channel is None:
+            return
         try:
-            self.channel.send({"op": "state", "paused": paused, "resumed": rest[0], "counters": rest[1]})
+            self.channel.send(msg)
         except OSError:
             self.channel = None
 

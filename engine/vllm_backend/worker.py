@@ -35,7 +35,10 @@ With `policy_channel`, vLLM runs `InterceptScheduler` (scheduler.py) in its engi
 Unix socket (a `Listener` with a random key; its address goes to the scheduler in vLLM's
 `additional_config`) links it to this process: `pause` hints, each `result`'s arrival time and the start-up profile go to it, and its
 `kv` state (what the policy did, and where the KV is of each paused session whose KV moved, paused, resumed
-or ended since the last: None for one no longer paused) comes back and is passed on. With a
+or ended since the last: None for one no longer paused) comes back and is passed on. The scheduler
+also asks this process (`wake`) to wake vLLM's engine core, idle on its input queue, when a paused
+session's host KV may be due back (proactive swap-in); a read-only call wakes it, then and after each
+pause hint sent to the scheduler. With a
 host tier, vLLM also runs our KV connector (host_tier.py; `kv_transfer_config`, sent as plain data), and
 the start-up profile includes the copy bandwidth the connector's copies get (`copy_bandwidth`).
 """
@@ -109,10 +112,11 @@ class Stats:
 
 class PolicyChannel:
     """This end of the link to `InterceptScheduler` in vLLM's engine-core process: a Unix socket with a
-    random key. Its reader thread passes the scheduler's `state` messages on to the backend as `kv`."""
+    random key. Its reader thread passes the scheduler's `state` messages on to the backend as `kv`, and
+    its `wake` requests (when to wake vLLM's idle engine core: `Worker.wake_engine_at`) to `wake`."""
 
-    def __init__(self, forward):
-        self.forward = forward
+    def __init__(self, forward, wake):
+        self.forward, self.wake = forward, wake
         self.key = os.urandom(16)
         self.listener = Listener(family="AF_UNIX", authkey=self.key)
         self.conn: Connection | None = None
@@ -136,6 +140,8 @@ class PolicyChannel:
             if msg["op"] == "state" and self.serving.is_set():
                 self.forward({"op": "kv", "paused": msg["paused"], "resumed": msg["resumed"],
                               "counters": msg["counters"]})
+            elif msg["op"] == "wake":
+                self.wake(msg["at"])
 
     def wait_connected(self, timeout: float = 60.0) -> None:
         if not self.connected.wait(timeout):
@@ -160,8 +166,10 @@ class Worker:
         self.call_rules: dict[str, object] = {}  # request -> the CallRule of its turn, if vLLM parses its calls
         self.turn_tokens: dict[str, list[int]] = {}  # request -> its turn's tokens so far (such turns only)
         self.policy: PolicyChannel | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.wake_timer: asyncio.TimerHandle | None = None  # the next wake of vLLM's engine core, if any
         if config.get("policy_channel"):
-            self.policy = PolicyChannel(self.send)
+            self.policy = PolicyChannel(self.send, self.wake_engine_at)
             scheduler = self.engine_args.setdefault("additional_config", {}).setdefault("infercept", {})
             scheduler.update(self.policy.scheduler_config())
 
@@ -202,7 +210,7 @@ class Worker:
         if self.policy is not None:
             self.policy.serving.set()
         commands: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
+        loop = self.loop = asyncio.get_running_loop()
         threading.Thread(target=self.read_commands, args=(loop, commands), daemon=True).start()
         try:
             while (msg := await commands.get())["op"] != "shutdown":
@@ -268,6 +276,28 @@ class Worker:
                 "d2h_bytes_per_s": d2h, "h2d_bytes_per_s": h2d,
                 "notes": f"measured by the vLLM worker at start-up (vLLM {info['vllm_version']})"}
 
+    def wake_engine_at(self, at: float) -> None:
+        """Wake vLLM's engine core at `at` (time.monotonic; from the policy channel's thread). An engine
+        core with nothing to run sleeps on its input queue until a request or call arrives; the scheduler
+        asks to be woken when a paused session's host KV may be due back (proactive swap-in), and a
+        read-only call (`is_sleeping`) wakes it: its loop then asks the scheduler whether to step."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._arm_wake, at)
+
+    def _arm_wake(self, at: float) -> None:
+        """The scheduler's latest request replaces any earlier one: it reads its earliest host key."""
+        if self.wake_timer is not None:
+            self.wake_timer.cancel()
+        self.wake_timer = self.loop.call_later(max(at - time.monotonic(), 0.0), self._wake_timer_fired)
+
+    def _wake_timer_fired(self) -> None:
+        self.wake_timer = None
+        self.wake_engine()
+
+    def wake_engine(self) -> None:
+        call = asyncio.ensure_future(self.llm.is_sleeping())
+        call.add_done_callback(lambda done: done.cancelled() or done.exception())  # (at shutdown: no matter)
+
     def read_commands(self, loop: asyncio.AbstractEventLoop, commands: asyncio.Queue) -> None:
         """Blocking reads off the event loop; a closed connection (the backend went away) shuts down."""
         while True:
@@ -307,6 +337,7 @@ class Worker:
         elif op == "pause":
             if self.policy is not None:
                 self.policy.send(msg)
+                self.wake_engine()  # an idle engine core reads the tool and hint now, keying the session's host KV
         elif op == "end":
             if rid in self.inputs:
                 self.inputs[rid].put_nowait(None)
