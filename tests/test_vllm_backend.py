@@ -517,12 +517,12 @@ def test_long_pauses_leave_the_device_and_every_resume_equals_a_fresh_run(backen
 
 @needs_vllm
 def test_host_kv_comes_back_before_the_result_and_the_resume_equals_a_fresh_run(backend, tokenizer):
-    """`infercept` runs proactive swap-in on vLLM: a pause the client says lasts 8 s leaves the device for
+    """`infercept` runs proactive swap-in on vLLM: a pause the client says lasts 12 s leaves the device for
     the host tier while a request wants the pool; once its result is near, the idle vLLM is woken and the
     session's KV comes back, so the resume finds it on the device (counted so in
     `infercept_resumed_kv_total`), loads nothing, and decodes what a fresh run of the same context does.
     Its own duration key: earlier tests' tool histories would predict other pauses. (A hint outlived
-    predicts nothing: on a machine so loaded that the request wanting the pool takes 8 s, nothing comes
+    predicts nothing: on a machine so loaded that the request wanting the pool takes 12 s, nothing comes
     back.)"""
     for gen in backend._paused():  # earlier tests' pauses would hold host room
         backend.abort(gen.request_id)
@@ -530,14 +530,14 @@ def test_host_kv_comes_back_before_the_result_and_the_resume_equals_a_fresh_run(
     before = asyncio.run(backend.snapshot())
     prompt = tool_turn_prompt(tokenizer)
     first = asyncio.run(run_turn(backend.generate(prompt, greedy(12, ignore_eos=True), "prefetched", InterceptParams(
-        pause_on_stop=True, kind="prefetch-probe", expected_s=8.0))))
+        pause_on_stop=True, kind="prefetch-probe", expected_s=12.0))))
     try:
         assert first.paused, first
         context, computed = prompt + first.token_ids, len(prompt) + len(first.token_ids) - 1
         nudge = wanting_the_pool(backend, 36000)
         asyncio.run(run_turn(backend.generate(nudge, greedy(2, ignore_eos=True), "prefetched-nudge")))
         back = wait_for(lambda: asyncio.run(backend.kv_location("prefetched")), lambda loc: loc.device == computed,
-                        timeout=20.0)
+                        timeout=25.0)
         assert (back.device, back.host) == (computed, 0), back
         snap = asyncio.run(backend.snapshot())
         # (the counters are the tokens copied, rounded up to blocks: a copy past the prefix cache's hit may

@@ -48,7 +48,7 @@ from ..sampling_params import SamplingParams
 from ..stats import RESUME_KV_PLACES, resume_kv_place
 from ..tool_parsers import PARSERS, vllm_parser_name
 from .params import vllm_sampling_fields
-from .policy_parts import summary, switched_off, vllm_policy
+from .policy_parts import summary, vllm_policy
 from .process import WorkerProcess
 
 # Policies on this backend: those run by our scheduler in vLLM over streaming sessions, and stock vLLM
@@ -168,11 +168,7 @@ class VllmBackend(EngineBackend):
         if base in STOCK_POLICIES and base != policy:
             raise ValueError(f"policy {policy!r}: {base} is stock vLLM on this backend (its own scheduler), which "
                              "runs none of the policy's parts; the native engine (--backend native) runs them")
-        # Refuses a part only the native engine runs; a class's default of one runs switched off (its label says so).
-        running = vllm_policy(policy).label if base in SESSION_POLICIES else policy
-        if base in SESSION_POLICIES and (off := switched_off(policy)):
-            logger.warning("policy %r runs on the vLLM backend as %r: %s only on the native engine. %s", policy,
-                           running, ", ".join(off), summary())
+        running = vllm_policy(policy).label if base in SESSION_POLICIES else policy  # refuses native-only parts
         if base == "swap" and not host_kv_gb > 0:
             raise ValueError("policy 'swap' needs a host pool: --host-kv-gb > 0")
         if int(engine_args.get("data_parallel_size") or 1) > 1:

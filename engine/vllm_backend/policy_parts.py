@@ -6,9 +6,9 @@ KV to bring back ahead of a resume on vLLM, so the parts that live in those run 
 engine; the parts that need mechanism only the native scheduler has (its own queue order, its admission
 gate) do not. This module says which is which, in one place: the start-up check (backend.py, before vLLM
 starts) and the scheduler inside vLLM both build the policy with `vllm_policy`, so a name that asks for a
-part the backend cannot run is refused by name, and a class that turned one on by default would run with
-it switched off, visibly (its label would say so). Policy names and parts stay the policy layer's
-(`engine.policy`); this module only reads them. No vLLM import: the server's environment reads it too.
+part the backend cannot run is refused by name (no policy class turns one on by default: a test says
+so). Policy names and parts stay the policy layer's (`engine.policy`); this module only reads them. No
+vLLM import: the server's environment reads it too.
 """
 from __future__ import annotations
 
@@ -50,16 +50,9 @@ def native_only_parts(name: str) -> list[str]:
     return asked
 
 
-def switched_off(name: str) -> list[str]:
-    """The parts the policy `name` names has on (its class's defaults) that the vLLM backend runs switched
-    off, as `Policy` attributes."""
-    native = make_policy(name)
-    return [attribute for attribute in NATIVE_ONLY if getattr(native, attribute) != getattr(Policy, attribute)]
-
-
-def vllm_policy(name: str, **kwargs) -> Policy:
-    """The policy `name` names (`make_policy`), as the vLLM backend runs it: with every part only the
-    native engine runs at `Policy`'s own value. ValueError, naming the parts, if `name` asks for one."""
+def vllm_policy(name: str) -> Policy:
+    """The policy `name` names (`make_policy`), as the vLLM backend runs it. ValueError, naming the parts, if
+    `name` asks for a part only the native engine runs."""
     asked = native_only_parts(name)
     if asked:
         why = "; ".join(f"{_shown(part_setting(p)[0])}: {NATIVE_ONLY[part_setting(p)[0]]}" for p in asked)
@@ -67,7 +60,7 @@ def vllm_policy(name: str, **kwargs) -> Policy:
                          f"{'does' if len(asked) == 1 else 'do'} not run on the vLLM backend ({why}); "
                          f"{'it works' if len(asked) == 1 else 'they work'} on the native engine "
                          f"(--backend native). {summary()}")
-    return make_policy(name, **kwargs, **{attribute: getattr(Policy, attribute) for attribute in NATIVE_ONLY})
+    return make_policy(name)
 
 
 def summary() -> str:

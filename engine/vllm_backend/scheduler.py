@@ -151,7 +151,7 @@ class _InterceptMixin:
         policy = config.get("policy") or "infercept"
         if (error := refusal(self.kv_cache_config, f"the policy {policy!r} (InterceptScheduler)")) is not None:
             raise ValueError(error)
-        self.intercept_policy = vllm_policy(policy)  # the parts only the native engine runs: refused or off
+        self.intercept_policy = vllm_policy(policy)  # a part only the native engine runs: refused
         self.profile: Profile | None = None
         self.estimator = DurationEstimator()
         self.pauses: dict[str, _Pause] = {}
