@@ -439,11 +439,10 @@ class _InterceptMixin:
         blocks less what the running requests still have to compute and their next token, and what the
         next step may admit of the waiting requests' tokens (one step's token budget); later admissions
         take paused KV back as memory pressure does (reclaim), as on the native engine, where prefetch
-        keeps one block per running request. A session
-        comes back whole (its KV split between the pools is nothing vLLM's admission could load), so the
-        step's swap budget lets sessions through while any of it is left, the last one's copy running over
-        it; a step that runs nothing has no budget (no forward for the copy to stall). Those the room
-        cannot take are passed over for smaller ones behind them."""
+        keeps one block per running request. A session comes back whole (its KV split between the pools is
+        nothing vLLM's admission could load), so the step's swap budget lets sessions through while any of
+        it is left, the last one's copy running over it; a step that runs nothing has no budget (no forward
+        for the copy to stall). Those the room cannot take are passed over for smaller ones behind them."""
         if not self._prefetches():
             return
         meta, ran = out.kv_connector_metadata, out.total_num_scheduled_tokens > 0
