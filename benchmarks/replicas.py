@@ -32,6 +32,7 @@ import concurrent.futures
 import json
 import os
 import random
+import resource
 import statistics
 import sys
 import time
@@ -201,12 +202,27 @@ def run_one(args, out: Path) -> dict:
         server.stop()
 
 
+def cpu_seconds() -> tuple[float, float]:
+    """(busy CPU seconds of the whole machine since boot, from /proc/stat; this process's CPU seconds)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK"), usage.ru_utime + usage.ru_stime
+
+
 def measure(url: str, name: str, args) -> dict:
     load = os.getloadavg()[0]
+    (busy0, client0), start = cpu_seconds(), time.perf_counter()
     run = run_agents(url, args.agents, f"{name}-{time.time_ns()}", steps=args.steps, words=args.words,
                      tool_s=args.tool_s, identical_results=args.identical_results)
+    (busy1, client1), wall = cpu_seconds(), time.perf_counter() - start
     summary = summarize(run)
     summary["load_average_before"] = round(load, 2)
+    # Where the cores went: all of the machine's busy time over the run (servers, router, this client), as
+    # a share of every core's time, and this client's own CPU seconds (the agents' openai SDK threads).
+    summary["machine_cpu_busy_share"] = round((busy1 - busy0) / (wall * os.cpu_count()), 3)
+    summary["client_cpu_s"] = round(client1 - client0, 2)
     print(f"{name}: {json.dumps(summary)}", file=sys.stderr, flush=True)
     return {"summary": summary, **run}
 
@@ -255,15 +271,17 @@ def report(doc: dict) -> str:
              "", f"{doc['machine']}, {doc['date']}; `{doc['command']}`; {a['replicas']} replicas x {a['threads']} "
              f"thread(s) vs one server x {a['threads']} thread(s); vllm-router {doc['router_version']}.", "",
              "| repeat | run | finished | wall (s) | agents/s | resumed steps >= 90% cached | cached share of resumed "
-             "prompts | first prompt tokens (median) | resumed step e2e, median (s) | load avg before |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "prompts | first prompt tokens (median) | resumed step e2e, median (s) | load avg before "
+             "| machine CPU busy | client CPU (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, runs in enumerate(doc["repeats"], 1):
         for name, run in runs.items():
             s = run["summary"]
             hit = f"{s['resumed_hits']}/{s['resumed_steps']} ({100 * (s['resumed_hit_share'] or 0):.1f}%)"
             lines.append(f"| {i} | {name} | {s['finished']}/{s['agents']} | {s['wall_s']:.1f} | {s['agents_per_s']:.3f} | "
                          f"{hit} | {100 * s['resumed_cached_share']:.1f}% | {s['first_prompt_tokens_median']} | "
-                         f"{s['resumed_e2e_median_s']} | {s['load_average_before']} |")
+                         f"{s['resumed_e2e_median_s']} | {s['load_average_before']} | "
+                         f"{100 * s.get('machine_cpu_busy_share', float('nan')):.0f}% | {s.get('client_cpu_s', '-')} |")
     goals = doc["goals"]
     lines += ["", "Goals: " + "; ".join(f"{k}: {v}" for k, v in goals.items()), ""]
     return "\n".join(lines)
