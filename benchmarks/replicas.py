@@ -211,8 +211,23 @@ def cpu_seconds() -> tuple[float, float]:
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK"), usage.ru_utime + usage.ru_stime
 
 
-def measure(url: str, name: str, args) -> dict:
+def computed_tokens(servers: list[str]) -> list[float]:
+    """Prompt tokens each server has computed so far: served less found cached (its
+    `infercept_prompt_tokens_total` less `infercept_cached_prompt_tokens_total`)."""
+    def counter(lines: list[str], name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name))
+
+    def one(url: str) -> float:
+        lines = httpx.get(url + "/metrics", timeout=10).text.splitlines()
+        return counter(lines, "infercept_prompt_tokens_total") - counter(lines, "infercept_cached_prompt_tokens_total")
+    return [one(url) for url in servers]
+
+
+def measure(url: str, name: str, args, servers: list[str] = ()) -> dict:
+    """One run of the agents through `url`; `servers`: the replicas behind it, whose shares of the prompt
+    tokens computed the run records (how evenly the router spread the work)."""
     load = os.getloadavg()[0]
+    before = computed_tokens(servers)
     (busy0, client0), start = cpu_seconds(), time.perf_counter()
     run = run_agents(url, args.agents, f"{name}-{time.time_ns()}", steps=args.steps, words=args.words,
                      tool_s=args.tool_s, identical_results=args.identical_results)
@@ -223,6 +238,9 @@ def measure(url: str, name: str, args) -> dict:
     # a share of every core's time, and this client's own CPU seconds (the agents' openai SDK threads).
     summary["machine_cpu_busy_share"] = round((busy1 - busy0) / (wall * os.cpu_count()), 3)
     summary["client_cpu_s"] = round(client1 - client0, 2)
+    if servers:
+        computed = [after - b for after, b in zip(computed_tokens(servers), before)]
+        summary["computed_prompt_shares"] = [round(t / max(1.0, sum(computed)), 3) for t in computed]
     print(f"{name}: {json.dumps(summary)}", file=sys.stderr, flush=True)
     return {"summary": summary, **run}
 
@@ -243,14 +261,14 @@ def run_replicas(args, out: Path) -> dict[str, dict]:
     runs = {}
     try:
         launcher.wait_ready(timeout=900)
-        runs["cache_aware"] = measure(launcher.base_url, "cache_aware", args)
         workers = [f"http://127.0.0.1:{base + i}" for i in range(args.replicas)]
+        runs["cache_aware"] = measure(launcher.base_url, "cache_aware", args, workers)
         rr_port = free_port()
         rr = ServerProcess(router_argv(router_executable(), workers, "127.0.0.1", rr_port, "round_robin", free_port()),
                            rr_port, "round-robin router", out / "round_robin_router.log")
         try:
             rr.wait_ready(timeout=120)
-            runs["round_robin"] = measure(rr.base_url, "round_robin", args)
+            runs["round_robin"] = measure(rr.base_url, "round_robin", args, workers)
         finally:
             rr.stop()
     finally:
@@ -272,8 +290,8 @@ def report(doc: dict) -> str:
              f"thread(s) vs one server x {a['threads']} thread(s); vllm-router {doc['router_version']}.", "",
              "| repeat | run | finished | wall (s) | agents/s | resumed steps >= 90% cached | cached share of resumed "
              "prompts | first prompt tokens (median) | resumed step e2e, median (s) | load avg before "
-             "| machine CPU busy | client CPU (s) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| machine CPU busy | client CPU (s) | replicas' shares of the prompt tokens computed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, runs in enumerate(doc["repeats"], 1):
         for name, run in runs.items():
             s = run["summary"]
@@ -281,7 +299,8 @@ def report(doc: dict) -> str:
             lines.append(f"| {i} | {name} | {s['finished']}/{s['agents']} | {s['wall_s']:.1f} | {s['agents_per_s']:.3f} | "
                          f"{hit} | {100 * s['resumed_cached_share']:.1f}% | {s['first_prompt_tokens_median']} | "
                          f"{s['resumed_e2e_median_s']} | {s['load_average_before']} | "
-                         f"{100 * s.get('machine_cpu_busy_share', float('nan')):.0f}% | {s.get('client_cpu_s', '-')} |")
+                         f"{100 * s.get('machine_cpu_busy_share', float('nan')):.0f}% | {s.get('client_cpu_s', '-')} | "
+                         f"{' / '.join(f'{100 * x:.0f}%' for x in s.get('computed_prompt_shares', [])) or '-'} |")
     goals = doc["goals"]
     lines += ["", "Goals: " + "; ".join(f"{k}: {v}" for k, v in goals.items()), ""]
     return "\n".join(lines)
