@@ -456,8 +456,7 @@ class _InterceptMixin:
         self._idle_stuck = False
         if not due or budget <= 0:
             return
-        waiting = sum(r.num_tokens - r.num_computed_tokens for queue in (self.waiting, self.kv_holding_waiting)
-                      for r in queue)
+        waiting = self._waiting_tokens()
         spare = (self.kv_cache_manager.block_pool.get_num_free_blocks()
                  - sum(-(-(r.num_tokens - r.num_computed_tokens + 1) // self.block_size) for r in self.running)
                  - -(-min(waiting, self.max_num_scheduled_tokens) // self.block_size))
@@ -565,10 +564,13 @@ class _InterceptMixin:
         queues."""
         if not self.intercept_policy.ample_preserve:
             return None
-        waiting = sum(r.num_tokens - r.num_computed_tokens for queue in (self.waiting, self.kv_holding_waiting)
-                      for r in queue)
-        need = waiting + self.paused_kv.host_tokens + self.max_num_scheduled_tokens
+        need = self._waiting_tokens() + self.paused_kv.host_tokens + self.max_num_scheduled_tokens
         return self.kv_cache_manager.block_pool.get_num_free_blocks() * self.block_size - need
+
+    def _waiting_tokens(self) -> int:
+        """The tokens vLLM's waiting requests have still to compute (a walk over its waiting queues)."""
+        return sum(r.num_tokens - r.num_computed_tokens for queue in (self.waiting, self.kv_holding_waiting)
+                   for r in queue)
 
     def _host_tokens(self, pause: _Pause) -> int:
         return 0 if self.host_tier is None else self.host_tier.host_tokens(pause.request.request_id)
