@@ -16,8 +16,9 @@ mixed step is captured in a CUDA graph like a decode step (`cuda_graphs.py`).
 
 Work split: a program takes `queries_per_program` consecutive query tokens of one sequence and the G
 query heads sharing one kv head (GQA), 64 rows of (token, head) in all, the smallest efficient `tl.dot`
-shape, and walks the context a tile of TILE positions at a time up to its last query's position, with
-an online softmax in fp32 (log2 domain), as the decode kernel does. Which sequence and which rows a
+shape (`Tiling` holds these sizes), and walks the context a tile of positions at a time up to its last
+query's position, with an online softmax in fp32 (log2 domain), as the decode kernel does; tiles every row
+of the program sees whole go without the causal mask, only those along the diagonal take it. Which sequence and which rows a
 program takes comes from two small arrays the host writes once per step (`program_map`): programs past
 the step's work find a row offset past their sequence's chunk and do nothing, so a graph captured for
 the padded sizes serves every smaller step.
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -38,15 +40,23 @@ try:
 except ImportError:  # the engine runs without Triton; available() in triton_decode says so
     triton = None
 
-ROWS = 64  # (query token, query head) rows a program computes: the M of its tl.dot products
-TILE_TOKENS = 64  # context positions a program reads per round
+class Tiling(NamedTuple):
+    """How the kernel splits its work: `rows` (query token, query head) rows a program computes (the M of
+    its `tl.dot` products), `tile` context positions it reads per round, and Triton's launch options."""
+    rows: int = 64
+    tile: int = 64
+    num_warps: int = 4
+    num_stages: int = 3  # Triton's default on CUDA
+
+
+TILING = Tiling()  # the engine's: 64 rows, the smallest efficient tl.dot shape
 NO_ROWS = 1 << 30  # a program-map row offset past every chunk: the program does nothing
 
 
-def queries_per_program(num_heads: int, num_kv_heads: int) -> int:
-    """Query tokens a program takes: ROWS over the query heads of a kv head (padded to a power of two)."""
+def queries_per_program(num_heads: int, num_kv_heads: int, rows: int = TILING.rows) -> int:
+    """Query tokens a program takes: `rows` over the query heads of a kv head (padded to a power of two)."""
     group = num_heads // num_kv_heads
-    return max(1, ROWS // (1 << (group - 1).bit_length()))
+    return max(1, rows // (1 << (group - 1).bit_length()))
 
 
 def max_programs(num_tokens: int, num_seqs: int, per_program: int) -> int:
@@ -68,6 +78,40 @@ def program_map(query_lens: list[int], per_program: int, num_programs: int) -> t
 
 
 if triton is not None:
+
+    @triton.jit
+    def _attend_tile(q, k_ptr, v_ptr, table_ptr, start, end, q_pos, m, l, acc, kv_head,
+                     stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, qk_scale, offs_d, d_mask,
+                     BLOCK: tl.constexpr, TILE: tl.constexpr, FP32_PRODUCTS: tl.constexpr, MASKED: tl.constexpr):
+        """One round of the online softmax over context positions [start, start + TILE): returns the rows'
+        running maximum, sum and output. MASKED: positions past `end` or past a row's own are left out."""
+        pos = start + tl.arange(0, TILE)  # [TILE]
+        t_mask = pos < end
+        block = tl.load(table_ptr + pos // BLOCK, mask=t_mask, other=0)
+        slots = block.to(tl.int64) * BLOCK + pos % BLOCK
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :] * stride_kd,
+                    mask=kv_mask, other=0.0)  # [TILE, D_PAD]
+        if FP32_PRODUCTS:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale  # [ROWS, TILE]
+        if MASKED:
+            visible = t_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+            s = tl.where(visible, s, float("-inf"))
+        # Finite: the first round covers position 0 (or the first query's own), visible to every row.
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :] * stride_vd,
+                    mask=kv_mask, other=0.0)
+        if FP32_PRODUCTS:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        return m_new, l, acc * alpha[:, None] + pv
 
     @triton.jit
     def _paged_prefill_kernel(
@@ -109,38 +153,20 @@ if triton is not None:
         # Keys up to this program's last query; nothing for a program past its chunk (padding).
         end = tl.where(first < q_len, tl.minimum(seq_len, cached + first + QUERIES), 0)
 
-        offs_n = tl.arange(0, TILE)
+        # Positions every row of the program sees (up to its first query's) need no causal mask: whole
+        # tiles of them first, then the tiles along the diagonal, masked.
+        unmasked = tl.minimum(cached + first + 1, end) // TILE * TILE
         m = tl.full([QUERIES * G_PAD], float("-inf"), dtype=tl.float32)
         l = tl.zeros([QUERIES * G_PAD], dtype=tl.float32)
         acc = tl.zeros([QUERIES * G_PAD, D_PAD], dtype=tl.float32)
-        for start in range(0, end, TILE):
-            pos = start + offs_n  # [TILE]
-            t_mask = pos < end
-            block = tl.load(tables_ptr + seq * stride_tb + pos // BLOCK, mask=t_mask, other=0)
-            slots = block.to(tl.int64) * BLOCK + pos % BLOCK
-            kv_mask = t_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :] * stride_kd,
-                        mask=kv_mask, other=0.0)  # [TILE, D_PAD]
-            if FP32_PRODUCTS:
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = s * qk_scale  # [ROWS, TILE]
-            visible = t_mask[None, :] & (pos[None, :] <= q_pos[:, None])
-            s = tl.where(visible, s, float("-inf"))
-            # Finite: position 0 is visible to every row, so the first tile gives each row a maximum.
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :] * stride_vd,
-                        mask=kv_mask, other=0.0)
-            if FP32_PRODUCTS:
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m = m_new
+        for start in range(0, unmasked, TILE):
+            m, l, acc = _attend_tile(q, k_ptr, v_ptr, tables_ptr + seq * stride_tb, start, end, q_pos, m, l, acc,
+                                     kv_head, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
+                                     qk_scale, offs_d, d_mask, BLOCK, TILE, FP32_PRODUCTS, False)
+        for start in range(unmasked, end, TILE):
+            m, l, acc = _attend_tile(q, k_ptr, v_ptr, tables_ptr + seq * stride_tb, start, end, q_pos, m, l, acc,
+                                     kv_head, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
+                                     qk_scale, offs_d, d_mask, BLOCK, TILE, FP32_PRODUCTS, True)
 
         out = acc / tl.where(l > 0, l, 1.0)[:, None]
         out_ptrs = out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
@@ -150,11 +176,12 @@ if triton is not None:
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
                             map_seq: torch.Tensor, map_row: torch.Tensor, scale: float,
-                            block_size: int) -> torch.Tensor:
+                            block_size: int, tiling: Tiling = TILING) -> torch.Tensor:
     """q [T, H, D] (rows may be strided, heads contiguous); caches [num_slots, Hkv, D] already holding
     this step's K/V; block_tables [S, max_blocks]; query_start [S + 1] (sequences' first rows, ending with
     the total; sequences past the live ones have no rows); seq_lens [S] (each context including its new
-    tokens); map_seq, map_row [P] from `program_map`. Rows not covered by a sequence are left unwritten.
+    tokens); map_seq, map_row [P] from `program_map` with
+    `queries_per_program(H, Hkv, tiling.rows)`. Rows not covered by a sequence are left unwritten.
     Returns [T, H, D] in q's dtype. No host syncs, no shapes from tensor values: graph-safe."""
     if triton is None:
         raise RuntimeError("paged_prefill_attention needs Triton, which is not installed")
@@ -163,7 +190,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     assert H % Hkv == 0 and block_tables.stride(1) == 1
     G = H // Hkv
     G_PAD = 1 << (G - 1).bit_length()
-    queries = queries_per_program(H, Hkv)
+    queries = queries_per_program(H, Hkv, tiling.rows)
     D_PAD = max(16, triton.next_power_of_2(D))
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     fp32_products = k_cache.dtype == torch.float32 or (interpreted and k_cache.dtype == torch.bfloat16)
@@ -178,7 +205,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         scale * math.log2(math.e),
-        G=G, G_PAD=G_PAD, QUERIES=queries, D=D, D_PAD=D_PAD, BLOCK=block_size, TILE=TILE_TOKENS,
-        FP32_PRODUCTS=fp32_products, num_warps=4,
+        G=G, G_PAD=G_PAD, QUERIES=queries, D=D, D_PAD=D_PAD, BLOCK=block_size, TILE=tiling.tile,
+        FP32_PRODUCTS=fp32_products, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )
     return out

@@ -7,6 +7,7 @@
 #   4. the 8B shape's measured profile beside the hand-written h100_llama3_8b()
 #   5. engine vs transformers: decode at batch 1, 8, 32 and a 1,000-token prefill, 8B shape
 #   5b. where a step's time goes (step_profile.py): step vs runner time, cProfile, torch.profiler
+#   5c. the prefill kernel under a set of tilings beside SDPA (prefill_tiles.py)
 #   6. benchmarks/engine_trace.py, policies prefix-cache and infercept, 1 GiB and 16 GiB device pools
 # then summary.json / summary.md. Each step has its own time limit, all of them within BUDGET_S (480 s: the
 # whole check); a failed step does not stop the next. Results: benchmarks/results/gpu-<card>-<date>/ under $OUT
@@ -163,6 +164,13 @@ fi
 # shellcheck disable=SC2086
 step "step profile" 120 $PY benchmarks/gpu/step_profile.py --model "$BIG" --out "$RES" --dtype $DTYPE \
     --device $DEVICE $DECODE_POOL --batches $STEP_BATCHES --eager-too
+
+# The prefill kernel's tilings beside SDPA (the interpreter and tiny shapes in a dry run).
+if [ "$DRY" = 1 ]; then
+    step "prefill tiles" 120 env TRITON_INTERPRET=1 $PY benchmarks/gpu/prefill_tiles.py --dry --out "$RES"
+else
+    step "prefill tiles" 120 $PY benchmarks/gpu/prefill_tiles.py --out "$RES"
+fi
 
 # Each pool runs two policies; the runs share what is left: each policy gets --until seconds plus its start-up.
 LEFT=$((DEADLINE - $(date +%s) - RESERVE_S))

@@ -126,6 +126,17 @@ def summarize(res: Path, seconds: float | None = None, dry: bool = False) -> dic
         s["weight_stream_bound_batch1_ms"] = s["weight_stream_bound_batch1_tok_s"] = None
         s["decode_batch1_share_of_bound"] = None
 
+    # The prefill kernel per case: the engine's tiling, the fastest measured and SDPA, us a layer.
+    tiles = (_load(res / "prefill_tiles.json") or {}).get("rows", [])
+    kernel = {}
+    for case in dict.fromkeys(r["case"] for r in tiles):
+        timed = [r for r in tiles if r["case"] == case and r.get("us") is not None]
+        engine = next((r for r in timed if r["default"]), None)
+        fastest = min(timed, key=lambda r: r["us"]) if timed else None
+        kernel[case] = {"engine_us": engine and engine["us"], "sdpa_us": timed[0]["sdpa_us"] if timed else None,
+                        "fastest_us": fastest and fastest["us"], "fastest_tiling": fastest and fastest["tiling"]}
+    s["prefill_kernel"] = kernel or None
+
     s["pytest"] = pytest_counts(res / "pytest.xml")
 
     latency, trace = {}, {}
@@ -191,6 +202,14 @@ def markdown(s: dict) -> str:
         if s["mixed_step"]:
             lines.append(f"| mixed: {s['mixed_step']} | {_f(s['mixed_step_ms'], '{:.2f}')} | "
                          f"{_f(s['eager_mixed_step_ms'], '{:.2f}')} |")
+    if s.get("prefill_kernel"):
+        lines += ["", "**Prefill kernel** (one layer, us; `prefill_tiles.md`: every tiling):", "",
+                  "| case | engine's tiling | fastest tiling | fastest | SDPA |", "|---|---:|---|---:|---:|"]
+        for case, k in s["prefill_kernel"].items():
+            t = k["fastest_tiling"]
+            lines.append(f"| {case} | {_f(k['engine_us'])} | "
+                         f"{'–' if t is None else ', '.join(f'{n} {v}' for n, v in t.items())} | "
+                         f"{_f(k['fastest_us'])} | {_f(k['sdpa_us'])} |")
     lines += ["", "**Engine trace** (normalized latency, s/token; finished/requests):", "",
               "| device pool | policy | normalized latency | finished |", "|---|---|---:|---:|"]
     for pool, t in (s["engine_trace"] or {}).items():
