@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import re
 from collections.abc import AsyncIterator
 
@@ -42,6 +43,13 @@ from .turns import (CallArguments, CallOpened, ReasoningDelta, Sampling, TextDel
 SESSION_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 
+def unmatched_ids(vocab_size: int, n: int = 16) -> list[int]:
+    """n random token ids, a prompt that shares at most its first id with any other, by chance. Fresh
+    each time: the router remembers the ids of the replica it sends a request to, an answer like this one
+    too when no replica holds the session, and a fixed answer would then match there in full."""
+    return random.sample(range(vocab_size), n)
+
+
 class ChatServing(Frontend):
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         spec = self.spec(req, raw)
@@ -59,8 +67,19 @@ class ChatServing(Frontend):
         """vLLM's render answer (`POST /v1/chat/completions/render`): the prompt token ids `req` would be
         served with (its session's conversation first, for a `session_id` request that continues one),
         nothing run or stored. A router that routes by token prefix (vllm-router's cache_aware) sends a
-        resume to the replica that served the turn it extends."""
-        spec = self.spec(req, raw, peek=True)
+        resume to the replica that served the turn it extends.
+
+        Tool results for a session this replica does not hold render to `unmatched_ids`, not to the 404
+        the request itself gets: vllm-router drops the prefix match of a request when any replica's
+        render fails (or has no ids) and balances it by load, so the continuation would find the replica
+        that holds its session only by chance. Ids that match nothing here let that replica's rendering,
+        which extends the paused turn's, win the match."""
+        try:
+            spec = self.spec(req, raw, peek=True)
+        except APIError as e:
+            if e.code != "session_not_found":
+                raise
+            return {"request_id": new_id("chatcmpl-"), "token_ids": unmatched_ids(len(self.tokenizer))}
         return {"request_id": new_id("chatcmpl-"), "token_ids": self.turns.render_prompt(spec)}
 
     def spec(self, req: ChatCompletionRequest, raw: Request, peek: bool = False) -> TurnSpec:

@@ -46,8 +46,27 @@ def test_a_session_continuation_renders_its_whole_conversation(srv):
                                                   extra_body={"session_id": "render-1"}, **greedy())
     assert second.usage.prompt_tokens == len(ids)
     assert second.usage.prompt_tokens_details.cached_tokens >= 0.9 * second.usage.prompt_tokens
-    # A tool result for a session the server does not know: 404, as the request itself would get.
-    assert render(srv, "chat/completions", {**body, "session_id": "render-unknown"}).status_code == 404
+
+
+def test_a_session_this_replica_does_not_hold_renders_to_ids_that_match_nothing(srv):
+    """The other replicas' answer for a session continuation. Not a 404: vllm-router drops the prefix match
+    of a request when any replica's render fails (or has no ids) and balances it by load, so the request
+    would reach the replica that holds the session only by chance."""
+    first = tool_turn(srv.client(), extra_body={"session_id": "render-2"})
+    (call,) = first.choices[0].message.tool_calls
+    tool_message = [{"role": "tool", "tool_call_id": call.id, "content": RESULT}]
+    body = {"model": MODEL, "messages": tool_message, "tools": TOOLS, "session_id": "render-2"}
+    home = render(srv, "chat/completions", body).json()["token_ids"]
+    unknown = {**body, "session_id": "render-unknown"}
+    answers = [render(srv, "chat/completions", unknown) for _ in range(2)]
+    assert [a.status_code for a in answers] == [200, 200], answers[0].text
+    ids, again = (a.json()["token_ids"] for a in answers)
+    assert ids and ids[:2] != home[:2]  # nothing like a rendered conversation
+    assert again[:2] != ids[:2]  # fresh each time: an earlier such answer the router remembers matches neither
+    # The request itself is refused, as the render of any other error is.
+    chat = httpx.post(f"{srv.url}/chat/completions", json={**unknown, "max_tokens": 4}, timeout=60)
+    assert chat.status_code == 404 and chat.json()["error"]["code"] == "session_not_found"
+    assert render(srv, "chat/completions", {**unknown, "model": "other"}).status_code == 404
 
 
 def test_completions_render_each_prompt(srv, tokenizer):
