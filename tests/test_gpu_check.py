@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -91,6 +93,9 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
          "--max-interceptions", "1", "--max-context", "128", "--kv-cache-gb", "0.002", "--host-kv-gb", "0.01",
          "--max-num-batched-tokens", "64", "--max-num-seqs", "8", "--threads", "1",
          "--json", str(res / "engine_trace_kv0.002gib.json")])
+    # Triton's interpreter is chosen when Triton is imported: the tilings' step runs in a process of its own.
+    subprocess.run([sys.executable, str(GPU / "prefill_tiles.py"), "--dry", "--out", str(res)], check=True,
+                   env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300)
     (res / "pytest.xml").write_text(JUNIT)
     (res / "steps.tsv").write_text("setup\t0\t3\npytest -m gpu\t1\t40\nengine trace 1 GiB\t124\t90\n"
                                    "engine trace 16 GiB\tskipped\t0\n")
@@ -121,6 +126,10 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
     assert "cumulative" in (res / "step_profile.txt").read_text()  # the cProfile table
     assert s["mixed_step"] == "16 prefill tokens + 2 decodes" and s["mixed_step_ms"] > 0 and s["eager_mixed_step_ms"] > 0
     assert "| mixed: 16 prefill tokens + 2 decodes |" in text
+    tiles = json.loads((res / "prefill_tiles.json").read_text())["rows"]
+    assert len(tiles) == 6 and sum(r["engine"] for r in tiles) == 3  # two tilings, three cases
+    assert all(r["max_abs_diff"] < 1e-4 for r in tiles), tiles  # every tiling against SDPA in fp32
+    assert set(s["prefill_kernel"]) == {"prefill_40", "chunk_16_after_48", "mixed_8_2x30"}
 
 
 def test_batch1_bound_uses_the_cards_hbm_bandwidth():
@@ -155,3 +164,22 @@ def test_pack_ships_the_project_pin_and_links_every_top_level_package():
     top = link.top_level_packages()
     assert {f"infercept.{k}" for k in top} == {n for n in dirs if n.count(".") == 1}
     assert all(dirs[f"infercept.{k}"] == v and (BENCH.parent / v / "__init__.py").exists() for k, v in top.items())
+
+
+# The server's dependencies, which the GPU host does not have: a gpu-marked test file that imports one, at
+# any depth, fails the host's whole pytest step at collection (a helper moved into live_server.py, which
+# imports openai, once did).
+SERVER_ONLY = ("openai", "fastapi", "starlette", "uvicorn", "sse_starlette", "mcp", "langchain_core", "agents",
+               "pydantic_ai", "prometheus_client")
+
+
+def test_gpu_marked_test_files_collect_without_the_servers_dependencies():
+    tests = Path(__file__).parent
+    files = [str(p) for p in sorted(tests.glob("test_*.py")) if "pytest.mark.gpu" in p.read_text()]
+    assert len(files) >= 4, files
+    blocked = ("import sys, pytest; sys.modules.update(dict.fromkeys(%r)); "
+               "sys.exit(pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', '-m', 'gpu', *sys.argv[1:]]))"
+               % (SERVER_ONLY,))
+    result = subprocess.run([sys.executable, "-c", blocked, *files], cwd=tests.parent, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]

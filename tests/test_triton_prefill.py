@@ -28,6 +28,8 @@ CASES = {
     "G4-fp16-strided": (SEQS, 8, 2, 64, 16, F16, I64, True, 1, 2e-3),
     # a head_dim that is not a power of two, and a block size that is not one either
     "D40-block12-fp32": ([(0, 13), (25, 3), (11, 1)], 4, 2, 40, 12, F32, I64, False, 2, 1e-5),
+    # 16-bit caches take a tile of 128 positions: contexts long enough for whole tiles before the diagonal
+    "G4-bf16-long": ([(200, 40), (0, 150)], 8, 2, 64, 16, BF16, I32, False, 1, 2e-2),
     # sixteen query heads per kv head: four query tokens a program
     "G16-fp32": ([(0, 9), (30, 6)], 16, 1, 64, 16, F32, I64, False, 0, 1e-5),
 }
@@ -39,7 +41,7 @@ def make_inputs(name: str):
     Blocks are shuffled; every table is padded with a junk block whose K/V would swamp a result if read;
     one padding sequence (no rows, no context) follows the live ones; the rows past the live tokens are
     padding no sequence owns; `padding programs` extra map entries do nothing."""
-    from infercept.engine.triton_prefill import max_programs, program_map, queries_per_program
+    from infercept.engine.triton_prefill import max_programs, program_map, queries_per_program, tiling_for
 
     seqs, H, Hkv, D, block_size, dtype, index_dtype, strided, pad_programs, _ = CASES[name]
     gen = torch.Generator().manual_seed(sorted(CASES).index(name))
@@ -65,7 +67,7 @@ def make_inputs(name: str):
     for n in q_lens:
         query_start.append(query_start[-1] + n)
     query_start.append(live)  # the padding sequence has no rows
-    per_program = queries_per_program(H, Hkv)
+    per_program = queries_per_program(H, Hkv, tiling_for(dtype).rows)
     needed = max_programs(live, len(seqs), per_program)
     map_seq, map_row = program_map(q_lens, per_program, needed + pad_programs)
     if strided:

