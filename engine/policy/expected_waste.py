@@ -22,6 +22,7 @@ hides. The program waits that long; it is charged like memory held idle for that
 """
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Sequence
 
@@ -48,10 +49,6 @@ def resume_delay_swap(C: int, profile: Profile, iteration_s: float) -> float:
     return max(profile.t_swap(C, "in") - iteration_s, 0.0)
 
 
-def _remaining(info: PausedInfo) -> list[float]:
-    return sorted(max(r, 0.0) for r in info.remaining_s) if info.remaining_s else [max(info.expected_s, 0.0)]
-
-
 def best_ttl_waste(remaining: Sequence[float], C: int, M: int, discard_waste: float) -> float:
     """min over τ in `remaining` (sorted ascending, τ > 0 candidates) of
     ``C·M·E[min(R, τ)] + P(R > τ)·discard_waste``, R uniform over `remaining`; the last candidate is
@@ -62,8 +59,9 @@ def best_ttl_waste(remaining: Sequence[float], C: int, M: int, discard_waste: fl
         prefix += tau
         if k < N and remaining[k] == tau:
             continue  # ties: the survival share counts every sample at this value
-        held = (prefix + (N - k) * tau) / N
-        best = min(best, held * C * M + (N - k) / N * discard_waste)
+        waste = (prefix + (N - k) * tau) / N * C * M + (N - k) / N * discard_waste
+        if waste < best:
+            best = waste
     return best
 
 
@@ -74,7 +72,7 @@ def score_expected(info: PausedInfo, iteration: IterationInfo, profile: Profile)
     discard = (waste_chunk_discard(C, iteration.num_running_tokens, M, profile.t_fwd, chunk,
                                    profile.t_recompute_attention(C, num_chunks(C, chunk)))
                + resume_delay_discard(C, iteration, profile) * C * M)
-    return _Scored(info, best_ttl_waste(_remaining(info), C, M, discard), discard)
+    return _Scored(info, best_ttl_waste(info.remaining_sorted, C, M, discard), discard)
 
 
 def expected_swap_waste(info: PausedInfo, profile: Profile, iteration_s: float) -> float:
@@ -83,8 +81,10 @@ def expected_swap_waste(info: PausedInfo, profile: Profile, iteration_s: float) 
     swap-in that no iteration hides: ``C·M·(E[max(0, T_rt - max(R, T_iter))] + delay_in)``."""
     C = info.num_device_tokens
     round_trip = swap_round_trip(info, profile)
-    remaining = _remaining(info)
-    early = sum(max(round_trip - max(r, iteration_s), 0.0) for r in remaining) / len(remaining)
+    remaining = info.remaining_sorted
+    # Ascending: only the samples shorter than the round trip add (the rest add 0.0, which leaves the sum).
+    early = sum(max(round_trip - max(r, iteration_s), 0.0)
+                for r in itertools.takewhile(lambda r: r < round_trip, remaining)) / len(remaining)
     return (early + resume_delay_swap(info.num_tokens, profile, iteration_s)) * C * profile.bytes_per_token
 
 
@@ -121,11 +121,11 @@ def expected_waste_guard(info: PausedInfo, iteration: IterationInfo, profile: Pr
     if info.kv_state == "partial":
         return None
     C, M = info.num_device_tokens, profile.bytes_per_token
-    per_other_token = min(n * profile.t_fwd(C / n) for n in range(1, num_chunks(C, profile.block_size) + 1)) / C
+    per_other_token = profile.cheapest_recompute_s(C) / C
     floor = iteration.num_running_tokens // 2
     low = (profile.t_fwd(C) / 2 + per_other_token * floor) * C * M * (1 - 1e-9)
     round_trip = swap_round_trip(info, profile)
-    remaining = _remaining(info)
+    remaining = info.remaining_sorted
     if len(remaining) == 1:
         bound = low / (C * M)
     elif best_ttl_waste(remaining, C, M, low) < low:

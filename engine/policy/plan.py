@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 KV_STATES = ("device", "host", "discarded", "partial")
 
@@ -40,6 +41,13 @@ class PausedInfo:
     remaining_s: tuple[float, ...] | None = None
     # Its KV was brought back toward the device before its resume (proactive swap-in, `Policy.prefetch`).
     prefetched: bool = False
+
+    @cached_property
+    def remaining_sorted(self) -> tuple[float, ...]:
+        """`remaining_s` (or the one point `expected_s`) ascending, none below 0: what the expected-waste
+        rule integrates over, three times a plan for each request."""
+        points = self.remaining_s if self.remaining_s else (self.expected_s,)
+        return tuple(sorted(max(r, 0.0) for r in points))
 
     def __post_init__(self) -> None:
         if self.kv_state not in KV_STATES:

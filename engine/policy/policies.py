@@ -13,7 +13,6 @@ from .min_waste import (_drop, _holding_device, _in_input_order, _Scored, _swap_
                         cheaper_to_swap_than_discard, min_waste_plan, score, without_discards)
 from .plan import IterationInfo, KVAction, KVDecision, KVPlan, PausedInfo, PreserveGuard
 from .profile import Profile
-from .waste import num_chunks
 
 PREEMPTIONS = ("recompute", "swap")  # Policy.preemption
 PRIORITIES = ("arrival", "program-arrival", "las")  # Policy.priority
@@ -310,7 +309,7 @@ class InferCeptPaperPolicy(Policy):
         if info.kv_state == "partial":
             return None  # a swap in progress: planned every iteration until it completes
         C = info.num_device_tokens
-        per_other_token = min(n * profile.t_fwd(C / n) for n in range(1, num_chunks(C, profile.block_size) + 1)) / C
+        per_other_token = profile.cheapest_recompute_s(C) / C
         floor = iteration.num_running_tokens // 2
         round_trip = swap_round_trip(info, profile)
         return PreserveGuard(expected_s=(profile.t_fwd(C) / 2 + per_other_token * floor) * (1 - 1e-9),
