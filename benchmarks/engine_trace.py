@@ -149,6 +149,8 @@ def run_policy(policy: str, trace: list[dict], *, kv_cache_gb: float, host_kv_gb
         "swapped_out_blocks": stats.num_swapped_out_blocks,
         "discarded_tokens": stats.num_discarded_tokens,
         "steps": stats.num_steps,
+        "step_ms": 1e3 * stats.forward_seconds / max(stats.num_steps, 1),
+        "schedule_ms": 1e3 * stats.schedule_host_seconds / max(stats.num_steps, 1),
         "duration_s": duration,
         "output_tokens": sum(r["tokens"] for r in recs.values()),
         "expected_output_tokens": sum(s["decode_tokens"] for r in trace for s in r["segments"]),
@@ -176,8 +178,9 @@ def fmt(x, digits=3) -> str:
 def table(rows: list[dict]) -> str:
     base = next((r for r in rows if r["policy"] in ("discard", "vllm")), None)
     lines = ["| policy | finished | normalized latency (s/tok) | vs discard | completed req/s | vs discard | "
-             "recompute % tokens | recompute % fwd time | held waste % | TTFT median (s) | swapped-out blocks |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "recompute % tokens | recompute % fwd time | held waste % | TTFT median (s) | swapped-out blocks | "
+             "steps | step ms (scheduler's) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lat_ratio = tput_ratio = "–"
         if base is not None and base is not r:
@@ -189,7 +192,7 @@ def table(rows: list[dict]) -> str:
             f"| {r['policy']} | {r['finished']}/{r['requests']} | {fmt(r['normalized_latency'])} | {lat_ratio} | "
             f"{fmt(r['completed_per_s'])} | {tput_ratio} | {100 * r['recompute_token_share']:.1f} | "
             f"{100 * r['recompute_time_share']:.1f} | {fmt(r['held_waste_pct'])} | {fmt(r['ttft_median'])} | "
-            f"{r['swapped_out_blocks']} |")
+            f"{r['swapped_out_blocks']} | {r['steps']} | {r['step_ms']:.2f} ({r['schedule_ms']:.2f}) |")
     return "\n".join(lines)
 
 

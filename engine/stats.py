@@ -43,6 +43,9 @@ class EngineStats:
     admission_cap: int | None = None
     num_held_back: int = 0
     num_thrashed_tokens: int = 0  # cumulative: KV computed or copied again (SchedulerOutput)
+    # Host seconds the scheduler took to plan the steps, wall clock in a simulation too: on a GPU, where
+    # a step's forward pass is a few ms, the plan's Python is a share of the step no profile models.
+    schedule_host_seconds: float = 0.0
     resumes_by_kv: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RESUME_KV_PLACES, 0))
 
     def record(self, out: SchedulerOutput, seconds: float) -> None:

@@ -10,6 +10,7 @@ its own part of the update.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -33,7 +34,9 @@ class StepLoop:
         caller's to run inside it), `seconds()`, asked once it returns, is the step's time for the stats."""
         clock = self.scheduler.clock
         self.stats.hold(clock())  # the paused KV held idle since the last change
+        planning = time.perf_counter()
         out = self.scheduler.schedule()
+        self.stats.schedule_host_seconds += time.perf_counter() - planning
         self.stats.hold(clock(), out.num_paused_device_tokens)  # after the plan
         result = update(out, self.runner.run(out))
         self.stats.record(out, seconds())

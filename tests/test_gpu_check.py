@@ -115,6 +115,8 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
     assert s["pytest"] == {"passed": 3, "failed": 1, "errors": 0, "skipped": 2,
                            "failed_tests": ["tests.test_gpu::test_b"]}
     assert set(s["engine_trace_normalized_latency"]["0.002 GiB"]) == {"prefix-cache", "infercept"}
+    for r in s["engine_trace"]["0.002 GiB"]["rows"]:  # the scheduler's host time is a part of the step's
+        assert r["steps"] > 0 and 0 < r["schedule_ms"] < r["step_ms"], r
     assert [st["rc"] for st in s["steps"]] == [0, 1, 124, None]
     text = summary.markdown(s)
     assert "(timed out)" in text and "skipped: no time left" in text

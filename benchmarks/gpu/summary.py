@@ -147,7 +147,8 @@ def summarize(res: Path, seconds: float | None = None, dry: bool = False) -> dic
         trace[pool] = {"command": data.get("command"),
                        "rows": [{k: _finite(r[k]) for k in ("policy", "requests", "finished", "normalized_latency",
                                                            "ttft_median", "recompute_time_share",
-                                                           "swapped_out_blocks", "duration_s")}
+                                                           "swapped_out_blocks", "steps", "step_ms", "schedule_ms",
+                                                           "duration_s")}
                                 for r in data.get("rows", [])]}
     s["engine_trace_normalized_latency"] = latency or None
     s["engine_trace"] = trace or None
@@ -211,11 +212,13 @@ def markdown(s: dict) -> str:
                          f"{'–' if t is None else ', '.join(f'{n} {v}' for n, v in t.items())} | "
                          f"{_f(k['fastest_us'])} | {_f(k['sdpa_us'])} |")
     lines += ["", "**Engine trace** (normalized latency, s/token; finished/requests):", "",
-              "| device pool | policy | normalized latency | finished |", "|---|---|---:|---:|"]
+              "| device pool | policy | normalized latency | finished | steps | step ms (scheduler's) |",
+              "|---|---|---:|---:|---:|---:|"]
     for pool, t in (s["engine_trace"] or {}).items():
         for r in t["rows"]:
             lines.append(f"| {pool} | {r['policy']} | {_f(r['normalized_latency'], '{:.4g}')} | "
-                         f"{r['finished']}/{r['requests']} |")
+                         f"{r['finished']}/{r['requests']} | {r['steps']} | {_f(r['step_ms'], '{:.2f}')} "
+                         f"({_f(r['schedule_ms'], '{:.2f}')}) |")
     return "\n".join(lines) + "\n"
 
 
