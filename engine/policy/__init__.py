@@ -13,7 +13,7 @@ without a model (`engine/modeled_runner.py`). Modules:
 - `min_waste`: the min-waste rule (Eq. 5) and `min_waste_plan`.
 - `expected_waste`: its expected-waste form over a remaining-time distribution.
 - `policies`: the baseline and ablation policies (`Policy` and its subclasses).
-- `names`: `POLICIES`, `make_policy` (with switchable parts: `VARIANTS`).
+- `names`: `POLICIES`, `make_policy` (with switchable parts: `VARIANTS`), `base_policy`.
 - `prefetch`: proactive swap-in's choice of the paused requests whose host KV comes back now.
 - `admission`: `AdmissionController`, the AIMD cap on active programs under overload (`+admission`).
 """
@@ -21,7 +21,7 @@ from .admission import AdmissionController
 from .budget import SwapBudget, recompute_chunk_size, split_swap_budget, swap_room
 from .estimator import DurationEstimator
 from .min_waste import min_waste_plan
-from .names import FIGURE3_ABLATION, POLICIES, VARIANTS, make_policy
+from .names import FIGURE3_ABLATION, POLICIES, VARIANTS, base_policy, make_policy
 from .plan import KV_STATES, IterationInfo, KVAction, KVDecision, KVPlan, PausedInfo, PreserveGuard
 from .policies import PRIORITIES, Policy
 from .profile import Profile, a100_gptj_6b, detect_saturation_point
@@ -30,6 +30,6 @@ from .waste import waste_chunk_discard, waste_discard, waste_preserve, waste_swa
 __all__ = [
     "AdmissionController", "FIGURE3_ABLATION", "KV_STATES", "POLICIES", "PRIORITIES", "VARIANTS", "DurationEstimator", "IterationInfo",
     "KVAction", "KVDecision", "KVPlan", "PausedInfo", "Policy", "PreserveGuard", "Profile", "SwapBudget",
-    "a100_gptj_6b", "detect_saturation_point", "make_policy", "min_waste_plan", "recompute_chunk_size",
+    "a100_gptj_6b", "base_policy", "detect_saturation_point", "make_policy", "min_waste_plan", "recompute_chunk_size",
     "split_swap_budget", "swap_room", "waste_chunk_discard", "waste_discard", "waste_preserve", "waste_swap",
 ]

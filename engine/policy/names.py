@@ -61,13 +61,18 @@ def part_setting(part: str) -> tuple[str, object]:
     raise ValueError(f"unknown policy variant {part!r}; use {', '.join('+' + v for v in VARIANTS)}")
 
 
+def base_policy(name: str) -> str:
+    """The registered policy a name starts from: ``"infercept+prefetch"`` -> ``"infercept"``."""
+    return name.split("+")[0]
+
+
 def make_policy(name: str, **kwargs) -> Policy:
     """The policy registered under ``name``, optionally with parts switched after ``+``: another
     preemption rule (``"infercept+recompute-preemption"``, ``"swap+swap-preemption"``: the ablation that
     credits the pause-time plan and the preemption rule separately), another queue order
     (``"infercept-paper+las-priority"``), expected-waste decisions (``"infercept-paper+expected-waste"``),
     admission under overload (``"infercept-paper+admission"``); several may be chained. ValueError naming the choices if unknown."""
-    base, *parts = name.split("+")
+    base, parts = base_policy(name), name.split("+")[1:]
     for part in parts:
         key, value = part_setting(part)
         kwargs[key] = value

@@ -43,6 +43,7 @@ from ..backend import EngineBackend, EngineInfo, EngineSnapshot, KVLocation
 from ..config import CacheConfig, available_host_memory_bytes
 from ..output_stage import GO_ON, Action, TurnOutput, TurnRule, Verdict, may_pause
 from ..outputs import RequestOutput, SampledToken
+from ..policy import base_policy
 from ..request import InterceptParams
 from ..sampling_params import SamplingParams
 from ..stats import RESUME_KV_PLACES, resume_kv_place
@@ -119,7 +120,7 @@ class VllmBackend(EngineBackend):
         self.tokenizer = tokenizer
         self.block_size = block_size
         self.policy = policy
-        self.sessions = policy.split("+")[0] in SESSION_POLICIES  # paused turns wait in vLLM as streaming sessions
+        self.sessions = base_policy(policy) in SESSION_POLICIES  # paused turns wait in vLLM as streaming sessions
         self.profile = profile  # measured by the worker on this vLLM (session policies)
         self.host_blocks_total = host_blocks  # the host tier's pool (0: none)
         self._generations: dict[str, _Generation] = {}
@@ -161,7 +162,7 @@ class VllmBackend(EngineBackend):
         from ..engine import eos_ids_of
 
         engine_args = dict(engine_args or {})
-        base = policy.split("+")[0]
+        base = base_policy(policy)
         if base not in SESSION_POLICIES and base not in STOCK_POLICIES:
             raise ValueError(f"policy {base!r} is not available on the vLLM backend: choose one of "
                              f"{', '.join((*SESSION_POLICIES, *STOCK_POLICIES))}")
