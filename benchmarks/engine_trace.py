@@ -15,6 +15,7 @@ is the last); the driver then records it as finished and aborts it, which releas
     python benchmarks/engine_trace.py --policies all --out benchmarks/results/engine_trace.md
     python benchmarks/engine_trace.py --smoke             # < 60 s: 2 policies, 4 requests
     python benchmarks/engine_trace.py --model DIR --json rows.json   # another model folder; rows as JSON
+    python benchmarks/engine_trace.py --simulate profile.json ...    # the same trace simulated on a profile
 
 Metrics as in `policy_sim.py`: normalized latency (median over requests of (e2e - interception time) /
 output tokens), completed requests/s (finished by the end of the arrival window + drain / that time),
@@ -162,6 +163,31 @@ def run_policy(policy: str, trace: list[dict], *, kv_cache_gb: float, host_kv_gb
     return row
 
 
+def simulate_policy(policy: str, trace: list[dict], profile_path: str, *, kv_cache_gb: float, host_kv_gb: float,
+                    max_num_batched_tokens: int, max_num_seqs: int, until_s: float | None = None, log=None,
+                    **_) -> dict:
+    """The same trace through `SimulatedEngine` on a measured profile (the scheduler's code, a modeled
+    runner, a virtual clock), pools sized from the same GiB: what the simulations predict for the run the
+    engine made, in the same row. `schedule_ms` is the scheduler's host time on this machine, which the
+    virtual clock does not charge."""
+    from infercept.engine.policy import Profile
+    from infercept.engine.simulation import SimulatedEngine
+
+    profile = Profile.load(profile_path)
+    block_bytes = profile.block_size * profile.bytes_per_token
+    engine = SimulatedEngine(policy, profile, int(kv_cache_gb * 2**30 // block_bytes),
+                             int(host_kv_gb * 2**30 // block_bytes), max_num_batched_tokens=max_num_batched_tokens,
+                             max_num_seqs=max_num_seqs)
+    row = engine.run_trace(trace, until=until_s).summary()
+    stats = engine.stats
+    row["step_ms"] = 1e3 * stats.forward_seconds / max(stats.num_steps, 1)
+    row["schedule_ms"] = 1e3 * stats.schedule_host_seconds / max(stats.num_steps, 1)
+    if log:
+        log(f"  {policy:>18}: {row['finished']}/{len(trace)} finished in {row['duration_s']:.1f} virtual s, "
+            f"{row['steps']} steps (simulated)")
+    return row
+
+
 def _sleep_until(t: float) -> None:
     """Sleep until monotonic time `t`."""
     time.sleep(max(t - time.monotonic(), 0.0))
@@ -229,6 +255,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (machine is shared)")
     parser.add_argument("--until", type=float, default=240.0, help="stop a policy's run after this many seconds")
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--simulate", metavar="PROFILE_JSON", default=None,
+                        help="replay the trace in SimulatedEngine on this measured profile instead of the engine "
+                             "(e.g. a GPU check's profile.json), pools from the same --kv-cache-gb / --host-kv-gb")
     parser.add_argument("--out", default=None, help="also write the table (markdown) to this file")
     parser.add_argument("--json", default=None, help="also write the rows and the command (JSON) to this file")
     parser.add_argument("--model", default=None, help="model folder (default: the embedded model)")
@@ -250,16 +279,20 @@ def main(argv: list[str] | None = None) -> None:
                                max_interceptions=args.max_interceptions, max_context=args.max_context)
         log(f"{len(trace)} requests, {sum(len(r['segments']) - 1 for r in trace)} interceptions, "
             f"{sum(s['decode_tokens'] for r in trace for s in r['segments'])} output tokens")
-        rows = _run_all(args.policies, trace, dict(
-            kv_cache_gb=args.kv_cache_gb, host_kv_gb=args.host_kv_gb,
-            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-            threads=args.threads, until_s=args.until, model=args.model), log)
+        kw = dict(kv_cache_gb=args.kv_cache_gb, host_kv_gb=args.host_kv_gb,
+                  max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                  threads=args.threads, until_s=args.until, model=args.model)
+        if args.simulate:
+            rows = [simulate_policy(p, trace, args.simulate, **kw, log=log) for p in args.policies]
+        else:
+            rows = _run_all(args.policies, trace, kw, log)
     text = table(rows)
     print(text)
     config = " ".join(sys.argv[1:] if argv is None else argv) or "(defaults)"
     if args.out:
         with open(args.out, "w") as f:
-            f.write(f"# Engine trace (real engine, wall clock)\n\n`python benchmarks/engine_trace.py {config}`\n\n{text}\n")
+            kind = "simulated on a measured profile, virtual clock" if args.simulate else "real engine, wall clock"
+            f.write(f"# Engine trace ({kind})\n\n`python benchmarks/engine_trace.py {config}`\n\n{text}\n")
     if args.json:
         import json
 

@@ -96,6 +96,16 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
     # Triton's interpreter is chosen when Triton is imported: the tilings' step runs in a process of its own.
     subprocess.run([sys.executable, str(GPU / "prefill_tiles.py"), "--dry", "--out", str(res)], check=True,
                    env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300)
+    # The same trace simulated on the profile just measured (the simulation's side of the engine's run).
+    load_bench("engine_trace").main(
+        ["--simulate", str(res / "profile.json"), "--policies", "prefix-cache", "infercept", "--rate", "2",
+         "--window", "1", "--until", "3", "--context-scale", "0.05", "--decode-scale", "0.05",
+         "--interception-scale", "0.01", "--max-interceptions", "1", "--max-context", "128", "--kv-cache-gb", "0.002",
+         "--host-kv-gb", "0.01", "--max-num-batched-tokens", "64", "--max-num-seqs", "8",
+         "--json", str(tmp_path / "simulated.json")])
+    simulated = json.loads((tmp_path / "simulated.json").read_text())["rows"]
+    assert [r["policy"] for r in simulated] == ["prefix-cache", "infercept"]
+    assert all(r["steps"] > 0 and r["finished"] > 0 and 0 < r["schedule_ms"] for r in simulated), simulated
     (res / "pytest.xml").write_text(JUNIT)
     (res / "steps.tsv").write_text("setup\t0\t3\npytest -m gpu\t1\t40\nengine trace 1 GiB\t124\t90\n"
                                    "engine trace 16 GiB\tskipped\t0\n")
