@@ -8,7 +8,8 @@
 #   5. engine vs transformers: decode at batch 1, 8, 32 and a 1,000-token prefill, 8B shape
 #   5b. where a step's time goes (step_profile.py): step vs runner time, cProfile, torch.profiler
 #   5c. the prefill kernel under a set of tilings beside SDPA (prefill_tiles.py)
-#   6. benchmarks/engine_trace.py, policies prefix-cache and infercept, 1 GiB and 16 GiB device pools
+#   6. benchmarks/engine_trace.py, policies prefix-cache and infercept, 1 GiB and 16 GiB device pools, each
+#      beside the same trace simulated on step 4's profile (--simulate)
 # then summary.json / summary.md. Each step has its own time limit, all of them within BUDGET_S (480 s: the
 # whole check); a failed step does not stop the next. Results: benchmarks/results/gpu-<card>-<date>/ under $OUT
 # when it is set, else under the repository.
@@ -175,7 +176,7 @@ fi
 # Each pool runs two policies; the runs share what is left: each policy gets --until seconds plus its start-up.
 LEFT=$((DEADLINE - $(date +%s) - RESERVE_S))
 RUNS=$((2 * $(echo $TRACE_POOLS | wc -w)))
-UNTIL=$((LEFT / RUNS - TRACE_OVERHEAD))
+UNTIL=$(((LEFT - 20 * RUNS / 2) / RUNS - TRACE_OVERHEAD))  # 20 s a pool for its simulation
 UNTIL=$((UNTIL < TRACE_UNTIL ? UNTIL : TRACE_UNTIL))
 echo
 echo "engine trace: --until $UNTIL s per policy ($LEFT s left)"
@@ -190,6 +191,13 @@ for KV in $TRACE_POOLS; do
     step "engine trace $KV GiB" $((2 * (UNTIL + TRACE_OVERHEAD) + 30)) $PY benchmarks/engine_trace.py \
         --model "$BIG" --policies prefix-cache infercept --until "$UNTIL" --kv-cache-gb "$KV" $TRACE_ARGS \
         --out "$RES/engine_trace_kv${KV}gib.md" --json "$RES/engine_trace_kv${KV}gib.json"
+    # The same trace simulated on this run's profile: where the engine and the simulations part ways.
+    if [ -f "$RES/profile.json" ]; then
+        # shellcheck disable=SC2086
+        step "engine trace $KV GiB, simulated" 60 $PY benchmarks/engine_trace.py --simulate "$RES/profile.json" \
+            --policies prefix-cache infercept --until "$UNTIL" --kv-cache-gb "$KV" $TRACE_ARGS \
+            --out "$RES/engine_trace_kv${KV}gib.simulated.md" --json "$RES/engine_trace_kv${KV}gib.simulated.json"
+    fi
 done
 
 echo

@@ -150,6 +150,11 @@ def summarize(res: Path, seconds: float | None = None, dry: bool = False) -> dic
                                                            "swapped_out_blocks", "steps", "step_ms", "schedule_ms",
                                                            "duration_s")}
                                 for r in data.get("rows", [])]}
+        simulated = _load(path.with_name(path.name.replace(".json", ".simulated.json"))) or {}
+        trace[pool]["simulated_rows"] = [{k: _finite(r[k]) for k in ("policy", "requests", "finished",
+                                                                    "normalized_latency", "steps", "step_ms",
+                                                                    "schedule_ms")}
+                                         for r in simulated.get("rows", [])]
     s["engine_trace_normalized_latency"] = latency or None
     s["engine_trace"] = trace or None
     s["steps"] = steps(res / "steps.tsv")
@@ -211,11 +216,12 @@ def markdown(s: dict) -> str:
             lines.append(f"| {case} | {_f(k['engine_us'])} | "
                          f"{'–' if t is None else ', '.join(f'{n} {v}' for n, v in t.items())} | "
                          f"{_f(k['fastest_us'])} | {_f(k['sdpa_us'])} |")
-    lines += ["", "**Engine trace** (normalized latency, s/token; finished/requests):", "",
+    lines += ["", "**Engine trace** (normalized latency, s/token; finished/requests; \"simulated\": the same trace in "
+              "`SimulatedEngine` on this run's profile, virtual clock, the scheduler's ms on the host's CPU):", "",
               "| device pool | policy | normalized latency | finished | steps | step ms (scheduler's) |",
               "|---|---|---:|---:|---:|---:|"]
     for pool, t in (s["engine_trace"] or {}).items():
-        for r in t["rows"]:
+        for r in t["rows"] + [dict(r, policy=f"{r['policy']}, simulated") for r in t.get("simulated_rows", [])]:
             lines.append(f"| {pool} | {r['policy']} | {_f(r['normalized_latency'], '{:.4g}')} | "
                          f"{r['finished']}/{r['requests']} | {r['steps']} | {_f(r['step_ms'], '{:.2f}')} "
                          f"({_f(r['schedule_ms'], '{:.2f}')}) |")
