@@ -18,7 +18,8 @@ Each handle has exactly one holder: a turn (server/turns.py) gives its handle to
 continues (a chat `session_id`, a native session) or to a new implicit one, from which a stored
 response adopts the handle of the turn it just served. Resuming takes the handle out (a concurrent request for it finds nothing, served fresh).
 
-Lookups are O(1) or O(prompt), never a walk over every record: call id -> handle; the chained hashes
+Lookups are O(1) or O(prompt), never a walk over every record: first call id -> handles (ids need not
+be unique: the one the conversation continues); the chained hashes
 of a token sequence's 16-token blocks -> handles (`find_for_tokens`); (kind, id) -> record.
 
 The policy (`settings.ConversationPolicy`) is one object with two clocks, because the documented
@@ -176,13 +177,16 @@ class ConversationStore:
         self.kept_tokens = kept_tokens  # KV tokens (device + host) a paused generation still keeps
         self.clock = clock
         self._paused: OrderedDict[str, Conversation] = OrderedDict()  # request id -> holder, oldest first
-        self._by_call_id: dict[str, str] = {}  # first call id -> request id
+        # first call id -> request ids, oldest first. Ids need not be unique: a Kimi-K2 model writes its own,
+        # `functions.NAME:INDEX` counted per conversation, so concurrent agents' first calls share them.
+        self._by_call_id: dict[str, dict[str, None]] = {}
         self._by_blocks: dict[int | None, dict[str, None]] = {}  # block key (`_block_keys`) -> request ids
         self._block_key: dict[str, int | None] = {}  # request id -> its key there
         # (owner, kind, id) -> record, least recently used first: each tenant names its own chat sessions
         self._named: OrderedDict[tuple[str | None, Kind, str], Conversation] = OrderedDict()
         self._responses: OrderedDict[str, Conversation] = OrderedDict()  # oldest first
-        self._turns: OrderedDict[tuple[str, ...], AssistantTurn] = OrderedDict()
+        self._turns: OrderedDict[tuple[str, ...], list[AssistantTurn]] = OrderedDict()  # call ids -> turns
+        self._num_turns = 0
         self.num_paused_tokens = 0
 
     # -- paused generations ------------------------------------------------------------------------
@@ -202,7 +206,7 @@ class ConversationStore:
         key = self._block_key[handle.request_id] = _block_keys(handle.token_ids, n)[n]
         self._by_blocks.setdefault(key, {})[handle.request_id] = None
         if handle.call_ids:
-            self._by_call_id[handle.call_ids[0]] = handle.request_id
+            self._by_call_id.setdefault(handle.call_ids[0], {})[handle.request_id] = None
             self.remember_turn(handle.turn)
         self._give(holder, handle)
         quota = self.quotas.get(holder.owner)
@@ -261,8 +265,11 @@ class ConversationStore:
         del bucket[handle.request_id]
         if not bucket:
             del self._by_blocks[key]
-        if handle.call_ids and self._by_call_id.get(handle.call_ids[0]) == handle.request_id:
-            del self._by_call_id[handle.call_ids[0]]
+        if handle.call_ids:
+            bucket = self._by_call_id[handle.call_ids[0]]
+            del bucket[handle.request_id]
+            if not bucket:
+                del self._by_call_id[handle.call_ids[0]]
         owned = self._owned[holder.owner]
         del owned[handle.request_id]
         self._owned_tokens[holder.owner] -= len(handle.token_ids)
@@ -275,18 +282,20 @@ class ConversationStore:
     def find_for_messages(self, messages: Sequence[Message], holder: Conversation | None = None,
                           owner: str | None = None) -> Paused | None:
         """The handle `messages` continues: `holder`'s, or one of `owner`'s found by the last assistant
-        turn's call ids."""
+        turn's call ids (the newest that it continues, where several share them)."""
         if holder is not None:
             handle = holder.paused
-        else:
-            k = len(messages) - 1
-            while k >= 0 and messages[k].role == "tool":
-                k -= 1
-            if k < 0 or k == len(messages) - 1 or not messages[k].tool_calls:
-                return None
-            found = self._paused.get(self._by_call_id.get(messages[k].tool_calls[0].id))
-            handle = found.paused if found is not None and found.owner == owner else None
-        return handle if handle is not None and handle.continues(messages) else None
+            return handle if handle is not None and handle.continues(messages) else None
+        k = len(messages) - 1
+        while k >= 0 and messages[k].role == "tool":
+            k -= 1
+        if k < 0 or k == len(messages) - 1 or not messages[k].tool_calls:
+            return None
+        for request_id in reversed(self._by_call_id.get(messages[k].tool_calls[0].id, {})):
+            found = self._paused[request_id]
+            if found.owner == owner and found.paused.continues(messages):
+                return found.paused
+        return None
 
     def find_for_tokens(self, token_ids: Sequence[int], owner: str | None = None) -> Paused | None:
         """The handle of `owner`'s whose whole token sequence `token_ids` strictly extends (the longest). Candidates
@@ -401,14 +410,20 @@ class ConversationStore:
     # -- generated assistant turns -----------------------------------------------------------------
     def remember_turn(self, turn: AssistantTurn) -> None:
         key = tuple(c.id for c in turn.message.tool_calls)
-        self._turns[key] = turn
+        same = self._turns.setdefault(key, [])
+        if turn not in same:
+            same.append(turn)
+            self._num_turns += 1
         self._turns.move_to_end(key)
-        while len(self._turns) > self.policy.max_remembered_turns:
-            self._turns.popitem(last=False)
+        while self._num_turns > self.policy.max_remembered_turns:
+            self._num_turns -= len(self._turns.popitem(last=False)[1])
 
     def known_turn(self, message: Message) -> AssistantTurn | None:
-        """The generated turn `message` repeats (same call ids, JSON-equal arguments, same content)."""
-        turn = self._turns.get(tuple(c.id for c in message.tool_calls))
-        if turn is None or turn.message != message:
+        """The generated turn `message` repeats (same call ids, JSON-equal arguments, same content). None
+        where turns that differ (their tokens: a thinking model's thinking) repeat it alike: which one the
+        conversation holds is unknown, and its template renders it instead."""
+        matches = [t for t in self._turns.get(tuple(c.id for c in message.tool_calls), ()) if t.message == message]
+        if not matches or any((t.token_ids, t.template_kwargs) != (matches[0].token_ids, matches[0].template_kwargs)
+                              for t in matches[1:]):
             return None
-        return turn
+        return matches[0]

@@ -270,3 +270,27 @@ def test_the_idle_ttl_counts_from_the_end_of_a_request_not_its_start(fake_server
     assert record() is not None
     clock[0] += 1.5
     wait_for(lambda: record() is None)
+
+
+def test_a_turn_repeated_alike_by_turns_of_other_tokens_renders_by_the_template():
+    """Call ids need not be unique (a Kimi-K2 model numbers its own per conversation): two turns with the
+    same message but other tokens (one model's thinking, say) leave which one a conversation holds unknown,
+    so neither's tokens are rendered for it; a turn alone, or repeated with its own tokens, is."""
+    from infercept.server.chat import AssistantTurn, Call, Message
+    from infercept.server.conversations import ConversationStore
+
+    store = ConversationStore(ConversationPolicy(max_remembered_turns=3), release=lambda *a: None)
+    message = Message("assistant", "", None, (Call.make("functions.get_weather:0", "get_weather", '{"city": "Rome"}'),))
+    first = AssistantTurn(message, (1, 2, 3))
+    store.remember_turn(first)
+    store.remember_turn(first)  # the same turn again: no ambiguity
+    assert store.known_turn(message) is first
+    store.remember_turn(AssistantTurn(message, (1, 9, 3)))
+    assert store.known_turn(message) is None
+    other = Message("assistant", "", None, (Call.make("functions.get_weather:0", "get_weather", '{"city": "Oslo"}'),))
+    oslo = AssistantTurn(other, (4, 5))
+    store.remember_turn(oslo)  # same id, other arguments: its own message
+    assert store.known_turn(other) is oslo
+    for i in range(3):  # the oldest call ids go first once more turns than the policy keeps are remembered
+        store.remember_turn(AssistantTurn(Message("assistant", "", None, (Call.make(f"c{i}", "f", "{}"),)), (i,)))
+    assert store.known_turn(other) is None and store.known_turn(message) is None

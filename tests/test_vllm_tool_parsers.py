@@ -97,10 +97,10 @@ def test_vllms_parser_runs_in_vllms_python_only():
 
 # -- the server over a backend that reports vLLM's parsers --------------------------------------------
 
-@pytest.fixture(scope="module")
-def served(default_model_dir):
-    """A live server over a scripted backend that runs vLLM's parsers, serving `--tool-parser qwen3_coder`:
-    its "weather" turn ends in a call with vLLM's id, as the vLLM backend's output stage returns one."""
+def serve_vllms_parser(model_dir: str, parser: str, call_id: str):
+    """A live server over a scripted backend that runs vLLM's parsers, serving `--tool-parser PARSER`: its
+    "weather" turn ends in a call with the id `call_id` from vLLM's parser, as the vLLM backend's output
+    stage returns one. Yields (backend, an openai client)."""
     from dataclasses import replace
 
     import openai
@@ -110,7 +110,7 @@ def served(default_model_dir):
     from infercept.server.app import build_app
     from infercept.server.settings import ServerSettings
 
-    backend = ScriptedBackend(default_model_dir)
+    backend = ScriptedBackend(model_dir)
     backend.info = replace(backend.info, vllm_tool_parsers=VLLMS)
     scripted_generate = backend.generate
 
@@ -118,16 +118,28 @@ def served(default_model_dir):
         backend.intercepts.append(intercept)
         async for out in scripted_generate(prompt, params, request_id, intercept):
             if out.tool_calls:
-                out.tool_calls = [replace(c, id="chatcmpl-tool-7") for c in out.tool_calls]
+                out.tool_calls = [replace(c, id=call_id) for c in out.tool_calls]
             yield out
 
     backend.intercepts = []
     backend.generate = generate
     server, thread, base = serve_in_thread(build_app(backend, ServerSettings(served_model_name="m",
-                                                                             tool_parser="qwen3_coder")))
+                                                                             tool_parser=parser)))
     yield backend, openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=30)
     server.should_exit = True
     thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def served(default_model_dir):
+    yield from serve_vllms_parser(default_model_dir, "qwen3_coder", "chatcmpl-tool-7")
+
+
+@pytest.fixture(scope="module")
+def served_kimi(default_model_dir):
+    """vLLM's kimi_k2 parser takes a call's id from the model's text: Kimi-K2 writes `functions.NAME:INDEX`,
+    INDEX counting the calls of its conversation, so every conversation's first call has the same id."""
+    yield from serve_vllms_parser(default_model_dir, "kimi_k2", "functions.get_weather:0")
 
 
 def test_the_server_returns_vllms_calls_and_resumes_them(served):
@@ -175,3 +187,20 @@ def test_forced_calls_and_json_answers_beside_calls_are_refused_with_vllms_parse
     answer = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], tools=tools,
                                             tool_choice="none")
     assert answer.choices[0].message.content == "Hello there."
+
+
+def test_conversations_whose_calls_share_an_id_each_resume_their_own_pause(served_kimi):
+    backend, client = served_kimi
+    tools = [dict(WEATHER.definition)]
+    conversations = [[{"role": "user", "content": "What is the weather in Rome?"}],
+                     [{"role": "user", "content": "Rome: how is the weather there now?"}]]
+    paused = []
+    for messages in conversations:  # both pause on a call named functions.get_weather:0
+        message = client.chat.completions.create(model="m", messages=messages, tools=tools).choices[0].message
+        assert [c.id for c in message.tool_calls] == ["functions.get_weather:0"]
+        paused.append(backend.calls[-1][1])
+        messages += [message, {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "sunny"}]
+    for messages, request_id in zip(conversations, paused):  # the older one first: its id is not the newest
+        answer = client.chat.completions.create(model="m", messages=messages, tools=tools)
+        assert backend.calls[-1] == ("resume", request_id)
+        assert answer.choices[0].message.content == "It is sunny."
