@@ -45,14 +45,30 @@ TOKEN_ID_RANGE = (100, 20000)
 
 def run_policy(policy: str, trace: list[dict], *, kv_cache_gb: float, host_kv_gb: float,
                max_num_batched_tokens: int, max_num_seqs: int, threads: int, seed: int = 0,
-               until_s: float | None = None, model: str | None = None, log=None) -> dict:
-    """Replay `trace` through a fresh Engine under `policy`; returns the summary row."""
+               until_s: float | None = None, model: str | None = None, step_log: str | None = None,
+               log=None) -> dict:
+    """Replay `trace` through a fresh Engine under `policy`; returns the summary row. `step_log`: a folder
+    for the engine's step log of this policy (`POLICY.jsonl`, as $INFERCEPT_STEP_LOG writes it)."""
     from infercept.engine import Engine, SamplingParams
     from infercept.engine.request import InterceptParams
 
-    engine = Engine(model, dtype="bfloat16", kv_cache_gb=kv_cache_gb, host_kv_gb=host_kv_gb,
-                    max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                    num_threads=threads, policy=policy, progress=False, seed=seed)
+    if step_log:
+        os.makedirs(step_log, exist_ok=True)
+        path = os.path.join(step_log, f"{policy}.jsonl")
+        if os.path.exists(path):
+            os.remove(path)  # the log appends: one run per file
+    saved = os.environ.get("INFERCEPT_STEP_LOG")
+    if step_log:
+        os.environ["INFERCEPT_STEP_LOG"] = path
+    try:
+        engine = Engine(model, dtype="bfloat16", kv_cache_gb=kv_cache_gb, host_kv_gb=host_kv_gb,
+                        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                        num_threads=threads, policy=policy, progress=False, seed=seed)
+    finally:
+        if saved is None:
+            os.environ.pop("INFERCEPT_STEP_LOG", None)
+        else:
+            os.environ["INFERCEPT_STEP_LOG"] = saved
     rng = random.Random(f"{seed}-tokens")
     lo, hi = TOKEN_ID_RANGE
 
@@ -152,6 +168,7 @@ def run_policy(policy: str, trace: list[dict], *, kv_cache_gb: float, host_kv_gb
         "steps": stats.num_steps,
         "step_ms": 1e3 * stats.forward_seconds / max(stats.num_steps, 1),
         "schedule_ms": 1e3 * stats.schedule_host_seconds / max(stats.num_steps, 1),
+        "copy_wait_ms": 1e3 * stats.copy_wait_seconds / max(stats.num_steps, 1),
         "duration_s": duration,
         "output_tokens": sum(r["tokens"] for r in recs.values()),
         "expected_output_tokens": sum(s["decode_tokens"] for r in trace for s in r["segments"]),
@@ -205,7 +222,7 @@ def table(rows: list[dict]) -> str:
     base = next((r for r in rows if r["policy"] in ("discard", "vllm")), None)
     lines = ["| policy | finished | normalized latency (s/tok) | vs discard | completed req/s | vs discard | "
              "recompute % tokens | recompute % fwd time | held waste % | TTFT median (s) | swapped-out blocks | "
-             "steps | step ms (scheduler's) |",
+             "steps | step ms (scheduler's, copy waits) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lat_ratio = tput_ratio = "–"
@@ -218,7 +235,8 @@ def table(rows: list[dict]) -> str:
             f"| {r['policy']} | {r['finished']}/{r['requests']} | {fmt(r['normalized_latency'])} | {lat_ratio} | "
             f"{fmt(r['completed_per_s'])} | {tput_ratio} | {100 * r['recompute_token_share']:.1f} | "
             f"{100 * r['recompute_time_share']:.1f} | {fmt(r['held_waste_pct'])} | {fmt(r['ttft_median'])} | "
-            f"{r['swapped_out_blocks']} | {r['steps']} | {r['step_ms']:.2f} ({r['schedule_ms']:.2f}) |")
+            f"{r['swapped_out_blocks']} | {r['steps']} | {r['step_ms']:.2f} ({r['schedule_ms']:.2f}, "
+            f"{r.get('copy_wait_ms', 0.0):.2f}) |")
     return "\n".join(lines)
 
 
@@ -255,6 +273,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (machine is shared)")
     parser.add_argument("--until", type=float, default=240.0, help="stop a policy's run after this many seconds")
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--step-log", metavar="DIR", default=None,
+                        help="write each policy's engine step log (one JSON line a step) to DIR/POLICY.jsonl")
     parser.add_argument("--simulate", metavar="PROFILE_JSON", default=None,
                         help="replay the trace in SimulatedEngine on this measured profile instead of the engine "
                              "(e.g. a GPU check's profile.json), pools from the same --kv-cache-gb / --host-kv-gb")
@@ -282,6 +302,8 @@ def main(argv: list[str] | None = None) -> None:
         kw = dict(kv_cache_gb=args.kv_cache_gb, host_kv_gb=args.host_kv_gb,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                   threads=args.threads, until_s=args.until, model=args.model)
+        if args.step_log and not args.simulate:
+            kw["step_log"] = args.step_log
         if args.simulate:
             rows = [simulate_policy(p, trace, args.simulate, **kw, log=log) for p in args.policies]
         else:

@@ -14,7 +14,8 @@ of queueing behind them on the compute stream. Events keep the two streams hones
 - All copies share one stream and run in the order issued, so a swap-in into a block that a swap-out
   of the same step just freed, or a swap-out into a host block a swap-in just read, needs no event.
 
-On the CPU every copy is synchronous and this class does nothing.
+On the CPU every copy is synchronous and this class does nothing. On CUDA it times each wait of a
+forward pass for the copies (`waited_seconds`): what swaps cost a step beyond what the copy stream hides.
 
 Nothing queued here may make the host wait: a host list turned into a device tensor with
 `torch.tensor(..., device=...)` synchronizes the stream it is made on, and on the copy stream that means
@@ -47,6 +48,9 @@ class CopyStream:
         # after the newest of them (the stream is FIFO, so it completes after all of them).
         self._pending_blocks: set[int] = set()
         self._last_copy: torch.cuda.Event | None = None
+        # Each wait of a forward pass for the copies, as timing events around it on the compute stream:
+        # the time between them is the time the pass stood still (`waited_seconds`).
+        self._waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     @contextmanager
     def copying(self, device_blocks: Iterable[int]):
@@ -72,8 +76,23 @@ class CopyStream:
         if self._last_copy.query():
             self._pending_blocks.clear()  # all finished: nothing to wait for
         elif not self._pending_blocks.isdisjoint(device_blocks):
-            torch.cuda.current_stream(self.device).wait_event(self._last_copy)
+            compute = torch.cuda.current_stream(self.device)
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before.record(compute)
+            compute.wait_event(self._last_copy)
+            after.record(compute)
+            self._waits.append((before, after))
             self._pending_blocks.clear()  # every later forward pass queues behind this one
+
+    def waited_seconds(self) -> float:
+        """Seconds forward passes stood waiting for copies, over the waits that have ended since the last
+        call (a step's, once its sampled ids are on the host). No host sync: a wait still under way is
+        counted by a later call."""
+        total = 0.0
+        while self._waits and self._waits[0][1].query():
+            before, after = self._waits.pop(0)
+            total += before.elapsed_time(after) / 1e3
+        return total
 
     def synchronize(self) -> None:
         """Block the host until every queued copy has finished."""

@@ -174,3 +174,24 @@ def test_queueing_swap_copies_does_not_make_the_host_wait(default_model_dir):
     busy = time.perf_counter() - start
     assert busy > 0.02, f"the spin kernel ran only {busy:.4f} s: the comparison says nothing"
     assert queued < 0.25 * busy, f"queueing the copies took {queued:.4f} s of the GPU's {busy:.4f} s busy"
+
+
+@cuda_test
+def test_a_forward_pass_that_waits_for_a_copy_is_timed():
+    """`CopyStream.waited_seconds`: how long forward passes stood still for the copies they read (the GPU
+    check's copy waits): a pass reading a block a ~0.1 s copy writes waits for it, one that does not,
+    not; each wait is counted once."""
+    from infercept.engine.copy_stream import CopyStream
+
+    device = torch.device("cuda")
+    stream = CopyStream(device)
+    with stream.copying([7]):
+        torch.cuda._sleep(200_000_000)  # a long copy into block 7, on the copy stream
+    stream.before_forward([3])  # reads other blocks: goes on
+    torch.ones(1, device=device).add_(1)
+    stream.before_forward([7, 8])  # reads block 7: waits for the copy
+    torch.ones(1, device=device).add_(1)
+    torch.cuda.synchronize()
+    waited = stream.waited_seconds()
+    assert waited > 0.02, waited
+    assert stream.waited_seconds() == 0.0

@@ -92,7 +92,10 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
          "--context-scale", "0.05", "--decode-scale", "0.05", "--interception-scale", "0.01",
          "--max-interceptions", "1", "--max-context", "128", "--kv-cache-gb", "0.002", "--host-kv-gb", "0.01",
          "--max-num-batched-tokens", "64", "--max-num-seqs", "8", "--threads", "1",
-         "--json", str(res / "engine_trace_kv0.002gib.json")])
+         "--json", str(res / "engine_trace_kv0.002gib.json"), "--step-log", str(tmp_path / "steps")])
+    for policy in ("prefix-cache", "infercept"):  # each policy's step log, a line a step
+        lines = [json.loads(x) for x in (tmp_path / "steps" / f"{policy}.jsonl").read_text().splitlines()]
+        assert lines and all(line["copy_wait_s"] == 0.0 and line["s"] > 0 for line in lines)  # a CPU: no waits
     # Triton's interpreter is chosen when Triton is imported: the tilings' step runs in a process of its own.
     subprocess.run([sys.executable, str(GPU / "prefill_tiles.py"), "--dry", "--out", str(res)], check=True,
                    env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300)
@@ -126,7 +129,7 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
                            "failed_tests": ["tests.test_gpu::test_b"]}
     assert set(s["engine_trace_normalized_latency"]["0.002 GiB"]) == {"prefix-cache", "infercept"}
     for r in s["engine_trace"]["0.002 GiB"]["rows"]:  # the scheduler's host time is a part of the step's
-        assert r["steps"] > 0 and 0 < r["schedule_ms"] < r["step_ms"], r
+        assert r["steps"] > 0 and 0 < r["schedule_ms"] < r["step_ms"] and r["copy_wait_ms"] == 0.0, r
     assert [st["rc"] for st in s["steps"]] == [0, 1, 124, None]
     text = summary.markdown(s)
     assert "(timed out)" in text and "skipped: no time left" in text

@@ -190,7 +190,9 @@ for KV in $TRACE_POOLS; do
     # shellcheck disable=SC2086
     step "engine trace $KV GiB" $((2 * (UNTIL + TRACE_OVERHEAD) + 30)) $PY benchmarks/engine_trace.py \
         --model "$BIG" --policies prefix-cache infercept --until "$UNTIL" --kv-cache-gb "$KV" $TRACE_ARGS \
-        --out "$RES/engine_trace_kv${KV}gib.md" --json "$RES/engine_trace_kv${KV}gib.json"
+        --out "$RES/engine_trace_kv${KV}gib.md" --json "$RES/engine_trace_kv${KV}gib.json" \
+        --step-log "$RES/steps_kv${KV}gib"
+    gzip -f "$RES/steps_kv${KV}gib/"*.jsonl 2>/dev/null
     # The same trace simulated on this run's profile: where the engine and the simulations part ways.
     if [ -f "$RES/profile.json" ]; then
         # shellcheck disable=SC2086
