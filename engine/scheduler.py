@@ -46,6 +46,7 @@ from .paused_kv import WAKE_EARLY_S, PausedKV, kv_state
 from .policy import (DurationEstimator, IterationInfo, KVAction, PausedInfo, Policy, Profile,
                      split_swap_budget, swap_room)
 from .policy.admission import AdmissionController
+from .policy.estimator import mean_of
 from .policy import prefetch
 from .policy.budget import iteration_swap_limit, memory_ample
 from .request import Request, RequestStatus
@@ -336,9 +337,13 @@ class Scheduler:
         if r.paused_at is None:
             return PausedInfo(r.request_id, r.arrival_time, r.num_tokens, self._kv_state(r), device, 0.0, 0.0)
         now = self.clock()
-        expected = self.estimator.estimate(now, r.paused_at, r.duration_key, r.duration_hint)
-        remaining = (self.estimator.remaining(now, r.paused_at, r.duration_key, r.duration_hint)
-                     if self.policy is not None and self.policy.expected_waste else None)
+        if self.policy is not None and self.policy.expected_waste:
+            # One pass over the tool's history: the estimate is the samples' mean (`DurationEstimator`).
+            remaining = self.estimator.remaining(now, r.paused_at, r.duration_key, r.duration_hint)
+            expected = mean_of(remaining)
+        else:
+            remaining = None
+            expected = self.estimator.estimate(now, r.paused_at, r.duration_key, r.duration_hint)
         return PausedInfo(r.request_id, r.arrival_time, r.num_tokens, self._kv_state(r), device,
                           now - r.paused_at, expected, remaining, r.request_id in self._prefetched)
 

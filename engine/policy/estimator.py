@@ -167,4 +167,10 @@ def _mean_remaining(totals: tuple[float, ...], elapsed: float) -> float:
     """``mean(d - elapsed for d in totals)``, as `statistics.fmean` computes it (an exactly rounded sum
     over the count) without its generic overhead: it runs for every paused request with host KV, every
     step (`predicted`)."""
-    return math.fsum([d - elapsed for d in totals]) / len(totals)
+    return mean_of([d - elapsed for d in totals])
+
+
+def mean_of(samples) -> float:
+    """The mean of `remaining`'s samples as `estimate` computes it: equal to `estimate` for the same
+    arguments, so a caller that needs both walks the history once."""
+    return math.fsum(samples) / len(samples)
