@@ -236,7 +236,7 @@ def table(rows: list[dict]) -> str:
             f"{fmt(r['completed_per_s'])} | {tput_ratio} | {100 * r['recompute_token_share']:.1f} | "
             f"{100 * r['recompute_time_share']:.1f} | {fmt(r['held_waste_pct'])} | {fmt(r['ttft_median'])} | "
             f"{r['swapped_out_blocks']} | {r['steps']} | {r['step_ms']:.2f} ({r['schedule_ms']:.2f}, "
-            f"{r.get('copy_wait_ms', 0.0):.2f}) |")
+            f"{'–' if r.get('copy_wait_ms') is None else format(r['copy_wait_ms'], '.2f')}) |")
     return "\n".join(lines)
 
 
