@@ -116,7 +116,21 @@ def test_event_driven_plan_makes_every_decision_the_per_step_plan_makes(seed, po
     assert len(events) == len(reference)
     for i, (a, b) in enumerate(zip(reference, events)):
         assert a == b, f"step {i} differs"
-    assert ev_result.summary() == ref_result.summary()
+    assert_same_summary(ev_result.summary(), ref_result.summary())
+
+
+def assert_same_summary(got: dict, expected: dict) -> None:
+    """Equal decisions give equal totals up to the order of float additions, which the two modes need not
+    share (seed 2984, infercept, the toy profile: total waste 5.861450018195471 vs ...473): floats within
+    1e-12 of each other, everything else exactly."""
+    assert got.keys() == expected.keys()
+    for key, want in expected.items():
+        have = got[key]
+        if isinstance(want, float) and isinstance(have, float):
+            both_nan = math.isnan(have) and math.isnan(want)
+            assert have == want or math.isclose(have, want, rel_tol=1e-12) or both_nan, key
+        else:
+            assert have == want, key
 
 
 def test_deferred_swaps_make_every_decision_the_per_step_plan_makes(monkeypatch):
