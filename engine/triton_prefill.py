@@ -15,10 +15,11 @@ its block table in one launch whose grid depends only on the padded token and se
 mixed step is captured in a CUDA graph like a decode step (`cuda_graphs.py`).
 
 Work split: a program takes `queries_per_program` consecutive query tokens of one sequence and the G
-query heads sharing one kv head (GQA), 64 rows of (token, head) in all, the smallest efficient `tl.dot`
-shape (`Tiling` holds these sizes), and walks the context a tile of positions at a time up to its last
-query's position, with an online softmax in fp32 (log2 domain), as the decode kernel does; tiles every row
-of the program sees whole go without the causal mask, only those along the diagonal take it. Which sequence and which rows a
+query heads sharing one kv head (GQA), `Tiling.rows` rows of (token, head) in all (`tiling_for`: 64, the
+smallest efficient `tl.dot` shape, or 128 for 16-bit caches), and walks the context `Tiling.tile`
+positions at a time up to its last query's position, with an online softmax in fp32 (log2 domain), as
+the decode kernel does; tiles every row of the program sees whole go without the causal mask, only those
+along the diagonal take it. Which sequence and which rows a
 program takes comes from two small arrays the host writes once per step (`program_map`): programs past
 the step's work find a row offset past their sequence's chunk and do nothing, so a graph captured for
 the padded sizes serves every smaller step.
@@ -65,7 +66,7 @@ def tiling_for(dtype: torch.dtype) -> Tiling:
     return TILING_16BIT if dtype in (torch.bfloat16, torch.float16) else TILING
 
 
-def queries_per_program(num_heads: int, num_kv_heads: int, rows: int = TILING.rows) -> int:
+def queries_per_program(num_heads: int, num_kv_heads: int, rows: int) -> int:
     """Query tokens a program takes: `rows` over the query heads of a kv head (padded to a power of two)."""
     group = num_heads // num_kv_heads
     return max(1, rows // (1 << (group - 1).bit_length()))

@@ -143,10 +143,13 @@ def test_compiled_kernel_on_a_gpu_matches_reference(name):
 
 
 def test_program_map():
-    from infercept.engine.triton_prefill import NO_ROWS, max_programs, program_map, queries_per_program
+    from infercept.engine.triton_prefill import (NO_ROWS, TILING, TILING_16BIT, max_programs, program_map,
+                                                 queries_per_program)
 
-    assert queries_per_program(32, 8) == 16 and queries_per_program(9, 3) == 16
-    assert queries_per_program(4, 4) == 64 and queries_per_program(16, 1) == 4
+    rows = TILING.rows  # 64
+    assert queries_per_program(32, 8, rows) == 16 and queries_per_program(9, 3, rows) == 16
+    assert queries_per_program(4, 4, rows) == 64 and queries_per_program(16, 1, rows) == 4
+    assert queries_per_program(32, 8, TILING_16BIT.rows) == 32
     # 40 rows of one sequence in pieces of 16, then a decode; padded to the bound for 41 tokens, 2 seqs
     assert max_programs(41, 2, 16) == 4
     seqs, rows = program_map([40, 1], 16, 5)
