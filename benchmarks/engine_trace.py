@@ -52,13 +52,12 @@ def run_policy(policy: str, trace: list[dict], *, kv_cache_gb: float, host_kv_gb
     from infercept.engine import Engine, SamplingParams
     from infercept.engine.request import InterceptParams
 
-    if step_log:
+    saved = os.environ.get("INFERCEPT_STEP_LOG")
+    if step_log:  # the engine opens $INFERCEPT_STEP_LOG when it starts, and appends: one run per file
         os.makedirs(step_log, exist_ok=True)
         path = os.path.join(step_log, f"{policy}.jsonl")
         if os.path.exists(path):
-            os.remove(path)  # the log appends: one run per file
-    saved = os.environ.get("INFERCEPT_STEP_LOG")
-    if step_log:
+            os.remove(path)
         os.environ["INFERCEPT_STEP_LOG"] = path
     try:
         engine = Engine(model, dtype="bfloat16", kv_cache_gb=kv_cache_gb, host_kv_gb=host_kv_gb,
@@ -166,8 +165,7 @@ def run_policy(policy: str, trace: list[dict], *, kv_cache_gb: float, host_kv_gb
         "swapped_out_blocks": stats.num_swapped_out_blocks,
         "discarded_tokens": stats.num_discarded_tokens,
         "steps": stats.num_steps,
-        "step_ms": 1e3 * stats.forward_seconds / max(stats.num_steps, 1),
-        "schedule_ms": 1e3 * stats.schedule_host_seconds / max(stats.num_steps, 1),
+        **step_times(stats),
         "copy_wait_ms": 1e3 * stats.copy_wait_seconds / max(stats.num_steps, 1),
         "duration_s": duration,
         "output_tokens": sum(r["tokens"] for r in recs.values()),
@@ -195,14 +193,17 @@ def simulate_policy(policy: str, trace: list[dict], profile_path: str, *, kv_cac
     engine = SimulatedEngine(policy, profile, int(kv_cache_gb * 2**30 // block_bytes),
                              int(host_kv_gb * 2**30 // block_bytes), max_num_batched_tokens=max_num_batched_tokens,
                              max_num_seqs=max_num_seqs)
-    row = engine.run_trace(trace, until=until_s).summary()
-    stats = engine.stats
-    row["step_ms"] = 1e3 * stats.forward_seconds / max(stats.num_steps, 1)
-    row["schedule_ms"] = 1e3 * stats.schedule_host_seconds / max(stats.num_steps, 1)
+    row = engine.run_trace(trace, until=until_s).summary() | step_times(engine.stats)
     if log:
         log(f"  {policy:>18}: {row['finished']}/{len(trace)} finished in {row['duration_s']:.1f} virtual s, "
             f"{row['steps']} steps (simulated)")
     return row
+
+
+def step_times(stats) -> dict:
+    """A run's mean step time and the scheduler's host share of it (`EngineStats`), ms."""
+    steps = max(stats.num_steps, 1)
+    return {"step_ms": 1e3 * stats.forward_seconds / steps, "schedule_ms": 1e3 * stats.schedule_host_seconds / steps}
 
 
 def _sleep_until(t: float) -> None:
