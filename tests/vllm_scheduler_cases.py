@@ -849,6 +849,43 @@ def case_vllms_tool_parsers_read_a_turn_as_vllms_chat_serving_does():
     assert [c[0] for c in cut["calls"]] == ["get_weather"], cut
 
 
+def case_vllms_parser_streams_a_turns_content_as_it_is_written_and_never_its_calls():
+    """The worker's read of a turn as it is written (tool_calls.ContentStream), each token an output of its
+    own: the content vLLM's parser streams joins to the content of the whole-turn parse (leading and
+    trailing blanks aside: the output stage strips it), ends before the call and shows none of it, and
+    leaves the thinking out; an answer streams whole but its last token, which the whole-turn parse reads."""
+    from engine.vllm_backend.tool_calls import CallRule
+
+    parsers = vllm_tool_calls()
+    tokenizer = parsers.tokenizer
+    prompt = tokenizer.encode("<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n")
+
+    def streamed_and_whole(name: str, text: str, reasoning: str | None = None) -> tuple[list[str], str]:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        rule = CallRule.from_dict({"parser": name, "tools": [WEATHER_TOOL], "reasoning": reasoning})
+        stream = parsers.stream(rule, prompt)
+        deltas = [stream.add([t]) for t in ids[:-1]]  # the last output reaches the whole-turn parse instead
+        whole = parsers.parse(rule, ids + [tokenizer.eos_token_id], "stop", None)
+        return [d for d in deltas if d], (whole["content"] or "").strip()
+
+    xml = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+    json_call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    for name, text, content in (("qwen3_coder", "Let me look.\n" + xml, "Let me look."),
+                                ("qwen3_json", "Let me look.\n" + json_call, "Let me look."),
+                                ("llama4_pythonic", '[get_weather(city="Paris")]', "")):
+        deltas, whole = streamed_and_whole(name, text)
+        assert "".join(deltas).strip() == whole == content, (name, deltas, whole)
+        assert len(deltas) > 1 or not content, (name, deltas)  # as written, not at once
+        assert not any(marker in "".join(deltas) for marker in ("<tool", "get_weather", "[get")), (name, deltas)
+    for name in ("qwen3_coder", "qwen3_json", "llama4_pythonic"):
+        deltas, whole = streamed_and_whole(name, "It is sunny in Paris today.")
+        assert "".join(deltas) == "It is sunny in Paris today" and whole == "It is sunny in Paris today.", \
+            (name, deltas, whole)
+    deltas, whole = streamed_and_whole("qwen3_coder", "<think>The user asks for the weather.</think>\nLet me look.\n"
+                                       + xml, reasoning="qwen3")
+    assert "".join(deltas).strip() == whole == "Let me look.", (deltas, whole)
+
+
 def case_the_worker_hands_a_turns_calls_to_the_backend_with_its_last_output():
     """Each turn of a session gathers its own tokens; only its last output (finish_reason set) carries
     the calls vLLM's parser found and the content, and a turn without a rule carries none."""
@@ -864,15 +901,19 @@ def case_the_worker_hands_a_turns_calls_to_the_backend_with_its_last_output():
     def out(tokens, finish_reason=None):
         return {"op": "out", "id": "s", "tokens": tokens, "finish_reason": finish_reason, "stop_reason": None}
 
-    worker.follow_calls("s", rule)
-    assert worker.with_calls("s", out(call[:5])) == out(call[:5])  # not ended: as it was
+    worker.follow_calls("s", rule, [1, 2, 3])
+    assert worker.with_calls("s", out(call[:5])) == out(call[:5])  # not ended, no content streamed: as it was
     last = worker.with_calls("s", out(call[5:], "stop"))
     assert [c[:2] for c in last["calls"]] == [["get_weather", '{"city": "Oslo"}']], last
-    worker.follow_calls("s", rule)  # the resume: a turn of its own, only its tokens read
+    assert "streamed_content" not in last and "s" not in worker.content_streams  # the turn's stream ends with it
+    worker.follow_calls("s", rule, [4, 5])  # the resume: a turn of its own, only its tokens read
     cold = tokenizer.encode("It is cold.", add_special_tokens=False) + [tokenizer.eos_token_id]
-    answer = worker.with_calls("s", out(cold, "stop"))
+    streamed = [worker.with_calls("s", out([t])).get("streamed_content", "") for t in cold[:-2]]
+    assert "".join(streamed) == "It is cold" and sum(1 for d in streamed if d) > 1, streamed
+    answer = worker.with_calls("s", out(cold[-2:], "stop"))
     assert answer["calls"] == [] and answer["content"] == "It is cold.", answer
-    worker.follow_calls("s", None)
+    worker.follow_calls("s", None, [6])
+    assert worker.with_calls("s", out(cold[:2])) == out(cold[:2])  # no rule: nothing read, nothing streamed
     assert "calls" not in worker.with_calls("s", out(call, "stop"))
 
 

@@ -1,13 +1,17 @@
-"""vLLM's own tool parsers (`vllm serve --tool-call-parser NAME`), run by the worker on a turn once it ended.
+"""vLLM's own tool parsers (`vllm serve --tool-call-parser NAME`), run by the worker on a turn as it is
+written and once it ended.
 
 Run by the vLLM environment's python (worker.py), where vLLM's parsers and the model's tokenizer are
 importable; imports only the standard library and vllm. A turn whose calls one of vLLM's parsers reads
 carries its rule (`CallRule`, plain data from the backend: the parser's name, the request's tools, the
-reasoning parser whose thinking comes first); when vLLM ends the turn (the model's EOS or stop token,
-its length, a stop string), the worker decodes the turn's tokens and the parser reads them as vLLM's
-chat serving reads a finished turn (`Parser.parse`, tool_choice auto): the calls it found (name,
-arguments JSON, id) and the content outside them go to the backend with the turn's last output, and the
-backend's output stage judges them (known tool, valid arguments) and pauses or finishes the turn.
+reasoning parser whose thinking comes first). While the model writes it, a parser of its own reads each
+output as vLLM's chat serving streams a turn (`ContentStream`: `Parser.parse_delta`, tool_choice auto),
+and the content it streams (text outside any call, after the thinking) goes to the backend with each
+output; its calls do not. When vLLM ends the turn (the model's EOS or stop token, its length, a stop
+string), the worker decodes the turn's tokens and a parser reads them as vLLM's chat serving reads a
+finished turn (`Parser.parse`): the calls it found (name, arguments JSON, id) and the content outside
+them go to the backend with the turn's last output, and the backend's output stage judges them (known
+tool, valid arguments) and pauses or finishes the turn.
 """
 from __future__ import annotations
 
@@ -69,17 +73,30 @@ class VllmToolCalls:
                 model_name=self.model, is_harmony=self.is_harmony, tokenizer=self.tokenizer)
         return self._classes[key]
 
-    def parse(self, rule: CallRule, token_ids: list[int], finish_reason: str | None, stop_reason) -> dict:
-        """The turn's calls ([name, arguments JSON, id] each) and its content as vLLM's parser reads them.
-        `token_ids`: the turn's tokens as vLLM generated them (a stop token last, if one ended it); the
-        text is decoded as vLLM's detokenizer writes it (without that stop token, cut before a stop
-        string), special tokens kept where the parser asks for them (its `adjust_request`)."""
+    def _parser(self, rule: CallRule):
+        """A parser of the rule's (one per turn read: vLLM's parsers keep a stream's state) and the
+        request it reads with, as its `adjust_request` left it (skip_special_tokens: whether the text
+        it reads keeps the special tokens)."""
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
         request = ChatCompletionRequest(messages=[], model=self.model, tools=list(rule.tools) or None,
                                         tool_choice="auto")
         parser = self._parser_class(rule.parser, rule.reasoning)(self.tokenizer, request.tools)
-        request = parser.adjust_request(request)
+        return parser, parser.adjust_request(request)
+
+    def stream(self, rule: CallRule, prompt_token_ids: list[int]) -> "ContentStream":
+        """vLLM's parser reading a turn as it is written. `prompt_token_ids`: the tokens before the turn
+        as this vLLM request got them (a session's resume: the chunk that resumed it), where its reasoning
+        parser finds whether the prompt already closed the thinking (a template that turns it off)."""
+        parser, request = self._parser(rule)
+        return ContentStream(parser, request, self.tokenizer, prompt_token_ids, rule.parser)
+
+    def parse(self, rule: CallRule, token_ids: list[int], finish_reason: str | None, stop_reason) -> dict:
+        """The turn's calls ([name, arguments JSON, id] each) and its content as vLLM's parser reads them.
+        `token_ids`: the turn's tokens as vLLM generated them (a stop token last, if one ended it); the
+        text is decoded as vLLM's detokenizer writes it (without that stop token, cut before a stop
+        string), special tokens kept where the parser asks for them (its `adjust_request`)."""
+        parser, request = self._parser(rule)
         ends_with_stop_token = finish_reason == "stop" and not isinstance(stop_reason, str) and token_ids
         text = self.tokenizer.decode(token_ids[:-1] if ends_with_stop_token else token_ids,
                                      skip_special_tokens=request.skip_special_tokens)
@@ -91,3 +108,49 @@ class VllmToolCalls:
             logger.exception("vLLM's tool parser %r failed on a turn; it is read as text", rule.parser)
             return {"calls": [], "content": None}
         return {"calls": [[c.name, c.arguments, c.id] for c in calls or []], "content": content}
+
+
+class ContentStream:
+    """One turn read by vLLM's parser as it is written, as vLLM's chat serving streams a turn: each output's
+    tokens, decoded as `VllmToolCalls.parse` decodes the whole turn (`tokenizer.decode`, special tokens as
+    the parser asks), go to `Parser.parse_delta`, which says what of them is content; `add` returns that
+    content. The calls it reads are not taken: they count once the whole turn is parsed and judged. A
+    parser's fault ends the stream (nothing more is content until the turn's end), never the turn."""
+
+    def __init__(self, parser, request, tokenizer, prompt_token_ids: list[int], name: str):
+        self.parser, self.request, self.tokenizer, self.name = parser, request, tokenizer, name
+        self.prompt_token_ids: list[int] | None = prompt_token_ids  # read with the first output only
+        # The turn's tokens, decoded incrementally as engine/detokenizer.py does (this module imports
+        # nothing of ours): a window from `prefix_offset` decoded with the new tokens, and only the text
+        # the window does not already explain emitted, none while it ends in half a character. No
+        # prompt tokens lead the window: the whole-turn parse decodes the turn's tokens alone.
+        self.token_ids: list[int] = []
+        self.prefix_offset = self.read_offset = 0
+        self.failed = False
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.request.skip_special_tokens)
+
+    def _next_text(self, token_ids: list[int]) -> str:
+        self.token_ids += token_ids
+        known = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        text = self._decode(self.token_ids[self.prefix_offset:])
+        if len(text) <= len(known) or text.endswith("\ufffd"):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        return text[len(known):]
+
+    def add(self, token_ids: list[int]) -> str:
+        """The content the parser streams for an output of the turn (not its last: the whole-turn parse
+        reads that one)."""
+        if self.failed:
+            return ""
+        try:
+            delta = self.parser.parse_delta(self._next_text(token_ids), list(token_ids), self.request,
+                                            self.prompt_token_ids, finished=False)
+        except Exception:
+            logger.exception("vLLM's tool parser %r failed streaming a turn; its content shows at its end", self.name)
+            self.failed = True
+            return ""
+        self.prompt_token_ids = None
+        return (delta.content or "") if delta is not None else ""

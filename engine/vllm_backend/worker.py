@@ -16,14 +16,15 @@ tool_calls.py beside it (standard library and vllm: vLLM's tool parsers). Every 
      "resumable", "calls"}                              {"op": "refused", "error"}   or this: no start
     {"op": "resume", "id", "tokens", "params", "at",    {"op": "out", "id", "tokens", "logprobs",
      "calls"}                                            "finish_reason", "stop_reason", "cached"
-    {"op": "pause", "id", "tool", "expected_s"}          [, "calls", "content"]}
+    {"op": "pause", "id", "tool", "expected_s"}          [, "streamed_content" | "calls", "content"]}
     {"op": "end", "id"}        a paused request ends    {"op": "gone", "id", "error",      vLLM let it go
     {"op": "abort", "id"}                                "bad_input"}
     {"op": "stats", "seq"}                              {"op": "kv", "paused", "resumed", "counters"}
     {"op": "shutdown"}                                  {"op": "stats", "seq", "stats"}
 
 `calls` (a `tool_calls.CallRule` as a dict, or None) names the one of vLLM's tool parsers that reads the
-turn: the turn's last output then carries the calls that parser found in it and their content.
+turn: each of its outputs but the last then carries the content that parser streams for it, if any
+(`streamed_content`), and its last output the calls the parser found in the whole turn and their content.
 
 A resumable request is one vLLM streaming-input session: each turn stops on EOS, a stop token or
 max_tokens and then waits in vLLM (`finish_reason` set, the request not finished) until the next chunk
@@ -165,6 +166,7 @@ class Worker:
         self.tool_calls = None  # vLLM's tool parsers over the model's tokenizer (tool_calls.py), once vLLM runs
         self.call_rules: dict[str, object] = {}  # request -> the CallRule of its turn, if vLLM parses its calls
         self.turn_tokens: dict[str, list[int]] = {}  # request -> its turn's tokens so far (such turns only)
+        self.content_streams: dict[str, tool_calls.ContentStream] = {}  # request -> vLLM's parser reading its turn
         self.policy: PolicyChannel | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.wake_timer: asyncio.TimerHandle | None = None  # the next wake of vLLM's engine core, if any
@@ -319,7 +321,7 @@ class Worker:
 
         op, rid = msg["op"], msg.get("id")
         if op in ("generate", "resume"):
-            self.follow_calls(rid, msg.get("calls"))
+            self.follow_calls(rid, msg.get("calls"), msg["prompt"] if op == "generate" else msg["tokens"])
         if op == "generate":
             params = sampling_params(msg["params"])
             prompt = TokensPrompt(prompt_token_ids=list(msg["prompt"]))
@@ -369,27 +371,35 @@ class Worker:
         finally:
             self.tasks.pop(rid, None)
             self.inputs.pop(rid, None)
-            self.follow_calls(rid, None)
+            self.follow_calls(rid, None, [])
             self.send(gone)
 
-    def follow_calls(self, rid: str, rule: dict | None) -> None:
-        """The rule of a request's next turn (each turn has its own): None, or vLLM's parser reads it."""
+    def follow_calls(self, rid: str, rule: dict | None, prompt: list[int]) -> None:
+        """The rule of a request's next turn (each turn has its own), whose `prompt` is what this vLLM
+        request got before it (a session's resume: the resumed chunk): None, or vLLM's parser reads it,
+        as it is written and whole."""
         self.turn_tokens.pop(rid, None)
         self.call_rules.pop(rid, None)
+        self.content_streams.pop(rid, None)
         if rule is not None:
             self.call_rules[rid] = tool_calls.CallRule.from_dict(rule)
             self.turn_tokens[rid] = []
+            self.content_streams[rid] = self.tool_calls.stream(self.call_rules[rid], prompt)
 
     def with_calls(self, rid: str, msg: dict) -> dict:
-        """An output of a turn whose calls vLLM's parser reads: its last carries the calls and content."""
+        """An output of a turn whose calls vLLM's parser reads: the content its parser streams for it, or
+        for its last, the calls and content of the whole turn."""
         rule = self.call_rules.get(rid)
         if rule is None:
             return msg
         tokens = self.turn_tokens[rid]
         tokens += msg["tokens"]
         if msg["finish_reason"] is None:
-            return msg
-        self.turn_tokens[rid] = []  # (a session's next turn starts with its resume, which sets its rule)
+            content = self.content_streams[rid].add(msg["tokens"])
+            return msg | {"streamed_content": content} if content else msg
+        # (a session's next turn starts with its resume, which sets its rule and stream)
+        self.turn_tokens[rid] = []
+        self.content_streams.pop(rid, None)
         return msg | self.tool_calls.parse(rule, tokens, msg["finish_reason"], msg["stop_reason"])
 
     @staticmethod
