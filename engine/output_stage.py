@@ -82,6 +82,9 @@ class TurnOutput:
             eos = getattr(tokenizer, "eos_token_id", None)
             eos_token_ids = frozenset() if eos is None else frozenset([eos])
         self.end_ids = (frozenset() if params.ignore_eos else eos_token_ids) | frozenset(params.stop_token_ids)
+        # The content vLLM's parser has streamed so far, reading the turn in vLLM's process as it is
+        # written (`add_vllm_content`); None where no vLLM parser reads the turn.
+        self.vllm_content = "" if self.vllm_parser is not None else None
 
     @property
     def text(self) -> str:
@@ -97,6 +100,20 @@ class TurnOutput:
         """The calls vLLM's parser found in the ended turn ([name, arguments JSON, id] each) and the
         content outside them: what `decide` judges at the turn's end."""
         self.judge.parser.take(calls, content)
+
+    def add_vllm_content(self, delta: str) -> None:
+        """Content vLLM's parser streamed for an output of the turn."""
+        self.vllm_content += delta
+
+    @property
+    def streamed_content(self) -> str | None:
+        """What a stream may show of the content vLLM's parser streamed: as the turn's final content reads
+        it (`ParsedByVllm.take` strips it), without its leading whitespace, its trailing whitespace held
+        back, and so is a tail that may still become a stop string (the turn's end cuts it off)."""
+        if self.vllm_content is None:
+            return None
+        held = max(self.detok.max_stop_len - 1, 0)
+        return self.vllm_content[:max(len(self.vllm_content) - held, 0)].strip()
 
     def add(self, token_id: int) -> str | None:
         """One generated token; returns the stop string it completed, if any."""
@@ -142,7 +159,8 @@ class TurnOutput:
             text=self.detok.visible_text(finished or paused), finished=finished,
             finish_reason=finish_reason if finished or paused else None, stop_reason=stop_reason,
             logprobs=logprobs if self.params.logprobs is not None else None, num_cached_tokens=num_cached_tokens,
-            paused=paused, tool_calls=calls, content=verdict.judged.content if verdict.judged is not None else None)
+            paused=paused, tool_calls=calls, content=verdict.judged.content if verdict.judged is not None else None,
+            streamed_content=self.streamed_content)
 
 
 @dataclass(frozen=True)

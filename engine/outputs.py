@@ -81,6 +81,10 @@ class RequestOutput:
     # ToolCall; they paused the request unless some other call did not count) and the text outside them.
     tool_calls: list = field(default_factory=list)
     content: str | None = None
+    # While a turn that vLLM's tool parser reads runs (the vLLM backend): the content that parser, reading
+    # the turn as it is written, has streamed so far, as a stream may show it (TurnOutput.streamed_content);
+    # None where no vLLM parser reads the turn.
+    streamed_content: str | None = None
 
     @property
     def turn_done(self) -> bool:

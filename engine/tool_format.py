@@ -146,8 +146,9 @@ class VllmToolFormat:
     vLLM's process on the whole turn once the model ended it (vllm_backend/tool_calls.py). Nothing here
     knows how its calls are written, so no grammar forces or forbids them (tool_choice required / named
     and a JSON response_format beside tools are refused; tool_choice none only leaves calls unparsed),
-    and a stream shows the turn's text only once it ended: any of it may be a call until vLLM's parser
-    has read it all."""
+    and nothing in the text alone says what of it is content. A stream shows what vLLM's parser, reading
+    the turn in vLLM's process as it is written, streams as content (`RequestOutput.streamed_content`,
+    as vLLM's chat serving streams it), and the calls once the turn ended and they were judged."""
 
     forces_calls = False
     keeps_special_tokens = False  # the text the client sees; vLLM's parser decodes the tokens as it needs
@@ -177,7 +178,7 @@ class VllmToolFormat:
         return []
 
     def safe_content(self, text: str) -> str:
-        return ""
+        return ""  # (a turn vLLM's parser reads streams its `streamed_content` instead)
 
 
 def tool_format_for(name: str, tokenizer, vllm_parsers: Sequence[str] = ()) -> ToolFormat | VllmToolFormat:

@@ -109,7 +109,7 @@ class Turn:
                     thought = reasoning
                 for event in self._call_events(self._streamable_calls(text), sent_calls):
                     yield event
-                visible = self._streamable_text(text)
+                visible = self._streamable_text(text, out)
                 if len(visible) > len(streamed) and visible.startswith(streamed):
                     yield TextDelta(visible[len(streamed):], out)
                     streamed = visible
@@ -123,11 +123,11 @@ class Turn:
             self.keep()
         if result.reasoning and len(result.reasoning) > len(thought) and result.reasoning.startswith(thought):
             yield ReasoningDelta(result.reasoning[len(thought):])
-        content = result.content or ""
         # Once calls were shown, a turn that ends as text (a guided call cut by max_tokens) is that
         # call's text: the client already has it as a call, and the finish reason says "length".
-        if self.spec.is_chat and not sent_calls and len(content) > len(streamed) and content.startswith(streamed):
-            yield TextDelta(content[len(streamed):], last)
+        rest = _unstreamed(result.content or "", streamed)
+        if self.spec.is_chat and not sent_calls and rest:
+            yield TextDelta(rest, last)
         # A guided turn's calls were shown as written: finish them so (the engine's calls are normalized,
         # JSON-equal but maybe not byte-equal, and a client joins the pieces it got).
         final = self._streamable_calls(self._split(last.text)[1]) if result.calls and self.guided_calls else \
@@ -173,12 +173,15 @@ class Turn:
         split = self.reasoning.split(text, final)
         return split.reasoning, split.content
 
-    def _streamable_text(self, text: str) -> str:
-        """The part of a chat turn's text so far that is surely content, never part of a tool call."""
+    def _streamable_text(self, text: str, out: RequestOutput) -> str:
+        """The part of a chat turn's text so far that is surely content, never part of a tool call: where
+        vLLM's parser reads the turn (VllmToolFormat), the content it streamed as it read it."""
         mode, fmt = self.spec.mode, self.turns.format
         if mode.forced:
             return ""
-        return fmt.safe_content(text) if mode.parse else text
+        if not mode.parse:
+            return text
+        return out.streamed_content if out.streamed_content is not None else fmt.safe_content(text)
 
     def _streamable_calls(self, text: str) -> list[tuple[str, str]]:
         """(name, arguments so far) of the calls a stream may show while they are written: in a
@@ -246,6 +249,18 @@ class Turn:
                     self.id, engine.request_id, ", resumed" if engine.resumed else "", usage.prompt_tokens,
                     usage.cached_tokens, usage.completion_tokens, result.finish_reason, ", paused" if handle else "")
         return result, handle
+
+
+def _unstreamed(content: str, streamed: str) -> str:
+    """What of a turn's final content a stream has not shown yet, having shown `streamed`: the rest after
+    it, the content's leading whitespace aside (vLLM's parser's content streams without it; an answer
+    without calls keeps the turn's text as written). Nothing where the content does not go on from what
+    was shown (vLLM's parser read the turn as it was written and then whole, and the two disagree): the
+    client keeps the text it was shown, never shown a second time nor spliced with another."""
+    for whole in (content, content.lstrip()):
+        if whole.startswith(streamed):
+            return whole[len(streamed):]
+    return ""
 
 
 # -- opening turns ----------------------------------------------------------------------------------

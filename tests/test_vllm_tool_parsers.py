@@ -9,13 +9,14 @@ import json
 from pathlib import Path
 
 import pytest
+from scripted_backend import ScriptedBackend
 from stdlib_only import non_stdlib_imports
 
 from infercept.engine.backend import ToolFormat, VllmToolFormat, tool_format_for
 from infercept.engine.output_stage import Action, TurnOutput, TurnRule, call_judge
 from infercept.engine.request import InterceptParams
 from infercept.engine.sampling_params import SamplingParams
-from infercept.engine.tool_parsers import ParsedByVllm
+from infercept.engine.tool_parsers import ParsedByVllm, ToolCall
 from infercept.engine.tool_spec import ToolSpec
 
 WEATHER = ToolSpec.function("get_weather", {"type": "object", "properties": {"city": {"type": "string"}},
@@ -90,6 +91,26 @@ def test_calls_that_do_not_all_count_finish_the_turn_and_a_turn_without_calls_is
     assert answer.output("r", [], [], verdict, "stop", 2, None, 0).text == "It is sunny."
 
 
+def test_a_stream_shows_what_vllms_parser_streamed_as_the_turns_final_content_reads_it(tokenizer):
+    """The content vLLM's parser streamed (the worker's, with each output) shows without its leading
+    whitespace and with its trailing whitespace held back, as the final content is stripped, and so is a
+    tail that may still become a stop string, which the turn's end cuts off; a turn our parser reads has none."""
+    intercept = InterceptParams(tool_parser="vllm:qwen3_coder", tools=(WEATHER,))
+    stage = TurnOutput(tokenizer, [1, 2, 3], SamplingParams(temperature=0, stop=["END"]), intercept, frozenset({2}),
+                       vllm_parses=True)
+    shown = []
+    for delta in ("\n ", "Sure, ", "it is sunny.\n", "EN"):
+        stage.add_vllm_content(delta)
+        shown.append(stage.streamed_content)
+    assert shown == ["", "Sure", "Sure, it is sunny", "Sure, it is sunny."]
+    assert stage.output("r", [1, 2, 3], [], stage.decide(stopped=False), None, None, None, 0).streamed_content == \
+        "Sure, it is sunny."
+    ours = TurnOutput(tokenizer, [1, 2, 3], SamplingParams(temperature=0), InterceptParams(tool_parser="hermes"),
+                      frozenset({2}), vllm_parses=True)
+    assert ours.streamed_content is None
+    assert ours.output("r", [1, 2, 3], [], ours.decide(stopped=False), None, None, None, 0).streamed_content is None
+
+
 def test_vllms_parser_runs_in_vllms_python_only():
     """tool_calls.py runs in the worker, beside vLLM: the standard library and vllm, nothing of ours."""
     assert set(non_stdlib_imports(REPO / "engine" / "vllm_backend" / "tool_calls.py")) <= {"vllm"}
@@ -97,20 +118,48 @@ def test_vllms_parser_runs_in_vllms_python_only():
 
 # -- the server over a backend that reports vLLM's parsers --------------------------------------------
 
-def serve_vllms_parser(model_dir: str, parser: str, call_id: str):
-    """A live server over a scripted backend that runs vLLM's parsers, serving `--tool-parser PARSER`: its
-    "weather" turn ends in a call with the id `call_id` from vLLM's parser, as the vLLM backend's output
-    stage returns one. Yields (backend, an openai client)."""
+class StreamedTurns(ScriptedBackend):
+    """Turns as the vLLM backend reports those vLLM's parser reads, picked by a word of the prompt
+    (STREAMED_TURNS): each output carries the content the parser streamed so far (`streamed_content`),
+    the last the calls and content of the whole turn."""
+
+    async def generate(self, prompt, params, request_id, intercept=None):
+        asked = self.tokenizer.decode(prompt).rsplit("<|im_start|>user", 1)[-1]
+        steps, text, calls, content = next(turn for word, turn in STREAMED_TURNS.items() if word in asked)
+        for written, streamed in steps:
+            out = self._out(request_id, prompt, written)
+            out.streamed_content = streamed
+            yield out
+        if calls:
+            self.paused[request_id] = len(prompt)
+        yield self._out(request_id, prompt, text, finished=not calls, paused=bool(calls), content=content,
+                        tool_calls=[ToolCall(*call) for call in calls])
+
+
+ROME = ("get_weather", '{"city": "Rome"}', "", "chatcmpl-tool-9")
+STREAMED_TURNS = {  # word: (outputs' (text, streamed content), the turn's text, its calls, its content)
+    "look": ([("Let", "Let"), ("Let me", "Let me"), ("Let me look.\n", "Let me look."),
+              ("Let me look.\n<tool_call>", "Let me look.")], "Let me look.\n" + CALL_TEXT, [ROME], "Let me look."),
+    # An answer whose text starts blank: its content is its text as written, the stream's went on from its start.
+    "blank": ([("\n It", "It"), ("\n It is", "It is")], "\n It is sunny.", [], None),
+    # vLLM's parser read the turn as it was written otherwise than whole: what was shown stays, alone.
+    "differ": ([("It is sun", "It is sun")], "It is sun" + CALL_TEXT, [ROME], "Sunny."),
+}
+
+
+def serve_vllms_parser(model_dir: str, parser: str, call_id: str, backend_cls: type = ScriptedBackend):
+    """A live server over a scripted backend (`backend_cls`) that runs vLLM's parsers, serving
+    `--tool-parser PARSER`: its "weather" turn ends in a call with the id `call_id` from vLLM's parser, as
+    the vLLM backend's output stage returns one. Yields (backend, an openai client)."""
     from dataclasses import replace
 
     import openai
     from live_server import serve_in_thread
-    from scripted_backend import ScriptedBackend
 
     from infercept.server.app import build_app
     from infercept.server.settings import ServerSettings
 
-    backend = ScriptedBackend(model_dir)
+    backend = backend_cls(model_dir)
     backend.info = replace(backend.info, vllm_tool_parsers=VLLMS)
     scripted_generate = backend.generate
 
@@ -133,6 +182,11 @@ def serve_vllms_parser(model_dir: str, parser: str, call_id: str):
 @pytest.fixture(scope="module")
 def served(default_model_dir):
     yield from serve_vllms_parser(default_model_dir, "qwen3_coder", "chatcmpl-tool-7")
+
+
+@pytest.fixture(scope="module")
+def served_streamed(default_model_dir):
+    yield from serve_vllms_parser(default_model_dir, "qwen3_coder", "chatcmpl-tool-9", StreamedTurns)
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +220,31 @@ def test_a_stream_shows_vllms_calls_once_judged(served):
     calls = [tc for c in chunks for tc in c.delta.tool_calls or []]
     assert [(tc.id, tc.function.name) for tc in calls if tc.id] == [("chatcmpl-tool-7", "get_weather")]
     assert chunks[-1].finish_reason == "tool_calls"
+
+
+def streamed_chat(client, question: str) -> tuple[list[str], list, str]:
+    """(the content's deltas, the calls' deltas, the finish reason) of a streamed chat turn with tools."""
+    stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": question}],
+                                            tools=[dict(WEATHER.definition)], stream=True)
+    chunks = [c.choices[0] for c in stream if c.choices]
+    return [c.delta.content for c in chunks if c.delta.content], \
+        [tc for c in chunks for tc in c.delta.tool_calls or []], chunks[-1].finish_reason
+
+
+def test_a_stream_shows_the_content_vllms_parser_streamed_as_it_came_and_the_calls_once_judged(served_streamed):
+    _, client = served_streamed
+    content, calls, finish = streamed_chat(client, "look it up")
+    assert content == ["Let", " me", " look."] and finish == "tool_calls"
+    assert [(tc.id, tc.function.name) for tc in calls if tc.id] == [("chatcmpl-tool-9", "get_weather")]
+    # The answer's text as written, though the stream's content started after its blanks.
+    content, calls, finish = streamed_chat(client, "blank")
+    assert content == ["It", " is", " sunny."] and not calls and finish == "stop"
+    # The turn's content is not what vLLM's parser streamed: nothing is shown twice nor spliced.
+    content, calls, finish = streamed_chat(client, "differ")
+    assert content == ["It is sun"] and [tc.function.name for tc in calls if tc.id] == ["get_weather"]
+    whole = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "differ"}],
+                                           tools=[dict(WEATHER.definition)]).choices[0].message
+    assert whole.content == "Sunny." and whole.tool_calls[0].function.name == "get_weather"
 
 
 def test_forced_calls_and_json_answers_beside_calls_are_refused_with_vllms_parsers(served):

@@ -18,7 +18,8 @@ resume sends that token again before the appended ones.
 A turn whose calls one of vLLM's own tool parsers reads (family ``vllm:NAME``, `--tool-parser NAME`) has
 no call rule inside vLLM: it ends where the model ends it (EOS, a stop token or string, its length), and
 the worker runs vLLM's parser on it there (tool_calls.py); the calls come with its last output, and the
-output stage judges them as it judges ours.
+output stage judges them as it judges ours. While the turn runs, the content vLLM's parser streams (read
+as the turn is written) comes with each output, for a stream to show (`RequestOutput.streamed_content`).
 
 Where a paused session's KV waits is the policy's choice, made inside vLLM by `InterceptScheduler`
 (scheduler.py, the same `engine.policy` code as the native engine): `preserve` keeps it, `infercept`
@@ -392,6 +393,8 @@ class VllmBackend(EngineBackend):
         turn that is a request of its own ends where the output stage says, and vLLM's request is
         aborted if it is still generating."""
         tokens, ended = msg["tokens"], msg["finish_reason"] is not None
+        if "streamed_content" in msg:  # what vLLM's tool parser, reading the turn as it is written, says is content
+            gen.stage.add_vllm_content(msg["streamed_content"])
         if "calls" in msg:  # the turn's end, as vLLM's tool parser read it (the worker's)
             gen.stage.take_vllm_calls(msg["calls"], msg["content"])
         verdict, stop_string, taken = None, None, 0
