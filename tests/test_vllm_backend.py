@@ -412,6 +412,27 @@ def test_the_server_serves_vllms_parser_by_name_and_resumes_its_calls(vllm):
         second = client.chat.completions.create(model="smol", messages=conversation, tools=TOOLS, max_tokens=16,
                                                 temperature=0)
         assert second.usage.prompt_tokens_details.cached_tokens == first.usage.total_tokens - 1, second.usage
+
+        # Streamed, the same two turns: the call shows once the turn ended, and none of its text as content;
+        # the answer's content shows as the model writes it (vLLM's parser reading it in the worker), in
+        # several chunks before the turn's end, and joins to the content the turn ends with.
+        def streamed(messages, max_tokens):
+            return [c.choices[0] for c in client.chat.completions.create(
+                model="smol", messages=messages, tools=TOOLS, max_tokens=max_tokens, temperature=0, stream=True)
+                if c.choices]
+
+        call_turn = streamed(QUESTION, 60)
+        shown = "".join(c.delta.content or "" for c in call_turn)
+        assert call_turn[-1].finish_reason == "tool_calls" and "tool_call" not in shown and "get_weather" not in shown
+        (opened, *more) = [tc for c in call_turn for tc in c.delta.tool_calls or []]
+        arguments = "".join(tc.function.arguments or "" for tc in [opened, *more])
+        assert opened.function.name == "get_weather" and json.loads(arguments) == {"city": "Paris"}
+        conversation = QUESTION + [{"role": "assistant", "content": shown or None, "tool_calls": [
+            {"id": opened.id, "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": opened.id, "content": RESULT}]
+        answer = streamed(conversation, 16)
+        pieces = [c.delta.content for c in answer if c.delta.content]
+        assert len(pieces) > 1 and "".join(pieces) == second.choices[0].message.content, pieces
         with pytest.raises(openai.BadRequestError, match="vLLM's tool parser 'qwen3_json'"):
             client.chat.completions.create(model="smol", messages=QUESTION, tools=TOOLS, tool_choice="required")
     finally:
