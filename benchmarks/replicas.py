@@ -19,6 +19,11 @@ then a last step that answers (tool_choice none). Every step but the first resum
 pause (a step that landed on another replica finds at most the prefix it shares with other agents there:
 the tool definitions). Throughput is agents / (time from the first request to the last answer).
 
+With `--scale-agents` the replicas' runs get `--agents` for each replica: every server as loaded as the one
+server (which 24 agents already keep busy: with 0.5 s tools, 12 agents a replica leave it idle at times,
+so the same 24 agents spread over two replicas measure less than what they sustain). The CPU each server
+process used over a run (from /proc, in cores) shows how busy it was.
+
 `--repeats N` runs the three N times in turn (one, replicas, one, replicas, ...), so that a slow spell of
 the machine falls on both sides; the ratio is given for each repeat and as the median of the repeats.
 
@@ -197,7 +202,7 @@ def run_one(args, out: Path) -> dict:
                             *args.serve_arg], port, "one server", out / "one.log")
     try:
         server.wait_ready(timeout=900)
-        return measure(server.base_url, "one", args)
+        return measure(server.base_url, "one", args, processes=(server.proc.pid,))
     finally:
         server.stop()
 
@@ -209,6 +214,52 @@ def cpu_seconds() -> tuple[float, float]:
     idle = fields[3] + fields[4]  # idle, iowait
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK"), usage.ru_utime + usage.ru_stime
+
+
+def process_cpu(root: int) -> dict[int, dict]:
+    """CPU seconds of `root` and every process under it, from /proc: {pid: {"name", "cpu_s", "busiest_thread_s"}}
+    (a replica's busiest thread is its engine's; the rest is its HTTP side, rendering and tokenizing)."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def stat(path: str) -> list[str]:
+        text = Path(path).read_text()
+        return text[text.rindex(")") + 2:].split()  # the fields after the command's name, which may hold spaces
+
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parents[int(entry)] = int(stat(f"/proc/{entry}/stat")[1])
+            except (OSError, ValueError):
+                pass
+    tree, grew = {root}, True
+    while grew:
+        more = {pid for pid, parent in parents.items() if parent in tree} - tree
+        tree |= more
+        grew = bool(more)
+    result = {}
+    for pid in tree:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            threads = [stat(f"/proc/{pid}/task/{tid}/stat") for tid in os.listdir(f"/proc/{pid}/task")]
+        except OSError:  # gone meanwhile
+            continue
+        per_thread = [(int(f[11]) + int(f[12])) / tick for f in threads]  # utime + stime
+        result[pid] = {"name": " ".join(a.decode(errors="replace") for a in argv[:6]).strip(),
+                       "cpu_s": sum(per_thread), "busiest_thread_s": max(per_thread, default=0.0)}
+    return result
+
+
+def cpu_by_process(before: dict[int, dict], after: dict[int, dict], wall: float) -> list[dict]:
+    """Each process's share of one core over the run (and its busiest thread's), from two `process_cpu`s."""
+    rows = []
+    for pid, a in sorted(after.items()):
+        b = before.get(pid, {"cpu_s": 0.0, "busiest_thread_s": 0.0})
+        used = a["cpu_s"] - b["cpu_s"]
+        if used > 0.01 * wall:
+            rows.append({"pid": pid, "name": a["name"], "cores": round(used / wall, 3),
+                         "busiest_thread_cores": round((a["busiest_thread_s"] - b["busiest_thread_s"]) / wall, 3)})
+    return rows
 
 
 def computed_tokens(servers: list[str]) -> list[float]:
@@ -223,13 +274,18 @@ def computed_tokens(servers: list[str]) -> list[float]:
     return [one(url) for url in servers]
 
 
-def measure(url: str, name: str, args, servers: list[str] = ()) -> dict:
+def measure(url: str, name: str, args, servers: list[str] = (), processes: tuple[int, ...] = ()) -> dict:
     """One run of the agents through `url`; `servers`: the replicas behind it, whose shares of the prompt
-    tokens computed the run records (how evenly the router spread the work)."""
+    tokens computed the run records (how evenly the router spread the work); `processes`: the roots of the
+    process trees whose CPU the run records, each process apart."""
     load = os.getloadavg()[0]
     before = computed_tokens(servers)
+    trees = {}
+    for root in processes:
+        trees |= process_cpu(root)
     (busy0, client0), start = cpu_seconds(), time.perf_counter()
-    run = run_agents(url, args.agents, f"{name}-{time.time_ns()}", steps=args.steps, words=args.words,
+    agents = args.agents * len(servers) if args.scale_agents and servers else args.agents
+    run = run_agents(url, agents, f"{name}-{time.time_ns()}", steps=args.steps, words=args.words,
                      tool_s=args.tool_s, identical_results=args.identical_results)
     (busy1, client1), wall = cpu_seconds(), time.perf_counter() - start
     summary = summarize(run)
@@ -238,6 +294,11 @@ def measure(url: str, name: str, args, servers: list[str] = ()) -> dict:
     # a share of every core's time, and this client's own CPU seconds (the agents' openai SDK threads).
     summary["machine_cpu_busy_share"] = round((busy1 - busy0) / (wall * os.cpu_count()), 3)
     summary["client_cpu_s"] = round(client1 - client0, 2)
+    if processes:
+        after = {}
+        for root in processes:
+            after |= process_cpu(root)
+        summary["cpu_by_process"] = cpu_by_process(trees, after, wall)
     if servers:
         computed = [after - b for after, b in zip(computed_tokens(servers), before)]
         summary["computed_prompt_shares"] = [round(t / max(1.0, sum(computed)), 3) for t in computed]
@@ -262,13 +323,13 @@ def run_replicas(args, out: Path) -> dict[str, dict]:
     try:
         launcher.wait_ready(timeout=900)
         workers = [f"http://127.0.0.1:{base + i}" for i in range(args.replicas)]
-        runs["cache_aware"] = measure(launcher.base_url, "cache_aware", args, workers)
+        runs["cache_aware"] = measure(launcher.base_url, "cache_aware", args, workers, (launcher.proc.pid,))
         rr_port = free_port()
         rr = ServerProcess(router_argv(router_executable(), workers, "127.0.0.1", rr_port, "round_robin", free_port()),
                            rr_port, "round-robin router", out / "round_robin_router.log")
         try:
             rr.wait_ready(timeout=120)
-            runs["round_robin"] = measure(rr.base_url, "round_robin", args, workers)
+            runs["round_robin"] = measure(rr.base_url, "round_robin", args, workers, (launcher.proc.pid, rr.proc.pid))
         finally:
             rr.stop()
     finally:
@@ -285,13 +346,14 @@ def _busy(port: int) -> bool:
 
 def report(doc: dict) -> str:
     a = doc["args"]
-    lines = [f"# Replicas behind vllm-router: {a['agents']} agents, {a['steps']} steps, {a['tool_s']} s tools",
+    agents = f"{a['agents']} agents a server" if a.get("scale_agents") else f"{a['agents']} agents"
+    lines = [f"# Replicas behind vllm-router: {agents}, {a['steps']} steps, {a['tool_s']} s tools",
              "", f"{doc['machine']}, {doc['date']}; `{doc['command']}`; {a['replicas']} replicas x {a['threads']} "
              f"thread(s) vs one server x {a['threads']} thread(s); vllm-router {doc['router_version']}.", "",
              "| repeat | run | finished | wall (s) | agents/s | resumed steps >= 90% cached | cached share of resumed "
              "prompts | first prompt tokens (median) | resumed step e2e, median (s) | load avg before "
-             "| machine CPU busy | client CPU (s) | replicas' shares of the prompt tokens computed |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| machine CPU busy | client CPU (s) | servers' cores each | replicas' shares of the prompt tokens computed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, runs in enumerate(doc["repeats"], 1):
         for name, run in runs.items():
             s = run["summary"]
@@ -300,10 +362,17 @@ def report(doc: dict) -> str:
                          f"{hit} | {100 * s['resumed_cached_share']:.1f}% | {s['first_prompt_tokens_median']} | "
                          f"{s['resumed_e2e_median_s']} | {s['load_average_before']} | "
                          f"{100 * s.get('machine_cpu_busy_share', float('nan')):.0f}% | {s.get('client_cpu_s', '-')} | "
+                         f"{server_cores(s)} | "
                          f"{' / '.join(f'{100 * x:.0f}%' for x in s.get('computed_prompt_shares', [])) or '-'} |")
     goals = doc["goals"]
     lines += ["", "Goals: " + "; ".join(f"{k}: {v}" for k, v in goals.items()), ""]
     return "\n".join(lines)
+
+
+def server_cores(summary: dict) -> str:
+    """The servers' (not the router's) CPU over the run, in cores, each: how busy the run kept them."""
+    rows = [r for r in summary.get("cpu_by_process", []) if "serve" in r["name"] or " replica" in r["name"]]
+    return " / ".join(f"{r['cores']:.2f}" for r in rows) or "-"
 
 
 def goals_of(repeats: list[dict]) -> dict:
@@ -335,6 +404,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--identical-results", action="store_true",
                    help="every agent's tool returns the same text at the same step (the router's cache-aware "
                         "matching then sends some resumes elsewhere)")
+    p.add_argument("--scale-agents", action="store_true",
+                   help="the replicas' runs get --agents for each replica (the one server's load on every server: "
+                        "what they sustain when each is as busy as the one server, not the same agents spread thinner)")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads of each server, the single one too")
     p.add_argument("--runs", nargs="+", default=["one", "cache_aware", "round_robin"],

@@ -188,6 +188,27 @@ def bench():
     return load_bench("replicas")
 
 
+def test_the_benchmark_counts_the_cpu_of_each_process_under_a_root(bench):
+    """A busy child and an idle one under this process: only the busy one uses a core's worth over the run."""
+    import subprocess
+    import sys
+    import time
+
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 2: pass"])
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2)"])
+    try:
+        time.sleep(0.4)  # both interpreters started (their start-up is CPU time too)
+        before, start = bench.process_cpu(os.getpid()), time.perf_counter()
+        time.sleep(0.8)
+        rows = bench.cpu_by_process(before, bench.process_cpu(os.getpid()), time.perf_counter() - start)
+    finally:
+        busy.wait()
+        idle.wait()
+    cores = {row["pid"]: row["cores"] for row in rows}
+    assert cores.get(busy.pid, 0) > 0.3, rows  # (a core, less what the machine's other work takes)
+    assert idle.pid not in cores, rows  # under 1% of a core: left out
+
+
 def resumed_shares(run: dict) -> list[float]:
     assert [loop["error"] for loop in run["agents"]] == [None] * len(run["agents"])
     return [s["cached_share"] for loop in run["agents"] for s in loop["steps"] if s["step"] > 0]
