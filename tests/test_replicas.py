@@ -161,6 +161,11 @@ class Cluster:
         wait_ok(f"http://127.0.0.1:{port}/readiness", proc, 60)
         return proc, f"http://127.0.0.1:{port}"
 
+    def log_tails(self, lines: int = 30) -> str:
+        """The end of every log of the launcher, its router and replicas: why a request failed, in the failure."""
+        return "\n".join(f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+                         for log in sorted(self.logs.glob("*.log")))
+
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
         try:
@@ -209,8 +214,13 @@ def test_the_benchmark_counts_the_cpu_of_each_process_under_a_root(bench):
     assert idle.pid not in cores, rows  # under 1% of a core: left out
 
 
-def resumed_shares(run: dict) -> list[float]:
-    assert [loop["error"] for loop in run["agents"]] == [None] * len(run["agents"])
+def assert_no_errors(run: dict, cluster: Cluster) -> None:
+    errors = [loop["error"] for loop in run["agents"]]
+    assert errors == [None] * len(errors), f"{errors}\n{cluster.log_tails()}"
+
+
+def resumed_shares(run: dict, cluster: Cluster) -> list[float]:
+    assert_no_errors(run, cluster)
     return [s["cached_share"] for loop in run["agents"] for s in loop["steps"] if s["step"] > 0]
 
 
@@ -235,7 +245,7 @@ def requests_served(worker: str) -> float:
 @needs_router
 def test_implicit_resumes_and_named_sessions_return_to_their_replica(cluster, bench):
     run = bench.run_agents(cluster.url, 4, "home", steps=3, words=WORDS)
-    shares = resumed_shares(run)
+    shares = resumed_shares(run, cluster)
     assert len(shares) == 8 and min(shares) >= 0.9, shares
     assert all(requests_served(w) > 0 for w in cluster.workers), "the router used one replica only"
     # It routed by the ids the replicas rendered (their /v1/chat/completions/render), not by load alone.
@@ -243,7 +253,7 @@ def test_implicit_resumes_and_named_sessions_return_to_their_replica(cluster, be
     assert renders.get("render", 0) >= 2 * 12, renders  # 12 requests, each rendered on both replicas
     # session_id in the body (and the header): after the first step only the tool results are sent.
     sessions = bench.run_agents(cluster.url, 2, "named", steps=3, words=WORDS, mode="session")
-    shares = resumed_shares(sessions)
+    shares = resumed_shares(sessions, cluster)
     assert len(shares) == 4 and min(shares) >= 0.9, shares
 
 
@@ -256,7 +266,7 @@ def test_round_robin_sends_resumes_elsewhere(cluster, bench):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    shares = resumed_shares(run)
+    shares = resumed_shares(run, cluster)
     assert min(shares) < 0.9, shares
 
 
@@ -270,7 +280,7 @@ def test_responses_chains_and_header_sessions_return_home_under_kv_aware_affinit
         proc.terminate()
         proc.wait(timeout=30)
     for run in runs:
-        shares = resumed_shares(run)
+        shares = resumed_shares(run, cluster)
         assert len(shares) == 4 and min(shares) >= 0.9, shares
 
 
@@ -300,14 +310,14 @@ def test_the_fleet_grows_and_shrinks_by_signal(cluster, bench):
                      "no third replica in the router")[0]
     new, = set(grown) - set(cluster.workers)
     run = bench.run_agents(cluster.url, 4, "grown", steps=2, words=WORDS)
-    assert [loop["error"] for loop in run["agents"]] == [None] * 4
+    assert_no_errors(run, cluster)
     assert requests_served(new) > 0, "the added replica took no new agent"
     os.kill(cluster.proc.pid, signal.SIGTTOU)
     wait_for(lambda: router_worker_urls(cluster) == sorted(cluster.workers), 120, "the replica is still routed to")
     port = int(new.rsplit(":", 1)[1])
     wait_for(lambda: not _listening(port), 120, "the removed replica still listens")
     after = bench.run_agents(cluster.url, 2, "shrunk", steps=2, words=WORDS)
-    assert [loop["error"] for loop in after["agents"]] == [None] * 2
+    assert_no_errors(after, cluster)
 
 
 @needs_router
@@ -326,6 +336,6 @@ def test_a_dead_replica_fails_over(cluster, bench):
     # ... and agents that start afterwards: all of them finish, none sees a 5xx.
     after = bench.run_agents(cluster.url, 4, "after", steps=3, words=WORDS)
     print("in flight:", [loop["error"] for loop in during["agents"]])
-    assert [loop["error"] for loop in after["agents"]] == [None] * 4
-    shares = resumed_shares(after)
+    assert_no_errors(after, cluster)
+    shares = resumed_shares(after, cluster)
     assert min(shares) >= 0.9, shares  # all on the surviving replica, so all at home
