@@ -49,6 +49,8 @@ class EngineInfo:
     # vLLM's own tool parsers the backend runs (the vLLM backend: every one its vLLM has), for
     # `--tool-parser` names that are not ours (tool_format.tool_format_for).
     vllm_tool_parsers: tuple[str, ...] = ()
+    # Why each of those that cannot force a call in its model's format (tool_choice required / named) cannot.
+    vllm_forcing_refusals: dict[str, str] = field(default_factory=dict)
     # The KV policy as it runs (`Policy.label`: its name and the parts that differ from its class's); ""
     # where the backend does not say.
     policy: str = ""

@@ -37,6 +37,9 @@ class InterceptParams:
     # Text the tool parser reads before the generated text: the opening of a forced call, which the
     # caller put at the end of the prompt (so a forced call pauses like any other, by its parse).
     text_prefix: str = ""
+    # The turn must call: "required", or the name of the tool it must call (None: it may). Where vLLM's
+    # parser reads the calls, the vLLM backend writes them under a grammar of the model's own format.
+    forced_call: str | None = None
     # Calls are read only after the model's thinking, as this reasoning parser splits it (qwen3,
     # deepseek_r1: engine/reasoning_parsers.py); None: the whole text.
     reasoning_parser: str | None = None

@@ -15,7 +15,8 @@ Hermes). Templates without a tool section get a Hermes-style tool prompt whateve
 
 On the vLLM backend, a family may also be one of vLLM's own tool parsers (`VllmToolFormat`, family
 ``vllm:NAME``): vLLM's parser reads the whole turn once it ends, in vLLM's process, and the judge here
-checks the calls it found (`tool_parsers.ParsedByVllm`). No grammar writes or forbids such calls.
+checks the calls it found (`tool_parsers.ParsedByVllm`). A forced call is written by a grammar built in
+vLLM's process from that parser's structural tag (vllm_backend/tool_calls.py); no grammar forbids calls.
 
 Pure standard library (jsonschema imported when a request's tools are compiled): importable without
 torch, so a backend in another process can run the same judge.
@@ -144,25 +145,31 @@ class ToolFormat:
 class VllmToolFormat:
     """One of vLLM's tool parsers as a format (family ``vllm:NAME``), on the vLLM backend: the parser runs in
     vLLM's process on the whole turn once the model ended it (vllm_backend/tool_calls.py). Nothing here
-    knows how its calls are written, so no grammar forces or forbids them (tool_choice required / named
-    and a JSON response_format beside tools are refused; tool_choice none only leaves calls unparsed),
+    knows how its calls are written: a forced call (tool_choice required / named) is written by a grammar
+    vLLM's process builds from the parser's structural tag, where the parser has one the grammar can
+    write (`forcing_refusal` None; otherwise why not, and such turns are refused); no grammar forbids
+    calls (a JSON response_format beside tools is refused; tool_choice none only leaves calls unparsed),
     and nothing in the text alone says what of it is content. A stream shows what vLLM's parser, reading
     the turn in vLLM's process as it is written, streams as content (`RequestOutput.streamed_content`,
     as vLLM's chat serving streams it), and the calls once the turn ended and they were judged."""
 
-    forces_calls = False
     keeps_special_tokens = False  # the text the client sees; vLLM's parser decodes the tokens as it needs
     openers: tuple[str, ...] = ()
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, forcing_refusal: str | None = None):
         self.name = name
         self.family = VLLM_PREFIX + name
+        self.forcing_refusal = forcing_refusal
+
+    @property
+    def forces_calls(self) -> bool:
+        return self.forcing_refusal is None
 
     def forced_prefill(self, tool_name: str | None) -> str:
-        raise ValueError(f"vLLM's tool parser {self.name!r} cannot force a call")
+        return ""  # the grammar writes the whole call, its opening too
 
-    def forced_grammar(self, tools: Sequence[ToolSpec], tool_name: str | None, parallel: bool) -> str | None:
-        raise ValueError(f"vLLM's tool parser {self.name!r} cannot force a call")
+    def forced_grammar(self, tools: Sequence[ToolSpec], tool_name: str | None, parallel: bool) -> None:
+        return None  # built where vLLM's parser is, from the turn's rule (vllm_backend/worker.py)
 
     def answer_or_call_grammar(self, tools: Sequence[ToolSpec], parallel: bool, answer_schema: dict) -> None:
         return None
@@ -181,15 +188,17 @@ class VllmToolFormat:
         return ""  # (a turn vLLM's parser reads streams its `streamed_content` instead)
 
 
-def tool_format_for(name: str, tokenizer, vllm_parsers: Sequence[str] = ()) -> ToolFormat | VllmToolFormat:
+def tool_format_for(name: str, tokenizer, vllm_parsers: Sequence[str] = (),
+                    vllm_forcing_refusals: Mapping[str, str] | None = None) -> ToolFormat | VllmToolFormat:
     """The format `--tool-parser NAME` serves: ours by that name (hermes, llama3_json, mistral, pythonic), else
     vLLM's parser NAME where the backend runs vLLM's parsers (`vllm_parsers`, their names; ``vllm:NAME``
-    picks vLLM's where we have one of the same name). ValueError naming the valid names otherwise."""
+    picks vLLM's where we have one of the same name; `vllm_forcing_refusals`: why those that cannot force
+    a call cannot). ValueError naming the valid names otherwise."""
     vllm_name = vllm_parser_name(name) or (name if name not in PARSERS else None)
     if vllm_name is None:
         return ToolFormat.for_tokenizer(name, tokenizer)
     if vllm_name in vllm_parsers:
-        return VllmToolFormat(vllm_name)
+        return VllmToolFormat(vllm_name, (vllm_forcing_refusals or {}).get(vllm_name))
     ours = ", ".join(sorted(PARSERS))
     if not vllm_parsers:
         raise ValueError(f"unknown tool parser {name!r}: this engine reads {ours}; vLLM's other tool parsers "

@@ -68,7 +68,7 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
     model_name = served_model_name(backend, settings)
     tool_parser = settings.tool_parser or parser_for_model(info.model_type, info.chat_template)
     # An unknown name fails at start-up. Not one of ours: vLLM's parser of that name, on the vLLM backend.
-    tool_format_for(tool_parser, None, info.vllm_tool_parsers)
+    tool_format_for(tool_parser, None, info.vllm_tool_parsers, info.vllm_forcing_refusals)
     reasoning = get_reasoning_parser(settings.reasoning_parser) if settings.reasoning_parser else None
     # Paused generations are limited by memory: by default as many context tokens as the engine's KV
     # pools hold; releases go to the one keeping the least KV (backend.paused_kv_tokens).
@@ -88,7 +88,8 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
     # The event loop tokenizes and renders while the engine thread detokenizes: separate instances, so
     # the two threads never share a tokenizer's mutable state.
     tokenizer = AutoTokenizer.from_pretrained(info.model)
-    tool_format = tool_format_for(tool_parser, tokenizer, info.vllm_tool_parsers)  # its call form and marker tokens
+    # Its call form and marker tokens.
+    tool_format = tool_format_for(tool_parser, tokenizer, info.vllm_tool_parsers, info.vllm_forcing_refusals)
     renderer = ChatRenderer(tokenizer, info.eos_token_ids, tool_format) if tokenizer.chat_template else None
     turns = Turns(EngineTurns(backend, metrics), conversations, metrics, admission, renderer,
                   info.max_model_len, info.vocab_size, info.guided_decoding, reasoning)

@@ -339,7 +339,7 @@ class Turns:
         params = self.sampling_params(spec, len(prompt_ids), skip_special_tokens=not (mode.parse and fmt.keeps_special_tokens))
         params = with_grammar(fmt, params, mode, spec.answer_schema, self.guided_decoding, self.reasoning is not None,
                               spec.answer_param, spec.constraint)
-        # A turn the server opened with a forced call's prefill starts with that call: it does not think.
+        # A forced turn (its call's prefill, or the grammar of vLLM's parser) starts with that call: it does not think.
         # Nor does one under a response_format (or regex / choice) grammar, from its first token, as a
         # parser that takes the turn as thinking from there would (deepseek_r1's; qwen3's splits only a
         # text that opens with <think>, whatever wrote it). With a reasoning parser tool_choice none has no grammar.
@@ -347,13 +347,14 @@ class Turns:
         if reasoning is not None:  # (the template may have opened the thinking in the generation prompt)
             reasoning = reasoning.after_prompt(self.renderer.tokenizer.decode(prompt_ids[-8:]))
         whole_output = spec.answer_schema is not None or spec.constraint is not None
-        if prefill or (reasoning is not None and reasoning.starts_thinking and whole_output):
+        if prefill or mode.forced or (reasoning is not None and reasoning.starts_thinking and whole_output):
             reasoning = None
         intercept = None
         if mode.parse:
             hint = spec.intercept
             intercept = InterceptParams(tool_parser=fmt.family, tools=tuple(mode.tools), parallel_calls=mode.parallel,
                                         text_prefix=prefill, expected_s=hint.expected_s if hint else None,
+                                        forced_call=(mode.forced_name or "required") if mode.forced else None,
                                         reasoning_parser=reasoning.name if reasoning is not None else None,
                                         kind=hint.kind if hint else "tool")
         return _Prepared(spec, spec.request_id or new_id(spec.id_prefix), prompt_ids, params, intercept, prefill,
@@ -374,12 +375,12 @@ class Turns:
         validate_tool_flow(spec.messages)
         mode = spec.mode
         if mode.forced and not self.format.forces_calls:
-            # vLLM forces such calls as a JSON list, not in the model's own format: the paused turn would
-            # not be what the model writes, nor what a resumed turn extends.
+            # A call forced in any other form than the model's own (vLLM's JSON list) would pause a turn
+            # that is not what the model writes, nor what a resumed turn extends.
             asked = "required" if mode.forced_name is None else f"naming {mode.forced_name!r}"
             raise bad_request(f"tool_choice {asked} cannot be enforced with vLLM's tool parser "
-                              f"{self.format.name!r} (its calls are read once the model ends its turn, never "
-                              "written by a grammar); send tool_choice auto", param="tool_choice")
+                              f"{self.format.name!r}: {self.format.forcing_refusal}; send tool_choice auto",
+                              param="tool_choice")
         prefill = self.format.forced_prefill(mode.forced_name) if mode.forced else ""
         try:
             prompt_ids = self.renderer.render(spec.messages, mode.tools, self.conversations.known_turn, prefill,

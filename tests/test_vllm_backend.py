@@ -58,6 +58,7 @@ def test_the_worker_imports_only_the_standard_library_and_vllm():
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("engine")]
     assert ours == [("engine.vllm_backend", ["tool_calls"])]
     assert set(non_stdlib_imports(here / "tool_calls.py")) <= {"vllm"}
+    assert not non_stdlib_imports(here / "structural_tag_lark.py")
 
 
 def test_a_sessions_stop_strings_go_to_our_scheduler_not_to_vllms_detokenizer():
@@ -386,7 +387,8 @@ def test_the_server_serves_vllms_parser_by_name_and_resumes_its_calls(vllm):
     """A second front end over the same vLLM worker (its lifespan off: the first app's owns the backend),
     serving `--tool-parser qwen3_json` (vLLM's Hermes-style parser for Qwen's JSON calls; not one of ours by
     that name). SmolLM2 follows the server's Hermes-style tool prompt and writes the call itself; the turn
-    pauses on what vLLM's parser found and the tool result resumes it, through the OpenAI SDK."""
+    pauses on what vLLM's parser found and the tool result resumes it, through the OpenAI SDK; forced
+    (tool_choice required / named), the call is written by a grammar of the model's own format."""
     import openai
     from live_server import serve_in_thread
 
@@ -433,8 +435,31 @@ def test_the_server_serves_vllms_parser_by_name_and_resumes_its_calls(vllm):
         answer = streamed(conversation, 16)
         pieces = [c.delta.content for c in answer if c.delta.content]
         assert len(pieces) > 1 and "".join(pieces) == second.choices[0].message.content, pieces
-        with pytest.raises(openai.BadRequestError, match="vLLM's tool parser 'qwen3_json'"):
-            client.chat.completions.create(model="smol", messages=QUESTION, tools=TOOLS, tool_choice="required")
+
+        # Forced, a turn the model would answer in text calls, written in the model's own format (the grammar
+        # of the structural tag vLLM's qwen3_json parser builds, compiled for llguidance): required, and
+        # named among two tools; vLLM's parser reads the call, the turn pauses on it and the tool result
+        # resumes the paused KV. (strict: the arguments follow the schema, which the judge checks.)
+        weather = {"type": "function", "function": dict(TOOLS[0]["function"], strict=True)}
+        clock = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+        greeting = [{"role": "user", "content": "Say hello."}]
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        for choice, tools in (("required", [weather]), (named, [clock, weather])):
+            forced = client.chat.completions.create(model="smol", messages=greeting, tools=tools, tool_choice=choice,
+                                                    parallel_tool_calls=False, max_tokens=100, temperature=0)
+            assert forced.choices[0].finish_reason == "tool_calls", forced.choices[0]
+            (call,) = forced.choices[0].message.tool_calls
+            assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
+            conversation = greeting + [forced.choices[0].message,
+                                       {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
+            after = client.chat.completions.create(model="smol", messages=conversation, tools=tools, max_tokens=8,
+                                                   temperature=0)
+            assert after.usage.prompt_tokens_details.cached_tokens == forced.usage.total_tokens - 1, after.usage
+        unforced = client.chat.completions.create(model="smol", messages=greeting, tools=[weather], max_tokens=30,
+                                                  temperature=0)
+        assert not unforced.choices[0].message.tool_calls, unforced.choices[0]  # what the grammar changed
+        # A parser without a structural tag cannot force its calls (tests/test_vllm_tool_parsers.py: the 400).
+        assert "JSON list" in backend.info.vllm_forcing_refusals["xlam"]
     finally:
         server.should_exit = True
         thread.join(timeout=10)

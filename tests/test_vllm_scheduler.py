@@ -91,6 +91,7 @@ CASES = ("preserve_keeps_a_paused_sessions_blocks",
          "vllms_tool_parsers_read_a_turn_as_vllms_chat_serving_does",
          "vllms_parser_streams_a_turns_content_as_it_is_written_and_never_its_calls",
          "the_worker_hands_a_turns_calls_to_the_backend_with_its_last_output",
+         "a_forced_turn_is_written_in_the_models_own_call_format",
          "the_worker_wakes_vllms_engine_core_when_the_scheduler_asks",
          "an_unknown_or_unfit_tool_parser_is_refused",
          "the_vllm_parser_api_we_call_has_the_signatures_we_were_written_against")

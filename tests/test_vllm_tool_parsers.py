@@ -21,7 +21,10 @@ from infercept.engine.tool_spec import ToolSpec
 
 WEATHER = ToolSpec.function("get_weather", {"type": "object", "properties": {"city": {"type": "string"}},
                                             "required": ["city"]})
-VLLMS = ("hermes", "kimi_k2", "qwen3_coder", "qwen3_json")  # as a vLLM worker lists them
+VLLMS = ("hermes", "kimi_k2", "qwen3_coder", "qwen3_json", "xlam")  # as a vLLM worker lists them
+# ... and says why those that cannot force a call cannot (xlam: as vLLM 0.32's worker says).
+FORCING_REFUSALS = {"xlam": "it has no structural tag for its calls (vLLM would force them as a JSON list, not in "
+                            "the model's own format)"}
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -160,17 +163,18 @@ def serve_vllms_parser(model_dir: str, parser: str, call_id: str, backend_cls: t
     from infercept.server.settings import ServerSettings
 
     backend = backend_cls(model_dir)
-    backend.info = replace(backend.info, vllm_tool_parsers=VLLMS)
+    backend.info = replace(backend.info, vllm_tool_parsers=VLLMS, vllm_forcing_refusals=FORCING_REFUSALS)
     scripted_generate = backend.generate
 
     async def generate(prompt, params, request_id, intercept=None):
         backend.intercepts.append(intercept)
+        backend.params.append(params)
         async for out in scripted_generate(prompt, params, request_id, intercept):
             if out.tool_calls:
                 out.tool_calls = [replace(c, id=call_id) for c in out.tool_calls]
             yield out
 
-    backend.intercepts = []
+    backend.intercepts, backend.params = [], []
     backend.generate = generate
     server, thread, base = serve_in_thread(build_app(backend, ServerSettings(served_model_name="m",
                                                                              tool_parser=parser)))
@@ -187,6 +191,11 @@ def served(default_model_dir):
 @pytest.fixture(scope="module")
 def served_streamed(default_model_dir):
     yield from serve_vllms_parser(default_model_dir, "qwen3_coder", "chatcmpl-tool-9", StreamedTurns)
+
+
+@pytest.fixture(scope="module")
+def served_xlam(default_model_dir):
+    yield from serve_vllms_parser(default_model_dir, "xlam", "chatcmpl-tool-11")
 
 
 @pytest.fixture(scope="module")
@@ -247,17 +256,27 @@ def test_a_stream_shows_the_content_vllms_parser_streamed_as_it_came_and_the_cal
     assert whole.content == "Sunny." and whole.tool_calls[0].function.name == "get_weather"
 
 
-def test_forced_calls_and_json_answers_beside_calls_are_refused_with_vllms_parsers(served):
+def test_forced_calls_go_to_the_backend_to_be_written_in_the_models_format(served, served_xlam):
+    """A vLLM parser with a structural tag forces calls: the turn reaches the backend with what it must call
+    and no grammar of ours (the worker builds it from vLLM's parser) and no prefill; one without is
+    refused, saying why. A JSON answer beside calls stays refused; tool_choice none parses no call."""
     import openai
 
-    _, client = served
+    backend, client = served
     tools = [dict(WEATHER.definition)]
     messages = [{"role": "user", "content": "What is the weather in Rome?"}]
-    for choice, said in (("required", "tool_choice required"),
-                         ({"type": "function", "function": {"name": "get_weather"}}, "naming 'get_weather'")):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, forced in (("required", "required"), (named, "get_weather")):
+        message = client.chat.completions.create(model="m", messages=messages, tools=tools,
+                                                 tool_choice=choice).choices[0].message
+        assert [c.function.name for c in message.tool_calls] == ["get_weather"]
+        intercept, params = backend.intercepts[-1], backend.params[-1]
+        assert intercept.forced_call == forced and intercept.text_prefix == "" and params.guided is None, intercept
+    _, refusing = served_xlam
+    for choice, said in (("required", "tool_choice required"), (named, "naming 'get_weather'")):
         with pytest.raises(openai.BadRequestError, match=f"{said} cannot be enforced with vLLM's tool parser "
-                                                         "'qwen3_coder'") as e:
-            client.chat.completions.create(model="m", messages=messages, tools=tools, tool_choice=choice)
+                                                         "'xlam': it has no structural tag") as e:
+            refusing.chat.completions.create(model="m", messages=messages, tools=tools, tool_choice=choice)
         assert e.value.body["param"] == "tool_choice"
     with pytest.raises(openai.BadRequestError, match="vllm:qwen3_coder"):
         client.chat.completions.create(model="m", messages=messages, tools=tools,
@@ -266,6 +285,7 @@ def test_forced_calls_and_json_answers_beside_calls_are_refused_with_vllms_parse
     answer = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], tools=tools,
                                             tool_choice="none")
     assert answer.choices[0].message.content == "Hello there."
+    assert backend.intercepts[-1] is None
 
 
 def test_conversations_whose_calls_share_an_id_each_resume_their_own_pause(served_kimi):

@@ -917,6 +917,58 @@ def case_the_worker_hands_a_turns_calls_to_the_backend_with_its_last_output():
     assert "calls" not in worker.with_calls("s", out(call, "stop"))
 
 
+ADD_TOOL = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
+
+
+def case_a_forced_turn_is_written_in_the_models_own_call_format():
+    """tool_choice required / named with vLLM's parsers (tool_calls.forced_grammar): the grammar of the
+    structural tag each parser builds, as llguidance (vLLM's structured outputs here) reads it, takes a
+    call of an allowed tool as the model writes it, and neither another tool's call nor plain text; the
+    worker gives a forced turn that grammar, an unforced one none. Parsers without a structural tag, or
+    with one the grammar cannot write, are refused with the reason."""
+    import llguidance
+    import llguidance.hf
+
+    from engine.vllm_backend import worker as worker_module
+    from engine.vllm_backend.tool_calls import CallRule, forcing_refusals
+
+    parsers = vllm_tool_calls()
+    tokenizer = parsers.tokenizer
+    vocabulary = llguidance.hf.from_tokenizer(tokenizer)
+
+    def accepts(grammar: str, text: str) -> bool:
+        matcher = llguidance.LLMatcher(vocabulary, llguidance.grammar_from("lark", grammar))
+        return matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+    calls = {"qwen3_coder": "<tool_call>\n<function={}>\n<parameter=a>\n2\n</parameter>\n</function>\n</tool_call>",
+             "qwen3_json": '<tool_call>\n{{"name": "{}", "arguments": {{"a": 2}}}}\n</tool_call>',
+             "longcat": '<longcat_tool_call>\n{{"name": "{}", "arguments": {{"a": 2}}}}\n</longcat_tool_call>',
+             "mimo": "<tool_call><function={}><parameter=a>2</parameter></function></tool_call>"}
+    for name, call in calls.items():
+        required = parsers.forced_grammar(CallRule(name, (WEATHER_TOOL, ADD_TOOL), forced="required"))
+        named = parsers.forced_grammar(CallRule(name, (WEATHER_TOOL, ADD_TOOL), forced="add", parallel=False))
+        for grammar in (required, named):
+            error = llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("lark", grammar), vocabulary)
+            assert not error, (name, error)
+        assert accepts(required, call.format("get_weather")) and accepts(required, call.format("add")), name
+        assert not accepts(required, "It is sunny."), name
+        assert accepts(named, call.format("add")), name
+        assert not accepts(named, call.format("get_weather")) and not accepts(named, "It is sunny."), name
+    refusals = forcing_refusals()
+    assert not set(calls) & set(refusals), refusals
+    assert "JSON list" in refusals["llama4_pythonic"] and "minimax_xml" in refusals["minimax_m2"], refusals
+
+    worker = worker_module.Worker(None, {"engine": {}})
+    worker.tool_calls = parsers
+    fields = {"max_tokens": 8, "structured_outputs": None}
+    for forced, grammar in (("add", True), (None, False)):
+        worker.follow_calls("f", {"parser": "qwen3_coder", "tools": [WEATHER_TOOL, ADD_TOOL], "forced": forced,
+                                  "parallel": forced is None}, [1, 2])
+        structured = worker.turn_params("f", dict(fields)).structured_outputs
+        assert (structured is not None and "function=add" in structured.grammar) == grammar, structured
+
+
 def case_the_worker_wakes_vllms_engine_core_when_the_scheduler_asks():
     """A `wake` from the scheduler (its reader thread) arms one timer on the event loop; a later request
     replaces it; when it fires, a read-only call reaches vLLM's engine core (whose loop then asks the
@@ -979,6 +1031,10 @@ def case_the_vllm_parser_api_we_call_has_the_signatures_we_were_written_against(
     assert list(inspect.signature(Parser.parse).parameters) == \
         ["self", "model_output", "request", "enable_auto_tools", "model_output_token_ids"], "Parser.parse changed"
     assert list(inspect.signature(Parser.adjust_request).parameters) == ["self", "request"], "adjust_request changed"
+    from vllm.tool_parsers.structural_tag_registry import get_model_structural_tag
+    assert list(inspect.signature(get_model_structural_tag).parameters) == \
+        ["model", "tools", "tool_choice", "reasoning", "token_suffix", "strict_level"], \
+        "get_model_structural_tag changed"
     assert "qwen3_coder" in ToolParserManager.list_registered()
 
 

@@ -228,7 +228,8 @@ class VllmBackend(EngineBackend):
                           vocab_size=facts["vocab_size"], eos_token_ids=eos_ids_of(model, tokenizer),
                           chat_template=tokenizer.chat_template, dtype=facts["dtype"], device=facts["device"],
                           kv_capacity_tokens=facts["num_blocks"] * facts["block_size"],
-                          vllm_tool_parsers=tuple(facts["tool_parsers"]), policy=running,
+                          vllm_tool_parsers=tuple(facts["tool_parsers"]),
+                          vllm_forcing_refusals=facts["forcing_refusals"], policy=running,
                           policy_note=summary())
         return cls(worker, info, tokenizer, facts["block_size"], policy, facts.get("profile"), facts["host_blocks"])
 
@@ -567,7 +568,8 @@ def _call_rule(stage: TurnOutput, intercept: InterceptParams | None) -> dict | N
         return None
     tools = [dict(t.definition) or {"type": "function", "function": {"name": t.name, "parameters": t.arguments_schema}}
              for t in intercept.tools or ()]
-    return {"parser": stage.vllm_parser, "tools": tools, "reasoning": intercept.reasoning_parser}
+    return {"parser": stage.vllm_parser, "tools": tools, "reasoning": intercept.reasoning_parser,
+            "forced": intercept.forced_call, "parallel": intercept.parallel_calls}
 
 
 def _sampled(token_id: int, logprob: float, entries: list, k: int) -> SampledToken:

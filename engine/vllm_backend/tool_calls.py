@@ -2,21 +2,30 @@
 written and once it ended.
 
 Run by the vLLM environment's python (worker.py), where vLLM's parsers and the model's tokenizer are
-importable; imports only the standard library and vllm. A turn whose calls one of vLLM's parsers reads
-carries its rule (`CallRule`, plain data from the backend: the parser's name, the request's tools, the
-reasoning parser whose thinking comes first). While the model writes it, a parser of its own reads each
-output as vLLM's chat serving streams a turn (`ContentStream`: `Parser.parse_delta`, tool_choice auto),
-and the content it streams (text outside any call, after the thinking) goes to the backend with each
-output; its calls do not. When vLLM ends the turn (the model's EOS or stop token, its length, a stop
-string), the worker decodes the turn's tokens and a parser reads them as vLLM's chat serving reads a
-finished turn (`Parser.parse`): the calls it found (name, arguments JSON, id) and the content outside
-them go to the backend with the turn's last output, and the backend's output stage judges them (known
-tool, valid arguments) and pauses or finishes the turn.
+importable; imports only the standard library, vllm and structural_tag_lark.py beside it. A turn whose
+calls one of vLLM's parsers reads carries its rule (`CallRule`, plain data from the backend: the parser's
+name, the request's tools, the reasoning parser whose thinking comes first). While the model writes it, a
+parser of its own reads each output as vLLM's chat serving streams a turn (`ContentStream`:
+`Parser.parse_delta`, tool_choice auto), and the content it streams (text outside any call, after the
+thinking) goes to the backend with each output; its calls do not. When vLLM ends the turn (the model's
+EOS or stop token, its length, a stop string), the worker decodes the turn's tokens and a parser reads
+them as vLLM's chat serving reads a finished turn (`Parser.parse`): the calls it found (name, arguments
+JSON, id) and the content outside them go to the backend with the turn's last output, and the backend's
+output stage judges them (known tool, valid arguments) and pauses or finishes the turn.
+
+A turn that must call (tool_choice required, or naming a tool) is written under a grammar of the calls in
+the model's own format: the structural tag vLLM's parser builds for that tool_choice (its
+`adjust_request`, as vLLM's chat serving asks it), written for llguidance (structural_tag_lark.py).
+Parsers without a structural tag (vLLM would force a JSON list of calls, not the model's format) or
+whose tag the grammar cannot write cannot force a call (`forcing_refusals`).
 """
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
+
+from .structural_tag_lark import structural_tag_lark
 
 logger = logging.getLogger("infercept.vllm_worker")
 
@@ -28,18 +37,55 @@ def registered() -> list[str]:
     return ToolParserManager.list_registered()
 
 
+# A tool every format can call, to find which parsers' structural tags a grammar writes.
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe", "parameters": {"type": "object"}}}
+
+
+def forcing_refusals() -> dict[str, str]:
+    """Why each of vLLM's tool parsers that cannot force a call in its model's format cannot (by name);
+    the others force tool_choice required and named calls (`VllmToolCalls.forced_grammar`)."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.tool_parsers import ToolParserManager
+    from vllm.tool_parsers.structural_tag_registry import get_model_structural_tag
+
+    tools = ChatCompletionRequest(messages=[], model="", tools=[_PROBE_TOOL]).tools
+    refusals = {}
+    for name in registered():
+        try:
+            model = ToolParserManager.get_tool_parser(name).structural_tag_model
+            if model is None:
+                raise ValueError("it has no structural tag for its calls (vLLM would force them as a JSON list, "
+                                 "not in the model's own format)")
+            tag = get_model_structural_tag(model, tools, "required", reasoning=False)
+            structural_tag_lark(tag.model_dump()["format"], {})
+        except Exception as e:  # a parser vLLM cannot load here is refused with its reason too
+            refusals[name] = str(e)
+    return refusals
+
+
 @dataclass(frozen=True)
 class CallRule:
     """What reads a turn's calls: vLLM's parser `parser`, over the request's `tools` (OpenAI's function-tool
-    objects), after the thinking as vLLM's reasoning parser `reasoning` splits it (None: no thinking)."""
+    objects), after the thinking as vLLM's reasoning parser `reasoning` splits it (None: no thinking).
+    `forced`: the turn must call ("required", or the name of the tool it must call; None: it may);
+    `parallel`: it may call more than once."""
 
     parser: str
     tools: tuple[dict, ...]
     reasoning: str | None = None
+    forced: str | None = None
+    parallel: bool = True
 
     @classmethod
     def from_dict(cls, d: dict) -> "CallRule":
-        return cls(d["parser"], tuple(d["tools"]), d.get("reasoning"))
+        return cls(d["parser"], tuple(d["tools"]), d.get("reasoning"), d.get("forced"), d.get("parallel", True))
+
+    @property
+    def tool_choice(self) -> str | dict:
+        """The forced turn's tool_choice as a chat completion request writes it."""
+        if self.forced == "required":
+            return "required"
+        return {"type": "function", "function": {"name": self.forced}}
 
 
 class VllmToolCalls:
@@ -73,16 +119,33 @@ class VllmToolCalls:
                 model_name=self.model, is_harmony=self.is_harmony, tokenizer=self.tokenizer)
         return self._classes[key]
 
-    def _parser(self, rule: CallRule):
+    def _parser(self, rule: CallRule, **forcing):
         """A parser of the rule's (one per turn read: vLLM's parsers keep a stream's state) and the
         request it reads with, as its `adjust_request` left it (skip_special_tokens: whether the text
-        it reads keeps the special tokens)."""
+        it reads keeps the special tokens). A turn is read as under tool_choice auto, forced or not (a
+        forced call is written as the model writes its calls); `forcing` (tool_choice,
+        parallel_tool_calls) asks for the structural tag of a forced turn instead."""
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
         request = ChatCompletionRequest(messages=[], model=self.model, tools=list(rule.tools) or None,
-                                        tool_choice="auto")
+                                        **{"tool_choice": "auto"} | forcing)
         parser = self._parser_class(rule.parser, rule.reasoning)(self.tokenizer, request.tools)
         return parser, parser.adjust_request(request)
+
+    def forced_grammar(self, rule: CallRule) -> str:
+        """The Lark grammar of a forced turn (`rule.forced`): its calls as the structural tag vLLM's parser
+        builds for that tool_choice writes them (ValueError: the parser has none, or the grammar cannot
+        write it)."""
+        _, request = self._parser(rule, tool_choice=rule.tool_choice, parallel_tool_calls=rule.parallel)
+        tag = request.structured_outputs.structural_tag if request.structured_outputs is not None else None
+        if tag is None:
+            raise ValueError(f"vLLM's tool parser {rule.parser!r} builds no structural tag to force its calls")
+        return structural_tag_lark(json.loads(tag)["format"], self.special_tokens)
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """The vocabulary's special tokens by their text (a forced grammar names them by id)."""
+        return {t.content: i for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
 
     def stream(self, rule: CallRule, prompt_token_ids: list[int]) -> "ContentStream":
         """vLLM's parser reading a turn as it is written. `prompt_token_ids`: the tokens before the turn

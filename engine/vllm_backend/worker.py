@@ -9,7 +9,8 @@ FD is this end of a socket pair (a `multiprocessing.connection.Connection`); CON
 engine arguments (`engine`), whether vLLM runs our scheduler (`policy_channel`) and the one of vLLM's
 tool parsers the server serves, if any (`tool_parser`, checked before vLLM starts). Imports only the
 standard library, vllm and torch (our scheduler and connector are loaded by vLLM itself, by name), and
-tool_calls.py beside it (standard library and vllm: vLLM's tool parsers). Every message is a dict.
+tool_calls.py beside it (standard library, vllm and our standard-library structural_tag_lark.py: vLLM's
+tool parsers). Every message is a dict.
 
     backend -> worker                                   worker -> backend
     {"op": "generate", "id", "prompt", "params",        {"op": "ready", "info"}            once, at start
@@ -25,6 +26,7 @@ tool_calls.py beside it (standard library and vllm: vLLM's tool parsers). Every 
 `calls` (a `tool_calls.CallRule` as a dict, or None) names the one of vLLM's tool parsers that reads the
 turn: each of its outputs but the last then carries the content that parser streams for it, if any
 (`streamed_content`), and its last output the calls the parser found in the whole turn and their content.
+A forced turn's rule (`forced`) also gives the turn its grammar: the calls in the model's own format.
 
 A resumable request is one vLLM streaming-input session: each turn stops on EOS, a stop token or
 max_tokens and then waits in vLLM (`finish_reason` set, the request not finished) until the next chunk
@@ -239,7 +241,8 @@ class Worker:
                 "dtype": str(model.dtype).removeprefix("torch."), "device": current_platform.device_type,
                 "block_size": cache.block_size, "num_blocks": cache.num_gpu_blocks or 0,
                 "bytes_per_token": bytes_per_token, "host_blocks": host_bytes // (bytes_per_token * cache.block_size),
-                "vllm_version": vllm.__version__, "tool_parsers": tool_calls.registered()}
+                "vllm_version": vllm.__version__, "tool_parsers": tool_calls.registered(),
+                "forcing_refusals": tool_calls.forcing_refusals()}
 
     async def measure_profile(self, info: dict) -> dict:
         """The forward-time profile the policy needs, measured on this vLLM instance (`Profile.to_dict`'s
@@ -322,8 +325,15 @@ class Worker:
         op, rid = msg["op"], msg.get("id")
         if op in ("generate", "resume"):
             self.follow_calls(rid, msg.get("calls"), msg["prompt"] if op == "generate" else msg["tokens"])
+            try:
+                params = self.turn_params(rid, msg["params"])
+            except ValueError as e:  # a forced turn whose calls no grammar can write: the caller's 400
+                self.follow_calls(rid, None, [])
+                if rid in self.inputs:
+                    self.inputs[rid].put_nowait(None)
+                self.send({"op": "gone", "id": rid, "error": str(e), "bad_input": True})
+                return
         if op == "generate":
-            params = sampling_params(msg["params"])
             prompt = TokensPrompt(prompt_token_ids=list(msg["prompt"]))
             if msg["resumable"]:
                 self.inputs[rid] = asyncio.Queue()
@@ -331,7 +341,6 @@ class Worker:
                 prompt = self.chunks(rid)
             self.tasks[rid] = asyncio.create_task(self.stream(rid, prompt, params))
         elif op == "resume":
-            params = sampling_params(msg["params"])
             if self.policy is not None and "at" in msg:  # ahead of the input, so the scheduler has it first
                 self.policy.send({"op": "result", "id": rid, "at": msg["at"]})
             if rid in self.inputs:
@@ -350,6 +359,14 @@ class Worker:
         elif op == "stats":
             self.send({"op": "stats", "seq": msg["seq"],
                        "stats": self.stats.as_dict() | {"num_requests": len(self.tasks)}})
+
+    def turn_params(self, rid: str, fields: dict):
+        """vLLM's params of a request's next turn. A forced turn whose calls vLLM's parser reads gets its
+        grammar here, where vLLM's parsers build it (tool_calls.py); the backend sends it none."""
+        rule = self.call_rules.get(rid)
+        if rule is not None and rule.forced is not None:
+            fields = fields | {"structured_outputs": {"grammar": self.tool_calls.forced_grammar(rule)}}
+        return sampling_params(fields)
 
     async def chunks(self, rid: str):
         """A session's input: its chunks as the backend sends them, until `end`."""
