@@ -156,6 +156,10 @@ def router_argv(exe: str, workers: list[str], host: str, port: int, policy: str,
             # Notice a dead replica in seconds (the default is a minute); requests fail over to the
             # others by the router's retries before that.
             "--health-check-interval-secs", "5", "--health-check-timeout-secs", "5",
+            # A request whose replica dies under it is retried, but cache-aware routing picks the same
+            # replica for every retry (the prefix is there) until its circuit opens: after the default ten
+            # failures, the two requests' retries spent. After two, a retry goes to another replica.
+            "--cb-failure-threshold", "2",
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
             "--log-level", "warning", *extra]
 
