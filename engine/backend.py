@@ -18,12 +18,13 @@ from .outputs import RequestOutput
 from .paused_kv import PAUSED_KV_STATES
 from .reasoning_parsers import REASONING_PARSERS, THINK_END, ReasoningParser, get_reasoning_parser
 from .request import InterceptParams
-from .sampling_params import GuidedDecodingParams, SamplingParams
+from .sampling_params import GRAMMAR_ENDS_THE_OUTPUT, GuidedDecodingParams, SamplingParams
 from .stats import RESUME_KV_PLACES  # the keys of EngineSnapshot.resumes_by_kv
 from .tool_format import ToolFormat, ToolSpec, VllmToolFormat, tool_format_for
 from .tool_parsers import ToolCall, parser_for_model
 
-__all__ = ["EngineBackend", "EngineInfo", "EngineSnapshot", "GuidedDecodingParams", "InterceptParams",
+__all__ = ["EngineBackend", "EngineInfo", "EngineSnapshot", "GRAMMAR_ENDS_THE_OUTPUT", "GuidedDecodingParams",
+           "InterceptParams",
            "KVLocation", "PAUSED_KV_STATES", "REASONING_PARSERS", "RESUME_KV_PLACES", "ReasoningParser",
            "RequestOutput",
            "SamplingParams", "THINK_END", "ToolCall", "ToolFormat", "ToolSpec", "VllmToolFormat", "get_reasoning_parser",

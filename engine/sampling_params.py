@@ -61,6 +61,7 @@ def compile_grammar(lark: str | None, json_schema: dict[str, Any] | str | None, 
 
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (as vLLM does)
+GRAMMAR_ENDS_THE_OUTPUT = "a grammar decides where the output ends: min_tokens and ignore_eos do not combine with it"
 
 
 @dataclass
@@ -111,10 +112,14 @@ class SamplingParams:
             raise ValueError("logprobs must be between 0 and 20")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
-        if self.guided is not None and (self.min_tokens or self.ignore_eos):
-            # Both would hold back the end-of-sequence token where the grammar allows nothing else.
-            raise ValueError("a grammar decides where the output ends: min_tokens and ignore_eos do not "
-                             "combine with it")
+        if self.guided is not None and self.holds_back_the_end:
+            raise ValueError(GRAMMAR_ENDS_THE_OUTPUT)
+
+    @property
+    def holds_back_the_end(self) -> bool:
+        """min_tokens or ignore_eos: the end-of-sequence token is held back, even where a grammar would
+        allow nothing else (so no grammar-constrained turn takes them: GRAMMAR_ENDS_THE_OUTPUT)."""
+        return bool(self.min_tokens or self.ignore_eos)
 
     @property
     def greedy(self) -> bool:

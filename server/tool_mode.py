@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass, replace
 
-from infercept.engine.backend import GuidedDecodingParams, SamplingParams, ToolFormat, ToolSpec
+from infercept.engine.backend import GRAMMAR_ENDS_THE_OUTPUT, GuidedDecodingParams, SamplingParams, ToolFormat, ToolSpec
 
 from .protocol import bad_request
 from .structured import OutputConstraint
@@ -52,6 +52,9 @@ def with_grammar(fmt: ToolFormat, params: SamplingParams, mode: ToolMode, answer
         return constrained(params, constraint.guided, constraint.param)
     grammar = turn_grammar(fmt, params, mode, answer_schema, guided_decoding and not thinking, answer_param)
     if grammar is None:
+        if mode.forced and params.holds_back_the_end:  # a forced call whose grammar vLLM's worker builds
+            raise bad_request(f"tool_choice asks for a grammar-constrained turn: {GRAMMAR_ENDS_THE_OUTPUT}",
+                              param="tool_choice")
         return params
     return constrained(params, *grammar)
 
@@ -84,7 +87,7 @@ def turn_grammar(fmt: ToolFormat, params: SamplingParams, mode: ToolMode, answer
                               "tool_choice none for a JSON answer", param=answer_param)
     elif answer_schema is not None:
         return (_compile(answer_param, json_schema=fmt.json_grammar_schema(answer_schema)), answer_param)
-    elif mode.tools is not None and not mode.parse and guided_decoding and not (params.min_tokens or params.ignore_eos):
+    elif mode.tools is not None and not mode.parse and guided_decoding and not params.holds_back_the_end:
         # tool_choice none; with vLLM's min_tokens / ignore_eos the turn must not end where it wants,
         # which a grammar cannot combine with, so there it stays unconstrained (a call is content).
         lark, param = fmt.no_call_grammar(), "tool_choice"

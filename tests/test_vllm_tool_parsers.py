@@ -272,6 +272,12 @@ def test_forced_calls_go_to_the_backend_to_be_written_in_the_models_format(serve
         assert [c.function.name for c in message.tool_calls] == ["get_weather"]
         intercept, params = backend.intercepts[-1], backend.params[-1]
         assert intercept.forced_call == forced and intercept.text_prefix == "" and params.guided is None, intercept
+    # min_tokens / ignore_eos would hold back the end the worker's grammar decides: refused, as beside ours.
+    for extra in ({"min_tokens": 4}, {"ignore_eos": True}):
+        with pytest.raises(openai.BadRequestError, match="min_tokens and ignore_eos do not combine") as e:
+            client.chat.completions.create(model="m", messages=messages, tools=tools, tool_choice="required",
+                                           extra_body=extra)
+        assert e.value.body["param"] == "tool_choice"
     _, refusing = served_xlam
     for choice, said in (("required", "tool_choice required"), (named, "naming 'get_weather'")):
         with pytest.raises(openai.BadRequestError, match=f"{said} cannot be enforced with vLLM's tool parser "
