@@ -37,6 +37,7 @@ import concurrent.futures
 import json
 import os
 import random
+import re
 import resource
 import statistics
 import sys
@@ -262,15 +263,22 @@ def cpu_by_process(before: dict[int, dict], after: dict[int, dict], wall: float)
     return rows
 
 
+def metric_lines(url: str) -> list[str]:
+    """A server's /metrics, line by line."""
+    return httpx.get(url + "/metrics", timeout=10).text.splitlines()
+
+
+def metric(lines: list[str], name: str) -> float:
+    """The sum of a metric's samples (over their labels, if any) in `metric_lines`."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if re.match(rf"{name}[ {{]", line))
+
+
 def computed_tokens(servers: list[str]) -> list[float]:
     """Prompt tokens each server has computed so far: served less found cached (its
     `infercept_prompt_tokens_total` less `infercept_cached_prompt_tokens_total`)."""
-    def counter(lines: list[str], name: str) -> float:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name))
-
     def one(url: str) -> float:
-        lines = httpx.get(url + "/metrics", timeout=10).text.splitlines()
-        return counter(lines, "infercept_prompt_tokens_total") - counter(lines, "infercept_cached_prompt_tokens_total")
+        lines = metric_lines(url)
+        return metric(lines, "infercept_prompt_tokens_total") - metric(lines, "infercept_cached_prompt_tokens_total")
     return [one(url) for url in servers]
 
 

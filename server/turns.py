@@ -339,7 +339,8 @@ class Turns:
         params = self.sampling_params(spec, len(prompt_ids), skip_special_tokens=not (mode.parse and fmt.keeps_special_tokens))
         params = with_grammar(fmt, params, mode, spec.answer_schema, self.guided_decoding, self.reasoning is not None,
                               spec.answer_param, spec.constraint)
-        # A forced turn (its call's prefill, or the grammar of vLLM's parser) starts with that call: it does not think.
+        # A forced turn (opened by its call's prefill, or written by the grammar of vLLM's parser) starts
+        # with that call: it does not think.
         # Nor does one under a response_format (or regex / choice) grammar, from its first token, as a
         # parser that takes the turn as thinking from there would (deepseek_r1's; qwen3's splits only a
         # text that opens with <think>, whatever wrote it). With a reasoning parser tool_choice none has no grammar.
@@ -347,7 +348,7 @@ class Turns:
         if reasoning is not None:  # (the template may have opened the thinking in the generation prompt)
             reasoning = reasoning.after_prompt(self.renderer.tokenizer.decode(prompt_ids[-8:]))
         whole_output = spec.answer_schema is not None or spec.constraint is not None
-        if prefill or mode.forced or (reasoning is not None and reasoning.starts_thinking and whole_output):
+        if mode.forced or (reasoning is not None and reasoning.starts_thinking and whole_output):
             reasoning = None
         intercept = None
         if mode.parse:

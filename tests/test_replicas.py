@@ -224,12 +224,6 @@ def resumed_shares(run: dict, cluster: Cluster) -> list[float]:
     return [s["cached_share"] for loop in run["agents"] for s in loop["steps"] if s["step"] > 0]
 
 
-def gauge(url: str, name: str) -> float:
-    """A server's gauge from its /metrics (summed over its labels, if any)."""
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if re.match(rf"{name}[ {{]", line))
-
-
 def router_render_results(cluster) -> dict[str, float]:
     """vllm-router's count of the prompt ids it asked the replicas for, by result (`render`: answered;
     `render_unavailable`: a replica did not answer, the request was balanced by load)."""
@@ -338,7 +332,8 @@ def test_a_dead_replica_fails_over(cluster, bench):
         with lock:
             if killed.is_set():
                 return
-            serving = gauge(victim_url, "infercept_requests_running") + gauge(victim_url, "infercept_requests_waiting")
+            lines = bench.metric_lines(victim_url)
+            serving = bench.metric(lines, "infercept_requests_running") + bench.metric(lines, "infercept_requests_waiting")
             if serving > 0 or step > 0:  # (by the agents' second step, kill it whatever it does)
                 in_flight.append(serving)
                 killed.set()

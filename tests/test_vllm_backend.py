@@ -59,6 +59,7 @@ def test_the_worker_imports_only_the_standard_library_and_vllm():
     assert ours == [("engine.vllm_backend", ["tool_calls"])]
     assert set(non_stdlib_imports(here / "tool_calls.py")) <= {"vllm"}
     assert not non_stdlib_imports(here / "structural_tag_lark.py")
+    assert not non_stdlib_imports(here.parent / "detokenizer.py")
 
 
 def test_a_sessions_stop_strings_go_to_our_scheduler_not_to_vllms_detokenizer():

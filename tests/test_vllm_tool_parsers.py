@@ -115,7 +115,8 @@ def test_a_stream_shows_what_vllms_parser_streamed_as_the_turns_final_content_re
 
 
 def test_vllms_parser_runs_in_vllms_python_only():
-    """tool_calls.py runs in the worker, beside vLLM: the standard library and vllm, nothing of ours."""
+    """tool_calls.py runs in the worker, beside vLLM: the standard library and vllm (of ours, only modules
+    beside it that are themselves the standard library: tests/test_vllm_backend.py checks them)."""
     assert set(non_stdlib_imports(REPO / "engine" / "vllm_backend" / "tool_calls.py")) <= {"vllm"}
 
 

@@ -2,7 +2,8 @@
 written and once it ended.
 
 Run by the vLLM environment's python (worker.py), where vLLM's parsers and the model's tokenizer are
-importable; imports only the standard library, vllm and structural_tag_lark.py beside it. A turn whose
+importable; imports only the standard library, vllm and two standard-library modules of ours
+(../detokenizer.py, structural_tag_lark.py). A turn whose
 calls one of vLLM's parsers reads carries its rule (`CallRule`, plain data from the backend: the parser's
 name, the request's tools, the reasoning parser whose thinking comes first). While the model writes it, a
 parser of its own reads each output as vLLM's chat serving streams a turn (`ContentStream`:
@@ -25,6 +26,7 @@ import json
 import logging
 from dataclasses import dataclass
 
+from ..detokenizer import IncrementalDetokenizer
 from .structural_tag_lark import structural_tag_lark
 
 logger = logging.getLogger("infercept.vllm_worker")
@@ -181,35 +183,28 @@ class ContentStream:
     parser's fault ends the stream (nothing more is content until the turn's end), never the turn."""
 
     def __init__(self, parser, request, tokenizer, prompt_token_ids: list[int], name: str):
-        self.parser, self.request, self.tokenizer, self.name = parser, request, tokenizer, name
+        self.parser, self.request, self.name = parser, request, name
         self.prompt_token_ids: list[int] | None = prompt_token_ids  # read with the first output only
-        # The turn's tokens, decoded incrementally as engine/detokenizer.py does (this module imports
-        # nothing of ours): a window from `prefix_offset` decoded with the new tokens, and only the text
-        # the window does not already explain emitted, none while it ends in half a character. No
-        # prompt tokens lead the window: the whole-turn parse decodes the turn's tokens alone.
-        self.token_ids: list[int] = []
-        self.prefix_offset = self.read_offset = 0
+        # The turn's tokens, decoded as they come; no prompt tokens lead the window: the whole-turn parse
+        # decodes the turn's tokens alone. (Stop strings are the backend's: none here.)
+        self.detok = IncrementalDetokenizer(tokenizer, [], request.skip_special_tokens, [])
         self.failed = False
 
-    def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=self.request.skip_special_tokens)
-
-    def _next_text(self, token_ids: list[int]) -> str:
-        self.token_ids += token_ids
-        known = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-        text = self._decode(self.token_ids[self.prefix_offset:])
-        if len(text) <= len(known) or text.endswith("\ufffd"):
-            return ""
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        return text[len(known):]
+    @property
+    def token_ids(self) -> list[int]:
+        """The turn's tokens so far (those of every output `add` read)."""
+        return self.detok.ids
 
     def add(self, token_ids: list[int]) -> str:
         """The content the parser streams for an output of the turn (not its last: the whole-turn parse
         reads that one)."""
+        written = len(self.detok.text)
+        for token_id in token_ids:
+            self.detok.add(token_id)
         if self.failed:
             return ""
         try:
-            delta = self.parser.parse_delta(self._next_text(token_ids), list(token_ids), self.request,
+            delta = self.parser.parse_delta(self.detok.text[written:], list(token_ids), self.request,
                                             self.prompt_token_ids, finished=False)
         except Exception:
             logger.exception("vLLM's tool parser %r failed streaming a turn; its content shows at its end", self.name)

@@ -9,8 +9,8 @@ FD is this end of a socket pair (a `multiprocessing.connection.Connection`); CON
 engine arguments (`engine`), whether vLLM runs our scheduler (`policy_channel`) and the one of vLLM's
 tool parsers the server serves, if any (`tool_parser`, checked before vLLM starts). Imports only the
 standard library, vllm and torch (our scheduler and connector are loaded by vLLM itself, by name), and
-tool_calls.py beside it (standard library, vllm and our standard-library structural_tag_lark.py: vLLM's
-tool parsers). Every message is a dict.
+tool_calls.py beside it (vLLM's tool parsers: the standard library, vllm and two standard-library modules
+of ours). Every message is a dict.
 
     backend -> worker                                   worker -> backend
     {"op": "generate", "id", "prompt", "params",        {"op": "ready", "info"}            once, at start
@@ -167,8 +167,8 @@ class Worker:
         self.tool_parser: str | None = config.get("tool_parser")  # vLLM's, as the server serves it
         self.tool_calls = None  # vLLM's tool parsers over the model's tokenizer (tool_calls.py), once vLLM runs
         self.call_rules: dict[str, object] = {}  # request -> the CallRule of its turn, if vLLM parses its calls
-        self.turn_tokens: dict[str, list[int]] = {}  # request -> its turn's tokens so far (such turns only)
-        self.content_streams: dict[str, tool_calls.ContentStream] = {}  # request -> vLLM's parser reading its turn
+        # request -> vLLM's parser reading its turn as it is written (and the turn's tokens so far)
+        self.content_streams: dict[str, tool_calls.ContentStream] = {}
         self.policy: PolicyChannel | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.wake_timer: asyncio.TimerHandle | None = None  # the next wake of vLLM's engine core, if any
@@ -395,12 +395,10 @@ class Worker:
         """The rule of a request's next turn (each turn has its own), whose `prompt` is what this vLLM
         request got before it (a session's resume: the resumed chunk): None, or vLLM's parser reads it,
         as it is written and whole."""
-        self.turn_tokens.pop(rid, None)
         self.call_rules.pop(rid, None)
         self.content_streams.pop(rid, None)
         if rule is not None:
             self.call_rules[rid] = tool_calls.CallRule.from_dict(rule)
-            self.turn_tokens[rid] = []
             self.content_streams[rid] = self.tool_calls.stream(self.call_rules[rid], prompt)
 
     def with_calls(self, rid: str, msg: dict) -> dict:
@@ -409,14 +407,11 @@ class Worker:
         rule = self.call_rules.get(rid)
         if rule is None:
             return msg
-        tokens = self.turn_tokens[rid]
-        tokens += msg["tokens"]
         if msg["finish_reason"] is None:
             content = self.content_streams[rid].add(msg["tokens"])
             return msg | {"streamed_content": content} if content else msg
         # (a session's next turn starts with its resume, which sets its rule and stream)
-        self.turn_tokens[rid] = []
-        self.content_streams.pop(rid, None)
+        tokens = self.content_streams.pop(rid).token_ids + msg["tokens"]
         return msg | self.tool_calls.parse(rule, tokens, msg["finish_reason"], msg["stop_reason"])
 
     @staticmethod
