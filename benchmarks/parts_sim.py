@@ -232,20 +232,21 @@ def run_one(task: tuple[str, str, int, dict]) -> dict:
     s = build_workload(workload, seed, args)
     if policy == UNBOUNDED:  # a bound, not a policy: every paused context stays, in a 20x device pool
         engine = SimulatedEngine("preserve", s.profile, 20 * (s.bound_device_blocks or s.device_blocks),
-                                 s.host_blocks, max_num_seqs=MAX_NUM_SEQS)
+                                 s.host_blocks, max_num_seqs=MAX_NUM_SEQS, token_scale=s.token_scale)
     elif policy == PAUSED_KV_FREE:  # a bound too: free copies to a 20x host pool
         free_copies = dataclasses.replace(s.profile, d2h_bytes_per_s=FREE_COPY_BYTES_PER_S,
                                           h2d_bytes_per_s=FREE_COPY_BYTES_PER_S)
         engine = SimulatedEngine("swap+swap-preemption", free_copies, s.device_blocks, 20 * s.device_blocks,
-                                 max_num_seqs=MAX_NUM_SEQS)
+                                 max_num_seqs=MAX_NUM_SEQS, token_scale=s.token_scale)
     elif policy == SRPT_ORACLE:
         engine = SimulatedEngine("infercept+program-arrival-priority", s.profile, s.device_blocks, s.host_blocks,
-                                 max_num_seqs=MAX_NUM_SEQS)
+                                 max_num_seqs=MAX_NUM_SEQS, token_scale=s.token_scale)
         order_by_remaining_tokens(engine, s.trace, s.token_scale)
     else:
-        engine = SimulatedEngine(policy, s.profile, s.device_blocks, s.host_blocks, max_num_seqs=MAX_NUM_SEQS)
+        engine = SimulatedEngine(policy, s.profile, s.device_blocks, s.host_blocks, max_num_seqs=MAX_NUM_SEQS,
+                                 token_scale=s.token_scale)
     start = time.perf_counter()
-    summary = engine.run_trace(s.trace, token_scale=s.token_scale, until=s.until, window=s.window).summary()
+    summary = engine.run_trace(s.trace, until=s.until, window=s.window).summary()
     engine.block_manager.check_integrity()
     summary.update(workload=workload, policy=policy, seed=seed, wall_s=time.perf_counter() - start)
     if s.window is None:

@@ -163,9 +163,9 @@ def run_one(policy: str, rate: float, args: dict) -> dict:
     device_blocks, host_blocks = setup.pool_blocks()
     k = args["token_scale"]
     engine = SimulatedEngine(policy, coarsen_profile(profile, k), device_blocks, host_blocks,
-                             max_num_seqs=MAX_NUM_SEQS)
+                             max_num_seqs=MAX_NUM_SEQS, token_scale=k)
     start = time.perf_counter()
-    result = engine.run_trace(_TRACES[key], token_scale=k, until=args["window"] + args["drain"],
+    result = engine.run_trace(_TRACES[key], until=args["window"] + args["drain"],
                               window=args["window"], oracle_hints=args["oracle"])
     summary = result.summary()
     summary.update(rate=rate, wall_s=time.perf_counter() - start, device_blocks=device_blocks)

@@ -3,16 +3,21 @@
 On CUDA the swap copies of a step run on their own stream, so they overlap the forward passes instead
 of queueing behind them on the compute stream. Events keep the two streams honest:
 
-    compute  ── fwd N-1 ──●─── fwd N (no pending block) ─────── ◆ fwd N+1 (reads a swapped-in block) ──
-                          │ event                               ▲ waits
-    copy                  └──▶ swap-out / swap-in of step N ──●─┘ event
+    compute  ── fwd N-1 ──● gather ●── fwd N (no block swapped in for it) ── ◆ fwd N+1 (reads them) ──
+                          │        │                                         ▲ waits if not done yet
+    copy                  └────────┴──▶ swap-out to host, swap-in of step N ─●┘ event
 
-- A copy starts after every forward pass queued before it: that covers the pass that last wrote a
-  swapped-out block, and the last pass that used a block a swap-in now overwrites.
-- A forward pass waits for the copies only if it touches a device block a queued copy reads or
-  writes (a block swapped in for it, or a block freed by a swap-out and handed to it already).
-- All copies share one stream and run in the order issued, so a swap-in into a block that a swap-out
-  of the same step just freed, or a swap-out into a host block a swap-in just read, needs no event.
+- A swap-out first gathers its blocks into a staging buffer on the compute stream, after the pass that
+  last wrote them and before the next pass, which may then write the freed blocks at once (a device
+  copy at device speed: tens of microseconds for a step's worth of blocks); the slow transfer to the
+  host reads the staging buffer on the copy stream.
+- A copy starts after every forward pass and gather queued before it: that covers the last pass that
+  used a block a swap-in now overwrites, and the gather of a block a swap-out of the same step freed.
+- A forward pass waits for the copies only if it touches a device block a queued swap-in writes. The
+  scheduler runs a request whose KV comes back from the next step on (`Scheduler`), so the pass of the
+  step that queued the copy never does, and the next one only if the copy outlasted a pass.
+- All copies share one stream and run in the order issued, so a swap-out into a host block a swap-in
+  just read needs no event.
 
 On the CPU every copy is synchronous and this class does nothing. On CUDA it times each wait of a
 forward pass for the copies (`waited_seconds`): what swaps cost a step beyond what the copy stream hides.
@@ -44,8 +49,8 @@ class CopyStream:
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        # Device blocks that copies queued since the last wait read or write; `_last_copy` is recorded
-        # after the newest of them (the stream is FIFO, so it completes after all of them).
+        # Device blocks that copies queued since the last wait write; `_last_copy` is recorded after the
+        # newest copy (the stream is FIFO, so it completes after all of them).
         self._pending_blocks: set[int] = set()
         self._last_copy: torch.cuda.Event | None = None
         # Each wait of a forward pass for the copies, as timing events around it on the compute stream:
@@ -53,8 +58,10 @@ class CopyStream:
         self._waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     @contextmanager
-    def copying(self, device_blocks: Iterable[int]):
-        """Queue the copies made inside on the copy stream, after the forward passes queued so far."""
+    def copying(self, device_blocks_written: Iterable[int] = ()):
+        """Queue the copies made inside on the copy stream, after the work queued so far on the compute
+        stream. `device_blocks_written`: the device blocks they write, which no forward pass may touch
+        before they are done."""
         if self.stream is None:
             yield
             return
@@ -67,7 +74,7 @@ class CopyStream:
             yield
         self._last_copy = torch.cuda.Event()
         self._last_copy.record(self.stream)
-        self._pending_blocks.update(device_blocks)
+        self._pending_blocks.update(device_blocks_written)
 
     def before_forward(self, device_blocks: Iterable[int]) -> None:
         """Make the forward pass queued next wait for the copies that touch any of `device_blocks`."""

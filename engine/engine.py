@@ -108,7 +108,8 @@ class Engine:
                                                                                      max_num_seqs),
                 max_num_seqs=max_num_seqs, max_model_len=max_len),
             seed=seed, num_threads=num_threads)
-        self.scheduler = Scheduler(self.config.scheduler, self.block_manager, self.policy, self.profile)
+        self.scheduler = Scheduler(self.config.scheduler, self.block_manager, self.policy, self.profile,
+                                   copies_overlap=device_.type == "cuda")
         self.stats = EngineStats(bytes_per_token=self.profile.bytes_per_token)
         self.loop = StepLoop(self.scheduler, self.runner, self.stats)
         log_path = step_log_path()

@@ -104,10 +104,14 @@ class KVCache:
             for d, h, n in paired_runs(pairs):
                 self.host_kv[h:h + n].copy_(self.device_kv[:, :, d:d + n].movedim(2, 0))
             return
-        device_ids = [d for d, _ in pairs]
-        with self.copy_stream.copying(device_ids):
-            src = to_device(device_ids, self.device_kv.device)
-            staged = self.device_kv.index_select(2, src).movedim(2, 0).contiguous()  # [n, 2, L, bs, Hkv, D]
+        # Gathered on the compute stream, so the next forward pass may reuse the blocks without waiting
+        # for the transfer to the host (`copy_stream.py`).
+        src = to_device([d for d, _ in pairs], self.device_kv.device)
+        staged = self.device_kv.index_select(2, src).movedim(2, 0).contiguous()  # [n, 2, L, bs, Hkv, D]
+        with self.copy_stream.copying():
+            # The copy stream reads it after this function returns: the allocator must not hand its
+            # memory to the compute stream before that.
+            staged.record_stream(torch.cuda.current_stream(staged.device))
             for i, first, n in consecutive_runs([h for _, h in pairs]):
                 self.host_kv[first:first + n].copy_(staged[i:i + n], non_blocking=True)
 

@@ -136,7 +136,8 @@ class ModelRunner:
             if self.guided is not None:
                 self.guided.free(request_id)
         # Copies first, swap-out before swap-in: a block freed by a swap-out may be refilled in this
-        # step. On CUDA they run on a copy stream, overlapping the forward pass unless it touches them.
+        # step. On CUDA they run on a copy stream, overlapping the forward pass unless it reads a block
+        # a swap-in writes (`copy_stream.py`).
         self.kv_cache.copy_blocks_out(output.swap_out)
         self.kv_cache.copy_blocks_in(output.swap_in)
         if not output.chunks:

@@ -3,18 +3,30 @@
 The same scheduler that drives the real `ModelRunner` drives this one; only the mechanism differs.
 An iteration costs what the profile says it costs:
 
-    seconds = T_fwd(num_batched_tokens) + T_attn + stall
-    stall   = T_swap(swapped-out tokens) + T_swap(swapped-in tokens)            synchronous swap
-            = max(0, T_swap(out) + T_swap(in) - T_fwd - T_attn)                pipelined swap
+    seconds = T_fwd(num_batched_tokens) + T_attn + wait
 
 ``T_attn`` is the sum of `Profile.t_attention` over the iteration's chunks (each over its context up to
 its last token); 0 unless the profile models attention (long contexts; `Profile.t_attention`).
 
-Pipelined (budgeted) swaps run on a copy stream beside the forward pass (paper §4.1), so only the part
-of the copy that outlasts the forward pass shows up; within the per-iteration budget that part is zero
-unless this iteration is shorter than the one the budget was sized for. The synchronous `swap`
-baseline copies first and computes after, so its whole copy time is added (paper Eq. 3). Copies move
-whole blocks, so their cost is counted in blocks x block_size tokens.
+``wait`` is the time the forward pass stands still for copies, charged as the engine's copy ordering
+(`copy_stream.py`) makes it wait:
+
+- where copies overlap the forward pass (a GPU's copy stream, `Profile.copies_overlap`), a step's
+  copies queue on one copy stream behind the ones still running from earlier steps and take
+  ``T_swap(out) + T_swap(in)``; the pass waits for that stream only if it reads a block a swap-in
+  still in flight writes (to the end of the queued copies, as the engine's one event does). A
+  swap-out never makes it wait: its blocks are gathered on the compute stream before the pass
+  (device memory at device speed: not charged) and leave for the host from there. The scheduler runs
+  a request whose KV comes back in a step from the next one on (`Scheduler`), so within the
+  per-iteration budget (paper §4.1) the copies hide behind the pass;
+- in a coarse simulation (`coarse`: a step stands for several real ones, `simulation.py`) copies
+  budgeted per real iteration hide behind the real passes the step stands for: only the part that
+  outlasts the step's pass shows, ``max(0, T_swap(out) + T_swap(in) - T_fwd - T_attn)``;
+- where they do not (a CPU, where host and device pools are the same DRAM and a copy is a memcpy
+  before the pass), and for the synchronous `swap` baseline (copies first, compute after, paper
+  Eq. 3), the whole copy time is added.
+
+Copies move whole blocks, so their cost is counted in blocks x block_size tokens.
 
 "Sampling" returns a fixed token id for every chunk that reaches its request's end: the scheduler only
 needs *a* token to count output and check stops (max_tokens). Pure Python: no torch here.
@@ -59,7 +71,7 @@ class IterationCost:
     seconds: float  # what the clock advanced: t_fwd + t_stall
     t_fwd: float  # forward pass of num_batched_tokens, attention included
     t_copy: float  # copy time of this iteration's swaps (whole blocks)
-    t_stall: float  # copy time not hidden behind the forward pass
+    t_stall: float  # time the forward pass waited for copies (this iteration's or earlier ones')
     num_batched_tokens: int
     num_swap_out_tokens: int
     num_swap_in_tokens: int
@@ -69,15 +81,21 @@ class ModeledRunner:
     """`run(SchedulerOutput) -> RunnerOutput` like `ModelRunner`, with the cost taken from a `Profile`."""
 
     def __init__(self, profile: Profile, clock: VirtualClock, block_size: int | None = None,
-                 swap_synchronous: bool = False, token_id: int = SAMPLED_TOKEN_ID):
+                 swap_synchronous: bool = False, coarse: bool = False, token_id: int = SAMPLED_TOKEN_ID):
         self.profile = profile
         self.clock = clock
         self.block_size = block_size or profile.block_size
-        self.swap_synchronous = swap_synchronous
+        self.copies_stall = swap_synchronous or not profile.copies_overlap
+        self.coarse = coarse
         self.token_id = token_id
         self.last: IterationCost | None = None  # cost of the latest `run`
+        # The copy stream: when the copies queued so far end, and the device blocks swap-ins among them
+        # still write (emptied once they have ended, or once a pass waited for them).
+        self._copies_end = 0.0
+        self._copying_in: set[int] = set()
 
     def cost(self, output: SchedulerOutput) -> IterationCost:
+        """The iteration's cost, its copies queued on the modeled copy stream as of the clock's now."""
         n = output.num_batched_tokens
         t_fwd = self.profile.t_fwd(n) if n else 0.0
         if self.profile.has_attention:
@@ -86,8 +104,26 @@ class ModeledRunner:
         out_tokens = len(output.swap_out) * self.block_size
         in_tokens = len(output.swap_in) * self.block_size
         t_copy = self.profile.t_swap(out_tokens, "out") + self.profile.t_swap(in_tokens, "in")
-        t_stall = t_copy if self.swap_synchronous else max(0.0, t_copy - t_fwd)
+        if self.copies_stall:
+            t_stall = t_copy
+        elif self.coarse:
+            t_stall = max(0.0, t_copy - t_fwd)
+        else:
+            t_stall = self._queue_copies(output, t_copy)
         return IterationCost(t_fwd + t_stall, t_fwd, t_copy, t_stall, n, out_tokens, in_tokens)
+
+    def _queue_copies(self, output: SchedulerOutput, t_copy: float) -> float:
+        """Queue the step's copies behind those still running; the seconds its pass waits for them."""
+        now = self.clock.now()
+        if now >= self._copies_end:
+            self._copying_in.clear()
+        if t_copy:
+            self._copies_end = max(now, self._copies_end) + t_copy
+            self._copying_in.update(device for _, device in output.swap_in)
+        if not any(not self._copying_in.isdisjoint(c.block_table) for c in output.chunks):
+            return 0.0
+        self._copying_in.clear()
+        return self._copies_end - now
 
     def run(self, output: SchedulerOutput) -> RunnerOutput:
         self.last = self.cost(output)

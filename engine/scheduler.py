@@ -67,7 +67,8 @@ def _by_priority(r: Request) -> tuple:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, policy: Policy | None = None,
                  profile: Profile | None = None, clock: Callable[[], float] = time.monotonic,
-                 estimator: DurationEstimator | None = None, event_driven: bool = True):
+                 estimator: DurationEstimator | None = None, event_driven: bool = True,
+                 copies_overlap: bool = False):
         self.config = config
         self.blocks = block_manager
         # No policy: paused requests keep their KV on the device until memory runs short.
@@ -87,6 +88,13 @@ class Scheduler:
         self._last_batched_tokens = 1
         self._preempted_this_step = False
         self._swapped_in_this_step: set[str] = set()
+        # Where the runner's copies run beside the forward pass (a CUDA copy stream, `copy_stream.py`),
+        # a request whose KV a step brings back from the host first runs in the next step: the pass
+        # would otherwise stand still until the copy landed, its whole batch with it, and the swap budget
+        # assumes copies hidden behind the pass (paper §4.1). Not for the synchronous `swap` baseline,
+        # whose copies block the step by definition. Where copies are synchronous (a CPU) the KV is
+        # back before the pass and the request runs in the same step.
+        self.swap_ins_run_next_step = copies_overlap and not (policy is not None and policy.swap_synchronous)
         # Paused since the policy last planned: the engine owes them a step even when nothing else
         # runs, so a decision made at the interception (discard, swap out) never waits for new work.
         self._undecided: set[str] = set()
@@ -676,6 +684,8 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if self.swap_ins_run_next_step and request.request_id in self._swapped_in_this_step:
+                continue  # its KV is on its way back while this step runs
             if self.policy is not None and self.policy.priority != "arrival":
                 # One program-level order across the queues: waiting programs ahead of this running
                 # one (a new program under least attained service) get the budget first. The paper's

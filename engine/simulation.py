@@ -29,7 +29,10 @@ stays consistent: T_fwd'(n) = k·T_fwd(n) (k iterations of the same batch), M' =
 copy bandwidth unchanged (so T_swap and the swap budget are unchanged in bytes), S unchanged (per
 iteration). Steady decode batches and chunked prefill/recompute are exact under this mapping; what is
 approximated is anything that happens in the middle of k real iterations (a request finishing or
-pausing, a one-shot recompute, which is charged as k iterations of C/k tokens instead of one of C).
+pausing, a one-shot recompute, which is charged as k iterations of C/k tokens instead of one of C). So
+are swap copies: budgeted per real iteration, they hide behind the k real passes a step stands for, and
+the one real iteration a request whose KV came back sits out (`Scheduler.swap_ins_run_next_step`) is
+left out, as a whole step of k would charge it k-fold (`ModeledRunner`, coarse).
 It cuts the number of scheduler steps by k, which is what makes a 1,800 s window of a 6B-on-A100 server
 simulate in seconds.
 """
@@ -72,6 +75,7 @@ def coarsen_profile(profile: Profile, k: int) -> Profile:
                    # k real iterations over contexts k times as long: both attention terms scale by k^2.
                    attention_read_s_per_token=profile.attention_read_s_per_token * k * k,
                    attention_pair_s=profile.attention_pair_s * k * k,
+                   copy_overlap=profile.copy_overlap,
                    notes=f"{profile.notes} [coarsened: 1 token = {k} tokens]")
 
 
@@ -81,7 +85,7 @@ class SimAccounting:
 
     forward_seconds: float = 0.0  # sum of T_fwd (without copy stalls)
     recompute_seconds: float = 0.0  # T_fwd attributed to recomputed tokens, pro rata
-    stall_seconds: float = 0.0  # copy time not hidden behind forward passes
+    stall_seconds: float = 0.0  # time forward passes waited for copies (`ModeledRunner`)
     copy_seconds: float = 0.0  # all copy time, hidden or not
     idle_seconds: float = 0.0  # no work: the clock jumped to the next event
     recompute_waste_byte_seconds: float = 0.0  # Eq. 1: recompute time x the running batch's KV
@@ -109,8 +113,11 @@ class SimulatedEngine:
     def __init__(self, policy_name: str, profile: Profile, num_device_blocks: int, num_host_blocks: int,
                  block_size: int | None = None, max_num_batched_tokens: int | None = None,
                  max_num_seqs: int = 256, max_model_len: int = UNLIMITED_MODEL_LEN,
-                 estimator: DurationEstimator | None = None, event_driven: bool = True):
+                 estimator: DurationEstimator | None = None, event_driven: bool = True, token_scale: int = 1):
+        """`profile`: the coarsened one (`coarsen_profile`) when `token_scale` k > 1, the trace's token
+        counts are divided by k (`run_trace`)."""
         self.profile = profile
+        self.token_scale = token_scale
         self.block_size = block_size or profile.block_size
         self.clock = VirtualClock()
         self.policy = make_policy(policy_name)
@@ -120,9 +127,10 @@ class SimulatedEngine:
         config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens or profile.saturation_point,
                                  max_num_seqs=max_num_seqs, max_model_len=max_model_len)
         self.scheduler = Scheduler(config, self.block_manager, self.policy, profile, clock=self.clock.now,
-                                   estimator=estimator, event_driven=event_driven)
+                                   estimator=estimator, event_driven=event_driven,
+                                   copies_overlap=profile.copies_overlap and token_scale == 1)
         self.runner = ModeledRunner(profile, self.clock, self.block_size,
-                                    swap_synchronous=self.policy.swap_synchronous)
+                                    swap_synchronous=self.policy.swap_synchronous, coarse=token_scale > 1)
         self.stats = EngineStats(bytes_per_token=profile.bytes_per_token)
         self.loop = StepLoop(self.scheduler, self.runner, self.stats)
         self.acc = SimAccounting()
@@ -221,6 +229,7 @@ class SimulatedEngine:
         acc.forward_seconds += cost.t_fwd
         acc.stall_seconds += cost.t_stall
         acc.copy_seconds += cost.t_copy
+        self.stats.copy_wait_seconds += cost.t_stall
         t_recompute = cost.t_fwd * out.num_recomputed_tokens / cost.num_batched_tokens if cost.num_batched_tokens else 0.0
         acc.recompute_seconds += t_recompute
         if t_recompute or cost.t_stall:
@@ -243,22 +252,22 @@ class SimulatedEngine:
         self.clock.advance_to(t)
 
     # -- traces -----------------------------------------------------------------------------------
-    def run_trace(self, trace: Iterable[dict], *, token_scale: int = 1, until: float | None = None,
+    def run_trace(self, trace: Iterable[dict], *, until: float | None = None,
                   window: float | None = None, oracle_hints: bool = False,
                   on_step: Callable[["SimulatedEngine", StepResult], None] | None = None) -> "TraceResult":
         """Replay agent requests (dicts in the `benchmarks/workload.py` format) on the virtual clock.
 
         Requests arrive at `arrival`; each segment decodes `decode_tokens`, then its interception lasts
         `duration_s` from the moment the request pauses, then `returned_tokens` are appended and the next
-        segment starts. Token counts are divided by `token_scale` (rounded, at least 1) for a coarse
-        simulation; reported token counts are multiplied back. The run stops when every request has
+        segment starts. Token counts are divided by the engine's `token_scale` (rounded, at least 1) for a
+        coarse simulation; reported token counts are multiplied back. The run stops when every request has
         finished or at `until` (virtual seconds), whichever is first; requests still in the engine then are
         recorded as unfinished and aborted, so the block pools end empty either way. `window` is the
         arrival window for completed requests/s (default: the last arrival). `oracle_hints` passes each
         interception's true duration as the client hint `expected_s` (the paper's oracle, §4.4).
         `on_step` is called after every step (tests use it to check invariants).
         """
-        k = token_scale
+        k = self.token_scale
         self.scheduler.estimator.hints_first = oracle_hints  # an oracle's hints are exact: they beat history
         trace = sorted(trace, key=lambda r: r["arrival"])
         records: dict[str, RequestRecord] = {}

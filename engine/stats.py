@@ -47,7 +47,7 @@ class EngineStats:
     # a step's forward pass is a few ms, the plan's Python is a share of the step no profile models.
     schedule_host_seconds: float = 0.0
     # Seconds forward passes waited for swap copies on a GPU (`CopyStream.waited_seconds`; 0 on a CPU,
-    # where a copy is part of the step, and in a simulation).
+    # where a copy is part of the step); in a simulation the waits the modeled runner charges.
     copy_wait_seconds: float = 0.0
     resumes_by_kv: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RESUME_KV_PLACES, 0))
 

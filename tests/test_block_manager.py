@@ -637,6 +637,36 @@ def test_min_waste_sends_a_swapping_in_request_back_to_the_host_for_an_older_one
     assert bm.num_free_blocks == 8 and bm.num_free_host_blocks == 16
 
 
+@pytest.mark.parametrize("policy, copies_overlap, runs_next_step", [
+    ("infercept", True, True), ("infercept", False, False), ("swap", True, False)])
+def test_a_request_whose_kv_a_step_brings_back_runs_from_the_next_step_where_copies_overlap(
+        policy, copies_overlap, runs_next_step):
+    """Where copies run beside the forward pass (a GPU's copy stream), a resumed request whose last host
+    blocks a step copies back first runs in the next step, so that step's pass never waits for the copy;
+    a request already running beside it is not held back. Where copies run before the pass (a CPU), and
+    under the synchronous `swap` baseline (copies block the step by definition), it runs in the same step."""
+    from infercept.engine.policy import make_policy
+
+    bm = BlockManager(16, 16, BLOCK_SIZE, enable_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=1 << 20), bm,
+                      policy=make_policy(policy), profile=cheap_copy_profile(), clock=lambda: 0.0,
+                      copies_overlap=copies_overlap)
+    b = Request("b", list(range(200, 216)), greedy(4), arrival_time=1.0)
+    sched.add(b)
+    step_sampling_every_chunk(sched)
+    sched.pause(b, [])
+    bm.swap_out("b", 4)  # parked on the host while paused
+    a = Request("a", list(range(100, 104)), greedy(8), arrival_time=0.0)
+    sched.add(a)
+    step_sampling_every_chunk(sched)
+    sched.resume("b", [7])
+    out = step_sampling_every_chunk(sched)
+    assert len(out.swap_in) == 4 and b.status is RequestStatus.RUNNING
+    assert [c.request_id for c in out.chunks] == (["a"] if runs_next_step else ["a", "b"])
+    out = step_sampling_every_chunk(sched)
+    assert not out.swap_in and [c.request_id for c in out.chunks] == ["a", "b"]
+
+
 def test_swapping_in_request_discarded_for_an_older_one_leaves_the_swap_in_loop_alone():
     """A half-swapped-in request that an older swapping-in one evicts by discard (the baselines' and,
     when copies are dear, min-waste's choice) moves to the waiting queue in the middle of the swap-in

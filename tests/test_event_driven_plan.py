@@ -151,9 +151,9 @@ def test_deferred_swaps_make_every_decision_the_per_step_plan_makes(monkeypatch)
     logs = []
     for event_driven in (False, True):
         engine = SimulatedEngine("infercept+deferred-swap", coarsen_profile(profile, 16), 28181, 65536,
-                                 event_driven=event_driven)
+                                 event_driven=event_driven, token_scale=16)
         log: list = []
-        engine.run_trace(trace, token_scale=16, until=400.0, on_step=step_log(engine, log, [0]))
+        engine.run_trace(trace, until=400.0, on_step=step_log(engine, log, [0]))
         logs.append(log)
     assert logs[0] == logs[1]
     assert sum(deferred) > 20, "the scenario never deferred a swap"

@@ -49,8 +49,8 @@ def _kv_pools(model_dir: str, device: str):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA_MARKS)])
 def test_swap_round_trip_restores_the_blocks(default_model_dir, device):
     """Blocks copied out to the host pool and back hold what they held (on CUDA: via the copy stream
-    and pinned memory; the compute stream sees them only after `wait_for_copies`, as the runner calls
-    it before a forward pass that touches them). Index tensors, not lists: `kv[:, :, [3, 7]]` is a
+    and pinned memory; the compute stream sees swapped-in blocks only after `wait_for_copies`, as the
+    runner calls it before a forward pass that touches them). Index tensors, not lists: `kv[:, :, [3, 7]]` is a
     copy, and writing to it would leave the pool untouched."""
     kv = _kv_pools(default_model_dir, device)
     if device == "cuda":
@@ -60,7 +60,8 @@ def test_swap_round_trip_restores_the_blocks(default_model_dir, device):
     before = kv.device_kv.index_select(2, blocks).clone()
     assert before.abs().sum() > 0
     kv.copy_blocks_out([(3, 0), (7, 1), (4, 5)])  # host runs [0, 1] and [5]
-    kv.wait_for_copies([3, 7, 4])  # the compute stream may now overwrite the swapped-out blocks
+    # The compute stream may overwrite the swapped-out blocks at once: on CUDA they were gathered on it
+    # and only that staging copy goes to the host on the copy stream.
     kv.device_kv.index_fill_(2, blocks, 0)
     assert kv.device_kv.index_select(2, blocks).abs().sum() == 0
     kv.copy_blocks_in([(0, 3), (1, 7), (5, 4)])
@@ -76,6 +77,25 @@ def test_swap_round_trip_restores_the_blocks(default_model_dir, device):
     assert torch.equal(kv.device_kv.index_select(2, torch.tensor([5, 6, 0], device=device)), before[:, :, [0, 2, 1]])
 
 
+@cuda_test
+def test_a_forward_pass_reusing_swapped_out_blocks_does_not_wait_for_their_transfer(default_model_dir):
+    """A swap-out's blocks are gathered on the compute stream; only the staging copy waits for the copy
+    stream. With that stream busy for ~0.1 s, a pass that overwrites the freed blocks at once neither
+    waits (`waited_seconds` stays 0) nor changes what reaches the host."""
+    kv = _kv_pools(default_model_dir, "cuda")
+    blocks = torch.tensor([3, 7], device="cuda")
+    kv.device_kv.index_copy_(2, blocks, torch.randn_like(kv.device_kv.index_select(2, blocks)))
+    before = kv.device_kv.index_select(2, blocks).movedim(2, 0).cpu()
+    with kv.copy_stream.copying():
+        torch.cuda._sleep(200_000_000)  # the copy stream busy with earlier copies
+    kv.copy_blocks_out([(3, 0), (7, 1)])
+    kv.wait_for_copies([3, 7])  # as the runner calls it before a pass that writes them
+    kv.device_kv.index_fill_(2, blocks, 1)
+    torch.cuda.synchronize()
+    assert kv.copy_stream.waited_seconds() == 0.0
+    assert torch.equal(kv.host_kv[:2], before)
+
+
 def test_paired_runs_group_pairs_consecutive_on_both_sides():
     from infercept.engine.kv_cache import paired_runs
 
@@ -83,12 +103,15 @@ def test_paired_runs_group_pairs_consecutive_on_both_sides():
     assert paired_runs([]) == []
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA_MARKS)])
-def test_resume_after_swap_on_the_copy_stream_is_token_exact(default_model_dir, device):
+@pytest.mark.parametrize("device, next_step", [("cpu", False), ("cpu", True),
+                                               pytest.param("cuda", True, marks=CUDA_MARKS)])
+def test_resume_after_swap_on_the_copy_stream_is_token_exact(default_model_dir, device, next_step):
     """A paused request's KV moves to the host pool (on CUDA: pinned, on the copy stream) one block per
     step while other requests' forward passes run, and comes back the same way when it resumes beside
     another one: the greedy tokens after the resume equal a fresh request of the whole conversation,
-    recomputed. On a CPU the copies are synchronous; the scheduling is the same.
+    recomputed. On a CPU the copies are synchronous; the scheduling is the same, and with `next_step` the
+    resumed request first runs in the step after its last block came back, as on CUDA
+    (`Scheduler.swap_ins_run_next_step`).
 
     `budgeted-swap` swaps a paused context out within each step's budget whatever its expected pause, so
     the copies this test is about happen. The default (`infercept`), as designed, did not make them here: with
@@ -111,6 +134,8 @@ def test_resume_after_swap_on_the_copy_stream_is_token_exact(default_model_dir, 
     engine = Engine(default_model_dir, dtype="float32", device=device, kv_cache_gb=0.05, host_kv_gb=0.05,
                     max_num_batched_tokens=32, policy="budgeted-swap", profile=profile, progress=False,
                     enable_prefix_caching=False)
+    assert engine.scheduler.swap_ins_run_next_step is (device == "cuda")
+    engine.scheduler.swap_ins_run_next_step = next_step
     greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
 
     def drain():
@@ -136,8 +161,12 @@ def test_resume_after_swap_on_the_copy_stream_is_token_exact(default_model_dir, 
     appended = engine.tokenizer.encode(" Then the dragon")
     assert engine.resume(rid, appended, greedy(8))["host"] > 16
     engine.add_request(PROMPTS[0], greedy(4))  # forward passes alongside the swap-in
+    planned, schedule = [], engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: planned.append(schedule()) or planned[-1]
     outs, host_beside = drain()
     assert len(host_beside - {0}) >= 2, f"not swapped in a block per step beside another pass: {host_beside}"
+    last_copy_back = [out for out in planned if out.swap_in][-1]
+    assert (rid in {c.request_id for c in last_copy_back.chunks}) is not next_step
     resumed = [o for o in outs if o.request_id == rid][-1]
     fresh = engine.add_request(context + appended, greedy(8))
     reference = [o for o in drain()[0] if o.request_id == fresh][-1]

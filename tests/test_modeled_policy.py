@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,10 @@ def integrity_hook(engine: SimulatedEngine, result) -> None:
 # -- the modeled runner --------------------------------------------------------------------------------
 
 def test_modeled_runner_cost_and_sampling():
+    """The modeled copy stream charges what the engine's copy ordering makes a pass wait: nothing for a
+    swap-out (gathered before the pass, sent to the host beside it), nothing for a swap-in into blocks
+    the pass does not read, the rest of the queued copies for one that does; the synchronous `swap`
+    baseline and a CPU (copies before the pass) pay every copy in full."""
     profile = toy_profile(swap_blocks_per_step=2)
     clock = VirtualClock()
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -78,16 +83,23 @@ def test_modeled_runner_cost_and_sampling():
     result = pipelined.run(out)
     assert set(result.sampled) == {"a"} and result.sampled["a"].token_id == 100
     t_fwd, t_copy = profile.t_fwd(50), profile.t_swap(3 * BS)
+    assert t_copy > t_fwd  # 3 blocks against a 2-block budget: the copies outlast the pass
     assert pipelined.last.t_fwd == pytest.approx(t_fwd) and pipelined.last.t_copy == pytest.approx(t_copy)
-    # 3 blocks against a 2-block budget: only the part of the copy that outlasts the forward shows.
-    assert clock.now() == pytest.approx(t_fwd + max(0.0, t_copy - t_fwd))
-    synchronous = ModeledRunner(profile, VirtualClock(), swap_synchronous=True)
-    synchronous.run(out)
-    assert synchronous.clock.now() == pytest.approx(t_fwd + t_copy)
-    within = SchedulerOutput(chunks=chunks, swap_in=[(0, 5)])
-    runner = ModeledRunner(profile, VirtualClock())
-    runner.run(within)
-    assert runner.last.t_stall == 0 and runner.clock.now() == pytest.approx(t_fwd)
+    assert pipelined.last.t_stall == 0 and clock.now() == pytest.approx(t_fwd)
+    # The next pass reads block 4, which a swap-in queued behind the swap-outs still running writes:
+    # it waits for both to end (one event covers the stream, as in the engine).
+    t_in = profile.t_swap(BS, "in")
+    reads_it = SchedulerOutput(chunks=[ScheduledChunk("c", [1], 16, [4], True, params, 0)], swap_in=[(0, 4)])
+    pipelined.run(reads_it)
+    assert pipelined.last.t_stall == pytest.approx(t_copy + t_in - t_fwd)
+    assert clock.now() == pytest.approx(t_copy + t_in + profile.t_fwd(1))
+    # Copies done by now: a pass reading those blocks goes on; one beside a new swap-in elsewhere too.
+    pipelined.run(SchedulerOutput(chunks=[ScheduledChunk("c", [1], 17, [4], True, params, 0)], swap_in=[(1, 6)]))
+    assert pipelined.last.t_stall == 0
+    for stalls in (ModeledRunner(profile, VirtualClock(), swap_synchronous=True),
+                   ModeledRunner(replace(profile, device="cpu"), VirtualClock())):
+        stalls.run(out)
+        assert stalls.clock.now() == pytest.approx(t_fwd + t_copy)
     with pytest.raises(ValueError):
         VirtualClock().advance(-1)
 
@@ -101,6 +113,8 @@ def test_coarsened_profile_keeps_swap_budget_and_time_per_real_token():
     assert coarse.swap_budget_tokens(coarse.t_fwd(100)) * coarse.M == pytest.approx(
         8 * base.swap_budget_tokens(base.t_fwd(100)) * base.M, rel=1e-3)
     assert coarse.t_swap(10) == pytest.approx(base.t_swap(80))
+    # A measured overlap says how the engine's copies ran: a coarse simulation prices them the same way.
+    assert not coarsen_profile(replace(base, copy_overlap=0.02), 8).copies_overlap
 
 
 def test_attention_cost_by_hand_and_in_the_runner():
