@@ -108,7 +108,8 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
          "--json", str(tmp_path / "simulated.json")])
     simulated = json.loads((tmp_path / "simulated.json").read_text())["rows"]
     assert [r["policy"] for r in simulated] == ["prefix-cache", "infercept"]
-    assert all(r["steps"] > 0 and r["finished"] > 0 and 0 < r["schedule_ms"] for r in simulated), simulated
+    assert all(r["steps"] > 0 and r["finished"] > 0 and 0 < r["schedule_ms"] and r["copy_wait_ms"] >= 0
+               for r in simulated), simulated
     (res / "pytest.xml").write_text(JUNIT)
     (res / "steps.tsv").write_text("setup\t0\t3\npytest -m gpu\t1\t40\nengine trace 1 GiB\t124\t90\n"
                                    "engine trace 16 GiB\tskipped\t0\n")

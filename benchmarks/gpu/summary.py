@@ -153,7 +153,7 @@ def summarize(res: Path, seconds: float | None = None, dry: bool = False) -> dic
         simulated = _load(path.with_name(path.name.replace(".json", ".simulated.json"))) or {}
         trace[pool]["simulated_rows"] = [{k: _finite(r[k]) for k in ("policy", "requests", "finished",
                                                                     "normalized_latency", "steps", "step_ms",
-                                                                    "schedule_ms")}
+                                                                    "schedule_ms", "copy_wait_ms")}
                                          for r in simulated.get("rows", [])]
     s["engine_trace_normalized_latency"] = latency or None
     s["engine_trace"] = trace or None
