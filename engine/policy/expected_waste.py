@@ -119,7 +119,7 @@ def expected_waste_guard(info: PausedInfo, iteration: IterationInfo, profile: Pr
     Swaps need `worth_swapping`, so none while the expected time and the iteration stay below the round
     trip (the expected time only falls between jumps)."""
     if info.kv_state == "partial":
-        return None
+        return PreserveGuard.until_swap_room()
     C, M = info.num_device_tokens, profile.bytes_per_token
     per_other_token = profile.cheapest_recompute_s(C) / C
     floor = iteration.num_running_tokens // 2

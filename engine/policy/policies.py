@@ -245,7 +245,9 @@ class HeuristicPreservePolicy(BudgetedSwapPolicy):
 
     def preserve_guard(self, info, iteration, profile):
         # Short interceptions are preserved, whatever the iteration, until they look long.
-        return None if info.kv_state == "partial" else PreserveGuard(expected_s=self.long_threshold_s)
+        if info.kv_state == "partial":
+            return PreserveGuard.until_swap_room()
+        return PreserveGuard(expected_s=self.long_threshold_s)
 
 
 class InferCeptPaperPolicy(Policy):
@@ -307,7 +309,7 @@ class InferCeptPaperPolicy(Policy):
         if self.expected_waste:
             return expected_waste_guard(info, iteration, profile)
         if info.kv_state == "partial":
-            return None  # a swap in progress: planned every iteration until it completes
+            return PreserveGuard.until_swap_room()
         C = info.num_device_tokens
         per_other_token = profile.cheapest_recompute_s(C) / C
         floor = iteration.num_running_tokens // 2
