@@ -223,19 +223,25 @@ def test_expected_waste_counts_the_swap_a_short_call_outruns():
     """Copies at 10 kB/s: T_swap(200) = 0.2 s each way, a 0.4 s round trip. Nine calls in ten are back
     after 0.1 s and wait out 0.3 s of it, and the swap-in outlasts its 10 ms iteration by 0.19 s:
     (0.27 + 0.19)·2000 = 920 B·s, more than discarding (110). The paper's rule swaps (E[R] = 1.09 s
-    exceeds the round trip, and a budgeted swap costs nothing)."""
-    slow = toy_profile(d2h_bytes_per_s=1e4, h2d_bytes_per_s=1e4)
+    exceeds the round trip, and a budgeted swap costs nothing). Copies that stall the batch (no
+    overlap) add Eq. 3: 2 x 0.2 s x (300 running + 200) tokens x 10 B = 2000 B·s."""
+    slow = toy_profile(d2h_bytes_per_s=1e4, h2d_bytes_per_s=1e4, copy_overlap=1.0)
     it = IterationInfo(300, 50, swap_out_budget=1000)
     info = paused("a", 200, [0.1] * 9 + [10.0])
-    assert expected_swap_waste(info, slow, slow.t_fwd(50)) == pytest.approx(920.0)
+    assert expected_swap_waste(info, slow, slow.t_fwd(50), 300) == pytest.approx(920.0)
+    stalled = toy_profile(d2h_bytes_per_s=1e4, h2d_bytes_per_s=1e4, copy_overlap=0.0)
+    assert expected_swap_waste(info, stalled, stalled.t_fwd(50), 300) == pytest.approx(2920.0)
     assert min_waste_plan([info], it, slow).action("a") is KVAction.SWAP_OUT
     assert make_policy("infercept-paper+expected-waste").plan([info], it, slow).action("a") is KVAction.DISCARD
     # Even a call that surely outlasts the round trip is not swapped at these speeds: its swap-in alone
     # delays the resume by 0.19 s (380 B·s) where a recompute takes one more 15 ms iteration (30).
     long = paused("b", 200, [10.0, 12.0])
     assert make_policy("infercept-paper+expected-waste").plan([long], it, slow).action("b") is KVAction.DISCARD
-    # At 1 MB/s the copies hide behind the iteration: swapped, as the paper's rule does.
-    assert make_policy("infercept-paper+expected-waste").plan([long], it, toy_profile()).action("b") is KVAction.SWAP_OUT
+    # At 1 MB/s the copies hide behind the iteration: swapped, as the paper's rule does; where they stall
+    # the batch too (2 x 2 ms x 500 tokens x 10 B = 20 B·s, less than the 110 of a discard).
+    for overlap in (1.0, 0.0):
+        fast = toy_profile(copy_overlap=overlap)
+        assert make_policy("infercept-paper+expected-waste").plan([long], it, fast).action("b") is KVAction.SWAP_OUT
 
 
 def test_estimator_remaining_is_the_conditioned_history():

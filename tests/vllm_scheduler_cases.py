@@ -513,8 +513,10 @@ def case_a_full_host_pool_means_a_discard():
 
 def paused_behind_a_slow_copy():
     """Session "a" (101 tokens of KV) paused for an hour under `infercept`, with a copy rate (10 MB/s) at
-    which a decode-sized step's swap budget is ~48 tokens: its swap takes several steps."""
-    slow = Profile.from_dict(PROFILE.to_dict() | {"d2h_bytes_per_s": 1e7, "h2d_bytes_per_s": 1e7})
+    which a decode-sized step's swap budget is ~48 tokens: its swap takes several steps. The copies are
+    priced as overlapping the forward pass (a GPU's): priced as stalls, so slow a copy would cost the
+    batch more than recomputing these 101 tokens, and the policy would discard instead."""
+    slow = Profile.from_dict(PROFILE.to_dict() | {"d2h_bytes_per_s": 1e7, "h2d_bytes_per_s": 1e7, "copy_overlap": 1.0})
     s = make("infercept", num_blocks=16, host_blocks=32, profile=slow)  # 16 blocks: the pool is wanted
     s.add_request(request("a", prompt(100)))
     run_until_paused(s, "a")
@@ -600,8 +602,9 @@ def case_prefetch_brings_host_kv_back_before_the_resume_which_finds_it_on_the_de
 def case_prefetch_acts_one_step_ahead_whatever_the_swap_budget():
     """At a copy rate (10 MB/s) whose swap budget takes several steps for the 101 tokens, the native
     engine's lead would count those steps; here the copy back is whole, in one step, and the plan keeps
-    prefetched KV only while its resume is a step near, so the session stays on the host until then."""
-    slow = Profile.from_dict(PROFILE.to_dict() | {"d2h_bytes_per_s": 1e7, "h2d_bytes_per_s": 1e7})
+    prefetched KV only while its resume is a step near, so the session stays on the host until then.
+    Copies priced as overlapping, as in `paused_behind_a_slow_copy`."""
+    slow = Profile.from_dict(PROFILE.to_dict() | {"d2h_bytes_per_s": 1e7, "h2d_bytes_per_s": 1e7, "copy_overlap": 1.0})
     s = swapped_out_for_an_hour(profile=slow)
     s.add_request(request("runner", prompt(20, 20000), max_tokens=50))  # steps with a forward: a budget
     step(s)

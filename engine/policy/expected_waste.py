@@ -30,7 +30,7 @@ from .budget import recompute_chunk_size, swap_room, swap_round_trip, worth_swap
 from .min_waste import _holding_device, _in_input_order, _preserve_or_drop, _Scored, _swap_in_order
 from .plan import IterationInfo, KVPlan, PausedInfo, PreserveGuard
 from .profile import Profile
-from .waste import num_chunks, waste_chunk_discard
+from .waste import num_chunks, waste_chunk_discard, waste_swap
 
 
 def resume_delay_discard(C: int, iteration: IterationInfo, profile: Profile) -> float:
@@ -75,17 +75,25 @@ def score_expected(info: PausedInfo, iteration: IterationInfo, profile: Profile)
     return _Scored(info, best_ttl_waste(info.remaining_sorted, C, M, discard), discard)
 
 
-def expected_swap_waste(info: PausedInfo, profile: Profile, iteration_s: float) -> float:
+def expected_swap_waste(info: PausedInfo, profile: Profile, iteration_s: float, running_tokens: int) -> float:
     """A budgeted swap costs no waste while it overlaps iterations (paper §4.1), except when the call
     returns before the KV could be back (the resume waits out the rest of the round trip) and the
-    swap-in that no iteration hides: ``C·M·(E[max(0, T_rt - max(R, T_iter))] + delay_in)``."""
+    swap-in that no iteration hides: ``C·M·(E[max(0, T_rt - max(R, T_iter))] + delay_in)``. Where copies
+    do not overlap the forward pass (`Profile.copies_overlap` false: a CPU, or a GPU engine whose copies
+    stall), the batch also stands still while they run, out and back in: Eq. 3 (`waste_swap`) over the
+    `running_tokens` and this context. Priced as hidden there, swaps stalled every step they were made in:
+    on the H100 profile of 2026-11-27 whose copies were 2% hidden the default sustained 8.8 req/s where
+    heuristic-preserve went past 14 (benchmarks/README.md, "H100 simulations on the measured profile")."""
     C = info.num_device_tokens
     round_trip = swap_round_trip(info, profile)
     remaining = info.remaining_sorted
     # Ascending: only the samples shorter than the round trip add (the rest add 0.0, which leaves the sum).
     early = sum(max(round_trip - max(r, iteration_s), 0.0)
                 for r in itertools.takewhile(lambda r: r < round_trip, remaining)) / len(remaining)
-    return (early + resume_delay_swap(info.num_tokens, profile, iteration_s)) * C * profile.bytes_per_token
+    waste = (early + resume_delay_swap(info.num_tokens, profile, iteration_s)) * C * profile.bytes_per_token
+    if not profile.copies_overlap:
+        waste += waste_swap(C, running_tokens + C, profile.bytes_per_token, profile.t_swap)
+    return waste
 
 
 def expected_waste_plan(paused: Sequence[PausedInfo], iteration: IterationInfo, profile: Profile,
@@ -101,7 +109,7 @@ def expected_waste_plan(paused: Sequence[PausedInfo], iteration: IterationInfo, 
 
     def eligible(s: _Scored) -> bool:
         return (worth_swapping(s.info, profile, iteration_s)
-                and expected_swap_waste(s.info, profile, iteration_s) <= s.min_waste)
+                and expected_swap_waste(s.info, profile, iteration_s, iteration.num_running_tokens) <= s.min_waste)
 
     decisions, rest = _swap_in_order(ordered, swap_room(iteration), profile, eligible=eligible)
     decisions.update(_preserve_or_drop(rest, decisions, iteration, profile, eligible if deferred_swap else None))
