@@ -6,6 +6,7 @@ Last, the server's side of the rule: which chat turns that end in a call pause (
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -181,7 +182,10 @@ def test_pause_on_stop_is_a_request_level_interception(default_model_dir, fresh_
 
 def test_budgeted_swap_moves_one_block_per_iteration_and_abort_mid_swap_frees_all(default_model_dir):
     # Without +ample-preserve: the default keeps paused KV in place on a CPU while the pool has room.
-    engine = make_engine(default_model_dir, "infercept+no-ample-preserve")
+    # Copies priced as overlapping the forward pass (a GPU's): at a block per 10 ms step, copies priced as
+    # the stall they are on a CPU cost the batch more than recomputing this context, and it is discarded.
+    profile = dataclasses.replace(make_profile(FP32_BYTES_PER_TOKEN), copy_overlap=1.0)
+    engine = make_engine(default_model_dir, "infercept+no-ample-preserve", profile=profile)
     intercept = InterceptParams(pause_on_stop=True, expected_s=30.0)  # a long human turn
     rid = engine.add_request(OTHERS[0], greedy(4), intercept=intercept)
     # Other work runs on while it pauses: each step swaps out at most one block (the budget). (With
