@@ -120,7 +120,7 @@ class ModeledRunner:
         if t_copy:
             self._copies_end = max(now, self._copies_end) + t_copy
             self._copying_in.update(device for _, device in output.swap_in)
-        if not any(not self._copying_in.isdisjoint(c.block_table) for c in output.chunks):
+        if all(self._copying_in.isdisjoint(c.block_table) for c in output.chunks):
             return 0.0
         self._copying_in.clear()
         return self._copies_end - now

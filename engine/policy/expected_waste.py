@@ -81,9 +81,8 @@ def expected_swap_waste(info: PausedInfo, profile: Profile, iteration_s: float, 
     swap-in that no iteration hides: ``C·M·(E[max(0, T_rt - max(R, T_iter))] + delay_in)``. Where copies
     do not overlap the forward pass (`Profile.copies_overlap` false: a CPU, or a GPU engine whose copies
     stall), the batch also stands still while they run, out and back in: Eq. 3 (`waste_swap`) over the
-    `running_tokens` and this context. Priced as hidden there, swaps stalled every step they were made in:
-    on the H100 profile of 2026-11-27 whose copies were 2% hidden the default sustained 8.8 req/s where
-    heuristic-preserve went past 14 (benchmarks/README.md, "H100 simulations on the measured profile")."""
+    `running_tokens` and this context (benchmarks/README.md, "H100 simulations on the measured profile",
+    measures what pricing them as hidden cost)."""
     C = info.num_device_tokens
     round_trip = swap_round_trip(info, profile)
     remaining = info.remaining_sorted
