@@ -200,10 +200,12 @@ def simulate_policy(policy: str, trace: list[dict], profile_path: str, *, kv_cac
 
 
 def step_times(stats) -> dict:
-    """A run's mean step time, the scheduler's host share of it and the forward passes' waits for swap
-    copies (`EngineStats`; in a simulation the modeled waits), ms."""
+    """A run's mean step time, the device's share of it (the forward pass to its sampled ids; the rest
+    is the host's), the scheduler's host share and the forward passes' waits for swap copies
+    (`EngineStats`; in a simulation the modeled passes and waits), ms."""
     steps = max(stats.num_steps, 1)
-    return {"step_ms": 1e3 * stats.forward_seconds / steps, "schedule_ms": 1e3 * stats.schedule_host_seconds / steps,
+    return {"step_ms": 1e3 * stats.forward_seconds / steps, "device_ms": 1e3 * stats.device_seconds / steps,
+            "schedule_ms": 1e3 * stats.schedule_host_seconds / steps,
             "copy_wait_ms": 1e3 * stats.copy_wait_seconds / steps}
 
 
@@ -220,11 +222,16 @@ def fmt(x, digits=3) -> str:
     return f"{x:.{digits}g}" if isinstance(x, float) else str(x)
 
 
+def optional_ms(row: dict, key: str) -> str:
+    """A step time rows of older result files may lack."""
+    return "–" if row.get(key) is None else format(row[key], ".2f")
+
+
 def table(rows: list[dict]) -> str:
     base = next((r for r in rows if r["policy"] in ("discard", "vllm")), None)
     lines = ["| policy | finished | normalized latency (s/tok) | vs discard | completed req/s | vs discard | "
              "recompute % tokens | recompute % fwd time | held waste % | TTFT median (s) | swapped-out blocks | "
-             "steps | step ms (scheduler's, copy waits) |",
+             "steps | step ms (device's, scheduler's, copy waits) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lat_ratio = tput_ratio = "–"
@@ -237,8 +244,8 @@ def table(rows: list[dict]) -> str:
             f"| {r['policy']} | {r['finished']}/{r['requests']} | {fmt(r['normalized_latency'])} | {lat_ratio} | "
             f"{fmt(r['completed_per_s'])} | {tput_ratio} | {100 * r['recompute_token_share']:.1f} | "
             f"{100 * r['recompute_time_share']:.1f} | {fmt(r['held_waste_pct'])} | {fmt(r['ttft_median'])} | "
-            f"{r['swapped_out_blocks']} | {r['steps']} | {r['step_ms']:.2f} ({r['schedule_ms']:.2f}, "
-            f"{'–' if r.get('copy_wait_ms') is None else format(r['copy_wait_ms'], '.2f')}) |")
+            f"{r['swapped_out_blocks']} | {r['steps']} | {r['step_ms']:.2f} ({optional_ms(r, 'device_ms')}, "
+            f"{r['schedule_ms']:.2f}, {optional_ms(r, 'copy_wait_ms')}) |")
     return "\n".join(lines)
 
 

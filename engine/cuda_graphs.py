@@ -99,12 +99,21 @@ class _GraphSet:
     @torch.inference_mode()
     def run(self, output: SchedulerOutput) -> torch.Tensor:
         """The step's final hidden states, one row per token of its chunks in order (then padding)."""
+        return self.launch(self.stage(output))
+
+    def stage(self, output: SchedulerOutput) -> int:
+        """Write the step's inputs into the static buffers; returns the padded size to `launch`."""
         size = self.padded(self.rows_of(output))
         if self._copied is not None:
             self._copied.synchronize()
         self.write_inputs(output, size)
         if self._copied is not None:
             self._copied.record()
+        return size
+
+    @torch.inference_mode()
+    def launch(self, size: int) -> torch.Tensor:
+        """The forward pass over the staged inputs: the captured graph of `size`, else kernel by kernel."""
         if self.graphs:
             self.graphs[size].replay()
             return self.outputs[size]

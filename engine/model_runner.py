@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 
 import torch
 
@@ -51,6 +52,7 @@ class ModelRunner:
         self.decode_kernel, prefill_kernel = gpu_attention_kernels() if device.type == "cuda" else (None, None)
         self.graph_sets: list[DecodeGraphs | MixedGraphs] = []
         self.cuda_graphs = False
+        self._device_span: tuple[float, float] | tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         if self.decode_kernel is not None:
             self.graph_sets = [
                 DecodeGraphs(model, kv_cache, device, max_batch, max_model_len, self.decode_kernel),
@@ -147,11 +149,14 @@ class ModelRunner:
         blocks = itertools.chain([0], *(chunk.block_table for chunk in output.chunks))
         static = next((graphs for graphs in self.graph_sets if graphs.fits(output)), None)
         if static is not None:
+            size = static.stage(output)
             self.kv_cache.wait_for_copies(blocks)
-            hidden = static.run(output)
+            started = self._mark()
+            hidden = static.launch(size)
         else:
             input_ids, positions, meta = self.build_metadata(output)
             self.kv_cache.wait_for_copies(blocks)
+            started = self._mark()
             hidden = self.model(input_ids, positions, meta, self.kv_cache.layer_views)
         # Only the last row of each chunk that reaches its request's end produces a token.
         rows, to_sample = [], []
@@ -162,6 +167,7 @@ class ModelRunner:
                 rows.append(end - 1)
                 to_sample.append(chunk)
         if not to_sample:
+            self._device_span = (started, self._mark())
             return RunnerOutput(sampled={})
         # A slice where the rows are the first ones in order (every decode-only step): indexing with a list
         # copies it to the device and waits for the pass to finish before the logits are even queued.
@@ -174,9 +180,32 @@ class ModelRunner:
         histories = [TokenHistory(c.context_token_ids, c.num_output_tokens) if c.context_token_ids is not None
                      else None for c in to_sample]
         tokens = sample(logits, params, generators, banned, allowed, histories)
+        self._device_span = (started, self._mark())
         if allowed is not None:
             self.guided.accept(to_sample, tokens)
         return RunnerOutput(sampled={c.request_id: t for c, t in zip(to_sample, tokens)})
+
+    def _mark(self) -> float | torch.cuda.Event:
+        """Now, on the compute stream (a timing event) on CUDA, on the host clock elsewhere."""
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def device_seconds(self) -> float:
+        """Seconds of the last `run` from its forward pass to its sampled ids (0 without a pass): on
+        CUDA the span on the compute stream, which the host's own work in the step (planning, inputs,
+        outputs) overlaps only where it runs while the device computes; on a CPU, which computes
+        synchronously, the wall time of the same calls. The step's time less this is what the host adds."""
+        span, self._device_span = self._device_span, None
+        if span is None:
+            return 0.0
+        start, end = span
+        if isinstance(start, float):
+            return end - start
+        end.synchronize()  # recorded after the sampled ids reached the host: already done, or nearly
+        return start.elapsed_time(end) / 1e3
 
     def _banned(self, chunk) -> list[int]:
         params = chunk.sampling_params

@@ -230,6 +230,7 @@ class SimulatedEngine:
         acc.stall_seconds += cost.t_stall
         acc.copy_seconds += cost.t_copy
         self.stats.copy_wait_seconds += cost.t_stall
+        self.stats.device_seconds += cost.t_fwd
         t_recompute = cost.t_fwd * out.num_recomputed_tokens / cost.num_batched_tokens if cost.num_batched_tokens else 0.0
         acc.recompute_seconds += t_recompute
         if t_recompute or cost.t_stall:

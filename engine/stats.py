@@ -49,6 +49,10 @@ class EngineStats:
     # Seconds forward passes waited for swap copies on a GPU (`CopyStream.waited_seconds`; 0 on a CPU,
     # where a copy is part of the step); in a simulation the waits the modeled runner charges.
     copy_wait_seconds: float = 0.0
+    # Seconds of the steps from each forward pass to its sampled ids (`ModelRunner.device_seconds`: the
+    # device's own time on CUDA, the model's wall time on a CPU; in a simulation the modeled passes). The
+    # steps' time less this is the host's share: planning, inputs, the output stage, copy waits.
+    device_seconds: float = 0.0
     resumes_by_kv: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RESUME_KV_PLACES, 0))
 
     def record(self, out: SchedulerOutput, seconds: float) -> None:

@@ -59,8 +59,8 @@ def test_static_decode_path_matches_transformers(engine, hf_model_fp32, monkeypa
     2), each through the static buffers; every request's greedy tokens equal transformers'."""
     graphs = static_graphs(engine)
     batches = []
-    run = graphs.run
-    monkeypatch.setattr(graphs, "run", lambda output: batches.append(len(output.chunks)) or run(output))
+    stage = graphs.stage
+    monkeypatch.setattr(graphs, "stage", lambda output: batches.append(len(output.chunks)) or stage(output))
     monkeypatch.setattr(engine.runner, "graph_sets", [graphs])
     lengths = [6, 9, 12, 3, 7]  # different finishing steps: the batch shrinks through every padded size
     ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
@@ -105,10 +105,10 @@ def test_static_mixed_path_matches_transformers(engine, hf_model_fp32, monkeypat
     every request's greedy tokens equal transformers'."""
     decode, mixed = static_graphs(engine), static_mixed_graphs(engine)
     steps = []
-    run = mixed.run
-    monkeypatch.setattr(mixed, "run", lambda output: steps.append(
+    stage = mixed.stage
+    monkeypatch.setattr(mixed, "stage", lambda output: steps.append(
         (mixed.rows_of(output), len(output.chunks), any(len(c.token_ids) == 1 for c in output.chunks)))
-        or run(output))
+        or stage(output))
     monkeypatch.setattr(engine.runner, "graph_sets", [decode, mixed])
     lengths = [6, 9, 12, 3, 7]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
@@ -191,7 +191,7 @@ mixed = MixedGraphs(*args, 16, 4, engine.config.scheduler.max_model_len, paged_p
 engine.runner.graph_sets = [decode, mixed]
 runs = {"decode": 0, "mixed": 0}
 for name, graphs in (("decode", decode), ("mixed", mixed)):
-    graphs.run = lambda output, run=graphs.run, name=name: runs.__setitem__(name, runs[name] + 1) or run(output)
+    graphs.stage = lambda output, stage=graphs.stage, name=name: runs.__setitem__(name, runs[name] + 1) or stage(output)
 if sys.argv[2] == "fused":  # the GPU's fused kernels too (they serve 16-bit models there; any dtype runs them)
     from infercept.engine import triton_fused
     engine.model.use_fused_kernels(triton_fused)
@@ -246,9 +246,9 @@ def test_cuda_graphs_match_the_eager_engine(default_model_dir, dtype, monkeypatc
     assert graphed.engine.model.norm.kernels is (triton_fused if dtype == "bfloat16" else None)
     replays = []
     for graphs in (decode, mixed):
-        run = graphs.run
-        monkeypatch.setattr(graphs, "run", lambda output, graphs=graphs, run=run: replays.append(
-            (graphs, graphs.rows_of(output))) or run(output))
+        stage = graphs.stage
+        monkeypatch.setattr(graphs, "stage", lambda output, graphs=graphs, stage=stage: replays.append(
+            (graphs, graphs.rows_of(output))) or stage(output))
     prompts = PROMPTS + ["Tell me a long story about the sea. " * 12]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 9, 12, 3, 7, 5)]
     assert [o.token_ids for o in graphed.generate(prompts, params)] == \

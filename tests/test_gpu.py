@@ -224,3 +224,37 @@ def test_a_forward_pass_that_waits_for_a_copy_is_timed():
     waited = stream.waited_seconds()
     assert waited > 0.02, waited
     assert stream.waited_seconds() == 0.0
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA_MARKS)])
+def test_a_steps_device_time_counts_the_pass_and_not_the_hosts_planning(default_model_dir, device):
+    """`EngineStats.device_seconds`, the device's share of the steps (the GPU check's trace rows): time
+    the forward pass spends on the device is in it, the host's planning of the step is not. Each step's
+    pass is made 40 ms longer on the device (a spin kernel on CUDA, a sleep on the CPU, where the model
+    runs synchronously) and its planning 40 ms longer on the host."""
+    from infercept.engine import Engine
+    from infercept.engine.policy import Profile
+
+    delay = 0.04
+    profile = Profile(model="test", device=device, dtype="bfloat16", bytes_per_token=1, block_size=16,
+                      t_fwd_samples=((1, 0.01), (64, 0.02)), d2h_bytes_per_s=1e10, h2d_bytes_per_s=1e10)
+    engine = Engine(default_model_dir, dtype="bfloat16", device=device, kv_cache_gb=0.05, profile=profile,
+                    progress=False, enforce_eager=True)
+    forward, schedule = engine.model.forward, engine.scheduler.schedule
+
+    def slow_forward(*args, **kwargs):
+        if device == "cuda":
+            torch.cuda._sleep(int(delay * 2e9))  # ~40 ms of clock cycles at 2 GHz, or more at a lower clock
+        else:
+            time.sleep(delay)
+        return forward(*args, **kwargs)
+
+    engine.model.forward = slow_forward
+    engine.scheduler.schedule = lambda: time.sleep(delay) or schedule()
+    engine.add_request("The capital of France is", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = engine.stats
+    assert stats.num_steps == 4
+    assert stats.device_seconds >= 0.75 * delay * stats.num_steps, stats.device_seconds  # the slow pass, counted
+    assert stats.forward_seconds - stats.device_seconds >= delay * stats.num_steps  # the slow planning, not

@@ -96,6 +96,7 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
     for policy in ("prefix-cache", "infercept"):  # each policy's step log, a line a step
         lines = [json.loads(x) for x in (tmp_path / "steps" / f"{policy}.jsonl").read_text().splitlines()]
         assert lines and all(line["copy_wait_s"] == 0.0 and line["s"] > 0 for line in lines)  # a CPU: no waits
+        assert all(0 <= line["device_s"] < line["s"] for line in lines) and any(line["device_s"] for line in lines)
     # Triton's interpreter is chosen when Triton is imported: the tilings' step runs in a process of its own.
     subprocess.run([sys.executable, str(GPU / "prefill_tiles.py"), "--dry", "--out", str(res)], check=True,
                    env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300)
@@ -109,7 +110,7 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
     simulated = json.loads((tmp_path / "simulated.json").read_text())["rows"]
     assert [r["policy"] for r in simulated] == ["prefix-cache", "infercept"]
     assert all(r["steps"] > 0 and r["finished"] > 0 and 0 < r["schedule_ms"] and r["copy_wait_ms"] >= 0
-               for r in simulated), simulated
+               and 0 < r["device_ms"] <= r["step_ms"] for r in simulated), simulated
     (res / "pytest.xml").write_text(JUNIT)
     (res / "steps.tsv").write_text("setup\t0\t3\npytest -m gpu\t1\t40\nengine trace 1 GiB\t124\t90\n"
                                    "engine trace 16 GiB\tskipped\t0\n")
@@ -129,8 +130,9 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
     assert s["pytest"] == {"passed": 3, "failed": 1, "errors": 0, "skipped": 2,
                            "failed_tests": ["tests.test_gpu::test_b"]}
     assert set(s["engine_trace_normalized_latency"]["0.002 GiB"]) == {"prefix-cache", "infercept"}
-    for r in s["engine_trace"]["0.002 GiB"]["rows"]:  # the scheduler's host time is a part of the step's
+    for r in s["engine_trace"]["0.002 GiB"]["rows"]:  # the model's and the scheduler's times are parts of the step's
         assert r["steps"] > 0 and 0 < r["schedule_ms"] < r["step_ms"] and r["copy_wait_ms"] == 0.0, r
+        assert 0 < r["device_ms"] and r["device_ms"] + r["schedule_ms"] < r["step_ms"], r
     assert [st["rc"] for st in s["steps"]] == [0, 1, 124, None]
     text = summary.markdown(s)
     assert "(timed out)" in text and "skipped: no time left" in text

@@ -145,15 +145,15 @@ def summarize(res: Path, seconds: float | None = None, dry: bool = False) -> dic
         data = _load(path) or {}
         latency[pool] = {r["policy"]: _finite(r["normalized_latency"]) for r in data.get("rows", [])}
         trace[pool] = {"command": data.get("command"),
-                       "rows": [{k: _finite(r[k]) for k in ("policy", "requests", "finished", "normalized_latency",
+                       "rows": [{k: _finite(r.get(k)) for k in ("policy", "requests", "finished", "normalized_latency",
                                                            "ttft_median", "recompute_time_share",
-                                                           "swapped_out_blocks", "steps", "step_ms", "schedule_ms",
-                                                           "copy_wait_ms", "duration_s")}
+                                                           "swapped_out_blocks", "steps", "step_ms", "device_ms",
+                                                           "schedule_ms", "copy_wait_ms", "duration_s")}
                                 for r in data.get("rows", [])]}
         simulated = _load(path.with_name(path.name.replace(".json", ".simulated.json"))) or {}
-        trace[pool]["simulated_rows"] = [{k: _finite(r[k]) for k in ("policy", "requests", "finished",
+        trace[pool]["simulated_rows"] = [{k: _finite(r.get(k)) for k in ("policy", "requests", "finished",
                                                                     "normalized_latency", "steps", "step_ms",
-                                                                    "schedule_ms", "copy_wait_ms")}
+                                                                    "device_ms", "schedule_ms", "copy_wait_ms")}
                                          for r in simulated.get("rows", [])]
     s["engine_trace_normalized_latency"] = latency or None
     s["engine_trace"] = trace or None
@@ -218,13 +218,14 @@ def markdown(s: dict) -> str:
                          f"{_f(k['fastest_us'])} | {_f(k['sdpa_us'])} |")
     lines += ["", "**Engine trace** (normalized latency, s/token; finished/requests; \"simulated\": the same trace in "
               "`SimulatedEngine` on this run's profile, virtual clock, the scheduler's ms on the host's CPU):", "",
-              "| device pool | policy | normalized latency | finished | steps | step ms (scheduler's, copy waits) |",
+              "| device pool | policy | normalized latency | finished | steps | step ms (device's, scheduler's, copy waits) |",
               "|---|---|---:|---:|---:|---:|"]
     for pool, t in (s["engine_trace"] or {}).items():
         for r in t["rows"] + [dict(r, policy=f"{r['policy']}, simulated") for r in t.get("simulated_rows", [])]:
             lines.append(f"| {pool} | {r['policy']} | {_f(r['normalized_latency'], '{:.4g}')} | "
                          f"{r['finished']}/{r['requests']} | {r['steps']} | {_f(r['step_ms'], '{:.2f}')} "
-                         f"({_f(r['schedule_ms'], '{:.2f}')}, {_f(r.get('copy_wait_ms'), '{:.2f}')}) |")
+                         f"({_f(r.get('device_ms'), '{:.2f}')}, {_f(r['schedule_ms'], '{:.2f}')}, "
+                         f"{_f(r.get('copy_wait_ms'), '{:.2f}')}) |")
     return "\n".join(lines) + "\n"
 
 
