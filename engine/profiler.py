@@ -31,9 +31,14 @@ QUICK_SIZES_GPU = QUICK_SIZES + (1024, 2048)
 STALE_SLOWDOWN = 2.0
 SPOT_CHECK_TOKENS = 64
 FULL_SIZES = (1, 8, 16, 32, 64, 128, 256, 384, 512, 768, 1024)
+# Attention over the context (`_attention_costs`): a decode batch, a prefill chunk, the longest context.
+ATTENTION_BATCH = 8
+ATTENTION_CHUNK = 128
+ATTENTION_CONTEXT = 2048
 # Bumped when how a profile is measured changes, so cached profiles are measured again. 2: copy bandwidth
-# as the median of five copies after two warm-ups (was one copy after one: `_copy_bandwidth`).
-MEASUREMENT = 2
+# as the median of five copies after two warm-ups (was one copy after one: `_copy_bandwidth`). 3: the
+# attention over the context.
+MEASUREMENT = 3
 
 
 def device_name(device: torch.device) -> str:
@@ -68,11 +73,47 @@ def _median_seconds(fn, device: torch.device, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _forward_pass(runner: ModelRunner, num_tokens: int):
-    """One prefill pass of `num_tokens` tokens written into the pool's first blocks, as a function."""
-    table = list(range(-(-num_tokens // runner.block_size)))
-    chunk = ScheduledChunk("profile", [100] * num_tokens, 0, table, True, SamplingParams(temperature=0), 0)
+def _forward_pass(runner: ModelRunner, num_tokens: int, start_pos: int = 0):
+    """One prefill pass of `num_tokens` tokens after `start_pos` tokens of context, written into the
+    pool's first blocks, as a function."""
+    table = list(range(-(-(start_pos + num_tokens) // runner.block_size)))
+    chunk = ScheduledChunk("profile", [100] * num_tokens, start_pos, table, True, SamplingParams(temperature=0), 0)
     return lambda: runner.run(SchedulerOutput(chunks=[chunk]))
+
+
+def _decode_pass(runner: ModelRunner, batch: int, context: int):
+    """One decode step of `batch` sequences of `context` tokens each (the last one new), each in blocks
+    of its own (a pass that read the same blocks for every sequence would find them in the caches)."""
+    per_seq = -(-context // runner.block_size)
+    chunks = [ScheduledChunk(f"profile-{i}", [100], context - 1, list(range(i * per_seq, (i + 1) * per_seq)), True,
+                             SamplingParams(temperature=0), 0) for i in range(batch)]
+    return lambda: runner.run(SchedulerOutput(chunks=chunks))
+
+
+def _attention_costs(runner: ModelRunner, kv: KVCache, max_len: int, batch: int = ATTENTION_BATCH,
+                     chunk: int = ATTENTION_CHUNK, repeats: int = 3) -> tuple[float, float]:
+    """`Profile.attention_read_s_per_token` and `attention_pair_s`: what a pass's attention over earlier
+    context adds to T_fwd, which the T_fwd samples (passes from position 0) leave out. The read cost is
+    the difference between `batch` decodes over long contexts and over one block each, per extra context
+    token; the pair cost, between a `chunk`-token prefill chunk after a long context and the same chunk
+    from position 0, per (query, extra context token) pair. Contexts as long as the pool holds, up to
+    ATTENTION_CONTEXT. (0, 0) where the pool is too small to tell (under 4 blocks a sequence)."""
+    bs = kv.block_size
+    device = kv.device_kv.device
+    context = min(kv.num_blocks // batch * bs, ATTENTION_CONTEXT, max_len - 1)
+    if context < 4 * bs:
+        return 0.0, 0.0
+    short = _median_seconds(_decode_pass(runner, batch, bs), device, repeats)
+    long = _median_seconds(_decode_pass(runner, batch, context), device, repeats)
+    read = max(long - short, 0.0) / (batch * (context - bs))
+    before = min(ATTENTION_CONTEXT, kv.num_blocks * bs, max_len) - chunk
+    pair = 0.0
+    if before >= 4 * bs:
+        alone = _median_seconds(_forward_pass(runner, chunk), device, repeats)
+        after = _median_seconds(_forward_pass(runner, chunk, before), device, repeats)
+        pair = max(after - alone, 0.0) / (chunk * before)
+    runner.generators.pop("profile", None)
+    return read, pair
 
 
 def _time_forward(runner: ModelRunner, num_tokens: int, repeats: int) -> float:
@@ -142,6 +183,7 @@ def measure_profile(model: str, runner: ModelRunner, kv: KVCache, bytes_per_toke
     with torch.inference_mode():
         for n in tqdm(sizes, desc="profiling forward pass", disable=not progress):
             samples.append((n, _time_forward(runner, n, repeats)))
+        read, pair = _attention_costs(runner, kv, runner.model.spec.max_position_embeddings)
     num_copy_blocks = max(min(kv.num_blocks, kv.num_host_blocks, 64), 0)
     if num_copy_blocks:
         d2h, h2d = _copy_bandwidth(kv, num_copy_blocks)
@@ -155,7 +197,8 @@ def measure_profile(model: str, runner: ModelRunner, kv: KVCache, bytes_per_toke
     return Profile(model=os.path.abspath(model), device=device_name(kv.device_kv.device),
                    dtype=dtype_name(kv.device_kv.dtype), bytes_per_token=bytes_per_token,
                    block_size=kv.block_size, t_fwd_samples=tuple(samples), d2h_bytes_per_s=d2h,
-                   h2d_bytes_per_s=h2d, copy_overlap=overlap,
+                   h2d_bytes_per_s=h2d, copy_overlap=overlap, attention_read_s_per_token=read,
+                   attention_pair_s=pair,
                    notes=f"measured by infercept on {time.strftime('%Y-%m-%d')}")
 
 

@@ -124,6 +124,7 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
     assert s["card"] == "cpu" and s["shape"] == "tiny" and s["seconds"] == 123.0
     assert s["t_fwd_1_ms"] > 0 and set(s["t_fwd_ms"]) == {"1", "32", "128", "256", "512", "1024"}
     assert s["saturation_point"]["hand_written"] == 256
+    assert s["attention_read_ns_per_token"]["measured"] >= 0 and s["attention_pair_ps"]["hand_written"] > 0
     assert set(s["decode_tok_s"]) == {"1", "2"} and s["decode_batch32_tok_s"] is None and s["prefill_tok_s"] > 0
     assert s["weight_bytes"] == 2 * tiny_model["bytes"]  # float32 in the engine, bf16 on disk
     assert s["hbm_bytes_per_s"] is None and s["weight_stream_bound_batch1_tok_s"] is None  # a CPU: no datasheet
@@ -135,7 +136,7 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
         assert 0 < r["device_ms"] and r["device_ms"] + r["schedule_ms"] < r["step_ms"], r
     assert [st["rc"] for st in s["steps"]] == [0, 1, 124, None]
     text = summary.markdown(s)
-    assert "(timed out)" in text and "skipped: no time left" in text
+    assert "(timed out)" in text and "skipped: no time left" in text and "Attention over the context" in text
     assert "| 0.002 GiB | infercept |" in text and "3 passed, 1 failed" in text
     assert (res / "profile.json").exists() and (res / "decode_vs_hf.md").exists()
     assert s["decode_step_batch1_ms"] > 0 and s["decode_step_batch32_ms"] is None

@@ -68,3 +68,26 @@ def test_measured_copy_overlap_decides_whether_copies_overlap():
     assert Profile.from_json(dataclasses.replace(gpu, copy_overlap=0.9).to_json()).copy_overlap == 0.9
     with pytest.raises(ValueError, match="copy_overlap"):
         dataclasses.replace(gpu, copy_overlap=1.5)
+
+
+def test_attention_costs_recover_the_profiles_attention_model(engine, monkeypatch):
+    """`_attention_costs` times decodes over long and one-block contexts and a prefill chunk after a long
+    context and from position 0. Against passes that cost exactly what `Profile.t_attention` models
+    (on a virtual clock that each pass advances), it gives back the model's two constants; with a pool of
+    too few blocks a sequence, none."""
+    from infercept.engine import profiler
+
+    read, pair = 3e-7, 5e-9  # a decode reads its context (q * pair < read at q = 1); a 128-token chunk computes
+    model = dataclasses.replace(engine.profile, attention_read_s_per_token=read, attention_pair_s=pair)
+    clock = [0.0]
+
+    def modeled_pass(output):
+        clock[0] += 0.01 + sum(model.t_attention(len(c.token_ids), c.start_pos + len(c.token_ids))
+                               for c in output.chunks)
+
+    monkeypatch.setattr(profiler.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(engine.runner, "run", modeled_pass)
+    kv = engine.kv_cache
+    measured = profiler._attention_costs(engine.runner, kv, max_len=8192)
+    assert measured == pytest.approx((read, pair), rel=1e-6)
+    assert profiler._attention_costs(engine.runner, kv, max_len=4 * kv.block_size) == (0.0, 0.0)

@@ -17,8 +17,9 @@ from pathlib import Path
 TOKENS = (1, 32, 128, 256, 512, 1024)
 
 
-def compare(measured, hand, tokens=TOKENS) -> dict:
-    """The comparison as a JSON-able dict: T_fwd in ms at `tokens`, saturation points, copy bandwidths."""
+def compare(measured, hand, hand_attention, tokens=TOKENS) -> dict:
+    """The comparison as a JSON-able dict: T_fwd in ms at `tokens`, saturation points, copy bandwidths,
+    attention over the context (`hand_attention`: the hand-written profile that models it)."""
     return {
         "t_fwd_ms": [{"tokens": n, "measured": 1e3 * measured.t_fwd(n), "hand_written": 1e3 * hand.t_fwd(n)}
                      for n in tokens],
@@ -26,6 +27,12 @@ def compare(measured, hand, tokens=TOKENS) -> dict:
         "d2h_gb_s": {"measured": measured.d2h_bytes_per_s / 1e9, "hand_written": hand.d2h_bytes_per_s / 1e9},
         "h2d_gb_s": {"measured": measured.h2d_bytes_per_s / 1e9, "hand_written": hand.h2d_bytes_per_s / 1e9},
         "copy_overlap": {"measured": measured.copy_overlap, "hand_written": hand.copy_overlap},
+        # Attention over the context: ns a decode pays per context token, ps a prefill chunk per (query,
+        # context token) pair; the hand-written values are `h100_llama3_8b(attention=True)`'s.
+        "attention_read_ns_per_token": {"measured": 1e9 * measured.attention_read_s_per_token,
+                                        "hand_written": 1e9 * hand_attention.attention_read_s_per_token},
+        "attention_pair_ps": {"measured": 1e12 * measured.attention_pair_s,
+                              "hand_written": 1e12 * hand_attention.attention_pair_s},
         "bytes_per_token": {"measured": measured.bytes_per_token, "hand_written": hand.bytes_per_token},
         "device": measured.device, "dtype": measured.dtype,
     }
@@ -40,6 +47,10 @@ def markdown(c: dict) -> str:
     lines += ["", f"Saturation point {s['measured']} tokens measured vs {s['hand_written']} hand-written; copies "
               f"device->host {d2h['measured']:.1f} GB/s, host->device {h2d['measured']:.1f} GB/s vs "
               f"{d2h['hand_written']:.1f} / {h2d['hand_written']:.1f}."]
+    read, pair = c["attention_read_ns_per_token"], c["attention_pair_ps"]
+    lines += ["", f"Attention over the context: a decode {read['measured']:.1f} ns per context token, a prefill chunk "
+              f"{pair['measured']:.3f} ps per (query, context token) pair, vs {read['hand_written']:.1f} / "
+              f"{pair['hand_written']:.3f} hand-written (`h100_llama3_8b(attention=True)`)."]
     return "\n".join(lines) + "\n"
 
 
@@ -65,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     measured, _ = profile_model(args.model, args.repeats, str(out / "profile.json"), dtype=args.dtype,
                                 device=args.device, kv_cache_gb=args.kv_cache_gb, host_kv_gb=args.host_kv_gb,
                                 profile=hand, progress=False)
-    c = compare(measured, hand)
+    c = compare(measured, hand, h100_llama3_8b(attention=True))
     c["seconds"] = time.perf_counter() - start
     (out / "profile_vs_hand.json").write_text(json.dumps(c, indent=1) + "\n")
     text = markdown(c)

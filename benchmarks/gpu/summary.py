@@ -86,7 +86,8 @@ def summarize(res: Path, seconds: float | None = None, dry: bool = False) -> dic
     s["t_fwd_1_ms"] = t_fwd[1]["measured"] if 1 in t_fwd else None
     s["t_fwd_ms"] = {str(n): r["measured"] for n, r in t_fwd.items()} or None
     s["t_fwd_hand_written_ms"] = {str(n): r["hand_written"] for n, r in t_fwd.items()} or None
-    for key in ("saturation_point", "d2h_gb_s", "h2d_gb_s", "copy_overlap"):
+    for key in ("saturation_point", "d2h_gb_s", "h2d_gb_s", "copy_overlap", "attention_read_ns_per_token",
+                "attention_pair_ps"):
         s[key] = (prof or {}).get(key)
 
     dec = _load(res / "decode_vs_hf.json") or {}
@@ -188,6 +189,11 @@ def markdown(s: dict) -> str:
                   f"{d2h['measured']:.1f} GB/s, host->device {h2d['measured']:.1f} GB/s vs {d2h['hand_written']:.1f}"
                   + (f"; {100 * s['copy_overlap']['measured']:.0f}% of a swap's copy time hidden behind a forward "
                      "pass" if (s["copy_overlap"] or {}).get("measured") is not None else "") + "."]
+    if s["attention_read_ns_per_token"]:
+        read, pair = s["attention_read_ns_per_token"], s["attention_pair_ps"]
+        lines += ["", f"Attention over the context: a decode {read['measured']:.1f} ns per context token, a prefill "
+                  f"chunk {pair['measured']:.3f} ps per (query, context token) pair; hand-written "
+                  f"`h100_llama3_8b(attention=True)` {read['hand_written']:.1f} / {pair['hand_written']:.3f}."]
     lines += ["", f"**Engine vs transformers** ({shape}; engine kernels {s['engine_kernels']}):", "",
               "| workload | infercept tok/s | transformers tok/s |", "|---|---:|---:|"]
     for b, tok_s in (s["decode_tok_s"] or {}).items():

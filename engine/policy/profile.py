@@ -102,8 +102,8 @@ class Profile:
     # S; None means "derive from the samples" (done once, in __post_init__).
     saturation_point: int | None = None
     notes: str = field(default="", compare=False)
-    # Attention over the context, which T_fwd (query tokens only) leaves out; 0: not modeled, as in
-    # every measured profile (`t_attention`).
+    # Attention over the context, which T_fwd (passes from position 0) leaves out (`t_attention`); 0: not
+    # modeled. The native engine's profiler measures both (`profiler._attention_costs`).
     attention_read_s_per_token: float = 0.0
     attention_pair_s: float = 0.0
     # Measured share of a swap's copy time hidden behind a forward pass running beside it (1: all of

@@ -20,7 +20,7 @@ from ..policy.names import part_setting
 HONOURED = {
     "expected_waste": "plans and guards over the remaining-time samples of the scheduler's tool histories",
     "context_cost": "the wastes read the attention the profile models (the worker's measured profile models "
-                    "none, as on the native engine)",
+                    "none, so there the part changes nothing; the native engine's profile measures it)",
     "deferred_swap": "a discard the spent swap budget would force waits for the steps its swap needs, within "
                      "the host tier's room",
     "ample_preserve": "while vLLM's free blocks hold all queued work (waiting requests' uncomputed tokens, "
