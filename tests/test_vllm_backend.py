@@ -59,7 +59,8 @@ def test_the_worker_imports_only_the_standard_library_and_vllm():
     assert ours == [("engine.vllm_backend", ["tool_calls"])]
     assert set(non_stdlib_imports(here / "tool_calls.py")) <= {"vllm"}
     assert not non_stdlib_imports(here / "structural_tag_lark.py")
-    assert not non_stdlib_imports(here.parent / "detokenizer.py")
+    # tokenizers: the fast tokenizers' own library, which vLLM's environment has too (transformers needs it)
+    assert set(non_stdlib_imports(here.parent / "detokenizer.py")) <= {"tokenizers"}
 
 
 def test_a_sessions_stop_strings_go_to_our_scheduler_not_to_vllms_detokenizer():
