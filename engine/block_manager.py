@@ -212,6 +212,10 @@ class BlockManager:
         self.device.counters.queried += num_queried
         self.device.counters.hits += num_hits
 
+    def num_registered(self, request_id: str) -> int:
+        """Leading blocks of the request that are addressable by content (`register_blocks`)."""
+        return self._registered.get(request_id, 0)
+
     def register_blocks(self, request_id: str, hashes: Sequence[int]) -> None:
         """Make the request's computed full blocks (`hashes` = their content hashes, in order)
         addressable by content. Only while its whole context is on the device."""

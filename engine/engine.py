@@ -255,7 +255,7 @@ class Engine:
                 self.scheduler.finish(request, request.pending_stop or RequestStatus.FINISHED_STOPPED)
             p = request.sampling_params
             outputs.append(turn.output(
-                request.request_id, request.prompt_token_ids, list(request.output_token_ids), verdict,
+                request.request_id, request.prompt_token_ids, request.output_token_ids, verdict,
                 request.finish_reason, request.stop_reason,
                 list(request.output_logprobs) if p.logprobs is not None else None, request.num_cached_tokens))
             if verdict.action is not Action.GO_ON:

@@ -279,6 +279,8 @@ class Scheduler:
         """Make the request's computed full blocks findable by content."""
         bs = self.blocks.block_size
         full = request.num_computed_tokens // bs
+        if full <= self.blocks.num_registered(request.request_id):
+            return  # no block filled since (most decode steps)
         if len(request.block_hashes) < full:
             request.block_hashes = chain_hashes(request.token_ids[:full * bs], bs, request.block_hashes)
         self.blocks.register_blocks(request.request_id, request.block_hashes[:full])
