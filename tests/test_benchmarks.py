@@ -441,3 +441,13 @@ def test_measured_h100_profile_loads_and_the_h100_simulations_run_on_it():
     assert long_measured.t_fwd_samples == coarsen_profile(measured, 16).t_fwd_samples
     assert (long_measured.attention_read_s_per_token, long_measured.attention_pair_s) == \
         (long_hand.attention_read_s_per_token, long_hand.attention_pair_s) != (0, 0)
+
+
+def test_host_step_times_each_host_part_of_a_decode_step(tmp_path):
+    """benchmarks/host_step.py on a few short sequences: every part of the host's work timed, the whole the
+    sum of the parts."""
+    host_step = load_bench("host_step")
+    host_step.main(["--batch", "2", "--context", "40", "--steps", "3", "--json", str(tmp_path / "host.json")])
+    result = json.loads((tmp_path / "host.json").read_text())
+    assert set(result["ms"]) == set(host_step.PARTS) and all(ms > 0 for ms in result["ms"].values()), result
+    assert result["host_ms"] == pytest.approx(sum(result["ms"].values()))
