@@ -293,6 +293,26 @@ def test_expected_waste_guard_is_sound(case, shrink, later_running, later_batche
     assert policy.plan([later], later_it, p).action("a") is KVAction.PRESERVE
 
 
+def test_a_long_context_with_a_spread_history_is_guarded_by_its_least_recompute_delay():
+    """A 2,048-token context on the H100 profile, six past calls of 0.1-1.1 s, 40,000 tokens running:
+    preserved, and guarded (no plan until the estimate jumps or the running KV halves). Discard's waste
+    floor in the guard counts the resume's wait for the recompute's chunks before the last (at least
+    ceil(2048 / 256) - 1 = 7 iterations at the saturation point, 59 ms); without it the floor was below
+    the best TTL's waste and the context was planned every step, as were most long contexts paused
+    beside a busy batch (the GPU check's trace)."""
+    from infercept.engine.policy.expected_waste import least_resume_delay_discard
+    from infercept.engine.policy.profile import h100_llama3_8b
+
+    p = h100_llama3_8b()
+    info = paused("a", 2048, [0.1 + 0.2 * i for i in range(6)])
+    it = IterationInfo(40_000, 256, swap_out_budget=0)
+    policy = make_policy("infercept")
+    assert policy.plan([info], it, p).action("a") is KVAction.PRESERVE
+    assert least_resume_delay_discard(2048, p) == pytest.approx(7 * p.t_fwd(256))
+    guard = policy.preserve_guard(info, it, p)
+    assert guard is not None and guard.min_running_tokens == 20_000
+
+
 # -- program-level priority -----------------------------------------------------------------------
 
 def _sim_profile() -> Profile:

@@ -44,6 +44,13 @@ def resume_delay_discard(C: int, iteration: IterationInfo, profile: Profile) -> 
     return (n - 1) * profile.t_fwd(profile.saturation_point) + attention
 
 
+def least_resume_delay_discard(C: int, profile: Profile) -> float:
+    """The least `resume_delay_discard` of any iteration: a recompute chunk is at most S tokens
+    (`recompute_chunk_size`), so there are at least ceil(C / S) of them."""
+    n = num_chunks(C, max(profile.saturation_point, profile.block_size))
+    return (n - 1) * profile.t_fwd(profile.saturation_point) if n > 1 else 0.0
+
+
 def resume_delay_swap(C: int, profile: Profile, iteration_s: float) -> float:
     """Seconds a swapped-out context's resume waits for its swap-in beyond the iteration it overlaps."""
     return max(profile.t_swap(C, "in") - iteration_s, 0.0)
@@ -117,8 +124,10 @@ def expected_waste_plan(paused: Sequence[PausedInfo], iteration: IterationInfo, 
 
 def expected_waste_guard(info: PausedInfo, iteration: IterationInfo, profile: Profile) -> PreserveGuard | None:
     """`PreserveGuard` for `expected_waste_plan`. Discard's expected waste is at least
-    ``D_low = (T_fwd(C)/2 + b·floor)·C·M`` (no re-queue delay, the cheapest chunking, half this
-    iteration's running KV as the floor, as `InferCeptPolicy.preserve_guard`). One remaining-time
+    ``D_low = (T_fwd(C)/2 + b·floor + d)·C·M`` (the cheapest chunking, half this iteration's running KV
+    as the floor, as `InferCeptPolicy.preserve_guard`, and the least re-queue delay d of any iteration,
+    `least_resume_delay_discard`; without d, most holders of long contexts on a GPU profile got no
+    guard and were planned every step). One remaining-time
     point r: preserve beats discard while ``C·M·r < D_low``, a bound on the expected time. Several
     samples: between two jumps of the estimate (`DurationEstimator.next_jump`, where the scheduler wakes
     anyway) the surviving samples stay the same and all shrink with the clock, so every TTL's waste
@@ -130,7 +139,7 @@ def expected_waste_guard(info: PausedInfo, iteration: IterationInfo, profile: Pr
     C, M = info.num_device_tokens, profile.bytes_per_token
     per_other_token = profile.cheapest_recompute_s(C) / C
     floor = iteration.num_running_tokens // 2
-    low = (profile.t_fwd(C) / 2 + per_other_token * floor) * C * M * (1 - 1e-9)
+    low = (profile.t_fwd(C) / 2 + per_other_token * floor + least_resume_delay_discard(C, profile)) * C * M * (1 - 1e-9)
     round_trip = swap_round_trip(info, profile)
     remaining = info.remaining_sorted
     if len(remaining) == 1:
