@@ -3,6 +3,7 @@ order (`Policy.priority`), expected waste over the remaining-time distribution, 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -311,6 +312,27 @@ def test_a_long_context_with_a_spread_history_is_guarded_by_its_least_recompute_
     assert least_resume_delay_discard(2048, p) == pytest.approx(7 * p.t_fwd(256))
     guard = policy.preserve_guard(info, it, p)
     assert guard is not None and guard.min_running_tokens == 20_000
+
+
+def test_while_memory_is_ample_a_preserve_that_only_a_swap_could_replace_is_guarded():
+    """The default on a GPU profile keeps what it would discard while the device pool holds all queued
+    work (`ample_preserve`). A 2,048-token context whose tool takes 30 s would be discarded under
+    pressure (the host pool full); while memory is ample it is preserved, and guarded until memory stops being ample, or, in
+    an iteration with swap room, its swap may pay (expected time or iteration past the round trip):
+    planned again at once here, where 30 s is past it."""
+    from infercept.engine.policy.budget import swap_round_trip
+    from infercept.engine.policy.profile import h100_llama3_8b
+
+    p = h100_llama3_8b()
+    info = paused("a", 2048, [30.0])
+    policy = make_policy("infercept")
+    tight = IterationInfo(40_000, 256, swap_out_budget=0, free_host_tokens=0, spare_device_tokens=-1)  # no swap
+    assert policy.plan([info], tight, p).action("a") is KVAction.DISCARD
+    ample = dataclasses.replace(tight, spare_device_tokens=100_000)
+    assert policy.plan([info], ample, p).action("a") is KVAction.PRESERVE
+    guard = policy.preserve_guard(info, ample, p)
+    assert guard.while_ample and guard.expected_s == math.inf and guard.min_running_tokens == 0
+    assert guard.swap_expected_s == guard.swap_iteration_s == swap_round_trip(info, p) < info.expected_s
 
 
 # -- program-level priority -----------------------------------------------------------------------
