@@ -133,9 +133,8 @@ def expected_waste_guard(info: PausedInfo, iteration: IterationInfo, profile: Pr
     anyway) the surviving samples stay the same and all shrink with the clock, so every TTL's waste
     falls (τ shrinks with them) and a preserve that beats ``D_low`` now still does until the jump.
     Swaps need `worth_swapping`, so none while the expected time and the iteration stay below the round
-    trip (the expected time only falls between jumps)."""
-    if info.kv_state == "partial":
-        return PreserveGuard.until_swap_room()
+    trip (the expected time only falls between jumps). For a holder whose KV is all on the device (a
+    half-swapped one waits for swap room: `PreserveGuard.until_swap_room`)."""
     C, M = info.num_device_tokens, profile.bytes_per_token
     per_other_token = profile.cheapest_recompute_s(C) / C
     floor = iteration.num_running_tokens // 2

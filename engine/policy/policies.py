@@ -301,13 +301,16 @@ class InferCeptPaperPolicy(Policy):
         guard takes half of this iteration's ``C_other`` as a floor (so the running batch may shrink to
         half before the request is planned again). No swap is worth it while both the expected time and
         the iteration stay below the round trip (`worth_swapping`). The factor below 1 keeps the bound
-        strict under float rounding."""
+        strict under float rounding. The profile is the one `plan` computes with (`seen`)."""
+        profile = self.seen(profile)
         ample = bool(self.ample_preserve) and memory_ample(iteration)
         if ample and self._keeps_all_while_ample(profile):
             return PreserveGuard(while_ample=True)  # `plan` keeps every paused request while memory is ample
         if self.prefetch and info.prefetched:
             return None  # planned every iteration while it may be kept for its resume
-        if ample and info.kv_state != "partial":
+        if info.kv_state == "partial":
+            return PreserveGuard.until_swap_room()
+        if ample:
             # While memory is ample `plan` turns its discards into preserves: only a swap, which needs the
             # round trip to pay, could replace this preserve (without it, a holder whose discard would
             # waste less was planned every step on a GPU profile, where this mode is the default).
@@ -315,8 +318,6 @@ class InferCeptPaperPolicy(Policy):
             return PreserveGuard(swap_expected_s=round_trip, swap_iteration_s=round_trip, while_ample=True)
         if self.expected_waste:
             return expected_waste_guard(info, iteration, profile)
-        if info.kv_state == "partial":
-            return PreserveGuard.until_swap_room()
         C = info.num_device_tokens
         per_other_token = profile.cheapest_recompute_s(C) / C
         floor = iteration.num_running_tokens // 2
