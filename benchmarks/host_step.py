@@ -39,6 +39,8 @@ def measure(model: str, batch: int, context: int, steps: int) -> dict:
     # A profile of a GPU-like step, not measured: nothing pauses here, so no decision reads it.
     profile = Profile(model="host_step", device="cpu", dtype="bfloat16", bytes_per_token=256, block_size=16,
                       t_fwd_samples=((1, 0.007), (256, 0.009)), d2h_bytes_per_s=4e10, h2d_bytes_per_s=4e10)
+    # A pool with room for every sequence's whole context: the tiny model's KV is 256 bytes a token, and
+    # 2e-6 GB a token leaves ample room, so nothing is preempted or paused while the steps are timed.
     engine = Engine(model, dtype="bfloat16", device="cpu", kv_cache_gb=max(0.05, 2e-6 * batch * (context + steps)),
                     max_num_seqs=batch, max_num_batched_tokens=batch * (context + 1), num_threads=1, progress=False,
                     profile=profile)
