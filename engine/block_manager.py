@@ -100,10 +100,12 @@ class BlockPool:
             self.ref_counts[b] += 1
 
     def release(self, ids: Sequence[int], keep_cached: bool = True) -> None:
-        """Drop one reference to each of `ids`, the table's first block first. Blocks left unreferenced
-        join the free queue leaf first; without `keep_cached` they lose their hash and go to its front,
-        to be reused before any cached block."""
-        for b in reversed(ids):
+        """Drop one reference to each of `ids`, a table in order (its first block first). Blocks left
+        unreferenced join the free queue: in a caching pool leaf first (evicted before the prefix they
+        extend), and without `keep_cached` they lose their hash and go to its front, to be reused before
+        any cached block; in the host pool in table order, so blocks taken together are handed out
+        together again as consecutive ids (a run of them is one transfer call on a GPU)."""
+        for b in (reversed(ids) if self.caching else ids):
             assert self.ref_counts[b] > 0, f"block {b} released more often than referenced"
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:

@@ -19,6 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from infercept.engine.block_manager import BlockManager, OutOfBlocksError
 from infercept.engine.config import SchedulerConfig
+from infercept.engine.kv_cache import consecutive_runs
 from infercept.engine.outputs import RunnerOutput, SampledToken, SchedulerOutput
 from infercept.engine.request import Request, RequestStatus
 from infercept.engine.sampling_params import SamplingParams
@@ -478,6 +479,24 @@ def test_pool_pressure_preempts_newest_and_recomputes():
     assert a.num_preemptions == 0 and b.num_preemptions >= 1
     assert a.output_token_ids == b.output_token_ids == [SAMPLED] * 6
     assert bm.num_free_blocks == 4
+
+
+def test_host_blocks_a_swap_out_takes_are_consecutive_again_after_a_round_trip():
+    """On a GPU each run of consecutive host blocks is one transfer call, whose host-side cost (tens of
+    microseconds) is paid per run: host blocks freed by a swap-in go back to the free queue in table
+    order, so the next swap-out gets them as one run again, not one block at a time (freed leaf first,
+    as device blocks are for the prefix cache, they came back in descending order: 8 runs of 1)."""
+    bm = BlockManager(16, 16, BLOCK_SIZE)
+    for rid in ("a", "b"):
+        bm.allocate(rid, 8 * BLOCK_SIZE)
+        pairs = bm.swap_out(rid, 8)
+        assert len(consecutive_runs([h for _, h in pairs])) == 1
+        bm.swap_in(rid, 8)
+        bm.copies_done()
+        bm.free(rid)
+    bm.allocate("c", 16 * BLOCK_SIZE)
+    host_ids = [h for _, h in bm.swap_out("c", 16)]
+    assert len(consecutive_runs(host_ids)) == 1, host_ids
 
 
 def test_abort_of_unknown_or_finished_request_is_a_noop():

@@ -209,20 +209,29 @@ def test_queueing_swap_copies_does_not_make_the_host_wait(default_model_dir):
 def test_a_forward_pass_that_waits_for_a_copy_is_timed():
     """`CopyStream.waited_seconds`: how long forward passes stood still for the copies they read (the GPU
     check's copy waits): a pass reading a block a ~0.1 s copy writes waits for it, one that does not,
-    not; each wait is counted once."""
+    not; each wait is counted once. What the pass reads tells an ordering failure (it read the block
+    before the copy wrote it) from a timing one (it waited, the events around the wait did not see it)."""
     from infercept.engine.copy_stream import CopyStream
 
     device = torch.device("cuda")
     stream = CopyStream(device)
+    block_7 = torch.zeros(1, device=device)
+    queued = torch.cuda.Event(enable_timing=True)
+    queued.record()
     with stream.copying([7]):
         torch.cuda._sleep(200_000_000)  # a long copy into block 7, on the copy stream
+        block_7.fill_(1)  # its last write
     stream.before_forward([3])  # reads other blocks: goes on
     torch.ones(1, device=device).add_(1)
     stream.before_forward([7, 8])  # reads block 7: waits for the copy
-    torch.ones(1, device=device).add_(1)
+    read = block_7.clone()
     torch.cuda.synchronize()
+    assert read.item() == 1, "the pass read block 7 before the copy wrote it: it did not wait"
+    assert len(stream._waits) == 1
+    wait_began_ms = queued.elapsed_time(stream._waits[0][0])
     waited = stream.waited_seconds()
-    assert waited > 0.02, waited
+    assert waited > 0.02, (f"waited {waited:.6f} s; the wait began {wait_began_ms:.1f} ms after the copy "
+                           "was queued (near the copy's ~100 ms: the compute stream was held until then)")
     assert stream.waited_seconds() == 0.0
 
 
