@@ -217,24 +217,28 @@ class Engine:
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
+        planned_before = self.stats.schedule_host_seconds
         scheduler_output, outputs = self.loop.step(self._update, lambda: time.perf_counter() - start)
         waited = self.kv_cache.copy_stream.waited_seconds()  # the step's, its sampled ids being on the host
         self.stats.copy_wait_seconds += waited
         device = self.runner.device_seconds()
         self.stats.device_seconds += device
         if self._step_log is not None:
-            self._log_step(scheduler_output, start, waited, device)
+            self._log_step(scheduler_output, start, self.stats.schedule_host_seconds - planned_before, waited,
+                           device)
         return outputs
 
-    def _log_step(self, out: SchedulerOutput, start: float, copy_wait: float, device: float) -> None:
-        """One line of $INFERCEPT_STEP_LOG: the batch's composition and its time."""
+    def _log_step(self, out: SchedulerOutput, start: float, planning: float, copy_wait: float,
+                  device: float) -> None:
+        """One line of $INFERCEPT_STEP_LOG: the batch's composition and its time, with the host's share
+        in planning the step (`schedule_s`) and in queueing its swap copies (`copies_s`)."""
         decode = [c for c in out.chunks if len(c.token_ids) == 1 and c.sample]
         self._step_log.write(json.dumps({
             "t": start, "s": time.perf_counter() - start, "seqs": len(out.chunks),
             "decode": len(decode), "prefill_tokens": out.num_batched_tokens - len(decode),
             "context_tokens": sum(c.start_pos + len(c.token_ids) for c in out.chunks),
             "swap_in": len(out.swap_in), "swap_out": len(out.swap_out), "copy_wait_s": copy_wait,
-            "device_s": device}) + "\n")
+            "device_s": device, "schedule_s": planning, "copies_s": self.runner.copy_host_seconds}) + "\n")
 
     def _update(self, scheduler_output: SchedulerOutput, runner_output) -> list[RequestOutput]:
         outputs = []

@@ -53,6 +53,7 @@ class ModelRunner:
         self.graph_sets: list[DecodeGraphs | MixedGraphs] = []
         self.cuda_graphs = False
         self._device_span: tuple[float, float] | tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        self.copy_host_seconds = 0.0  # the last `run`'s host time queueing its swap copies (the step log's)
         if self.decode_kernel is not None:
             self.graph_sets = [
                 DecodeGraphs(model, kv_cache, device, max_batch, max_model_len, self.decode_kernel),
@@ -140,8 +141,10 @@ class ModelRunner:
         # Copies first, swap-out before swap-in: a block freed by a swap-out may be refilled in this
         # step. On CUDA they run on a copy stream, overlapping the forward pass unless it reads a block
         # a swap-in writes (`copy_stream.py`).
+        queueing = time.perf_counter()
         self.kv_cache.copy_blocks_out(output.swap_out)
         self.kv_cache.copy_blocks_in(output.swap_in)
+        self.copy_host_seconds = time.perf_counter() - queueing
         if not output.chunks:
             return RunnerOutput(sampled={})
         # The blocks this pass reads and writes (block 0 also pads eager decode block tables); lazy, as

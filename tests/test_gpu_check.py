@@ -92,11 +92,15 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
          "--context-scale", "0.05", "--decode-scale", "0.05", "--interception-scale", "0.01",
          "--max-interceptions", "1", "--max-context", "128", "--kv-cache-gb", "0.002", "--host-kv-gb", "0.01",
          "--max-num-batched-tokens", "64", "--max-num-seqs", "8", "--threads", "1",
-         "--json", str(res / "engine_trace_kv0.002gib.json"), "--step-log", str(tmp_path / "steps")])
+         "--json", str(res / "engine_trace_kv0.002gib.json"), "--step-log", str(res / "steps_kv0.002gib")])
+    step_counts = {}
     for policy in ("prefix-cache", "infercept"):  # each policy's step log, a line a step
-        lines = [json.loads(x) for x in (tmp_path / "steps" / f"{policy}.jsonl").read_text().splitlines()]
+        lines = [json.loads(x) for x in (res / "steps_kv0.002gib" / f"{policy}.jsonl").read_text().splitlines()]
         assert lines and all(line["copy_wait_s"] == 0.0 and line["s"] > 0 for line in lines)  # a CPU: no waits
         assert all(0 <= line["device_s"] < line["s"] for line in lines) and any(line["device_s"] for line in lines)
+        assert all(0 < line["schedule_s"] and 0 <= line["copies_s"] and line["device_s"] + line["schedule_s"]
+                   + line["copies_s"] < line["s"] for line in lines)  # parts of the step, apart
+        step_counts[policy] = len(lines)
     # Triton's interpreter is chosen when Triton is imported: the tilings' step runs in a process of its own.
     subprocess.run([sys.executable, str(GPU / "prefill_tiles.py"), "--dry", "--out", str(res)], check=True,
                    env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300)
@@ -134,10 +138,14 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
     for r in s["engine_trace"]["0.002 GiB"]["rows"]:  # the model's and the scheduler's times are parts of the step's
         assert r["steps"] > 0 and 0 < r["schedule_ms"] < r["step_ms"] and r["copy_wait_ms"] == 0.0, r
         assert 0 < r["device_ms"] and r["device_ms"] + r["schedule_ms"] < r["step_ms"], r
+    for policy, kinds in s["engine_trace_host_ms"]["0.002 GiB"].items():  # from the step logs
+        assert sum(k["steps"] for k in kinds.values()) == step_counts[policy]
+        assert all(0 < k["schedule_ms"] < k["host_ms"] for k in kinds.values() if k["steps"]), kinds
     assert [st["rc"] for st in s["steps"]] == [0, 1, 124, None]
     text = summary.markdown(s)
     assert "(timed out)" in text and "skipped: no time left" in text and "Attention over the context" in text
     assert "| 0.002 GiB | infercept |" in text and "3 passed, 1 failed" in text
+    assert "The host's share of a trace step" in text
     assert (res / "profile.json").exists() and (res / "decode_vs_hf.md").exists()
     assert s["decode_step_batch1_ms"] > 0 and s["decode_step_batch32_ms"] is None
     steps = json.loads((res / "step_profile.json").read_text())

@@ -5,11 +5,13 @@ with field by field. Every input is optional: a step that failed leaves its fiel
     python3 benchmarks/gpu/summary.py RESULTS_DIR --seconds 312
 
 Reads from RESULTS_DIR: steps.tsv (run.sh: step, exit status or "skipped", seconds), pytest.xml, profile_vs_hand.json,
-decode_vs_hf.json, model_*.json (make_models.py) and engine_trace_kv<GiB>gib.json (engine_trace.py).
+decode_vs_hf.json, model_*.json (make_models.py), engine_trace_kv<GiB>gib.json (engine_trace.py) and the
+traces' step logs, steps_kv<GiB>gib/.
 """
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import platform
@@ -24,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from card import card_name, driver_version, hbm_bytes_per_s  # noqa: E402
 
 TRACE_FILE = re.compile(r"engine_trace_kv(.+)gib\.json$")
+STEP_LOGS = re.compile(r"steps_kv(.+)gib$")
 
 
 def _load(path: Path):
@@ -63,6 +66,30 @@ def steps(path: Path) -> list[dict]:
         name, rc, seconds = line.split("\t")
         out.append({"step": name, "rc": None if rc == "skipped" else int(rc), "seconds": int(seconds)})
     return out
+
+
+def host_split(step_logs: Path) -> dict:
+    """From a trace's step logs (engine_trace.py --step-log, one `POLICY.jsonl[.gz]` each): the host's
+    time a step (the step's less the device's), mean ms, in steps with swap copies and in those without,
+    and of it the planning's and the copies' queueing (logs written before those two were logged: null)."""
+    split = {}
+    for path in sorted(step_logs.glob("*.jsonl*")):
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt") as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        policy = path.name.split(".jsonl")[0]
+        split[policy] = {}
+        for kind, chosen in (("with swaps", [r for r in rows if r["swap_in"] or r["swap_out"]]),
+                             ("without", [r for r in rows if not (r["swap_in"] or r["swap_out"])])):
+            def mean_ms(key):
+                values = [r[key] for r in chosen if key in r]
+                return 1e3 * sum(values) / len(values) if values and len(values) == len(chosen) else None
+            split[policy][kind] = {
+                "steps": len(chosen),
+                "host_ms": 1e3 * sum(r["s"] - r["device_s"] for r in chosen) / len(chosen) if chosen else None,
+                "schedule_ms": mean_ms("schedule_s"), "copies_ms": mean_ms("copies_s"),
+                "blocks": sum(r["swap_in"] + r["swap_out"] for r in chosen) / len(chosen) if chosen else None}
+    return split
 
 
 def summarize(res: Path, seconds: float | None = None, dry: bool = False) -> dict:
@@ -158,6 +185,8 @@ def summarize(res: Path, seconds: float | None = None, dry: bool = False) -> dic
                                          for r in simulated.get("rows", [])]
     s["engine_trace_normalized_latency"] = latency or None
     s["engine_trace"] = trace or None
+    logs = sorted(res.glob("steps_kv*gib"), key=lambda p: float(STEP_LOGS.search(p.name)[1]))
+    s["engine_trace_host_ms"] = {f"{STEP_LOGS.search(p.name)[1]} GiB": host_split(p) for p in logs} or None
     s["steps"] = steps(res / "steps.tsv")
     s["seconds"] = seconds
     return s
@@ -232,6 +261,18 @@ def markdown(s: dict) -> str:
                          f"{r['finished']}/{r['requests']} | {r['steps']} | {_f(r['step_ms'], '{:.2f}')} "
                          f"({_f(r.get('device_ms'), '{:.2f}')}, {_f(r['schedule_ms'], '{:.2f}')}, "
                          f"{_f(r.get('copy_wait_ms'), '{:.2f}')}) |")
+    if s.get("engine_trace_host_ms"):
+        lines += ["", "**The host's share of a trace step** (mean ms: the step's less the device's; of it the "
+                  "scheduler's planning and the queueing of swap copies):", "",
+                  "| device pool | policy | steps | swap blocks a step | host ms | planning | copies |",
+                  "|---|---|---|---:|---:|---:|---:|"]
+        for pool, policies in s["engine_trace_host_ms"].items():
+            for policy, kinds in policies.items():
+                for kind, k in kinds.items():
+                    if k["steps"]:
+                        lines.append(f"| {pool} | {policy} | {k['steps']} {kind} | {_f(k['blocks'])} | "
+                                     f"{_f(k['host_ms'], '{:.2f}')} | {_f(k['schedule_ms'], '{:.2f}')} | "
+                                     f"{_f(k['copies_ms'], '{:.2f}')} |")
     return "\n".join(lines) + "\n"
 
 
