@@ -206,6 +206,28 @@ def test_queueing_swap_copies_does_not_make_the_host_wait(default_model_dir):
 
 
 @cuda_test
+def test_the_copy_stream_runs_beside_the_compute_stream():
+    """Swap copies must not hold up the forward passes queued after them: a stream sharing the compute
+    stream's hardware queue would (a pass queued beside a 100 ms copy started when the copy ended, in
+    an H100 test process, 2026-11-27). The probe that picks the copy stream tells one from the other
+    (the compute stream itself is the extreme case of sharing), and the stream it picks runs beside."""
+    from infercept.engine.copy_stream import CopyStream, _holds_compute
+
+    device = torch.device("cuda")
+    assert _holds_compute(torch.cuda.current_stream(device), device)
+    for _ in range(40):  # more CopyStreams than torch's pool has streams: every pool stream comes up
+        stream = CopyStream(device)
+        assert not _holds_compute(stream.stream, device)
+    before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    before.record()
+    with stream.copying([7]):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s
+    after.record()
+    torch.cuda.synchronize()
+    assert before.elapsed_time(after) < 10.0
+
+
+@cuda_test
 def test_a_forward_pass_that_waits_for_a_copy_is_timed():
     """`CopyStream.waited_seconds`: how long forward passes stood still for the copies they read (the GPU
     check's copy waits): a pass reading a block a ~0.1 s copy writes waits for it, one that does not,
