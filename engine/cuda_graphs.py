@@ -130,9 +130,10 @@ class _GraphSet:
         lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
         rows, widest = len(tables), max(int(lengths.max()), 1)
         staged = host.view(-1)[:rows * widest].view(rows, widest)
-        staged.fill_(pad_id)
+        view = staged.numpy()  # numpy on the same memory: its small operations cost a tenth of torch's
+        view.fill(pad_id)
         flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=int(lengths.sum()))
-        staged[torch.arange(widest) < torch.from_numpy(lengths)[:, None]] = torch.from_numpy(flat)
+        view[np.arange(widest) < lengths[:, None]] = flat
         device_buffer[:rows, :widest].copy_(staged, non_blocking=True)
 
     def capture(self, pool) -> None:
@@ -175,15 +176,15 @@ class DecodeGraphs(_GraphSet):
         self.decode_kernel = decode_kernel
         scratch = kv_cache.scratch_block
         longs = dict(dtype=torch.int64, device=device)
-        self.input_ids = torch.zeros(self.max_batch, **longs)
-        self.positions = torch.zeros(self.max_batch, **longs)
-        self.slot_mapping = torch.full((self.max_batch,), self.scratch_slot, **longs)
+        # The four vectors are the rows of one buffer, copied up whole in one transfer a step (rows past
+        # a step's padded size are stale, never read); the host side is written through numpy.
+        self._vectors = torch.tensor([[0], [0], [self.scratch_slot], [1]], **longs).repeat(1, self.max_batch)
+        self.input_ids, self.positions, self.slot_mapping, self.context_lens = self._vectors
         self.block_tables = torch.full((self.max_batch, self.max_blocks), scratch, **longs)
-        self.context_lens = torch.ones(self.max_batch, **longs)
         self.rows = torch.arange(self.max_batch, **longs)  # a decode-only step's rows are the batch, in order
-        # Host side: one [4, max_batch] block (ids, positions, slots, lengths), and the tables.
         self._host_vectors = torch.zeros(4, self.max_batch, dtype=torch.int64, pin_memory=self.pinned)
         self._host_tables = torch.zeros(self.max_batch, self.max_blocks, dtype=torch.int64, pin_memory=self.pinned)
+        self._padding = np.array([[0], [0], [self.scratch_slot], [1]], dtype=np.int64)
 
     def fits(self, output: SchedulerOutput) -> bool:
         """A decode-only step small enough for the largest graph."""
@@ -193,18 +194,17 @@ class DecodeGraphs(_GraphSet):
         return len(output.chunks)
 
     def write_inputs(self, output: SchedulerOutput, padded: int) -> None:
-        bs, scratch = self.block_size, self.kv_cache.scratch_block
-        pad = padded - len(output.chunks)
+        bs, scratch, n = self.block_size, self.kv_cache.scratch_block, len(output.chunks)
         positions = [c.start_pos for c in output.chunks]
         tables = [c.block_table[:p // bs + 1] for c, p in zip(output.chunks, positions)]
-        self._host_vectors[:, :padded] = torch.tensor([
-            [c.token_ids[0] for c in output.chunks] + [0] * pad,
-            positions + [0] * pad,
-            [token_slots(t, p, p + 1, bs)[0] for t, p in zip(tables, positions)] + [self.scratch_slot] * pad,
-            [p + 1 for p in positions] + [1] * pad])
-        for dst, src in zip((self.input_ids, self.positions, self.slot_mapping, self.context_lens), self._host_vectors):
-            dst[:padded].copy_(src[:padded], non_blocking=True)
-        self._stage_tables(self._host_tables, self.block_tables, tables + [[]] * pad, scratch)
+        vectors = self._host_vectors.numpy()
+        vectors[0, :n] = [c.token_ids[0] for c in output.chunks]
+        vectors[1, :n] = positions
+        vectors[2, :n] = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]  # `token_slots`
+        vectors[3, :n] = vectors[1, :n] + 1
+        vectors[:, n:padded] = self._padding
+        self._vectors.copy_(self._host_vectors, non_blocking=True)
+        self._stage_tables(self._host_tables, self.block_tables, tables + [[]] * (padded - n), scratch)
 
     def forward(self, padded: int) -> torch.Tensor:
         lens = self.context_lens[:padded]
@@ -273,10 +273,10 @@ class MixedGraphs(_GraphSet):
         values = {"input_ids": ids + [0] * pad, "positions": positions + [0] * pad,
                   "slot_mapping": slots + [self.scratch_slot] * pad, "query_start": query_start + [live] * unused,
                   "seq_lens": seq_lens + [0] * unused, "map_seq": map_seq, "map_row": map_row}
-        start = 0
+        start, host = 0, self._host_vectors.numpy()
         for name, n in self._layout.items():
             v = values[name]
-            self._host_vectors[start:start + len(v)] = torch.tensor(v)
+            host[start:start + len(v)] = v
             start += n
         self._vectors.copy_(self._host_vectors, non_blocking=True)
         self._stage_tables(self._host_tables, self.block_tables, tables, 0)
