@@ -100,12 +100,10 @@ class BlockPool:
             self.ref_counts[b] += 1
 
     def release(self, ids: Sequence[int], keep_cached: bool = True) -> None:
-        """Drop one reference to each of `ids`, a table in order (its first block first). Blocks left
-        unreferenced join the free queue: in a caching pool leaf first (evicted before the prefix they
-        extend), and without `keep_cached` they lose their hash and go to its front, to be reused before
-        any cached block; in the host pool in table order, so blocks taken together are handed out
-        together again as consecutive ids (a run of them is one transfer call on a GPU)."""
-        for b in (reversed(ids) if self.caching else ids):
+        """Drop one reference to each of `ids`, the table's first block first. Blocks left unreferenced
+        join the free queue leaf first; without `keep_cached` they lose their hash and go to its front,
+        to be reused before any cached block."""
+        for b in reversed(ids):
             assert self.ref_counts[b] > 0, f"block {b} released more often than referenced"
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
@@ -145,11 +143,95 @@ class BlockPool:
         assert sum(h is not None for h in self.block_hash) == len(self.cached), f"{name}: stray block hash"
 
 
+def consecutive_runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """(index into `ids`, first id, length) of each run of consecutive ids, in order."""
+    runs: list[tuple[int, int, int]] = []
+    for i, block in enumerate(ids):
+        if runs and runs[-1][1] + runs[-1][2] == block:
+            start, first, length = runs[-1]
+            runs[-1] = (start, first, length + 1)
+        else:
+            runs.append((i, block, 1))
+    return runs
+
+
+class HostBlockPool:
+    """The host pool's free blocks, handed out as consecutive ids where they can be: on a GPU each run
+    of consecutive host blocks is one transfer call, whose host-side cost (tens of microseconds) is paid
+    per run, not per byte. The free blocks are kept as runs (coalesced when freed); `take` fits a request
+    into the smallest run that holds it, else spans the longest runs. Host blocks hold no shared or
+    cached content: each is taken once, or free."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.num_free = num_blocks
+        self._taken = bytearray(num_blocks)
+        self._runs: dict[int, int] = {}  # first block -> length, of each free run
+        self._run_before: dict[int, int] = {}  # the block after a free run -> its first block
+        if num_blocks:
+            self._add(0, num_blocks)
+
+    def take(self, n: int) -> list[int]:
+        if n > self.num_free:
+            raise OutOfBlocksError(f"asked for {n} host blocks, {self.num_free} free")
+        fits = [(length, first) for first, length in self._runs.items() if length >= n]
+        chosen = [min(fits)[::-1]] if fits else sorted(self._runs.items(), key=lambda run: -run[1])
+        ids: list[int] = []
+        for first, length in chosen:
+            if len(ids) == n:
+                break
+            used = min(length, n - len(ids))
+            self._remove(first)
+            if used < length:
+                self._add(first + used, length - used)
+            ids += range(first, first + used)
+        ids.sort()
+        for b in ids:
+            self._taken[b] = 1
+        self.num_free -= n
+        return ids
+
+    def release(self, ids: Sequence[int]) -> None:
+        for b in ids:
+            assert self._taken[b], f"host block {b} released but not taken"
+            self._taken[b] = 0
+        for _, first, length in consecutive_runs(sorted(ids)):
+            before = self._run_before.get(first)  # a free run that ends where this one begins
+            if before is not None:
+                length += self._runs[before]
+                self._remove(before)
+                first = before
+            after = self._runs.get(first + length)
+            if after is not None:
+                self._remove(first + length)
+                length += after
+            self._add(first, length)
+        self.num_free += len(ids)
+
+    def _add(self, first: int, length: int) -> None:
+        self._runs[first] = length
+        self._run_before[first + length] = first
+
+    def _remove(self, first: int) -> None:
+        del self._run_before[first + self._runs.pop(first)]
+
+    def check(self, tables: dict[str, list[int]], name: str) -> None:
+        refs = Counter(b for table in tables.values() for b in table)
+        free = bytearray(self.num_blocks)
+        for first, length in self._runs.items():
+            free[first:first + length] = b"\x01" * length
+            assert first + length not in self._runs, f"{name}: free runs not coalesced at {first + length}"
+        for b in range(self.num_blocks):
+            assert refs.get(b, 0) == self._taken[b] != free[b], (
+                f"{name}: block {b}: taken {self._taken[b]}, in a free run {free[b]}, {refs.get(b, 0)} tables list it")
+        assert self.num_free == sum(self._runs.values()), f"{name}: free count out of sync"
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, num_host_blocks: int, block_size: int, enable_caching: bool = True):
         self.block_size = block_size
         self.device = BlockPool(num_blocks, caching=enable_caching)
-        self.host = BlockPool(num_host_blocks)
+        self.host = HostBlockPool(num_host_blocks)
         self.tables: dict[str, list[int]] = {}  # request id -> device block ids
         self.host_tables: dict[str, list[int]] = {}  # request id -> host block ids
         self._registered: dict[str, int] = {}  # request id -> leading table blocks already registered
@@ -282,7 +364,6 @@ class BlockManager:
     def check_integrity(self) -> None:
         self.device.check(self.tables, "device")
         self.host.check({**self.host_tables, "(being read)": self._host_being_read}, "host")
-        assert not self.host.cached, "host blocks are never addressable by content"
 
     def num_used_blocks(self) -> int:
         return self.device.num_blocks - self.device.num_free

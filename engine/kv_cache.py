@@ -18,6 +18,7 @@ from collections.abc import Iterable
 
 import torch
 
+from .block_manager import consecutive_runs
 from .config import available_host_memory_bytes
 from .copy_stream import CopyStream, to_device
 from .models.spec import ModelSpec
@@ -40,18 +41,6 @@ def token_slots(block_table: list[int], start: int, end: int, block_size: int) -
     """The flat cache slots of positions [start, end) of a sequence whose blocks are `block_table`:
     position p is token p % block_size of block block_table[p // block_size]."""
     return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-
-
-def consecutive_runs(ids: list[int]) -> list[tuple[int, int, int]]:
-    """(index into `ids`, first id, length) of each run of consecutive ids, in order."""
-    runs: list[tuple[int, int, int]] = []
-    for i, block in enumerate(ids):
-        if runs and runs[-1][1] + runs[-1][2] == block:
-            start, first, length = runs[-1]
-            runs[-1] = (start, first, length + 1)
-        else:
-            runs.append((i, block, 1))
-    return runs
 
 
 def paired_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
