@@ -86,7 +86,7 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
                                    "--prefill-len", "64", "--kv-cache-gb", "0.02"])
     load_gpu("step_profile").main(["--model", model, "--out", str(res), "--dtype", "float32", "--device", "cpu",
                                    "--batches", "1", "--steps", "4", "--prefill-len", "64", "--kv-cache-gb", "0.02",
-                                   "--mixed-chunk", "16", "--mixed-decodes", "2", "--eager-too"])
+                                   "--mixed-chunk", "16", "--mixed-decodes", "2", "--swap-blocks", "4", "--eager-too"])
     load_bench("engine_trace").main(
         ["--model", model, "--policies", "prefix-cache", "infercept", "--rate", "2", "--window", "1", "--until", "3",
          "--context-scale", "0.05", "--decode-scale", "0.05", "--interception-scale", "0.01",
@@ -153,6 +153,9 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
     assert "cumulative" in (res / "step_profile.txt").read_text()  # the cProfile table
     assert s["mixed_step"] == "16 prefill tokens + 2 decodes" and s["mixed_step_ms"] > 0 and s["eager_mixed_step_ms"] > 0
     assert "| mixed: 16 prefill tokens + 2 decodes |" in text
+    assert s["swap_step"] == "4 blocks each way beside 2 decodes" and s["swap_copies_host_ms"] > 0
+    assert s["swap_step_ms"] > 0 and s["swap_step_without_copies_ms"] > 0 and "Swap copies, 4 blocks" in text
+    assert s["decode_graph_launch_batch1_ms"] is None  # a CPU: no graphs
     tiles = json.loads((res / "prefill_tiles.json").read_text())["rows"]
     assert len(tiles) == 6 and sum(r["engine"] for r in tiles) == 3  # two tilings, three cases
     assert all(r["max_abs_diff"] < 1e-4 for r in tiles), tiles  # every tiling against SDPA in fp32

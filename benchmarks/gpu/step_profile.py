@@ -1,8 +1,9 @@
 """Where an engine step's time goes, so a GPU run leaves enough to speed the engine up without a GPU at
-hand: decode steps at batch 1 and 32, mixed steps (a 128-token prompt's prefill beside 8 decodes) and a
-1,000-token prefill, each timed step by step (wall time of
-`engine.step()` beside the runner's share), under cProfile (the Python functions a step spends its host
-time in) and under torch.profiler (the kernels and their device time, and the host time of each op).
+hand: decode steps at batch 1 and 32, mixed steps (a 128-token prompt's prefill beside 8 decodes), steps
+that queue swap copies (64 blocks each way beside 8 decodes) and a 1,000-token prefill, each timed step
+by step (wall time of `engine.step()` beside the runner's share), under cProfile (the Python functions a
+step spends its host time in) and under torch.profiler (the kernels and their device time, and the host
+time of each op); and the host time of the decode graph's launch.
 
     python3 benchmarks/gpu/step_profile.py --model /tmp/llama3-8b --out RESULTS_DIR
 
@@ -111,9 +112,79 @@ def decode_workload(llm, batch: int, steps: int, prompt_len: int, report: list[s
     result[f"decode_batch{batch}"] = timed_steps(llm, steps)
     report.append(f"## decode, batch {batch}: engine.step() median {result[f'decode_batch{batch}']['step_ms_median']:.2f} "
                   f"ms, runner.run median {result[f'decode_batch{batch}']['runner_ms_median']:.2f} ms\n")
+    launch = graph_launch_ms(llm, batch)
+    if launch is not None:
+        result[f"decode_batch{batch}"]["graph_launch_ms"] = launch
+        report.append(f"The decode graph's launch (`replay()`, host time, the GPU idle): median {launch:.3f} ms\n")
     report.append(f"### cProfile over {steps} steps\n" + python_profile(llm, steps))
     report.append(f"### torch.profiler over {steps // 2} steps\n"
                   + kernel_profile(lambda: [llm.engine.step() for _ in range(steps // 2)], device))
+    _finish(llm)
+
+
+def graph_launch_ms(llm, batch: int, repeats: int = 20) -> float | None:
+    """Host time of one replay of the captured decode graph for `batch`, the GPU idle: the part of a
+    decode step's launch the device waits out (None without graphs). It replays the last step's staged
+    inputs, which rewrites the same KV slots with the same values."""
+    runner = llm.engine.runner
+    if not runner.cuda_graphs:
+        return None
+    graphs = runner.graph_sets[0]
+    graph = graphs.graphs[graphs.padded(batch)]
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        graph.replay()
+        times.append(1e3 * (time.perf_counter() - start))
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def swap_workload(llm, decodes: int, blocks: int, steps: int, report: list[str], result: dict) -> None:
+    """Decode steps of `decodes` requests, each step also copying `blocks` device blocks out to the host
+    and `blocks` others in, as a step of the policy's swaps queues them (blocks no request holds: the
+    data is of no use, the copies' cost is the point): the host time of queueing them and what the
+    step gains in all, beside the same steps without copies."""
+    engine = llm.engine
+    bm, device = engine.block_manager, engine.config.device
+    prompts = [[100 + (i * 7 + j) % 1000 for j in range(32)] for i in range(decodes)]
+    _start(llm, prompts, new_tokens=4 * steps + 8)
+    for _ in range(3):
+        engine.step()
+    plain = timed_steps(llm, steps)
+    free = list(bm.device.free_ids)[-2 * blocks:]  # the free queue's end: taken last, by nothing meanwhile
+    swap_out, swap_in = list(zip(free[:blocks], range(blocks))), list(zip(range(blocks), free[blocks:]))
+    schedule = engine.scheduler.schedule
+
+    def with_copies():
+        out = schedule()
+        out.swap_out += swap_out
+        out.swap_in += swap_in
+        return out
+
+    copies_ms = []
+    run = engine.runner.run
+
+    def run_and_time(output):
+        result = run(output)
+        copies_ms.append(1e3 * engine.runner.copy_host_seconds)
+        return result
+
+    engine.scheduler.schedule, engine.runner.run = with_copies, run_and_time
+    try:
+        row = timed_steps(llm, steps)
+        report.append(f"## swap copies, {blocks} blocks out and {blocks} in beside {decodes} decodes: engine.step() "
+                      f"median {row['step_ms_median']:.2f} ms ({plain['step_ms_median']:.2f} without the copies), "
+                      f"queueing the copies median {statistics.median(copies_ms):.3f} ms of host time\n")
+        row["without_copies_step_ms_median"] = plain["step_ms_median"]
+        row["copies_host_ms_median"] = statistics.median(copies_ms)
+        result[f"swap_{blocks}_beside_{decodes}"] = row
+        report.append(f"### cProfile over {steps} steps\n" + python_profile(llm, steps))
+        report.append(f"### torch.profiler over {steps // 2} steps\n"
+                      + kernel_profile(lambda: [engine.step() for _ in range(steps // 2)], device))
+    finally:
+        engine.scheduler.schedule, engine.runner.run = schedule, run
     _finish(llm)
 
 
@@ -170,6 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-cache-gb", type=float, default=4.0)
     ap.add_argument("--mixed-chunk", type=int, default=128, help="prompt tokens a mixed step prefills")
     ap.add_argument("--mixed-decodes", type=int, default=8, help="decodes beside it")
+    ap.add_argument("--swap-blocks", type=int, default=64, help="blocks a swap step copies each way")
     ap.add_argument("--eager-too", action="store_true",
                     help="also time the decode and mixed steps with --enforce-eager")
     args = ap.parse_args(argv)
@@ -187,6 +259,7 @@ def main(argv: list[str] | None = None) -> None:
         for batch in args.batches:
             decode_workload(llm, batch, args.steps, 32, report, result)
         mixed_workload(llm, args.mixed_decodes, args.mixed_chunk, args.steps, report, result)
+        swap_workload(llm, args.mixed_decodes, args.swap_blocks, args.steps, report, result)
         prefill_workload(llm, args.prefill_len, report, result)
         del llm
     except Exception:  # the eager comparison below still runs, and the error is in the report

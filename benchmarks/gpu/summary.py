@@ -141,6 +141,12 @@ def summarize(res: Path, seconds: float | None = None, dry: bool = False) -> dic
     s["mixed_step"] = mixed and mixed.removeprefix("mixed_").replace("_plus_", " prefill tokens + ") + " decodes"
     s["mixed_step_ms"] = mixed and step_profile[mixed].get("step_ms_median")
     s["eager_mixed_step_ms"] = (eager.get("mixed") or {}).get("step_ms_median")
+    s["decode_graph_launch_batch1_ms"] = (step_profile.get("decode_batch1") or {}).get("graph_launch_ms")
+    swap = next((k for k in step_profile if k.startswith("swap_")), None)
+    s["swap_step"] = swap and swap.removeprefix("swap_").replace("_beside_", " blocks each way beside ") + " decodes"
+    for key, field in (("swap_step_ms", "step_ms_median"), ("swap_step_without_copies_ms", "without_copies_step_ms_median"),
+                       ("swap_copies_host_ms", "copies_host_ms_median")):
+        s[key] = swap and step_profile[swap].get(field)
 
     # Batch-1 decode streams every weight once a step: tokens/s <= HBM bandwidth / weight bytes.
     s["weight_bytes"] = dec.get("weight_bytes")
@@ -243,6 +249,13 @@ def markdown(s: dict) -> str:
         if s["mixed_step"]:
             lines.append(f"| mixed: {s['mixed_step']} | {_f(s['mixed_step_ms'], '{:.2f}')} | "
                          f"{_f(s['eager_mixed_step_ms'], '{:.2f}')} |")
+        if s.get("decode_graph_launch_batch1_ms") is not None:
+            lines += ["", f"The batch-1 decode graph's launch takes {s['decode_graph_launch_batch1_ms']:.3f} ms of host "
+                      "time (the GPU idle)."]
+        if s.get("swap_step"):
+            lines += ["", f"Swap copies, {s['swap_step']}: a step {_f(s['swap_step_ms'], '{:.2f}')} ms against "
+                      f"{_f(s['swap_step_without_copies_ms'], '{:.2f}')} without them; queueing them "
+                      f"{_f(s['swap_copies_host_ms'], '{:.3f}')} ms of host time."]
     if s.get("prefill_kernel"):
         lines += ["", "**Prefill kernel** (one layer, us; `prefill_tiles.md`: every tiling):", "",
                   "| case | engine's tiling | fastest tiling | fastest | SDPA |", "|---|---:|---|---:|---:|"]
