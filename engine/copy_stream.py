@@ -19,13 +19,6 @@ of queueing behind them on the compute stream. Events keep the two streams hones
 - All copies share one stream and run in the order issued, so a swap-out into a host block a swap-in
   just read needs no event.
 
-- The copy stream must not share a hardware queue with the compute stream. A GPU has a few such queues
-  (`CUDA_DEVICE_MAX_CONNECTIONS`, 8 by default) for many streams; two streams in one queue run in
-  order, so every copy would hold up the forward passes queued after it, unseen by the events that
-  time the waits (an H100 test process got such a stream: a pass queued beside a 100 ms copy started
-  when the copy ended, 2026-11-27). `_stream_beside` probes torch's pool streams for one that runs
-  beside the compute stream.
-
 On the CPU every copy is synchronous and this class does nothing. On CUDA it times each wait of a
 forward pass for the copies (`waited_seconds`): what swaps cost a step beyond what the copy stream hides.
 
@@ -37,13 +30,10 @@ way, 2026-11-27). Index lists go up through pinned memory instead (`to_device`).
 """
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from contextlib import contextmanager
 
 import torch
-
-logger = logging.getLogger("infercept.engine")
 
 
 def to_device(data, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -55,43 +45,10 @@ def to_device(data, device: torch.device, dtype: torch.dtype | None = None) -> t
     return t.pin_memory().to(device, non_blocking=True)
 
 
-# torch's pool holds 32 streams of each priority (`torch.cuda.Stream()` hands them out in turn).
-POOL_STREAMS = 32
-PROBE_CYCLES = 2_000_000  # ~1 ms of GPU clock
-
-
-def _holds_compute(stream: torch.cuda.Stream, device: torch.device) -> bool:
-    """Whether work on `stream` holds up the compute stream: a ~1 ms spin on `stream`, then an event on
-    the idle compute stream, which ought to pass at once; held, it passes when the spin ends."""
-    compute = torch.cuda.current_stream(device)
-    torch.cuda.synchronize(device)
-    spin_start, spin_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    before.record(compute)
-    with torch.cuda.stream(stream):
-        spin_start.record(stream)
-        torch.cuda._sleep(PROBE_CYCLES)
-        spin_end.record(stream)
-    after.record(compute)
-    torch.cuda.synchronize(device)
-    return before.elapsed_time(after) > 0.5 * spin_start.elapsed_time(spin_end)
-
-
-def _stream_beside(device: torch.device) -> torch.cuda.Stream:
-    """A stream of torch's pool whose work runs beside the compute stream's, not ahead of it."""
-    for _ in range(POOL_STREAMS):
-        stream = torch.cuda.Stream(device)
-        if not _holds_compute(stream, device):
-            return stream
-    logger.warning("every pool stream shares the compute stream's hardware queue: swap copies will hold up "
-                   "the forward passes (is CUDA_DEVICE_MAX_CONNECTIONS set to 1?)")
-    return stream
-
-
 class CopyStream:
     def __init__(self, device: torch.device):
         self.device = device
-        self.stream = _stream_beside(device) if device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # Device blocks that copies queued since the last wait write; `_last_copy` is recorded after the
         # newest copy (the stream is FIFO, so it completes after all of them).
         self._pending_blocks: set[int] = set()
