@@ -43,6 +43,16 @@ def token_slots(block_table: list[int], start: int, end: int, block_size: int) -
     return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
+def gather_blocks(device_kv: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Blocks `ids` of a [2, L, num_blocks, bs, Hkv, D] pool as one [n, 2, L, bs, Hkv, D] tensor, a block's
+    bytes contiguous as the host pool holds them: one pass, writing through a permuted view (a gather
+    then a `contiguous()` moved the bytes twice)."""
+    staged = torch.empty((len(ids), *device_kv.shape[:2], *device_kv.shape[3:]), dtype=device_kv.dtype,
+                         device=device_kv.device)
+    torch.index_select(device_kv, 2, ids, out=staged.movedim(0, 2))
+    return staged
+
+
 def paired_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     """(first source id, first destination id, length) of each run of pairs consecutive on both sides.
 
@@ -95,8 +105,7 @@ class KVCache:
             return
         # Gathered on the compute stream, so the next forward pass may reuse the blocks without waiting
         # for the transfer to the host (`copy_stream.py`).
-        src = to_device([d for d, _ in pairs], self.device_kv.device)
-        staged = self.device_kv.index_select(2, src).movedim(2, 0).contiguous()  # [n, 2, L, bs, Hkv, D]
+        staged = gather_blocks(self.device_kv, to_device([d for d, _ in pairs], self.device_kv.device))
         with self.copy_stream.copying():
             # The copy stream reads it after this function returns: the allocator must not hand its
             # memory to the compute stream before that.

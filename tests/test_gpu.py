@@ -47,6 +47,20 @@ def _kv_pools(model_dir: str, device: str):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA_MARKS)])
+def test_a_swap_outs_gather_lays_each_block_out_as_the_host_pool_holds_it(device):
+    """`gather_blocks` (a swap-out's staging on CUDA) in one pass equals gathering then making the
+    result contiguous, in bf16 and fp32."""
+    from infercept.engine.kv_cache import gather_blocks
+
+    for dtype in (torch.bfloat16, torch.float32):
+        pool = torch.randn(2, 3, 10, 4, 2, 8, device=device).to(dtype)  # [2, L, blocks, bs, Hkv, D]
+        ids = torch.tensor([7, 2, 5, 6], device=device)
+        staged = gather_blocks(pool, ids)
+        assert staged.is_contiguous() and staged.shape == (4, 2, 3, 4, 2, 8)
+        assert torch.equal(staged, pool.index_select(2, ids).movedim(2, 0).contiguous())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA_MARKS)])
 def test_swap_round_trip_restores_the_blocks(default_model_dir, device):
     """Blocks copied out to the host pool and back hold what they held (on CUDA: via the copy stream
     and pinned memory; the compute stream sees swapped-in blocks only after `wait_for_copies`, as the
