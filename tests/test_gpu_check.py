@@ -155,7 +155,9 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
     assert "| mixed: 16 prefill tokens + 2 decodes |" in text
     assert s["swap_step"] == "4 blocks each way beside 2 decodes" and s["swap_copies_host_ms"] > 0
     assert s["swap_step_ms"] > 0 and s["swap_step_without_copies_ms"] > 0 and "Swap copies, 4 blocks" in text
-    assert s["decode_graph_launch_batch1_ms"] is None  # a CPU: no graphs
+    assert s["decode_graph_launch_batch1_ms"] is None  # a CPU: no graphs; as a GPU run reports it:
+    s["decode_graph_launch_batch1_ms"] = {"alone": 0.009, "in_step": 0.5, "after_sync": 0.02, "step_ms_after_sync": 6.1}
+    assert "0.009 ms replayed alone, 0.500 ms in a step, 0.020 ms" in summary.markdown(s)
     tiles = json.loads((res / "prefill_tiles.json").read_text())["rows"]
     assert len(tiles) == 6 and sum(r["engine"] for r in tiles) == 3  # two tilings, three cases
     assert all(r["max_abs_diff"] < 1e-4 for r in tiles), tiles  # every tiling against SDPA in fp32

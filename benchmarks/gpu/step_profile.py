@@ -3,7 +3,7 @@ hand: decode steps at batch 1 and 32, mixed steps (a 128-token prompt's prefill 
 that queue swap copies (64 blocks each way beside 8 decodes) and a 1,000-token prefill, each timed step
 by step (wall time of `engine.step()` beside the runner's share), under cProfile (the Python functions a
 step spends its host time in) and under torch.profiler (the kernels and their device time, and the host
-time of each op); and the host time of the decode graph's launch.
+time of each op); and the host time of the decode graph's launch, alone and inside steps.
 
     python3 benchmarks/gpu/step_profile.py --model /tmp/llama3-8b --out RESULTS_DIR
 
@@ -105,40 +105,62 @@ def kernel_profile(fn, device: torch.device, top: int = 25) -> str:
 def decode_workload(llm, batch: int, steps: int, prompt_len: int, report: list[str], result: dict) -> None:
     device = llm.engine.config.device
     prompts = [[100 + (i * 7 + j) % 1000 for j in range(prompt_len)] for i in range(batch)]
-    # Enough tokens for the timed, the cProfile and the torch.profiler steps.
-    _start(llm, prompts, new_tokens=3 * steps + 8)
+    # Enough tokens for the timed, the launch's, the cProfile and the torch.profiler steps.
+    _start(llm, prompts, new_tokens=5 * steps + 8)
     for _ in range(3):  # warm-up
         llm.engine.step()
     result[f"decode_batch{batch}"] = timed_steps(llm, steps)
     report.append(f"## decode, batch {batch}: engine.step() median {result[f'decode_batch{batch}']['step_ms_median']:.2f} "
                   f"ms, runner.run median {result[f'decode_batch{batch}']['runner_ms_median']:.2f} ms\n")
-    launch = graph_launch_ms(llm, batch)
+    launch = graph_launch_ms(llm, batch, steps)
     if launch is not None:
         result[f"decode_batch{batch}"]["graph_launch_ms"] = launch
-        report.append(f"The decode graph's launch (`replay()`, host time, the GPU idle): median {launch:.3f} ms\n")
+        report.append(f"The decode graph's launch (`replay()`, host time, median ms): alone {launch['alone']:.3f}, "
+                      f"in a step {launch['in_step']:.3f}, in a step with the stream synchronized first "
+                      f"{launch['after_sync']:.3f} (those steps {launch['step_ms_after_sync']:.2f} ms)\n")
     report.append(f"### cProfile over {steps} steps\n" + python_profile(llm, steps))
     report.append(f"### torch.profiler over {steps // 2} steps\n"
                   + kernel_profile(lambda: [llm.engine.step() for _ in range(steps // 2)], device))
     _finish(llm)
 
 
-def graph_launch_ms(llm, batch: int, repeats: int = 20) -> float | None:
-    """Host time of one replay of the captured decode graph for `batch`, the GPU idle: the part of a
-    decode step's launch the device waits out (None without graphs). It replays the last step's staged
-    inputs, which rewrites the same KV slots with the same values."""
+def graph_launch_ms(llm, batch: int, steps: int) -> dict | None:
+    """Host time of the decode graph's launch (`replay()`), medians in ms: replayed alone with the GPU
+    idle and its stream empty (`alone`: it replays the last step's staged inputs, which rewrites the same
+    KV slots with the same values), inside `steps` engine steps (`in_step`), and inside `steps` more
+    with the stream synchronized just before it (`after_sync`, with those steps' median `step_ms`): what
+    the work a step queues before the launch costs it. None without graphs."""
     runner = llm.engine.runner
     if not runner.cuda_graphs:
         return None
     graphs = runner.graph_sets[0]
     graph = graphs.graphs[graphs.padded(batch)]
-    times = []
-    for _ in range(repeats):
+    alone = []
+    for _ in range(steps):
         torch.cuda.synchronize()
         start = time.perf_counter()
         graph.replay()
-        times.append(1e3 * (time.perf_counter() - start))
+        alone.append(1e3 * (time.perf_counter() - start))
     torch.cuda.synchronize()
-    return statistics.median(times)
+    launch, times = graphs.launch, {False: [], True: []}
+
+    def timed_launch(size: int, synchronize: bool) -> torch.Tensor:
+        if synchronize:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        hidden = launch(size)
+        times[synchronize].append(1e3 * (time.perf_counter() - start))
+        return hidden
+
+    try:
+        graphs.launch = lambda size: timed_launch(size, False)
+        timed_steps(llm, steps)
+        graphs.launch = lambda size: timed_launch(size, True)
+        synced = timed_steps(llm, steps)
+    finally:
+        graphs.launch = launch
+    return {"alone": statistics.median(alone), "in_step": statistics.median(times[False]),
+            "after_sync": statistics.median(times[True]), "step_ms_after_sync": synced["step_ms_median"]}
 
 
 def swap_workload(llm, decodes: int, blocks: int, steps: int, report: list[str], result: dict) -> None:

@@ -249,9 +249,13 @@ def markdown(s: dict) -> str:
         if s["mixed_step"]:
             lines.append(f"| mixed: {s['mixed_step']} | {_f(s['mixed_step_ms'], '{:.2f}')} | "
                          f"{_f(s['eager_mixed_step_ms'], '{:.2f}')} |")
-        if s.get("decode_graph_launch_batch1_ms") is not None:
-            lines += ["", f"The batch-1 decode graph's launch takes {s['decode_graph_launch_batch1_ms']:.3f} ms of host "
-                      "time (the GPU idle)."]
+        launch = s.get("decode_graph_launch_batch1_ms")
+        if isinstance(launch, float):  # results of 2026-11-28: the replay alone only
+            lines += ["", f"The batch-1 decode graph's launch, host time: {launch:.3f} ms replayed alone."]
+        elif launch is not None:
+            lines += ["", f"The batch-1 decode graph's launch, host time: {launch['alone']:.3f} ms replayed alone, "
+                      f"{launch['in_step']:.3f} ms in a step, {launch['after_sync']:.3f} ms in a step with the stream "
+                      f"synchronized first (those steps {launch['step_ms_after_sync']:.2f} ms)."]
         if s.get("swap_step"):
             lines += ["", f"Swap copies, {s['swap_step']}: a step {_f(s['swap_step_ms'], '{:.2f}')} ms against "
                       f"{_f(s['swap_step_without_copies_ms'], '{:.2f}')} without them; queueing them "
