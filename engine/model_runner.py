@@ -138,28 +138,25 @@ class ModelRunner:
             self.generators.pop(request_id, None)
             if self.guided is not None:
                 self.guided.free(request_id)
-        # Copies first, swap-out before swap-in: a block freed by a swap-out may be refilled in this
-        # step. On CUDA they run on a copy stream, overlapping the forward pass unless it reads a block
-        # a swap-in writes (`copy_stream.py`).
-        queueing = time.perf_counter()
-        self.kv_cache.copy_blocks_out(output.swap_out)
-        self.kv_cache.copy_blocks_in(output.swap_in)
-        self.copy_host_seconds = time.perf_counter() - queueing
         if not output.chunks:
+            self._queue_copies(output)
             return RunnerOutput(sampled={})
-        # The blocks this pass reads and writes (block 0 also pads eager decode block tables); lazy, as
-        # they are only looked at while copies are in flight.
-        blocks = itertools.chain([0], *(chunk.block_table for chunk in output.chunks))
+        # The step's inputs go up before its swap copies: on CUDA, transfers to the device may run in
+        # the order queued, whatever their stream, and the pass's few kilobytes should not wait out a
+        # swap-in's megabytes.
         static = next((graphs for graphs in self.graph_sets if graphs.fits(output)), None)
         if static is not None:
             size = static.stage(output)
-            self.kv_cache.wait_for_copies(blocks)
-            started = self._mark()
-            hidden = static.launch(size)
         else:
             input_ids, positions, meta = self.build_metadata(output)
-            self.kv_cache.wait_for_copies(blocks)
-            started = self._mark()
+        self._queue_copies(output)
+        # The blocks this pass reads and writes (block 0 also pads eager decode block tables); lazy, as
+        # they are only looked at while copies are in flight.
+        self.kv_cache.wait_for_copies(itertools.chain([0], *(chunk.block_table for chunk in output.chunks)))
+        started = self._mark()
+        if static is not None:
+            hidden = static.launch(size)
+        else:
             hidden = self.model(input_ids, positions, meta, self.kv_cache.layer_views)
         # Only the last row of each chunk that reaches its request's end produces a token.
         rows, to_sample = [], []
@@ -187,6 +184,15 @@ class ModelRunner:
         if allowed is not None:
             self.guided.accept(to_sample, tokens)
         return RunnerOutput(sampled={c.request_id: t for c, t in zip(to_sample, tokens)})
+
+    def _queue_copies(self, output: SchedulerOutput) -> None:
+        """The step's swap copies, swap-out before swap-in (a block freed by a swap-out may be refilled
+        in this step). On CUDA they run on a copy stream, overlapping the forward pass unless it reads a
+        block a swap-in writes (`copy_stream.py`)."""
+        queueing = time.perf_counter()
+        self.kv_cache.copy_blocks_out(output.swap_out)
+        self.kv_cache.copy_blocks_in(output.swap_in)
+        self.copy_host_seconds = time.perf_counter() - queueing
 
     def _mark(self) -> float | torch.cuda.Event:
         """Now, on the compute stream (a timing event) on CUDA, on the host clock elsewhere."""
