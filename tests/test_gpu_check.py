@@ -146,6 +146,10 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
     assert "(timed out)" in text and "skipped: no time left" in text and "Attention over the context" in text
     assert "| 0.002 GiB | infercept |" in text and "3 passed, 1 failed" in text
     assert "The host's share of a trace step" in text
+    verdicts = {t["target"]: t["verdict"] for t in s["targets"]}  # the dry run's tiny sizes: verdicts only
+    assert verdicts["decode at batch 32, tok/s"] == "not measured"  # batches 1 and 2 only
+    assert verdicts["gpu tests failed or in error"] == "missed" and "| gpu tests failed or in error | <= 0 | 1 | missed |" in text
+    assert set(verdicts.values()) <= {"met", "missed", "not measured"} and len(verdicts) == 6
     assert (res / "profile.json").exists() and (res / "decode_vs_hf.md").exists()
     assert s["decode_step_batch1_ms"] > 0 and s["decode_step_batch32_ms"] is None
     steps = json.loads((res / "step_profile.json").read_text())

@@ -195,7 +195,44 @@ def summarize(res: Path, seconds: float | None = None, dry: bool = False) -> dic
     s["engine_trace_host_ms"] = {f"{STEP_LOGS.search(p.name)[1]} GiB": host_split(p) for p in logs} or None
     s["steps"] = steps(res / "steps.tsv")
     s["seconds"] = seconds
+    s["targets"] = targets(s)
     return s
+
+
+# What the engine is built to reach on an H100 with the 8B shape: (what, the summary's value, at least
+# (True) or at most, the bound).
+TARGETS = (
+    ("T_fwd(1), ms", lambda s: s["t_fwd_1_ms"], False, 7.5),
+    ("decode at batch 1, tok/s", lambda s: s["decode_batch1_tok_s"], True, 150.0),
+    ("decode at batch 32, tok/s", lambda s: s["decode_batch32_tok_s"], True, 3000.0),
+    ("1,000-token prefill, tok/s", lambda s: s["prefill_tok_s"], True, 25000.0),
+    ("1 GiB trace, prefix-cache's normalized latency / infercept's", lambda s: _latency_ratio(s, "1 GiB"), True, 3.0),
+    ("gpu tests failed or in error", lambda s: s["pytest"] and s["pytest"]["failed"] + s["pytest"]["errors"],
+     False, 0),
+)
+
+
+def _latency_ratio(s: dict, pool: str) -> float | None:
+    row = (s["engine_trace_normalized_latency"] or {}).get(pool) or {}
+    if not row.get("prefix-cache") or not row.get("infercept"):
+        return None
+    return row["prefix-cache"] / row["infercept"]
+
+
+def targets(s: dict) -> list[dict]:
+    """Each target with its measured value and "met", "missed" or "not measured" (a step skipped or failed)."""
+    rows = []
+    for what, value_of, at_least, bound in TARGETS:
+        value = value_of(s)
+        verdict = ("not measured" if value is None
+                   else "met" if (value >= bound if at_least else value <= bound) else "missed")
+        rows.append({"target": what, "bound": f"{'>=' if at_least else '<='} {_num(bound)}", "value": value,
+                     "verdict": verdict})
+    return rows
+
+
+def _num(x) -> str:
+    return "–" if x is None else f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.4g}"
 
 
 def _f(x, fmt="{:.1f}"):
@@ -206,7 +243,11 @@ def markdown(s: dict) -> str:
     head = (f"# GPU check, {s['date']}{' (dry run)' if s['dry_run'] else ''}\n\n{s['card']}, driver {s['driver']}, "
             f"torch {s['torch']} (CUDA {s['cuda']}), transformers {s['transformers']}, Python {s['python']}; "
             f"{_f(s['seconds'], '{:.0f}')} s in all.\n")
-    lines = [head, "| step | exit status | seconds |", "|---|---:|---:|"]
+    lines = [head, "**Targets** (the 8B shape on an H100" + ("; a dry run's tiny sizes say nothing of them" if s["dry_run"]
+                                                         else "") + "):", "",
+             "| target | bound | measured | verdict |", "|---|---|---:|---|"]
+    lines += [f"| {t['target']} | {t['bound']} | {_num(t['value'])} | {t['verdict']} |" for t in s["targets"]]
+    lines += ["", "| step | exit status | seconds |", "|---|---:|---:|"]
     lines += [f"| {st['step']} | {'skipped: no time left' if st['rc'] is None else st['rc']}"
               f"{' (timed out)' if st['rc'] in (124, 137) else ''} | {st['seconds']} |" for st in s["steps"]]
     p = s["pytest"]
