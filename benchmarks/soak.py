@@ -318,7 +318,9 @@ async def soak_policy(policy: str, seconds: float, agents: int, model: str | Non
             "rss_mb": {"first_window_max": round(max(first), 1), "last_window_max": round(max(last), 1)},
             "resumes": after.get("infercept_resumes_total", 0.0),
             "evictions": after.get("infercept_paused_evictions_total", 0.0),
-            "checks": checks, "ok": all(checks.values())}
+            "checks": checks, "ok": all(checks.values()),
+            # what the server logged (warnings and tracebacks), to tell a server fault from a client's
+            "server_log_tail": "" if all(checks.values()) else (workdir / f"serve-{policy}.log").read_text()[-4000:]}
 
 
 def table(results: list[dict]) -> str:
@@ -354,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {'ok  ' if ok else 'FAIL'} {name}")
             for error in results[-1]["errors"]:
                 print(f"  error: {error}")
+            if results[-1]["server_log_tail"]:
+                print("  the server's log, its end:\n" + results[-1]["server_log_tail"])
     print(table(results))
     output = Path(args.output or Path(__file__).parent / "results" / f"soak-{time.strftime('%Y-%m-%d')}.json")
     output.parent.mkdir(parents=True, exist_ok=True)

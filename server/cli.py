@@ -247,6 +247,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="model name clients use (default: the model folder's name)")
     g.add_argument("--max-concurrent-requests", type=int, default=int(_env("MAX_CONCURRENT_REQUESTS", 512)),
                    help="requests generating at once; beyond, 429 with Retry-After (default 512)")
+    g.add_argument("--keep-alive-timeout", type=float, default=float(_env("KEEP_ALIVE_TIMEOUT", 75.0)),
+                   help="seconds an idle HTTP keep-alive connection stays open; keep it above the idle timeout of "
+                        "the clients' and proxies' connection pools, or their next request on a connection the "
+                        "server just closed fails (default 75)")
     g.add_argument("--tool-parser", default=_env("TOOL_PARSER", None),
                    help="tool-call format: hermes, llama3_json, mistral or pythonic (default: from the model's chat "
                         "template); on --backend vllm also any of vLLM's tool parsers, as vLLM's --tool-call-parser "
@@ -321,7 +325,7 @@ def server_settings(args: argparse.Namespace):
     return ServerSettings(host=args.host, port=args.port, api_key=api_key or None, tenants=tenants,
                           served_model_name=args.served_model_name, conversations=policy,
                           max_concurrent_requests=args.max_concurrent_requests, tool_parser=args.tool_parser,
-                          reasoning_parser=args.reasoning_parser, mcp=mcp)
+                          reasoning_parser=args.reasoning_parser, mcp=mcp, keep_alive_s=args.keep_alive_timeout)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -344,7 +348,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                     shutting_down=lambda: server.should_exit)
     name = served_model_name(backend, settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=int(STREAM_CUT_S) + 2)
+                            timeout_keep_alive=settings.keep_alive_s, timeout_graceful_shutdown=int(STREAM_CUT_S) + 2)
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:

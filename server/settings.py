@@ -101,6 +101,10 @@ class ServerSettings:
     max_concurrent_requests: int = 512
     # Request bodies larger than this are refused with 413.
     max_body_bytes: int = 16 * 1024 * 1024
+    # Seconds an idle keep-alive connection stays open. Longer than a client pool keeps one (httpx and the
+    # openai SDK: 5 s; proxies often 60 s): a server that closes first races the client's next request on
+    # that connection, which then fails with a connection reset instead of an answer.
+    keep_alive_s: float = 75.0
     # Tool-call format; None = the model's chat family (engine.tool_parsers.parser_for_model).
     tool_parser: str | None = None
     # Thinking format (engine/reasoning_parsers.py: qwen3, deepseek_r1); None = turns are not split.

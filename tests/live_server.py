@@ -26,6 +26,7 @@ def serve_in_thread(app, lifespan: str = "on") -> tuple:
     import uvicorn
 
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan=lifespan,
+                                           timeout_keep_alive=app.state.settings.keep_alive_s,
                                            timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -1,9 +1,11 @@
-"""How a real `infercept serve` process ends. SIGTERM while streams are generating and a generation is
+"""How a real `infercept serve` process holds connections and ends. An idle keep-alive connection
+outlives a client pool's expiry (so a pooled connection is never closed under a request). SIGTERM while streams are generating and a generation is
 paused at a tool call: the streams finish (or, past the grace period, end with an error event and
 [DONE]), the paused generation is released, and the process exits 0. An engine thread that dies: the
 process exits 1 on its own, so a supervisor restarts it."""
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -78,6 +80,21 @@ def stream_lines(base: str, max_tokens: int, started: threading.Event, lines: li
         lines.append(f"<cut: {e!r}>")
     finally:
         started.set()
+
+
+def test_an_idle_connection_outlives_the_client_pools_expiry(served):
+    # httpx and the openai SDK reuse a pooled connection for 5 s. A server that closed idle ones at 5 s
+    # (uvicorn's default) raced that reuse: now and then a request met a closed socket (ReadError).
+    _, base, _ = served
+    host, port = base.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    for pause in (0.0, httpx.Limits().keepalive_expiry + 1):
+        time.sleep(pause)
+        connection.request("GET", "/health")  # on the first request's socket: a closed one raises here
+        response = connection.getresponse()
+        assert response.status == 200, response.read()
+        response.read()
+    connection.close()
 
 
 def test_sigterm_finishes_streams_releases_paused_generations_and_exits_0(served):
