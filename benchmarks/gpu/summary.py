@@ -68,10 +68,19 @@ def steps(path: Path) -> list[dict]:
     return out
 
 
+# The kinds of trace step the host's share is split by: whether a step ran prefill tokens (a mixed
+# step: other graphs, more inputs) and whether it queued swap copies.
+STEP_KINDS = (("decode, no swaps", lambda r: not r["prefill_tokens"] and not (r["swap_in"] or r["swap_out"])),
+              ("decode, swaps", lambda r: not r["prefill_tokens"] and (r["swap_in"] or r["swap_out"])),
+              ("prefill, no swaps", lambda r: r["prefill_tokens"] and not (r["swap_in"] or r["swap_out"])),
+              ("prefill, swaps", lambda r: r["prefill_tokens"] and (r["swap_in"] or r["swap_out"])))
+
+
 def host_split(step_logs: Path) -> dict:
     """From a trace's step logs (engine_trace.py --step-log, one `POLICY.jsonl[.gz]` each): the host's
-    time a step (the step's less the device's), mean ms, in steps with swap copies and in those without,
-    and of it the planning's and the copies' queueing (logs written before those two were logged: null)."""
+    time a step (the step's less the device's), mean ms, by kind of step (`STEP_KINDS`), and of it the
+    planning's, the copies' queueing and the rest (logs written before planning and copies were
+    logged: null), with the blocks swapped in and out a step."""
     split = {}
     for path in sorted(step_logs.glob("*.jsonl*")):
         opener = gzip.open if path.suffix == ".gz" else open
@@ -79,16 +88,20 @@ def host_split(step_logs: Path) -> dict:
             rows = [json.loads(line) for line in f if line.strip()]
         policy = path.name.split(".jsonl")[0]
         split[policy] = {}
-        for kind, chosen in (("with swaps", [r for r in rows if r["swap_in"] or r["swap_out"]]),
-                             ("without", [r for r in rows if not (r["swap_in"] or r["swap_out"])])):
-            def mean_ms(key):
-                values = [r[key] for r in chosen if key in r]
-                return 1e3 * sum(values) / len(values) if values and len(values) == len(chosen) else None
+        for kind, is_kind in STEP_KINDS:
+            chosen = [r for r in rows if is_kind(r)]
+
+            def mean(values):
+                values = list(values)
+                return sum(values) / len(values) if values and len(values) == len(chosen) else None
+            host = mean(1e3 * (r["s"] - r["device_s"]) for r in chosen)
+            planning = mean(1e3 * r["schedule_s"] for r in chosen if "schedule_s" in r)
+            copies = mean(1e3 * r["copies_s"] for r in chosen if "copies_s" in r)
             split[policy][kind] = {
-                "steps": len(chosen),
-                "host_ms": 1e3 * sum(r["s"] - r["device_s"] for r in chosen) / len(chosen) if chosen else None,
-                "schedule_ms": mean_ms("schedule_s"), "copies_ms": mean_ms("copies_s"),
-                "blocks": sum(r["swap_in"] + r["swap_out"] for r in chosen) / len(chosen) if chosen else None}
+                "steps": len(chosen), "host_ms": host, "schedule_ms": planning, "copies_ms": copies,
+                "rest_ms": host - planning - copies if None not in (host, planning, copies) else None,
+                "swap_in_blocks": mean(r["swap_in"] for r in chosen),
+                "swap_out_blocks": mean(r["swap_out"] for r in chosen)}
     return split
 
 
@@ -321,16 +334,18 @@ def markdown(s: dict) -> str:
                          f"{_f(r.get('copy_wait_ms'), '{:.2f}')}) |")
     if s.get("engine_trace_host_ms"):
         lines += ["", "**The host's share of a trace step** (mean ms: the step's less the device's; of it the "
-                  "scheduler's planning and the queueing of swap copies):", "",
-                  "| device pool | policy | steps | swap blocks a step | host ms | planning | copies |",
-                  "|---|---|---|---:|---:|---:|---:|"]
+                  "scheduler's planning, the queueing of swap copies and the rest), by whether the step ran "
+                  "prefill tokens and queued swap copies:", "",
+                  "| device pool | policy | steps | blocks in / out a step | host ms | planning | copies | rest |",
+                  "|---|---|---|---:|---:|---:|---:|---:|"]
         for pool, policies in s["engine_trace_host_ms"].items():
             for policy, kinds in policies.items():
                 for kind, k in kinds.items():
                     if k["steps"]:
-                        lines.append(f"| {pool} | {policy} | {k['steps']} {kind} | {_f(k['blocks'])} | "
+                        lines.append(f"| {pool} | {policy} | {k['steps']} {kind} | "
+                                     f"{_f(k['swap_in_blocks'])} / {_f(k['swap_out_blocks'])} | "
                                      f"{_f(k['host_ms'], '{:.2f}')} | {_f(k['schedule_ms'], '{:.2f}')} | "
-                                     f"{_f(k['copies_ms'], '{:.2f}')} |")
+                                     f"{_f(k['copies_ms'], '{:.2f}')} | {_f(k['rest_ms'], '{:.2f}')} |")
     return "\n".join(lines) + "\n"
 
 
