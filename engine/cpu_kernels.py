@@ -167,8 +167,7 @@ def decode_kernels_apply(hidden_size: int, intermediate_size: int, num_heads: in
                          head_dim: int) -> bool:
     """Whether the decode-step kernels below fit a model's shapes (their C contracts)."""
     return (enabled() and hidden_size % 16 == 0 and intermediate_size % 16 == 0
-            and head_dim % 32 == 0 and head_dim <= 256 and num_heads % num_kv_heads == 0
-            and num_heads // num_kv_heads <= 8)
+            and head_dim % 32 == 0 and head_dim <= 256 and num_heads % num_kv_heads == 0)
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -114,12 +114,14 @@ def test_rope_and_cache_matches_torch():
     assert torch.equal(k_cache, ref_k_cache) and torch.equal(v_cache, ref_v_cache)
 
 
-def test_paged_decode_attention_matches_sdpa():
-    H, Hkv, D, bs, num_blocks = 9, 3, 64, 16, 40
+@pytest.mark.parametrize("H, Hkv", [(9, 3), (12, 1)])  # SmolLM2's heads; a group of 12 (several kv rows' worth)
+def test_paged_decode_attention_matches_sdpa(H, Hkv):
+    """Short contexts and long ones, which the kernel splits into 256-position partitions it combines."""
+    D, bs, num_blocks = 64, 16, 100
     gen = torch.Generator().manual_seed(5)
     k_cache = torch.randn(num_blocks * bs, Hkv, D, generator=gen).to(BF16)
     v_cache = torch.randn(num_blocks * bs, Hkv, D, generator=gen).to(BF16)
-    lens = [1, 16, 17, 100, 333]
+    lens = [1, 16, 17, 100, 256, 257, 333, 1500]
     rng = random.Random(5)
     max_blocks = -(-max(lens) // bs)
     tables = [rng.sample(range(num_blocks), -(-n // bs)) for n in lens]
@@ -134,6 +136,29 @@ def test_paged_decode_attention_matches_sdpa():
         v = _gather(v_cache, tables[b], bs)[:n].float().transpose(0, 1)
         ref = F.scaled_dot_product_attention(q[b].float().unsqueeze(1), k, v, scale=scale, enable_gqa=True)
         torch.testing.assert_close(ours[b].float(), ref.squeeze(1), atol=2e-2, rtol=2e-2)
+
+
+def test_paged_decode_attention_is_batch_and_thread_invariant():
+    """A sequence's output is the same bits alone or in a batch, on one thread or several: the kernel's
+    partitions are fixed by the context, not by the batch or the threads (greedy resumes compared with
+    recomputation rely on it)."""
+    H, Hkv, D, bs, num_blocks = 9, 3, 64, 16, 200
+    gen = torch.Generator().manual_seed(7)
+    k_cache = torch.randn(num_blocks * bs, Hkv, D, generator=gen).to(BF16)
+    v_cache = torch.randn(num_blocks * bs, Hkv, D, generator=gen).to(BF16)
+    lens = torch.tensor([3000, 40, 700])
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:188] for _ in lens])
+    q = torch.randn(len(lens), H, D, generator=gen).to(BF16)
+    threads = torch.get_num_threads()
+    try:
+        together = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, bs)
+        torch.set_num_threads(1)
+        for b in range(len(lens)):
+            alone = cpu_kernels.paged_decode_attention(q[b:b + 1], k_cache, v_cache, tables[b:b + 1], lens[b:b + 1],
+                                                       0.125, bs)
+            assert torch.equal(alone[0], together[b]), b
+    finally:
+        torch.set_num_threads(threads)
 
 
 # -- whole models: kernel path vs torch path, bf16 ---------------------------------------------------

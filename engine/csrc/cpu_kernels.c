@@ -291,72 +291,127 @@ void rope_and_cache_bf16(uint16_t *qkv, const int64_t *positions, const uint16_t
     }
 }
 
-/* One query token against its context in the paged cache, for the `group` query heads that share
- * kv head `kvh`: out = softmax(q k^T * scale) v in fp32, rounded to bf16 once. scores: scratch [group][L]. */
-static void decode_one(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table,
-                       int L, int kvh, int group, int Hkv, int D, int block_size, float scale, float *scores,
-                       uint16_t *out) {
-    float qf[8][256], acc[8][256];
-    for (int g = 0; g < group; ++g)
-        for (int d = 0; d < D; ++d) { qf[g][d] = bf16_to_float(q[g * D + d]) * scale; acc[g][d] = 0.0f; }
-    for (int p = 0; p < L; ++p) {
-        const uint16_t *k = k_cache + ((table[p / block_size] * block_size + p % block_size) * Hkv + kvh) * D;
-        for (int g = 0; g < group; ++g) {
+/* Decode attention is split over fixed partitions of a context's positions (flash-decoding): a long
+ * context's partitions run on every thread, even at batch 1, and each reads whole cache rows (all kv
+ * heads of a slot, contiguous) instead of one head's slice of each. The partition size is fixed, so a
+ * sequence's result depends on its context alone, not on the batch or the thread count. */
+#define DECODE_PART 256
+
+/* Positions [p0, p0 + n) of one query token's context, all H query heads: acc [H][D] gets the
+ * partition's unnormalized softmax(q k^T * scale) v, m [H] each head's largest score and l [H] its sum
+ * of exp(score - m). Scratch: qf [H][D], scores [H][DECODE_PART]. */
+static void decode_partition(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                             const int64_t *table, int p0, int n, int H, int Hkv, int D, int block_size,
+                             float scale, float *qf, float *scores, float *m, float *l, float *acc) {
+    int group = H / Hkv;
+    size_t row = (size_t)Hkv * D;
+    for (int i = 0; i < H * D; ++i) qf[i] = bf16_to_float(q[i]) * scale;
+    for (int i = 0; i < n; ++i) {
+        int p = p0 + i;
+        const uint16_t *k = k_cache + (table[p / block_size] * block_size + p % block_size) * row;
+        for (int h = 0; h < H; ++h) {
+            const uint16_t *kh = k + (size_t)(h / group) * D;
             vf s = vf_zero();
-            for (int d = 0; d < D; d += LANES) s = vf_fma(widen(k + d), vf_load(qf[g] + d), s);
-            scores[g * L + p] = vf_sum(s);
+            for (int d = 0; d < D; d += LANES) s = vf_fma(widen(kh + d), vf_load(qf + h * D + d), s);
+            scores[h * DECODE_PART + i] = vf_sum(s);
         }
     }
-    for (int g = 0; g < group; ++g) {
-        float *sc = scores + g * L, max = -INFINITY, sum = 0.0f;
-        for (int p = 0; p < L; ++p) max = sc[p] > max ? sc[p] : max;
-        int p = 0;
+    for (int h = 0; h < H; ++h) {
+        float *sc = scores + h * DECODE_PART, max = -INFINITY;
+        for (int i = 0; i < n; ++i) max = sc[i] > max ? sc[i] : max;
+        int i = 0;
         vf vsum = vf_zero();
-        for (; p + LANES <= L; p += LANES) {
-            vf e = exp_ps(vf_sub(vf_load(sc + p), vf_set1(max)));
-            vf_store(sc + p, e);
+        for (; i + LANES <= n; i += LANES) {
+            vf e = exp_ps(vf_sub(vf_load(sc + i), vf_set1(max)));
+            vf_store(sc + i, e);
             vsum = vf_add(vsum, e);
         }
-        if (p < L) { /* the tail through a buffer padded with -inf, whose exp adds nothing */
+        if (i < n) { /* the tail through a buffer padded with -inf, whose exp adds nothing */
             float tail[LANES];
-            for (int i = 0; i < LANES; ++i) tail[i] = p + i < L ? sc[p + i] - max : -INFINITY;
+            for (int j = 0; j < LANES; ++j) tail[j] = i + j < n ? sc[i + j] - max : -INFINITY;
             vf e = exp_ps(vf_load(tail));
             vf_store(tail, e);
-            for (int i = 0; i < LANES; ++i) if (p + i >= L) tail[i] = 0.0f;
-            for (int i = 0; p + i < L; ++i) sc[p + i] = tail[i];
+            for (int j = 0; j < LANES; ++j) if (i + j >= n) tail[j] = 0.0f;
+            for (int j = 0; i + j < n; ++j) sc[i + j] = tail[j];
             vsum = vf_add(vsum, vf_load(tail));
         }
-        sum = vf_sum(vsum);
-        for (int i = 0; i < L; ++i) sc[i] /= sum;
+        m[h] = max;
+        l[h] = vf_sum(vsum);
     }
-    for (int p = 0; p < L; ++p) {
-        const uint16_t *v = v_cache + ((table[p / block_size] * block_size + p % block_size) * Hkv + kvh) * D;
-        for (int d = 0; d < D; d += LANES) {
-            vf vv = widen(v + d);
-            for (int g = 0; g < group; ++g)
-                vf_store(acc[g] + d, vf_fma(vf_set1(scores[g * L + p]), vv,
-                                                             vf_load(acc[g] + d)));
-        }
+    memset(acc, 0, (size_t)H * D * sizeof(float));
+    for (int i = 0; i < n; ++i) {
+        int p = p0 + i;
+        const uint16_t *v = v_cache + (table[p / block_size] * block_size + p % block_size) * row;
+        for (int kvh = 0; kvh < Hkv; ++kvh)
+            for (int d = 0; d < D; d += LANES) {
+                vf vv = widen(v + (size_t)kvh * D + d); /* widened once for the heads sharing it */
+                for (int g = 0; g < group; ++g) {
+                    int h = kvh * group + g;
+                    float *a = acc + h * D + d;
+                    vf_store(a, vf_fma(vf_set1(scores[h * DECODE_PART + i]), vv, vf_load(a)));
+                }
+            }
     }
-    for (int g = 0; g < group; ++g)
-        for (int d = 0; d < D; d += LANES) store_bf16(out + g * D + d, vf_load(acc[g] + d));
 }
 
 /* Attention of B single-token queries over the paged cache. q: row b at q + b * q_stride, [H, D];
- * caches [slots, Hkv, D]; tables [B, max_blocks]; lens [B]; out [B, H, D]. Needs D % LANES == 0,
- * D <= 256, H / Hkv <= 8. Returns 0, or -1 if scratch memory ran out. */
+ * caches [slots, Hkv, D]; tables [B, max_blocks]; lens [B] (each >= 1); out [B, H, D]. Needs D % LANES == 0
+ * and D <= 256. Every partition's result, then per (sequence, head) their combination in partition order, rounded
+ * to bf16 once. Returns 0, or -1 if scratch memory ran out. */
 int paged_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                                 const int64_t *tables, int max_blocks, const int64_t *lens, uint16_t *out, int B,
                                 int H, int Hkv, int D, int block_size, float scale, int num_threads) {
-    int group = H / Hkv, failed = 0;
-#pragma omp parallel for schedule(dynamic) num_threads(num_threads) if (num_threads > 1 && B * Hkv > 1)
-    for (int task = 0; task < B * Hkv; ++task) {
-        int b = task / Hkv, kvh = task % Hkv, L = (int)lens[b];
-        float *scores = malloc((size_t)group * L * sizeof(float));
-        if (scores == NULL) { failed = 1; continue; }
-        decode_one(q + b * q_stride + (size_t)kvh * group * D, k_cache, v_cache, tables + (size_t)b * max_blocks, L,
-                   kvh, group, Hkv, D, block_size, scale, scores, out + ((size_t)b * H + (size_t)kvh * group) * D);
-        free(scores);
+    int *first = malloc((size_t)(B + 1) * sizeof(int)); /* sequence b's partitions: [first[b], first[b + 1]) */
+    if (first == NULL) return -1;
+    first[0] = 0;
+    for (int b = 0; b < B; ++b) first[b + 1] = first[b] + (int)((lens[b] + DECODE_PART - 1) / DECODE_PART);
+    int parts = first[B], failed = 0;
+    size_t per_part = (size_t)H * (D + 2); /* acc [H][D], then m [H], then l [H] */
+    float *partial = malloc((size_t)parts * per_part * sizeof(float));
+    if (partial == NULL) { free(first); return -1; }
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && parts > 1)
+    {
+        float *scratch = malloc((size_t)H * (D + DECODE_PART) * sizeof(float)); /* qf, then scores */
+        if (scratch == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic)
+        for (int j = 0; j < parts; ++j) {
+            if (scratch == NULL) continue;
+            int b = 0;
+            while (first[b + 1] <= j) ++b;
+            int p0 = (j - first[b]) * DECODE_PART, L = (int)lens[b];
+            int n = L - p0 < DECODE_PART ? L - p0 : DECODE_PART;
+            float *acc = partial + (size_t)j * per_part;
+            decode_partition(q + b * q_stride, k_cache, v_cache, tables + (size_t)b * max_blocks, p0, n, H, Hkv, D,
+                             block_size, scale, scratch, scratch + (size_t)H * D, acc + (size_t)H * D,
+                             acc + (size_t)H * D + H, acc);
+        }
+        free(scratch);
+#pragma omp for schedule(static)
+        for (int task = 0; task < B * H; ++task) {
+            int b = task / H, h = task % H;
+            if (failed) continue;
+            float max = -INFINITY, sum = 0.0f;
+            for (int j = first[b]; j < first[b + 1]; ++j) {
+                float mj = partial[(size_t)j * per_part + (size_t)H * D + h];
+                max = mj > max ? mj : max;
+            }
+            vf o[256 / LANES];
+            for (int d = 0; d < D; d += LANES) o[d / LANES] = vf_zero();
+            for (int j = first[b]; j < first[b + 1]; ++j) {
+                const float *acc = partial + (size_t)j * per_part;
+                float scale_j = expf(acc[(size_t)H * D + h] - max);
+                sum += scale_j * acc[(size_t)H * D + H + h];
+                for (int d = 0; d < D; d += LANES)
+                    o[d / LANES] = vf_fma(vf_set1(scale_j), vf_load(acc + h * D + d), o[d / LANES]);
+            }
+            vf inv = vf_set1(1.0f / sum);
+            for (int d = 0; d < D; d += LANES) store_bf16(out + ((size_t)b * H + h) * D + d, vf_mul(o[d / LANES], inv));
+        }
     }
+    free(partial);
+    free(first);
     return failed ? -1 : 0;
 }
