@@ -40,10 +40,11 @@ router: install
 
 # The tests include the vLLM backend's (tests/test_vllm_backend.py), so this also sets up .venv-vllm, and
 # the dashboard's in a headless browser (tests/test_dashboard.py), so Debian's chromium where it can. The
-# environments install side by side (-j3): each mostly waits on downloads and unpacking.
+# environments install side by side (-j3): each mostly waits on downloads and unpacking. The slowest
+# tests are listed at the end, for whoever makes the suite faster.
 test:
 	@$(MAKE) --no-print-directory -j3 download vllm-env browser
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # Debian's chromium for tests/test_dashboard.py: installed as root where apt-get exists; elsewhere that
 # test skips (it says why).
