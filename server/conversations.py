@@ -375,7 +375,9 @@ class ConversationStore:
     # -- time --------------------------------------------------------------------------------------
     def expire(self) -> None:
         """Release handles paused longer than `idle_ttl`, close named records unused that long (never
-        one generating) and responses past `response_ttl`. O(what expires): each order is age order."""
+        one generating, nor a session whose post is still in flight: its turn may have ended, the session
+        idle or paused, while the post's cleanup, which starts the TTL again, has yet to run) and
+        responses past `response_ttl`. O(what expires): each order is age order."""
         now, ttl = self.clock(), self.policy.idle_ttl
         while self._paused:
             holder = next(iter(self._paused.values()))
@@ -386,7 +388,7 @@ class ConversationStore:
         for record in self._named.values():
             if now - record.last_used <= ttl:
                 break
-            if record.state is not State.GENERATING:
+            if record.state is not State.GENERATING and record.task is None:
                 stale.append(record)
         for record in stale:
             self.close(record, "ttl", f"{record.kind.value} {record.id} unused longer than the TTL")

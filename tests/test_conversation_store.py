@@ -18,7 +18,7 @@ from live_server import serve_in_thread
 from scripted_backend import WEATHER, ScriptedBackend
 
 from infercept.server.app import build_app
-from infercept.server.conversations import Kind, State
+from infercept.server.conversations import ConversationStore, Kind, State
 from infercept.server.settings import ConversationPolicy, ServerSettings
 
 QUESTION = {"role": "user", "content": "What is the weather in Rome?"}
@@ -272,12 +272,31 @@ def test_the_idle_ttl_counts_from_the_end_of_a_request_not_its_start(fake_server
     wait_for(lambda: record() is None)
 
 
+def test_a_session_whose_post_is_in_flight_is_not_reaped_though_its_turn_ended():
+    """A native session leaves GENERATING when its turn ends, but its idle TTL starts again only in the
+    post's cleanup, after an await: a turn longer than the TTL left a window in which the reaper closed
+    the session before its answer reached the client (whose next read got 404; seen in the soak)."""
+    store = ConversationStore(ConversationPolicy(idle_ttl=1.0), release=lambda *a: None, clock=lambda: now)
+    now = 0.0
+    session = store.open_named(Kind.SESSION, "s1")
+    session.task = object()  # the post in flight
+    session.state = State.IDLE  # its turn ended
+    now = 5.0
+    store.expire()
+    assert store.named(Kind.SESSION, "s1") is session  # kept: the post's cleanup has not run yet
+    session.task = None  # the cleanup (it touched the session: `named` above did the same)
+    store.expire()
+    assert store.named(Kind.SESSION, "s1") is session
+    now = 7.0
+    store.expire()
+    assert store.named(Kind.SESSION, "s1") is None  # unused past the TTL, no post: gone
+
+
 def test_a_turn_repeated_alike_by_turns_of_other_tokens_renders_by_the_template():
     """Call ids need not be unique (a Kimi-K2 model numbers its own per conversation): two turns with the
     same message but other tokens (one model's thinking, say) leave which one a conversation holds unknown,
     so neither's tokens are rendered for it; a turn alone, or repeated with its own tokens, is."""
     from infercept.server.chat import AssistantTurn, Call, Message
-    from infercept.server.conversations import ConversationStore
 
     store = ConversationStore(ConversationPolicy(max_remembered_turns=3), release=lambda *a: None)
     message = Message("assistant", "", None, (Call.make("functions.get_weather:0", "get_weather", '{"city": "Rome"}'),))
