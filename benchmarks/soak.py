@@ -265,7 +265,8 @@ async def agent_loop(agent: Agent, first: int, deadline: float) -> None:
 async def soak_policy(policy: str, seconds: float, agents: int, model: str | None, seed: int, workdir: Path) -> dict:
     keys_file = workdir / "keys"
     keys_file.write_text("".join(f"{key} tenant-{name}\n" for name, key in KEYS.items()))
-    proc, base = start_server(policy, model, str(keys_file), workdir / f"serve-{policy}.log")
+    log_path = workdir / f"serve-{policy}.log"
+    proc, base = start_server(policy, model, str(keys_file), log_path)
     tally = Tally()
     rss: list[tuple[float, float]] = []
     try:
@@ -320,7 +321,7 @@ async def soak_policy(policy: str, seconds: float, agents: int, model: str | Non
             "evictions": after.get("infercept_paused_evictions_total", 0.0),
             "checks": checks, "ok": all(checks.values()),
             # what the server logged (warnings and tracebacks), to tell a server fault from a client's
-            "server_log_tail": "" if all(checks.values()) else (workdir / f"serve-{policy}.log").read_text()[-4000:]}
+            "server_log_tail": "" if all(checks.values()) else log_path.read_text()[-4000:]}
 
 
 def table(results: list[dict]) -> str:

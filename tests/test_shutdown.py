@@ -1,8 +1,9 @@
 """How a real `infercept serve` process holds connections and ends. An idle keep-alive connection
-outlives a client pool's expiry (so a pooled connection is never closed under a request). SIGTERM while streams are generating and a generation is
-paused at a tool call: the streams finish (or, past the grace period, end with an error event and
-[DONE]), the paused generation is released, and the process exits 0. An engine thread that dies: the
-process exits 1 on its own, so a supervisor restarts it."""
+outlives a client pool's expiry (so a pooled connection is never closed under a request). SIGTERM
+while streams are generating and a generation is paused at a tool call: the streams finish (or, past
+the grace period, end with an error event and [DONE]), the paused generation is released, and the
+process exits 0. An engine thread that dies: the process exits 1 on its own, so a supervisor restarts
+it."""
 from __future__ import annotations
 
 import http.client

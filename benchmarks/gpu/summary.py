@@ -68,12 +68,15 @@ def steps(path: Path) -> list[dict]:
     return out
 
 
-# The kinds of trace step the host's share is split by: whether a step ran prefill tokens (a mixed
-# step: other graphs, more inputs) and whether it queued swap copies.
-STEP_KINDS = (("decode, no swaps", lambda r: not r["prefill_tokens"] and not (r["swap_in"] or r["swap_out"])),
-              ("decode, swaps", lambda r: not r["prefill_tokens"] and (r["swap_in"] or r["swap_out"])),
-              ("prefill, no swaps", lambda r: r["prefill_tokens"] and not (r["swap_in"] or r["swap_out"])),
-              ("prefill, swaps", lambda r: r["prefill_tokens"] and (r["swap_in"] or r["swap_out"])))
+# The kinds of trace step the host's share is split by (`step_kind`), in table order.
+STEP_KINDS = ("decode, no swaps", "decode, swaps", "prefill, no swaps", "prefill, swaps")
+
+
+def step_kind(r: dict) -> str:
+    """Whether a logged step ran prefill tokens (a mixed step: other graphs, more inputs) and whether it
+    queued swap copies."""
+    swaps = "swaps" if r["swap_in"] or r["swap_out"] else "no swaps"
+    return f"{'prefill' if r['prefill_tokens'] else 'decode'}, {swaps}"
 
 
 def host_split(step_logs: Path) -> dict:
@@ -88,8 +91,8 @@ def host_split(step_logs: Path) -> dict:
             rows = [json.loads(line) for line in f if line.strip()]
         policy = path.name.split(".jsonl")[0]
         split[policy] = {}
-        for kind, is_kind in STEP_KINDS:
-            chosen = [r for r in rows if is_kind(r)]
+        for kind in STEP_KINDS:
+            chosen = [r for r in rows if step_kind(r) == kind]
 
             def mean(values):
                 values = list(values)
