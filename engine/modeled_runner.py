@@ -13,8 +13,8 @@ its last token); 0 unless the profile models attention (long contexts; `Profile.
 
 - where copies overlap the forward pass (a GPU's copy stream, `Profile.copies_overlap`), a step's
   copies queue on one copy stream behind the ones still running from earlier steps and take
-  ``T_swap(out) + T_swap(in)``; the pass waits for that stream only if it reads a block a swap-in
-  still in flight writes (to the end of the queued copies, as the engine's one event does). A
+  ``T_swap(out) + T_swap(in)``; the pass waits only if it reads a block a swap-in still in flight
+  writes, and then until the step's copies that write it end, not for copies queued after them. A
   swap-out never makes it wait: its blocks are gathered on the compute stream before the pass
   (device memory at device speed: not charged) and leave for the host from there. The scheduler runs
   a request whose KV comes back in a step from the next one on (`Scheduler`), so within the
@@ -89,10 +89,10 @@ class ModeledRunner:
         self.coarse = coarse
         self.token_id = token_id
         self.last: IterationCost | None = None  # cost of the latest `run`
-        # The copy stream: when the copies queued so far end, and the device blocks swap-ins among them
-        # still write (emptied once they have ended, or once a pass waited for them).
+        # The copy stream: when the copies queued so far end, and each step's copies still in flight that
+        # swap in, as when they end and the device blocks they write (dropped once ended or waited for).
         self._copies_end = 0.0
-        self._copying_in: set[int] = set()
+        self._in_flight: list[tuple[float, set[int]]] = []
 
     def cost(self, output: SchedulerOutput) -> IterationCost:
         """The iteration's cost, its copies queued on the modeled copy stream as of the clock's now."""
@@ -115,15 +115,17 @@ class ModeledRunner:
     def _queue_copies(self, output: SchedulerOutput, t_copy: float) -> float:
         """Queue the step's copies behind those still running; the seconds its pass waits for them."""
         now = self.clock.now()
-        if now >= self._copies_end:
-            self._copying_in.clear()
+        self._in_flight = [(end, blocks) for end, blocks in self._in_flight if end > now]
         if t_copy:
             self._copies_end = max(now, self._copies_end) + t_copy
-            self._copying_in.update(device for _, device in output.swap_in)
-        if all(self._copying_in.isdisjoint(c.block_table) for c in output.chunks):
+            if output.swap_in:
+                self._in_flight.append((self._copies_end, {device for _, device in output.swap_in}))
+        read = [end for end, blocks in self._in_flight
+                if any(not blocks.isdisjoint(c.block_table) for c in output.chunks)]
+        if not read:
             return 0.0
-        self._copying_in.clear()
-        return self._copies_end - now
+        self._in_flight = [(end, blocks) for end, blocks in self._in_flight if end > max(read)]
+        return max(read) - now
 
     def run(self, output: SchedulerOutput) -> RunnerOutput:
         self.last = self.cost(output)

@@ -282,6 +282,40 @@ def test_a_forward_pass_that_waits_for_a_copy_is_timed():
     assert stream.waited_seconds() == 0.0
 
 
+@cuda_test
+def test_a_pass_waits_for_the_copy_that_writes_its_block_not_for_copies_queued_after_it():
+    """A step queues its own copies just before its pass, which never reads what they write: a pass that
+    reads a block an earlier copy writes waits for that copy alone, not for the ~0.1 s copy queued
+    behind it (one event after the newest copies made it wait for both). The pass still reads the
+    block as the earlier copy wrote it."""
+    from infercept.engine.copy_stream import CopyStream
+
+    device = torch.device("cuda")
+    stream = CopyStream(device)
+    block_7 = torch.zeros(1, device=device)
+    for _ in range(2):  # the second round is timed; the first loads every kernel (see above)
+        block_7.zero_()
+        torch.cuda.synchronize()
+        stream.waited_seconds()  # the warm-up's wait, if any, not counted
+        queued = torch.cuda.Event(enable_timing=True)
+        queued.record()
+        with stream.copying([7]):
+            torch.cuda._sleep(2_000_000)  # ~1 ms
+            block_7.fill_(1)
+        with stream.copying([9]):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s, into another block
+        stream.before_forward([7, 8])
+        read = block_7.clone()
+        pass_done = torch.cuda.Event(enable_timing=True)
+        pass_done.record()
+        torch.cuda.synchronize()
+        assert read.item() == 1, "the pass read block 7 before the copy wrote it"
+    assert queued.elapsed_time(pass_done) < 50.0, "the pass waited for the copy queued after block 7's"
+    assert 0 < stream.waited_seconds() < 0.05
+    stream.before_forward([9])  # that copy has ended: nothing left to wait for
+    assert not stream._waits
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA_MARKS)])
 def test_a_steps_device_time_counts_the_pass_and_not_the_hosts_planning(default_model_dir, device):
     """`EngineStats.device_seconds`, the device's share of the steps (the GPU check's trace rows): time

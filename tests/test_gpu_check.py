@@ -142,13 +142,13 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
         assert sum(k["steps"] for k in kinds.values()) == step_counts[policy]
         assert all(0 < k["schedule_ms"] < k["host_ms"] for k in kinds.values() if k["steps"]), kinds
         assert list(kinds) == list(summary.STEP_KINDS)  # by prefill, by swaps
-        assert all(k["rest_ms"] == pytest.approx(k["host_ms"] - k["schedule_ms"] - k["copies_ms"])
+        assert all(k["rest_ms"] == pytest.approx(k["host_ms"] - k["schedule_ms"] - k["copies_ms"] - k["copy_wait_ms"])
                    for k in kinds.values() if k["steps"]), kinds
     assert [st["rc"] for st in s["steps"]] == [0, 1, 124, None]
     text = summary.markdown(s)
     assert "(timed out)" in text and "skipped: no time left" in text and "Attention over the context" in text
     assert "| 0.002 GiB | infercept |" in text and "3 passed, 1 failed" in text
-    assert "The host's share of a trace step" in text
+    assert "A trace step beyond the device's pass" in text
     verdicts = {t["target"]: t["verdict"] for t in s["targets"]}  # the dry run's tiny sizes: verdicts only
     assert verdicts["decode at batch 32, tok/s"] == "not measured"  # batches 1 and 2 only
     assert verdicts["gpu tests failed or in error"] == "missed" and "| gpu tests failed or in error | <= 0 | 1 | missed |" in text

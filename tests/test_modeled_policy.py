@@ -104,6 +104,28 @@ def test_modeled_runner_cost_and_sampling():
         VirtualClock().advance(-1)
 
 
+def test_a_modeled_pass_waits_for_the_copies_that_write_its_blocks_not_for_later_ones():
+    """A pass that reads a block an earlier step's swap-in still writes waits until those copies end,
+    not until the end of the copies its own step queued behind them (the engine's `CopyStream` keeps
+    an event per step's copies for that)."""
+    profile = toy_profile(swap_blocks_per_step=2)
+    clock = VirtualClock()
+    runner = ModeledRunner(profile, clock)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    runner.run(SchedulerOutput(chunks=[ScheduledChunk("a", [1], 16, [0, 1], True, params, 0)],
+                               swap_in=[(h, 4 + h) for h in range(4)]))
+    swapped_in_by = profile.t_swap(4 * BS, "in")
+    now = clock.now()
+    assert swapped_in_by > now  # 4 blocks against a 2-block budget: still copying after the pass
+    runner.run(SchedulerOutput(chunks=[ScheduledChunk("b", [1], 16, [4, 5], True, params, 0)],
+                               swap_out=[(10 + i, 10 + i) for i in range(8)], swap_in=[(20, 12)]))
+    assert runner.last.t_stall == pytest.approx(swapped_in_by - now)
+    assert clock.now() == pytest.approx(swapped_in_by + profile.t_fwd(1))
+    # The second step's swap-in is still under way behind its swap-outs: a pass reading its block waits.
+    runner.run(SchedulerOutput(chunks=[ScheduledChunk("c", [1], 16, [12], True, params, 0)]))
+    assert runner.last.t_stall > 0
+
+
 def test_coarsened_profile_keeps_swap_budget_and_time_per_real_token():
     base = a100_gptj_6b()
     coarse = coarsen_profile(base, 8)

@@ -68,7 +68,7 @@ def steps(path: Path) -> list[dict]:
     return out
 
 
-# The kinds of trace step the host's share is split by (`step_kind`), in table order.
+# The kinds of trace step the time beyond the device's pass is split by (`step_kind`), in table order.
 STEP_KINDS = ("decode, no swaps", "decode, swaps", "prefill, no swaps", "prefill, swaps")
 
 
@@ -80,10 +80,11 @@ def step_kind(r: dict) -> str:
 
 
 def host_split(step_logs: Path) -> dict:
-    """From a trace's step logs (engine_trace.py --step-log, one `POLICY.jsonl[.gz]` each): the host's
-    time a step (the step's less the device's), mean ms, by kind of step (`STEP_KINDS`), and of it the
-    planning's, the copies' queueing and the rest (logs written before planning and copies were
-    logged: null), with the blocks swapped in and out a step."""
+    """From a trace's step logs (engine_trace.py --step-log, one `POLICY.jsonl[.gz]` each): a step's time
+    beyond the device's pass (the step's less the device's), mean ms, by kind of step (`STEP_KINDS`), and
+    of it the host's planning and queueing of copies, the pass's waits for copies (the device's compute
+    stream standing still) and the rest, the host's other work (logs written before planning and copies
+    were logged: null), with the blocks swapped in and out a step."""
     split = {}
     for path in sorted(step_logs.glob("*.jsonl*")):
         opener = gzip.open if path.suffix == ".gz" else open
@@ -100,9 +101,12 @@ def host_split(step_logs: Path) -> dict:
             host = mean(1e3 * (r["s"] - r["device_s"]) for r in chosen)
             planning = mean(1e3 * r["schedule_s"] for r in chosen if "schedule_s" in r)
             copies = mean(1e3 * r["copies_s"] for r in chosen if "copies_s" in r)
+            waits = mean(1e3 * r["copy_wait_s"] for r in chosen)
+            parts = (host, planning, copies, waits)
             split[policy][kind] = {
                 "steps": len(chosen), "host_ms": host, "schedule_ms": planning, "copies_ms": copies,
-                "rest_ms": host - planning - copies if None not in (host, planning, copies) else None,
+                "copy_wait_ms": waits,
+                "rest_ms": host - planning - copies - waits if None not in parts else None,
                 "swap_in_blocks": mean(r["swap_in"] for r in chosen),
                 "swap_out_blocks": mean(r["swap_out"] for r in chosen)}
     return split
@@ -336,11 +340,13 @@ def markdown(s: dict) -> str:
                          f"({_f(r.get('device_ms'), '{:.2f}')}, {_f(r['schedule_ms'], '{:.2f}')}, "
                          f"{_f(r.get('copy_wait_ms'), '{:.2f}')}) |")
     if s.get("engine_trace_host_ms"):
-        lines += ["", "**The host's share of a trace step** (mean ms: the step's less the device's; of it the "
-                  "scheduler's planning, the queueing of swap copies and the rest), by whether the step ran "
-                  "prefill tokens and queued swap copies:", "",
-                  "| device pool | policy | steps | blocks in / out a step | host ms | planning | copies | rest |",
-                  "|---|---|---|---:|---:|---:|---:|---:|"]
+        lines += ["", "**A trace step beyond the device's pass** (mean ms: the step's less the device's; of it "
+                  "the scheduler's planning, the queueing of swap copies, the pass's waits for copies and the "
+                  "rest, the host's other work), by whether the step ran prefill tokens and queued swap copies:",
+                  "",
+                  "| device pool | policy | steps | blocks in / out a step | beyond the pass, ms | planning | "
+                  "copies | copy waits | rest |",
+                  "|---|---|---|---:|---:|---:|---:|---:|---:|"]
         for pool, policies in s["engine_trace_host_ms"].items():
             for policy, kinds in policies.items():
                 for kind, k in kinds.items():
@@ -348,7 +354,8 @@ def markdown(s: dict) -> str:
                         lines.append(f"| {pool} | {policy} | {k['steps']} {kind} | "
                                      f"{_f(k['swap_in_blocks'])} / {_f(k['swap_out_blocks'])} | "
                                      f"{_f(k['host_ms'], '{:.2f}')} | {_f(k['schedule_ms'], '{:.2f}')} | "
-                                     f"{_f(k['copies_ms'], '{:.2f}')} | {_f(k['rest_ms'], '{:.2f}')} |")
+                                     f"{_f(k['copies_ms'], '{:.2f}')} | {_f(k['copy_wait_ms'], '{:.2f}')} | "
+                                     f"{_f(k['rest_ms'], '{:.2f}')} |")
     return "\n".join(lines) + "\n"
 
 
