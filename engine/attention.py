@@ -61,7 +61,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot for each new token's K/V
     prefills: list[PrefillSpan]
     decode_rows: torch.Tensor | None  # [Bd] rows of single-token queries in the flattened batch
-    decode_key_blocks: torch.Tensor | None  # [Bd * max_blocks] block tables, flattened, padded with block 0
+    decode_key_blocks: torch.Tensor | None  # [Bd * max_blocks] block tables, flattened, padded with the scratch block
     decode_mask: torch.Tensor | None  # [Bd, 1, 1, max_blocks * block_size] bool, False past each context
     decode_lens: torch.Tensor | None = None  # [Bd] context length of each single-token query
     block_size: int = 16

@@ -123,7 +123,10 @@ class ModelRunner:
         meta.decode_kernel = self.decode_kernel
         meta.decode_rows = torch.tensor(decode_rows, device=self.device)
         max_blocks = -(-max(decode_lens) // self.block_size)
-        tables = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in decode_tables]
+        # Padded with the scratch block, as the graphs' tables are: the padding is masked out, and a
+        # request's block there would make the pass wait for a copy that writes it (`wait_for_copies`).
+        scratch = self.kv_cache.scratch_block
+        tables = [t[:max_blocks] + [scratch] * (max_blocks - len(t[:max_blocks])) for t in decode_tables]
         meta.decode_key_blocks = torch.tensor(tables, device=self.device).view(-1)
         lens = torch.tensor(decode_lens, device=self.device)
         meta.decode_lens = lens
@@ -150,9 +153,8 @@ class ModelRunner:
         else:
             input_ids, positions, meta = self.build_metadata(output)
         self._queue_copies(output)
-        # The blocks this pass reads and writes (block 0 also pads eager decode block tables); lazy, as
-        # they are only looked at while copies are in flight.
-        self.kv_cache.wait_for_copies(itertools.chain([0], *(chunk.block_table for chunk in output.chunks)))
+        # The blocks this pass reads and writes; lazy, as they are only looked at while copies are in flight.
+        self.kv_cache.wait_for_copies(itertools.chain.from_iterable(chunk.block_table for chunk in output.chunks))
         started = self._mark()
         if static is not None:
             hidden = static.launch(size)

@@ -99,6 +99,25 @@ def test_padding_writes_only_the_scratch_block(engine):
     engine.kv_cache.device_kv.copy_(before)  # the shared engine's blocks as they were
 
 
+def test_the_eager_path_pads_block_tables_with_the_scratch_block(engine, monkeypatch):
+    """Eager decode block tables are padded with the scratch block, as the graphs' are, and a pass waits
+    for copies over its requests' blocks alone: block 0 is a request's block like any other, and when
+    the padding named it, a pass waited for any swap-in that wrote block 0, its own step's too (an H100
+    trace, 2026-11-28)."""
+    runner, scratch = engine.runner, engine.kv_cache.scratch_block
+    params = SamplingParams(temperature=0)
+    chunks = [ScheduledChunk("a", [1], 20, [3, 7], True, params, 0),
+              ScheduledChunk("b", [2], 40, [9, 2, 4], True, params, 0)]
+    _, _, meta = runner.build_metadata(SchedulerOutput(chunks=chunks))
+    assert meta.decode_key_blocks.view(2, -1).tolist() == [[3, 7, scratch], [9, 2, 4]]
+    waited_over = []
+    monkeypatch.setattr(engine.kv_cache, "wait_for_copies", lambda blocks: waited_over.append(sorted(blocks)))
+    before = engine.kv_cache.device_kv.clone()
+    runner.run(SchedulerOutput(chunks=chunks))
+    engine.kv_cache.device_kv.copy_(before)  # the shared engine's blocks as they were
+    assert waited_over == [[2, 3, 4, 7, 9]]
+
+
 def test_static_mixed_path_matches_transformers(engine, hf_model_fp32, monkeypatch):
     """Steps with prefill chunks through the mixed graphs' buffers (32-token steps: prompts in chunks,
     later requests' prefills beside earlier ones' decodes), decode-only steps through the decode graphs';
