@@ -79,6 +79,8 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
     model, res = tiny_model["path"], tmp_path / "res"
     res.mkdir()
     (res / "model_big.json").write_text(json.dumps(tiny_model))
+    probe = load_gpu("probe")
+    probe.main(["--label", "start", "--out", str(res), "--device", "cpu"])
     load_gpu("profile_vs_hand").main(["--model", model, "--out", str(res), "--dtype", "float32", "--device", "cpu",
                                       "--kv-cache-gb", "0.02", "--host-kv-gb", "0.02", "--repeats", "1"])
     load_gpu("decode_vs_hf").main(["--model", model, "--out", str(res), "--dtype", "float32", "--device", "cpu",
@@ -119,7 +121,10 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
     (res / "steps.tsv").write_text("setup\t0\t3\npytest -m gpu\t1\t40\nengine trace 1 GiB\t124\t90\n"
                                    "engine trace 16 GiB\tskipped\t0\n")
 
+    probe.main(["--label", "end", "--out", str(res), "--device", "cpu"])
     s = summary.summarize(res, seconds=123.0, dry=True)
+    assert set(s["probe"]) == {"start", "end"} and s["probe"]["end"]["card"] is None  # a CPU: no nvidia-smi
+    assert all(s["probe"]["start"][key] > 0 for key, _, _ in summary.PROBE_READINGS)
     assert json.loads(json.dumps(s, allow_nan=False)) == s  # strict JSON: no infinities
     required = ("card", "driver", "torch", "cuda", "date", "t_fwd_1_ms", "decode_batch1_tok_s", "decode_batch32_tok_s",
                 "prefill_tok_s", "pytest", "engine_trace_normalized_latency", "weight_stream_bound_batch1_tok_s",
@@ -148,7 +153,7 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
     text = summary.markdown(s)
     assert "(timed out)" in text and "skipped: no time left" in text and "Attention over the context" in text
     assert "| 0.002 GiB | infercept |" in text and "3 passed, 1 failed" in text
-    assert "A trace step beyond the device's pass" in text
+    assert "A trace step beyond the device's pass" in text and "| matmul, TFLOP/s |" in text
     verdicts = {t["target"]: t["verdict"] for t in s["targets"]}  # the dry run's tiny sizes: verdicts only
     assert verdicts["decode at batch 32, tok/s"] == "not measured"  # batches 1 and 2 only
     assert verdicts["gpu tests failed or in error"] == "missed" and "| gpu tests failed or in error | <= 0 | 1 | missed |" in text
@@ -222,3 +227,17 @@ def test_gpu_marked_test_files_collect_without_the_servers_dependencies():
     result = subprocess.run([sys.executable, "-c", blocked, *files], cwd=tests.parent, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+
+
+def test_the_summary_says_when_the_machine_slowed_during_the_check():
+    """probe.py's readings before and after the steps: a reading under 80% of the start's speed at the end
+    (a lower throughput, a longer time) is named, in the summary and its markdown."""
+    start = {"matmul_tflops": 700.0, "device_copy_tb_s": 3.0, "launch_us": 5.0, "python_loop_ns": 40.0}
+    steady = dict(start, matmul_tflops=650.0, launch_us=6.0)
+    assert summary.machine_slowed({"start": start, "end": steady}) == []
+    slowed = dict(start, device_copy_tb_s=1.5, python_loop_ns=80.0)
+    assert summary.machine_slowed({"start": start, "end": slowed}) == ["device copy, TB/s", "a Python loop step, ns"]
+    assert summary.machine_slowed({"start": start}) == [] and summary.machine_slowed(None) == []
+    text = "\n".join(summary._probe_lines({"probe": {"start": start, "end": slowed},
+                                            "machine_slowed": ["device copy, TB/s"]}))
+    assert "| device copy, TB/s | 3 | 1.5 |" in text and "The machine slowed during the check" in text

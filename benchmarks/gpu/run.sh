@@ -2,6 +2,7 @@
 # The GPU check (benchmarks/README.md, "GPU check"), run from the repository root of a copy of the checkout
 # on a GPU host without network, with .gpu-check/ (`make gpu-pack`) beside it:
 #   1. setup: the wheels the host lacks into a scratch --target folder, `infercept` linked from the source tree
+#   1b. the machine's speed (probe.py), again after the last step: a slow host is told from a slow engine
 #   2. models: random weights of the embedded model's shape (at the default model path) and of Llama-3-8B's
 #   3. pytest -m gpu over the test files that hold gpu-marked tests
 #   4. the 8B shape's measured profile beside the hand-written h100_llama3_8b()
@@ -35,7 +36,8 @@ INSTALL=${INSTALL:-$([ "$DRY" = 1 ] && echo 0 || echo 1)}  # INSTALL=1 with --dr
 PY=${PYTHON:-python3}
 PACK=${PACK:-$ROOT/.gpu-check}
 BUDGET_S=${BUDGET_S:-480}
-RESERVE_S=30  # kept back: a step's 10 s grace to die after its limit, then the summary (15 s at most)
+RESERVE_S=45  # kept back: a step's 10 s grace to die after its limit, the machine probe at the end (15 s
+              # at most), then the summary (15 s at most)
 T0=$(date +%s)
 DEADLINE=$((T0 + BUDGET_S))
 W=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")  # scratch: wheels, package links, models, caches
@@ -131,6 +133,9 @@ else
 fi
 BIG=$W/models/$BIG_SHAPE
 
+# How fast this machine is before the steps (and again after them, below): probe.py.
+step "probe at start" 30 $PY benchmarks/gpu/probe.py --label start --out "$RES" --device $DEVICE
+
 models() {
     $PY benchmarks/gpu/make_models.py --src "$PACK/model" --shape embedded --json "$RES/model_small.json" &&
         $PY benchmarks/gpu/make_models.py --src "$PACK/model" --shape "$BIG_SHAPE" --dst "$BIG" \
@@ -201,6 +206,10 @@ for KV in $TRACE_POOLS; do
             --out "$RES/engine_trace_kv${KV}gib.simulated.md" --json "$RES/engine_trace_kv${KV}gib.simulated.json"
     fi
 done
+
+echo
+echo "=== probe at end [at $(($(date +%s) - T0)) s]"
+timeout -k 5 15 $PY benchmarks/gpu/probe.py --label end --out "$RES" --device $DEVICE || echo "=== probe at end FAILED"
 
 echo
 echo "=== summary [at $(($(date +%s) - T0)) s]"

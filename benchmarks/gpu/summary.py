@@ -4,7 +4,7 @@ with field by field. Every input is optional: a step that failed leaves its fiel
 
     python3 benchmarks/gpu/summary.py RESULTS_DIR --seconds 312
 
-Reads from RESULTS_DIR: steps.tsv (run.sh: step, exit status or "skipped", seconds), pytest.xml, profile_vs_hand.json,
+Reads from RESULTS_DIR: steps.tsv (run.sh: step, exit status or "skipped", seconds), probe.json, pytest.xml, profile_vs_hand.json,
 decode_vs_hf.json, model_*.json (make_models.py), engine_trace_kv<GiB>gib.json (engine_trace.py) and the
 traces' step logs, steps_kv<GiB>gib/.
 """
@@ -216,7 +216,24 @@ def summarize(res: Path, seconds: float | None = None, dry: bool = False) -> dic
     s["steps"] = steps(res / "steps.tsv")
     s["seconds"] = seconds
     s["targets"] = targets(s)
+    s["probe"] = _load(res / "probe.json")
+    s["machine_slowed"] = machine_slowed(s["probe"])
     return s
+
+
+# probe.py's readings and whether a higher value is the faster machine.
+PROBE_READINGS = (("matmul_tflops", "matmul, TFLOP/s", True), ("device_copy_tb_s", "device copy, TB/s", True),
+                  ("launch_us", "a kernel queued, us", False), ("python_loop_ns", "a Python loop step, ns", False))
+SLOWED = 0.8  # a reading at the end under 80% of the start's speed: the machine slowed during the check
+
+
+def machine_slowed(probe: dict | None) -> list[str]:
+    """The readings by which the machine ran slower at the end of the check than at its start."""
+    start, end = (probe or {}).get("start"), (probe or {}).get("end")
+    if not start or not end:
+        return []
+    return [label for key, label, higher in PROBE_READINGS
+            if start.get(key) and end.get(key) and (end[key] / start[key] if higher else start[key] / end[key]) < SLOWED]
 
 
 # What the engine is built to reach on an H100 with the 8B shape: (what, the summary's value, at least
@@ -259,6 +276,29 @@ def _f(x, fmt="{:.1f}"):
     return "–" if x is None else fmt.format(x)
 
 
+def _probe_lines(s: dict) -> list[str]:
+    """The machine's speed before and after the steps (probe.py), to tell a slow host from a slow engine."""
+    probe = s.get("probe") or {}
+    labels = [label for label in ("start", "end") if probe.get(label)]
+    if not labels:
+        return []
+    lines = ["", "**The machine** (`probe.py`, before and after the steps):", "",
+             "| reading | " + " | ".join(labels) + " |", "|---|" + "---:|" * len(labels)]
+    for key, label, _ in PROBE_READINGS:
+        lines.append(f"| {label} | " + " | ".join(_f(probe[x].get(key), "{:.3g}") for x in labels) + " |")
+    cards = [probe[x].get("card") or {} for x in labels]
+    if any(cards):
+        lines.append("| SM clock / max, MHz | " + " | ".join(
+            f"{_f(c.get('sm_clock_mhz'), '{:.0f}')} / {_f(c.get('max_sm_clock_mhz'), '{:.0f}')}" for c in cards) + " |")
+        lines.append("| temperature C, power W | " + " | ".join(
+            f"{_f(c.get('temperature_c'), '{:.0f}')}, {_f(c.get('power_w'), '{:.0f}')}" for c in cards) + " |")
+        lines.append("| clock event reasons | " + " | ".join(str(c.get("clock_event_reasons")) for c in cards) + " |")
+    if s.get("machine_slowed"):
+        lines += ["", f"**The machine slowed during the check** (under {SLOWED:.0%} of its start's speed: "
+                  f"{', '.join(s['machine_slowed'])}): its later steps' numbers are not the engine's alone."]
+    return lines
+
+
 def markdown(s: dict) -> str:
     head = (f"# GPU check, {s['date']}{' (dry run)' if s['dry_run'] else ''}\n\n{s['card']}, driver {s['driver']}, "
             f"torch {s['torch']} (CUDA {s['cuda']}), transformers {s['transformers']}, Python {s['python']}; "
@@ -267,6 +307,7 @@ def markdown(s: dict) -> str:
                                                          else "") + "):", "",
              "| target | bound | measured | verdict |", "|---|---|---:|---|"]
     lines += [f"| {t['target']} | {t['bound']} | {_num(t['value'])} | {t['verdict']} |" for t in s["targets"]]
+    lines += _probe_lines(s)
     lines += ["", "| step | exit status | seconds |", "|---|---:|---:|"]
     lines += [f"| {st['step']} | {'skipped: no time left' if st['rc'] is None else st['rc']}"
               f"{' (timed out)' if st['rc'] in (124, 137) else ''} | {st['seconds']} |" for st in s["steps"]]
