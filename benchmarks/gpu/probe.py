@@ -3,7 +3,7 @@ can run the same code at a fraction of another's speed (one H100 host took 1.3-3
 kernels than another the same morning, 2026-11-28, and built the 8B model in 27 s against 17), and a
 reader of the results must be able to tell such a machine from a slower engine.
 
-Four readings, each the best of three rounds, a few seconds in all:
+Four readings, each the best of five rounds, a few seconds in all:
 - `matmul_tflops`: a square bf16 matrix product on the device (8192: the compute a prefill is bound by);
 - `device_copy_tb_s`: a device-to-device copy of 1 GiB, bytes read and written (the bandwidth a decode
   step streams its weights at);
@@ -64,7 +64,7 @@ def card_state() -> dict | None:
     return state
 
 
-ROUNDS = 3  # each reading is the best of this many rounds: the machine's speed, not a moment's hiccup
+ROUNDS = 5  # each reading is the best of this many rounds: the machine's speed, not a moment's hiccup
 
 
 def _timed(fn, repeats: int, sync=lambda: None) -> float:
