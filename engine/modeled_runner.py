@@ -120,12 +120,12 @@ class ModeledRunner:
             self._copies_end = max(now, self._copies_end) + t_copy
             if output.swap_in:
                 self._in_flight.append((self._copies_end, {device for _, device in output.swap_in}))
-        read = [end for end, blocks in self._in_flight
-                if any(not blocks.isdisjoint(c.block_table) for c in output.chunks)]
-        if not read:
+        waits_until = max((end for end, blocks in self._in_flight
+                           if any(not blocks.isdisjoint(c.block_table) for c in output.chunks)), default=None)
+        if waits_until is None:
             return 0.0
-        self._in_flight = [(end, blocks) for end, blocks in self._in_flight if end > max(read)]
-        return max(read) - now
+        self._in_flight = [(end, blocks) for end, blocks in self._in_flight if end > waits_until]
+        return waits_until - now
 
     def run(self, output: SchedulerOutput) -> RunnerOutput:
         self.last = self.cost(output)

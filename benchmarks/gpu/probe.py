@@ -65,6 +65,7 @@ def card_state() -> dict | None:
 
 
 ROUNDS = 5  # each reading is the best of this many rounds: the machine's speed, not a moment's hiccup
+LOOP_STEPS = 100_000  # a round of the Python loop reading
 
 
 def _timed(fn, repeats: int, sync=lambda: None) -> float:
@@ -109,11 +110,11 @@ def readings(device_name: str = "auto") -> dict:
     launch_s = _timed(lambda: tiny.add_(1), 1000)
     sync()
 
-    def loop(n=100_000):
+    def loop():
         total = 0
-        for i in range(n):
+        for i in range(LOOP_STEPS):
             total += i
-    loop_s = _timed(loop, 1) / 100_000
+    loop_s = _timed(loop, 1) / LOOP_STEPS
     return {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "matmul_n": n,
             "matmul_tflops": 2 * n ** 3 / matmul_s / 1e12, "device_copy_tb_s": 2 * copy_bytes / copy_s / 1e12,
             "launch_us": launch_s * 1e6, "python_loop_ns": loop_s * 1e9,
