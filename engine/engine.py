@@ -231,14 +231,16 @@ class Engine:
     def _log_step(self, out: SchedulerOutput, start: float, planning: float, copy_wait: float,
                   device: float) -> None:
         """One line of $INFERCEPT_STEP_LOG: the batch's composition and its time, with the host's share
-        in planning the step (`schedule_s`) and in queueing its swap copies (`copies_s`)."""
+        in planning the step (`schedule_s`) and in queueing its swap copies before its pass (`copies_s`),
+        and the host's time queueing the copies it queued while the pass ran (`copies_overlapped_s`)."""
         decode = [c for c in out.chunks if len(c.token_ids) == 1 and c.sample]
         self._step_log.write(json.dumps({
             "t": start, "s": time.perf_counter() - start, "seqs": len(out.chunks),
             "decode": len(decode), "prefill_tokens": out.num_batched_tokens - len(decode),
             "context_tokens": sum(c.start_pos + len(c.token_ids) for c in out.chunks),
             "swap_in": len(out.swap_in), "swap_out": len(out.swap_out), "copy_wait_s": copy_wait,
-            "device_s": device, "schedule_s": planning, "copies_s": self.runner.copy_host_seconds}) + "\n")
+            "device_s": device, "schedule_s": planning, "copies_s": self.runner.copy_host_seconds,
+            "copies_overlapped_s": self.runner.copy_overlapped_host_seconds}) + "\n")
 
     def _update(self, scheduler_output: SchedulerOutput, runner_output) -> list[RequestOutput]:
         outputs = []

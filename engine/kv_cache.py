@@ -15,6 +15,7 @@ the forward pass is `copy_stream.py`'s.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -69,6 +70,14 @@ def paired_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     return runs
 
 
+@dataclass
+class StagedBlocks:
+    """A swap-out's blocks gathered on the device, [n, 2, L, bs, Hkv, D], and the host blocks they go to."""
+
+    blocks: torch.Tensor
+    host_ids: list[int]
+
+
 class KVCache:
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, block_size: int,
                  num_blocks: int, num_host_blocks: int):
@@ -97,24 +106,40 @@ class KVCache:
 
     def copy_blocks_out(self, pairs: list[tuple[int, int]]) -> None:
         """Device block -> host block, for each (device_id, host_id). Asynchronous on CUDA."""
+        self.send_blocks_out(self.stage_blocks_out(pairs))
+
+    def stage_blocks_out(self, pairs: list[tuple[int, int]]) -> StagedBlocks | None:
+        """A swap-out's first half, queued before the next forward pass: on CUDA its blocks gathered into
+        a staging buffer on the compute stream, so the pass may reuse them at once without waiting for
+        the transfer to the host (`copy_stream.py`), which `send_blocks_out` queues; on a CPU the whole
+        copy (None is returned)."""
         if not pairs:
-            return
+            return None
         if self.device_kv.device.type == "cpu":
             for d, h, n in paired_runs(pairs):
                 self.host_kv[h:h + n].copy_(self.device_kv[:, :, d:d + n].movedim(2, 0))
+            return None
+        device_ids = [d for d, _ in pairs]
+        # A block on its way in (a swap-in still in flight, evicted again) is gathered once it has arrived.
+        self.copy_stream.before_forward(device_ids)
+        return StagedBlocks(gather_blocks(self.device_kv, to_device(device_ids, self.device_kv.device)),
+                            [h for _, h in pairs])
+
+    def send_blocks_out(self, staged: StagedBlocks | None, after: torch.cuda.Event | None = None) -> None:
+        """A swap-out's second half on CUDA: the staging buffer to its host blocks on the copy stream, after
+        `after` (`CopyStream.copying`)."""
+        if staged is None:
             return
-        # Gathered on the compute stream, so the next forward pass may reuse the blocks without waiting
-        # for the transfer to the host (`copy_stream.py`).
-        staged = gather_blocks(self.device_kv, to_device([d for d, _ in pairs], self.device_kv.device))
-        with self.copy_stream.copying():
+        with self.copy_stream.copying(after=after):
             # The copy stream reads it after this function returns: the allocator must not hand its
             # memory to the compute stream before that.
-            staged.record_stream(torch.cuda.current_stream(staged.device))
-            for i, first, n in consecutive_runs([h for _, h in pairs]):
-                self.host_kv[first:first + n].copy_(staged[i:i + n], non_blocking=True)
+            staged.blocks.record_stream(torch.cuda.current_stream(staged.blocks.device))
+            for i, first, n in consecutive_runs(staged.host_ids):
+                self.host_kv[first:first + n].copy_(staged.blocks[i:i + n], non_blocking=True)
 
-    def copy_blocks_in(self, pairs: list[tuple[int, int]]) -> None:
-        """Host block -> device block, for each (host_id, device_id). Asynchronous on CUDA."""
+    def copy_blocks_in(self, pairs: list[tuple[int, int]], after: torch.cuda.Event | None = None) -> None:
+        """Host block -> device block, for each (host_id, device_id). Asynchronous on CUDA, on the copy
+        stream after `after` (`CopyStream.copying`)."""
         if not pairs:
             return
         if self.device_kv.device.type == "cpu":
@@ -122,7 +147,7 @@ class KVCache:
                 self.device_kv[:, :, d:d + n].copy_(self.host_kv[h:h + n].movedim(0, 2))
             return
         device_ids = [d for _, d in pairs]
-        with self.copy_stream.copying(device_ids):
+        with self.copy_stream.copying(device_ids, after=after):
             staged = torch.empty((len(pairs), *self.host_kv.shape[1:]), dtype=self.host_kv.dtype,
                                  device=self.device_kv.device)  # [n, 2, L, bs, Hkv, D]
             for i, first, n in consecutive_runs([h for h, _ in pairs]):

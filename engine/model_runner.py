@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -53,7 +54,8 @@ class ModelRunner:
         self.graph_sets: list[DecodeGraphs | MixedGraphs] = []
         self.cuda_graphs = False
         self._device_span: tuple[float, float] | tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-        self.copy_host_seconds = 0.0  # the last `run`'s host time queueing its swap copies (the step log's)
+        # The last `run`'s host time queueing its swap copies before its pass and while it ran (the step log's).
+        self.copy_host_seconds = self.copy_overlapped_host_seconds = 0.0
         if self.decode_kernel is not None:
             self.graph_sets = [
                 DecodeGraphs(model, kv_cache, device, max_batch, max_model_len, self.decode_kernel),
@@ -142,7 +144,9 @@ class ModelRunner:
             if self.guided is not None:
                 self.guided.free(request_id)
         if not output.chunks:
-            self._queue_copies(output)
+            after_launch = self._queue_copies(output)
+            if after_launch is not None:
+                after_launch()  # no pass to overlap
             return RunnerOutput(sampled={})
         # The step's inputs go up before its swap copies: on CUDA, transfers to the device may run in
         # the order queued, whatever their stream, and the pass's few kilobytes should not wait out a
@@ -152,7 +156,7 @@ class ModelRunner:
             size = static.stage(output)
         else:
             input_ids, positions, meta = self.build_metadata(output)
-        self._queue_copies(output)
+        after_launch = self._queue_copies(output)
         # The blocks this pass reads and writes; lazy, as they are only looked at while copies are in flight.
         self.kv_cache.wait_for_copies(itertools.chain.from_iterable(chunk.block_table for chunk in output.chunks))
         started = self._mark()
@@ -160,6 +164,8 @@ class ModelRunner:
             hidden = static.launch(size)
         else:
             hidden = self.model(input_ids, positions, meta, self.kv_cache.layer_views)
+        if after_launch is not None:
+            after_launch()
         # Only the last row of each chunk that reaches its request's end produces a token.
         rows, to_sample = [], []
         end = 0
@@ -187,14 +193,33 @@ class ModelRunner:
             self.guided.accept(to_sample, tokens)
         return RunnerOutput(sampled={c.request_id: t for c, t in zip(to_sample, tokens)})
 
-    def _queue_copies(self, output: SchedulerOutput) -> None:
+    def _queue_copies(self, output: SchedulerOutput) -> Callable[[], None] | None:
         """The step's swap copies, swap-out before swap-in (a block freed by a swap-out may be refilled
-        in this step). On CUDA they run on a copy stream, overlapping the forward pass unless it reads a
-        block a swap-in writes (`copy_stream.py`)."""
+        in this step). On CUDA they run on a copy stream beside the forward pass (`copy_stream.py`).
+        What must precede the pass is queued here: a swap-out's gather (the pass may overwrite its
+        blocks), and swap-ins the pass reads (it waits for them). The rest is returned, to be queued
+        once the pass is launched, so that the host's queueing overlaps the pass as the copies do
+        (0.45 ms of host time for 64 blocks each way on an H100, 2026-11-28); it starts on the copy
+        stream where it would have started queued here. None if nothing is left."""
+        kv = self.kv_cache
         queueing = time.perf_counter()
-        self.kv_cache.copy_blocks_out(output.swap_out)
-        self.kv_cache.copy_blocks_in(output.swap_in)
+        staged = kv.stage_blocks_out(output.swap_out)
+        written = {d for _, d in output.swap_in}
+        mark = kv.copy_stream.mark() if staged is not None or written else None
+        if mark is None or not written.isdisjoint(
+                itertools.chain.from_iterable(chunk.block_table for chunk in output.chunks)):
+            kv.send_blocks_out(staged)
+            kv.copy_blocks_in(output.swap_in)
+            self.copy_host_seconds, self.copy_overlapped_host_seconds = time.perf_counter() - queueing, 0.0
+            return None
         self.copy_host_seconds = time.perf_counter() - queueing
+
+        def after_launch() -> None:
+            queueing = time.perf_counter()
+            kv.send_blocks_out(staged, after=mark)
+            kv.copy_blocks_in(output.swap_in, after=mark)
+            self.copy_overlapped_host_seconds = time.perf_counter() - queueing
+        return after_launch
 
     def _mark(self) -> float | torch.cuda.Event:
         """Now, on the compute stream (a timing event) on CUDA, on the host clock elsewhere."""

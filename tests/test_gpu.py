@@ -191,6 +191,64 @@ def test_resume_after_swap_on_the_copy_stream_is_token_exact(default_model_dir, 
     assert bm.num_free_blocks == bm.device.num_blocks and bm.num_free_host_blocks == bm.host.num_blocks
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA_MARKS)])
+def test_a_steps_copies_are_queued_once_its_pass_is_launched_unless_the_pass_reads_them(default_model_dir, device):
+    """The runner queues a step's swap-out transfers and swap-ins after launching its forward pass, so the
+    host's queueing overlaps the pass; a swap-in into a block the pass reads is queued before it (the
+    pass waits for it). Either way every block lands where it should. On a CPU, whose copies run
+    synchronously and which has no copy stream, the runner queues everything first; there the test makes
+    the copy stream answer as CUDA's does (`mark`), so the order is the same and its copies show it."""
+    from infercept.engine import Engine
+
+    engine = Engine(default_model_dir, dtype="float32", device=device, kv_cache_gb=0.05, host_kv_gb=0.05,
+                    max_num_batched_tokens=32, progress=False, enforce_eager=True)
+    kv, bm = engine.kv_cache, engine.block_manager
+    if device == "cpu":
+        assert kv.copy_stream.mark() is None
+        kv.copy_stream.mark = lambda: "the compute stream's work so far"
+    rid = engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    engine.step()
+    calls = []
+    for name in ("wait_for_copies", "send_blocks_out", "copy_blocks_in"):
+        method = getattr(kv, name)
+        setattr(kv, name, lambda *a, _m=method, _n=name, **k: calls.append(_n) or _m(*a, **k))
+    schedule = engine.scheduler.schedule
+    copies = {}
+    engine.scheduler.schedule = lambda: (lambda out: (out.swap_out.extend(copies.get("out", [])),
+                                                      out.swap_in.extend(copies.get("in", [])), out)[-1])(schedule())
+
+    free = list(bm.device.free_ids)[-4:]  # taken last: nothing writes them meanwhile
+    kv.device_kv[:, :, free[:2]] = torch.randn_like(kv.device_kv[:, :, free[:2]])
+    swapped_out = kv.device_kv[:, :, free[:2]].movedim(2, 0).cpu()
+    kv.host_kv[2:4] = torch.randn_like(kv.host_kv[2:4])
+    copies.update({"out": [(free[0], 0), (free[1], 1)], "in": [(2, free[2]), (3, free[3])]})
+    engine.step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert calls == ["wait_for_copies", "send_blocks_out", "copy_blocks_in"], calls
+    assert engine.runner.copy_overlapped_host_seconds > 0
+    assert torch.equal(kv.host_kv[:2], swapped_out)
+    assert torch.equal(kv.device_kv[:, :, free[2:]].movedim(2, 0).cpu(), kv.host_kv[2:4])
+
+    # A swap-in into the request's last block, of what it holds: queued before the pass, which reads it.
+    read = bm.block_table(rid)[-1]
+    kv.host_kv[4] = kv.device_kv[:, :, read].cpu()
+    calls.clear()
+    copies.update({"out": [], "in": [(4, read)]})
+    engine.step()
+    assert calls.index("copy_blocks_in") < calls.index("wait_for_copies"), calls
+    assert engine.runner.copy_overlapped_host_seconds == 0
+    copies.clear()
+    while engine.has_unfinished_requests():
+        out = engine.step()
+    reference = Engine(default_model_dir, dtype="float32", device=device, kv_cache_gb=0.05,
+                       max_num_batched_tokens=32, progress=False, enforce_eager=True)
+    reference.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    while reference.has_unfinished_requests():
+        expected = reference.step()
+    assert out[0].token_ids == expected[0].token_ids
+
+
 @cuda_test
 def test_queueing_swap_copies_does_not_make_the_host_wait(default_model_dir):
     """Swap copies are queued on the copy stream behind the forward passes queued so far and return at

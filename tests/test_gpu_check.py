@@ -149,6 +149,7 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
         assert list(kinds) == list(summary.STEP_KINDS)  # by prefill, by swaps
         assert all(k["rest_ms"] == pytest.approx(k["host_ms"] - k["schedule_ms"] - k["copies_ms"] - k["copy_wait_ms"])
                    for k in kinds.values() if k["steps"]), kinds
+        assert all(k["copies_during_pass_ms"] == 0 for k in kinds.values() if k["steps"])  # a CPU: none overlap
     assert [st["rc"] for st in s["steps"]] == [0, 1, 124, None]
     text = summary.markdown(s)
     assert "(timed out)" in text and "skipped: no time left" in text and "Attention over the context" in text
@@ -166,6 +167,7 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
     assert s["mixed_step"] == "16 prefill tokens + 2 decodes" and s["mixed_step_ms"] > 0 and s["eager_mixed_step_ms"] > 0
     assert "| mixed: 16 prefill tokens + 2 decodes |" in text
     assert s["swap_step"] == "4 blocks each way beside 2 decodes" and s["swap_copies_host_ms"] > 0
+    assert s["swap_copies_overlapped_host_ms"] == 0  # a CPU copies before the pass
     assert s["swap_step_ms"] > 0 and s["swap_step_without_copies_ms"] > 0 and "Swap copies, 4 blocks" in text
     assert s["decode_graph_launch_batch1_ms"] is None  # a CPU: no graphs; as a GPU run reports it:
     s["decode_graph_launch_batch1_ms"] = {"alone": 0.009, "in_step": 0.5, "after_sync": 0.02, "step_ms_after_sync": 6.1}

@@ -82,9 +82,10 @@ def step_kind(r: dict) -> str:
 def host_split(step_logs: Path) -> dict:
     """From a trace's step logs (engine_trace.py --step-log, one `POLICY.jsonl[.gz]` each): a step's time
     beyond the device's pass (the step's less the device's), mean ms, by kind of step (`STEP_KINDS`), and
-    of it the host's planning and queueing of copies, the pass's waits for copies (the device's compute
-    stream standing still) and the rest, the host's other work (logs written before planning and copies
-    were logged: null), with the blocks swapped in and out a step."""
+    of it the host's planning and queueing of copies before the pass, the pass's waits for copies (the
+    device's compute stream standing still) and the rest, the host's other work (logs written before
+    these were logged: null), with the blocks swapped in and out a step and the host's queueing of the
+    copies queued while the pass ran (not part of the step's time beyond the pass)."""
     split = {}
     for path in sorted(step_logs.glob("*.jsonl*")):
         opener = gzip.open if path.suffix == ".gz" else open
@@ -101,10 +102,12 @@ def host_split(step_logs: Path) -> dict:
             host = mean(1e3 * (r["s"] - r["device_s"]) for r in chosen)
             planning = mean(1e3 * r["schedule_s"] for r in chosen if "schedule_s" in r)
             copies = mean(1e3 * r["copies_s"] for r in chosen if "copies_s" in r)
+            overlapped = mean(1e3 * r["copies_overlapped_s"] for r in chosen if "copies_overlapped_s" in r)
             waits = mean(1e3 * r["copy_wait_s"] for r in chosen)
             parts = (host, planning, copies, waits)
             split[policy][kind] = {
                 "steps": len(chosen), "host_ms": host, "schedule_ms": planning, "copies_ms": copies,
+                "copies_during_pass_ms": overlapped,
                 "copy_wait_ms": waits,
                 "rest_ms": host - planning - copies - waits if None not in parts else None,
                 "swap_in_blocks": mean(r["swap_in"] for r in chosen),
@@ -165,7 +168,8 @@ def summarize(res: Path, seconds: float | None = None, dry: bool = False) -> dic
     swap = next((k for k in step_profile if k.startswith("swap_")), None)
     s["swap_step"] = swap and swap.removeprefix("swap_").replace("_beside_", " blocks each way beside ") + " decodes"
     for key, field in (("swap_step_ms", "step_ms_median"), ("swap_step_without_copies_ms", "without_copies_step_ms_median"),
-                       ("swap_copies_host_ms", "copies_host_ms_median")):
+                       ("swap_copies_host_ms", "copies_host_ms_median"),
+                       ("swap_copies_overlapped_host_ms", "copies_overlapped_host_ms_median")):
         s[key] = swap and step_profile[swap].get(field)
 
     # Batch-1 decode streams every weight once a step: tokens/s <= HBM bandwidth / weight bytes.
@@ -361,7 +365,8 @@ def markdown(s: dict) -> str:
         if s.get("swap_step"):
             lines += ["", f"Swap copies, {s['swap_step']}: a step {_f(s['swap_step_ms'], '{:.2f}')} ms against "
                       f"{_f(s['swap_step_without_copies_ms'], '{:.2f}')} without them; queueing them "
-                      f"{_f(s['swap_copies_host_ms'], '{:.3f}')} ms of host time."]
+                      f"{_f(s['swap_copies_host_ms'], '{:.3f}')} ms of host time before the pass, "
+                      f"{_f(s['swap_copies_overlapped_host_ms'], '{:.3f}')} while it ran."]
     if s.get("prefill_kernel"):
         lines += ["", "**Prefill kernel** (one layer, us; `prefill_tiles.md`: every tiling):", "",
                   "| case | engine's tiling | fastest tiling | fastest | SDPA |", "|---|---:|---|---:|---:|"]
@@ -382,12 +387,14 @@ def markdown(s: dict) -> str:
                          f"{_f(r.get('copy_wait_ms'), '{:.2f}')}) |")
     if s.get("engine_trace_host_ms"):
         lines += ["", "**A trace step beyond the device's pass** (mean ms: the step's less the device's; of it "
-                  "the scheduler's planning, the queueing of swap copies, the pass's waits for copies and the "
-                  "rest, the host's other work), by whether the step ran prefill tokens and queued swap copies:",
+                  "the scheduler's planning, the queueing of swap copies before the pass, the pass's waits for "
+                  "copies and the rest, the host's other work; beside it, the host's queueing of the copies it "
+                  "queued while the pass ran, hidden there unless it outlasts the pass), by whether the step "
+                  "ran prefill tokens and queued swap copies:",
                   "",
                   "| device pool | policy | steps | blocks in / out a step | beyond the pass, ms | planning | "
-                  "copies | copy waits | rest |",
-                  "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+                  "copies | copy waits | rest | copies during the pass |",
+                  "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
         for pool, policies in s["engine_trace_host_ms"].items():
             for policy, kinds in policies.items():
                 for kind, k in kinds.items():
@@ -396,7 +403,7 @@ def markdown(s: dict) -> str:
                                      f"{_f(k['swap_in_blocks'])} / {_f(k['swap_out_blocks'])} | "
                                      f"{_f(k['host_ms'], '{:.2f}')} | {_f(k['schedule_ms'], '{:.2f}')} | "
                                      f"{_f(k['copies_ms'], '{:.2f}')} | {_f(k['copy_wait_ms'], '{:.2f}')} | "
-                                     f"{_f(k['rest_ms'], '{:.2f}')} |")
+                                     f"{_f(k['rest_ms'], '{:.2f}')} | {_f(k['copies_during_pass_ms'], '{:.2f}')} |")
     return "\n".join(lines) + "\n"
 
 
