@@ -114,6 +114,7 @@ class Engine:
         self.loop = StepLoop(self.scheduler, self.runner, self.stats)
         log_path = step_log_path()
         self._step_log = open(log_path, "a", buffering=1) if log_path else None
+        self._update_seconds = 0.0  # the last step's host time applying its samples (the step log's)
         self.turns: dict[str, TurnOutput] = {}  # the output stage of each request's current turn
         self._ids = itertools.count()
         logger.info("engine ready: %s on %s in %s, %d KV blocks of %d tokens (%.2f GiB)", model, device_,
@@ -231,18 +232,27 @@ class Engine:
     def _log_step(self, out: SchedulerOutput, start: float, planning: float, copy_wait: float,
                   device: float) -> None:
         """One line of $INFERCEPT_STEP_LOG: the batch's composition and its time, with the host's share
-        in planning the step (`schedule_s`) and in queueing its swap copies before its pass (`copies_s`),
-        and the host's time queueing the copies it queued while the pass ran (`copies_overlapped_s`)."""
+        in planning the step (`schedule_s`), staging its inputs (`inputs_s`), queueing its swap copies
+        before its pass (`copies_s`) and applying its samples (`update_s`: the scheduler's bookkeeping and
+        the output stage), and the host's time queueing the copies it queued while the pass ran
+        (`copies_overlapped_s`)."""
         decode = [c for c in out.chunks if len(c.token_ids) == 1 and c.sample]
         self._step_log.write(json.dumps({
             "t": start, "s": time.perf_counter() - start, "seqs": len(out.chunks),
             "decode": len(decode), "prefill_tokens": out.num_batched_tokens - len(decode),
             "context_tokens": sum(c.start_pos + len(c.token_ids) for c in out.chunks),
             "swap_in": len(out.swap_in), "swap_out": len(out.swap_out), "copy_wait_s": copy_wait,
-            "device_s": device, "schedule_s": planning, "copies_s": self.runner.copy_host_seconds,
+            "device_s": device, "schedule_s": planning, "inputs_s": self.runner.input_host_seconds,
+            "copies_s": self.runner.copy_host_seconds, "update_s": self._update_seconds,
             "copies_overlapped_s": self.runner.copy_overlapped_host_seconds}) + "\n")
 
     def _update(self, scheduler_output: SchedulerOutput, runner_output) -> list[RequestOutput]:
+        updating = time.perf_counter()
+        outputs = self._apply_samples(scheduler_output, runner_output)
+        self._update_seconds = time.perf_counter() - updating
+        return outputs
+
+    def _apply_samples(self, scheduler_output: SchedulerOutput, runner_output) -> list[RequestOutput]:
         outputs = []
         for request in self.scheduler.update(scheduler_output, runner_output):
             turn = self.turns[request.request_id]

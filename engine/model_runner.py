@@ -54,8 +54,9 @@ class ModelRunner:
         self.graph_sets: list[DecodeGraphs | MixedGraphs] = []
         self.cuda_graphs = False
         self._device_span: tuple[float, float] | tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-        # The last `run`'s host time queueing its swap copies before its pass and while it ran (the step log's).
-        self.copy_host_seconds = self.copy_overlapped_host_seconds = 0.0
+        # The last `run`'s host time (the step log's): staging its inputs (all before its pass, copies
+        # apart), queueing its swap copies before its pass and while it ran.
+        self.input_host_seconds = self.copy_host_seconds = self.copy_overlapped_host_seconds = 0.0
         if self.decode_kernel is not None:
             self.graph_sets = [
                 DecodeGraphs(model, kv_cache, device, max_batch, max_model_len, self.decode_kernel),
@@ -143,10 +144,12 @@ class ModelRunner:
             self.generators.pop(request_id, None)
             if self.guided is not None:
                 self.guided.free(request_id)
+        inputs = time.perf_counter()
         if not output.chunks:
             after_launch = self._queue_copies(output)
             if after_launch is not None:
                 after_launch()  # no pass to overlap
+            self.input_host_seconds = 0.0
             return RunnerOutput(sampled={})
         # The step's inputs go up before its swap copies: on CUDA, transfers to the device may run in
         # the order queued, whatever their stream, and the pass's few kilobytes should not wait out a
@@ -159,6 +162,7 @@ class ModelRunner:
         after_launch = self._queue_copies(output)
         # The blocks this pass reads and writes; lazy, as they are only looked at while copies are in flight.
         self.kv_cache.wait_for_copies(itertools.chain.from_iterable(chunk.block_table for chunk in output.chunks))
+        self.input_host_seconds = time.perf_counter() - inputs - self.copy_host_seconds
         started = self._mark()
         if static is not None:
             hidden = static.launch(size)

@@ -100,8 +100,9 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
         lines = [json.loads(x) for x in (res / "steps_kv0.002gib" / f"{policy}.jsonl").read_text().splitlines()]
         assert lines and all(line["copy_wait_s"] == 0.0 and line["s"] > 0 for line in lines)  # a CPU: no waits
         assert all(0 <= line["device_s"] < line["s"] for line in lines) and any(line["device_s"] for line in lines)
-        assert all(0 < line["schedule_s"] and 0 <= line["copies_s"] and line["device_s"] + line["schedule_s"]
-                   + line["copies_s"] < line["s"] for line in lines)  # parts of the step, apart
+        assert all(0 < line["schedule_s"] and 0 <= line["copies_s"] and 0 < line["update_s"] and 0 <= line["inputs_s"]
+                   and line["device_s"] + line["schedule_s"] + line["inputs_s"] + line["copies_s"] + line["update_s"]
+                   < line["s"] for line in lines)  # parts of the step, apart
         step_counts[policy] = len(lines)
     # Triton's interpreter is chosen when Triton is imported: the tilings' step runs in a process of its own.
     subprocess.run([sys.executable, str(GPU / "prefill_tiles.py"), "--dry", "--out", str(res)], check=True,
@@ -147,8 +148,9 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
         assert sum(k["steps"] for k in kinds.values()) == step_counts[policy]
         assert all(0 < k["schedule_ms"] < k["host_ms"] for k in kinds.values() if k["steps"]), kinds
         assert list(kinds) == list(summary.STEP_KINDS)  # by prefill, by swaps
-        assert all(k["rest_ms"] == pytest.approx(k["host_ms"] - k["schedule_ms"] - k["copies_ms"] - k["copy_wait_ms"])
-                   for k in kinds.values() if k["steps"]), kinds
+        assert all(k["rest_ms"] == pytest.approx(k["host_ms"] - k["schedule_ms"] - k["inputs_ms"] - k["copies_ms"]
+                                                 - k["copy_wait_ms"] - k["update_ms"])
+                   and k["inputs_ms"] > 0 and k["update_ms"] > 0 for k in kinds.values() if k["steps"]), kinds
         assert all(k["copies_during_pass_ms"] == 0 for k in kinds.values() if k["steps"])  # a CPU: none overlap
     assert [st["rc"] for st in s["steps"]] == [0, 1, 124, None]
     text = summary.markdown(s)
