@@ -178,12 +178,14 @@ def run_policy(policy: str, trace: list[dict], *, kv_cache_gb: float, host_kv_gb
 
 
 def simulate_policy(policy: str, trace: list[dict], profile_path: str, *, kv_cache_gb: float, host_kv_gb: float,
-                    max_num_batched_tokens: int, max_num_seqs: int, until_s: float | None = None, log=None,
-                    **_) -> dict:
+                    max_num_batched_tokens: int, max_num_seqs: int, until_s: float | None = None,
+                    host_ms: tuple[float, float, float] | None = None, log=None, **_) -> dict:
     """The same trace through `SimulatedEngine` on a measured profile (the scheduler's code, a modeled
     runner, a virtual clock), pools sized from the same GiB: what the simulations predict for the run the
     engine made, in the same row. `schedule_ms` is the scheduler's host time on this machine, which the
-    virtual clock does not charge."""
+    virtual clock does not charge; `host_ms` (fixed, per sequence, per step with copies) is the engine's
+    host time a step that the clock does charge (`HostCost`), none by default."""
+    from infercept.engine.modeled_runner import HostCost
     from infercept.engine.policy import Profile
     from infercept.engine.simulation import SimulatedEngine
 
@@ -191,7 +193,8 @@ def simulate_policy(policy: str, trace: list[dict], profile_path: str, *, kv_cac
     block_bytes = profile.block_size * profile.bytes_per_token
     engine = SimulatedEngine(policy, profile, int(kv_cache_gb * 2**30 // block_bytes),
                              int(host_kv_gb * 2**30 // block_bytes), max_num_batched_tokens=max_num_batched_tokens,
-                             max_num_seqs=max_num_seqs)
+                             max_num_seqs=max_num_seqs,
+                             host_cost=host_ms and HostCost(*(ms / 1e3 for ms in host_ms)))
     row = engine.run_trace(trace, until=until_s).summary() | step_times(engine.stats)
     if log:
         log(f"  {policy:>18}: {row['finished']}/{len(trace)} finished in {row['duration_s']:.1f} virtual s, "
@@ -287,6 +290,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--simulate", metavar="PROFILE_JSON", default=None,
                         help="replay the trace in SimulatedEngine on this measured profile instead of the engine "
                              "(e.g. a GPU check's profile.json), pools from the same --kv-cache-gb / --host-kv-gb")
+    parser.add_argument("--host-ms", nargs=3, type=float, metavar=("FIXED", "PER_SEQUENCE", "SWAP_STEP"), default=None,
+                        help="with --simulate: charge each step the host's time the device does not hide, ms "
+                             "(a fit to an engine's step logs: benchmarks/gpu/host_cost.py); default none")
     parser.add_argument("--out", default=None, help="also write the table (markdown) to this file")
     parser.add_argument("--json", default=None, help="also write the rows and the command (JSON) to this file")
     parser.add_argument("--model", default=None, help="model folder (default: the embedded model)")
@@ -314,7 +320,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.step_log and not args.simulate:
             kw["step_log"] = args.step_log
         if args.simulate:
-            rows = [simulate_policy(p, trace, args.simulate, **kw, log=log) for p in args.policies]
+            rows = [simulate_policy(p, trace, args.simulate, **kw, host_ms=args.host_ms, log=log)
+                    for p in args.policies]
         else:
             rows = _run_all(args.policies, trace, kw, log)
     text = table(rows)

@@ -84,7 +84,7 @@ class CopyStream:
         if self.stream is None:
             yield
             return
-        self.stream.wait_event(after or self.mark())
+        self.stream.wait_event(after if after is not None else self.mark())
         # Tensors allocated inside (index and staging buffers) belong to the copy stream, so the caching
         # allocator reuses their memory only for later work on that same stream.
         with torch.cuda.stream(self.stream):

@@ -3,7 +3,7 @@
 The same scheduler that drives the real `ModelRunner` drives this one; only the mechanism differs.
 An iteration costs what the profile says it costs:
 
-    seconds = T_fwd(num_batched_tokens) + T_attn + wait
+    seconds = T_fwd(num_batched_tokens) + T_attn + wait + T_host
 
 ``T_attn`` is the sum of `Profile.t_attention` over the iteration's chunks (each over its context up to
 its last token); 0 unless the profile models attention (long contexts; `Profile.t_attention`).
@@ -27,6 +27,11 @@ its last token); 0 unless the profile models attention (long contexts; `Profile.
   Eq. 3), the whole copy time is added.
 
 Copies move whole blocks, so their cost is counted in blocks x block_size tokens.
+
+``T_host`` is the host's time in a step that the device's work does not hide (`HostCost`; 0 unless
+given): the real engine plans a step, stages its inputs and applies its samples while the device idles.
+On an H100 (2026-11-28) that was 0.6-1.1 ms of a 7-14 ms step, up to 3 ms in steps that queued copies,
+and the simulations leaving it out predicted infercept's latency 41% below the engine's.
 
 "Sampling" returns a fixed token id for every chunk that reaches its request's end: the scheduler only
 needs *a* token to count output and check stops (max_tokens). Pure Python: no torch here.
@@ -65,24 +70,44 @@ class VirtualClock:
 
 
 @dataclass(frozen=True)
+class HostCost:
+    """The host's time in a step beyond the device's, as a line fitted to an engine's step log
+    (`benchmarks/gpu/host_cost.py`): `fixed_s` a step, `per_sequence_s` a scheduled sequence, and
+    `swap_step_s` more in a step that queues swap copies."""
+
+    fixed_s: float = 0.0
+    per_sequence_s: float = 0.0
+    swap_step_s: float = 0.0
+
+    def seconds(self, output: SchedulerOutput) -> float:
+        if not output.chunks and not output.swap_in and not output.swap_out:
+            return 0.0
+        swaps = self.swap_step_s if output.swap_in or output.swap_out else 0.0
+        return max(self.fixed_s + self.per_sequence_s * len(output.chunks) + swaps, 0.0)
+
+
+@dataclass(frozen=True)
 class IterationCost:
     """Where one modeled iteration's time went."""
 
-    seconds: float  # what the clock advanced: t_fwd + t_stall
+    seconds: float  # what the clock advanced: t_fwd + t_stall + t_host
     t_fwd: float  # forward pass of num_batched_tokens, attention included
     t_copy: float  # copy time of this iteration's swaps (whole blocks)
     t_stall: float  # time the forward pass waited for copies (this iteration's or earlier ones')
     num_batched_tokens: int
     num_swap_out_tokens: int
     num_swap_in_tokens: int
+    t_host: float = 0.0  # the host's time the device's work does not hide (`HostCost`)
 
 
 class ModeledRunner:
     """`run(SchedulerOutput) -> RunnerOutput` like `ModelRunner`, with the cost taken from a `Profile`."""
 
     def __init__(self, profile: Profile, clock: VirtualClock, block_size: int | None = None,
-                 swap_synchronous: bool = False, coarse: bool = False, token_id: int = SAMPLED_TOKEN_ID):
+                 swap_synchronous: bool = False, coarse: bool = False, token_id: int = SAMPLED_TOKEN_ID,
+                 host_cost: HostCost | None = None):
         self.profile = profile
+        self.host_cost = host_cost
         self.clock = clock
         self.block_size = block_size or profile.block_size
         self.copies_stall = swap_synchronous or not profile.copies_overlap
@@ -110,7 +135,8 @@ class ModeledRunner:
             t_stall = max(0.0, t_copy - t_fwd)
         else:
             t_stall = self._queue_copies(output, t_copy)
-        return IterationCost(t_fwd + t_stall, t_fwd, t_copy, t_stall, n, out_tokens, in_tokens)
+        t_host = self.host_cost.seconds(output) if self.host_cost is not None else 0.0
+        return IterationCost(t_fwd + t_stall + t_host, t_fwd, t_copy, t_stall, n, out_tokens, in_tokens, t_host)
 
     def _queue_copies(self, output: SchedulerOutput, t_copy: float) -> float:
         """Queue the step's copies behind those still running; the seconds its pass waits for them."""

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .config import SchedulerConfig
-from .modeled_runner import IterationCost, ModeledRunner, VirtualClock
+from .modeled_runner import HostCost, IterationCost, ModeledRunner, VirtualClock
 from .outputs import SchedulerOutput
 from .policy import DurationEstimator, Profile, make_policy
 from .request import InterceptParams, Request, RequestStatus
@@ -113,9 +113,11 @@ class SimulatedEngine:
     def __init__(self, policy_name: str, profile: Profile, num_device_blocks: int, num_host_blocks: int,
                  block_size: int | None = None, max_num_batched_tokens: int | None = None,
                  max_num_seqs: int = 256, max_model_len: int = UNLIMITED_MODEL_LEN,
-                 estimator: DurationEstimator | None = None, event_driven: bool = True, token_scale: int = 1):
+                 estimator: DurationEstimator | None = None, event_driven: bool = True, token_scale: int = 1,
+                 host_cost: HostCost | None = None):
         """`profile`: the coarsened one (`coarsen_profile`) when `token_scale` k > 1, the trace's token
-        counts are divided by k (`run_trace`)."""
+        counts are divided by k (`run_trace`). `host_cost`: the host's unhidden time a step (none by
+        default: the device's time alone)."""
         self.profile = profile
         self.token_scale = token_scale
         self.block_size = block_size or profile.block_size
@@ -130,7 +132,8 @@ class SimulatedEngine:
                                    estimator=estimator, event_driven=event_driven,
                                    copies_overlap=profile.copies_overlap and token_scale == 1)
         self.runner = ModeledRunner(profile, self.clock, self.block_size,
-                                    swap_synchronous=self.policy.swap_synchronous, coarse=token_scale > 1)
+                                    swap_synchronous=self.policy.swap_synchronous, coarse=token_scale > 1,
+                                    host_cost=host_cost)
         self.stats = EngineStats(bytes_per_token=profile.bytes_per_token)
         self.loop = StepLoop(self.scheduler, self.runner, self.stats)
         self.acc = SimAccounting()

@@ -108,16 +108,24 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
     subprocess.run([sys.executable, str(GPU / "prefill_tiles.py"), "--dry", "--out", str(res)], check=True,
                    env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300)
     # The same trace simulated on the profile just measured (the simulation's side of the engine's run).
-    load_bench("engine_trace").main(
-        ["--simulate", str(res / "profile.json"), "--policies", "prefix-cache", "infercept", "--rate", "2",
-         "--window", "1", "--until", "3", "--context-scale", "0.05", "--decode-scale", "0.05",
-         "--interception-scale", "0.01", "--max-interceptions", "1", "--max-context", "128", "--kv-cache-gb", "0.002",
-         "--host-kv-gb", "0.01", "--max-num-batched-tokens", "64", "--max-num-seqs", "8",
-         "--json", str(tmp_path / "simulated.json")])
+    simulate = ["--simulate", str(res / "profile.json"), "--policies", "prefix-cache", "infercept", "--rate", "2",
+                "--window", "1", "--until", "3", "--context-scale", "0.05", "--decode-scale", "0.05",
+                "--interception-scale", "0.01", "--max-interceptions", "1", "--max-context", "128",
+                "--kv-cache-gb", "0.002", "--host-kv-gb", "0.01", "--max-num-batched-tokens", "64", "--max-num-seqs", "8"]
+    load_bench("engine_trace").main(simulate + ["--json", str(tmp_path / "simulated.json")])
     simulated = json.loads((tmp_path / "simulated.json").read_text())["rows"]
     assert [r["policy"] for r in simulated] == ["prefix-cache", "infercept"]
     assert all(r["steps"] > 0 and r["finished"] > 0 and 0 < r["schedule_ms"] and r["copy_wait_ms"] >= 0
                and 0 < r["device_ms"] <= r["step_ms"] for r in simulated), simulated
+    # Charging the host time fitted to the engine's step logs: the simulated steps take longer than the
+    # device's time and the copy waits by about the fit.
+    host_cost = load_gpu("host_cost")
+    fit = host_cost.fit(host_cost.read_steps(res / "steps_kv0.002gib"))
+    load_bench("engine_trace").main(simulate + ["--host-ms", str(fit["fixed_ms"]), str(fit["per_sequence_ms"]),
+                                                str(fit["swap_step_ms"]), "--json", str(tmp_path / "charged.json")])
+    charged = json.loads((tmp_path / "charged.json").read_text())["rows"]
+    assert all(r["step_ms"] - r["device_ms"] - r["copy_wait_ms"] > 0.5 * fit["fixed_ms"] > 0 for r in charged), charged
+    assert all(r["step_ms"] - r["device_ms"] - r["copy_wait_ms"] < 1e-6 for r in simulated), simulated
     (res / "pytest.xml").write_text(JUNIT)
     (res / "steps.tsv").write_text("setup\t0\t3\npytest -m gpu\t1\t40\nengine trace 1 GiB\t124\t90\n"
                                    "engine trace 16 GiB\tskipped\t0\n")
@@ -245,3 +253,29 @@ def test_the_summary_says_when_the_machine_slowed_during_the_check():
     text = "\n".join(summary._probe_lines({"probe": {"start": start, "end": slowed},
                                             "machine_slowed": ["device copy, TB/s"]}))
     assert "| device copy, TB/s | 3 | 1.5 |" in text and "The machine slowed during the check" in text
+
+
+def test_the_host_cost_fit_recovers_a_known_line(tmp_path):
+    """`host_cost.py` fits the host's unhidden time a step (the step's less the device's and the copy
+    waits) as fixed + per sequence over steps without copies, and the mean residual of steps with
+    copies; `--without-copies` takes their queueing out too."""
+    import gzip
+
+    host_cost = load_gpu("host_cost")
+    rows = []
+    for i in range(40):
+        seqs, swaps = 1 + i % 7, i % 3 == 0
+        host = 0.0006 + 0.00003 * seqs + (0.0008 if swaps else 0.0)
+        rows.append({"s": 0.009 + host + 0.0002 * swaps, "device_s": 0.009, "copy_wait_s": 0.0002 * swaps,
+                     "seqs": seqs, "swap_in": 4 * swaps, "swap_out": 2 * swaps, "copies_s": 0.0005 * swaps})
+    rows.append({"s": 0.001, "device_s": 0.0, "copy_wait_s": 0.0, "seqs": 0, "swap_in": 0, "swap_out": 0})  # idle
+    with gzip.open(tmp_path / "infercept.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    fit = host_cost.fit(host_cost.read_steps(tmp_path))
+    assert fit["fixed_ms"] == pytest.approx(0.6) and fit["per_sequence_ms"] == pytest.approx(0.03)
+    assert fit["swap_step_ms"] == pytest.approx(0.8) and fit["steps_with_copies"] == 14
+    assert host_cost.fit(host_cost.read_steps(tmp_path), without_copies=True)["swap_step_ms"] == pytest.approx(0.3)
+    one_size = host_cost.fit([r for r in rows if r["seqs"] == 2])
+    assert one_size["fixed_ms"] == pytest.approx(0.66) and one_size["per_sequence_ms"] == 0
+    with pytest.raises(ValueError, match="no step without copies"):
+        host_cost.fit([r for r in rows if r["swap_in"]])

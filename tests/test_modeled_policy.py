@@ -126,6 +126,33 @@ def test_a_modeled_pass_waits_for_the_copies_that_write_its_blocks_not_for_later
     assert runner.last.t_stall > 0
 
 
+def test_a_modeled_step_charges_the_hosts_unhidden_time():
+    """`HostCost`: a step with work costs the host's fixed time, its time a sequence, and more if it
+    queues copies, on top of the device's; a step with nothing to do costs nothing. A simulated trace
+    that charges it runs fewer steps in the same virtual time."""
+    from infercept.engine.modeled_runner import HostCost
+
+    profile = toy_profile(swap_blocks_per_step=2)
+    host = HostCost(fixed_s=0.001, per_sequence_s=0.0002, swap_step_s=0.003)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    chunks = [ScheduledChunk(r, [1], 16, [i], True, params, 0) for i, r in enumerate("ab")]
+    runner = ModeledRunner(profile, VirtualClock(), host_cost=host)
+    runner.run(SchedulerOutput(chunks=chunks))
+    assert runner.last.t_host == pytest.approx(0.0014)
+    assert runner.last.seconds == pytest.approx(profile.t_fwd(2) + 0.0014)
+    runner.run(SchedulerOutput(chunks=chunks, swap_out=[(5, 0)]))
+    assert runner.last.t_host == pytest.approx(0.0044) and runner.last.t_stall == 0
+    runner.run(SchedulerOutput(chunks=[]))
+    assert runner.last.seconds == 0.0
+    steps = []
+    for cost in (None, HostCost(fixed_s=0.01)):
+        engine = SimulatedEngine("infercept", profile, 64, 64, host_cost=cost)
+        trace = [{"id": "p", "arrival": 0.0, "prompt_tokens": 40,
+                  "segments": [{"decode_tokens": 200, "interception": None, "returned_tokens": 0}]}]
+        steps.append(engine.run_trace(trace, until=1.0).summary()["steps"])
+    assert steps[1] < steps[0]
+
+
 def test_coarsened_profile_keeps_swap_budget_and_time_per_real_token():
     base = a100_gptj_6b()
     coarse = coarsen_profile(base, 8)
