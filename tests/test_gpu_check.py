@@ -122,8 +122,9 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
     host_cost = load_gpu("host_cost")
     fit = host_cost.fit(host_cost.read_steps(res / "steps_kv0.002gib"))
     load_bench("engine_trace").main(simulate + ["--host-ms", str(fit["fixed_ms"]), str(fit["per_sequence_ms"]),
-                                                str(fit["swap_step_ms"]), "--json", str(tmp_path / "charged.json")])
-    charged = json.loads((tmp_path / "charged.json").read_text())["rows"]
+                                                str(fit["swap_step_ms"]), "--json",
+                                                str(res / "engine_trace_kv0.002gib.simulated_host.json")])
+    charged = json.loads((res / "engine_trace_kv0.002gib.simulated_host.json").read_text())["rows"]
     assert all(r["step_ms"] - r["device_ms"] - r["copy_wait_ms"] > 0.5 * fit["fixed_ms"] > 0 for r in charged), charged
     assert all(r["step_ms"] - r["device_ms"] - r["copy_wait_ms"] < 1e-6 for r in simulated), simulated
     (res / "pytest.xml").write_text(JUNIT)
@@ -164,6 +165,9 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
     text = summary.markdown(s)
     assert "(timed out)" in text and "skipped: no time left" in text and "Attention over the context" in text
     assert "| 0.002 GiB | infercept |" in text and "3 passed, 1 failed" in text
+    assert s["engine_trace"]["0.002 GiB"]["host_ms"] == pytest.approx(
+        [fit["fixed_ms"], fit["per_sequence_ms"], fit["swap_step_ms"]])
+    assert "| 0.002 GiB | infercept, simulated with the host's time |" in text
     assert "A trace step beyond the device's pass" in text and "| matmul, TFLOP/s |" in text
     verdicts = {t["target"]: t["verdict"] for t in s["targets"]}  # the dry run's tiny sizes: verdicts only
     assert verdicts["decode at batch 32, tok/s"] == "not measured"  # batches 1 and 2 only

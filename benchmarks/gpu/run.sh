@@ -204,6 +204,16 @@ for KV in $TRACE_POOLS; do
         step "engine trace $KV GiB, simulated" 60 $PY benchmarks/engine_trace.py --simulate "$RES/profile.json" \
             --policies prefix-cache infercept --until "$UNTIL" --kv-cache-gb "$KV" $TRACE_ARGS \
             --out "$RES/engine_trace_kv${KV}gib.simulated.md" --json "$RES/engine_trace_kv${KV}gib.simulated.json"
+        # And charged the host's time a step, fitted to the engine's step logs just written (host_cost.py):
+        # what the engine loses to the host beside what the device does.
+        HOST_MS=$(timeout 30 $PY benchmarks/gpu/host_cost.py "$RES/steps_kv${KV}gib" | tail -n 1)
+        if [[ $HOST_MS == --host-ms* ]]; then
+            # shellcheck disable=SC2086
+            step "engine trace $KV GiB, simulated with the host's time" 60 $PY benchmarks/engine_trace.py \
+                --simulate "$RES/profile.json" --policies prefix-cache infercept --until "$UNTIL" --kv-cache-gb "$KV" \
+                $TRACE_ARGS $HOST_MS --out "$RES/engine_trace_kv${KV}gib.simulated_host.md" \
+                --json "$RES/engine_trace_kv${KV}gib.simulated_host.json"
+        fi
     fi
 done
 

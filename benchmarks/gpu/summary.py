@@ -120,6 +120,16 @@ def host_split(step_logs: Path) -> dict:
     return split
 
 
+def _host_ms(command: str | None) -> list[float] | None:
+    """The host's time a step a simulation charged (`--host-ms FIXED PER_SEQUENCE SWAP_STEP`), from its
+    command."""
+    words = (command or "").split()
+    if "--host-ms" not in words:
+        return None
+    i = words.index("--host-ms")
+    return [float(w) for w in words[i + 1:i + 4]]
+
+
 def summarize(res: Path, seconds: float | None = None, dry: bool = False) -> dict:
     import torch
 
@@ -213,11 +223,13 @@ def summarize(res: Path, seconds: float | None = None, dry: bool = False) -> dic
                                                            "swapped_out_blocks", "steps", "step_ms", "device_ms",
                                                            "schedule_ms", "copy_wait_ms", "duration_s")}
                                 for r in data.get("rows", [])]}
-        simulated = _load(path.with_name(path.name.replace(".json", ".simulated.json"))) or {}
-        trace[pool]["simulated_rows"] = [{k: _finite(r.get(k)) for k in ("policy", "requests", "finished",
-                                                                    "normalized_latency", "steps", "step_ms",
-                                                                    "device_ms", "schedule_ms", "copy_wait_ms")}
-                                         for r in simulated.get("rows", [])]
+        for kind in ("simulated", "simulated_host"):
+            simulated = _load(path.with_name(path.name.replace(".json", f".{kind}.json"))) or {}
+            trace[pool][f"{kind}_rows"] = [{k: _finite(r.get(k)) for k in (
+                "policy", "requests", "finished", "normalized_latency", "steps", "step_ms", "device_ms", "schedule_ms",
+                "copy_wait_ms")} for r in simulated.get("rows", [])]
+            if kind == "simulated_host":
+                trace[pool]["host_ms"] = _host_ms(simulated.get("command"))
     s["engine_trace_normalized_latency"] = latency or None
     s["engine_trace"] = trace or None
     logs = sorted(res.glob("steps_kv*gib"), key=lambda p: float(STEP_LOGS.search(p.name)[1]))
@@ -380,12 +392,19 @@ def markdown(s: dict) -> str:
             lines.append(f"| {case} | {_f(k['engine_us'])} | "
                          f"{'–' if t is None else ', '.join(f'{n} {v}' for n, v in t.items())} | "
                          f"{_f(k['fastest_us'])} | {_f(k['sdpa_us'])} |")
+    host_ms = next((t["host_ms"] for t in (s["engine_trace"] or {}).values() if t.get("host_ms")), None)
     lines += ["", "**Engine trace** (normalized latency, s/token; finished/requests; \"simulated\": the same trace in "
-              "`SimulatedEngine` on this run's profile, virtual clock, the scheduler's ms on the host's CPU):", "",
+              "`SimulatedEngine` on this run's profile, virtual clock, the scheduler's ms on the host's CPU; "
+              "\"with the host's time\": the clock also charges each step the host's time beyond the device's "
+              "fitted to this run's step logs, `benchmarks/gpu/host_cost.py`"
+              + ("" if host_ms is None else f", here {host_ms[0]:.3f} ms + {host_ms[1]:.3f} a sequence + "
+                 f"{host_ms[2]:.3f} in a step with copies") + "):", "",
               "| device pool | policy | normalized latency | finished | steps | step ms (device's, scheduler's, copy waits) |",
               "|---|---|---:|---:|---:|---:|"]
     for pool, t in (s["engine_trace"] or {}).items():
-        for r in t["rows"] + [dict(r, policy=f"{r['policy']}, simulated") for r in t.get("simulated_rows", [])]:
+        for r in (t["rows"] + [dict(r, policy=f"{r['policy']}, simulated") for r in t.get("simulated_rows", [])]
+                  + [dict(r, policy=f"{r['policy']}, simulated with the host's time")
+                     for r in t.get("simulated_host_rows", [])]):
             lines.append(f"| {pool} | {r['policy']} | {_f(r['normalized_latency'], '{:.4g}')} | "
                          f"{r['finished']}/{r['requests']} | {r['steps']} | {_f(r['step_ms'], '{:.2f}')} "
                          f"({_f(r.get('device_ms'), '{:.2f}')}, {_f(r['schedule_ms'], '{:.2f}')}, "
