@@ -57,9 +57,12 @@ class Engine:
                  max_num_batched_tokens: int | None = None,
                  max_num_seqs: int = SchedulerConfig.max_num_seqs, max_model_len: int | None = None,
                  seed: int = 0, num_threads: int | None = None, policy: str = "infercept",
-                 profile: Profile | str | None = None, progress: bool = True, enforce_eager: bool = False):
+                 profile: Profile | str | None = None, progress: bool = True, enforce_eager: bool = False,
+                 async_output: bool | None = None):
         """max_num_batched_tokens: the step's token budget; None: `default_step_tokens`.
-        enforce_eager: no CUDA graphs (on CUDA, steps otherwise replay captured graphs; `cuda_graphs.py`)."""
+        enforce_eager: no CUDA graphs (on CUDA, steps otherwise replay captured graphs; `cuda_graphs.py`).
+        async_output: a step's output stage runs while the next step's pass computes (`step`); None: on
+        CUDA, where the device computes apart from the host, and not on a CPU, where it cannot."""
         from transformers import AutoTokenizer
 
         if model is None:
@@ -114,7 +117,14 @@ class Engine:
         self.loop = StepLoop(self.scheduler, self.runner, self.stats)
         log_path = step_log_path()
         self._step_log = open(log_path, "a", buffering=1) if log_path else None
-        self._update_seconds = 0.0  # the last step's host time applying its samples (the step log's)
+        self.async_output = device_.type == "cuda" if async_output is None else async_output
+        # With async_output: the requests the last step sampled a token for, awaiting their output stage,
+        # and the outputs that stage made while this step's pass computed.
+        self._unprocessed: list[Request] = []
+        self._processed: list[RequestOutput] = []
+        # The last step's host time (the step log's): applying its samples after its pass, and (async_output)
+        # the output stage of the step before, while its pass computed.
+        self._update_seconds = self._output_stage_seconds = 0.0
         self.turns: dict[str, TurnOutput] = {}  # the output stage of each request's current turn
         self._ids = itertools.count()
         logger.info("engine ready: %s on %s in %s, %d KV blocks of %d tokens (%.2f GiB)", model, device_,
@@ -207,8 +217,9 @@ class Engine:
 
     def has_unfinished_requests(self) -> bool:
         """Requests that still need steps; paused ones wait for `resume` and need none, unless their host
-        KV is due back (proactive swap-in)."""
-        return self.scheduler.has_work()
+        KV is due back (proactive swap-in). With `async_output`, also samples whose outputs are still to
+        come out of the next step."""
+        return self.scheduler.has_work() or bool(self._unprocessed)
 
     def idle_wake_s(self) -> float | None:
         """With no request needing a step: seconds until a paused request's host KV may be due back
@@ -217,9 +228,19 @@ class Engine:
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step: the outputs of the requests it sampled a token for. With `async_output`, the outputs of
+        those the step before sampled: their output stage (detokenizing, stop strings, tool calls, the
+        verdict to go on, pause or finish) runs while this step's pass computes, so the host's time in it
+        adds nothing to the step. A turn that stage ends (a stop string, a tool call before the stop
+        token) was planned into this step meanwhile: it has computed one more token, which is dropped. A
+        turn the scheduler ends (a stop token, the length limit) is not planned on (`Scheduler`)."""
         start = time.perf_counter()
         planned_before = self.stats.schedule_host_seconds
-        scheduler_output, outputs = self.loop.step(self._update, lambda: time.perf_counter() - start)
+        seconds = lambda: time.perf_counter() - start  # noqa: E731
+        if self.async_output:
+            scheduler_output, outputs = self.loop.step(self._take_samples, seconds, self._output_stage_of_last_step)
+        else:
+            scheduler_output, outputs = self.loop.step(self._update, seconds)
         waited = self.kv_cache.copy_stream.waited_seconds()  # the step's, its sampled ids being on the host
         self.stats.copy_wait_seconds += waited
         device = self.runner.device_seconds()
@@ -233,9 +254,10 @@ class Engine:
                   device: float) -> None:
         """One line of $INFERCEPT_STEP_LOG: the batch's composition and its time, with the host's share
         in planning the step (`schedule_s`), staging its inputs (`inputs_s`), queueing its swap copies
-        before its pass (`copies_s`) and applying its samples (`update_s`: the scheduler's bookkeeping and
-        the output stage), and the host's time queueing the copies it queued while the pass ran
-        (`copies_overlapped_s`)."""
+        before its pass (`copies_s`) and applying its samples after it (`update_s`: the scheduler's
+        bookkeeping, and the output stage unless `async_output`), and the host's time while the pass ran
+        queueing copies (`copies_overlapped_s`) and in the step before's output stage
+        (`output_stage_overlapped_s`, with `async_output`)."""
         decode = [c for c in out.chunks if len(c.token_ids) == 1 and c.sample]
         self._step_log.write(json.dumps({
             "t": start, "s": time.perf_counter() - start, "seqs": len(out.chunks),
@@ -244,18 +266,40 @@ class Engine:
             "swap_in": len(out.swap_in), "swap_out": len(out.swap_out), "copy_wait_s": copy_wait,
             "device_s": device, "schedule_s": planning, "inputs_s": self.runner.input_host_seconds,
             "copies_s": self.runner.copy_host_seconds, "update_s": self._update_seconds,
+            "output_stage_overlapped_s": self._output_stage_seconds,
             "copies_overlapped_s": self.runner.copy_overlapped_host_seconds}) + "\n")
 
     def _update(self, scheduler_output: SchedulerOutput, runner_output) -> list[RequestOutput]:
+        """The step's samples applied and put through the output stage at once."""
         updating = time.perf_counter()
-        outputs = self._apply_samples(scheduler_output, runner_output)
+        outputs = self._output_stage(self.scheduler.update(scheduler_output, runner_output))
         self._update_seconds = time.perf_counter() - updating
         return outputs
 
-    def _apply_samples(self, scheduler_output: SchedulerOutput, runner_output) -> list[RequestOutput]:
+    def _take_samples(self, scheduler_output: SchedulerOutput, runner_output) -> list[RequestOutput]:
+        """`async_output`: the step's samples applied, their output stage left for the next step's pass;
+        returns the outputs of the step before's."""
+        updating = time.perf_counter()
+        self._unprocessed = self.scheduler.update(scheduler_output, runner_output)
+        outputs, self._processed = self._processed, []
+        self._update_seconds = time.perf_counter() - updating
+        return outputs
+
+    def _output_stage_of_last_step(self) -> None:
+        """`async_output`: the output stage of the requests the step before sampled, while this step's pass
+        computes."""
+        started = time.perf_counter()
+        self._processed += self._output_stage(self._unprocessed)
+        self._unprocessed = []
+        self._output_stage_seconds = time.perf_counter() - started
+
+    def _output_stage(self, sampled: list[Request]) -> list[RequestOutput]:
+        """Each request's newest token through its turn's output stage; the turn goes on, pauses or finishes."""
         outputs = []
-        for request in self.scheduler.update(scheduler_output, runner_output):
-            turn = self.turns[request.request_id]
+        for request in sampled:
+            turn = self.turns.get(request.request_id)
+            if turn is None:
+                continue  # aborted since its token was sampled (async_output)
             stop = turn.add(request.token_ids[-1])
             if stop is not None:
                 request.stop_reason = stop

@@ -139,7 +139,9 @@ class ModelRunner:
         meta.decode_mask = (positions[None, :] < lens[:, None])[:, None, None, :]
 
     @torch.inference_mode()
-    def run(self, output: SchedulerOutput) -> RunnerOutput:
+    def run(self, output: SchedulerOutput, while_running: Callable[[], None] | None = None) -> RunnerOutput:
+        """The step: its inputs staged, its swap copies queued, its forward pass launched, `while_running`
+        (host work that overlaps the pass on CUDA; on a CPU the pass has computed by then), its samples."""
         for request_id in output.finished_request_ids:
             self.generators.pop(request_id, None)
             if self.guided is not None:
@@ -149,6 +151,8 @@ class ModelRunner:
             after_launch = self._queue_copies(output)
             if after_launch is not None:
                 after_launch()  # no pass to overlap
+            if while_running is not None:
+                while_running()
             self.input_host_seconds = 0.0
             return RunnerOutput(sampled={})
         # The step's inputs go up before its swap copies: on CUDA, transfers to the device may run in
@@ -170,6 +174,8 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, meta, self.kv_cache.layer_views)
         if after_launch is not None:
             after_launch()
+        if while_running is not None:
+            while_running()
         # Only the last row of each chunk that reaches its request's end produces a token.
         rows, to_sample = [], []
         end = 0

@@ -38,6 +38,7 @@ needs *a* token to count output and check stops (max_tokens). Pure Python: no to
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .outputs import RunnerOutput, SampledToken, SchedulerOutput
@@ -153,8 +154,10 @@ class ModeledRunner:
         self._in_flight = [(end, blocks) for end, blocks in self._in_flight if end > waits_until]
         return waits_until - now
 
-    def run(self, output: SchedulerOutput) -> RunnerOutput:
+    def run(self, output: SchedulerOutput, while_running: Callable[[], None] | None = None) -> RunnerOutput:
         self.last = self.cost(output)
+        if while_running is not None:
+            while_running()
         self.clock.advance(self.last.seconds)
         token = SampledToken(self.token_id)
         return RunnerOutput(sampled={c.request_id: token for c in output.chunks if c.sample})

@@ -686,6 +686,8 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if request.pending_stop is not None:
+                continue  # its turn ended; the engine's output stage, one step behind, pauses or finishes it
             if self.swap_ins_run_next_step and request.request_id in self._swapped_in_this_step:
                 continue  # its KV is on its way back while this step runs
             if self.policy is not None and self.policy.priority != "arrival":

@@ -43,6 +43,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "saturation point, at least 256; --backend vllm: vLLM's own default)")
     g.add_argument("--enforce-eager", action="store_true", default=_env("ENFORCE_EAGER", "0") not in ("0", ""),
                    help="no CUDA graphs (a GPU otherwise replays decode steps from captured graphs)")
+    output_env = _env("ASYNC_OUTPUT", None)
+    g.add_argument("--async-output", action=argparse.BooleanOptionalAction,
+                   default=None if output_env is None else output_env.lower() not in ("0", "false", "no", "off"),
+                   help="the native engine runs a step's output stage (detokenizing, stop strings, tool calls) "
+                        "while the next step's forward pass computes (INFERCEPT_ASYNC_OUTPUT=1 or 0). Default: on "
+                        "a GPU, not on a CPU, whose pass leaves the host nothing to overlap")
     g.add_argument("--max-num-seqs", type=int, default=_optional_int(_env("MAX_NUM_SEQS", None)),
                    help="sequences in a forward pass at most (default 64; --backend vllm: vLLM's own default)")
     g.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN", None))
@@ -72,6 +78,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_model_len=None if args.max_model_len is None else int(args.max_model_len),
                 num_threads=None if args.threads is None else int(args.threads), policy=args.policy or "infercept",
                 enable_prefix_caching=args.prefix_caching, enforce_eager=args.enforce_eager,
+                async_output=args.async_output,
                 # unset: the engine's own default (SchedulerConfig.max_num_seqs)
                 **({} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}))
 
@@ -173,6 +180,9 @@ def build_backend(args: argparse.Namespace):
         return NativeBackend.create(args.model, **engine_kwargs(args))
     from infercept.engine import VllmBackend
 
+    if args.async_output is not None:
+        raise SystemExit("infercept serve: --async-output applies to the native engine; vLLM's own is "
+                         "--async-scheduling")
     # The vLLM worker takes the engine flags it has a meaning for; vLLM reads its own VLLM_* variables.
     return VllmBackend.create(
         args.model, python=args.vllm_python, policy=args.policy or "infercept",

@@ -645,6 +645,10 @@ def test_vllms_own_options_reach_it_and_only_it(monkeypatch):
     native = cli.build_parser().parse_args(["serve", "--pipeline-parallel-size", "2"])
     with pytest.raises(SystemExit, match="--pipeline-parallel-size only apply to --backend vllm"):
         cli.build_backend(native)
+    with pytest.raises(SystemExit, match="--async-output applies to the native engine"):
+        cli.build_backend(cli.build_parser().parse_args(["serve", "--backend", "vllm", "--no-async-output"]))
+    assert cli.engine_kwargs(native)["async_output"] is None  # unset: the engine's choice by device
+    assert cli.engine_kwargs(cli.build_parser().parse_args(["serve", "--async-output"]))["async_output"] is True
     auto = cli.build_parser().parse_args(["serve", "--backend", "auto"])
     monkeypatch.setattr(cli.shutil, "which", lambda name: None)  # no NVIDIA GPU
     assert cli.chosen_backend(auto) == "native"

@@ -86,8 +86,8 @@ def host_split(step_logs: Path) -> dict:
     waits for copies (the device's compute stream standing still), the host's applying of the samples
     (the output stage) and the rest, the host's other work (a part logs from before it was logged lack
     is null and stays in the rest, where planning or copies are: the rest is null), with the blocks
-    swapped in and out a step and the host's queueing of the copies queued while the pass ran (not
-    part of the step's time beyond the pass)."""
+    swapped in and out a step and the host's work while the pass ran (not part of the step's time beyond
+    the pass): queueing the copies queued then, and the step before's output stage (`async_output`)."""
     split = {}
     for path in sorted(step_logs.glob("*.jsonl*")):
         opener = gzip.open if path.suffix == ".gz" else open
@@ -106,12 +106,15 @@ def host_split(step_logs: Path) -> dict:
             inputs = mean(1e3 * r["inputs_s"] for r in chosen if "inputs_s" in r)
             copies = mean(1e3 * r["copies_s"] for r in chosen if "copies_s" in r)
             overlapped = mean(1e3 * r["copies_overlapped_s"] for r in chosen if "copies_overlapped_s" in r)
+            output_stage = mean(1e3 * r["output_stage_overlapped_s"] for r in chosen
+                                if "output_stage_overlapped_s" in r)
             waits = mean(1e3 * r["copy_wait_s"] for r in chosen)
             update = mean(1e3 * r["update_s"] for r in chosen if "update_s" in r)
             parts = (host, planning, copies, waits)
             split[policy][kind] = {
                 "steps": len(chosen), "host_ms": host, "schedule_ms": planning, "inputs_ms": inputs,
                 "copies_ms": copies, "copies_during_pass_ms": overlapped, "copy_wait_ms": waits,
+                "output_stage_during_pass_ms": output_stage,
                 "update_ms": update,
                 "rest_ms": (host - planning - copies - waits - (inputs or 0.0) - (update or 0.0)
                             if None not in parts else None),
@@ -413,13 +416,15 @@ def markdown(s: dict) -> str:
         lines += ["", "**A trace step beyond the device's pass** (mean ms: the step's less the device's; of it "
                   "the scheduler's planning, the staging of the pass's inputs, the queueing of swap copies before "
                   "the pass, the pass's waits for copies, the applying of the samples (the output stage) and the "
-                  "rest, the host's other work; beside it, the host's queueing of the copies it queued while "
-                  "the pass ran, hidden there unless it outlasts the pass), by whether the step ran prefill "
-                  "tokens and queued swap copies:",
+                  "rest, the host's other work; beside it, the host's work while the pass ran, hidden there "
+                  "unless it outlasts the pass: queueing the copies it queued then, and the step before's "
+                  "output stage where it runs then), by whether the step ran prefill tokens and queued swap "
+                  "copies:",
                   "",
                   "| device pool | policy | steps | blocks in / out a step | beyond the pass, ms | planning | "
-                  "inputs | copies | copy waits | samples applied | rest | copies during the pass |",
-                  "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "inputs | copies | copy waits | samples applied | rest | copies during the pass | "
+                  "output stage during the pass |",
+                  "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for pool, policies in s["engine_trace_host_ms"].items():
             for policy, kinds in policies.items():
                 for kind, k in kinds.items():
@@ -429,7 +434,8 @@ def markdown(s: dict) -> str:
                                      f"{_f(k['host_ms'], '{:.2f}')} | {_f(k['schedule_ms'], '{:.2f}')} | "
                                      f"{_f(k['inputs_ms'], '{:.2f}')} | {_f(k['copies_ms'], '{:.2f}')} | "
                                      f"{_f(k['copy_wait_ms'], '{:.2f}')} | {_f(k['update_ms'], '{:.2f}')} | "
-                                     f"{_f(k['rest_ms'], '{:.2f}')} | {_f(k['copies_during_pass_ms'], '{:.2f}')} |")
+                                     f"{_f(k['rest_ms'], '{:.2f}')} | {_f(k['copies_during_pass_ms'], '{:.2f}')} | "
+                                     f"{_f(k['output_stage_during_pass_ms'], '{:.2f}')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,115 @@
+"""`async_output`: a step's output stage runs while the next step's pass computes (on by default on a GPU).
+Here, on a CPU, it is switched on to check that it changes nothing a caller can see but when outputs come
+out: the same tokens, text, stop reasons, tool calls and resumes as the synchronous engine, token by token,
+every output delivered (one step later), nothing leaked."""
+from __future__ import annotations
+
+import pytest
+
+from infercept.engine import LLM, Engine, SamplingParams
+from infercept.engine.request import InterceptParams
+
+from test_interception import FEW_SHOT, HERMES, OTHERS, TOOL_RESULT, assert_all_free, drain, greedy, last_output, \
+    make_engine
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, " * 20, "1, 2, 3, 4,"]
+PARAMS = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+          SamplingParams(temperature=0, max_tokens=20, stop=["\n"]),  # a stop string: the output stage ends it
+          SamplingParams(temperature=0, max_tokens=16, stop=["time"], logprobs=2),
+          SamplingParams(temperature=0.8, top_p=0.9, max_tokens=10, seed=7)]
+
+
+@pytest.fixture(scope="module")
+def async_llm(default_model_dir):
+    return LLM(default_model_dir, dtype="float32", kv_cache_gb=0.25, max_num_batched_tokens=32, progress=False,
+               async_output=True)
+
+
+def test_async_output_is_off_on_a_cpu_by_default(llm_fp32):
+    assert llm_fp32.engine.async_output is False
+
+
+def test_generation_is_the_same_with_the_output_stage_a_step_behind(async_llm, llm_fp32):
+    sync = llm_fp32.generate(PROMPTS, PARAMS)
+    overlapped = async_llm.generate(PROMPTS, PARAMS)
+    assert [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in overlapped] == \
+        [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in sync]
+    # Logprobs alike up to float noise (the shared reference engine may reuse cached prefixes).
+    assert [s.token_id for s in overlapped[2].logprobs] == [s.token_id for s in sync[2].logprobs]
+    assert [s.logprob for s in overlapped[2].logprobs] == pytest.approx([s.logprob for s in sync[2].logprobs],
+                                                                        abs=1e-3)
+    assert sync[1].finish_reason == "stop" and sync[2].stop_reason == "time"  # the stop strings did end them
+    bm = async_llm.engine.block_manager
+    assert bm.num_free_blocks == bm.device.num_blocks and not async_llm.engine.scheduler.requests
+
+
+def test_outputs_come_one_step_later_and_the_last_ones_are_not_lost(async_llm):
+    engine = async_llm.engine
+    rid = engine.add_request("Hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    per_step = []
+    while engine.has_unfinished_requests():
+        per_step.append([len(o.token_ids) for o in engine.step() if o.request_id == rid])
+    # The prompt's step samples the first token; its output comes out of the next step, and the last
+    # token's out of a step that has nothing left to run.
+    assert per_step == [[], [1], [2], [3]]
+
+
+def test_a_stop_string_ends_the_turn_and_its_extra_token_is_dropped(async_llm, llm_fp32):
+    """The stop string is seen by the output stage a step late: the request ran one more token meanwhile,
+    which neither the output nor the request keeps."""
+    params = SamplingParams(temperature=0, max_tokens=30, stop=["magic"])
+    prompt = "Once upon a time, " * 3
+    expected = llm_fp32.generate([prompt], params)[0]
+    engine = async_llm.engine
+    rid = engine.add_request(prompt, params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    out = last_output(outs, rid)
+    assert out.finished and out.finish_reason == "stop" and out.token_ids == expected.token_ids
+    assert out.text == expected.text and len(out.token_ids) < 30
+
+
+@pytest.mark.parametrize("policy", ["infercept", "discard", "swap"])
+def test_a_tool_call_pauses_and_resumes_as_on_the_synchronous_engine(default_model_dir, policy):
+    """The call is judged complete by the output stage, a step after its last token was sampled: the paused
+    context, the parsed call, the KV left after other requests ran and the resumed turn's tokens are the
+    synchronous engine's."""
+    def run(engine: Engine):
+        rid = engine.add_request(FEW_SHOT, SamplingParams(temperature=0, max_tokens=40), intercept=HERMES)
+        paused = last_output(drain(engine), rid)
+        context = list(engine.scheduler.requests[rid].token_ids)
+        others = [engine.add_request(p, greedy(12)) for p in OTHERS]
+        outs = drain(engine)
+        location = engine.kv_location(rid)
+        engine.resume(rid, engine.tokenizer.encode(TOOL_RESULT), greedy(10))
+        for p in OTHERS[:2]:
+            engine.add_request(p, greedy(6))
+        resumed = last_output(drain(engine), rid)
+        assert all(last_output(outs, o).finished for o in others) and resumed.finished
+        assert_all_free(engine)
+        calls = [(c.name, c.arguments) for c in paused.tool_calls]
+        return paused.paused, paused.token_ids, calls, context, location["device"] + location["host"] > 0, \
+            resumed.token_ids
+
+    overlapped = run(make_engine(default_model_dir, policy, async_output=True))
+    assert overlapped == run(make_engine(default_model_dir, policy, async_output=False))
+    assert overlapped[0] and overlapped[2] == [("get_weather", '{"city": "Paris"}')]
+
+
+def test_pause_on_stop_is_not_planned_on_and_abort_drops_a_pending_output(default_model_dir):
+    """A turn the scheduler ends (its length limit, under pause_on_stop) waits out of the next plan for the
+    output stage's verdict; a request aborted while its output is pending gives no output after."""
+    engine = make_engine(default_model_dir, "infercept", async_output=True)
+    rid = engine.add_request("The three primary colors are", greedy(4), intercept=InterceptParams(pause_on_stop=True))
+    planned, schedule = [], engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: planned.append(schedule()) or planned[-1]
+    out = last_output(drain(engine), rid)
+    assert out.paused and len(out.token_ids) == 4
+    assert sum(rid in {c.request_id for c in p.chunks} for p in planned) == 4  # the prompt, then 3 decodes
+    engine.resume(rid, engine.tokenizer.encode(" Also,"), greedy(4))
+    engine.step()  # samples the resumed turn's first token; its output is pending
+    assert engine.has_unfinished_requests()
+    engine.abort(rid)
+    assert all(o.request_id != rid for o in drain(engine))
+    assert_all_free(engine)
