@@ -403,6 +403,6 @@ def test_a_steps_device_time_counts_the_pass_and_not_the_hosts_planning(default_
     while engine.has_unfinished_requests():
         engine.step()
     stats = engine.stats
-    assert stats.num_steps == 4
+    assert stats.num_steps == 4 + engine.async_output  # async output (CUDA): a last step brings the last output
     assert stats.device_seconds >= 0.75 * delay * stats.num_steps, stats.device_seconds  # the slow pass, counted
     assert stats.forward_seconds - stats.device_seconds >= delay * stats.num_steps  # the slow planning, not
