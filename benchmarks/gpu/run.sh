@@ -10,7 +10,8 @@
 #   5b. where a step's time goes (step_profile.py): step vs runner time, cProfile, torch.profiler
 #   5c. the prefill kernel under a set of tilings beside SDPA (prefill_tiles.py)
 #   6. benchmarks/engine_trace.py, policies prefix-cache and infercept, 1 GiB and 16 GiB device pools, each
-#      beside the same trace simulated on step 4's profile (--simulate)
+#      beside the same trace simulated on step 4's profile (--simulate), and simulated again charging each
+#      step the host's time fitted to the trace's own step logs (host_cost.py, --host-ms)
 # then summary.json / summary.md. Each step has its own time limit, all of them within BUDGET_S (480 s: the
 # whole check); a failed step does not stop the next. Results: benchmarks/results/gpu-<card>-<date>/ under $OUT
 # when it is set, else under the repository.
