@@ -88,7 +88,8 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
                                    "--prefill-len", "64", "--kv-cache-gb", "0.02"])
     load_gpu("step_profile").main(["--model", model, "--out", str(res), "--dtype", "float32", "--device", "cpu",
                                    "--batches", "1", "--steps", "4", "--prefill-len", "64", "--kv-cache-gb", "0.02",
-                                   "--mixed-chunk", "16", "--mixed-decodes", "2", "--swap-blocks", "4", "--eager-too"])
+                                   "--mixed-chunk", "16", "--mixed-decodes", "2", "--swap-blocks", "4", "--eager-too",
+                                   "--async-output"])  # as on a GPU: decode steps timed both ways
     load_bench("engine_trace").main(
         ["--model", model, "--policies", "prefix-cache", "infercept", "--rate", "2", "--window", "1", "--until", "3",
          "--context-scale", "0.05", "--decode-scale", "0.05", "--interception-scale", "0.01",
@@ -176,11 +177,15 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
     assert set(verdicts.values()) <= {"met", "missed", "not measured"} and len(verdicts) == 6
     assert (res / "profile.json").exists() and (res / "decode_vs_hf.md").exists()
     assert s["decode_step_batch1_ms"] > 0 and s["decode_step_batch32_ms"] is None
+    assert s["sync_output_decode_step_batch1_ms"] > 0 and s["sync_output_decode_step_batch32_ms"] is None
     steps = json.loads((res / "step_profile.json").read_text())
     assert "error" not in steps and steps["prefill"]["tok_s"] > 0 and steps["eager"]["decode_batch1"]["step_ms"]
     assert "cumulative" in (res / "step_profile.txt").read_text()  # the cProfile table
     assert s["mixed_step"] == "16 prefill tokens + 2 decodes" and s["mixed_step_ms"] > 0 and s["eager_mixed_step_ms"] > 0
     assert "| mixed: 16 prefill tokens + 2 decodes |" in text
+    steps_table = text.split("**Steps**")[1]  # graphs' path, eager, output stage after the pass
+    decode_row = next(line for line in steps_table.splitlines() if line.startswith("| decode, batch 1 |"))
+    assert decode_row.count("|") == 5 and "–" not in decode_row, decode_row
     assert s["swap_step"] == "4 blocks each way beside 2 decodes" and s["swap_copies_host_ms"] > 0
     assert s["swap_copies_overlapped_host_ms"] == 0  # a CPU copies before the pass
     assert s["swap_step_ms"] > 0 and s["swap_step_without_copies_ms"] > 0 and "Swap copies, 4 blocks" in text

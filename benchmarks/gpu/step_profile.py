@@ -122,6 +122,21 @@ def decode_workload(llm, batch: int, steps: int, prompt_len: int, report: list[s
     report.append(f"### torch.profiler over {steps // 2} steps\n"
                   + kernel_profile(lambda: [llm.engine.step() for _ in range(steps // 2)], device))
     _finish(llm)
+    if llm.engine.async_output:
+        # The same steps with each step's output stage after its pass (--no-async-output), side by side;
+        # switched while no output is pending.
+        llm.engine.async_output = False
+        try:
+            _start(llm, prompts, new_tokens=steps + 8)
+            for _ in range(3):
+                llm.engine.step()
+            row = timed_steps(llm, steps)
+            _finish(llm)
+        finally:
+            llm.engine.async_output = True
+        result[f"decode_batch{batch}"]["sync_output_step_ms_median"] = row["step_ms_median"]
+        report.append(f"## decode, batch {batch}, the output stage after each pass (--no-async-output): "
+                      f"engine.step() median {row['step_ms_median']:.2f} ms\n")
 
 
 def graph_launch_ms(llm, batch: int, steps: int) -> dict | None:
@@ -269,6 +284,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--swap-blocks", type=int, default=64, help="blocks a swap step copies each way")
     ap.add_argument("--eager-too", action="store_true",
                     help="also time the decode and mixed steps with --enforce-eager")
+    ap.add_argument("--async-output", action=argparse.BooleanOptionalAction, default=None,
+                    help="the engine's output stage beside the next step's pass (default: the engine's own, on "
+                         "a GPU); where on, decode steps are also timed with it off")
     args = ap.parse_args(argv)
 
     from infercept.engine import LLM
@@ -276,7 +294,8 @@ def main(argv: list[str] | None = None) -> None:
     result: dict = {"torch": torch.__version__}
     report = [f"# engine step profile: {args.model}, {args.dtype}\n"]
     kwargs = dict(dtype=args.dtype, device=args.device, kv_cache_gb=args.kv_cache_gb,
-                  max_num_batched_tokens=max(1024, args.prefill_len), enable_prefix_caching=False, progress=False)
+                  max_num_batched_tokens=max(1024, args.prefill_len), enable_prefix_caching=False, progress=False,
+                  async_output=args.async_output)
     try:
         llm = LLM(args.model, **kwargs)
         result["kernels"] = llm.engine.runner.kernels
