@@ -24,6 +24,12 @@ def _env(name: str, default):
     return os.environ.get(f"INFERCEPT_{name}") or default
 
 
+def _env_flag(name: str) -> bool | None:
+    """INFERCEPT_<NAME> as a switch: False for 0, false, no or off, True for anything else, None unset."""
+    value = _env(name, None)
+    return None if value is None else value.lower() not in ("0", "false", "no", "off")
+
+
 def _optional_int(value) -> int | None:
     return None if value is None else int(value)
 
@@ -43,9 +49,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "saturation point, at least 256; --backend vllm: vLLM's own default)")
     g.add_argument("--enforce-eager", action="store_true", default=_env("ENFORCE_EAGER", "0") not in ("0", ""),
                    help="no CUDA graphs (a GPU otherwise replays decode steps from captured graphs)")
-    output_env = _env("ASYNC_OUTPUT", None)
-    g.add_argument("--async-output", action=argparse.BooleanOptionalAction,
-                   default=None if output_env is None else output_env.lower() not in ("0", "false", "no", "off"),
+    g.add_argument("--async-output", action=argparse.BooleanOptionalAction, default=_env_flag("ASYNC_OUTPUT"),
                    help="the native engine runs a step's output stage (detokenizing, stop strings, tool calls) "
                         "while the next step's forward pass computes (INFERCEPT_ASYNC_OUTPUT=1 or 0). Default: on "
                         "a GPU, not on a CPU, whose pass leaves the host nothing to overlap")
@@ -66,7 +70,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "+admission and a priority other than arrival are refused there, and infercept runs "
                         "without prefetch (docs/operators.md, section 7)")
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
-                   default=_env("PREFIX_CACHING", "1").lower() not in ("0", "false", "no", "off"),
+                   default=_env_flag("PREFIX_CACHING") is not False,
                    help="do not keep freed KV blocks addressable by content (INFERCEPT_PREFIX_CACHING=0)")
 
 
@@ -100,9 +104,7 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
                    help="vLLM's weight quantization method (fp8, awq, gptq, ...; default: the checkpoint's)")
     v.add_argument("--kv-cache-dtype", default=_env("KV_CACHE_DTYPE", None),
                    help="vLLM's KV cache dtype (auto, fp8, fp8_e4m3, fp8_e5m2, ...; default auto: the model's)")
-    async_env = _env("ASYNC_SCHEDULING", None)
-    v.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
-                   default=None if async_env is None else async_env.lower() not in ("0", "false", "no", "off"),
+    v.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=_env_flag("ASYNC_SCHEDULING"),
                    help="vLLM's asynchronous scheduling (GPU: the next step is scheduled while one runs); under "
                         "infercept, infercept-paper, preserve and swap our AsyncInterceptScheduler runs it. Default: "
                         "vLLM's own (asynchronous on a GPU where vLLM supports it, synchronous on a CPU), with our "
