@@ -216,18 +216,21 @@ class ModelRunner:
         staged = kv.stage_blocks_out(output.swap_out)
         written = {d for _, d in output.swap_in}
         mark = kv.copy_stream.mark() if staged is not None or written else None
+
+        def queue_transfers() -> None:
+            kv.send_blocks_out(staged, after=mark)
+            kv.copy_blocks_in(output.swap_in, after=mark)
+
         if mark is None or not written.isdisjoint(
                 itertools.chain.from_iterable(chunk.block_table for chunk in output.chunks)):
-            kv.send_blocks_out(staged)
-            kv.copy_blocks_in(output.swap_in)
+            queue_transfers()
             self.copy_host_seconds, self.copy_overlapped_host_seconds = time.perf_counter() - queueing, 0.0
             return None
         self.copy_host_seconds = time.perf_counter() - queueing
 
         def after_launch() -> None:
             queueing = time.perf_counter()
-            kv.send_blocks_out(staged, after=mark)
-            kv.copy_blocks_in(output.swap_in, after=mark)
+            queue_transfers()
             self.copy_overlapped_host_seconds = time.perf_counter() - queueing
         return after_launch
 
