@@ -20,15 +20,19 @@ import statistics
 from pathlib import Path
 
 
-def read_steps(step_logs: Path) -> list[dict]:
-    """Every step of every policy's log in the folder (`POLICY.jsonl` or `.jsonl.gz`) that ran a pass or
-    queued copies."""
-    rows = []
+def step_logs_of(step_logs: Path) -> dict[str, list[dict]]:
+    """Each policy's steps, from the folder's `POLICY.jsonl` or `POLICY.jsonl.gz`, by policy."""
+    logs = {}
     for path in sorted(step_logs.glob("*.jsonl*")):
         opener = gzip.open if path.suffix == ".gz" else open
         with opener(path, "rt") as f:
-            rows += [json.loads(line) for line in f if line.strip()]
-    return [r for r in rows if r["seqs"] or r["swap_in"] or r["swap_out"]]
+            logs[path.name.split(".jsonl")[0]] = [json.loads(line) for line in f if line.strip()]
+    return logs
+
+
+def read_steps(step_logs: Path) -> list[dict]:
+    """Every step of every policy's log in the folder that ran a pass or queued copies."""
+    return [r for rows in step_logs_of(step_logs).values() for r in rows if r["seqs"] or r["swap_in"] or r["swap_out"]]
 
 
 def fit(rows: list[dict], without_copies: bool = False) -> dict:

@@ -11,7 +11,6 @@ traces' step logs, steps_kv<GiB>gib/.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import math
 import platform
@@ -24,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from card import card_name, driver_version, hbm_bytes_per_s  # noqa: E402
+from host_cost import step_logs_of  # noqa: E402
 
 TRACE_FILE = re.compile(r"engine_trace_kv(.+)gib\.json$")
 STEP_LOGS = re.compile(r"steps_kv(.+)gib$")
@@ -89,11 +89,7 @@ def host_split(step_logs: Path) -> dict:
     swapped in and out a step and the host's work while the pass ran (not part of the step's time beyond
     the pass): queueing the copies queued then, and the step before's output stage (`async_output`)."""
     split = {}
-    for path in sorted(step_logs.glob("*.jsonl*")):
-        opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rt") as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        policy = path.name.split(".jsonl")[0]
+    for policy, rows in step_logs_of(step_logs).items():
         split[policy] = {}
         for kind in STEP_KINDS:
             chosen = [r for r in rows if step_kind(r) == kind]
