@@ -14,9 +14,9 @@ from .config import CacheConfig, EngineConfig, SchedulerConfig, resolve_device, 
 from .env import step_log_path
 from .kv_cache import GIB, KVCache, available_memory_bytes, num_blocks_for
 from .model_loader import load_model, load_spec
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, PendingSamples
 from .output_stage import Action, TurnOutput
-from .outputs import RequestOutput, SchedulerOutput
+from .outputs import RequestOutput, RunnerOutput, SchedulerOutput
 from .policy import Profile, make_policy
 from .profiler import FULL_SIZES, cached_profile_path, load_or_measure, measure_profile
 from .request import InterceptParams, Request, RequestStatus
@@ -58,11 +58,13 @@ class Engine:
                  max_num_seqs: int = SchedulerConfig.max_num_seqs, max_model_len: int | None = None,
                  seed: int = 0, num_threads: int | None = None, policy: str = "infercept",
                  profile: Profile | str | None = None, progress: bool = True, enforce_eager: bool = False,
-                 async_output: bool | None = None):
+                 async_output: bool | None = None, async_scheduling: bool | None = None):
         """max_num_batched_tokens: the step's token budget; None: `default_step_tokens`.
         enforce_eager: no CUDA graphs (on CUDA, steps otherwise replay captured graphs; `cuda_graphs.py`).
         async_output: a step's output stage runs while the next step's pass computes (`step`); None: on
-        CUDA, where the device computes apart from the host, and not on a CPU, where it cannot."""
+        CUDA, where the device computes apart from the host, and not on a CPU, where it cannot.
+        async_scheduling: each step is planned and launched before the last one's samples reach the host
+        (`step`); implies async_output. None: as async_output."""
         from transformers import AutoTokenizer
 
         if model is None:
@@ -118,10 +120,18 @@ class Engine:
         log_path = step_log_path()
         self._step_log = open(log_path, "a", buffering=1) if log_path else None
         self.async_output = device_.type == "cuda" if async_output is None else async_output
+        self.async_scheduling = self.async_output if async_scheduling is None else async_scheduling
+        if self.async_scheduling and not self.async_output:
+            raise ValueError("asynchronous scheduling runs each step's output stage during the next step's "
+                             "pass: it needs async_output")
         # With async_output: the requests the last step sampled a token for, awaiting their output stage,
         # and the outputs that stage made while this step's pass computed.
         self._unprocessed: list[Request] = []
         self._processed: list[RequestOutput] = []
+        # With async_scheduling: the requests of the step in flight that sample a token, and the tokens
+        # on their way to the host; and the device time of the pass whose tokens the last step read.
+        self._in_flight: tuple[list[Request], PendingSamples] | None = None
+        self._resolved_device_seconds = 0.0
         # The last step's host time (the step log's): applying its samples after its pass, and (async_output)
         # the output stage of the step before, while its pass computed.
         self._update_seconds = self._output_stage_seconds = 0.0
@@ -218,8 +228,8 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         """Requests that still need steps; paused ones wait for `resume` and need none, unless their host
         KV is due back (proactive swap-in). With `async_output`, also samples whose outputs are still to
-        come out of the next step."""
-        return self.scheduler.has_work() or bool(self._unprocessed)
+        come out of the next step, and (`async_scheduling`) samples still on their way."""
+        return self.scheduler.has_work() or bool(self._unprocessed) or self._in_flight is not None
 
     def idle_wake_s(self) -> float | None:
         """With no request needing a step: seconds until a paused request's host KV may be due back
@@ -233,17 +243,28 @@ class Engine:
         verdict to go on, pause or finish) runs while this step's pass computes, so the host's time in it
         adds nothing to the step. A turn that stage ends (a stop string, a tool call before the stop
         token) was planned into this step meanwhile: it has computed one more token, which is dropped. A
-        turn the scheduler ends (a stop token, the length limit) is not planned on (`Scheduler`)."""
+        turn the scheduler ends (a stop token, the length limit) is not planned on (`Scheduler`).
+
+        With `async_scheduling` a step is also planned and launched before the step before's samples are
+        read: its requests hold a placeholder as their newest token (`Scheduler.advance`), which the pass
+        reads from the device, and the samples are read while this step's pass computes, before that
+        output stage. The host's whole share of a step (planning, staging the inputs, reading the samples,
+        the output stage) then overlaps the pass before it. A turn that ends at a stop token has then
+        also computed one more token, dropped the same way; one that ends at its length limit is not
+        planned on. A step with a grammar or penalties is read at once: its requests' next tokens need
+        its samples on the host."""
         start = time.perf_counter()
         planned_before = self.stats.schedule_host_seconds
         seconds = lambda: time.perf_counter() - start  # noqa: E731
+        self._resolved_device_seconds = 0.0
         if self.async_output:
-            scheduler_output, outputs = self.loop.step(self._take_samples, seconds, self._output_stage_of_last_step)
+            scheduler_output, outputs = self.loop.step(self._take_samples, seconds, self._output_stage_of_last_step,
+                                                       defer_samples=self.async_scheduling)
         else:
             scheduler_output, outputs = self.loop.step(self._update, seconds)
         waited = self.kv_cache.copy_stream.waited_seconds()  # the step's, its sampled ids being on the host
         self.stats.copy_wait_seconds += waited
-        device = self.runner.device_seconds()
+        device = self.runner.device_seconds() + self._resolved_device_seconds
         self.stats.device_seconds += device
         if self._step_log is not None:
             self._log_step(scheduler_output, start, self.stats.schedule_host_seconds - planned_before, waited,
@@ -276,18 +297,30 @@ class Engine:
         self._update_seconds = time.perf_counter() - updating
         return outputs
 
-    def _take_samples(self, scheduler_output: SchedulerOutput, runner_output) -> list[RequestOutput]:
-        """`async_output`: the step's samples applied, their output stage left for the next step's pass;
-        returns the outputs of the step before's."""
+    def _take_samples(self, scheduler_output: SchedulerOutput,
+                      runner_output: RunnerOutput | PendingSamples) -> list[RequestOutput]:
+        """`async_output`: the step's samples applied (with `async_scheduling`, placeholders for them while
+        they are on their way), their output stage left for the next step's pass; returns the outputs of
+        the step before's."""
         updating = time.perf_counter()
-        self._unprocessed = self.scheduler.update(scheduler_output, runner_output)
+        if isinstance(runner_output, PendingSamples):
+            sampling = self.scheduler.advance(scheduler_output, placeholders=True)
+            self._in_flight = (sampling, runner_output) if sampling else None
+        else:
+            self._unprocessed += self.scheduler.update(scheduler_output, runner_output)
         outputs, self._processed = self._processed, []
         self._update_seconds = time.perf_counter() - updating
         return outputs
 
     def _output_stage_of_last_step(self) -> None:
         """`async_output`: the output stage of the requests the step before sampled, while this step's pass
-        computes."""
+        computes; with `async_scheduling`, once their samples, read here, are applied."""
+        if self._in_flight is not None:
+            sampling, pending = self._in_flight
+            self._in_flight = None
+            runner_output = pending.result()  # waits for the step before's pass, not for this one's
+            self._resolved_device_seconds = self.runner.device_seconds(pending.device_span)
+            self._unprocessed += self.scheduler.apply_samples(sampling, runner_output)
         started = time.perf_counter()
         self._processed += self._output_stage(self._unprocessed)
         self._unprocessed = []

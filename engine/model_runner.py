@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -15,7 +16,8 @@ from .guided_decoding import GuidedDecoder
 from .kv_cache import KVCache, token_slots
 from .models.llama import LlamaForCausalLM
 from .outputs import RunnerOutput, SchedulerOutput
-from .sampler import TokenHistory, sample
+from .request import PLACEHOLDER
+from .sampler import DeviceSamples, TokenHistory, sample_on_device
 
 
 def gpu_attention_kernels():
@@ -26,6 +28,19 @@ def gpu_attention_kernels():
     if not triton_decode.available():
         return None, None
     return triton_decode.paged_decode_attention, triton_prefill.paged_prefill_attention
+
+
+@dataclass
+class PendingSamples:
+    """A step's sampled tokens still on their way to the host (`ModelRunner.run` with `defer_samples`), and
+    the span of its pass on the device (`ModelRunner.device_seconds`), readable once they arrived."""
+
+    request_ids: list[str]
+    samples: DeviceSamples
+    device_span: tuple | None
+
+    def result(self) -> RunnerOutput:
+        return RunnerOutput(sampled=dict(zip(self.request_ids, self.samples.result())))
 
 
 # Mixed steps of up to this many tokens replay graphs even when the step budget is smaller: the profile
@@ -54,6 +69,10 @@ class ModelRunner:
         self.graph_sets: list[DecodeGraphs | MixedGraphs] = []
         self.cuda_graphs = False
         self._device_span: tuple[float, float] | tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        # The last step's sampled tokens on the device, and each request's row in them: the next step's
+        # input where the scheduler planned it before they reached the host (a `PLACEHOLDER`).
+        self._last_tokens: torch.Tensor | None = None
+        self._last_rows: dict[str, int] = {}
         # The last `run`'s host time (the step log's): staging its inputs (all before its pass, copies
         # apart), queueing its swap copies before its pass and while it ran.
         self.input_host_seconds = self.copy_host_seconds = self.copy_overlapped_host_seconds = 0.0
@@ -139,9 +158,14 @@ class ModelRunner:
         meta.decode_mask = (positions[None, :] < lens[:, None])[:, None, None, :]
 
     @torch.inference_mode()
-    def run(self, output: SchedulerOutput, while_running: Callable[[], None] | None = None) -> RunnerOutput:
-        """The step: its inputs staged, its swap copies queued, its forward pass launched, `while_running`
-        (host work that overlaps the pass on CUDA; on a CPU the pass has computed by then), its samples."""
+    def run(self, output: SchedulerOutput, while_running: Callable[[], None] | None = None,
+            defer_samples: bool = False) -> RunnerOutput | PendingSamples:
+        """The step: its inputs staged, its swap copies queued, its forward pass and sampling launched,
+        `while_running` (host work that overlaps the pass on CUDA; on a CPU the pass has computed by then),
+        its samples. With `defer_samples` they are returned still on their way (`PendingSamples`), so the
+        next step can be planned and launched before they arrive (asynchronous scheduling), unless a
+        request of this step samples its next token from them on the host: a grammar's next mask, or
+        penalties counting its tokens."""
         for request_id in output.finished_request_ids:
             self.generators.pop(request_id, None)
             if self.guided is not None:
@@ -161,8 +185,10 @@ class ModelRunner:
         static = next((graphs for graphs in self.graph_sets if graphs.fits(output)), None)
         if static is not None:
             size = static.stage(output)
+            input_ids = static.input_ids
         else:
             input_ids, positions, meta = self.build_metadata(output)
+        self._fill_placeholders(output, input_ids)
         after_launch = self._queue_copies(output)
         # The blocks this pass reads and writes; lazy, as they are only looked at while copies are in flight.
         self.kv_cache.wait_for_copies(itertools.chain.from_iterable(chunk.block_table for chunk in output.chunks))
@@ -172,11 +198,26 @@ class ModelRunner:
             hidden = static.launch(size)
         else:
             hidden = self.model(input_ids, positions, meta, self.kv_cache.layer_views)
+        samples, to_sample = self._sample(output, hidden)
+        self._device_span = (started, self._mark())
         if after_launch is not None:
             after_launch()
         if while_running is not None:
             while_running()
-        # Only the last row of each chunk that reaches its request's end produces a token.
+        if samples is None:
+            return RunnerOutput(sampled={})
+        pending = PendingSamples([c.request_id for c in to_sample], samples, self._device_span)
+        if defer_samples and not any(c.sampling_params.guided or c.sampling_params.penalized for c in to_sample):
+            self._device_span = None  # read from `pending` once its tokens are on the host
+            return pending
+        result = pending.result()
+        if self.guided is not None:
+            self.guided.accept(to_sample, [result.sampled[c.request_id] for c in to_sample])
+        return result
+
+    def _sample(self, output: SchedulerOutput, hidden: torch.Tensor) -> tuple[DeviceSamples | None, list]:
+        """The step's next tokens, queued on the device behind its pass, with the chunks they are for.
+        Only the last row of each chunk that reaches its request's end produces a token."""
         rows, to_sample = [], []
         end = 0
         for chunk in output.chunks:
@@ -185,8 +226,7 @@ class ModelRunner:
                 rows.append(end - 1)
                 to_sample.append(chunk)
         if not to_sample:
-            self._device_span = (started, self._mark())
-            return RunnerOutput(sampled={})
+            return None, []
         # A slice where the rows are the first ones in order (every decode-only step): indexing with a list
         # copies it to the device and waits for the pass to finish before the logits are even queued.
         picked = hidden[:len(rows)] if rows[-1] == len(rows) - 1 else hidden[to_device(rows, hidden.device)]
@@ -197,11 +237,28 @@ class ModelRunner:
         allowed = self.guided.allowed_tokens(to_sample, logits.shape[-1]) if self.guided is not None else None
         histories = [TokenHistory(c.context_token_ids, c.num_output_tokens) if c.context_token_ids is not None
                      else None for c in to_sample]
-        tokens = sample(logits, params, generators, banned, allowed, histories)
-        self._device_span = (started, self._mark())
-        if allowed is not None:
-            self.guided.accept(to_sample, tokens)
-        return RunnerOutput(sampled={c.request_id: t for c, t in zip(to_sample, tokens)})
+        samples = sample_on_device(logits, params, generators, banned, allowed, histories)
+        samples.to_host()
+        self._last_tokens = samples.tokens
+        self._last_rows = {c.request_id: i for i, c in enumerate(to_sample)}
+        return samples, to_sample
+
+    def _fill_placeholders(self, output: SchedulerOutput, input_ids: torch.Tensor) -> None:
+        """Where the step was planned before the last step's samples reached the host, its input is their
+        token, read from the device: a `PLACEHOLDER` is only ever the last token of a request's chunk."""
+        rows, sources = [], []
+        row = 0
+        for chunk in output.chunks:
+            row += len(chunk.token_ids)
+            if chunk.token_ids[-1] == PLACEHOLDER:
+                source = self._last_rows.get(chunk.request_id)
+                if source is None:
+                    raise RuntimeError(f"{chunk.request_id}: a placeholder input with no token sampled for it")
+                rows.append(row - 1)
+                sources.append(source)
+        if rows:
+            device = input_ids.device
+            input_ids.index_copy_(0, to_device(rows, device), self._last_tokens[to_device(sources, device)])
 
     def _queue_copies(self, output: SchedulerOutput) -> Callable[[], None] | None:
         """The step's swap copies, swap-out before swap-in (a block freed by a swap-out may be refilled
@@ -242,18 +299,20 @@ class ModelRunner:
         event.record()
         return event
 
-    def device_seconds(self) -> float:
-        """Seconds of the last `run` from its forward pass to its sampled ids (0 without a pass): on
-        CUDA the span on the compute stream, which the host's own work in the step (planning, inputs,
-        outputs) overlaps only where it runs while the device computes; on a CPU, which computes
-        synchronously, the wall time of the same calls. The step's time less this is what the host adds."""
-        span, self._device_span = self._device_span, None
+    def device_seconds(self, span: tuple | None = None) -> float:
+        """Seconds of the last `run` (or of `span`, a `PendingSamples.device_span` whose tokens reached the
+        host) from its forward pass to its sampled ids (0 without a pass): on CUDA the span on the compute
+        stream, which the host's own work in the step (planning, inputs, outputs) overlaps only where it
+        runs while the device computes; on a CPU, which computes synchronously, the wall time of the same
+        calls. The step's time less this is what the host adds."""
+        if span is None:
+            span, self._device_span = self._device_span, None
         if span is None:
             return 0.0
         start, end = span
         if isinstance(start, float):
             return end - start
-        end.synchronize()  # recorded after the sampled ids reached the host: already done, or nearly
+        end.synchronize()  # recorded after the sampled ids were queued to the host: already done, or nearly
         return start.elapsed_time(end) / 1e3
 
     def _banned(self, chunk) -> list[int]:

@@ -48,6 +48,13 @@ class InterceptParams:
     kind: str = "tool"  # tool / human / model, for the duration estimate's history
 
 
+# A token sampled on the device and not yet read on the host: with asynchronous scheduling the next step
+# is planned while the last one computes, each request that samples in it holding this as its newest
+# token until the sample arrives (`Scheduler.advance`, `Scheduler.apply_samples`); the runner feeds the
+# real token to the next pass from the device.
+PLACEHOLDER = -1
+
+
 @dataclass(eq=False)  # identity: queues do `in` / `remove`, and two requests are never "equal"
 class Request:
     request_id: str
@@ -105,6 +112,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.turn_start
+
+    @property
+    def awaiting_sample(self) -> bool:
+        """Its newest token is still a `PLACEHOLDER`."""
+        return self.token_ids[-1] == PLACEHOLDER
 
     @property
     def tool_name(self) -> str | None:

@@ -118,13 +118,60 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 
 
+@dataclass
+class DeviceSamples:
+    """A step's sampled tokens (and the logprobs asked for) as the device computed them, on their way to
+    the host: `to_host` queues the copies behind the sampling, `result` waits for them only. Reading the
+    tokens with `.tolist()` instead would wait for everything queued on the stream by then, the next
+    step's forward pass too when the next step was launched first (asynchronous scheduling)."""
+
+    tokens: torch.Tensor  # [B] on the device (the next step's inputs read them there: asynchronous scheduling)
+    logprob_rows: list[int]  # rows that asked for logprobs, and how many top ones each
+    top_k: list[int]
+    chosen: torch.Tensor | None = None  # [len(logprob_rows)] the sampled tokens' logprobs
+    top_values: torch.Tensor | None = None  # [len(logprob_rows), max(top_k)]
+    top_ids: torch.Tensor | None = None
+    _host: tuple | None = None  # the four, on the host
+    _copied: torch.cuda.Event | None = None
+
+    def to_host(self) -> None:
+        """Queue the copies to the host (on CUDA, into pinned memory, without waiting)."""
+        on_device = (self.tokens, self.chosen, self.top_values, self.top_ids)
+        if self.tokens.device.type != "cuda":
+            self._host = on_device
+            return
+        self._host = tuple(None if t is None else t.to("cpu", non_blocking=True) for t in on_device)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def result(self) -> list[SampledToken]:
+        if self._host is None:
+            self.to_host()
+        if self._copied is not None:
+            self._copied.synchronize()
+        tokens, chosen, values, ids = (None if t is None else t.tolist() for t in self._host)
+        out = [SampledToken(t) for t in tokens]
+        for j, (i, k) in enumerate(zip(self.logprob_rows, self.top_k)):
+            out[i].logprob = chosen[j]
+            if k:
+                out[i].top_logprobs = dict(zip(ids[j][:k], values[j][:k]))
+        return out
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            banned: list[list[int]], allowed: AllowedTokens | None = None,
            histories: Sequence[TokenHistory | None] | None = None) -> list[SampledToken]:
+    """`sample_on_device`, read on the host at once."""
+    return sample_on_device(logits, params, generators, banned, allowed, histories).result()
+
+
+def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+                     banned: list[list[int]], allowed: AllowedTokens | None = None,
+                     histories: Sequence[TokenHistory | None] | None = None) -> DeviceSamples:
     """logits: [B, V] fp32, one row per request to sample; banned: token ids forbidden per row;
     allowed: grammar masks. Both act before everything else, so top-k/top-p, the random draw and
     the logprobs all see only the tokens that may follow. histories: each row's tokens, needed (only)
-    for the rows whose parameters set a penalty."""
+    for the rows whose parameters set a penalty. Nothing here waits for the device."""
     for row, ids in enumerate(banned):
         if ids:
             logits[row, to_device(ids, logits.device)] = float("-inf")
@@ -133,7 +180,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         logits[rows] = logits[rows].masked_fill(~allowed.mask.to(logits.device), float("-inf"))
     # Logprobs are the model's (after the masks), before the bias and the penalties, as vLLM reports them.
     want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
-    logprobs = logits[want_logprobs].log_softmax(dim=-1) if want_logprobs else None
+    logprob_rows = to_device(want_logprobs, logits.device) if want_logprobs else None
+    logprobs = logits[logprob_rows].log_softmax(dim=-1) if want_logprobs else None
     if any(p.logit_bias for p in params):
         apply_logit_bias(logits, params)
     penalized = [i for i, p in enumerate(params) if p.penalized]
@@ -157,12 +205,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         probs = scaled.softmax(dim=-1)
         for j, i in enumerate(random_rows):
             tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
-    out = [SampledToken(int(t)) for t in tokens.tolist()]
+    samples = DeviceSamples(tokens, want_logprobs, [params[i].logprobs for i in want_logprobs])
     if logprobs is not None:
-        for j, i in enumerate(want_logprobs):
-            out[i].logprob = float(logprobs[j, out[i].token_id])
-            k = params[i].logprobs
-            if k:
-                values, ids = logprobs[j].topk(k)
-                out[i].top_logprobs = dict(zip(ids.tolist(), values.tolist()))
-    return out
+        samples.chosen = logprobs.gather(1, tokens[logprob_rows][:, None])[:, 0]
+        k = max(samples.top_k)
+        if k:
+            samples.top_values, samples.top_ids = logprobs.topk(k, dim=-1)
+    return samples

@@ -49,7 +49,7 @@ from .policy.admission import AdmissionController
 from .policy.estimator import mean_of
 from .policy import prefetch
 from .policy.budget import iteration_swap_limit, memory_ample
-from .request import Request, RequestStatus
+from .request import PLACEHOLDER, Request, RequestStatus
 
 
 # Steps whose measured time sets proactive swap-in's lead (`Scheduler.step_lead_s`): enough to see the
@@ -688,6 +688,8 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if request.pending_stop is not None:
                 continue  # its turn ended; the engine's output stage, one step behind, pauses or finishes it
+            if request.awaiting_sample and self._at_length_limit(request):
+                continue  # its turn ends with the sample on its way (asynchronous scheduling)
             if self.swap_ins_run_next_step and request.request_id in self._swapped_in_this_step:
                 continue  # its KV is on its way back while this step runs
             if self.policy is not None and self.policy.priority != "arrival":
@@ -736,32 +738,54 @@ class Scheduler:
 
     # -- update -----------------------------------------------------------------------------------
     def update(self, output: SchedulerOutput, runner_output: RunnerOutput) -> list[Request]:
-        """Advance the scheduled requests; returns those that got a new token.
+        """Advance the scheduled requests and apply their samples; returns those that got a new token.
 
         A request that hit EOS, a stop token or its length limit is finished here, unless it may be
         intercepted: then `pending_stop` is set and the engine decides between finish and pause.
         """
+        return self.apply_samples(self.advance(output), runner_output)
+
+    def advance(self, output: SchedulerOutput, placeholders: bool = False) -> list[Request]:
+        """The step ran: its requests' KV now covers their chunks, and its block copies were queued.
+        Returns the requests it sampled a token for, in its chunks' order, for `apply_samples`. With
+        `placeholders` (asynchronous scheduling: the samples are still on the device), each of them gets
+        a `PLACEHOLDER` as its newest token, so the next step can be planned at once."""
         self.blocks.copies_done()  # the runner copied this step's blocks
         if self._step_planned_at is not None and output.chunks:
             self._recent_step_s.append(self.clock() - self._step_planned_at)
         if self.admission is not None:
             self.admission.observe(self.clock(), output.num_thrashed_tokens, output.num_batched_tokens,
-                                   len(runner_output.sampled), len(self._started), self._num_waiting_new)
-        changed = []
+                                   sum(c.sample for c in output.chunks), len(self._started), self._num_waiting_new)
+        sampling = []
         for chunk in output.chunks:
             request = self.requests.get(chunk.request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+            if request is None or request.status is not RequestStatus.RUNNING or request.pending_stop is not None:
+                continue  # aborted, paused or stopped while the step ran: what it computed is dropped
             request.num_computed_tokens += len(chunk.token_ids)
             request.num_service_tokens += len(chunk.token_ids)
             request.num_computed_high = max(request.num_computed_high, request.num_computed_tokens)
             request.recompute_all = False
             if self.blocks.enable_caching:
                 self._register_computed(request)
-            sampled = runner_output.sampled.get(chunk.request_id)
-            if sampled is None:
-                continue
-            request.token_ids.append(sampled.token_id)
+            if chunk.sample:
+                sampling.append(request)
+                if placeholders:
+                    request.token_ids.append(PLACEHOLDER)
+        return sampling
+
+    def apply_samples(self, sampling: list[Request], runner_output: RunnerOutput) -> list[Request]:
+        """The sampled tokens of `advance`'s requests, appended (or in place of their placeholders), and
+        checked for a stop; returns the requests that got one. A request may have been preempted since
+        its step was planned (asynchronous scheduling): its token counts all the same."""
+        changed = []
+        for request in sampling:
+            if request.status.finished:
+                continue  # aborted since
+            sampled = runner_output.sampled[request.request_id]
+            if request.awaiting_sample:
+                request.token_ids[-1] = sampled.token_id
+            else:
+                request.token_ids.append(sampled.token_id)
             if request.sampling_params.logprobs is not None:
                 request.output_logprobs.append(sampled)
             status = self._check_stop(request, sampled.token_id)
@@ -773,12 +797,16 @@ class Scheduler:
             changed.append(request)
         return changed
 
+    def _at_length_limit(self, request: Request) -> bool:
+        return (request.num_output_tokens >= request.sampling_params.max_tokens
+                or request.num_tokens >= self.config.max_model_len)
+
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
             if (token_id in request.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+        if self._at_length_limit(request):
             return RequestStatus.FINISHED_LENGTH
         return None

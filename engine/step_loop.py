@@ -30,19 +30,22 @@ class StepLoop:
         self.stats = stats
 
     def step(self, update: Callable[[SchedulerOutput, RunnerOutput], T],
-             seconds: Callable[[], float], while_running: Callable[[], None] | None = None
-             ) -> tuple[SchedulerOutput, T]:
+             seconds: Callable[[], float], while_running: Callable[[], None] | None = None,
+             defer_samples: bool = False) -> tuple[SchedulerOutput, T]:
         """One step; `update` applies the runner's samples (after `Scheduler.update`'s bookkeeping is the
         caller's to run inside it), `seconds()`, asked once it returns, is the step's time for the stats.
         `while_running`: host work the runner runs once the step's pass is launched, while it computes
-        (the engine's output stage of the step before)."""
+        (the engine's output stage of the step before). `defer_samples`: the runner returns the samples
+        still on their way to the host (`ModelRunner.run`; the engine's asynchronous scheduling)."""
         clock = self.scheduler.clock
         self.stats.hold(clock())  # the paused KV held idle since the last change
         planning = time.perf_counter()
         out = self.scheduler.schedule()
         self.stats.schedule_host_seconds += time.perf_counter() - planning
         self.stats.hold(clock(), out.num_paused_device_tokens)  # after the plan
-        result = update(out, self.runner.run(out, while_running))
+        ran = self.runner.run(out, while_running, defer_samples=True) if defer_samples else \
+            self.runner.run(out, while_running)
+        result = update(out, ran)
         self.stats.record(out, seconds())
         self.hold_paused_kv()  # this step's pauses
         return out, result

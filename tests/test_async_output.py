@@ -1,7 +1,8 @@
-"""`async_output`: a step's output stage runs while the next step's pass computes (on by default on a GPU).
-Here, on a CPU, it is switched on to check that it changes nothing a caller can see but when outputs come
-out: the same tokens, text, stop reasons, tool calls and resumes as the synchronous engine, token by token,
-every output delivered (one step later), nothing leaked."""
+"""`async_output`: a step's output stage runs while the next step's pass computes; `async_scheduling`: a
+step is also planned and launched before the step before's samples are read (both on by default on a GPU).
+Here, on a CPU, they are switched on to check that they change nothing a caller can see but when outputs
+come out: the same tokens, text, stop reasons, logprobs, tool calls and resumes as the synchronous engine,
+token by token, every output delivered (one step later), nothing leaked."""
 from __future__ import annotations
 
 import pytest
@@ -19,14 +20,20 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
           SamplingParams(temperature=0.8, top_p=0.9, max_tokens=10, seed=7)]
 
 
-@pytest.fixture(scope="module")
-def async_llm(default_model_dir):
+# The two ways of running a step's host work beside the next pass.
+MODES = {"async output": dict(async_output=True, async_scheduling=False),
+         "async scheduling": dict(async_output=True, async_scheduling=True)}
+modes = pytest.mark.parametrize("mode", list(MODES))
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def async_llm(request, default_model_dir):
     return LLM(default_model_dir, dtype="float32", kv_cache_gb=0.25, max_num_batched_tokens=32, progress=False,
-               async_output=True)
+               **MODES[request.param])
 
 
-def test_async_output_is_off_on_a_cpu_by_default(llm_fp32):
-    assert llm_fp32.engine.async_output is False
+def test_async_output_and_scheduling_are_off_on_a_cpu_by_default(llm_fp32):
+    assert llm_fp32.engine.async_output is False and llm_fp32.engine.async_scheduling is False
 
 
 def test_generation_is_the_same_with_the_output_stage_a_step_behind(async_llm, llm_fp32):
@@ -70,8 +77,9 @@ def test_a_stop_string_ends_the_turn_and_its_extra_token_is_dropped(async_llm, l
     assert out.text == expected.text and len(out.token_ids) < 30
 
 
+@modes
 @pytest.mark.parametrize("policy", ["infercept", "discard", "swap"])
-def test_a_tool_call_pauses_and_resumes_as_on_the_synchronous_engine(default_model_dir, policy):
+def test_a_tool_call_pauses_and_resumes_as_on_the_synchronous_engine(default_model_dir, policy, mode):
     """The call is judged complete by the output stage, a step after its last token was sampled: the paused
     context, the parsed call, the KV left after other requests ran and the resumed turn's tokens are the
     synchronous engine's."""
@@ -92,15 +100,16 @@ def test_a_tool_call_pauses_and_resumes_as_on_the_synchronous_engine(default_mod
         return paused.paused, paused.token_ids, calls, context, location["device"] + location["host"] > 0, \
             resumed.token_ids
 
-    overlapped = run(make_engine(default_model_dir, policy, async_output=True))
+    overlapped = run(make_engine(default_model_dir, policy, **MODES[mode]))
     assert overlapped == run(make_engine(default_model_dir, policy, async_output=False))
     assert overlapped[0] and overlapped[2] == [("get_weather", '{"city": "Paris"}')]
 
 
-def test_pause_on_stop_is_not_planned_on_and_abort_drops_a_pending_output(default_model_dir):
+@modes
+def test_pause_on_stop_is_not_planned_on_and_abort_drops_a_pending_output(default_model_dir, mode):
     """A turn the scheduler ends (its length limit, under pause_on_stop) waits out of the next plan for the
     output stage's verdict; a request aborted while its output is pending gives no output after."""
-    engine = make_engine(default_model_dir, "infercept", async_output=True)
+    engine = make_engine(default_model_dir, "infercept", **MODES[mode])
     rid = engine.add_request("The three primary colors are", greedy(4), intercept=InterceptParams(pause_on_stop=True))
     planned, schedule = [], engine.scheduler.schedule
     engine.scheduler.schedule = lambda: planned.append(schedule()) or planned[-1]
