@@ -179,12 +179,14 @@ def run_policy(policy: str, trace: list[dict], *, kv_cache_gb: float, host_kv_gb
 
 def simulate_policy(policy: str, trace: list[dict], profile_path: str, *, kv_cache_gb: float, host_kv_gb: float,
                     max_num_batched_tokens: int, max_num_seqs: int, until_s: float | None = None,
-                    host_ms: tuple[float, float, float] | None = None, log=None, **_) -> dict:
+                    host_ms: tuple[float, float, float] | None = None, host_overlapped: bool = False,
+                    log=None, **_) -> dict:
     """The same trace through `SimulatedEngine` on a measured profile (the scheduler's code, a modeled
     runner, a virtual clock), pools sized from the same GiB: what the simulations predict for the run the
     engine made, in the same row. `schedule_ms` is the scheduler's host time on this machine, which the
     virtual clock does not charge; `host_ms` (fixed, per sequence, per step with copies) is the engine's
-    host time a step that the clock does charge (`HostCost`), none by default."""
+    host time a step that the clock does charge (`HostCost`), none by default; `host_overlapped`: only
+    what of it outlasts the device's time (asynchronous scheduling)."""
     from infercept.engine.modeled_runner import HostCost
     from infercept.engine.policy import Profile
     from infercept.engine.simulation import SimulatedEngine
@@ -194,7 +196,7 @@ def simulate_policy(policy: str, trace: list[dict], profile_path: str, *, kv_cac
     engine = SimulatedEngine(policy, profile, int(kv_cache_gb * 2**30 // block_bytes),
                              int(host_kv_gb * 2**30 // block_bytes), max_num_batched_tokens=max_num_batched_tokens,
                              max_num_seqs=max_num_seqs,
-                             host_cost=host_ms and HostCost(*(ms / 1e3 for ms in host_ms)))
+                             host_cost=host_ms and HostCost(*(ms / 1e3 for ms in host_ms), overlapped=host_overlapped))
     row = engine.run_trace(trace, until=until_s).summary() | step_times(engine.stats)
     if log:
         log(f"  {policy:>18}: {row['finished']}/{len(trace)} finished in {row['duration_s']:.1f} virtual s, "
@@ -293,6 +295,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host-ms", nargs=3, type=float, metavar=("FIXED", "PER_SEQUENCE", "SWAP_STEP"), default=None,
                         help="with --simulate: charge each step the host's time the device does not hide, ms "
                              "(a fit to an engine's step logs: benchmarks/gpu/host_cost.py); default none")
+    parser.add_argument("--host-overlapped", action="store_true",
+                        help="with --host-ms: the host's time runs while the step before computes (the native "
+                             "engine's --async-scheduling); a step is charged only what outlasts its device time")
     parser.add_argument("--out", default=None, help="also write the table (markdown) to this file")
     parser.add_argument("--json", default=None, help="also write the rows and the command (JSON) to this file")
     parser.add_argument("--model", default=None, help="model folder (default: the embedded model)")
@@ -320,7 +325,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.step_log and not args.simulate:
             kw["step_log"] = args.step_log
         if args.simulate:
-            rows = [simulate_policy(p, trace, args.simulate, **kw, host_ms=args.host_ms, log=log)
+            rows = [simulate_policy(p, trace, args.simulate, **kw, host_ms=args.host_ms,
+                                    host_overlapped=args.host_overlapped, log=log)
                     for p in args.policies]
         else:
             rows = _run_all(args.policies, trace, kw, log)

@@ -64,7 +64,7 @@ class Engine:
         async_output: a step's output stage runs while the next step's pass computes (`step`); None: on
         CUDA, where the device computes apart from the host, and not on a CPU, where it cannot.
         async_scheduling: each step is planned and launched before the last one's samples reach the host
-        (`step`); implies async_output. None: as async_output."""
+        (`step`); needs async_output, which it turns on unless that is False. None: as async_output."""
         from transformers import AutoTokenizer
 
         if model is None:
@@ -119,11 +119,11 @@ class Engine:
         self.loop = StepLoop(self.scheduler, self.runner, self.stats)
         log_path = step_log_path()
         self._step_log = open(log_path, "a", buffering=1) if log_path else None
-        self.async_output = device_.type == "cuda" if async_output is None else async_output
-        self.async_scheduling = self.async_output if async_scheduling is None else async_scheduling
-        if self.async_scheduling and not self.async_output:
+        if async_scheduling and async_output is False:
             raise ValueError("asynchronous scheduling runs each step's output stage during the next step's "
                              "pass: it needs async_output")
+        self.async_output = device_.type == "cuda" or bool(async_scheduling) if async_output is None else async_output
+        self.async_scheduling = self.async_output if async_scheduling is None else async_scheduling
         # With async_output: the requests the last step sampled a token for, awaiting their output stage,
         # and the outputs that stage made while this step's pass computed.
         self._unprocessed: list[Request] = []
@@ -278,7 +278,9 @@ class Engine:
         before its pass (`copies_s`) and applying its samples after it (`update_s`: the scheduler's
         bookkeeping, and the output stage unless `async_output`), and the host's time while the pass ran
         queueing copies (`copies_overlapped_s`) and in the step before's output stage
-        (`output_stage_overlapped_s`, with `async_output`)."""
+        (`output_stage_overlapped_s`, with `async_output`). With `async_scheduling`, `device_s` is the pass
+        whose samples the step read, the step before's, and `s` less it the host's time that pass did not
+        hide."""
         decode = [c for c in out.chunks if len(c.token_ids) == 1 and c.sample]
         self._step_log.write(json.dumps({
             "t": start, "s": time.perf_counter() - start, "seqs": len(out.chunks),

@@ -103,6 +103,8 @@ class ModelRunner:
         return self.generators[request_id]
 
     def build_metadata(self, output: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The torch path's inputs. Lists go up through pinned memory (`to_device`): a list made a CUDA
+        tensor directly waits for the pass before, which asynchronous scheduling leaves computing."""
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -111,12 +113,12 @@ class ModelRunner:
             input_ids += chunk.token_ids
             positions += range(chunk.start_pos, end)
             slot_mapping += token_slots(chunk.block_table, chunk.start_pos, end, self.block_size)
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, device=self.device), prefills=[],
+        meta = AttentionMetadata(slot_mapping=to_device(slot_mapping, self.device), prefills=[],
                                  decode_rows=None, decode_key_blocks=None, decode_mask=None,
                                  block_size=self.block_size)
         self._add_torch_metadata(output, meta)
-        ids = torch.tensor(input_ids, device=self.device)
-        pos = torch.tensor(positions, device=self.device)
+        ids = to_device(input_ids, self.device)
+        pos = to_device(positions, self.device)
         return ids, pos, meta
 
     def _add_torch_metadata(self, output: SchedulerOutput, meta: AttentionMetadata) -> None:
@@ -135,7 +137,7 @@ class ModelRunner:
             elif chunk.start_pos == 0:
                 meta.prefills.append(PrefillSpan(row, row + n, 0, None, None))
             else:
-                blocks = torch.tensor(chunk.block_table[:-(-end // self.block_size)], device=self.device)
+                blocks = to_device(chunk.block_table[:-(-end // self.block_size)], self.device)
                 query_pos = torch.arange(chunk.start_pos, end, device=self.device)
                 mask = torch.arange(end, device=self.device)[None, :] <= query_pos[:, None]  # [chunk, end]
                 meta.prefills.append(PrefillSpan(row, row + n, chunk.start_pos, blocks, mask))
@@ -143,14 +145,14 @@ class ModelRunner:
         if not decode_rows:
             return
         meta.decode_kernel = self.decode_kernel
-        meta.decode_rows = torch.tensor(decode_rows, device=self.device)
+        meta.decode_rows = to_device(decode_rows, self.device)
         max_blocks = -(-max(decode_lens) // self.block_size)
         # Padded with the scratch block, as the graphs' tables are: the padding is masked out, and a
         # request's block there would make the pass wait for a copy that writes it (`wait_for_copies`).
         scratch = self.kv_cache.scratch_block
         tables = [t[:max_blocks] + [scratch] * (max_blocks - len(t[:max_blocks])) for t in decode_tables]
-        meta.decode_key_blocks = torch.tensor(tables, device=self.device).view(-1)
-        lens = torch.tensor(decode_lens, device=self.device)
+        meta.decode_key_blocks = to_device(tables, self.device).view(-1)
+        lens = to_device(decode_lens, self.device)
         meta.decode_lens = lens
         if meta.decode_kernel is not None:
             return

@@ -53,6 +53,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the native engine runs a step's output stage (detokenizing, stop strings, tool calls) "
                         "while the next step's forward pass computes (INFERCEPT_ASYNC_OUTPUT=1 or 0). Default: on "
                         "a GPU, not on a CPU, whose pass leaves the host nothing to overlap")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=_env_flag("ASYNC_SCHEDULING"),
+                   help="plan and launch each step while the one before computes (INFERCEPT_ASYNC_SCHEDULING=1 "
+                        "or 0). Native engine: needs --async-output; default as --async-output. --backend vllm: "
+                        "vLLM's own asynchronous scheduling, with our AsyncInterceptScheduler under infercept, "
+                        "infercept-paper, preserve and swap; default vLLM's choice (on a GPU where it supports "
+                        "it, off on a CPU)")
     g.add_argument("--max-num-seqs", type=int, default=_optional_int(_env("MAX_NUM_SEQS", None)),
                    help="sequences in a forward pass at most (default 64; --backend vllm: vLLM's own default)")
     g.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN", None))
@@ -82,7 +88,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_model_len=None if args.max_model_len is None else int(args.max_model_len),
                 num_threads=None if args.threads is None else int(args.threads), policy=args.policy or "infercept",
                 enable_prefix_caching=args.prefix_caching, enforce_eager=args.enforce_eager,
-                async_output=args.async_output,
+                async_output=args.async_output, async_scheduling=args.async_scheduling,
                 # unset: the engine's own default (SchedulerConfig.max_num_seqs)
                 **({} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}))
 
@@ -104,11 +110,6 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
                    help="vLLM's weight quantization method (fp8, awq, gptq, ...; default: the checkpoint's)")
     v.add_argument("--kv-cache-dtype", default=_env("KV_CACHE_DTYPE", None),
                    help="vLLM's KV cache dtype (auto, fp8, fp8_e4m3, fp8_e5m2, ...; default auto: the model's)")
-    v.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=_env_flag("ASYNC_SCHEDULING"),
-                   help="vLLM's asynchronous scheduling (GPU: the next step is scheduled while one runs); under "
-                        "infercept, infercept-paper, preserve and swap our AsyncInterceptScheduler runs it. Default: "
-                        "vLLM's own (asynchronous on a GPU where vLLM supports it, synchronous on a CPU), with our "
-                        "scheduler following it; --no-async-scheduling turns it off")
     v.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="any of vLLM's engine arguments (vllm.engine.arg_utils.EngineArgs), e.g. block_size=32 "
                         "or max_num_partial_prefills=2; VALUE is read as JSON when it parses (numbers, true, "
@@ -117,12 +118,12 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
 
 
 VLLM_ONLY = ("tensor_parallel_size", "pipeline_parallel_size", "gpu_memory_utilization", "quantization",
-             "kv_cache_dtype", "async_scheduling")
+             "kv_cache_dtype")
 # vLLM's engine arguments the server's own flags set: --vllm-arg refuses them, naming the flag.
 FLAG_OF_ENGINE_ARG = {"model": "--model", "dtype": "--dtype", "max_model_len": "--max-model-len",
                       "max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
                       "enable_prefix_caching": "--no-prefix-caching", "kv_cache_memory_bytes": "--kv-cache-gb",
-                      "enforce_eager": "--enforce-eager",
+                      "enforce_eager": "--enforce-eager", "async_scheduling": "--async-scheduling",
                       **{name: "--" + name.replace("_", "-") for name in VLLM_ONLY}}
 
 
@@ -157,14 +158,16 @@ def parse_vllm_args(items: list[str]) -> dict:
 
 
 def vllm_only_args(args: argparse.Namespace) -> dict:
-    """The vLLM-only flags that were given (--no-async-scheduling too), as engine arguments."""
+    """The vLLM-only flags that were given, as engine arguments."""
     return {name: getattr(args, name) for name in VLLM_ONLY if getattr(args, name) is not None}
 
 
 def vllm_engine_args(args: argparse.Namespace) -> dict:
-    """The engine arguments of vLLM's own the flags give: the vLLM-only flags, --enforce-eager and every
-    --vllm-arg. What is not given stays at vLLM's default."""
+    """The engine arguments of vLLM's own the flags give: the vLLM-only flags, --enforce-eager,
+    --async-scheduling or --no-async-scheduling and every --vllm-arg. What is not given stays at vLLM's
+    default."""
     return (vllm_only_args(args) | ({"enforce_eager": True} if args.enforce_eager else {})
+            | ({} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling})
             | parse_vllm_args(args.vllm_arg))
 
 
@@ -174,8 +177,10 @@ def build_backend(args: argparse.Namespace):
     if args.backend == "native":
         from infercept.engine import NativeBackend
 
-        # (--no-async-scheduling asks for what the native engine does anyway)
-        given = [FLAG_OF_ENGINE_ARG[n] for n, value in vllm_only_args(args).items() if value is not False]
+        if args.async_scheduling and args.async_output is False:
+            raise SystemExit("infercept serve: --async-scheduling needs the output stage beside the next pass: "
+                             "drop --no-async-output")
+        given = [FLAG_OF_ENGINE_ARG[n] for n in vllm_only_args(args)]
         if given or args.vllm_arg:
             raise SystemExit(f"infercept serve: {', '.join(given + ['--vllm-arg'] * bool(args.vllm_arg))} "
                              "only apply to --backend vllm")
@@ -183,8 +188,8 @@ def build_backend(args: argparse.Namespace):
     from infercept.engine import VllmBackend
 
     if args.async_output is not None:
-        raise SystemExit("infercept serve: --async-output applies to the native engine; vLLM's own is "
-                         "--async-scheduling")
+        raise SystemExit("infercept serve: --async-output applies to the native engine; with --backend vllm, "
+                         "--async-scheduling runs vLLM's asynchronous scheduling")
     # The vLLM worker takes the engine flags it has a meaning for; vLLM reads its own VLLM_* variables.
     return VllmBackend.create(
         args.model, python=args.vllm_python, policy=args.policy or "infercept",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from infercept.engine import LLM, Engine, SamplingParams
-from infercept.engine.request import InterceptParams
+from infercept.engine.request import PLACEHOLDER, InterceptParams
 
 from test_interception import FEW_SHOT, HERMES, OTHERS, TOOL_RESULT, assert_all_free, drain, greedy, last_output, \
     make_engine
@@ -122,3 +122,64 @@ def test_pause_on_stop_is_not_planned_on_and_abort_drops_a_pending_output(defaul
     engine.abort(rid)
     assert all(o.request_id != rid for o in drain(engine))
     assert_all_free(engine)
+
+
+def run_to_end(engine: Engine, prompts, params) -> list[tuple]:
+    rids = [engine.add_request(p, q) for p, q in zip(prompts, params)]
+    outs = drain(engine)
+    assert_all_free(engine)
+    return [(o.token_ids, o.finish_reason, o.stop_reason) for o in (last_output(outs, r) for r in rids)]
+
+
+def test_a_step_is_planned_on_placeholders_while_the_samples_before_are_on_their_way(default_model_dir):
+    """Each decode is planned before the token it computes on is read: the plan holds a placeholder, the pass
+    reads the token from the device, and the tokens come out the synchronous engine's."""
+    engine = make_engine(default_model_dir, "infercept", **MODES["async scheduling"])
+    planned, schedule = [], engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: planned.append(schedule()) or planned[-1]
+    prompts, params = PROMPTS[:2], [greedy(8), greedy(5)]
+    assert run_to_end(engine, prompts, params) == \
+        run_to_end(make_engine(default_model_dir, "infercept", async_output=False), prompts, params)
+    decodes = [c for step in planned for c in step.chunks if c.start_pos > 0 and len(c.token_ids) == 1]
+    assert len(decodes) == 7 + 4 and all(c.token_ids == [PLACEHOLDER] for c in decodes)
+
+
+@pytest.mark.parametrize("policy", ["infercept+swap-preemption", "infercept+recompute-preemption"])
+def test_preemption_with_samples_in_flight_gives_the_synchronous_engines_tokens(default_model_dir, policy):
+    """A small pool: requests whose samples are still on their way are preempted (swapped out, or freed to
+    recompute); their tokens still count, and every request's tokens are the synchronous engine's."""
+    prompts = [p[:60 + 20 * i] for i, p in enumerate(OTHERS)] + [PROMPTS[2][:60]]
+    params = [greedy(40), greedy(36), SamplingParams(temperature=0.8, max_tokens=30, seed=3, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[28])]  # ","
+    runs, in_flight = {}, []
+    for name, kw in (("sync", dict(async_output=False)), ("async", MODES["async scheduling"])):
+        engine = make_engine(default_model_dir, policy, kv_cache_gb=0.006, **kw)  # 8 blocks of 16 tokens
+        preempt = engine.scheduler._preempt
+        engine.scheduler._preempt = lambda out, r: in_flight.append(r.awaiting_sample) or preempt(out, r)
+        runs[name] = run_to_end(engine, prompts, params)
+        assert engine.stats.num_preemptions > 0
+    assert runs["async"] == runs["sync"] and runs["sync"][3][1:] == ("stop", 28)
+    assert any(in_flight)  # some were preempted with their sample on its way
+    assert runs["async"] == runs["sync"]
+
+
+def test_steps_with_a_grammar_or_penalties_are_read_before_the_next_plan(default_model_dir):
+    """Those requests' next tokens need the last ones on the host (the grammar's mask, the penalties' counts):
+    they never sample from a placeholder, and their tokens are the synchronous engine's."""
+    from infercept.engine.sampling_params import GuidedDecodingParams
+
+    engine = make_engine(default_model_dir, "infercept", **MODES["async scheduling"])
+    seen, schedule = [], engine.scheduler.schedule
+
+    def plan():
+        out = schedule()
+        seen.extend(c.token_ids[-1] for c in out.chunks if c.sampling_params.penalized or c.sampling_params.guided)
+        return out
+    engine.scheduler.schedule = plan
+    prompts = PROMPTS[:3]
+    params = [SamplingParams(temperature=0, max_tokens=10, guided=GuidedDecodingParams(choice=["yes", "no"])),
+              SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.3, frequency_penalty=0.5),
+              greedy(10)]
+    assert run_to_end(engine, prompts, params) == \
+        run_to_end(make_engine(default_model_dir, "infercept", async_output=False), prompts, params)
+    assert seen and PLACEHOLDER not in seen

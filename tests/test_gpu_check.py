@@ -89,7 +89,7 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
     load_gpu("step_profile").main(["--model", model, "--out", str(res), "--dtype", "float32", "--device", "cpu",
                                    "--batches", "1", "--steps", "4", "--prefill-len", "64", "--kv-cache-gb", "0.02",
                                    "--mixed-chunk", "16", "--mixed-decodes", "2", "--swap-blocks", "4", "--eager-too",
-                                   "--async-output"])  # as on a GPU: decode steps timed both ways
+                                   "--async-output", "--async-scheduling"])  # as on a GPU: decode steps timed 3 ways
     load_bench("engine_trace").main(
         ["--model", model, "--policies", "prefix-cache", "infercept", "--rate", "2", "--window", "1", "--until", "3",
          "--context-scale", "0.05", "--decode-scale", "0.05", "--interception-scale", "0.01",
@@ -178,6 +178,7 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
     assert (res / "profile.json").exists() and (res / "decode_vs_hf.md").exists()
     assert s["decode_step_batch1_ms"] > 0 and s["decode_step_batch32_ms"] is None
     assert s["sync_output_decode_step_batch1_ms"] > 0 and s["sync_output_decode_step_batch32_ms"] is None
+    assert s["sync_scheduling_decode_step_batch1_ms"] > 0 and "| planned after the samples |" in text
     steps = json.loads((res / "step_profile.json").read_text())
     assert "error" not in steps and steps["prefill"]["tok_s"] > 0 and steps["eager"]["decode_batch1"]["step_ms"]
     assert "cumulative" in (res / "step_profile.txt").read_text()  # the cProfile table

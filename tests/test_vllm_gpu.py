@@ -90,15 +90,16 @@ def test_the_async_scheduling_flag_reaches_vllm_with_our_async_scheduler(worker_
         assert engine["additional_config"]["infercept"]["policy"] == policy
 
 
-def test_the_async_scheduling_flag_is_vllms_only(monkeypatch):
+def test_the_async_scheduling_flag_reaches_either_backend(monkeypatch):
     from infercept.server import cli
 
     monkeypatch.delenv("INFERCEPT_ASYNC_SCHEDULING", raising=False)
     assert cli.vllm_engine_args(serve("--backend", "vllm", "--async-scheduling")) == {"async_scheduling": True}
     assert cli.vllm_engine_args(serve("--backend", "vllm", "--no-async-scheduling")) == {"async_scheduling": False}
     assert cli.vllm_engine_args(serve("--backend", "vllm")) == {}
-    with pytest.raises(SystemExit, match="--async-scheduling only apply to --backend vllm"):
-        cli.build_backend(serve("--backend", "native", "--async-scheduling"))
+    assert cli.engine_kwargs(serve("--async-scheduling"))["async_scheduling"] is True
+    with pytest.raises(SystemExit, match="--async-scheduling needs the output stage"):
+        cli.build_backend(serve("--backend", "native", "--async-scheduling", "--no-async-output"))
     assert serve().async_scheduling is None
     monkeypatch.setenv("INFERCEPT_ASYNC_SCHEDULING", "1")
     assert serve().async_scheduling is True

@@ -122,21 +122,26 @@ def decode_workload(llm, batch: int, steps: int, prompt_len: int, report: list[s
     report.append(f"### torch.profiler over {steps // 2} steps\n"
                   + kernel_profile(lambda: [llm.engine.step() for _ in range(steps // 2)], device))
     _finish(llm)
-    if llm.engine.async_output:
-        # The same steps with each step's output stage after its pass (--no-async-output), side by side;
-        # switched while no output is pending.
-        llm.engine.async_output = False
+    engine = llm.engine
+    # The same steps with the host's work less overlapped, side by side, switched while nothing is pending:
+    # each step planned once the last one's samples are read (--no-async-scheduling), and also each step's
+    # output stage after its pass (--no-async-output).
+    variants = [("sync_scheduling", "each step planned after the last one's samples are read (--no-async-scheduling)",
+                 True)] * engine.async_scheduling
+    variants += [("sync_output", "the output stage after each pass (--no-async-output)", False)] * engine.async_output
+    default = (engine.async_output, engine.async_scheduling)
+    for key, what, async_output in variants:
+        engine.async_output, engine.async_scheduling = async_output, False
         try:
             _start(llm, prompts, new_tokens=steps + 8)
             for _ in range(3):
-                llm.engine.step()
+                engine.step()
             row = timed_steps(llm, steps)
             _finish(llm)
         finally:
-            llm.engine.async_output = True
-        result[f"decode_batch{batch}"]["sync_output_step_ms_median"] = row["step_ms_median"]
-        report.append(f"## decode, batch {batch}, the output stage after each pass (--no-async-output): "
-                      f"engine.step() median {row['step_ms_median']:.2f} ms\n")
+            engine.async_output, engine.async_scheduling = default
+        result[f"decode_batch{batch}"][f"{key}_step_ms_median"] = row["step_ms_median"]
+        report.append(f"## decode, batch {batch}, {what}: engine.step() median {row['step_ms_median']:.2f} ms\n")
 
 
 def graph_launch_ms(llm, batch: int, steps: int) -> dict | None:
@@ -287,6 +292,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--async-output", action=argparse.BooleanOptionalAction, default=None,
                     help="the engine's output stage beside the next step's pass (default: the engine's own, on "
                          "a GPU); where on, decode steps are also timed with it off")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="the engine plans each step while the one before computes (default: the engine's own, on "
+                         "a GPU); where on, decode steps are also timed with it off")
     args = ap.parse_args(argv)
 
     from infercept.engine import LLM
@@ -295,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
     report = [f"# engine step profile: {args.model}, {args.dtype}\n"]
     kwargs = dict(dtype=args.dtype, device=args.device, kv_cache_gb=args.kv_cache_gb,
                   max_num_batched_tokens=max(1024, args.prefill_len), enable_prefix_caching=False, progress=False,
-                  async_output=args.async_output)
+                  async_output=args.async_output, async_scheduling=args.async_scheduling)
     try:
         llm = LLM(args.model, **kwargs)
         result["kernels"] = llm.engine.runner.kernels

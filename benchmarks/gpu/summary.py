@@ -175,6 +175,7 @@ def summarize(res: Path, seconds: float | None = None, dry: bool = False) -> dic
         s[f"decode_runner_batch{batch}_ms"] = row.get("runner_ms_median")
         s[f"eager_decode_step_batch{batch}_ms"] = (eager.get(f"decode_batch{batch}") or {}).get("step_ms_median")
         s[f"sync_output_decode_step_batch{batch}_ms"] = row.get("sync_output_step_ms_median")
+        s[f"sync_scheduling_decode_step_batch{batch}_ms"] = row.get("sync_scheduling_step_ms_median")
     mixed = next((k for k in step_profile if k.startswith("mixed_")), None)
     s["mixed_step"] = mixed and mixed.removeprefix("mixed_").replace("_plus_", " prefill tokens + ") + " decodes"
     s["mixed_step_ms"] = mixed and step_profile[mixed].get("step_ms_median")
@@ -365,15 +366,18 @@ def markdown(s: dict) -> str:
                   f"{_f(s['decode_batch1_share_of_bound'] and 100 * s['decode_batch1_share_of_bound'], '{:.0f}')}%."]
     if s["decode_step_batch1_ms"] is not None:
         lines += ["", "**Steps** (`engine.step()` median ms; eager: `--enforce-eager`, the same kernels without "
-                  "graphs; output stage after the pass: `--no-async-output`, with graphs):", "",
-                  "| step | CUDA graphs | eager | output stage after the pass |", "|---|---:|---:|---:|"]
+                  "graphs; planned after the samples: `--no-async-scheduling`, and output stage after the pass: "
+                  "`--no-async-output` too, both with graphs):", "",
+                  "| step | CUDA graphs | eager | planned after the samples | output stage after the pass |",
+                  "|---|---:|---:|---:|---:|"]
         for batch in (b for b in (1, 32) if s[f"decode_step_batch{b}_ms"] is not None):
             lines.append(f"| decode, batch {batch} | {_f(s[f'decode_step_batch{batch}_ms'], '{:.2f}')} | "
                          f"{_f(s[f'eager_decode_step_batch{batch}_ms'], '{:.2f}')} | "
+                         f"{_f(s.get(f'sync_scheduling_decode_step_batch{batch}_ms'), '{:.2f}')} | "
                          f"{_f(s.get(f'sync_output_decode_step_batch{batch}_ms'), '{:.2f}')} |")
         if s["mixed_step"]:
             lines.append(f"| mixed: {s['mixed_step']} | {_f(s['mixed_step_ms'], '{:.2f}')} | "
-                         f"{_f(s['eager_mixed_step_ms'], '{:.2f}')} | – |")
+                         f"{_f(s['eager_mixed_step_ms'], '{:.2f}')} | – | – |")
         launch = s.get("decode_graph_launch_batch1_ms")
         if isinstance(launch, float):  # results of 2026-11-28: the replay alone only
             lines += ["", f"The batch-1 decode graph's launch, host time: {launch:.3f} ms replayed alone."]
