@@ -38,6 +38,31 @@ def test_cuda_matches_cpu_fp32(default_model_dir, llm_fp32):
         [o.token_ids for o in llm_fp32.generate(PROMPTS, GREEDY)]
 
 
+@cuda_test
+def test_async_scheduling_on_cuda_gives_the_synchronous_engines_tokens(default_model_dir, llm_fp32):
+    """On CUDA (asynchronous scheduling by default) each step is launched before the last one's samples
+    reach the host through pinned memory, and its pass reads them on the device: greedy tokens, stop
+    strings and tokens and logprobs as the CPU reference gives them; seeded sampling, a grammar and
+    penalties as the synchronous CUDA engine gives them (the two devices draw different random numbers)."""
+    from infercept.engine.sampling_params import GuidedDecodingParams
+
+    kw = dict(dtype="float32", device="cuda", kv_cache_gb=0.25, max_num_batched_tokens=32, progress=False)
+    overlapped = LLM(default_model_dir, **kw)
+    sync = LLM(default_model_dir, async_output=False, **kw)
+    assert overlapped.engine.async_scheduling and not sync.engine.async_scheduling
+    greedy = [SamplingParams(temperature=0, max_tokens=20, stop=["\n"]),
+              SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[28], logprobs=2), GREEDY]
+    got, want = overlapped.generate(PROMPTS, greedy), llm_fp32.generate(PROMPTS, greedy)
+    assert [(o.token_ids, o.finish_reason, o.stop_reason) for o in got] == \
+        [(o.token_ids, o.finish_reason, o.stop_reason) for o in want]
+    assert [t.logprob for t in got[1].logprobs] == pytest.approx([t.logprob for t in want[1].logprobs], abs=1e-3)
+    drawn = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=7),
+             SamplingParams(temperature=0, max_tokens=10, guided=GuidedDecodingParams(choice=["yes", "no"])),
+             SamplingParams(temperature=0.7, max_tokens=12, seed=5, repetition_penalty=1.3)]
+    assert [o.token_ids for o in overlapped.generate(PROMPTS, drawn)] == \
+        [o.token_ids for o in sync.generate(PROMPTS, drawn)]
+
+
 def _kv_pools(model_dir: str, device: str):
     from infercept.engine.kv_cache import KVCache
     from infercept.engine.model_loader import load_spec

@@ -184,9 +184,9 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
     assert "cumulative" in (res / "step_profile.txt").read_text()  # the cProfile table
     assert s["mixed_step"] == "16 prefill tokens + 2 decodes" and s["mixed_step_ms"] > 0 and s["eager_mixed_step_ms"] > 0
     assert "| mixed: 16 prefill tokens + 2 decodes |" in text
-    steps_table = text.split("**Steps**")[1]  # graphs' path, eager, output stage after the pass
+    steps_table = text.split("**Steps**")[1]  # graphs' path, eager, planned after the samples, output stage after
     decode_row = next(line for line in steps_table.splitlines() if line.startswith("| decode, batch 1 |"))
-    assert decode_row.count("|") == 5 and "–" not in decode_row, decode_row
+    assert decode_row.count("|") == 6 and "–" not in decode_row, decode_row
     assert s["swap_step"] == "4 blocks each way beside 2 decodes" and s["swap_copies_host_ms"] > 0
     assert s["swap_copies_overlapped_host_ms"] == 0  # a CPU copies before the pass
     assert s["swap_step_ms"] > 0 and s["swap_step_without_copies_ms"] > 0 and "Swap copies, 4 blocks" in text

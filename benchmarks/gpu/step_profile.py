@@ -54,9 +54,9 @@ def timed_steps(llm, steps: int, before_step=None) -> dict:
     run = runner.run
     runner_ms: list[float] = []
 
-    def timed_run(output, while_running=None):
+    def timed_run(output, while_running=None, **kwargs):
         start = time.perf_counter()
-        result = run(output, while_running)
+        result = run(output, while_running, **kwargs)
         runner_ms.append(1e3 * (time.perf_counter() - start))
         return result
 
@@ -208,8 +208,8 @@ def swap_workload(llm, decodes: int, blocks: int, steps: int, report: list[str],
     copies_ms, overlapped_ms = [], []
     run = engine.runner.run
 
-    def run_and_time(output, while_running=None):
-        result = run(output, while_running)
+    def run_and_time(output, while_running=None, **kwargs):
+        result = run(output, while_running, **kwargs)
         copies_ms.append(1e3 * engine.runner.copy_host_seconds)
         overlapped_ms.append(1e3 * engine.runner.copy_overlapped_host_seconds)
         return result
