@@ -7,7 +7,9 @@ simulation models those itself). Over the steps that queued no swap copies it is
 number of scheduled sequences (fixed + per sequence; the mean and none per sequence where they all ran
 one batch size); a step that queued copies costs the mean of its
 residual over that line more. `--without-copies` leaves out the host's queueing of copies before the
-pass (`copies_s`): the cost once the copies are queued while the pass runs.
+pass (`copies_s`): the cost once the copies are queued while the pass runs. With the engine's asynchronous
+scheduling a step's log line pairs its time with the pass before's (`device_s`), so the fit is what the
+overlap leaves unhidden, and the simulation charges it as is (no `--host-overlapped`).
 
     python3 benchmarks/gpu/host_cost.py RESULTS/steps_kv1gib   # prints the fit and the --host-ms flag
 """
