@@ -46,9 +46,10 @@ TOKEN_ID_RANGE = (100, 20000)
 def run_policy(policy: str, trace: list[dict], *, kv_cache_gb: float, host_kv_gb: float,
                max_num_batched_tokens: int, max_num_seqs: int, threads: int, seed: int = 0,
                until_s: float | None = None, model: str | None = None, step_log: str | None = None,
-               log=None) -> dict:
+               async_scheduling: bool | None = None, log=None) -> dict:
     """Replay `trace` through a fresh Engine under `policy`; returns the summary row. `step_log`: a folder
-    for the engine's step log of this policy (`POLICY.jsonl`, as $INFERCEPT_STEP_LOG writes it)."""
+    for the engine's step log of this policy (`POLICY.jsonl`, as $INFERCEPT_STEP_LOG writes it);
+    `async_scheduling`: the engine's (None: its default, on a GPU)."""
     from infercept.engine import Engine, SamplingParams
     from infercept.engine.request import InterceptParams
 
@@ -62,7 +63,8 @@ def run_policy(policy: str, trace: list[dict], *, kv_cache_gb: float, host_kv_gb
     try:
         engine = Engine(model, dtype="bfloat16", kv_cache_gb=kv_cache_gb, host_kv_gb=host_kv_gb,
                         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                        num_threads=threads, policy=policy, progress=False, seed=seed)
+                        num_threads=threads, policy=policy, progress=False, seed=seed,
+                        async_scheduling=async_scheduling)
     finally:
         if saved is None:
             os.environ.pop("INFERCEPT_STEP_LOG", None)
@@ -298,6 +300,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host-overlapped", action="store_true",
                         help="with --host-ms: the host's time runs while the step before computes (the native "
                              "engine's --async-scheduling); a step is charged only what outlasts its device time")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="the engine plans each step while the one before computes (default: the engine's "
+                             "own, on a GPU); --no-async-scheduling for the synchronous plan side by side")
     parser.add_argument("--out", default=None, help="also write the table (markdown) to this file")
     parser.add_argument("--json", default=None, help="also write the rows and the command (JSON) to this file")
     parser.add_argument("--model", default=None, help="model folder (default: the embedded model)")
@@ -322,6 +327,8 @@ def main(argv: list[str] | None = None) -> None:
         kw = dict(kv_cache_gb=args.kv_cache_gb, host_kv_gb=args.host_kv_gb,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                   threads=args.threads, until_s=args.until, model=args.model)
+        if args.async_scheduling is not None and not args.simulate:
+            kw["async_scheduling"] = args.async_scheduling
         if args.step_log and not args.simulate:
             kw["step_log"] = args.step_log
         if args.simulate:
