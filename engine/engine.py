@@ -67,6 +67,9 @@ class Engine:
         (`step`); needs async_output, which it turns on unless that is False. None: as async_output."""
         from transformers import AutoTokenizer
 
+        if async_scheduling and async_output is False:  # refused before anything loads
+            raise ValueError("asynchronous scheduling runs each step's output stage during the next step's "
+                             "pass: it needs async_output")
         if model is None:
             from .download import ensure_default_model
             model = ensure_default_model()
@@ -119,9 +122,6 @@ class Engine:
         self.loop = StepLoop(self.scheduler, self.runner, self.stats)
         log_path = step_log_path()
         self._step_log = open(log_path, "a", buffering=1) if log_path else None
-        if async_scheduling and async_output is False:
-            raise ValueError("asynchronous scheduling runs each step's output stage during the next step's "
-                             "pass: it needs async_output")
         self.async_output = device_.type == "cuda" or bool(async_scheduling) if async_output is None else async_output
         self.async_scheduling = self.async_output if async_scheduling is None else async_scheduling
         # With async_output: the requests the last step sampled a token for, awaiting their output stage,

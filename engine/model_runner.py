@@ -17,7 +17,7 @@ from .kv_cache import KVCache, token_slots
 from .models.llama import LlamaForCausalLM
 from .outputs import RunnerOutput, SchedulerOutput
 from .request import PLACEHOLDER
-from .sampler import DeviceSamples, TokenHistory, sample_on_device
+from .sampler import AllowedTokens, DeviceSamples, TokenHistory, sample_on_device
 
 
 def gpu_attention_kernels():
@@ -69,10 +69,9 @@ class ModelRunner:
         self.graph_sets: list[DecodeGraphs | MixedGraphs] = []
         self.cuda_graphs = False
         self._device_span: tuple[float, float] | tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-        # The last step's sampled tokens on the device, and each request's row in them: the next step's
-        # input where the scheduler planned it before they reached the host (a `PLACEHOLDER`).
-        self._last_tokens: torch.Tensor | None = None
-        self._last_rows: dict[str, int] = {}
+        # The last step's samples: their tokens on the device are the next step's inputs where the
+        # scheduler planned it before they reached the host (a `PLACEHOLDER`).
+        self._last_samples: PendingSamples | None = None
         # The last `run`'s host time (the step log's): staging its inputs (all before its pass, copies
         # apart), queueing its swap copies before its pass and while it ran.
         self.input_host_seconds = self.copy_host_seconds = self.copy_overlapped_host_seconds = 0.0
@@ -200,26 +199,30 @@ class ModelRunner:
             hidden = static.launch(size)
         else:
             hidden = self.model(input_ids, positions, meta, self.kv_cache.layer_views)
-        samples, to_sample = self._sample(output, hidden)
+        samples, to_sample, allowed = self._sample(output, hidden)
         self._device_span = (started, self._mark())
+        self._last_samples = None if samples is None else PendingSamples(
+            [c.request_id for c in to_sample], samples, self._device_span)
         if after_launch is not None:
             after_launch()
         if while_running is not None:
             while_running()
-        if samples is None:
+        pending = self._last_samples
+        if pending is None:
             return RunnerOutput(sampled={})
-        pending = PendingSamples([c.request_id for c in to_sample], samples, self._device_span)
-        if defer_samples and not any(c.sampling_params.guided or c.sampling_params.penalized for c in to_sample):
+        if defer_samples and allowed is None and not any(c.sampling_params.penalized for c in to_sample):
             self._device_span = None  # read from `pending` once its tokens are on the host
             return pending
         result = pending.result()
-        if self.guided is not None:
+        if allowed is not None:
             self.guided.accept(to_sample, [result.sampled[c.request_id] for c in to_sample])
         return result
 
-    def _sample(self, output: SchedulerOutput, hidden: torch.Tensor) -> tuple[DeviceSamples | None, list]:
-        """The step's next tokens, queued on the device behind its pass, with the chunks they are for.
-        Only the last row of each chunk that reaches its request's end produces a token."""
+    def _sample(self, output: SchedulerOutput, hidden: torch.Tensor
+                ) -> tuple[DeviceSamples | None, list, AllowedTokens | None]:
+        """The step's next tokens, queued on the device behind its pass, with the chunks they are for and
+        the grammar masks they were drawn under. Only the last row of each chunk that reaches its request's
+        end produces a token."""
         rows, to_sample = [], []
         end = 0
         for chunk in output.chunks:
@@ -228,7 +231,7 @@ class ModelRunner:
                 rows.append(end - 1)
                 to_sample.append(chunk)
         if not to_sample:
-            return None, []
+            return None, [], None
         # A slice where the rows are the first ones in order (every decode-only step): indexing with a list
         # copies it to the device and waits for the pass to finish before the logits are even queued.
         picked = hidden[:len(rows)] if rows[-1] == len(rows) - 1 else hidden[to_device(rows, hidden.device)]
@@ -241,26 +244,29 @@ class ModelRunner:
                      else None for c in to_sample]
         samples = sample_on_device(logits, params, generators, banned, allowed, histories)
         samples.to_host()
-        self._last_tokens = samples.tokens
-        self._last_rows = {c.request_id: i for i, c in enumerate(to_sample)}
-        return samples, to_sample
+        return samples, to_sample, allowed
 
     def _fill_placeholders(self, output: SchedulerOutput, input_ids: torch.Tensor) -> None:
         """Where the step was planned before the last step's samples reached the host, its input is their
         token, read from the device: a `PLACEHOLDER` is only ever the last token of a request's chunk."""
         rows, sources = [], []
         row = 0
+        sampled_row: dict[str, int] | None = None
         for chunk in output.chunks:
             row += len(chunk.token_ids)
             if chunk.token_ids[-1] == PLACEHOLDER:
-                source = self._last_rows.get(chunk.request_id)
+                if sampled_row is None:
+                    last = self._last_samples.request_ids if self._last_samples is not None else []
+                    sampled_row = {request_id: i for i, request_id in enumerate(last)}
+                source = sampled_row.get(chunk.request_id)
                 if source is None:
                     raise RuntimeError(f"{chunk.request_id}: a placeholder input with no token sampled for it")
                 rows.append(row - 1)
                 sources.append(source)
         if rows:
             device = input_ids.device
-            input_ids.index_copy_(0, to_device(rows, device), self._last_tokens[to_device(sources, device)])
+            tokens = self._last_samples.samples.tokens
+            input_ids.index_copy_(0, to_device(rows, device), tokens[to_device(sources, device)])
 
     def _queue_copies(self, output: SchedulerOutput) -> Callable[[], None] | None:
         """The step's swap copies, swap-out before swap-in (a block freed by a swap-out may be refilled

@@ -160,7 +160,9 @@ class ModeledRunner:
         self._in_flight = [(end, blocks) for end, blocks in self._in_flight if end > waits_until]
         return waits_until - now
 
-    def run(self, output: SchedulerOutput, while_running: Callable[[], None] | None = None) -> RunnerOutput:
+    def run(self, output: SchedulerOutput, while_running: Callable[[], None] | None = None,
+            defer_samples: bool = False) -> RunnerOutput:
+        """`defer_samples` changes nothing: a modeled step's samples are known at once."""
         self.last = self.cost(output)
         if while_running is not None:
             while_running()

@@ -23,8 +23,8 @@ T = TypeVar("T")
 
 class StepLoop:
     def __init__(self, scheduler: Scheduler, runner, stats: EngineStats):
-        """runner: anything with `run(SchedulerOutput, while_running) -> RunnerOutput` (`ModelRunner`,
-        `ModeledRunner`)."""
+        """runner: anything with `run(SchedulerOutput, while_running, defer_samples) -> RunnerOutput`
+        (`ModelRunner`, which may return its samples still on their way; `ModeledRunner`)."""
         self.scheduler = scheduler
         self.runner = runner
         self.stats = stats
@@ -43,9 +43,7 @@ class StepLoop:
         out = self.scheduler.schedule()
         self.stats.schedule_host_seconds += time.perf_counter() - planning
         self.stats.hold(clock(), out.num_paused_device_tokens)  # after the plan
-        ran = self.runner.run(out, while_running, defer_samples=True) if defer_samples else \
-            self.runner.run(out, while_running)
-        result = update(out, ran)
+        result = update(out, self.runner.run(out, while_running, defer_samples=defer_samples))
         self.stats.record(out, seconds())
         self.hold_paused_kv()  # this step's pauses
         return out, result
