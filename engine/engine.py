@@ -251,8 +251,9 @@ class Engine:
         output stage. The host's whole share of a step (planning, staging the inputs, reading the samples,
         the output stage) then overlaps the pass before it. A turn that ends at a stop token has then
         also computed one more token, dropped the same way; one that ends at its length limit is not
-        planned on. A step with a grammar or penalties is read at once: its requests' next tokens need
-        its samples on the host."""
+        planned on. A request with a grammar or penalties, whose next token depends on its samples on the
+        host, is sampled after them in its next step (`ModelRunner.run`): that step's pass computes
+        meanwhile."""
         start = time.perf_counter()
         planned_before = self.stats.schedule_host_seconds
         seconds = lambda: time.perf_counter() - start  # noqa: E731

@@ -17,7 +17,7 @@ from .kv_cache import KVCache, token_slots
 from .models.llama import LlamaForCausalLM
 from .outputs import RunnerOutput, SchedulerOutput
 from .request import PLACEHOLDER
-from .sampler import AllowedTokens, DeviceSamples, TokenHistory, sample_on_device
+from .sampler import DeviceSamples, TokenHistory, sample_on_device
 
 
 def gpu_attention_kernels():
@@ -33,14 +33,21 @@ def gpu_attention_kernels():
 @dataclass
 class PendingSamples:
     """A step's sampled tokens still on their way to the host (`ModelRunner.run` with `defer_samples`), and
-    the span of its pass on the device (`ModelRunner.device_seconds`), readable once they arrived."""
+    the span of its pass on the device (`ModelRunner.device_seconds`), readable once they arrived.
+    `on_read` runs once, when they are first read: the grammars that constrained them take them."""
 
     request_ids: list[str]
     samples: DeviceSamples
     device_span: tuple | None
+    on_read: Callable[[RunnerOutput], None] | None = None
+    _read: RunnerOutput | None = None
 
     def result(self) -> RunnerOutput:
-        return RunnerOutput(sampled=dict(zip(self.request_ids, self.samples.result())))
+        if self._read is None:
+            self._read = RunnerOutput(sampled=dict(zip(self.request_ids, self.samples.result())))
+            if self.on_read is not None:
+                self.on_read(self._read)
+        return self._read
 
 
 # Mixed steps of up to this many tokens replay graphs even when the step budget is smaller: the profile
@@ -164,9 +171,11 @@ class ModelRunner:
         """The step: its inputs staged, its swap copies queued, its forward pass and sampling launched,
         `while_running` (host work that overlaps the pass on CUDA; on a CPU the pass has computed by then),
         its samples. With `defer_samples` they are returned still on their way (`PendingSamples`), so the
-        next step can be planned and launched before they arrive (asynchronous scheduling), unless a
-        request of this step samples its next token from them on the host: a grammar's next mask, or
-        penalties counting its tokens."""
+        next step can be planned and launched before they arrive (asynchronous scheduling).
+
+        A request planned on a placeholder whose next token depends on the tokens before it on the host (a
+        grammar's mask, penalties' counts) is sampled after `while_running`, which reads the step before's
+        samples: the pass computes meanwhile, and the grammar or counts take the token it read."""
         for request_id in output.finished_request_ids:
             self.generators.pop(request_id, None)
             if self.guided is not None:
@@ -199,30 +208,30 @@ class ModelRunner:
             hidden = static.launch(size)
         else:
             hidden = self.model(input_ids, positions, meta, self.kv_cache.layer_views)
-        samples, to_sample, allowed = self._sample(output, hidden)
-        self._device_span = (started, self._mark())
-        self._last_samples = None if samples is None else PendingSamples(
-            [c.request_id for c in to_sample], samples, self._device_span)
+        sample_late = any(chunk.sample and chunk.token_ids[-1] == PLACEHOLDER and chunk.sampling_params.needs_history
+                          for chunk in output.chunks)
+        if not sample_late:
+            pending = self._sample(output, hidden, started)  # queued behind the pass at once
         if after_launch is not None:
             after_launch()
         if while_running is not None:
             while_running()
-        pending = self._last_samples
+        if sample_late:
+            # Read by `while_running` (else here): the grammars took them. The pass's span on the device now
+            # ends at this sampling, so it counts a wait for the host where the host took longer than the pass.
+            self._last_samples.result()
+            pending = self._sample(output, hidden, started)
+        self._last_samples = pending
         if pending is None:
             return RunnerOutput(sampled={})
-        if defer_samples and allowed is None and not any(c.sampling_params.penalized for c in to_sample):
+        if defer_samples:
             self._device_span = None  # read from `pending` once its tokens are on the host
             return pending
-        result = pending.result()
-        if allowed is not None:
-            self.guided.accept(to_sample, [result.sampled[c.request_id] for c in to_sample])
-        return result
+        return pending.result()
 
-    def _sample(self, output: SchedulerOutput, hidden: torch.Tensor
-                ) -> tuple[DeviceSamples | None, list, AllowedTokens | None]:
-        """The step's next tokens, queued on the device behind its pass, with the chunks they are for and
-        the grammar masks they were drawn under. Only the last row of each chunk that reaches its request's
-        end produces a token."""
+    def _sample(self, output: SchedulerOutput, hidden: torch.Tensor, started) -> PendingSamples | None:
+        """The step's next tokens, queued on the device behind its pass (begun at `started`), or None if it
+        samples none. Only the last row of each chunk that reaches its request's end produces a token."""
         rows, to_sample = [], []
         end = 0
         for chunk in output.chunks:
@@ -231,7 +240,8 @@ class ModelRunner:
                 rows.append(end - 1)
                 to_sample.append(chunk)
         if not to_sample:
-            return None, [], None
+            self._device_span = (started, self._mark())
+            return None
         # A slice where the rows are the first ones in order (every decode-only step): indexing with a list
         # copies it to the device and waits for the pass to finish before the logits are even queued.
         picked = hidden[:len(rows)] if rows[-1] == len(rows) - 1 else hidden[to_device(rows, hidden.device)]
@@ -240,11 +250,28 @@ class ModelRunner:
         generators = [self._generator(c.request_id, c.sampling_params.seed) for c in to_sample]
         banned = [self._banned(c) for c in to_sample]
         allowed = self.guided.allowed_tokens(to_sample, logits.shape[-1]) if self.guided is not None else None
-        histories = [TokenHistory(c.context_token_ids, c.num_output_tokens) if c.context_token_ids is not None
-                     else None for c in to_sample]
+        histories = [self._history(c) for c in to_sample]
         samples = sample_on_device(logits, params, generators, banned, allowed, histories)
         samples.to_host()
-        return samples, to_sample, allowed
+        self._device_span = (started, self._mark())
+        return PendingSamples([c.request_id for c in to_sample], samples, self._device_span,
+                              None if allowed is None else self._grammars_take([to_sample[r] for r in allowed.rows]))
+
+    def _grammars_take(self, constrained: list) -> Callable[[RunnerOutput], None]:
+        """What advances the grammars of the `constrained` chunks' requests once their samples are read."""
+        def take(read: RunnerOutput) -> None:
+            self.guided.accept(constrained, [read.sampled[c.request_id] for c in constrained])
+        return take
+
+    def _history(self, chunk) -> TokenHistory | None:
+        """A penalized request's tokens for its penalties, the placeholder it was planned on (the step
+        before's sample, read by now) replaced by its token."""
+        if chunk.context_token_ids is None:
+            return None
+        tokens = chunk.context_token_ids
+        if tokens[-1] == PLACEHOLDER:
+            tokens = [*tokens[:-1], self._last_samples.result().sampled[chunk.request_id].token_id]
+        return TokenHistory(tokens, chunk.num_output_tokens)
 
     def _fill_placeholders(self, output: SchedulerOutput, input_ids: torch.Tensor) -> None:
         """Where the step was planned before the last step's samples reached the host, its input is their

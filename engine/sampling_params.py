@@ -131,6 +131,12 @@ class SamplingParams:
         """Some penalty is set: sampling needs the request's tokens (prompt and output)."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
+    @property
+    def needs_history(self) -> bool:
+        """The next token's sampling depends on the tokens before it, on the host: a grammar's mask (its
+        matcher has taken them) or the penalties' counts."""
+        return self.guided is not None or self.penalized
+
 
 def _checked_logit_bias(bias: dict | None) -> dict[int, float] | None:
     """`bias` with integer token ids (JSON's string keys such as "123" are converted); None if empty.

@@ -5,6 +5,9 @@ come out: the same tokens, text, stop reasons, logprobs, tool calls and resumes 
 token by token, every output delivered (one step later), nothing leaked."""
 from __future__ import annotations
 
+import functools
+import re
+
 import pytest
 
 from infercept.engine import LLM, Engine, SamplingParams
@@ -77,31 +80,38 @@ def test_a_stop_string_ends_the_turn_and_its_extra_token_is_dropped(async_llm, l
     assert out.text == expected.text and len(out.token_ids) < 30
 
 
+def pause_call_and_resume(engine: Engine) -> tuple:
+    """A tool call's turn to its pause, other requests meanwhile, the resumed turn: what a caller sees."""
+    rid = engine.add_request(FEW_SHOT, SamplingParams(temperature=0, max_tokens=40), intercept=HERMES)
+    paused = last_output(drain(engine), rid)
+    context = list(engine.scheduler.requests[rid].token_ids)
+    others = [engine.add_request(p, greedy(12)) for p in OTHERS]
+    outs = drain(engine)
+    location = engine.kv_location(rid)
+    engine.resume(rid, engine.tokenizer.encode(TOOL_RESULT), greedy(10))
+    for p in OTHERS[:2]:
+        engine.add_request(p, greedy(6))
+    resumed = last_output(drain(engine), rid)
+    assert all(last_output(outs, o).finished for o in others) and resumed.finished
+    assert_all_free(engine)
+    calls = [(c.name, c.arguments) for c in paused.tool_calls]
+    return paused.paused, paused.token_ids, calls, context, location["device"] + location["host"] > 0, \
+        resumed.token_ids
+
+
+@functools.cache
+def synchronous_pause_call_and_resume(model_dir: str, policy: str) -> tuple:
+    return pause_call_and_resume(make_engine(model_dir, policy, async_output=False))
+
+
 @modes
 @pytest.mark.parametrize("policy", ["infercept", "discard", "swap"])
 def test_a_tool_call_pauses_and_resumes_as_on_the_synchronous_engine(default_model_dir, policy, mode):
     """The call is judged complete by the output stage, a step after its last token was sampled: the paused
     context, the parsed call, the KV left after other requests ran and the resumed turn's tokens are the
     synchronous engine's."""
-    def run(engine: Engine):
-        rid = engine.add_request(FEW_SHOT, SamplingParams(temperature=0, max_tokens=40), intercept=HERMES)
-        paused = last_output(drain(engine), rid)
-        context = list(engine.scheduler.requests[rid].token_ids)
-        others = [engine.add_request(p, greedy(12)) for p in OTHERS]
-        outs = drain(engine)
-        location = engine.kv_location(rid)
-        engine.resume(rid, engine.tokenizer.encode(TOOL_RESULT), greedy(10))
-        for p in OTHERS[:2]:
-            engine.add_request(p, greedy(6))
-        resumed = last_output(drain(engine), rid)
-        assert all(last_output(outs, o).finished for o in others) and resumed.finished
-        assert_all_free(engine)
-        calls = [(c.name, c.arguments) for c in paused.tool_calls]
-        return paused.paused, paused.token_ids, calls, context, location["device"] + location["host"] > 0, \
-            resumed.token_ids
-
-    overlapped = run(make_engine(default_model_dir, policy, **MODES[mode]))
-    assert overlapped == run(make_engine(default_model_dir, policy, async_output=False))
+    overlapped = pause_call_and_resume(make_engine(default_model_dir, policy, **MODES[mode]))
+    assert overlapped == synchronous_pause_call_and_resume(default_model_dir, policy)
     assert overlapped[0] and overlapped[2] == [("get_weather", '{"city": "Paris"}')]
 
 
@@ -163,9 +173,14 @@ def test_preemption_with_samples_in_flight_gives_the_synchronous_engines_tokens(
     assert runs["async"] == runs["sync"]
 
 
-def test_steps_with_a_grammar_or_penalties_are_read_before_the_next_plan(default_model_dir):
-    """Those requests' next tokens need the last ones on the host (the grammar's mask, the penalties' counts):
-    they never sample from a placeholder, and their tokens are the synchronous engine's."""
+CITY = r"(Paris|Lyon|Nice) is (big|small|old), [0-9]{2}\."
+
+
+def test_grammar_and_penalty_requests_are_planned_on_placeholders_and_sampled_after_them(default_model_dir):
+    """Their next tokens depend on the last ones on the host (the grammar's mask, the penalties' counts):
+    planned on a placeholder like the rest, they are sampled once the step before's samples are read, and
+    their tokens are the synchronous engine's. A grammar over several tokens would leave its path, and the
+    counts would miss a token, were they sampled first."""
     from infercept.engine.sampling_params import GuidedDecodingParams
 
     engine = make_engine(default_model_dir, "infercept", **MODES["async scheduling"])
@@ -173,13 +188,16 @@ def test_steps_with_a_grammar_or_penalties_are_read_before_the_next_plan(default
 
     def plan():
         out = schedule()
-        seen.extend(c.token_ids[-1] for c in out.chunks if c.sampling_params.penalized or c.sampling_params.guided)
+        seen.extend(c.token_ids[-1] for c in out.chunks if c.sampling_params.needs_history and c.start_pos > 0)
         return out
     engine.scheduler.schedule = plan
-    prompts = PROMPTS[:3]
-    params = [SamplingParams(temperature=0, max_tokens=10, guided=GuidedDecodingParams(choice=["yes", "no"])),
+    prompts = PROMPTS[:3] + [PROMPTS[0]]
+    params = [SamplingParams(temperature=0, max_tokens=20, guided=GuidedDecodingParams(regex=CITY)),
               SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.3, frequency_penalty=0.5),
-              greedy(10)]
-    assert run_to_end(engine, prompts, params) == \
-        run_to_end(make_engine(default_model_dir, "infercept", async_output=False), prompts, params)
-    assert seen and PLACEHOLDER not in seen
+              greedy(10),
+              SamplingParams(temperature=0.8, max_tokens=10, seed=11, presence_penalty=1.5, ignore_eos=True)]
+    ends = run_to_end(engine, prompts, params)
+    assert ends == run_to_end(make_engine(default_model_dir, "infercept", async_output=False), prompts, params)
+    assert seen.count(PLACEHOLDER) >= 9 + 9  # (the grammar's turn and the penalized ones', decodes)
+    text = engine.tokenizer.decode(ends[0][0], skip_special_tokens=True)
+    assert ends[0][1] == "stop" and re.fullmatch(CITY, text), text
