@@ -177,7 +177,7 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], generat
             logits[row, to_device(ids, logits.device)] = float("-inf")
     if allowed is not None:
         rows = to_device(allowed.rows, logits.device)
-        logits[rows] = logits[rows].masked_fill(~allowed.mask.to(logits.device), float("-inf"))
+        logits[rows] = logits[rows].masked_fill(~to_device(allowed.mask, logits.device), float("-inf"))
     # Logprobs are the model's (after the masks), before the bias and the penalties, as vLLM reports them.
     want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
     logprob_rows = to_device(want_logprobs, logits.device) if want_logprobs else None

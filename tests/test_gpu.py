@@ -399,17 +399,21 @@ def test_a_pass_waits_for_the_copy_that_writes_its_block_not_for_copies_queued_a
     assert not stream._waits
 
 
+@pytest.mark.parametrize("constrained", [False, True], ids=["free", "grammar+penalty"])
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA_MARKS)])
 def test_a_steps_device_time_counts_the_pass_and_not_the_hosts_planning(default_model_dir, device,
-                                                                          async_scheduling):
+                                                                          async_scheduling, constrained):
     """`EngineStats.device_seconds`, the device's share of the steps (the GPU check's trace rows): time
     the forward pass spends on the device is in it, the host's planning of the step is not. Each step's
     pass is made 40 ms longer on the device (a spin kernel on CUDA, a sleep on the CPU, where the model
     runs synchronously) and its planning 40 ms longer on the host. With asynchronous scheduling on CUDA
-    the planning runs while the step before computes: the steps take less than the two added up."""
+    the planning runs while the step before computes: the steps take less than the two added up, also
+    for a request whose sampling needs its last token on the host (a grammar, a penalty), sampled once
+    that token is read (its mask and counts must reach the device without waiting for the pass)."""
     from infercept.engine import Engine
     from infercept.engine.policy import Profile
+    from infercept.engine.sampling_params import GuidedDecodingParams
 
     delay = 0.04
     profile = Profile(model="test", device=device, dtype="bfloat16", bytes_per_token=1, block_size=16,
@@ -427,7 +431,11 @@ def test_a_steps_device_time_counts_the_pass_and_not_the_hosts_planning(default_
 
     engine.model.forward = slow_forward
     engine.scheduler.schedule = lambda: time.sleep(delay) or schedule()
-    engine.add_request("The capital of France is", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    if constrained:
+        params = SamplingParams(temperature=0, max_tokens=4, repetition_penalty=1.2,
+                                guided=GuidedDecodingParams(regex="[a-z ]{200}"))
+    engine.add_request("The capital of France is", params)
     while engine.has_unfinished_requests():
         engine.step()
     stats = engine.stats

@@ -1,6 +1,6 @@
 """Where an engine step's time goes, so a GPU run leaves enough to speed the engine up without a GPU at
-hand: decode steps at batch 1 and 32, mixed steps (a 128-token prompt's prefill beside 8 decodes), steps
-that queue swap copies (64 blocks each way beside 8 decodes) and a 1,000-token prefill, each timed step
+hand: decode steps at batch 1 and 32, mixed steps (a 128-token prompt's prefill beside 8 decodes), decode
+steps at batch 8 with one request under a grammar, steps that queue swap copies (64 blocks each way beside 8 decodes) and a 1,000-token prefill, each timed step
 by step (wall time of `engine.step()` beside the runner's share), under cProfile (the Python functions a
 step spends its host time in) and under torch.profiler (the kernels and their device time, and the host
 time of each op); and the host time of the decode graph's launch, alone and inside steps.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import io
 import json
 import pstats
@@ -29,13 +30,23 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _start(llm, prompts: list[list[int]], new_tokens: int) -> list[str]:
-    """Adds the prompts and steps until every one is prefilled: what follows is decode only."""
+# A grammar that holds a request's turn for hundreds of tokens whatever the weights: EOS is only allowed
+# after 2,000 characters.
+LONG_GRAMMAR = "[a-z ]{2000}"
+
+
+def _start(llm, prompts: list[list[int]], new_tokens: int, guided_first: bool = False) -> list[str]:
+    """Adds the prompts and steps until every one is prefilled: what follows is decode only. With
+    `guided_first`, the first prompt's tokens are constrained by `LONG_GRAMMAR`."""
     from infercept.engine import SamplingParams
+    from infercept.engine.sampling_params import GuidedDecodingParams
 
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in prompts]
+    params = [SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True) for _ in prompts]
+    if guided_first:
+        params[0] = SamplingParams(temperature=0, max_tokens=new_tokens,
+                                   guided=GuidedDecodingParams(regex=LONG_GRAMMAR))
+    ids = [engine.add_request(p, q) for p, q in zip(prompts, params)]
     while any(engine.scheduler.requests[i].num_computed_tokens < len(p) for i, p in zip(ids, prompts)):
         engine.step()
     return ids
@@ -122,10 +133,15 @@ def decode_workload(llm, batch: int, steps: int, prompt_len: int, report: list[s
     report.append(f"### torch.profiler over {steps // 2} steps\n"
                   + kernel_profile(lambda: [llm.engine.step() for _ in range(steps // 2)], device))
     _finish(llm)
+    without_overlap(llm, lambda: _start(llm, prompts, new_tokens=steps + 8), steps, f"decode, batch {batch}",
+                    result[f"decode_batch{batch}"], report)
+
+
+def without_overlap(llm, start, steps: int, label: str, row: dict, report: list[str]) -> None:
+    """The steps `start()` begins, timed with the host's work less overlapped, side by side, switched while
+    nothing is pending: each step planned once the last one's samples are read (--no-async-scheduling),
+    and also each step's output stage after its pass (--no-async-output). Into `row`."""
     engine = llm.engine
-    # The same steps with the host's work less overlapped, side by side, switched while nothing is pending:
-    # each step planned once the last one's samples are read (--no-async-scheduling), and also each step's
-    # output stage after its pass (--no-async-output).
     variants = [("sync_scheduling", "each step planned after the last one's samples are read (--no-async-scheduling)",
                  True)] * engine.async_scheduling
     variants += [("sync_output", "the output stage after each pass (--no-async-output)", False)] * engine.async_output
@@ -133,15 +149,31 @@ def decode_workload(llm, batch: int, steps: int, prompt_len: int, report: list[s
     for key, what, async_output in variants:
         engine.async_output, engine.async_scheduling = async_output, False
         try:
-            _start(llm, prompts, new_tokens=steps + 8)
+            start()
             for _ in range(3):
                 engine.step()
-            row = timed_steps(llm, steps)
+            timed = timed_steps(llm, steps)
             _finish(llm)
         finally:
             engine.async_output, engine.async_scheduling = default
-        result[f"decode_batch{batch}"][f"{key}_step_ms_median"] = row["step_ms_median"]
-        report.append(f"## decode, batch {batch}, {what}: engine.step() median {row['step_ms_median']:.2f} ms\n")
+        row[f"{key}_step_ms_median"] = timed["step_ms_median"]
+        report.append(f"## {label}, {what}: engine.step() median {timed['step_ms_median']:.2f} ms\n")
+
+
+def grammar_workload(llm, batch: int, steps: int, report: list[str], result: dict) -> None:
+    """Decode steps at `batch` where one request's tokens follow a grammar: its next mask needs its last
+    token on the host, so with async scheduling its sampling waits for the step before's samples (the pass
+    launched first), and without it the whole step does."""
+    prompts = [[100 + (i * 7 + j) % 1000 for j in range(32)] for i in range(batch)]
+    start = functools.partial(_start, llm, prompts, steps + 8, True)
+    start()
+    for _ in range(3):
+        llm.engine.step()
+    row = result[f"grammar_batch{batch}"] = timed_steps(llm, steps)
+    _finish(llm)
+    report.append(f"## decode, batch {batch}, one request under a grammar: engine.step() median "
+                  f"{row['step_ms_median']:.2f} ms, runner.run median {row['runner_ms_median']:.2f} ms\n")
+    without_overlap(llm, start, steps, f"decode, batch {batch}, one request under a grammar", row, report)
 
 
 def graph_launch_ms(llm, batch: int, steps: int) -> dict | None:
@@ -286,6 +318,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-cache-gb", type=float, default=4.0)
     ap.add_argument("--mixed-chunk", type=int, default=128, help="prompt tokens a mixed step prefills")
     ap.add_argument("--mixed-decodes", type=int, default=8, help="decodes beside it")
+    ap.add_argument("--grammar-batch", type=int, default=8,
+                    help="decodes in the steps where one request follows a grammar")
     ap.add_argument("--swap-blocks", type=int, default=64, help="blocks a swap step copies each way")
     ap.add_argument("--eager-too", action="store_true",
                     help="also time the decode and mixed steps with --enforce-eager")
@@ -311,6 +345,7 @@ def main(argv: list[str] | None = None) -> None:
         for batch in args.batches:
             decode_workload(llm, batch, args.steps, 32, report, result)
         mixed_workload(llm, args.mixed_decodes, args.mixed_chunk, args.steps, report, result)
+        grammar_workload(llm, args.grammar_batch, args.steps, report, result)
         swap_workload(llm, args.mixed_decodes, args.swap_blocks, args.steps, report, result)
         prefill_workload(llm, args.prefill_len, report, result)
         del llm

@@ -176,6 +176,12 @@ def summarize(res: Path, seconds: float | None = None, dry: bool = False) -> dic
         s[f"eager_decode_step_batch{batch}_ms"] = (eager.get(f"decode_batch{batch}") or {}).get("step_ms_median")
         s[f"sync_output_decode_step_batch{batch}_ms"] = row.get("sync_output_step_ms_median")
         s[f"sync_scheduling_decode_step_batch{batch}_ms"] = row.get("sync_scheduling_step_ms_median")
+    grammar = next((k for k in step_profile if k.startswith("grammar_batch")), None)
+    s["grammar_step"] = grammar and f"decode, batch {grammar.removeprefix('grammar_batch')}, one under a grammar"
+    for key, field in (("grammar_step_ms", "step_ms_median"),
+                       ("sync_scheduling_grammar_step_ms", "sync_scheduling_step_ms_median"),
+                       ("sync_output_grammar_step_ms", "sync_output_step_ms_median")):
+        s[key] = grammar and step_profile[grammar].get(field)
     mixed = next((k for k in step_profile if k.startswith("mixed_")), None)
     s["mixed_step"] = mixed and mixed.removeprefix("mixed_").replace("_plus_", " prefill tokens + ") + " decodes"
     s["mixed_step_ms"] = mixed and step_profile[mixed].get("step_ms_median")
@@ -378,6 +384,10 @@ def markdown(s: dict) -> str:
         if s["mixed_step"]:
             lines.append(f"| mixed: {s['mixed_step']} | {_f(s['mixed_step_ms'], '{:.2f}')} | "
                          f"{_f(s['eager_mixed_step_ms'], '{:.2f}')} | – | – |")
+        if s.get("grammar_step"):
+            lines.append(f"| {s['grammar_step']} | {_f(s['grammar_step_ms'], '{:.2f}')} | – | "
+                         f"{_f(s['sync_scheduling_grammar_step_ms'], '{:.2f}')} | "
+                         f"{_f(s['sync_output_grammar_step_ms'], '{:.2f}')} |")
         launch = s.get("decode_graph_launch_batch1_ms")
         if isinstance(launch, float):  # results of 2026-11-28: the replay alone only
             lines += ["", f"The batch-1 decode graph's launch, host time: {launch:.3f} ms replayed alone."]
