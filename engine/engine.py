@@ -137,8 +137,11 @@ class Engine:
         self._update_seconds = self._output_stage_seconds = 0.0
         self.turns: dict[str, TurnOutput] = {}  # the output stage of each request's current turn
         self._ids = itertools.count()
-        logger.info("engine ready: %s on %s in %s, %d KV blocks of %d tokens (%.2f GiB)", model, device_,
-                    dtype_, num_blocks, block_size, num_blocks * block_bytes / GIB)
+        overlap = ("planning, inputs and outputs (async scheduling)" if self.async_scheduling
+                   else "outputs (async output)" if self.async_output else "nothing")
+        logger.info("engine ready: %s on %s in %s, %d KV blocks of %d tokens (%.2f GiB); kernels %s; the pass "
+                    "overlaps the host's %s", model, device_, dtype_, num_blocks, block_size,
+                    num_blocks * block_bytes / GIB, self.runner.kernels, overlap)
 
     # -- requests ---------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
