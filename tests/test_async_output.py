@@ -201,3 +201,30 @@ def test_grammar_and_penalty_requests_are_planned_on_placeholders_and_sampled_af
     assert seen.count(PLACEHOLDER) >= 9 + 9  # (the grammar's turn and the penalized ones', decodes)
     text = engine.tokenizer.decode(ends[0][0], skip_special_tokens=True)
     assert ends[0][1] == "stop" and re.fullmatch(CITY, text), text
+
+
+def test_only_a_step_with_a_grammar_on_a_placeholder_samples_after_the_step_befores_samples_are_read(
+        default_model_dir):
+    """The order the host queues a step's work in: free requests' sampling right behind the pass (the host's
+    work then overlaps both); a grammar's request planned on a placeholder, its sampling once the step
+    before's output stage has read that step's samples."""
+    from infercept.engine.sampling_params import GuidedDecodingParams
+
+    engine = make_engine(default_model_dir, "infercept", **MODES["async scheduling"])
+    runner, order = engine.runner, []
+    sample, output_stage = runner._sample, engine._output_stage_of_last_step
+
+    def traced_sample(out, *args):
+        late = any(c.sampling_params.needs_history and c.token_ids[-1] == PLACEHOLDER for c in out.chunks)
+        order.append("late sample" if late else "sample")
+        return sample(out, *args)
+    runner._sample = traced_sample
+    engine._output_stage_of_last_step = lambda: order.append("read") or output_stage()
+    engine.add_request(PROMPTS[0], greedy(4))
+    drain(engine)
+    # Each of the 4 steps samples, then reads the step before's; a last step without a pass reads the 4th's.
+    assert order == ["sample", "read"] * 4 + ["read"]
+    order.clear()
+    engine.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=4, guided=GuidedDecodingParams(regex=CITY)))
+    drain(engine)
+    assert order == ["sample", "read"] + ["read", "late sample"] * 3 + ["read"]
