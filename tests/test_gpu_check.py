@@ -88,7 +88,8 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
                                    "--prefill-len", "64", "--kv-cache-gb", "0.02"])
     load_gpu("step_profile").main(["--model", model, "--out", str(res), "--dtype", "float32", "--device", "cpu",
                                    "--batches", "1", "--steps", "4", "--prefill-len", "64", "--kv-cache-gb", "0.02",
-                                   "--mixed-chunk", "16", "--mixed-decodes", "2", "--swap-blocks", "4", "--eager-too",
+                                   "--mixed-chunk", "16", "--mixed-decodes", "2", "--grammar-batch", "2",
+                                   "--swap-blocks", "4", "--eager-too",
                                    "--async-output", "--async-scheduling"])  # as on a GPU: decode steps timed 3 ways
     load_bench("engine_trace").main(
         ["--model", model, "--policies", "prefix-cache", "infercept", "--rate", "2", "--window", "1", "--until", "3",
@@ -193,6 +194,11 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
     assert s["decode_graph_launch_batch1_ms"] is None  # a CPU: no graphs; as a GPU run reports it:
     s["decode_graph_launch_batch1_ms"] = {"alone": 0.009, "in_step": 0.5, "after_sync": 0.02, "step_ms_after_sync": 6.1}
     assert "0.009 ms replayed alone, 0.500 ms in a step, 0.020 ms" in summary.markdown(s)
+    assert s["grammar_step"] == "decode, batch 2, one under a grammar" and s["grammar_step_ms"] > 0
+    assert s["sync_scheduling_grammar_step_ms"] > 0 and "| decode, batch 2, one under a grammar |" in text
+    assert "not for this" not in text  # a dry run says its sizes say nothing; a card other than an H100:
+    assert "set for an H100, not for this NVIDIA H200" in summary.markdown({**s, "dry_run": False,
+                                                                           "card": "NVIDIA H200"})
     tiles = json.loads((res / "prefill_tiles.json").read_text())["rows"]
     assert len(tiles) == 6 and sum(r["engine"] for r in tiles) == 3  # two tilings, three cases
     assert all(r["max_abs_diff"] < 1e-4 for r in tiles), tiles  # every tiling against SDPA in fp32

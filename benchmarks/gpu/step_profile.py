@@ -1,9 +1,10 @@
 """Where an engine step's time goes, so a GPU run leaves enough to speed the engine up without a GPU at
 hand: decode steps at batch 1 and 32, mixed steps (a 128-token prompt's prefill beside 8 decodes), decode
-steps at batch 8 with one request under a grammar, steps that queue swap copies (64 blocks each way beside 8 decodes) and a 1,000-token prefill, each timed step
-by step (wall time of `engine.step()` beside the runner's share), under cProfile (the Python functions a
-step spends its host time in) and under torch.profiler (the kernels and their device time, and the host
-time of each op); and the host time of the decode graph's launch, alone and inside steps.
+steps at batch 8 with one request under a grammar, steps that queue swap copies (64 blocks each way beside
+8 decodes) and a 1,000-token prefill, each timed step by step (wall time of `engine.step()` beside the
+runner's share), under cProfile (the Python functions a step spends its host time in) and under
+torch.profiler (the kernels and their device time, and the host time of each op); and the host time of
+the decode graph's launch, alone and inside steps.
 
     python3 benchmarks/gpu/step_profile.py --model /tmp/llama3-8b --out RESULTS_DIR
 

@@ -331,8 +331,10 @@ def markdown(s: dict) -> str:
     head = (f"# GPU check, {s['date']}{' (dry run)' if s['dry_run'] else ''}\n\n{s['card']}, driver {s['driver']}, "
             f"torch {s['torch']} (CUDA {s['cuda']}), transformers {s['transformers']}, Python {s['python']}; "
             f"{_f(s['seconds'], '{:.0f}')} s in all.\n")
-    lines = [head, "**Targets** (the 8B shape on an H100" + ("; a dry run's tiny sizes say nothing of them" if s["dry_run"]
-                                                         else "") + "):", "",
+    caveat = ("; a dry run's tiny sizes say nothing of them" if s["dry_run"]
+              else "" if "H100" in (s["card"] or "") else
+              f"; set for an H100, not for this {s['card']}: the speed targets do not carry over")
+    lines = [head, "**Targets** (the 8B shape on an H100" + caveat + "):", "",
              "| target | bound | measured | verdict |", "|---|---|---:|---|"]
     lines += [f"| {t['target']} | {t['bound']} | {_num(t['value'])} | {t['verdict']} |" for t in s["targets"]]
     lines += _probe_lines(s)
