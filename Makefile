@@ -41,10 +41,13 @@ router: install
 # The tests include the vLLM backend's (tests/test_vllm_backend.py), so this also sets up .venv-vllm, and
 # the dashboard's in a headless browser (tests/test_dashboard.py), so Debian's chromium where it can. The
 # environments install side by side (-j3): each mostly waits on downloads and unpacking. The slowest
-# tests are listed at the end, for whoever makes the suite faster.
+# tests are listed at the end, for whoever makes the suite faster. pytest-xdist runs the files on
+# TEST_WORKERS workers (default: one per core, at most 4), each on its own share of the cores
+# (tests/conftest.py); TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 test:
 	@$(MAKE) --no-print-directory -j3 download vllm-env browser
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q --durations=25 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 # Debian's chromium for tests/test_dashboard.py: installed as root where apt-get exists; elsewhere that
 # test skips (it says why).

@@ -1,8 +1,10 @@
-"""Shared fixtures: one default model (engine + HF reference) per test session.
+"""Shared fixtures: one default model (engine + HF reference) per test session, and how `make test`
+shares the cores between its pytest-xdist workers (`_pin_xdist_worker`, `pytest_collection_modifyitems`).
 
 Everything heavy is session-scoped so the whole suite loads SmolLM2-135M once into the engine and
-once into transformers. The engine instance uses a 32-token budget so that prompts longer than 32
-tokens are prefilled in chunks, in the same forward passes as other requests' decodes.
+once into transformers (once per worker under xdist). The engine instance uses a 32-token budget so that
+prompts longer than 32 tokens are prefilled in chunks, in the same forward passes as other requests'
+decodes.
 """
 from __future__ import annotations
 
@@ -12,6 +14,39 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _pin_xdist_worker() -> None:
+    """Under pytest-xdist, each worker on its own share of the cores (subprocesses inherit it; vLLM binds
+    its threads to them: `vllm_env.cores_for_tests`), with as many torch threads. OpenMP threads spin while
+    they wait for each other, so two workers whose threads shared both cores ran the suite several times
+    slower than one worker (2-core CPU, 2026-11-28)."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not worker or not count or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < int(count):
+        return  # fewer cores than workers: nothing to split
+    mine = cores[int(worker.removeprefix("gw"))::int(count)]
+    os.sched_setaffinity(0, mine)
+    torch.set_num_threads(len(mine))
+
+
+_pin_xdist_worker()
+
+# The slowest files (`make test --durations`, 2-core CPU, 2026-11-28: 40-200 s each), started first so that
+# no worker is left running one of them alone at the end. Only the order changes with this list.
+SLOW_FIRST = ("test_vllm_backend.py", "test_interception.py", "test_langchain.py", "test_async_output.py",
+              "test_replicas.py", "test_soak.py", "test_vllm_tool_formats.py", "test_agents_sdk.py",
+              "test_server_robustness.py", "test_responses_mcp.py", "test_guided_decoding.py", "test_pydantic_ai.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`make test`: `-n 2 --dist loadfile --no-loadscope-reorder`, each file one unit
+    of work, in this order), the slowest files first. Without xdist the order stays."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        slow_rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+        items.sort(key=lambda item: slow_rank.get(item.path.name, len(SLOW_FIRST)))  # stable: files stay whole
 
 
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:

@@ -9,7 +9,7 @@ import threading
 import time
 
 import openai
-from vllm_env import TEST_ENGINE_ARGS, VLLM_PYTHON
+from vllm_env import TEST_ENGINE_ARGS, VLLM_PYTHON, vllm_threads_env
 
 from infercept.engine import AsyncEngine, Engine, NativeBackend
 from infercept.engine.policy import Profile
@@ -134,7 +134,7 @@ class VllmLiveServer:
         self.backend = VllmBackend.create(model_dir, python=VLLM_PYTHON, policy="infercept", dtype="float32",
                                           max_model_len=4096, kv_cache_gb=pool_tokens * per_token / 2**30,
                                           host_kv_gb=host_tokens * per_token / 2**30, max_num_seqs=64,
-                                          env={"VLLM_CPU_OMP_THREADS_BIND": "0-1"}, engine_args=TEST_ENGINE_ARGS)
+                                          env=vllm_threads_env(), engine_args=TEST_ENGINE_ARGS)
         self.app = build_app(self.backend, ServerSettings(served_model_name=MODEL, **settings))
         self.server, self.thread, self.base = serve_in_thread(self.app)
         self.url = self.base + "/v1"

@@ -20,15 +20,15 @@ from pathlib import Path
 
 import pytest
 from stdlib_only import non_stdlib_imports
-from vllm_env import TEST_ENGINE_ARGS, VLLM_PYTHON, needs_vllm
+from vllm_env import TEST_ENGINE_ARGS, VLLM_PYTHON, needs_vllm, vllm_threads_env
 
 from infercept.engine.backend import InterceptParams, SamplingParams, ToolFormat, ToolSpec
 from infercept.engine.sampling_params import GuidedDecodingParams
 from infercept.engine.output_stage import TurnRule
 from infercept.engine.vllm_backend.params import TURN_RULE_KEY, vllm_sampling_fields
 
-# vLLM on CPU: a 1 GiB KV pool is ample for these prompts; its OpenMP threads on this machine's two cores.
-VLLM_THREADS = {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+# vLLM on CPU: a 1 GiB KV pool is ample for these prompts; its OpenMP threads on this test process's cores.
+VLLM_THREADS = vllm_threads_env()
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"} | VLLM_THREADS
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",

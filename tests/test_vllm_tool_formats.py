@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import pytest
 from live_server import MODEL, serve_in_thread
-from vllm_env import NO_VLLM, VLLM_PYTHON
+from vllm_env import NO_VLLM, VLLM_PYTHON, cores_for_tests
 from test_tool_formats import (FAMILIES, OPENAI_TOOLS, QUESTION, SAMPLINGS, build_family, check_paused_on_calls,
                                check_served_calls, forced_turn, tool_format)
 
@@ -50,7 +50,8 @@ class Served:
 
 def start(folder: str, core: int) -> Served:
     """The family's vLLM worker (without compiling the model: vLLM's eager mode), its OpenMP threads on
-    one core (four workers share two), and a live server over it whose lifespan owns it."""
+    one core (the four workers share this test process's cores), and a live server over it whose lifespan
+    owns it."""
     from transformers import AutoTokenizer
 
     from infercept.engine import VllmBackend
@@ -71,8 +72,10 @@ def served(tmp_path_factory):
     for name, family in FAMILIES.items():
         folders[name] = str(tmp_path_factory.mktemp(f"tiny-{name}-64"))
         build_family(folders[name], family, head_dim=64)
+    cores = cores_for_tests()
     with ThreadPoolExecutor(len(folders)) as pool:
-        futures = {name: pool.submit(start, folder, i % 2) for i, (name, folder) in enumerate(folders.items())}
+        futures = {name: pool.submit(start, folder, cores[i % len(cores)])
+                   for i, (name, folder) in enumerate(folders.items())}
     started = {name: f.result() for name, f in futures.items() if f.exception() is None}
     try:
         for f in futures.values():

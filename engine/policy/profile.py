@@ -40,6 +40,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import os
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -296,7 +297,12 @@ class Profile:
         return cls.from_dict(json.loads(text))
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json() + "\n")
+        """Written whole or not at all: servers starting together (replicas) may save the same cached
+        profile while another reads it."""
+        path = Path(path)
+        staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        staging.write_text(self.to_json() + "\n")
+        os.replace(staging, path)
 
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
