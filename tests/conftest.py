@@ -42,8 +42,8 @@ SLOW_FIRST = ("test_vllm_backend.py", "test_interception.py", "test_langchain.py
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`make test`: `-n 2 --dist loadfile --no-loadscope-reorder`, each file one unit
-    of work, in this order), the slowest files first. Without xdist the order stays."""
+    """Under pytest-xdist (`make test`: `-n TEST_WORKERS --dist loadfile --no-loadscope-reorder`, each file
+    one unit of work, in this order), the slowest files first. Without xdist the order stays."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         slow_rank = {name: i for i, name in enumerate(SLOW_FIRST)}
         items.sort(key=lambda item: slow_rank.get(item.path.name, len(SLOW_FIRST)))  # stable: files stay whole
