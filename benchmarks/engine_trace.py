@@ -173,6 +173,7 @@ def run_policy(policy: str, trace: list[dict], *, kv_cache_gb: float, host_kv_gb
         "expected_output_tokens": sum(s["decode_tokens"] for r in trace for s in r["segments"]),
         "leaked_blocks": leaked,
         "device_blocks": bm.device.num_blocks,
+        "async_scheduling": engine.async_scheduling,
     }
     if log:
         log(f"  {policy:>18}: {finished}/{len(trace)} finished in {duration:.1f} s, {stats.num_steps} steps")

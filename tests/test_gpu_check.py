@@ -171,6 +171,12 @@ def test_the_check_steps_and_their_summary(tiny_model, tmp_path, monkeypatch):
     assert s["engine_trace"]["0.002 GiB"]["host_ms"] == pytest.approx(
         [fit["fixed_ms"], fit["per_sequence_ms"], fit["swap_step_ms"]])
     assert "| 0.002 GiB | infercept, simulated with the host's time |" in text
+    assert "synchronous scheduling" not in text  # a CPU's default, not a rerun
+    rerun = json.loads((res / "engine_trace_kv0.002gib.json").read_text())
+    assert [r["async_scheduling"] for r in rerun["rows"]] == [False, False]  # what the engine ran: a CPU's default
+    rerun["command"] += " --no-async-scheduling"  # as run.sh reruns a failed trace
+    (res / "engine_trace_kv0.002gib.json").write_text(json.dumps(rerun))
+    assert "| 0.002 GiB | infercept, synchronous scheduling |" in summary.markdown(summary.summarize(res, dry=True))
     assert "A trace step beyond the device's pass" in text and "| matmul, TFLOP/s |" in text
     verdicts = {t["target"]: t["verdict"] for t in s["targets"]}  # the dry run's tiny sizes: verdicts only
     assert verdicts["decode at batch 32, tok/s"] == "not measured"  # batches 1 and 2 only

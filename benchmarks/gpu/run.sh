@@ -11,7 +11,8 @@
 #   5c. the prefill kernel under a set of tilings beside SDPA (prefill_tiles.py)
 #   6. benchmarks/engine_trace.py, policies prefix-cache and infercept, 1 GiB and 16 GiB device pools, each
 #      beside the same trace simulated on step 4's profile (--simulate), and simulated again charging each
-#      step the host's time fitted to the trace's own step logs (host_cost.py, --host-ms)
+#      step the host's time fitted to the trace's own step logs (host_cost.py, --host-ms); a pool's trace that
+#      fails runs again with --no-async-scheduling
 # then summary.json / summary.md. Each step has its own time limit, all of them within BUDGET_S (480 s: the
 # whole check); a failed step does not stop the next. Results: benchmarks/results/gpu-<card>-<date>/ under $OUT
 # when it is set, else under the repository.
@@ -198,6 +199,16 @@ for KV in $TRACE_POOLS; do
         --model "$BIG" --policies prefix-cache infercept --until "$UNTIL" --kv-cache-gb "$KV" $TRACE_ARGS \
         --out "$RES/engine_trace_kv${KV}gib.md" --json "$RES/engine_trace_kv${KV}gib.json" \
         --step-log "$RES/steps_kv${KV}gib"
+    if [ "$(tail -1 "$RES/steps.tsv" | cut -f2)" != 0 ]; then
+        # Again with each step planned after the last one's samples are read, so that a failure of the
+        # asynchronous scheduling (the engine's default on a GPU) still leaves the pool's ratio, marked
+        # as measured that way (recorded as its own step; the same result files).
+        # shellcheck disable=SC2086
+        step "engine trace $KV GiB, synchronous scheduling" $((2 * (UNTIL + TRACE_OVERHEAD) + 30)) $PY \
+            benchmarks/engine_trace.py --model "$BIG" --policies prefix-cache infercept --until "$UNTIL" \
+            --kv-cache-gb "$KV" $TRACE_ARGS --no-async-scheduling --out "$RES/engine_trace_kv${KV}gib.md" \
+            --json "$RES/engine_trace_kv${KV}gib.json" --step-log "$RES/steps_kv${KV}gib"
+    fi
     gzip -f "$RES/steps_kv${KV}gib/"*.jsonl 2>/dev/null
     # The same trace simulated on this run's profile: where the engine and the simulations part ways.
     if [ -f "$RES/profile.json" ]; then

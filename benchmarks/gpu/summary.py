@@ -420,7 +420,10 @@ def markdown(s: dict) -> str:
               "| device pool | policy | normalized latency | finished | steps | step ms (device's, scheduler's, copy waits) |",
               "|---|---|---:|---:|---:|---:|"]
     for pool, t in (s["engine_trace"] or {}).items():
-        for r in (t["rows"] + [dict(r, policy=f"{r['policy']}, simulated") for r in t.get("simulated_rows", [])]
+        # The rerun of a failed trace (run.sh) is marked; a CPU's dry run is synchronous by default, unmarked.
+        forced_sync = "--no-async-scheduling" in (t["command"] or "")
+        engine_rows = [dict(r, policy=f"{r['policy']}, synchronous scheduling") if forced_sync else r for r in t["rows"]]
+        for r in (engine_rows + [dict(r, policy=f"{r['policy']}, simulated") for r in t.get("simulated_rows", [])]
                   + [dict(r, policy=f"{r['policy']}, simulated with the host's time")
                      for r in t.get("simulated_host_rows", [])]):
             lines.append(f"| {pool} | {r['policy']} | {_f(r['normalized_latency'], '{:.4g}')} | "
