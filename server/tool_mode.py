@@ -93,7 +93,7 @@ def turn_grammar(fmt: ToolFormat, params: SamplingParams, mode: ToolMode, answer
         lark, param = fmt.no_call_grammar(), "tool_choice"
     else:
         return None
-    return None if lark is None else (_compile(param, lark=lark), param)
+    return None if lark is None else (_compile(param, lark=lark, tools=mode.tools), param)
 
 
 def _written(build) -> str | None:
@@ -106,10 +106,17 @@ def _written(build) -> str | None:
                           param="tools") from None
 
 
-def _compile(param: str, **grammar) -> GuidedDecodingParams:
+def _compile(param: str, tools: list[ToolSpec] | None = None, **grammar) -> GuidedDecodingParams:
     try:
         return GuidedDecodingParams(**grammar)
     except ValueError as e:  # a schema feature the grammar compiler does not support
+        for tool in tools or ():  # name the tool at fault, rather than the whole grammar's listing
+            try:
+                if tool.parameters is not None:
+                    GuidedDecodingParams(json_schema=dict(tool.parameters))
+            except ValueError as fault:
+                raise bad_request(f"tool {tool.name!r}: its parameters cannot be enforced: {fault}",
+                                  param="tools") from None
         what = (f"the {param} schema (or, with tool_choice auto, a tool's parameters)"
                 if param != "tool_choice" else "the tools' parameters")
         raise bad_request(f"{what} cannot be enforced: {e}",
