@@ -12,7 +12,7 @@ _EXPORTS = {"AsyncEngine": ".async_engine", "Engine": ".engine", "LLM": ".llm", 
             "SamplingParams": ".sampling_params", "NativeBackend": ".native_backend", "EngineBackend": ".backend",
             "VllmBackend": ".vllm_backend.backend", "default_vllm_python": ".vllm_backend.backend",
             "REASONING_PARSERS": ".reasoning_parsers",
-            "ensure_default_model": ".download", "profile_model": ".engine"}
+            "ensure_default_model": ".download", "resolve_model": ".download", "profile_model": ".engine"}
 
 __all__ = list(_EXPORTS)
 

@@ -35,7 +35,7 @@ __all__ = ["EngineBackend", "EngineInfo", "EngineSnapshot", "GRAMMAR_ENDS_THE_OU
 class EngineInfo:
     """What the server needs to know of the model and the engine, fixed for the backend's life."""
 
-    model: str  # the model folder (or hub-style id) the engine loaded
+    model: str  # the model folder the engine loaded (a Hub repo id's: its snapshot in the Hugging Face cache)
     model_type: str  # config.json's model_type: picks the tool-call format
     max_model_len: int
     vocab_size: int
@@ -60,8 +60,14 @@ class EngineInfo:
 
     @property
     def model_name(self) -> str:
-        """The default served name: the model folder's name."""
-        return os.path.basename(os.path.normpath(self.model))
+        """The default served name: the model folder's name, or a Hub snapshot's repo id (the Hugging Face
+        cache keeps a repo's files in `models--org--name/snapshots/<revision>/`)."""
+        folder = os.path.normpath(self.model)
+        snapshots = os.path.dirname(folder)
+        repo = os.path.basename(os.path.dirname(snapshots))
+        if os.path.basename(snapshots) == "snapshots" and repo.startswith("models--"):
+            return repo[len("models--"):].replace("--", "/")
+        return os.path.basename(folder)
 
 
 @dataclass(frozen=True)

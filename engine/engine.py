@@ -70,9 +70,8 @@ class Engine:
         if async_scheduling and async_output is False:  # refused before anything loads
             raise ValueError("asynchronous scheduling runs each step's output stage during the next step's "
                              "pass: it needs async_output")
-        if model is None:
-            from .download import ensure_default_model
-            model = ensure_default_model()
+        from .download import resolve_model
+        model = resolve_model(model, progress)
         if num_threads:
             torch.set_num_threads(num_threads)
         spec = load_spec(model, max_model_len)

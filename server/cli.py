@@ -1,6 +1,6 @@
 """The `infercept` command.
 
-    infercept download                  fetch + convert the embedded model, print its folder
+    infercept download [--model ID]     fetch a model (default: the embedded one), print its folder
     infercept generate --prompt TEXT    one completion (--chat applies the chat template)
     infercept chat                      interactive chat in the terminal
     infercept profile                   measure T_fwd(n), saturation point and copy bandwidth
@@ -37,7 +37,9 @@ def _optional_int(value) -> int | None:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=_env("MODEL", None),
-                   help="local Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)")
+                   help="a local Hugging Face model folder, or a Hub repo id (org/name: downloaded into the "
+                        "Hugging Face cache first; HF_TOKEN, HF_HUB_OFFLINE) (default: the embedded "
+                        "SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default=_env("DTYPE", "auto"), help="auto, bfloat16, float16 or float32")
     g.add_argument("--device", default=_env("DEVICE", "auto"), help="auto, cpu or cuda[:N]")
     g.add_argument("--kv-cache-gb", type=float, default=_env("KV_CACHE_GB", None),
@@ -203,9 +205,9 @@ def build_backend(args: argparse.Namespace):
 
 
 def cmd_download(args: argparse.Namespace) -> None:
-    from infercept.engine import ensure_default_model
+    from infercept.engine import resolve_model
 
-    print(ensure_default_model())
+    print(resolve_model(args.model))
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -394,8 +396,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="infercept", description="InferCept: inference for tool-using agents")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    sub.add_parser("download", help="fetch and convert the embedded model; prints its folder"
-                   ).set_defaults(func=cmd_download)
+    download = sub.add_parser("download", help="fetch a model ahead of serving it (default: the embedded one, "
+                              "fetched and converted); prints its folder")
+    download.add_argument("--model", default=None, help="a Hugging Face Hub repo id (org/name), downloaded into "
+                          "the Hugging Face cache as `serve --model` would")
+    download.set_defaults(func=cmd_download)
 
     for name, func, help_ in (("generate", cmd_generate, "one completion"),
                               ("chat", cmd_chat, "interactive chat in the terminal")):
@@ -427,7 +432,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, PermissionError) as e:  # a gated Hub model: PermissionError
         print(f"infercept: error: {e}", file=sys.stderr)
         sys.exit(2)
 

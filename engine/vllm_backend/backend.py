@@ -190,9 +190,8 @@ class VllmBackend(EngineBackend):
         if not os.path.isfile(python):
             raise FileNotFoundError(f"no python for the vLLM backend at {python!r}: run `make vllm-env`, or pass "
                                     "--vllm-python / set INFERCEPT_VLLM_PYTHON")
-        if model is None:
-            from ..download import ensure_default_model
-            model = ensure_default_model()
+        from ..download import resolve_model
+        model = resolve_model(model)
         args = {"model": model, "dtype": dtype, "seed": seed, "max_num_seqs": max_num_seqs,
                 "enable_prefix_caching": enable_prefix_caching, "max_model_len": max_model_len,
                 "max_num_batched_tokens": max_num_batched_tokens,

@@ -1,0 +1,71 @@
+"""Where `--model` finds a model: the embedded default, a local folder, or a Hugging Face Hub repo id
+resolved through `huggingface_hub` (here from its cache, offline: this machine cannot reach the Hub)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from infercept.engine.backend import EngineInfo
+from infercept.engine.download import resolve_model
+
+REVISION = "0123456789abcdef0123456789abcdef01234567"
+
+
+def hub_cache(root: Path, repo_id: str, model_dir: str) -> Path:
+    """`model_dir`'s files laid out as huggingface_hub caches a download of `repo_id` at `REVISION`."""
+    repo = root / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / REVISION
+    snapshot.mkdir(parents=True)
+    for f in Path(model_dir).iterdir():
+        (snapshot / f.name).symlink_to(f)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(REVISION)
+    return snapshot
+
+
+def offline_env(cache: Path) -> dict[str, str]:
+    return {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+
+
+def infercept(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "infercept.server.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_a_hub_repo_id_is_served_from_the_hugging_face_cache_as_its_folder_would_be(default_model_dir, tmp_path):
+    snapshot = hub_cache(tmp_path / "hub", "infercept-tests/smollm2", default_model_dir)
+    env = offline_env(tmp_path / "hub")
+    found = infercept("download", "--model", "infercept-tests/smollm2", env=env)
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.strip() == str(snapshot)
+    generate = ["generate", "--prompt", "The capital of France is", "--max-tokens", "6", "--temperature", "0"]
+    by_id = infercept(*generate, "--model", "infercept-tests/smollm2", env=env)
+    by_folder = infercept(*generate, "--model", default_model_dir, env=env)
+    assert by_id.returncode == 0 == by_folder.returncode, by_id.stderr + by_folder.stderr
+    assert by_id.stdout == by_folder.stdout and by_id.stdout.strip()
+
+
+def test_a_model_found_nowhere_is_a_clear_error(tmp_path):
+    env = offline_env(tmp_path / "empty-hub")
+    missing = infercept("download", "--model", "infercept-tests/absent", env=env)
+    assert missing.returncode == 2
+    assert "'infercept-tests/absent': no local folder, not in the Hugging Face cache" in missing.stderr
+    assert "HF_HUB_OFFLINE" in missing.stderr and "Traceback" not in missing.stderr
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        resolve_model(str(tmp_path / "no" / "such" / "folder"))
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        resolve_model("./relative-model")
+
+
+def test_the_served_name_of_a_hub_snapshot_is_its_repo_id(tmp_path):
+    def name(model: str) -> str:
+        return EngineInfo(model, "llama", 2048, 100, frozenset({0}), None, "bfloat16", "cpu", 1024).model_name
+
+    assert name(f"/cache/hub/models--Qwen--Qwen2.5-7B-Instruct/snapshots/{REVISION}") == "Qwen/Qwen2.5-7B-Instruct"
+    assert name(f"/cache/hub/models--gpt2/snapshots/{REVISION}/") == "gpt2"
+    assert name("/models/Llama-3.1-8B-Instruct") == "Llama-3.1-8B-Instruct"
+    assert name(f"/data/snapshots/{REVISION}") == REVISION  # not a Hub cache: the folder's name
