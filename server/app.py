@@ -1,10 +1,10 @@
 """The FastAPI app: `build_app(backend, settings)`, over an `EngineBackend` (infercept.engine.backend).
 
-Wires the serving objects (chat with and without server tools, completions, Responses, native
-sessions), the conversation store and metrics into `app.state`; adds authentication, a body-size limit
-and an access log with request ids (one small ASGI middleware); turns every error into OpenAI's error
-JSON (validation errors are 400, never 422 or 5xx); runs the engine and the store's reaper for the
-app's lifetime.
+Wires the serving objects (chat with and without server tools, completions, Responses, Anthropic's
+Messages, native sessions), the conversation store and metrics into `app.state`; adds authentication,
+a body-size limit and an access log with request ids (one small ASGI middleware); turns every error
+into OpenAI's error JSON, or Anthropic's on /v1/messages (validation errors are 400, never 422 or 5xx);
+runs the engine and the store's reaper for the app's lifetime.
 """
 from __future__ import annotations
 
@@ -32,11 +32,13 @@ from .chat import ChatRenderer
 from .conversations import ConversationStore, engine_release
 from .metrics import ServerMetrics
 from .protocol import APIError
+from .protocol_messages import error_body as anthropic_error_body
 from .routes import router
 from .engine_turn import Admission, EngineTurns
 from .serving_base import SHUTDOWN_GRACE_S
 from .serving_chat import ChatServing
 from .serving_completions import CompletionServing
+from .serving_messages import MessagesServing
 from .responses_mcp import ResponsesMcp
 from .serving_responses import ResponsesServing
 from .serving_server_tools import ChatServerTools
@@ -96,11 +98,12 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
     common = dict(turns=turns, model_name=model_name, model_aliases={model_name, info.model, info.model_name},
                   tokenizer=tokenizer)
     completions = CompletionServing(eos_token_ids=info.eos_token_ids, **common)
-    chat = chat_server_tools = responses = sessions = None
+    chat = chat_server_tools = responses = messages = sessions = None
     if renderer is not None:
         chat = ChatServing(**common)
         chat_server_tools = ChatServerTools(chat, tool_lookup)
         responses = ResponsesServing(**common)
+        messages = MessagesServing(**common)
         responses.mcp = ResponsesMcp(settings.mcp, mcp_tools)
         sessions = SessionServing(tool_lookup=tool_lookup, backend=backend, **common)
 
@@ -139,6 +142,7 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
     app.state.chat_server_tools = chat_server_tools or _NoChat()
     app.state.completions = completions
     app.state.responses = responses or _NoChat()
+    app.state.messages = messages or _NoChat()
     app.state.sessions = sessions or _NoChat()
     app.include_router(router)
     _add_error_handlers(app)
@@ -168,8 +172,8 @@ async def _end_turns_after_grace(backend: EngineBackend, shutting_down: Callable
 
 
 class _NoChat:
-    """Stands in for every chat-based serving object (chat, Responses, sessions) of a model without a
-    chat template: each of their endpoints answers 400."""
+    """Stands in for every chat-based serving object (chat, Responses, Messages, sessions) of a model
+    without a chat template: each of their endpoints answers 400."""
 
     def __getattr__(self, _name: str):
         async def refuse(*_):
@@ -198,32 +202,43 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return message, param
 
 
+ANTHROPIC_PATHS = "/v1/messages"  # Anthropic's API: its clients read its error JSON
+
+
+def error_body(path: str, error: APIError) -> dict:
+    """The error JSON the client of `path` reads: Anthropic's on its API's paths, OpenAI's elsewhere."""
+    return anthropic_error_body(error) if path.startswith(ANTHROPIC_PATHS) else error.body()
+
+
 def _add_error_handlers(app: FastAPI) -> None:
+    def answer(request, error: APIError, headers=None) -> JSONResponse:
+        return JSONResponse(error_body(request.url.path, error), status_code=error.status, headers=headers)
+
     @app.exception_handler(APIError)
-    async def api_error(_, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    async def api_error(request, exc: APIError):
+        return answer(request, exc, exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_, exc: RequestValidationError):
+    async def validation_error(request, exc: RequestValidationError):
         message, param = _validation_message(exc)
-        return JSONResponse(APIError(400, message, param=param).body(), status_code=400)
+        return answer(request, APIError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_, exc: StarletteHTTPException):
-        return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+    async def http_error(request, exc: StarletteHTTPException):
+        return answer(request, APIError(exc.status_code, str(exc.detail)), getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
-    async def internal_error(_, exc: Exception):
+    async def internal_error(request, exc: Exception):
         logger.exception("unhandled error")
-        return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}").body(), status_code=500)
+        return answer(request, APIError(500, f"internal error: {type(exc).__name__}"))
 
 
 # -- middleware -------------------------------------------------------------------------------------
 
 class _Gate:
-    """Pure ASGI (it must not buffer SSE streams or hide client disconnects): bearer authentication on
-    /v1, the body-size limit (413), and one access-log line per request with its request id."""
+    """Pure ASGI (it must not buffer SSE streams or hide client disconnects): authentication on /v1 (a
+    bearer key, or Anthropic's `x-api-key` header), the body-size limit (413), and one access-log line
+    per request with its request id."""
 
     def __init__(self, app, settings: ServerSettings):
         self.app = app
@@ -255,7 +270,7 @@ class _Gate:
         try:
             error = self._check(scope, path, headers)
             if error is not None:
-                return await _send_error(send_logged, error)
+                return await _send_error(send_logged, error, error_body(path, error))
             await self.app(scope, receive, send_logged)
         finally:
             logger.info("%s %s %d %.0fms request_id=%s", scope.get("method"), path, status,
@@ -264,11 +279,12 @@ class _Gate:
     def _check(self, scope, path: str, headers: dict[str, str]) -> APIError | None:
         if self.auth.enabled and path.startswith("/v1"):
             auth = headers.get("authorization", "")
-            tenant = self.auth.tenant_for(auth)
+            tenant = self.auth.tenant_for(auth, headers.get("x-api-key"))
             if tenant is None:
-                return APIError(401, "Incorrect API key provided." if auth else "Missing bearer authentication "
-                                "in header: you need to provide an API key (Authorization: Bearer KEY).",
-                                code="invalid_api_key")
+                given = auth or "x-api-key" in headers
+                return APIError(401, "Incorrect API key provided." if given else "Missing bearer authentication "
+                                "in header: you need to provide an API key (Authorization: Bearer KEY, or "
+                                "x-api-key: KEY).", code="invalid_api_key")
             scope.setdefault("state", {})[TENANT] = tenant.name  # the request's owner (tenants.owner_of)
         length = headers.get("content-length")
         if length is not None:
@@ -280,8 +296,8 @@ class _Gate:
         return None
 
 
-async def _send_error(send, error: APIError) -> None:
-    body = json.dumps(error.body()).encode()
+async def _send_error(send, error: APIError, payload: dict) -> None:
+    body = json.dumps(payload).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in error.headers.items()]
     if error.status == 401:

@@ -8,6 +8,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from .protocol_messages import CountTokensRequest, MessagesRequest
 from .protocol_responses import ResponsesRequest
 from .protocol_sessions import SessionCreateRequest, SessionMessageRequest
 
@@ -82,6 +83,16 @@ async def retrieve_response(response_id: str, request: Request) -> Response:
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, request: Request) -> Response:
     return await request.app.state.responses.delete(response_id, request)
+
+
+@router.post("/v1/messages")
+async def create_message(body: MessagesRequest, request: Request) -> Response:
+    return await request.app.state.messages.create(body, request)
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_message_tokens(body: CountTokensRequest, request: Request) -> Response:
+    return await request.app.state.messages.count_tokens(body, request)
 
 
 @router.post("/v1/sessions")

@@ -29,10 +29,11 @@ class Authenticator:
     def enabled(self) -> bool:
         return bool(self.tenants)
 
-    def tenant_for(self, authorization: str) -> Tenant | None:
-        """The tenant of an `Authorization: Bearer KEY` header; None if no key matches."""
+    def tenant_for(self, authorization: str, api_key: str | None = None) -> Tenant | None:
+        """The tenant of an `Authorization: Bearer KEY` header, or else of an `x-api-key: KEY` header (how
+        Anthropic's clients send their key); None if no key matches."""
         scheme, _, token = authorization.partition(" ")
-        presented = token.strip().encode() if scheme.lower() == "bearer" else b""
+        presented = token.strip().encode() if scheme.lower() == "bearer" else (api_key or "").strip().encode()
         found = None
         for tenant, key in self._keys:
             if hmac.compare_digest(presented, key) and found is None:

@@ -515,6 +515,36 @@ def test_responses_stream_reasoning_events(srv):
     assert srv.engine_state()["requests"] == {}
 
 
+def test_messages_api_thinking_blocks_stream_and_resume(srv):
+    """Anthropic's Messages API: the thinking is a `thinking` block before the `tool_use` one, streamed
+    as `thinking_delta`s; the client sends both blocks back, and the result's turn resumes the paused
+    generation, thinking included."""
+    import anthropic
+
+    c = anthropic.Anthropic(base_url=srv.base, api_key="unused", max_retries=0, timeout=60)
+    tool = {"name": "get_weather", "description": TOOLS[0]["function"]["description"],
+            "input_schema": TOOLS[0]["function"]["parameters"]}
+    kinds = []
+    with forced_thinking_call(), c.messages.stream(model=MODEL, max_tokens=80, messages=QUESTION, tools=[tool],
+                                                   extra_body={"temperature": 0}) as stream:
+        for event in stream:
+            if event.type in ("content_block_start", "content_block_delta"):
+                kinds.append(event.content_block.type if event.type == "content_block_start" else event.delta.type)
+        first = stream.get_final_message()
+    thinking, use = first.content
+    assert thinking.type == "thinking" and 8 <= len(thinking.thinking) <= 24 and thinking.signature == ""
+    assert use.type == "tool_use" and use.input["city"] in ("Paris", "Oslo") and first.stop_reason == "tool_use"
+    assert kinds[0] == "thinking" and kinds.count("thinking_delta") > 1 and kinds.index("tool_use") > kinds.index(
+        "thinking_delta")
+    second = c.messages.create(model=MODEL, max_tokens=4, tools=[tool], extra_body={"temperature": 0}, messages=[
+        *QUESTION, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": RESULT}]}])
+    u = second.usage
+    assert u.cache_read_input_tokens == first.usage.input_tokens + first.usage.output_tokens - 1
+    assert second.content[0].type == "text"
+    assert srv.engine_state()["requests"] == {}
+
+
 # -- the renderer, on its own ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("opened", [False, True], ids=["qwen3-template", "thinking-opened-by-the-prompt"])

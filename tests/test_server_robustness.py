@@ -9,7 +9,7 @@
   concurrent resumes of one generation (chat) and of one native session, huge max_tokens on the
   endpoints not yet checked (with the accepted boundary), empty messages / content;
 * schemathesis over /openapi.json (positive and negative data for every operation): no 5xx, errors in
-  OpenAI's shape, no leaked blocks afterwards.
+  OpenAI's shape (Anthropic's on /v1/messages), no leaked blocks afterwards.
 
 After each: no 5xx, and `srv.assert_no_leak()` (the engine's block integrity check, all blocks free
 once the paused generations are dropped).
@@ -384,7 +384,7 @@ def test_an_empty_list_of_content_parts_is_400(srv):
 EXAMPLES = 12  # per operation and generation mode (about 30 s in all)
 LENGTH_FIELD = {"/v1/chat/completions": "max_tokens", "/v1/completions": "max_tokens",
                 "/v1/responses": "max_output_tokens", "/v1/sessions": "max_tokens",
-                "/v1/sessions/{session_id}/messages": "max_tokens"}
+                "/v1/sessions/{session_id}/messages": "max_tokens", "/v1/messages": "max_tokens"}
 
 
 def prepare_positive(case, http: httpx.Client, n: int) -> None:
@@ -402,9 +402,10 @@ def prepare_positive(case, http: httpx.Client, n: int) -> None:
         value = body.get(field)
         if field and (value is None or (isinstance(value, int) and 4 < value < 10_000)):
             body[field] = 4
-        if case.path in ("/v1/chat/completions", "/v1/chat/completions/render") and n % 2:
-            body["messages"] = QUESTION
-        if case.path.endswith("/messages") and n % 4 == 1:  # a user message to the fresh session
+        if case.path in ("/v1/chat/completions", "/v1/chat/completions/render", "/v1/messages",
+                         "/v1/messages/count_tokens") and n % 2:
+            body["messages"] = QUESTION  # a user message in both APIs' shapes
+        if case.path == "/v1/sessions/{session_id}/messages" and n % 4 == 1:  # a user message to the fresh session
             body.pop("tool_results", None)
             body["content"] = body.get("content") or "Hi"
     if n % 2 and "session_id" in (case.path_parameters or {}):
@@ -419,7 +420,8 @@ def test_schemathesis_finds_no_server_error_and_no_leak(srv):
     operations = [result.ok() for result in schema.get_all_operations()]  # raises if the schema is invalid
     assert {op.label for op in operations} >= {"POST /v1/chat/completions", "POST /v1/completions",
                                                 "POST /v1/responses", "GET /v1/responses/{response_id}",
-                                                "POST /v1/sessions", "POST /v1/sessions/{session_id}/messages"}
+                                                "POST /v1/sessions", "POST /v1/sessions/{session_id}/messages",
+                                                "POST /v1/messages", "POST /v1/messages/count_tokens"}
     failures, statuses = [], {}
     http = httpx.Client(base_url=srv.url, timeout=60)
     for op in operations:
@@ -435,7 +437,10 @@ def test_schemathesis_finds_no_server_error_and_no_leak(srv):
                 response = case.call(base_url=srv.base, timeout=60)
                 statuses.setdefault(op.label, set()).add(response.status_code)
                 case.validate_response(response, checks=[not_a_server_error])
-                if 400 <= response.status_code < 500:  # OpenAI's error JSON
+                if 400 <= response.status_code < 500 and case.path.startswith("/v1/messages"):  # Anthropic's
+                    assert response.json()["type"] == "error", response.text
+                    assert set(response.json()["error"]) == {"type", "message"}, response.text
+                elif 400 <= response.status_code < 500:  # OpenAI's error JSON
                     assert set(response.json()["error"]) == {"message", "type", "param", "code"}, response.text
 
             try:

@@ -142,3 +142,21 @@ def test_the_keys_file(tmp_path):
         tenants.load_keys_file(path)
     with pytest.raises(ValueError, match="unique"):
         ServerSettings(api_key="k1", tenants=(Tenant("other", "k1"),))
+
+
+
+def test_anthropic_clients_authenticate_with_their_sdk_or_an_x_api_key_header(two):
+    """Anthropic's SDK sends its key as a bearer token (2.x) or as `x-api-key` (earlier clients, Claude
+    Code): both pass; a wrong or missing key is Anthropic's 401 on its API's paths."""
+    import anthropic
+
+    ask = dict(model="fake", messages=ASK)
+    url = two.base + "/v1/messages/count_tokens"
+    assert anthropic.Anthropic(base_url=two.base, api_key=ALICE.key, max_retries=0).messages.count_tokens(**ask)
+    assert httpx.post(url, json=ask, headers={"x-api-key": ALICE.key}).json()["input_tokens"] > 0
+    for headers in ({"x-api-key": "key-mallory"}, {}):
+        r = httpx.post(url, json=ask, headers=headers)
+        assert r.status_code == 401 and r.json()["type"] == "error", r.text
+        assert r.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=two.base, api_key="key-mallory", max_retries=0).messages.count_tokens(**ask)

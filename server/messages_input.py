@@ -1,0 +1,97 @@
+"""A Messages request (Anthropic's API) as the turn layer takes it: its system prompt and messages as
+chat messages, its tools as `ToolSpec`s, its `tool_choice` as a tool mode.
+
+- `system` (text or text blocks) is a leading system message.
+- A user message's `tool_result` blocks become tool messages (content: the result's text), followed by
+  a user message with the rest of its text, if any: the shape of the conversation a chat template renders.
+- An assistant message's `tool_use` blocks are its tool calls (`input` as the arguments' JSON), its text
+  blocks its content; its `thinking` blocks are left out, as chat templates leave earlier thinking out
+  (the paused turn it resumes kept its own tokens: chat.py).
+- Tools are rendered as Chat Completions' function tools, so the same conversation renders the same
+  prompt through either API.
+- `tool_choice` auto / any / tool / none are Chat Completions' auto / required / the named function /
+  none; `disable_parallel_tool_use` is `parallel_tool_calls: false`.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from infercept.engine.backend import ToolSpec
+
+from .chat import Call, Message, validate_tool_flow
+from .protocol import bad_request
+from .protocol_messages import Block, CountTokensRequest, TextBlock, Tool
+from .tool_mode import ToolMode, tool_mode
+
+TEXT_ONLY = "only text, tool_use and tool_result content blocks are supported (this server serves a text model)"
+
+
+def system_messages(system: str | Sequence[TextBlock] | None) -> list[Message]:
+    text = system if isinstance(system, str) else "\n".join(block.text for block in system or ())
+    return [Message("system", text)] if text else []
+
+
+def _text(blocks: Sequence[Block], where: str) -> str:
+    """The text of a tool result's blocks (only text blocks are taken)."""
+    parts = []
+    for i, block in enumerate(blocks):
+        if block.type != "text" or block.text is None:
+            raise bad_request(f"{where}[{i}]: a tool result's content takes text blocks only (got {block.type!r})",
+                              param=f"{where}[{i}]")
+        parts.append(block.text)
+    return "\n".join(parts)
+
+
+def chat_messages(req: CountTokensRequest) -> list[Message]:
+    """The request's system prompt and messages as chat messages (400 on blocks the server cannot take
+    and on tool results that answer no call of the assistant message before them)."""
+    if not req.messages:
+        raise bad_request("messages: at least one message is required", param="messages")
+    out = system_messages(req.system)
+    for i, m in enumerate(req.messages):
+        where = f"messages[{i}].content"
+        blocks = [Block(type="text", text=m.content)] if isinstance(m.content, str) else m.content
+        texts, calls = [], []
+        for j, block in enumerate(blocks):
+            at = f"{where}[{j}]"
+            if block.type == "text" and block.text is not None:
+                texts.append(block.text)
+            elif block.type in ("thinking", "redacted_thinking") and m.role == "assistant":
+                continue
+            elif block.type == "tool_use" and m.role == "assistant":
+                if not block.id or not block.name:
+                    raise bad_request(f"{at}: a tool_use block needs an id and a name", param=at)
+                calls.append(Call.make(block.id, block.name, json.dumps(block.input or {}, ensure_ascii=False)))
+            elif block.type == "tool_result" and m.role == "user":
+                if not block.tool_use_id:
+                    raise bad_request(f"{at}: a tool_result block needs tool_use_id", param=at)
+                content = block.content if isinstance(block.content, str) else _text(block.content or (), f"{at}.content")
+                out.append(Message("tool", content, tool_call_id=block.tool_use_id))
+            else:
+                raise bad_request(f"{at}: {block.type!r} blocks cannot be sent in a {m.role} message here; "
+                                  + TEXT_ONLY, param=at)
+        if m.role == "assistant":
+            if len({c.id for c in calls}) != len(calls):
+                raise bad_request(f"messages[{i}]: duplicate tool_use ids", param=where)
+            out.append(Message("assistant", "".join(texts), tool_calls=tuple(calls)))
+        elif texts or not isinstance(m.content, list) or not any(b.type == "tool_result" for b in m.content):
+            out.append(Message("user", "\n".join(texts)))
+    validate_tool_flow(out)
+    return out
+
+
+def tool_specs(tools: Sequence[Tool]) -> list[ToolSpec]:
+    for i, tool in enumerate(tools):
+        if tool.type not in (None, "custom"):
+            raise bad_request(f"tools[{i}]: {tool.type!r} is one of Anthropic's hosted tools, which run on "
+                              "Anthropic's side; give client tools (name, description, input_schema)",
+                              param=f"tools[{i}].type")
+    return [ToolSpec.function(t.name, t.input_schema, t.description) for t in tools]
+
+
+def messages_tool_mode(req: CountTokensRequest) -> ToolMode:
+    choice = req.tool_choice
+    name = None if choice is None else {"auto": "auto", "any": "required", "none": "none"}.get(choice.type, choice.name)
+    parallel = choice is None or not choice.disable_parallel_tool_use
+    return tool_mode(tool_specs(req.tools) if req.tools else None, name, parallel)
