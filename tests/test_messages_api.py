@@ -6,6 +6,9 @@ are Anthropic's, and errors have Anthropic's shape."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import anthropic
 import httpx
@@ -160,3 +163,15 @@ def test_the_sdk_raises_its_own_errors(srv):
     # OpenAI's routes keep OpenAI's shape.
     r = httpx.post(srv.url + "/chat/completions", json={"model": "claude-x", "messages": QUESTION}, timeout=30)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_the_anthropic_tool_loop_example_runs(srv):
+    example = Path(__file__).resolve().parents[1] / "examples" / "anthropic_tool_loop.py"
+    out = subprocess.run([sys.executable, str(example), "--base-url", srv.base, "--max-steps", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    first, second = out.stdout.splitlines()
+    assert first.startswith("step 1:") and "calls get_weather" in first
+    assert second.startswith("step 2:") and int(second.split("(")[1].split("%")[0]) >= 90, out.stdout
+    srv.abort_paused()  # the example may stop at a paused step
+    srv.assert_no_leak()
