@@ -2,8 +2,10 @@
 request, its content blocks, and the error body Anthropic's clients read.
 
 Requests are lenient at the top level (`extra="ignore"`): Anthropic's clients send fields this server
-has no use for (`metadata`, `thinking`, `service_tier`, beta fields such as `context_management`), and
-agents such as Claude Code send them on every request. What is read is checked as Anthropic checks it:
+has no use for (`metadata`, `service_tier`, beta fields such as `context_management`), and agents such
+as Claude Code send them on every request. Of `thinking`, only its type is read: "disabled" turns a
+thinking model's thinking off where its chat template can (Qwen3's `enable_thinking`); a budget is not
+enforced. What is read is checked as Anthropic checks it:
 `max_tokens` is required, `temperature` lies in [0, 1], a `tool` choice names its tool. Content blocks
 the server cannot take (images, documents, the hosted tools' blocks) are refused by their type, where
 they are turned into chat messages (messages_input.py).
@@ -77,12 +79,17 @@ class ToolChoice(Lenient):
         return self
 
 
+class Thinking(Lenient):
+    type: Literal["enabled", "disabled", "adaptive"]
+
+
 class CountTokensRequest(Lenient):
     model: str
     messages: list[MessageParam]
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
 
 
 class MessagesRequest(CountTokensRequest):

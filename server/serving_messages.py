@@ -51,8 +51,10 @@ class MessagesServing(Frontend):
         if isinstance(req, MessagesRequest):
             sampling = Sampling(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k or None,
                                 max_tokens=req.max_tokens, stop=req.stop_sequences or None)
+        # Thinking off, where the model's chat template takes the switch (Qwen3's); other templates ignore it.
+        no_thinking = {"enable_thinking": False} if req.thinking is not None and req.thinking.type == "disabled" else None
         return TurnSpec("messages", sampling, tuple(chat_messages(req)), mode=mode, owner=owner_of(raw),
-                        id_prefix="msg_")
+                        id_prefix="msg_", template_kwargs=no_thinking)
 
     # -- the message -------------------------------------------------------------------------------
     def _message(self, req: MessagesRequest, turn: Turn, content: list[dict], end: TurnFinished | None) -> dict:

@@ -182,6 +182,7 @@ TEMPLATE = r"""
 {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+{%- if add_generation_prompt and enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}
 """
 OPENS_THINKING = ("{{- '<|im_start|>assistant\\n' }}{%- endif %}",
                   "{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}")  # a thinking-only model's template
@@ -543,6 +544,21 @@ def test_messages_api_thinking_blocks_stream_and_resume(srv):
     assert u.cache_read_input_tokens == first.usage.input_tokens + first.usage.output_tokens - 1
     assert second.content[0].type == "text"
     assert srv.engine_state()["requests"] == {}
+
+
+def test_messages_api_thinking_disabled_closes_the_thinking_in_the_prompt(srv, qwen3_dir):
+    """`thinking: {"type": "disabled"}` renders Qwen3's switch (`enable_thinking` false: an empty thinking
+    block after the generation prompt, here and in Qwen3's own template); other types leave it alone."""
+    import anthropic
+
+    c = anthropic.Anthropic(base_url=srv.base, api_key="unused", max_retries=0, timeout=60)
+    ask = dict(model=MODEL, messages=QUESTION)
+    plain = c.messages.count_tokens(**ask).input_tokens
+    empty_thinking = AutoTokenizer.from_pretrained(qwen3_dir).encode("<think>\n\n</think>\n\n", add_special_tokens=False)
+    assert c.messages.count_tokens(**ask, extra_body={"thinking": {"type": "disabled"}}).input_tokens == \
+        plain + len(empty_thinking)
+    assert c.messages.count_tokens(**ask, extra_body={"thinking": {"type": "enabled", "budget_tokens": 1024}}
+                                   ).input_tokens == plain
 
 
 # -- the renderer, on its own ------------------------------------------------------------------------
