@@ -55,7 +55,7 @@ def _is_repo_id(name: str) -> bool:
 
 
 def _hub_snapshot(repo_id: str, progress: bool) -> str:
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
                                         RevisionNotFoundError)
     from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
@@ -74,18 +74,12 @@ def _hub_snapshot(repo_id: str, progress: bool) -> str:
         raise FileNotFoundError(f"--model {repo_id!r}: {e}") from None
     except LocalEntryNotFoundError:
         raise FileNotFoundError(f"--model {repo_id!r}: no local folder, not in the Hugging Face cache "
-                                f"({_hub_cache()}), and the Hub cannot be reached (no network, or HF_HUB_OFFLINE=1): "
+                                f"({constants.HF_HUB_CACHE}), and the Hub cannot be reached (no network, or HF_HUB_OFFLINE=1): "
                                 "download it where there is network and copy the cache, or pass a model "
                                 "folder") from None
     finally:
         if not progress:
             enable_progress_bars()
-
-
-def _hub_cache() -> str:
-    from huggingface_hub import constants
-
-    return constants.HF_HUB_CACHE
 
 
 def default_model_dir() -> str:

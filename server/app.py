@@ -103,8 +103,8 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
         chat = ChatServing(**common)
         chat_server_tools = ChatServerTools(chat, tool_lookup)
         responses = ResponsesServing(**common)
-        messages = MessagesServing(**common)
         responses.mcp = ResponsesMcp(settings.mcp, mcp_tools)
+        messages = MessagesServing(**common)
         sessions = SessionServing(tool_lookup=tool_lookup, backend=backend, **common)
 
     @contextlib.asynccontextmanager
@@ -202,12 +202,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return message, param
 
 
-ANTHROPIC_PATHS = "/v1/messages"  # Anthropic's API: its clients read its error JSON
+ANTHROPIC_PREFIX = "/v1/messages"  # the paths of Anthropic's API: its clients read its error JSON
 
 
 def error_body(path: str, error: APIError) -> dict:
     """The error JSON the client of `path` reads: Anthropic's on its API's paths, OpenAI's elsewhere."""
-    return anthropic_error_body(error) if path.startswith(ANTHROPIC_PATHS) else error.body()
+    return anthropic_error_body(error) if path.startswith(ANTHROPIC_PREFIX) else error.body()
 
 
 def _add_error_handlers(app: FastAPI) -> None:
