@@ -35,14 +35,12 @@ HUB_SKIPPED = ("original/*", "consolidated*.safetensors")
 
 
 def resolve_model(model: str | None, progress: bool = True) -> str:
-    """The local folder of `model`: the embedded default's (None), a folder as given, or a Hub repo id's
-    snapshot in the Hugging Face cache, downloaded first where it is not there yet."""
+    """The local folder of `model`: the embedded default's (None), a Hub repo id's snapshot in the Hugging
+    Face cache (downloaded first where it is not there yet), or a path as given (its loader checks it)."""
     if model is None:
         return ensure_default_model(progress)
-    if os.path.isdir(model):
+    if os.path.isdir(model) or not _is_repo_id(model):
         return model
-    if not _is_repo_id(model):
-        raise FileNotFoundError(f"--model {model!r}: no such folder (and not a Hugging Face repo id, org/name)")
     return _hub_snapshot(model, progress)
 
 

@@ -206,8 +206,12 @@ def build_backend(args: argparse.Namespace):
 
 def cmd_download(args: argparse.Namespace) -> None:
     from infercept.engine import resolve_model
+    from infercept.engine.download import is_ready
 
-    print(resolve_model(args.model))
+    folder = resolve_model(args.model)
+    if not is_ready(folder):
+        raise FileNotFoundError(f"{folder!r} is not a model folder (no config.json and *.safetensors)")
+    print(folder)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:

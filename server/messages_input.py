@@ -11,6 +11,8 @@ chat messages, its tools as `ToolSpec`s, its `tool_choice` as a tool mode.
   prompt through either API.
 - `tool_choice` auto / any / tool / none are Chat Completions' auto / required / the named function /
   none; `disable_parallel_tool_use` is `parallel_tool_calls: false`.
+- A conversation that ends with an assistant message (Anthropic's prefill, which the answer continues)
+  is refused: a chat template would render it as a finished turn.
 """
 from __future__ import annotations
 
@@ -48,6 +50,13 @@ def chat_messages(req: CountTokensRequest) -> list[Message]:
     and on tool results that answer no call of the assistant message before them)."""
     if not req.messages:
         raise bad_request("messages: at least one message is required", param="messages")
+    last = req.messages[-1]
+    if last.role == "assistant" and not (isinstance(last.content, list) and any(b.type == "tool_use" for b in last.content)):
+        # Anthropic's prefill: the answer would continue that text. Rendered as a finished turn, the model
+        # would start a new one instead: refused rather than answered differently.
+        raise bad_request(f"messages[{len(req.messages) - 1}]: a conversation that ends with an assistant message "
+                          "(a prefill of the answer) is not supported; end it with a user message",
+                          param=f"messages[{len(req.messages) - 1}]")
     out = system_messages(req.system)
     for i, m in enumerate(req.messages):
         where = f"messages[{i}].content"

@@ -147,6 +147,8 @@ def test_count_tokens_counts_the_prompt_a_message_is_served_with(srv):
      400, "invalid_request_error", "toolu_1"),
     ({"model": MODEL, "max_tokens": 5, "messages": QUESTION, "tool_choice": {"type": "tool"}}, 400,
      "invalid_request_error", "tool_choice.name"),
+    ({"model": MODEL, "max_tokens": 5, "messages": QUESTION + [{"role": "assistant", "content": "It is"}]}, 400,
+     "invalid_request_error", "a prefill of the answer"),
 ])
 def test_errors_have_anthropics_shape(srv, body, status, kind, says):
     r = httpx.post(srv.base + "/v1/messages", json=body, timeout=30)

@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from infercept.engine.backend import EngineInfo
 from infercept.engine.download import resolve_model
@@ -55,10 +54,13 @@ def test_a_model_found_nowhere_is_a_clear_error(tmp_path):
     assert missing.returncode == 2
     assert "'infercept-tests/absent': no local folder, not in the Hugging Face cache" in missing.stderr
     assert "HF_HUB_OFFLINE" in missing.stderr and "Traceback" not in missing.stderr
-    with pytest.raises(FileNotFoundError, match="no such folder"):
-        resolve_model(str(tmp_path / "no" / "such" / "folder"))
-    with pytest.raises(FileNotFoundError, match="no such folder"):
-        resolve_model("./relative-model")
+    # A path is not looked up on the Hub: it is a folder or the loader's error.
+    folder = str(tmp_path / "no" / "such" / "folder")
+    assert resolve_model(folder) == folder and resolve_model("./relative-model") == "./relative-model"
+    for command in ("download", "generate"):
+        refused = infercept(command, "--model", folder, *(["--prompt", "Hi"] if command == "generate" else []),
+                            env=env)
+        assert refused.returncode == 2 and f"{folder!r} is not a model folder" in refused.stderr, refused.stderr
 
 
 def test_the_served_name_of_a_hub_snapshot_is_its_repo_id(tmp_path):
