@@ -206,11 +206,10 @@ def build_backend(args: argparse.Namespace):
 
 def cmd_download(args: argparse.Namespace) -> None:
     from infercept.engine import resolve_model
-    from infercept.engine.download import is_ready
 
     folder = resolve_model(args.model)
-    if not is_ready(folder):
-        raise FileNotFoundError(f"{folder!r} is not a model folder (no config.json and *.safetensors)")
+    if not os.path.isdir(folder):  # a path: nothing to fetch
+        raise FileNotFoundError(f"{folder!r}: no such folder")
     print(folder)
 
 

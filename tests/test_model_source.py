@@ -57,10 +57,10 @@ def test_a_model_found_nowhere_is_a_clear_error(tmp_path):
     # A path is not looked up on the Hub: it is a folder or the loader's error.
     folder = str(tmp_path / "no" / "such" / "folder")
     assert resolve_model(folder) == folder and resolve_model("./relative-model") == "./relative-model"
-    for command in ("download", "generate"):
-        refused = infercept(command, "--model", folder, *(["--prompt", "Hi"] if command == "generate" else []),
-                            env=env)
-        assert refused.returncode == 2 and f"{folder!r} is not a model folder" in refused.stderr, refused.stderr
+    for args, says in ((["download"], f"{folder!r}: no such folder"),
+                       (["generate", "--prompt", "Hi"], f"{folder!r} is not a model folder")):
+        refused = infercept(*args, "--model", folder, env=env)
+        assert refused.returncode == 2 and says in refused.stderr, refused.stderr
 
 
 def test_the_served_name_of_a_hub_snapshot_is_its_repo_id(tmp_path):
