@@ -392,12 +392,17 @@ class CompletionResponse(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """OpenAI's model object (vLLM's `root` and `max_model_len` with it), and the fields Anthropic's
+    model object adds (`type`, `display_name`), so that either SDK reads it."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=now)
     owned_by: str = "infercept"
     root: str | None = None
     max_model_len: int | None = None
+    type: Literal["model"] = "model"
+    display_name: str | None = None
 
 
 class ModelList(BaseModel):

@@ -31,12 +31,23 @@ async def dashboard() -> Response:
     return HTMLResponse(DASHBOARD)
 
 
-@router.get("/v1/models")
-async def models(request: Request) -> Response:
+def model_card(request: Request) -> ModelCard:
     state = request.app.state
     info = state.backend.info
-    card = ModelCard(id=state.model_name, root=info.model, max_model_len=info.max_model_len)
-    return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+    return ModelCard(id=state.model_name, root=info.model, max_model_len=info.max_model_len,
+                     display_name=state.model_name)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> Response:
+    return JSONResponse(ModelList(data=[model_card(request)]).model_dump(mode="json"))
+
+
+@router.get("/v1/models/{model:path}")
+async def model(model: str, request: Request) -> Response:
+    """The served model by any name it answers to (OpenAI's and Anthropic's retrieve), else 404."""
+    request.app.state.completions.check_model(model)
+    return JSONResponse(model_card(request).model_dump(mode="json"))
 
 
 @router.get("/metrics")

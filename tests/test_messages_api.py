@@ -157,6 +157,15 @@ def test_errors_have_anthropics_shape(srv, body, status, kind, says):
     assert error["type"] == "error" and error["error"]["type"] == kind and says in error["error"]["message"], error
 
 
+def test_the_sdk_lists_and_retrieves_the_served_model(srv):
+    c = client(srv)
+    (listed,) = c.models.list().data
+    assert listed.id == MODEL and listed.type == "model" and listed.display_name == MODEL
+    assert c.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(anthropic.NotFoundError):
+        c.models.retrieve("claude-x")
+
+
 def test_the_sdk_raises_its_own_errors(srv):
     c = client(srv)
     with pytest.raises(anthropic.NotFoundError) as raised:

@@ -56,6 +56,9 @@ def test_health_models_and_metrics(srv):
     assert httpx.get(srv.base + "/health").json() == {"status": "ok"}
     models = srv.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert srv.client().models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        srv.client().models.retrieve("gpt-4o")
     text = httpx.get(srv.base + "/metrics").text
     for name in ("infercept_requests_total", "infercept_time_to_first_token_seconds_bucket",
                  "infercept_recomputed_tokens_total", "infercept_swapped_out_blocks_total",

@@ -392,8 +392,9 @@ def prepare_positive(case, http: httpx.Client, n: int) -> None:
     random name is only ever 404) and generate at most 4 tokens (an unset max_tokens means "up to the
     context limit", seconds per example on a CPU; values beyond the context stay, to be refused). Chat
     messages, which the schema lets be any objects, are a real conversation every other example. Every
-    other example of an operation on a session or a stored response names a real one, made for it (and
-    every fourth message posted to a session is a user message, which it accepts)."""
+    other example of an operation on a session or a stored response names a real one, made for it, and
+    one on a model the served model (and every fourth message posted to a session is a user message,
+    which it accepts)."""
     body = case.body if isinstance(case.body, dict) else None
     if body is not None:
         if "model" in body:
@@ -410,6 +411,8 @@ def prepare_positive(case, http: httpx.Client, n: int) -> None:
             body["content"] = body.get("content") or "Hi"
     if n % 2 and "session_id" in (case.path_parameters or {}):
         case.path_parameters["session_id"] = http.post("/sessions", json={"tools": TOOLS, "max_tokens": 4}).json()["id"]
+    if n % 2 and "model" in (case.path_parameters or {}):
+        case.path_parameters["model"] = MODEL
     if n % 2 and "response_id" in (case.path_parameters or {}):
         case.path_parameters["response_id"] = http.post("/responses", json=GREEDY | {
             "input": "Hi", "max_output_tokens": 1}).json()["id"]
