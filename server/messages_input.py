@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from infercept.engine.backend import ToolSpec
 
-from .chat import Call, Message, validate_tool_flow
+from .chat import Call, Message
 from .protocol import bad_request
 from .protocol_messages import Block, CountTokensRequest, TextBlock, Tool
 from .tool_mode import ToolMode, tool_mode
@@ -46,8 +46,8 @@ def _text(blocks: Sequence[Block], where: str) -> str:
 
 
 def chat_messages(req: CountTokensRequest) -> list[Message]:
-    """The request's system prompt and messages as chat messages (400 on blocks the server cannot take
-    and on tool results that answer no call of the assistant message before them)."""
+    """The request's system prompt and messages as chat messages (400 on blocks the server cannot take;
+    the tool results' flow is checked where every chat turn's is, when the turn renders)."""
     if not req.messages:
         raise bad_request("messages: at least one message is required", param="messages")
     last = req.messages[-1]
@@ -84,9 +84,8 @@ def chat_messages(req: CountTokensRequest) -> list[Message]:
             if len({c.id for c in calls}) != len(calls):
                 raise bad_request(f"messages[{i}]: duplicate tool_use ids", param=where)
             out.append(Message("assistant", "".join(texts), tool_calls=tuple(calls)))
-        elif texts or not isinstance(m.content, list) or not any(b.type == "tool_result" for b in m.content):
+        elif texts or not any(b.type == "tool_result" for b in blocks):
             out.append(Message("user", "\n".join(texts)))
-    validate_tool_flow(out)
     return out
 
 
