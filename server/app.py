@@ -35,6 +35,7 @@ from .protocol import APIError
 from .protocol_messages import error_body as anthropic_error_body
 from .routes import router
 from .engine_turn import Admission, EngineTurns
+from .generation_defaults import sampling_defaults
 from .serving_base import SHUTDOWN_GRACE_S
 from .serving_chat import ChatServing
 from .serving_completions import CompletionServing
@@ -93,8 +94,9 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
     # Its call form and marker tokens.
     tool_format = tool_format_for(tool_parser, tokenizer, info.vllm_tool_parsers, info.vllm_forcing_refusals)
     renderer = ChatRenderer(tokenizer, info.eos_token_ids, tool_format) if tokenizer.chat_template else None
+    defaults = sampling_defaults(info.model, settings.generation_config, settings.override_generation_config)
     turns = Turns(EngineTurns(backend, metrics), conversations, metrics, admission, renderer,
-                  info.max_model_len, info.vocab_size, info.guided_decoding, reasoning)
+                  info.max_model_len, info.vocab_size, info.guided_decoding, reasoning, defaults)
     common = dict(turns=turns, model_name=model_name, model_aliases={model_name, info.model, info.model_name},
                   tokenizer=tokenizer)
     completions = CompletionServing(eos_token_ids=info.eos_token_ids, **common)

@@ -12,6 +12,7 @@ happen inside the commands so `infercept --help` is instant.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -126,6 +127,8 @@ FLAG_OF_ENGINE_ARG = {"model": "--model", "dtype": "--dtype", "max_model_len": "
                       "max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
                       "enable_prefix_caching": "--no-prefix-caching", "kv_cache_memory_bytes": "--kv-cache-gb",
                       "enforce_eager": "--enforce-eager", "async_scheduling": "--async-scheduling",
+                      "generation_config": "--generation-config",
+                      "override_generation_config": "--override-generation-config",
                       **{name: "--" + name.replace("_", "-") for name in VLLM_ONLY}}
 
 
@@ -142,8 +145,6 @@ def chosen_backend(args: argparse.Namespace) -> str:
 def parse_vllm_args(items: list[str]) -> dict:
     """`--vllm-arg KEY=VALUE`s as engine arguments: KEY with dashes or underscores, VALUE as JSON when it
     parses, else the string. ValueError for an item without `=`, or a KEY one of our flags sets."""
-    import json
-
     parsed = {}
     for item in items:
         key, eq, value = item.partition("=")
@@ -282,6 +283,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="thinking format, as vLLM names it: qwen3 or deepseek_r1. <think>...</think> goes to "
                         "reasoning_content (chat) or a reasoning item (Responses), tool calls are read after it, "
                         "and a resumed turn keeps the paused generation's thinking tokens (default: none)")
+    g.add_argument("--generation-config", default=_env("GENERATION_CONFIG", "auto"),
+                   help="sampling defaults for the fields a request leaves out: auto = the model's "
+                        "generation_config.json, as its authors recommend (default), none = neutral (temperature 1, "
+                        "no truncation; vLLM calls it 'vllm'), or a folder holding a generation_config.json")
+    g.add_argument("--override-generation-config", default=_env("OVERRIDE_GENERATION_CONFIG", None), metavar="JSON",
+                   help="sampling defaults set over --generation-config, in its field names, e.g. "
+                        "'{\"temperature\": 0}' (greedy unless a request asks otherwise); fields: temperature, "
+                        "top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty, max_new_tokens")
     g.add_argument("--log-level", default=_env("LOG_LEVEL", "info"), help="server log level (default info)")
     m = p.add_argument_group("MCP", "MCP servers whose tools the server runs itself while the generation waits "
                              "(docs/operators.md)")
@@ -344,10 +353,20 @@ def server_settings(args: argparse.Namespace):
     mcp = McpSettings(servers=load_mcp_config(args.mcp_config) if args.mcp_config else (),
                       call_timeout_s=args.mcp_timeout, tools_ttl_s=args.mcp_tools_ttl,
                       allow_urls=tuple(args.mcp_allow_url))
+    overrides = {}
+    if args.override_generation_config:
+        try:
+            overrides = json.loads(args.override_generation_config)
+        except ValueError:
+            overrides = None
+        if not isinstance(overrides, dict):
+            raise ValueError(f"--override-generation-config {args.override_generation_config!r}: expected a JSON "
+                             "object, e.g. '{\"temperature\": 0}'")
     return ServerSettings(host=args.host, port=args.port, api_key=api_key or None, tenants=tenants,
                           served_model_name=args.served_model_name, conversations=policy,
                           max_concurrent_requests=args.max_concurrent_requests, tool_parser=args.tool_parser,
-                          reasoning_parser=args.reasoning_parser, mcp=mcp, keep_alive_s=args.keep_alive_timeout)
+                          reasoning_parser=args.reasoning_parser, mcp=mcp, keep_alive_s=args.keep_alive_timeout,
+                          generation_config=args.generation_config, override_generation_config=overrides)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:

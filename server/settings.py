@@ -1,8 +1,11 @@
 """Server settings: frozen dataclasses, built by the CLI (flags and INFERCEPT_* variables) or by tests."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
+from .generation_defaults import check_overrides, check_source
 from .mcp_config import McpServerConfig
 
 
@@ -110,6 +113,10 @@ class ServerSettings:
     # Thinking format (engine/reasoning_parsers.py: qwen3, deepseek_r1); None = turns are not split.
     reasoning_parser: str | None = None
     mcp: McpSettings = field(default_factory=McpSettings)
+    # Sampling for the fields a request leaves out (server/generation_defaults.py): "auto" = the model's
+    # generation_config.json, "none" = neutral, or a folder holding one; the overrides go over either.
+    generation_config: str = "auto"
+    override_generation_config: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def all_tenants(self) -> tuple[Tenant, ...]:
@@ -122,3 +129,5 @@ class ServerSettings:
             raise ValueError("tenant names and API keys must be unique")
         if self.max_concurrent_requests < 1:
             raise ValueError("max_concurrent_requests must be >= 1")
+        check_source(self.generation_config)
+        check_overrides(self.override_generation_config)

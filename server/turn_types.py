@@ -3,7 +3,7 @@ yields (`ReasoningDelta`, `TextDelta`, `CallOpened`, `CallArguments`, `CallDone`
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from infercept.engine.backend import RequestOutput
@@ -33,6 +33,10 @@ class Sampling:
     repetition_penalty: float | None = None  # None: 1
     min_p: float | None = None  # None: 0
     logit_bias: Mapping[str, float] | None = None  # token id (a JSON key: a string) -> bias
+
+    def defaulted(self, defaults: Mapping[str, Any]) -> Sampling:
+        """These fields, with `defaults` (the server's, generation_defaults.py) where these are unset."""
+        return replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
 
     @classmethod
     def of(cls, req: SamplingFields, max_tokens: int | None, logprobs: int | None = None) -> Sampling:

@@ -23,8 +23,9 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from infercept.engine.backend import InterceptParams, RequestOutput, SamplingParams
 from infercept.engine.backend import THINK_END, ReasoningParser
@@ -281,7 +282,8 @@ class Turns:
 
     def __init__(self, engine_turns: EngineTurns, conversations: ConversationStore, metrics: ServerMetrics,
                  admission: Admission, renderer: ChatRenderer | None, max_model_len: int, vocab_size: int,
-                 guided_decoding: bool = True, reasoning: ReasoningParser | None = None):
+                 guided_decoding: bool = True, reasoning: ReasoningParser | None = None,
+                 sampling_defaults: Mapping[str, Any] | None = None):
         self.engine_turns = engine_turns
         self.conversations = conversations
         self.metrics = metrics
@@ -292,6 +294,7 @@ class Turns:
         self.vocab_size = vocab_size
         self.guided_decoding = guided_decoding  # the backend's (EngineInfo.guided_decoding)
         self.reasoning = reasoning  # --reasoning-parser: chat turns' thinking is split off (None: not)
+        self.sampling_defaults = sampling_defaults or {}  # for the fields a request leaves out (generation_defaults.py)
 
     async def open(self, spec: TurnSpec) -> Turn:
         """Open one turn; closing it releases its admission."""
@@ -429,13 +432,11 @@ class Turns:
                               f"{len(ids)} tokens.", param=param, code="context_length_exceeded")
 
     def sampling_params(self, spec: TurnSpec, num_prompt_tokens: int, skip_special_tokens: bool = True) -> SamplingParams:
-        s = spec.sampling
+        s = spec.sampling.defaulted(self.sampling_defaults)
+        # As vLLM and SGLang do, max_tokens is a ceiling the context left also bounds: agents send a
+        # fixed one (Claude Code 32,000) whatever the model's context; the turn ends with "length" there.
         room = self.max_model_len - num_prompt_tokens
-        if s.max_tokens is not None and s.max_tokens > room:
-            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                              f"requested {num_prompt_tokens + s.max_tokens} tokens ({num_prompt_tokens} in the prompt, "
-                              f"{s.max_tokens} for the completion).", param="max_tokens",
-                              code="context_length_exceeded")
+        max_tokens = room if s.max_tokens is None else min(s.max_tokens, room)
         stop = [s.stop] if isinstance(s.stop, str) else list(s.stop or [])
         logit_bias = self.logit_bias(s.logit_bias)
         try:
@@ -443,7 +444,7 @@ class Turns:
                 temperature=1.0 if s.temperature is None else s.temperature,
                 top_p=1.0 if s.top_p is None else s.top_p,
                 top_k=max(s.top_k or 0, 0), seed=s.seed,
-                max_tokens=room if s.max_tokens is None else s.max_tokens, min_tokens=s.min_tokens,
+                max_tokens=max_tokens, min_tokens=s.min_tokens,
                 stop=stop, ignore_eos=s.ignore_eos, logprobs=s.logprobs, skip_special_tokens=skip_special_tokens,
                 presence_penalty=s.presence_penalty or 0.0, frequency_penalty=s.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if s.repetition_penalty is None else s.repetition_penalty,

@@ -29,6 +29,7 @@ class ScriptedBackend(EngineBackend):
         self.dead = False
         self.paused: dict[str, int] = {}  # request id -> context tokens
         self.calls: list[tuple] = []
+        self.params: list = []  # the SamplingParams of each generate, in order
         self.scrapes = 0
 
     @property
@@ -52,6 +53,7 @@ class ScriptedBackend(EngineBackend):
 
     async def generate(self, prompt, params, request_id, intercept=None):
         self.calls.append(("generate", request_id))
+        self.params.append(params)
         asked = self.tokenizer.decode(prompt).rsplit("<|im_start|>user", 1)[-1]
         if "bad" in asked:
             raise ValueError("the scripted engine refuses this prompt")

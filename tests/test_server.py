@@ -353,7 +353,6 @@ BAD_CHAT = [
     ("messages not a list", {"model": MODEL, "messages": "hi"}, 400),
     ("wrong temperature type", {"model": MODEL, "messages": QUESTION, "temperature": "hot"}, 400),
     ("negative max_tokens", {"model": MODEL, "messages": QUESTION, "max_tokens": -1}, 400),
-    ("huge max_tokens", {"model": MODEL, "messages": QUESTION, "max_tokens": 10 ** 9}, 400),
     ("unknown field", {"model": MODEL, "messages": QUESTION, "frobnicate": 1}, 400),
     ("unknown model", {"model": "gpt-9", "messages": QUESTION}, 404),
     ("empty messages", {"model": MODEL, "messages": []}, 400),
