@@ -1,7 +1,7 @@
 """A Messages request (Anthropic's API) as the turn layer takes it: its system prompt and messages as
 chat messages, its tools as `ToolSpec`s, its `tool_choice` as a tool mode.
 
-- `system` (text or text blocks) is a leading system message.
+- `system` (text or text blocks) is a leading system message (less Claude Code's attribution block).
 - A user message's `tool_result` blocks become tool messages (content: the result's text), followed by
   a user message with the rest of its text, if any: the shape of the conversation a chat template renders.
 - An assistant message's `tool_use` blocks are its tool calls (`input` as the arguments' JSON), its text
@@ -26,11 +26,16 @@ from .protocol import bad_request
 from .protocol_messages import Block, CountTokensRequest, TextBlock, Tool
 from .tool_mode import ToolMode, tool_mode
 
+ATTRIBUTION = "x-anthropic-billing-header:"  # Claude Code's first system block
 TEXT_ONLY = "only text, tool_use and tool_result content blocks are supported (this server serves a text model)"
 
 
 def system_messages(system: str | Sequence[TextBlock] | None) -> list[Message]:
-    text = system if isinstance(system, str) else "\n".join(block.text for block in system or ())
+    """The system prompt, without Claude Code's attribution block: it is not an instruction, and it carries
+    a hash of the conversation's first message, so left in, no two conversations would share the KV of
+    their (otherwise identical, ~20k-token) system prompt and tools."""
+    blocks = [system] if isinstance(system, str) else [block.text for block in system or ()]
+    text = "\n".join(b for b in blocks if not b.startswith(ATTRIBUTION))
     return [Message("system", text)] if text else []
 
 

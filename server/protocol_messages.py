@@ -3,7 +3,8 @@ request, its content blocks, and the error body Anthropic's clients read.
 
 Requests are lenient at the top level (`extra="ignore"`): Anthropic's clients send fields this server
 has no use for (`metadata`, `service_tier`, beta fields such as `context_management`), and agents such
-as Claude Code send them on every request. Of `thinking`, only its type is read: "disabled" turns a
+as Claude Code send them on every request. `output_config.format` (a JSON schema) constrains the answer
+as Chat Completions' `response_format` does. Of `thinking`, only its type is read: "disabled" turns a
 thinking model's thinking off where its chat template can (Qwen3's `enable_thinking`); a budget is not
 enforced. What is read is checked as Anthropic checks it:
 `max_tokens` is required, `temperature` lies in [0, 1], a `tool` choice names its tool. Content blocks
@@ -83,6 +84,18 @@ class Thinking(Lenient):
     type: Literal["enabled", "disabled", "adaptive"]
 
 
+class OutputFormat(Lenient):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(Lenient):
+    """Of `output_config`, `format` is read (structured outputs: the answer follows the schema); `effort`
+    has no counterpart here and is ignored, as a budget is."""
+
+    format: OutputFormat | None = None
+
+
 class CountTokensRequest(Lenient):
     model: str
     messages: list[MessageParam]
@@ -90,6 +103,7 @@ class CountTokensRequest(Lenient):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
 
 
 class MessagesRequest(CountTokensRequest):

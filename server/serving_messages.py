@@ -53,8 +53,11 @@ class MessagesServing(Frontend):
                                 max_tokens=req.max_tokens, stop=req.stop_sequences or None)
         # Thinking off, where the model's chat template takes the switch (Qwen3's); other templates ignore it.
         no_thinking = {"enable_thinking": False} if req.thinking is not None and req.thinking.type == "disabled" else None
+        answer = req.output_config.format if req.output_config is not None else None
         return TurnSpec("messages", sampling, tuple(chat_messages(req)), mode=mode, owner=owner_of(raw),
-                        id_prefix="msg_", template_kwargs=no_thinking)
+                        id_prefix="msg_", template_kwargs=no_thinking,
+                        answer_schema=answer.schema_ if answer is not None else None,
+                        answer_param="output_config.format")
 
     # -- the message -------------------------------------------------------------------------------
     def _message(self, req: MessagesRequest, turn: Turn, content: list[dict], end: TurnFinished | None) -> dict:

@@ -14,6 +14,7 @@ import anthropic
 import httpx
 import pytest
 from live_server import MODEL
+from pydantic import BaseModel, Field
 
 TOOL = {"name": "get_weather", "description": "Get the current weather in a city",
         "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -128,6 +129,36 @@ def test_count_tokens_counts_the_prompt_a_message_is_served_with(srv):
     srv.abort_paused()
     served = c.messages.create(model=MODEL, max_tokens=1, system=SYSTEM, messages=QUESTION, tools=[TOOL])
     assert counted.input_tokens == served.usage.input_tokens + served.usage.cache_read_input_tokens > 100
+
+
+def test_claude_codes_attribution_block_is_not_rendered(srv):
+    """Claude Code's first system block carries a hash of the conversation's first message: rendered, no
+    two conversations would share their system prompt's KV. It is left out; the rest is the prompt."""
+    c = client(srv)
+    plain = c.messages.count_tokens(model=MODEL, system=SYSTEM, messages=QUESTION).input_tokens
+    for digest in ("342", "34c"):
+        system = [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.332.{digest}; cc_entrypoint=cli;"},
+                  {"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}]
+        assert c.messages.count_tokens(model=MODEL, system=system, messages=QUESTION).input_tokens == plain
+
+
+class Forecast(BaseModel):
+    city: str = Field(max_length=20)
+    sunny: bool
+
+
+def test_a_structured_answer_follows_output_config_format(srv):
+    """The SDK's `messages.parse(output_format=Model)` sends `output_config.format` (a JSON schema): the
+    answer is constrained to it, so the SDK parses it into the model."""
+    c = client(srv)
+    parsed = c.messages.parse(model=MODEL, max_tokens=60, messages=[{"role": "user", "content": "Is it sunny in Rome?"}],
+                              output_format=Forecast, extra_body=GREEDY)
+    assert parsed.stop_reason == "end_turn", parsed
+    assert isinstance(parsed.parsed_output, Forecast), parsed.content
+    bad = {"model": MODEL, "max_tokens": 5, "messages": QUESTION,
+           "output_config": {"format": {"type": "json_schema", "schema": {"type": "nonsense"}}}}
+    r = httpx.post(srv.base + "/v1/messages", json=bad, timeout=30)
+    assert r.status_code == 400 and "output_config.format" in r.json()["error"]["message"], r.text
 
 
 @pytest.mark.parametrize("body, status, kind, says", [
