@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # 3 GB CUDA build). Hosts with an NVIDIA driver get PyPI's CUDA build. Override with TORCH=...
 TORCH ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0+cpu)
 
-.PHONY: install serve test bench download clean vllm-env browser gpu-pack gpu-check
+.PHONY: install serve test bench download clean vllm-env browser claude-code gpu-pack gpu-check
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -38,15 +38,16 @@ serve: download $(if $(filter vllm auto,$(BACKEND)),vllm-env) $(if $(REPLICAS),r
 router: install
 	@$(BIN)/python -c "import vllm_router" 2>/dev/null || $(BIN)/pip install --quiet -e ".[router]"
 
-# The tests include the vLLM backend's (tests/test_vllm_backend.py), so this also sets up .venv-vllm, and
-# the dashboard's in a headless browser (tests/test_dashboard.py), so Debian's chromium where it can. The
+# The tests include the vLLM backend's (tests/test_vllm_backend.py), so this also sets up .venv-vllm, the
+# dashboard's in a headless browser (tests/test_dashboard.py), so Debian's chromium where it can, and
+# Claude Code's against the server (tests/test_claude_code.py), so Claude Code where npm is. The
 # environments install side by side (-j3): each mostly waits on downloads and unpacking. The slowest
 # tests are listed at the end, for whoever makes the suite faster. pytest-xdist runs the files on
 # TEST_WORKERS workers (default: one per core, at most 4), each on its own share of the cores
 # (tests/conftest.py); TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 test:
-	@$(MAKE) --no-print-directory -j3 download vllm-env browser
+	@$(MAKE) --no-print-directory -j4 download vllm-env browser claude-code
 	$(BIN)/python -m pytest -q --durations=25 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 # Debian's chromium for tests/test_dashboard.py: installed as root where apt-get exists; elsewhere that
@@ -57,12 +58,22 @@ browser:
 		  { apt-get update >/dev/null && apt-get install -y --no-install-recommends chromium >/dev/null; }; }; } || \
 		echo "chromium is not installed (needs root and apt-get): tests/test_dashboard.py will skip"
 
+# Claude Code, the agent, for tests/test_claude_code.py: npm's package (a native binary, ~400 MB) into the
+# git-ignored .claude-code/. Pinned: each release changes what it sends, and the test checks this one.
+# Without npm that test skips (it says why).
+CLAUDE_CODE_VERSION := 2.1.332
+claude-code:
+	@[ -x .claude-code/node_modules/.bin/claude ] && [ "$$(.claude-code/node_modules/.bin/claude --version 2>/dev/null)" = "$(CLAUDE_CODE_VERSION) (Claude Code)" ] || \
+		{ command -v npm >/dev/null && npm install --silent --no-audit --no-fund --prefix .claude-code \
+		    @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) >/dev/null; } || \
+		echo "Claude Code is not installed (needs npm): tests/test_claude_code.py will skip"
+
 # The real-server rate sweep of every policy (<= 20 min; `benchmarks/sweep.py --quick` for ~2 min).
 bench: download
 	$(BIN)/python benchmarks/sweep.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .claude-code build *.egg-info .pytest_cache .hypothesis
 
 # The GPU check (benchmarks/README.md, "GPU check"), in two halves. `make gpu-pack`, here (network, .venv):
 # fills the git-ignored .gpu-check/ (< 40 MiB) with the wheels a bare CUDA host lacks (CPython 3.12) and
