@@ -69,7 +69,8 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
     settings = settings or ServerSettings()
     info = backend.info
     model_name = served_model_name(backend, settings)
-    tool_parser = settings.tool_parser or parser_for_model(info.model_type, info.chat_template)
+    chat_template = settings.chat_template or info.chat_template
+    tool_parser = settings.tool_parser or parser_for_model(info.model_type, chat_template)
     # An unknown name fails at start-up. Not one of ours: vLLM's parser of that name, on the vLLM backend.
     tool_format_for(tool_parser, None, info.vllm_tool_parsers, info.vllm_forcing_refusals)
     reasoning = get_reasoning_parser(settings.reasoning_parser) if settings.reasoning_parser else None
@@ -91,13 +92,16 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
     # The event loop tokenizes and renders while the engine thread detokenizes: separate instances, so
     # the two threads never share a tokenizer's mutable state.
     tokenizer = AutoTokenizer.from_pretrained(info.model)
+    if settings.chat_template is not None:
+        tokenizer.chat_template = settings.chat_template
     # Its call form and marker tokens.
     tool_format = tool_format_for(tool_parser, tokenizer, info.vllm_tool_parsers, info.vllm_forcing_refusals)
     renderer = ChatRenderer(tokenizer, info.eos_token_ids, tool_format) if tokenizer.chat_template else None
     defaults = sampling_defaults(info.model, settings.generation_config, settings.override_generation_config)
     turns = Turns(EngineTurns(backend, metrics), conversations, metrics, admission, renderer,
                   info.max_model_len, info.vocab_size, info.guided_decoding, reasoning, defaults)
-    common = dict(turns=turns, model_name=model_name, model_aliases={model_name, info.model, info.model_name},
+    common = dict(turns=turns, model_name=model_name,
+                  model_aliases={model_name, info.model, info.model_name, *settings.more_model_names},
                   tokenizer=tokenizer)
     completions = CompletionServing(eos_token_ids=info.eos_token_ids, **common)
     chat = chat_server_tools = responses = messages = sessions = None
@@ -137,6 +141,7 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
     app.state.settings = settings
     app.state.mcp_tools = mcp_tools
     app.state.model_name = model_name
+    app.state.model_names = (model_name, *settings.more_model_names)  # /v1/models lists each
     app.state.conversations = conversations
     app.state.turns = turns
     app.state.metrics = metrics

@@ -266,8 +266,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-keys-file", default=_env("API_KEYS_FILE", None),
                    help="tenants, one per line: KEY [NAME] [max_paused=N] [max_paused_tokens=N]; each tenant "
                         "sees only its own sessions, responses and paused generations (docs/operators.md)")
-    g.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME", None),
-                   help="model name clients use (default: the model folder's name)")
+    g.add_argument("--served-model-name", nargs="+", metavar="NAME", default=_env("SERVED_MODEL_NAME", "").split() or None,
+                   help="model name clients use (default: the model folder's name, or the Hub repo id); more names "
+                        "are aliases the server answers to as well, each listed in /v1/models (as vLLM's flag)")
+    g.add_argument("--chat-template", default=_env("CHAT_TEMPLATE", None), metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template used instead of the model's own: a file, or the template itself "
+                        "(as vLLM's flag); tool calls are read in the format it renders (--tool-parser otherwise)")
     g.add_argument("--max-concurrent-requests", type=int, default=int(_env("MAX_CONCURRENT_REQUESTS", 512)),
                    help="requests generating at once; beyond, 429 with Retry-After (default 512)")
     g.add_argument("--keep-alive-timeout", type=float, default=float(_env("KEEP_ALIVE_TIMEOUT", 75.0)),
@@ -336,6 +340,25 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="stored Responses-API responses kept at most; beyond, the oldest is forgotten (default 1024)")
 
 
+def chat_template(given: str) -> str:
+    """`--chat-template`: a file's text, or the template given inline; ValueError if it is neither, or
+    is not Jinja that parses."""
+    import jinja2
+
+    if os.path.isfile(given):
+        with open(given) as f:
+            text = f.read()
+    elif "{{" in given or "{%" in given:
+        text = given
+    else:
+        raise ValueError(f"--chat-template {given!r}: no such file, and not a Jinja template")
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: line {e.lineno}: {e.message}") from None
+    return text
+
+
 def server_settings(args: argparse.Namespace):
     from infercept.server.mcp_config import load_mcp_config
     from infercept.server.settings import ConversationPolicy, McpSettings, ServerSettings, Tenant
@@ -362,8 +385,11 @@ def server_settings(args: argparse.Namespace):
         if not isinstance(overrides, dict):
             raise ValueError(f"--override-generation-config {args.override_generation_config!r}: expected a JSON "
                              "object, e.g. '{\"temperature\": 0}'")
+    names = args.served_model_name or [None]
     return ServerSettings(host=args.host, port=args.port, api_key=api_key or None, tenants=tenants,
-                          served_model_name=args.served_model_name, conversations=policy,
+                          served_model_name=names[0], more_model_names=tuple(names[1:]),
+                          chat_template=chat_template(args.chat_template) if args.chat_template else None,
+                          conversations=policy,
                           max_concurrent_requests=args.max_concurrent_requests, tool_parser=args.tool_parser,
                           reasoning_parser=args.reasoning_parser, mcp=mcp, keep_alive_s=args.keep_alive_timeout,
                           generation_config=args.generation_config, override_generation_config=overrides)

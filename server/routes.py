@@ -31,23 +31,25 @@ async def dashboard() -> Response:
     return HTMLResponse(DASHBOARD)
 
 
-def model_card(request: Request) -> ModelCard:
-    state = request.app.state
-    info = state.backend.info
-    return ModelCard(id=state.model_name, root=info.model, max_model_len=info.max_model_len,
-                     display_name=state.model_name)
+def model_card(request: Request, name: str) -> ModelCard:
+    info = request.app.state.backend.info
+    return ModelCard(id=name, root=info.model, max_model_len=info.max_model_len, display_name=name)
 
 
 @router.get("/v1/models")
 async def models(request: Request) -> Response:
-    return JSONResponse(ModelList(data=[model_card(request)]).model_dump(mode="json"))
+    """A card per served name (`--served-model-name` takes several, as vLLM's does)."""
+    cards = [model_card(request, name) for name in request.app.state.model_names]
+    return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
 
 
 @router.get("/v1/models/{model:path}")
 async def model(model: str, request: Request) -> Response:
     """The served model by any name it answers to (OpenAI's and Anthropic's retrieve), else 404."""
-    request.app.state.completions.check_model(model)
-    return JSONResponse(model_card(request).model_dump(mode="json"))
+    state = request.app.state
+    state.completions.check_model(model)
+    name = model if model in state.model_names else state.model_name
+    return JSONResponse(model_card(request, name).model_dump(mode="json"))
 
 
 @router.get("/metrics")

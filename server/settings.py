@@ -93,8 +93,12 @@ class McpSettings:
 class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
-    # Model name clients pass as `model`; None = the model folder's name. The folder path is accepted too.
+    # Model name clients pass as `model`; None = the model folder's name. The folder path is accepted too,
+    # and `more_model_names` (an operator's aliases: e.g. the Claude model names an agent asks for).
     served_model_name: str | None = None
+    more_model_names: tuple[str, ...] = ()
+    # A Jinja chat template used instead of the model's own (its text; None = the tokenizer's).
+    chat_template: str | None = None
     # Bearer token every /v1 request must carry; None = no authentication. `tenants` adds more keys, each
     # its own tenant (server/tenants.py); `api_key` alone is the tenant "default".
     api_key: str | None = None

@@ -1,11 +1,14 @@
-"""Sampling defaults for the fields a request leaves out: the model's generation_config.json (as its authors
-recommend), neutral with --generation-config none, and --override-generation-config over either, read as
-vLLM reads them; over HTTP the backend receives them, and a request's own values win."""
+"""What an operator sets at `infercept serve`, over HTTP against a scripted backend (no model runs):
+
+- sampling defaults for the fields a request leaves out: the model's generation_config.json (as its
+  authors recommend), neutral with --generation-config none, --override-generation-config over either,
+  read as vLLM reads them; the backend receives them, and a request's own values win;
+- --served-model-name with several names: each answers and is listed (an agent asking for a Claude model);
+- --chat-template: the prompt is rendered with it instead of the model's own.
+Bad values stop `infercept serve` before the model loads, with the reason."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import openai
 import pytest
@@ -48,11 +51,16 @@ def test_the_models_own_defaults_none_and_overrides(qwen3_config, tmp_path_facto
     (["--override-generation-config", '{"temperature": "hot"}'], "temperature must be a number, not 'hot'"),
     (["--override-generation-config", '{"top_p": 1.5}'], "top_p must be in (0, 1]"),
     (["--generation-config", "/nonexistent"], "expected auto, none or a folder holding generation_config.json"),
+    (["--chat-template", "chat.jinja"], "no such file, and not a Jinja template"),
+    (["--chat-template", "{% for m in messages %}{{ m.content }"], "--chat-template: line 1: unexpected '}'"),
 ])
-def test_bad_settings_stop_serve_before_the_model_loads(flags, message):
-    r = subprocess.run([sys.executable, "-m", "infercept.server.cli", "serve", *flags], capture_output=True,
-                       text=True, timeout=60)
-    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+def test_bad_settings_stop_serve_before_the_model_loads(flags, message, capsys):
+    from infercept.server import cli
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["serve", "--model", "/no/model/here", *flags])  # the model is never reached
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and message in err and "/no/model/here" not in err, err
 
 
 def test_the_backend_gets_the_defaults_where_the_request_leaves_fields_out(default_model_dir, qwen3_config):
@@ -70,6 +78,37 @@ def test_the_backend_gets_the_defaults_where_the_request_leaves_fields_out(defau
         assert (leave_out.temperature, leave_out.top_p, leave_out.top_k, leave_out.max_tokens) == (0.6, 0.95, 5, 7)
         assert (give.temperature, give.top_p, give.top_k, give.max_tokens) == (0.2, 0.95, 5, 3)
         assert (completion.temperature, completion.top_p, completion.top_k) == (0.6, 0.5, 5)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role | upper }}: {{ m.content }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>ASSISTANT:{% endif %}")
+
+
+def test_more_served_names_and_a_chat_template_of_the_operators(default_model_dir, tmp_path):
+    import anthropic
+    import httpx
+
+    from infercept.server import cli
+
+    (tmp_path / "chat.jinja").write_text(TEMPLATE)
+    args = cli.build_parser().parse_args(["serve", "--served-model-name", "fake", "claude-haiku-4-5",
+                                          "--chat-template", str(tmp_path / "chat.jinja")])
+    backend = ScriptedBackend(default_model_dir)
+    server, thread, base = serve_in_thread(build_app(backend, cli.server_settings(args)))
+    try:
+        assert [m["id"] for m in httpx.get(base + "/v1/models").json()["data"]] == ["fake", "claude-haiku-4-5"]
+        claude = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0, timeout=30)
+        assert claude.models.retrieve("claude-haiku-4-5").id == "claude-haiku-4-5"
+        answer = claude.messages.create(model="claude-haiku-4-5", max_tokens=8,
+                                        messages=[{"role": "user", "content": "Hi"}])
+        assert answer.content[0].text == "Hello there."
+        rendered = httpx.post(base + "/v1/chat/completions/render", json={
+            "model": "fake", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]})
+        assert backend.tokenizer.decode(rendered.json()["token_ids"]) == ("<|im_start|>SYSTEM: Be brief.<|im_end|>\n"
+                                                 "<|im_start|>USER: Hi<|im_end|>\n<|im_start|>ASSISTANT:"), rendered.text
     finally:
         server.should_exit = True
         thread.join(timeout=10)
