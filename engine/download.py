@@ -34,14 +34,19 @@ HUB_FILES = ("*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt"
 HUB_SKIPPED = ("original/*", "consolidated*.safetensors")
 
 
-def resolve_model(model: str | None, progress: bool = True) -> str:
+def resolve_model(model: str | None, progress: bool = True, revision: str | None = None) -> str:
     """The local folder of `model`: the embedded default's (None), a Hub repo id's snapshot in the Hugging
-    Face cache (downloaded first where it is not there yet), or a path as given (its loader checks it)."""
+    Face cache at `revision` (a branch, tag or commit; None: main), downloaded first where it is not
+    there yet, or a path as given (its loader checks it)."""
+    local = model is None or os.path.isdir(model) or not _is_repo_id(model)
+    if revision is not None and local:
+        raise ValueError(f"--revision {revision!r} applies to a Hugging Face Hub repo id, not to "
+                         f"{'the embedded model' if model is None else repr(model)}")
     if model is None:
         return ensure_default_model(progress)
-    if os.path.isdir(model) or not _is_repo_id(model):
+    if local:
         return model
-    return _hub_snapshot(model, progress)
+    return _hub_snapshot(model, progress, revision)
 
 
 def _is_repo_id(name: str) -> bool:
@@ -52,7 +57,7 @@ def _is_repo_id(name: str) -> bool:
             and "--" not in name and ".." not in name)
 
 
-def _hub_snapshot(repo_id: str, progress: bool) -> str:
+def _hub_snapshot(repo_id: str, progress: bool, revision: str | None) -> str:
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
                                         RevisionNotFoundError)
@@ -61,7 +66,8 @@ def _hub_snapshot(repo_id: str, progress: bool) -> str:
     if not progress:
         disable_progress_bars()
     try:
-        return snapshot_download(repo_id, allow_patterns=list(HUB_FILES), ignore_patterns=list(HUB_SKIPPED))
+        return snapshot_download(repo_id, revision=revision, allow_patterns=list(HUB_FILES),
+                                 ignore_patterns=list(HUB_SKIPPED))
     except GatedRepoError:
         raise PermissionError(f"--model {repo_id!r} is gated on the Hugging Face Hub: accept its license on "
                               "huggingface.co with your account and set HF_TOKEN") from None
@@ -71,7 +77,8 @@ def _hub_snapshot(repo_id: str, progress: bool) -> str:
     except RevisionNotFoundError as e:
         raise FileNotFoundError(f"--model {repo_id!r}: {e}") from None
     except LocalEntryNotFoundError:
-        raise FileNotFoundError(f"--model {repo_id!r}: no local folder, not in the Hugging Face cache "
+        at = "" if revision is None else f" at revision {revision!r}"
+        raise FileNotFoundError(f"--model {repo_id!r}: no local folder, not in the Hugging Face cache{at} "
                                 f"({constants.HF_HUB_CACHE}), and the Hub cannot be reached (no network, or HF_HUB_OFFLINE=1): "
                                 "download it where there is network and copy the cache, or pass a model "
                                 "folder") from None

@@ -35,12 +35,29 @@ def _optional_int(value) -> int | None:
     return None if value is None else int(value)
 
 
+def add_revision_arg(g) -> None:
+    g.add_argument("--revision", default=_env("REVISION", None),
+                   help="the Hub repo's branch, tag or commit to serve, for a --model repo id (default: main); "
+                        "a commit pins the exact files")
+
+
+def model_folder(args: argparse.Namespace) -> str | None:
+    """`--model` as the engines load it: a repo id at `--revision` resolved to its snapshot here, so the
+    engines (and their own resolution of a repo id, at main) get a folder."""
+    if args.revision is None:
+        return args.model
+    from infercept.engine import resolve_model
+
+    return resolve_model(args.model, revision=args.revision)
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=_env("MODEL", None),
                    help="a local Hugging Face model folder, or a Hub repo id (org/name: downloaded into the "
                         "Hugging Face cache first; HF_TOKEN, HF_HUB_OFFLINE) (default: the embedded "
                         "SmolLM2-135M-Instruct)")
+    add_revision_arg(g)
     g.add_argument("--dtype", default=_env("DTYPE", "auto"), help="auto, bfloat16, float16 or float32")
     g.add_argument("--device", default=_env("DEVICE", "auto"), help="auto, cpu or cuda[:N]")
     g.add_argument("--kv-cache-gb", type=float, default=_env("KV_CACHE_GB", None),
@@ -187,7 +204,7 @@ def build_backend(args: argparse.Namespace):
         if given or args.vllm_arg:
             raise SystemExit(f"infercept serve: {', '.join(given + ['--vllm-arg'] * bool(args.vllm_arg))} "
                              "only apply to --backend vllm")
-        return NativeBackend.create(args.model, **engine_kwargs(args))
+        return NativeBackend.create(model_folder(args), **engine_kwargs(args))
     from infercept.engine import VllmBackend
 
     if args.async_output is not None:
@@ -195,7 +212,7 @@ def build_backend(args: argparse.Namespace):
                          "--async-scheduling runs vLLM's asynchronous scheduling")
     # The vLLM worker takes the engine flags it has a meaning for; vLLM reads its own VLLM_* variables.
     return VllmBackend.create(
-        args.model, python=args.vllm_python, policy=args.policy or "infercept",
+        model_folder(args), python=args.vllm_python, policy=args.policy or "infercept",
         dtype=args.dtype, max_model_len=None if args.max_model_len is None else int(args.max_model_len),
         kv_cache_gb=None if args.kv_cache_gb is None else float(args.kv_cache_gb), host_kv_gb=args.host_kv_gb,
         # Unless given, vLLM's own defaults (those `vllm serve` takes on the hardware), not the native engine's
@@ -208,7 +225,7 @@ def build_backend(args: argparse.Namespace):
 def cmd_download(args: argparse.Namespace) -> None:
     from infercept.engine import resolve_model
 
-    folder = resolve_model(args.model)
+    folder = resolve_model(args.model, revision=args.revision)
     if not os.path.isdir(folder):  # a path: nothing to fetch
         raise FileNotFoundError(f"{folder!r}: no such folder")
     print(folder)
@@ -217,7 +234,7 @@ def cmd_download(args: argparse.Namespace) -> None:
 def cmd_generate(args: argparse.Namespace) -> None:
     from infercept.engine import LLM, SamplingParams
 
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM(model_folder(args), **engine_kwargs(args))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.seed)
     if args.chat:
@@ -230,7 +247,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_chat(args: argparse.Namespace) -> None:
     from infercept.engine import LLM, SamplingParams
 
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM(model_folder(args), **engine_kwargs(args))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
     messages: list[dict] = []
     print("Chatting with the model; an empty line or Ctrl-D quits.")
@@ -250,7 +267,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
 def cmd_profile(args: argparse.Namespace) -> None:
     from infercept.engine import profile_model
 
-    profile, path = profile_model(args.model, args.repeats, args.output, **engine_kwargs(args))
+    profile, path = profile_model(model_folder(args), args.repeats, args.output, **engine_kwargs(args))
     print(f"saturation point {profile.saturation_point} tokens, "
           f"d2h {profile.d2h_bytes_per_s / 1e9:.1f} GB/s, h2d {profile.h2d_bytes_per_s / 1e9:.1f} GB/s")
     print(path)
@@ -448,6 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "fetched and converted); prints its folder")
     download.add_argument("--model", default=None, help="a Hugging Face Hub repo id (org/name), downloaded into "
                           "the Hugging Face cache as `serve --model` would")
+    add_revision_arg(download)
     download.set_defaults(func=cmd_download)
 
     for name, func, help_ in (("generate", cmd_generate, "one completion"),

@@ -7,8 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
 from infercept.engine.backend import EngineInfo
+from infercept.server import cli
 from infercept.engine.download import resolve_model
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"
@@ -61,6 +63,28 @@ def test_a_model_found_nowhere_is_a_clear_error(tmp_path):
                        (["generate", "--prompt", "Hi"], f"{folder!r} is not a model folder")):
         refused = infercept(*args, "--model", folder, env=env)
         assert refused.returncode == 2 and says in refused.stderr, refused.stderr
+
+
+def test_revision_picks_the_snapshot_and_applies_to_repo_ids_only(default_model_dir, tmp_path, capsys):
+    """--revision: a commit or a branch the cache knows resolves to its own snapshot (offline, as cached),
+    one it does not know is named in the error; with the embedded model or a folder it is refused."""
+    hub_cache(tmp_path / "hub", "infercept-tests/smollm2", default_model_dir)
+    repo = tmp_path / "hub" / "models--infercept-tests--smollm2"
+    other = "fedcba9876543210fedcba9876543210fedcba98"
+    (repo / "snapshots" / other).mkdir()
+    for f in Path(default_model_dir).iterdir():
+        (repo / "snapshots" / other / f.name).symlink_to(f)
+    (repo / "refs" / "v2").write_text(other)
+    env = offline_env(tmp_path / "hub")
+    for revision in (other, "v2"):
+        found = infercept("download", "--model", "infercept-tests/smollm2", "--revision", revision, env=env)
+        assert found.returncode == 0 and found.stdout.strip() == str(repo / "snapshots" / other), found.stderr
+    unknown = infercept("download", "--model", "infercept-tests/smollm2", "--revision", "v3", env=env)
+    assert unknown.returncode == 2 and "at revision 'v3'" in unknown.stderr, unknown.stderr
+    for args in (["download"], ["generate", "--prompt", "Hi", "--model", default_model_dir]):
+        with pytest.raises(SystemExit) as refused:
+            cli.main([*args, "--revision", "v2"])
+        assert refused.value.code == 2 and "applies to a Hugging Face Hub repo id" in capsys.readouterr().err
 
 
 def test_the_served_name_of_a_hub_snapshot_is_its_repo_id(tmp_path):
