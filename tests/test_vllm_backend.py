@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from claude_code import check_read_tool_loop, needs_claude_code
 from stdlib_only import non_stdlib_imports
 from vllm_env import TEST_ENGINE_ARGS, VLLM_PYTHON, needs_vllm, vllm_threads_env
 
@@ -105,8 +106,10 @@ def vllm(default_model_dir, tokenizer):
                                  max_model_len=4096, kv_cache_gb=POOL_TOKENS * FLOAT32_KV_BYTES_PER_TOKEN / 2**30,
                                  host_kv_gb=host_gb, max_num_seqs=MAX_NUM_SEQS, engine_args=TEST_ENGINE_ARGS,
                                  env=VLLM_THREADS)  # (VLLM_CPU_KVCACHE_SPACE would override the pool)
-    server, thread, base = serve_in_thread(build_app(backend, ServerSettings(served_model_name="smol")))
-    yield backend, base
+    # Greedy unless a request asks otherwise (Claude Code names no temperature; the others here name theirs).
+    app = build_app(backend, ServerSettings(served_model_name="smol", override_generation_config={"temperature": 0}))
+    server, thread, base = serve_in_thread(app)
+    yield backend, base, app
     server.should_exit = True
     thread.join(timeout=60)
     assert not backend.worker.alive, "the lifespan did not shut the vLLM worker down"
@@ -252,7 +255,7 @@ def test_a_stop_string_ends_a_turn_where_our_engine_does_and_a_paused_one_keeps_
 def test_the_server_over_vllm_resumes_a_tool_call_through_the_openai_sdk(vllm):
     import openai
 
-    backend, base = vllm
+    backend, base, _ = vllm
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
     # Stop strings in a tool loop: the turns still pause and resume (our scheduler ends a session's turn).
     stop = ["\nObservation:"]
@@ -278,13 +281,40 @@ def test_the_server_over_vllm_resumes_a_tool_call_through_the_openai_sdk(vllm):
 
 
 @needs_vllm
+@needs_claude_code
+def test_claude_codes_tool_loop_and_the_messages_api_on_vllm(vllm, tmp_path):
+    """Anthropic's Messages API over the vLLM backend: Claude Code's tool loop resumes one paused
+    generation (as on the native engine, tests/test_claude_code.py), and the Anthropic SDK's forced call
+    pauses and its result resumes it."""
+    import anthropic
+
+    _, base, app = vllm
+    try:
+        check_read_tool_loop(base, "smol", tmp_path)
+        app.state.conversations.release_all("ttl", "the test is done")  # --max-turns left its call paused
+        c = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0, timeout=120)
+        tool = {"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}
+        question = [{"role": "user", "content": QUESTION[0]["content"]}]
+        first = c.messages.create(model="smol", max_tokens=40, messages=question, tools=[tool],
+                                  tool_choice={"type": "any"})
+        (use,) = first.content
+        assert first.stop_reason == "tool_use" and use.name == "get_weather", first
+        second = c.messages.create(model="smol", max_tokens=8, tools=[tool], messages=question + [
+            {"role": "assistant", "content": [use.model_dump(exclude_none=True)]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": RESULT}]}])
+        assert second.usage.cache_read_input_tokens >= first.usage.input_tokens + first.usage.output_tokens - 1
+    finally:
+        app.state.conversations.release_all("ttl", "the test is done")
+
+
+@needs_vllm
 def test_forced_calls_and_tool_choice_none_on_vllm(vllm):
     """Grammars run as vLLM's structured outputs: a forced call pauses, its resumed turn is forced again
     (a session's later chunk gets its own grammar: scheduler.py) and reuses the paused KV; tool_choice
     none goes without its no-call grammar (a call the model writes anyway stays content)."""
     import openai
 
-    _, base = vllm
+    _, base, _ = vllm
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
     answer = client.chat.completions.create(model="smol", messages=QUESTION, tools=TOOLS, tool_choice="none",
                                             max_tokens=8, temperature=0)
@@ -322,7 +352,7 @@ def test_structured_outputs_and_n_samples_on_vllm(vllm):
 
     import openai
 
-    _, base = vllm
+    _, base, _ = vllm
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
     phone = r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}"  # (\d would allow any Unicode digit, as Python's re does)
     out = client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=24, temperature=0,
@@ -397,7 +427,7 @@ def test_the_server_serves_vllms_parser_by_name_and_resumes_its_calls(vllm):
     from infercept.server.app import build_app
     from infercept.server.settings import ServerSettings
 
-    backend, _ = vllm
+    backend, _, _ = vllm
     with pytest.raises(ValueError, match="one of ours .* or one of vLLM's .*qwen3_coder"):
         build_app(backend, ServerSettings(tool_parser="qwen3_xmll"))
     server, thread, base = serve_in_thread(build_app(backend, ServerSettings(served_model_name="smol",
