@@ -386,8 +386,8 @@ LENGTH_FIELD = {"/v1/chat/completions": "max_tokens", "/v1/completions": "max_to
 
 def prepare_positive(case, http: httpx.Client, n: int) -> None:
     """Steer schemathesis' valid data to where the server does work. Bodies name the served model (a
-    random name is only ever 404) and generate at most 4 tokens (an unset or huge max_tokens means "up to
-    the context limit", seconds per example on a CPU). Chat
+    random name is only ever 404) and generate at most 4 tokens (an unset or huge max_tokens, 325.0 as well as
+    10**11, means "up to the context limit", seconds per example on a CPU). Chat
     messages, which the schema lets be any objects, are a real conversation every other example. Every
     other example of an operation on a session or a stored response names a real one, made for it, and
     one on a model the served model (and every fourth message posted to a session is a user message,
@@ -398,7 +398,7 @@ def prepare_positive(case, http: httpx.Client, n: int) -> None:
             body["model"] = MODEL
         field = LENGTH_FIELD.get(case.path)
         value = body.get(field)
-        if field and (value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 4)):
+        if field and (value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 4)):
             body[field] = 4
         if case.path in ("/v1/chat/completions", "/v1/chat/completions/render", "/v1/messages",
                          "/v1/messages/count_tokens") and n % 2:
