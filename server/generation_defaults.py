@@ -68,7 +68,7 @@ def sampling_defaults(model_dir: str, source: str = "auto", overrides: Mapping |
         # field writes top_k 50 or temperature 1.0 without anyone having chosen them.
         fields = {FIELDS[k]: v for k, v in config.items()
                   if k in FIELDS and v is not None and TRANSFORMERS_DEFAULTS.get(k) != v}
-        _check(fields, path)
+        _check(fields, f"{path} (--generation-config none leaves it unread)")
     fields |= {FIELDS[k]: v for k, v in (overrides or {}).items()}
     if fields:
         logger.info("sampling defaults for the fields a request leaves out: %s (--generation-config %s%s)",
