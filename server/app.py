@@ -44,6 +44,7 @@ from .responses_mcp import ResponsesMcp
 from .serving_responses import ResponsesServing
 from .serving_server_tools import ChatServerTools
 from .serving_sessions import SessionServing
+from .serving_tokenize import TokenizeServing
 from .settings import ServerSettings
 from .tenants import STATE_KEY as TENANT
 from .tenants import Authenticator
@@ -112,6 +113,7 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
         responses.mcp = ResponsesMcp(settings.mcp, mcp_tools)
         messages = MessagesServing(**common)
         sessions = SessionServing(tool_lookup=tool_lookup, backend=backend, **common)
+    tokenize = TokenizeServing(chat=chat, max_model_len=info.max_model_len, **common)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -151,6 +153,7 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
     app.state.responses = responses or _NoChat()
     app.state.messages = messages or _NoChat()
     app.state.sessions = sessions or _NoChat()
+    app.state.tokenize = tokenize
     app.include_router(router)
     _add_error_handlers(app)
     app.add_middleware(_Gate, settings=settings)
@@ -242,10 +245,15 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 # -- middleware -------------------------------------------------------------------------------------
 
+# Root paths that take the API key as /v1 does. vLLM leaves its tokenizer routes open; here they render
+# conversations with the paused turns of the key's tenant, so they are the tenant's like the rest.
+KEYED_ROOT_PATHS = ("/tokenize", "/detokenize")
+
+
 class _Gate:
-    """Pure ASGI (it must not buffer SSE streams or hide client disconnects): authentication on /v1 (a
-    bearer key, or Anthropic's `x-api-key` header), the body-size limit (413), and one access-log line
-    per request with its request id."""
+    """Pure ASGI (it must not buffer SSE streams or hide client disconnects): authentication on /v1 and
+    the tokenizer routes (a bearer key, or Anthropic's `x-api-key` header), the body-size limit (413), and
+    one access-log line per request with its request id."""
 
     def __init__(self, app, settings: ServerSettings):
         self.app = app
@@ -284,7 +292,7 @@ class _Gate:
                         (time.monotonic() - started) * 1000, request_id)
 
     def _check(self, scope, path: str, headers: dict[str, str]) -> APIError | None:
-        if self.auth.enabled and path.startswith("/v1"):
+        if self.auth.enabled and (path.startswith("/v1") or path in KEYED_ROOT_PATHS):
             auth = headers.get("authorization", "")
             tenant = self.auth.tenant_for(auth, headers.get("x-api-key"))
             if tenant is None:

@@ -202,14 +202,16 @@ class ChatRenderer:
 
     def render(self, messages: Sequence[Message], tools: Sequence[ToolSpec] | None,
                known_turn: TurnLookup | None = None, prefill: str = "",
-               template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+               template_kwargs: Mapping[str, Any] | None = None, generation_prompt: bool = True) -> list[int]:
         """Prompt token ids for `messages` + the generation prompt (+ `prefill`), with every assistant
         turn `known_turn` recognizes rendered as its exact generated tokens. `template_kwargs`: extra
         arguments of the chat template (`chat_template_kwargs`); a known turn's prompt is rendered with
-        its own (`AssistantTurn.template_kwargs`), as when it was generated."""
+        its own (`AssistantTurn.template_kwargs`), as when it was generated. `generation_prompt` False:
+        the conversation alone, as the template renders it for history (/tokenize's
+        add_generation_prompt false)."""
         self.check_template_kwargs(template_kwargs)
         prepared, index = self._prepare(messages, tools)
-        full = self._apply(prepared, True, tools, template_kwargs)
+        full = self._apply(prepared, generation_prompt, tools, template_kwargs)
         ids: list[int] = []
         pos = 0
         for i, m in enumerate(messages):

@@ -295,11 +295,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="seconds an idle HTTP keep-alive connection stays open; keep it above the idle timeout of "
                         "the clients' and proxies' connection pools, or their next request on a connection the "
                         "server just closed fails (default 75)")
-    g.add_argument("--tool-parser", default=_env("TOOL_PARSER", None),
+    g.add_argument("--tool-parser", "--tool-call-parser", dest="tool_parser", default=_env("TOOL_PARSER", None),
                    help="tool-call format: hermes, llama3_json, mistral or pythonic (default: from the model's chat "
                         "template); on --backend vllm also any of vLLM's tool parsers, as vLLM's --tool-call-parser "
                         "names them (qwen3_coder, kimi_k2, deepseek_v3, ...; vllm:NAME picks vLLM's where ours has "
                         "the same name), read when the model ends its turn (docs/operators.md, tool-call formats)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted so that vLLM's command lines run unchanged: tool_choice auto is always on here")
     g.add_argument("--reasoning-parser", default=_env("REASONING_PARSER", None), choices=sorted(REASONING_PARSERS),
                    help="thinking format, as vLLM names it: qwen3 or deepseek_r1. <think>...</think> goes to "
                         "reasoning_content (chat) or a reasoning item (Responses), tool calls are read after it, "
@@ -412,6 +414,15 @@ def server_settings(args: argparse.Namespace):
                           generation_config=args.generation_config, override_generation_config=overrides)
 
 
+def model_from_tag(args: argparse.Namespace) -> None:
+    """`serve MODEL` (vLLM's spelling) is `--model MODEL`; both, naming different models, is an error."""
+    if args.model_tag is None:
+        return
+    if args.model is not None and args.model != args.model_tag:
+        raise ValueError(f"two models given: {args.model_tag!r} and --model (or INFERCEPT_MODEL) {args.model!r}; give one")
+    args.model = args.model_tag
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     import logging
     import signal
@@ -421,6 +432,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from infercept.server.app import build_app, served_model_name
     from infercept.server.serving_base import STREAM_CUT_S
 
+    model_from_tag(args)
     settings = server_settings(args)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("infercept.server").setLevel(args.log_level.upper())
@@ -487,6 +499,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5)
     p.set_defaults(func=cmd_profile)
     p = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    p.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
+                   help="the model, as `vllm serve MODEL` takes it: the same as --model")
     add_engine_args(p)
     add_backend_args(p)
     add_server_args(p)

@@ -11,6 +11,7 @@ from .protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelC
 from .protocol_messages import CountTokensRequest, MessagesRequest
 from .protocol_responses import ResponsesRequest
 from .protocol_sessions import SessionCreateRequest, SessionMessageRequest
+from .protocol_tokenize import DetokenizeRequest, TokenizeRequest
 
 router = APIRouter()
 
@@ -76,6 +77,18 @@ async def render_chat_completion(body: ChatCompletionRequest, request: Request) 
 @router.post("/v1/completions/render")
 async def render_completion(body: CompletionRequest, request: Request) -> Response:
     return JSONResponse(request.app.state.completions.render(body))
+
+
+# vLLM's tokenizer routes (at the root, as vLLM has them): a prompt's or a conversation's token ids, and
+# token ids' text.
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> Response:
+    return JSONResponse(request.app.state.tokenize.tokenize(body, request))
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
+    return JSONResponse(request.app.state.tokenize.detokenize(body))
 
 
 @router.post("/v1/completions")

@@ -364,15 +364,18 @@ class Turns:
         return _Prepared(spec, spec.request_id or new_id(spec.id_prefix), prompt_ids, params, intercept, prefill,
                          reasoning)
 
-    def render_prompt(self, spec: TurnSpec) -> list[int]:
-        """The prompt token ids `spec` would be served with (400 on bad input); nothing runs."""
+    def render_prompt(self, spec: TurnSpec, generation_prompt: bool = True, fit_context: bool = True) -> list[int]:
+        """The prompt token ids `spec` would be served with (400 on bad input); nothing runs.
+        `generation_prompt` False: a chat conversation alone, without the next turn's opening;
+        `fit_context` False: a prompt longer than the model's context is counted, not refused."""
         if not spec.is_chat:
             prompt_ids = list(spec.prompt_ids)
-            self.check_prompt(prompt_ids, spec.param)
+            self.check_prompt(prompt_ids, spec.param, fit_context)
             return prompt_ids
-        return self._render(spec)[0]
+        return self._render(spec, generation_prompt, fit_context)[0]
 
-    def _render(self, spec: TurnSpec) -> tuple[list[int], str]:
+    def _render(self, spec: TurnSpec, generation_prompt: bool = True,
+                fit_context: bool = True) -> tuple[list[int], str]:
         """A chat turn's prompt token ids and the prefill they end with (a forced call's opening)."""
         if self.renderer is None:
             raise APIError(400, "this model has no chat template; use /v1/completions", code="no_chat_template")
@@ -388,13 +391,13 @@ class Turns:
         prefill = self.format.forced_prefill(mode.forced_name) if mode.forced else ""
         try:
             prompt_ids = self.renderer.render(spec.messages, mode.tools, self.conversations.known_turn, prefill,
-                                              spec.template_kwargs)
+                                              spec.template_kwargs, generation_prompt)
         except APIError:
             raise
         except Exception as e:  # the template (jinja) or the tokenizer refused the input
             raise bad_request(f"the conversation could not be rendered with the model's chat template: {e}",
                               param=spec.param) from None
-        self.check_prompt(prompt_ids, spec.param)
+        self.check_prompt(prompt_ids, spec.param, fit_context)
         return prompt_ids, prefill
 
     def _claim(self, spec: TurnSpec, prompt_ids: list[int]) -> Paused | None:
@@ -422,12 +425,12 @@ class Turns:
         return None
 
     # -- checks ------------------------------------------------------------------------------------
-    def check_prompt(self, ids: Sequence[int], param: str) -> None:
+    def check_prompt(self, ids: Sequence[int], param: str, fit_context: bool = True) -> None:
         if not ids:
             raise bad_request("the prompt is empty", param=param)
         if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
             raise bad_request(f"prompt token ids must be integers in [0, {self.vocab_size})", param=param)
-        if len(ids) >= self.max_model_len:
+        if fit_context and len(ids) >= self.max_model_len:
             raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
                               f"{len(ids)} tokens.", param=param, code="context_length_exceeded")
 

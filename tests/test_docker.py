@@ -368,10 +368,8 @@ def test_make_targets_build_the_images():
 # -- the operator guide ------------------------------------------------------------------------------------
 
 # Flags in docs/operators.md that belong to docker, compose or pytest, not to `infercept serve`.
-# docker's, and vLLM's own that the guide names where it compares (`vllm serve --chat-template`,
-# `--tool-call-parser`)
-NOT_SERVER_FLAGS = {"--build-arg", "--entrypoint", "--gpus", "--ipc", "--profile", "--rm", "--chat-template",
-                    "--tool-call-parser"}
+# docker's, and vLLM's own that the guide names where it compares (`vllm serve --chat-template`)
+NOT_SERVER_FLAGS = {"--build-arg", "--entrypoint", "--gpus", "--ipc", "--profile", "--rm", "--chat-template"}
 
 
 def replicas_options() -> set[str]:

@@ -63,6 +63,29 @@ def test_bad_settings_stop_serve_before_the_model_loads(flags, message, capsys):
     assert exited.value.code == 2 and message in err and "/no/model/here" not in err, err
 
 
+def test_a_vllm_serve_command_line_runs_unchanged():
+    """`vllm serve MODEL --enable-auto-tool-choice --tool-call-parser hermes` as it is: the model by position,
+    vLLM's name of --tool-parser, and its switch for auto tool choice (always on here) accepted."""
+    from infercept.server import cli
+
+    args = cli.build_parser().parse_args(["serve", "Qwen/Qwen3-8B", "--enable-auto-tool-choice",
+                                          "--tool-call-parser", "hermes", "--max-model-len", "8192"])
+    cli.model_from_tag(args)
+    assert (args.model, args.tool_parser, args.max_model_len) == ("Qwen/Qwen3-8B", "hermes", 8192)
+    assert cli.server_settings(args).tool_parser == "hermes"
+    same = cli.build_parser().parse_args(["serve", "org/m", "--model", "org/m"])
+    cli.model_from_tag(same)
+    assert same.model == "org/m"
+
+
+def test_two_models_on_one_command_line_are_refused(capsys):
+    from infercept.server import cli
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["serve", "/no/model/a", "--model", "/no/model/b"])
+    assert exited.value.code == 2 and "two models given: '/no/model/a' and --model" in capsys.readouterr().err
+
+
 def test_the_backend_gets_the_defaults_where_the_request_leaves_fields_out(default_model_dir, qwen3_config):
     backend = ScriptedBackend(default_model_dir)
     settings = ServerSettings(served_model_name="fake", generation_config=qwen3_config,

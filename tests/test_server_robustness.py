@@ -391,7 +391,7 @@ def prepare_positive(case, http: httpx.Client, n: int) -> None:
     messages, which the schema lets be any objects, are a real conversation every other example. Every
     other example of an operation on a session or a stored response names a real one, made for it, and
     one on a model the served model (and every fourth message posted to a session is a user message,
-    which it accepts)."""
+    which it accepts; every other /tokenize body is a conversation alone)."""
     body = case.body if isinstance(case.body, dict) else None
     if body is not None:
         if "model" in body:
@@ -403,6 +403,10 @@ def prepare_positive(case, http: httpx.Client, n: int) -> None:
         if case.path in ("/v1/chat/completions", "/v1/chat/completions/render", "/v1/messages",
                          "/v1/messages/count_tokens") and n % 2:
             body["messages"] = QUESTION  # a user message in both APIs' shapes
+        if case.path == "/tokenize" and n % 2:  # a conversation, without the fields refused beside one
+            for key in ("prompt", "continue_final_message", "add_special_tokens", "chat_template"):
+                body.pop(key, None)
+            body["messages"] = QUESTION
         if case.path == "/v1/sessions/{session_id}/messages" and n % 4 == 1:  # a user message to the fresh session
             body.pop("tool_results", None)
             body["content"] = body.get("content") or "Hi"
@@ -421,7 +425,8 @@ def test_schemathesis_finds_no_server_error_and_no_leak(srv):
     assert {op.label for op in operations} >= {"POST /v1/chat/completions", "POST /v1/completions",
                                                 "POST /v1/responses", "GET /v1/responses/{response_id}",
                                                 "POST /v1/sessions", "POST /v1/sessions/{session_id}/messages",
-                                                "POST /v1/messages", "POST /v1/messages/count_tokens"}
+                                                "POST /v1/messages", "POST /v1/messages/count_tokens",
+                                                "POST /tokenize", "POST /detokenize"}
     failures, statuses = [], {}
     http = httpx.Client(base_url=srv.url, timeout=60)
     for op in operations:

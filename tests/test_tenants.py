@@ -51,6 +51,16 @@ def test_a_key_is_required_and_only_configured_keys_pass(two):
     assert two.bob.get("/models").status_code == 200
 
 
+def test_the_tokenizer_routes_take_the_key_as_v1_does(two):
+    """vLLM leaves /tokenize open; here it renders the key's conversations, paused turns included."""
+    for path, body in (("/tokenize", {"messages": ASK}), ("/detokenize", {"tokens": [1, 2]})):
+        for headers in ({}, {"Authorization": "Bearer key-mallory"}):
+            r = httpx.post(two.base + path, json=body, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
+        r = httpx.post(two.base + path, json=body, headers={"Authorization": f"Bearer {BOB.key}"})
+        assert r.status_code == 200, (path, r.text)
+
+
 def test_sessions_of_another_key_are_404(two):
     created = two.alice.post("/sessions", json={"system": "Be brief."}).json()
     url = f"/sessions/{created['id']}"
