@@ -201,10 +201,10 @@ def both_paths(model_dir: str, monkeypatch) -> tuple[LLM, LLM]:
     return llms[0], llms[1]
 
 
-def assert_logits_agree(ours: torch.Tensor, ref: torch.Tensor):
+def assert_logits_agree(ours: torch.Tensor, ref: torch.Tensor, min_cosine: float = 0.999):
     """Within bf16 noise: nearly parallel, small differences next to the logits' spread, and the
     same argmax unless the reference's top two are within that noise."""
-    assert F.cosine_similarity(ours, ref, dim=0) > 0.999
+    assert F.cosine_similarity(ours, ref, dim=0) > min_cosine
     noise = float((ours - ref).abs().max())
     assert noise < 0.05 * float(ref.std()) + 0.5
     top2 = ref.topk(2)
@@ -226,13 +226,19 @@ def test_tiny_models_logits_with_and_without_kernels(variant, tmp_path, default_
 
 
 def test_embedded_model_with_and_without_kernels(default_model_dir, tokenizer, monkeypatch):
-    ours, reference = both_paths(default_model_dir, monkeypatch)
+    """The real model in bf16 on our kernels against the same weights in fp32 (the reference; no kernel
+    of ours runs fp32). Within bf16's noise: torch's own bf16 path lands as far as cosine 0.996 from fp32
+    on these prompts, ours at 0.9990 or closer (Intel Xeon with AMX, 2026-12-01), so 0.998 leaves room for
+    rounding and none for a broken kernel. Ours against torch's bf16 path would add the two paths' noise
+    (0.9987 on that machine)."""
+    ours, _ = both_paths(default_model_dir, monkeypatch)
+    fp32 = LLM(default_model_dir, dtype="float32", kv_cache_gb=0.05, max_num_batched_tokens=16, host_kv_gb=0.001)
     texts = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away, " * 8)
     for text in texts:
         ids = tokenizer.encode(text)
-        assert_logits_agree(last_logits(ours, ids), last_logits(reference, ids))
+        assert_logits_agree(last_logits(ours, ids), last_logits(fp32, ids), min_cosine=0.998)
     # And whole generations, batched with chunked prefill, on prompts without near-ties.
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = [tokenizer.encode(t) for t in texts[:2]]
     assert [o.token_ids for o in ours.generate(prompts, params)] == \
-        [o.token_ids for o in reference.generate(prompts, params)]
+        [o.token_ids for o in fp32.generate(prompts, params)]
