@@ -597,59 +597,6 @@ def test_host_kv_comes_back_before_the_result_and_the_resume_equals_a_fresh_run(
     Its own duration key: earlier tests' tool histories would predict other pauses. A hint outlived
     predicts nothing, so on a machine where the request wanting the pool takes longer (its profiled
     prefill, three times over), the pause is said to last that long instead."""
-    for gen in backend._paused():  # earlier tests' pauses would hold host room this test sizes by itself
-        backend.abort(gen.request_id)
-    wait_for(lambda: asyncio.run(backend.snapshot()), lambda s: s.host_blocks_used == 0)
-    before = asyncio.run(backend.snapshot())
-    contexts = {}
-    for rid, where in (("long-swapped", "host"), ("long-discarded", "discarded")):
-        prompt, first = tool_call_turn(backend, tokenizer, rid, expected_s=3600.0)
-        assert first.paused, first
-        contexts[rid] = context = prompt + first.token_ids
-        # The policy decides at vLLM's steps, and an idle vLLM takes none (nothing needs the memory then).
-        nudge = wanting_the_pool(backend, 12000 if where == "host" else 24000)
-        asyncio.run(run_turn(backend.generate(nudge, greedy(2, ignore_eos=True), f"{rid}-nudge")))
-        location = wait_for(lambda: asyncio.run(backend.kv_location(rid)), lambda loc: loc.device == 0)
-        computed = len(context) - 1  # the last sampled token has no KV yet
-        expected = (0, computed, 1) if where == "host" else (0, 0, len(context))
-        assert (location.device, location.host, location.discarded) == expected, (where, location)
-        assert backend.paused_kv_tokens(rid) == 0
-    snap = asyncio.run(backend.snapshot())
-    assert snap.paused_by_state["host"] >= 1 and snap.paused_by_state["discarded"] >= 1, snap.paused_by_state
-    assert snap.paused_tokens_by_location["host"] >= len(contexts["long-swapped"]) - 1
-    swapped_out = (snap.num_swapped_out_blocks - before.num_swapped_out_blocks) * backend.block_size
-    assert swapped_out >= len(contexts["long-swapped"]) - 1, swapped_out
-
-    evict_the_prefix_cache(backend)
-    appended = tool_result_tokens(tokenizer)
-    for rid, context in contexts.items():
-        start = asyncio.run(backend.snapshot())
-        resumed = asyncio.run(run_turn(backend.resume(rid, appended, greedy(16), InterceptParams())))
-        assert resumed.finished
-        after = wait_for(lambda: asyncio.run(backend.snapshot()), lambda s: s.num_steps > start.num_steps + 1)
-        recomputed = after.num_recomputed_tokens - start.num_recomputed_tokens
-        if rid == "long-swapped":  # all loaded from the host (past whatever the prefix cache kept)
-            assert resumed.num_cached_tokens == len(context) - 1, (resumed.num_cached_tokens, len(context))
-            assert recomputed == 0
-            loaded = (after.num_swapped_in_blocks - start.num_swapped_in_blocks) * backend.block_size
-            assert loaded >= (len(context) - 1) // 2, f"only {loaded} tokens came from the host"
-        else:  # recomputed past the prefix-cache hit, exactly
-            assert resumed.num_cached_tokens < len(context) - 1
-            assert recomputed == len(context) - 1 - resumed.num_cached_tokens
-        fresh = asyncio.run(run_turn(backend.generate(context + appended, greedy(16), f"{rid}-fresh")))
-        assert fresh.token_ids == resumed.token_ids and resumed.text, rid
-
-
-@needs_vllm
-def test_host_kv_comes_back_before_the_result_and_the_resume_equals_a_fresh_run(backend, tokenizer):
-    """`infercept` runs proactive swap-in on vLLM: a pause the client says lasts 12 s (longer on a machine
-    whose profile says the next request takes a while) leaves the device for
-    the host tier while a request wants the pool; once its result is near, the idle vLLM is woken and the
-    session's KV comes back, so the resume finds it on the device (counted so in
-    `infercept_resumed_kv_total`), loads nothing, and decodes what a fresh run of the same context does.
-    Its own duration key: earlier tests' tool histories would predict other pauses. (A hint outlived
-    predicts nothing: on a machine so loaded that the request wanting the pool takes 12 s, nothing comes
-    back.)"""
     for gen in backend._paused():  # earlier tests' pauses would hold host room
         backend.abort(gen.request_id)
     wait_for(lambda: asyncio.run(backend.snapshot()), lambda s: s.host_blocks_used == 0)
