@@ -16,7 +16,6 @@ import os
 import pickle
 import random
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 

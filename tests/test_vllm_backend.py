@@ -741,7 +741,7 @@ def test_a_turn_closed_late_does_not_swallow_the_next_turns_outputs(stock, token
 
     async def main():
         first = stock.generate(prompt, greedy(40), "late-1", InterceptParams(tool_parser="hermes", tools=(WEATHER,)))
-        while not (out := await anext(first)).paused:
+        while not (await anext(first)).paused:
             pass
         resumed = asyncio.create_task(run_turn(stock.resume("late-1", tool_result_tokens(tokenizer), greedy(4),
                                                             InterceptParams())))
