@@ -18,6 +18,7 @@ import os
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from claude_code import check_read_tool_loop, needs_claude_code
 from stdlib_only import non_stdlib_imports
@@ -275,6 +276,10 @@ def test_the_server_over_vllm_resumes_a_tool_call_through_the_openai_sdk(vllm):
 
     # The same prompt as a fresh token-level completion (a request that never paused) gives the same tokens.
     prompt_ids, output_ids = second.model_extra["prompt_token_ids"], second.choices[0].model_extra["token_ids"]
+    # /tokenize (the server's, over either backend) gives the ids the resume was served with.
+    sent = [m if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in conversation]
+    tokens = httpx.post(base + "/tokenize", json={"messages": sent, "tools": TOOLS}, timeout=60)
+    assert tokens.status_code == 200 and tokens.json()["tokens"] == prompt_ids, tokens.text
     again = client.completions.create(model="smol", prompt=prompt_ids, max_tokens=len(output_ids), temperature=0,
                                       extra_body={"return_token_ids": True})
     assert again.choices[0].model_extra["token_ids"] == output_ids
