@@ -95,9 +95,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(the last two are stock vLLM), the first four with the parts vLLM runs; +prefetch, "
                         "+admission and a priority other than arrival are refused there, and infercept runs "
                         "without prefetch (docs/operators.md, section 7)")
-    g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+    g.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", dest="prefix_caching", action="store_false",
                    default=_env_flag("PREFIX_CACHING") is not False,
                    help="do not keep freed KV blocks addressable by content (INFERCEPT_PREFIX_CACHING=0)")
+    # vLLM's spellings of switches that are on here anyway, so that its command lines run unchanged.
+    g.add_argument("--enable-prefix-caching", dest="prefix_caching", action="store_true", default=argparse.SUPPRESS,
+                   help="prefix caching, on by default (vLLM's flag)")
+    g.add_argument("--enable-chunked-prefill", action="store_true",
+                   help="accepted (vLLM's flag): long prompts are always prefilled in chunks here")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -65,13 +65,18 @@ def test_bad_settings_stop_serve_before_the_model_loads(flags, message, capsys):
 
 def test_a_vllm_serve_command_line_runs_unchanged():
     """`vllm serve MODEL --enable-auto-tool-choice --tool-call-parser hermes` as it is: the model by position,
-    vLLM's name of --tool-parser, and its switch for auto tool choice (always on here) accepted."""
+    vLLM's name of --tool-parser, and its switches for what is always on here (auto tool choice, chunked
+    prefill) or on by default (prefix caching) accepted."""
     from infercept.server import cli
 
     args = cli.build_parser().parse_args(["serve", "Qwen/Qwen3-8B", "--enable-auto-tool-choice",
-                                          "--tool-call-parser", "hermes", "--max-model-len", "8192"])
+                                          "--tool-call-parser", "hermes", "--max-model-len", "8192",
+                                          "--enable-prefix-caching", "--enable-chunked-prefill"])
     cli.model_from_tag(args)
     assert (args.model, args.tool_parser, args.max_model_len) == ("Qwen/Qwen3-8B", "hermes", 8192)
+    assert args.prefix_caching and cli.engine_kwargs(args)["enable_prefix_caching"]
+    assert cli.build_parser().parse_args(["serve"]).prefix_caching
+    assert not cli.build_parser().parse_args(["serve", "--no-enable-prefix-caching"]).prefix_caching
     assert cli.server_settings(args).tool_parser == "hermes"
     same = cli.build_parser().parse_args(["serve", "org/m", "--model", "org/m"])
     cli.model_from_tag(same)
