@@ -113,7 +113,7 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
         responses.mcp = ResponsesMcp(settings.mcp, mcp_tools)
         messages = MessagesServing(**common)
         sessions = SessionServing(tool_lookup=tool_lookup, backend=backend, **common)
-    tokenize = TokenizeServing(chat=chat, max_model_len=info.max_model_len, **common)
+    tokenize = TokenizeServing(chat=chat, **common)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

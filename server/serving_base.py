@@ -43,6 +43,13 @@ class Frontend:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A text prompt's token ids (400 for a text the tokenizer cannot encode)."""
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except (UnicodeError, TypeError, ValueError) as e:  # e.g. a lone surrogate the tokenizer cannot encode
+            raise bad_request(f"the prompt could not be tokenized: {e}", param="prompt") from None
+
 
 def check_n(n: int | None, pauses: str | None) -> None:
     """n > 1 serves n independent samples, each its own turn. A turn that may pause cannot be one of

@@ -65,19 +65,13 @@ class CompletionServing(Frontend):
 
     # -- pieces ------------------------------------------------------------------------------------
     def _prompts(self, prompt) -> list[list[int]]:
-        try:
-            return self._tokenize(prompt)
-        except (UnicodeError, TypeError, ValueError) as e:  # e.g. a lone surrogate the tokenizer cannot encode
-            raise bad_request(f"the prompt could not be tokenized: {e}", param="prompt") from None
-
-    def _tokenize(self, prompt) -> list[list[int]]:
         if isinstance(prompt, str):
-            return [self.tokenizer.encode(prompt, add_special_tokens=True)]
+            return [self.encode_prompt(prompt)]
         if not prompt:
             raise bad_request("the prompt is empty", param="prompt")
         if isinstance(prompt[0], int):
             return [list(prompt)]
-        return [self.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in prompt]
+        return [self.encode_prompt(p) if isinstance(p, str) else list(p) for p in prompt]
 
     @staticmethod
     def _prompt_texts(prompt) -> list[str | None]:

@@ -18,17 +18,16 @@ from .serving_chat import ChatServing
 
 
 class TokenizeServing(Frontend):
-    def __init__(self, *args, chat: ChatServing | None, max_model_len: int, **kwargs):
+    def __init__(self, *args, chat: ChatServing | None, **kwargs):
         super().__init__(*args, **kwargs)
         self.chat = chat  # None: the model has no chat template (messages are refused)
-        self.max_model_len = max_model_len
 
     def tokenize(self, req: TokenizeRequest, raw: Request) -> dict:
         model = self.model_name if req.model is None else req.model
         self.check_model(model)
         ids = self._chat_ids(req, model, raw) if req.messages is not None else self._prompt_ids(req)
         strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
-        return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids,
+        return TokenizeResponse(count=len(ids), max_model_len=self.turns.max_model_len, tokens=ids,
                                 token_strs=strs).model_dump()
 
     def detokenize(self, req: DetokenizeRequest) -> dict:
@@ -39,11 +38,7 @@ class TokenizeServing(Frontend):
         return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens)).model_dump()
 
     def _prompt_ids(self, req: TokenizeRequest) -> list[int]:
-        special = True if req.add_special_tokens is None else req.add_special_tokens
-        try:
-            return self.tokenizer.encode(req.prompt, add_special_tokens=special)
-        except (UnicodeError, TypeError, ValueError) as e:  # e.g. a lone surrogate the tokenizer cannot encode
-            raise bad_request(f"the prompt could not be tokenized: {e}", param="prompt") from None
+        return self.encode_prompt(req.prompt, True if req.add_special_tokens is None else req.add_special_tokens)
 
     def _chat_ids(self, req: TokenizeRequest, model: str, raw: Request) -> list[int]:
         if req.chat_template is not None:
