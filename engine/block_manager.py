@@ -6,17 +6,21 @@ counts so that identical prefixes share blocks. Callers ask `can_*` before they 
 room raises, since it means the caller's plan is wrong.
 
 Prefix caching (device pool): a full block whose KV is computed gets a content hash chained from its
-parent block's hash and its own token ids (`chain_hashes`), registered in `cached` (hash -> block).
-A request admitted later reuses the longest chain of registered blocks (`match_prefix`) and computes
+parent block's hash and its own token ids (`chain_hashes`), registered in `cached` (hash -> the
+blocks holding that content). A request admitted later reuses the longest chain of registered blocks (`match_prefix`) and computes
 only the rest. A block whose last reference goes keeps its hash and stays in the free queue as an
 *evictable* cached block: reusable by content until `take` hands it out again, which evicts it. The free
 queue is LRU: blocks are taken from its front, and a freed table is appended leaf first, so the
 deepest blocks of the least recently used contexts are evicted first and shared parents last.
+Content is computed twice when it was not in a prompt's matched prefix (a generation repeating an earlier
+one, two requests computing the same prompt at once): each copy stays addressable, so that evicting
+one never hides the content another still holds, and an unreferenced copy that a fresh one duplicates
+goes to the front of the free queue.
 
 Invariants, checked by `check_integrity()`:
   * free + referenced == total, in each pool; no block is both free and referenced;
   * a block's reference count equals the number of tables that list it;
-  * `cached` and the blocks' hashes agree one to one.
+  * `cached` lists exactly the blocks that carry a hash, each under its own.
 """
 from __future__ import annotations
 
@@ -66,7 +70,7 @@ class BlockPool:
         # take a block out of the middle in O(1).
         self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # content hash -> block id
+        self.cached: dict[int, dict[int, None]] = {}  # content hash -> the blocks holding it, oldest first
         self.counters = CacheCounters()
 
     @property
@@ -76,7 +80,7 @@ class BlockPool:
     @property
     def num_cached(self) -> int:
         """Blocks addressable by content, referenced or evictable."""
-        return len(self.cached)
+        return sum(map(len, self.cached.values()))
 
     def take(self, n: int) -> list[int]:
         """`n` blocks for new content: evicts the least recently used cached ones it hands out."""
@@ -113,24 +117,32 @@ class BlockPool:
                     self.free_ids.move_to_end(b, last=False)
 
     def register(self, block_id: int, block_hash: int) -> None:
-        """Make a full, computed block addressable by content. A hash that already names another block
-        (two requests computed the same content at once) keeps its first block; this one stays private."""
-        if self.caching and self.block_hash[block_id] is None and block_hash not in self.cached:
-            self.cached[block_hash] = block_id
-            self.block_hash[block_id] = block_hash
+        """Make a full, computed block addressable by content. Unreferenced blocks holding the same
+        content are redundant now: they lose their hash and are the first to be reused."""
+        if not self.caching or self.block_hash[block_id] is not None:
+            return
+        for b in [b for b in self.cached.get(block_hash, ()) if self.ref_counts[b] == 0]:
+            self._uncache(b)
+            self.free_ids.move_to_end(b, last=False)
+        self.cached.setdefault(block_hash, {})[block_id] = None
+        self.block_hash[block_id] = block_hash
 
     def match(self, hashes: Sequence[int]) -> list[int]:
-        """The cached blocks of the longest prefix of `hashes` (no side effects)."""
+        """The cached blocks of the longest prefix of `hashes` (no side effects); of copies of one block,
+        a referenced one, which sharing takes no block from the free queue for."""
         ids = []
         for h in hashes:
-            b = self.cached.get(h)
-            if b is None:
+            holders = self.cached.get(h)
+            if not holders:
                 break
-            ids.append(b)
+            ids.append(next((b for b in holders if self.ref_counts[b]), next(iter(holders))))
         return ids
 
     def _uncache(self, b: int) -> None:
-        del self.cached[self.block_hash[b]]
+        h = self.block_hash[b]
+        del self.cached[h][b]
+        if not self.cached[h]:
+            del self.cached[h]
         self.block_hash[b] = None
 
     def check(self, tables: dict[str, list[int]], name: str) -> None:
@@ -139,8 +151,9 @@ class BlockPool:
             assert self.ref_counts[b] == refs.get(b, 0), (
                 f"{name}: block {b} has ref count {self.ref_counts[b]} but {refs.get(b, 0)} tables list it")
             assert (b in self.free_ids) == (self.ref_counts[b] == 0), f"{name}: block {b} free/referenced mismatch"
-        assert all(self.block_hash[b] == h for h, b in self.cached.items()), f"{name}: cache map out of sync"
-        assert sum(h is not None for h in self.block_hash) == len(self.cached), f"{name}: stray block hash"
+        assert all(holders and all(self.block_hash[b] == h for b in holders)
+                   for h, holders in self.cached.items()), f"{name}: cache map out of sync"
+        assert sum(h is not None for h in self.block_hash) == self.num_cached, f"{name}: stray block hash"
 
 
 def consecutive_runs(ids: list[int]) -> list[tuple[int, int, int]]:

@@ -137,8 +137,13 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         if self.bm is None:
             return
         self.bm.check_integrity()
-        for h, b in self.bm.device.cached.items():
-            assert self.content.get(b) == h, f"block {b} is cached under a hash that is not its content"
+        for h, holders in self.bm.device.cached.items():
+            for b in holders:
+                assert self.content.get(b) == h, f"block {b} is cached under a hash that is not its content"
+        for rid in self.tokens:  # what a request made findable stays findable while it holds it
+            if not self._on_host(rid):
+                registered = self._hashes(rid)[:self.bm.num_registered(rid)]
+                assert len(self.bm.match_prefix(registered)) == len(registered), f"{rid}'s blocks are lost"
         c = self.bm.device.counters
         assert 0 <= c.hits <= c.queried
 
@@ -161,6 +166,25 @@ def test_lru_evicts_leaf_blocks_of_the_oldest_context_first():
     assert bm.device.counters.evictions == 1
     assert len(bm.match_prefix(chain_hashes(a, 2, []))) == 1  # a keeps its first block
     assert len(bm.match_prefix(chain_hashes(b, 2, []))) == 2  # b, freed later, keeps everything
+    bm.check_integrity()
+
+
+def test_content_computed_twice_stays_findable_when_one_copy_is_evicted():
+    """A generation repeating an earlier one computes blocks the cache already holds (the prefix match
+    covers prompts only): evicting the earlier copy must not hide the later one, still in use."""
+    bm = BlockManager(4, 0, 2)
+    tokens = [1, 1, 2, 2]
+    hashes = chain_hashes(tokens, 2, [])
+    bm.allocate("a", 4)
+    bm.register_blocks("a", hashes)
+    bm.free("a")  # cached, evictable
+    bm.allocate("b", 4)  # computes the same content without a prefix match
+    bm.register_blocks("b", hashes)
+    b_blocks = bm.block_table("b")
+    assert bm.device.num_cached == 2  # a's copies were redundant and lost their hash
+    bm.allocate("c", 4)  # takes a's two blocks
+    assert bm.device.counters.evictions == 0
+    assert bm.match_prefix(hashes) == b_blocks
     bm.check_integrity()
 
 
