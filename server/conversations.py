@@ -185,7 +185,8 @@ class ConversationStore:
         # (owner, kind, id) -> record, least recently used first: each tenant names its own chat sessions
         self._named: OrderedDict[tuple[str | None, Kind, str], Conversation] = OrderedDict()
         self._responses: OrderedDict[str, Conversation] = OrderedDict()  # oldest first
-        self._turns: OrderedDict[tuple[str, ...], list[AssistantTurn]] = OrderedDict()  # call ids -> turns
+        # (owner, call ids) -> turns: a tenant's conversations render only its own generated turns' tokens
+        self._turns: OrderedDict[tuple[str | None, tuple[str, ...]], list[AssistantTurn]] = OrderedDict()
         self._num_turns = 0
         self.num_paused_tokens = 0
 
@@ -207,7 +208,7 @@ class ConversationStore:
         self._by_blocks.setdefault(key, {})[handle.request_id] = None
         if handle.call_ids:
             self._by_call_id.setdefault(handle.call_ids[0], {})[handle.request_id] = None
-            self.remember_turn(handle.turn)
+            self.remember_turn(handle.turn, holder.owner)
         self._give(holder, handle)
         quota = self.quotas.get(holder.owner)
         owned = self._owned.get(holder.owner)
@@ -410,8 +411,8 @@ class ConversationStore:
             self.expire()
 
     # -- generated assistant turns -----------------------------------------------------------------
-    def remember_turn(self, turn: AssistantTurn) -> None:
-        key = tuple(c.id for c in turn.message.tool_calls)
+    def remember_turn(self, turn: AssistantTurn, owner: str | None = None) -> None:
+        key = owner, tuple(c.id for c in turn.message.tool_calls)
         same = self._turns.setdefault(key, [])
         if turn not in same:
             same.append(turn)
@@ -420,11 +421,13 @@ class ConversationStore:
         while self._num_turns > self.policy.max_remembered_turns:
             self._num_turns -= len(self._turns.popitem(last=False)[1])
 
-    def known_turn(self, message: Message) -> AssistantTurn | None:
-        """The generated turn `message` repeats (same call ids, JSON-equal arguments, same content). None
-        where turns that differ (their tokens: a thinking model's thinking) repeat it alike: which one the
-        conversation holds is unknown, and its template renders it instead."""
-        matches = [t for t in self._turns.get(tuple(c.id for c in message.tool_calls), ()) if t.message == message]
+    def known_turn(self, message: Message, owner: str | None = None) -> AssistantTurn | None:
+        """The generated turn of `owner` that `message` repeats (same call ids, JSON-equal arguments, same
+        content). None where turns that differ (their tokens: a thinking model's thinking) repeat it alike:
+        which one the conversation holds is unknown, and its template renders it instead. Another tenant's
+        turn is never found: its tokens may hold what that tenant was never shown (a model's thinking)."""
+        key = owner, tuple(c.id for c in message.tool_calls)
+        matches = [t for t in self._turns.get(key, ()) if t.message == message]
         if not matches or any((t.token_ids, t.template_kwargs) != (matches[0].token_ids, matches[0].template_kwargs)
                               for t in matches[1:]):
             return None

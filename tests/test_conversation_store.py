@@ -313,3 +313,17 @@ def test_a_turn_repeated_alike_by_turns_of_other_tokens_renders_by_the_template(
     for i in range(3):  # the oldest call ids go first once more turns than the policy keeps are remembered
         store.remember_turn(AssistantTurn(Message("assistant", "", None, (Call.make(f"c{i}", "f", "{}"),)), (i,)))
     assert store.known_turn(other) is None and store.known_turn(message) is None
+
+
+def test_a_generated_turn_is_known_to_its_own_tenant_only():
+    """Another tenant repeating a turn (its call ids included) gets the template's rendering, never the
+    tokens that tenant's model generated (a thinking model's thinking, which its client may not show)."""
+    from infercept.server.chat import AssistantTurn, Call, Message
+    from infercept.server.conversations import Paused
+
+    store = ConversationStore(ConversationPolicy(), release=lambda *a: None)
+    message = Message("assistant", "", None, (Call.make("call_1", "get_weather", '{"city": "Rome"}'),))
+    turn = AssistantTurn(message, (1, 2, 3))
+    store.pause(Paused("r1", [9, 1, 2, 3], turn, (Message("user", "weather?"),)), owner="alice")
+    assert store.known_turn(message, "alice") is turn
+    assert store.known_turn(message, "bob") is None and store.known_turn(message) is None
