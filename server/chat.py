@@ -29,6 +29,7 @@ import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from infercept.engine.backend import ToolFormat, ToolSpec
@@ -176,6 +177,16 @@ class AssistantTurn:
 TurnLookup = Callable[[Message], "AssistantTurn | None"]
 
 
+class Opening(Enum):
+    """How a chat prompt ends."""
+
+    GENERATION_PROMPT = "generation_prompt"  # the template's opening of the next assistant turn
+    NONE = "none"  # the conversation alone, as the template renders it for history
+    # Inside the final assistant message, left open (its turn end cut off, as transformers'
+    # `continue_final_message` cuts it): the answer continues that text (Anthropic's prefill)
+    CONTINUE = "continue"
+
+
 # -- the renderer -----------------------------------------------------------------------------------
 
 _SENTINEL = "\x00INFERCEPT-SENTINEL\x00"
@@ -202,16 +213,17 @@ class ChatRenderer:
 
     def render(self, messages: Sequence[Message], tools: Sequence[ToolSpec] | None,
                known_turn: TurnLookup | None = None, prefill: str = "",
-               template_kwargs: Mapping[str, Any] | None = None, generation_prompt: bool = True) -> list[int]:
+               template_kwargs: Mapping[str, Any] | None = None,
+               opening: Opening = Opening.GENERATION_PROMPT) -> list[int]:
         """Prompt token ids for `messages` + the generation prompt (+ `prefill`), with every assistant
         turn `known_turn` recognizes rendered as its exact generated tokens. `template_kwargs`: extra
         arguments of the chat template (`chat_template_kwargs`); a known turn's prompt is rendered with
-        its own (`AssistantTurn.template_kwargs`), as when it was generated. `generation_prompt` False:
-        the conversation alone, as the template renders it for history (/tokenize's
-        add_generation_prompt false)."""
+        its own (`AssistantTurn.template_kwargs`), as when it was generated. `opening`: how the prompt
+        ends, by default in the generation prompt."""
         self.check_template_kwargs(template_kwargs)
         prepared, index = self._prepare(messages, tools)
-        full = self._apply(prepared, generation_prompt, tools, template_kwargs)
+        full = self._apply(prepared, opening is Opening.GENERATION_PROMPT, tools, template_kwargs,
+                           continue_final=opening is Opening.CONTINUE)
         ids: list[int] = []
         pos = 0
         for i, m in enumerate(messages):
@@ -284,12 +296,12 @@ class ChatRenderer:
         return {p.name for p in params if p.kind is not p.VAR_KEYWORD} | {"messages", "conversation", "self"}
 
     def _apply(self, prepared: list[dict], add_generation_prompt: bool, tools=None,
-               template_kwargs: Mapping[str, Any] | None = None) -> str:
+               template_kwargs: Mapping[str, Any] | None = None, continue_final: bool = False) -> str:
         kwargs = dict(template_kwargs or {})
         if tools and self.native_tools:
             kwargs["tools"] = [dict(t.definition) for t in tools]
-        return self.tokenizer.apply_chat_template(prepared, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt, **kwargs)
+        return self.tokenizer.apply_chat_template(prepared, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                  continue_final_message=continue_final, **kwargs)
 
     def _prepare(self, messages: Sequence[Message], tools: Sequence[ToolSpec] | None) -> tuple[list[dict], list[int]]:
         """Template-ready dicts, and for each message its index among them. Depends on a message and the

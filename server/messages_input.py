@@ -11,8 +11,9 @@ chat messages, its tools as `ToolSpec`s, its `tool_choice` as a tool mode.
   prompt through either API.
 - `tool_choice` auto / any / tool / none are Chat Completions' auto / required / the named function /
   none; `disable_parallel_tool_use` is `parallel_tool_calls: false`.
-- A conversation that ends with an assistant message (Anthropic's prefill, which the answer continues)
-  is refused: a chat template would render it as a finished turn.
+- A conversation that ends with an assistant message of text is Anthropic's prefill: the prompt ends
+  inside that message and the answer continues it (its content is the continuation only, as
+  Anthropic's is). As Anthropic does, a prefill may not end in whitespace.
 """
 from __future__ import annotations
 
@@ -55,13 +56,6 @@ def chat_messages(req: CountTokensRequest) -> list[Message]:
     the tool results' flow is checked where every chat turn's is, when the turn renders)."""
     if not req.messages:
         raise bad_request("messages: at least one message is required", param="messages")
-    last = req.messages[-1]
-    if last.role == "assistant" and not (isinstance(last.content, list) and any(b.type == "tool_use" for b in last.content)):
-        # Anthropic's prefill: the answer would continue that text. Rendered as a finished turn, the model
-        # would start a new one instead: refused rather than answered differently.
-        raise bad_request(f"messages[{len(req.messages) - 1}]: a conversation that ends with an assistant message "
-                          "(a prefill of the answer) is not supported; end it with a user message",
-                          param=f"messages[{len(req.messages) - 1}]")
     out = system_messages(req.system)
     for i, m in enumerate(req.messages):
         where = f"messages[{i}].content"
@@ -92,6 +86,17 @@ def chat_messages(req: CountTokensRequest) -> list[Message]:
         elif texts or not any(b.type == "tool_result" for b in blocks):
             out.append(Message("user", "\n".join(texts)))
     return out
+
+
+def is_prefill(messages: Sequence[Message]) -> bool:
+    """The conversation ends with an assistant message of text, which the answer continues (400 where
+    that text ends in whitespace, as Anthropic's API answers)."""
+    last = messages[-1] if messages else None
+    if last is None or last.role != "assistant" or last.tool_calls:
+        return False
+    if last.content != last.content.rstrip():
+        raise bad_request("messages: final assistant content cannot end with trailing whitespace", param="messages")
+    return True
 
 
 def tool_specs(tools: Sequence[Tool]) -> list[ToolSpec]:

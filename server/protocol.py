@@ -4,7 +4,7 @@ Requests are validated strictly where OpenAI is strict (`extra="forbid"`: an unk
 a 400, as OpenAI answers "Unrecognized request argument supplied"), with vLLM's extras (`ignore_eos`,
 `min_tokens`, `top_k`, `min_p`, `repetition_penalty`, `return_token_ids`, `structured_outputs` regex /
 choice and their older spellings `guided_regex` / `guided_choice`, and on chat completions
-`chat_template_kwargs`) and ours (`session_id`, `intercept`). Messages are lenient (`extra="ignore"`)
+`chat_template_kwargs`, `add_generation_prompt` and `continue_final_message`) and ours (`session_id`, `intercept`). Messages are lenient (`extra="ignore"`)
 because SDKs echo response messages back with fields such as `refusal` and `annotations`. Responses
 keep OpenAI's keys, nulls included; a stream delta is a plain dict because OpenAI sends only the keys
 that changed.
@@ -222,6 +222,12 @@ class ResponseFormat(Strict):
         return self.json_schema.schema_
 
 
+def check_opening(add_generation_prompt: bool, continue_final_message: bool) -> None:
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("continue_final_message continues the final message instead of opening a new one: "
+                         "send it with add_generation_prompt false")
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessageParam]
     max_tokens: int | None = Field(default=None, ge=1)
@@ -235,6 +241,10 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's: extra keyword arguments of the tokenizer's `apply_chat_template` (variables of the template,
     # such as Qwen3's `enable_thinking`)
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: how the prompt ends. add_generation_prompt false alone: the conversation as history; with
+    # continue_final_message, inside its final assistant message, whose text the answer continues
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     # ours: tools the server runs itself (by name, see server/tool_loop.py); their calls never leave it
     server_tools: list[str] | None = Field(default=None, min_length=1)
     # Accepted for compatibility and otherwise ignored (they change nothing a local server does).
@@ -246,6 +256,11 @@ class ChatCompletionRequest(SamplingFields):
     safety_identifier: str | None = None
     modalities: list[str] | None = None
     verbosity: str | None = None
+
+    @model_validator(mode="after")
+    def _one_opening(self):
+        check_opening(self.add_generation_prompt, self.continue_final_message)
+        return self
 
 
 # -- completions request ----------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 
-from .protocol import ChatMessageParam, Strict, ToolParam
+from .protocol import ChatMessageParam, Strict, ToolParam, check_opening
 
 
 class TokenizeRequest(Strict):
@@ -32,6 +32,7 @@ class TokenizeRequest(Strict):
             raise ValueError("give either prompt (text) or messages (a chat conversation)")
         if self.prompt is not None and (self.tools or self.chat_template_kwargs):
             raise ValueError("tools and chat_template_kwargs render chat messages: send messages, not prompt")
+        check_opening(self.add_generation_prompt, self.continue_final_message)
         return self
 
 

@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import Response
 from starlette.requests import Request
 
-from .chat import Message, normalize_messages, tool_specs
+from .chat import Message, Opening, normalize_messages, tool_specs
 from .conversations import Conversation, Kind, State
 from .protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatMessage, ChoiceLogprobs, CompletionTokensDetails, FunctionCall,
@@ -101,10 +101,15 @@ class ChatServing(Frontend):
         if session_id is not None:
             messages, session = self._session_messages(session_id, messages, owner, peek)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        opening = (Opening.CONTINUE if req.continue_final_message else
+                   Opening.GENERATION_PROMPT if req.add_generation_prompt else Opening.NONE)
+        if opening is not Opening.GENERATION_PROMPT and session_id is not None:
+            raise bad_request("a session's turns open with the generation prompt: send add_generation_prompt "
+                              "and continue_final_message without session_id", param="session_id")
         return TurnSpec("chat", Sampling.of(req, req.max_completion_tokens or req.max_tokens, logprobs),
                         tuple(messages), mode=mode, intercept=req.intercept, holder=session, owner=owner,
                         answer_schema=req.response_format.answer_schema() if req.response_format else None,
-                        constraint=constraint, template_kwargs=req.chat_template_kwargs or None)
+                        constraint=constraint, template_kwargs=req.chat_template_kwargs or None, opening=opening)
 
     async def open(self, spec: TurnSpec) -> Turn:
         """Open the turn; its chat session (if any) is generating until `close`."""

@@ -24,9 +24,10 @@ from dataclasses import dataclass
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
+from .chat import Opening
 from .protocol import APIError
 from .protocol_messages import CountTokensRequest, MessagesRequest, error_body
-from .messages_input import chat_messages, messages_tool_mode
+from .messages_input import chat_messages, is_prefill, messages_tool_mode
 from .serving_base import Frontend, respond
 from .tenants import owner_of
 from .turns import CallArguments, CallOpened, ReasoningDelta, Sampling, TextDelta, Turn, TurnFinished, TurnSpec
@@ -54,7 +55,9 @@ class MessagesServing(Frontend):
         # Thinking off, where the model's chat template takes the switch (Qwen3's); other templates ignore it.
         no_thinking = {"enable_thinking": False} if req.thinking is not None and req.thinking.type == "disabled" else None
         answer = req.output_config.format if req.output_config is not None else None
-        return TurnSpec("messages", sampling, tuple(chat_messages(req)), mode=mode, owner=owner_of(raw),
+        messages = chat_messages(req)
+        opening = Opening.CONTINUE if is_prefill(messages) else Opening.GENERATION_PROMPT
+        return TurnSpec("messages", sampling, tuple(messages), mode=mode, owner=owner_of(raw), opening=opening,
                         id_prefix="msg_", template_kwargs=no_thinking,
                         answer_schema=answer.schema_ if answer is not None else None,
                         answer_param="output_config.format")

@@ -44,10 +44,6 @@ class TokenizeServing(Frontend):
         if req.chat_template is not None:
             raise bad_request("a request's own chat_template is not used: this server renders with the model's "
                               "(or the operator's --chat-template)", param="chat_template")
-        if req.continue_final_message:
-            raise bad_request("continue_final_message is not supported: the server never continues an assistant "
-                              "message (send the conversation, with add_generation_prompt false for it alone)",
-                              param="continue_final_message")
         if req.add_special_tokens:
             raise bad_request("add_special_tokens applies to a text prompt: the chat template writes the model's "
                               "special tokens itself", param="add_special_tokens")
@@ -55,6 +51,8 @@ class TokenizeServing(Frontend):
             raise bad_request("this model has no chat template; tokenize a prompt instead", param="messages",
                               code="no_chat_template")
         chat_req = ChatCompletionRequest(model=model, messages=req.messages, tools=req.tools,
-                                         chat_template_kwargs=req.chat_template_kwargs)
+                                         chat_template_kwargs=req.chat_template_kwargs,
+                                         add_generation_prompt=req.add_generation_prompt,
+                                         continue_final_message=req.continue_final_message)
         spec = self.chat.spec(chat_req, raw, peek=True)
-        return self.turns.render_prompt(spec, generation_prompt=req.add_generation_prompt, fit_context=False)
+        return self.turns.render_prompt(spec, fit_context=False)

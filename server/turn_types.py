@@ -8,7 +8,7 @@ from typing import Any
 
 from infercept.engine.backend import RequestOutput
 
-from .chat import Call, Message
+from .chat import Call, Message, Opening
 from .conversations import Conversation, Paused
 from .protocol import APIError, InterceptOptions, SamplingFields
 from .structured import OutputConstraint
@@ -66,6 +66,9 @@ class TurnSpec:
     # Extra keyword arguments of the chat template (`chat_template_kwargs`, a chat turn's); a paused turn
     # keeps its own, with which its prompt is rendered again when a later turn continues it (chat.py)
     template_kwargs: Mapping[str, Any] | None = None
+    # How a chat turn's prompt ends; CONTINUE: in its final assistant message, whose text the answer
+    # continues (and leaves out: the turn's text is the continuation, as vLLM and Anthropic return it)
+    opening: Opening = Opening.GENERATION_PROMPT
 
     @property
     def is_chat(self) -> bool:

@@ -20,6 +20,7 @@ sibling adapters: each maps its wire request to a `TurnSpec` and these events to
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
@@ -30,7 +31,7 @@ from typing import Any
 from infercept.engine.backend import InterceptParams, RequestOutput, SamplingParams
 from infercept.engine.backend import THINK_END, ReasoningParser
 
-from .chat import AssistantTurn, Call, ChatRenderer, Message, validate_tool_flow
+from .chat import AssistantTurn, Call, ChatRenderer, Message, Opening, validate_tool_flow
 from .conversations import ConversationStore, Paused
 from .engine_turn import Admission, EngineTurn, EngineTurns
 from .metrics import ServerMetrics
@@ -266,6 +267,18 @@ def _unstreamed(content: str, streamed: str) -> str:
 
 # -- opening turns ----------------------------------------------------------------------------------
 
+def check_continuable(spec: TurnSpec, forced: bool) -> None:
+    """400 unless the answer can continue the conversation's final message: an assistant message of text,
+    and no call forced (a forced call opens the answer itself)."""
+    last = spec.messages[-1] if spec.messages else None
+    if last is None or last.role != "assistant" or last.tool_calls:
+        raise bad_request(f"{spec.param}: an answer can continue only a final assistant message of text "
+                          "(no tool calls)", param=spec.param)
+    if forced:
+        raise bad_request("a forced tool call opens the answer itself: it cannot continue the final assistant "
+                          "message", param="tool_choice")
+
+
 @dataclass
 class _Prepared:
     spec: TurnSpec
@@ -364,18 +377,16 @@ class Turns:
         return _Prepared(spec, spec.request_id or new_id(spec.id_prefix), prompt_ids, params, intercept, prefill,
                          reasoning)
 
-    def render_prompt(self, spec: TurnSpec, generation_prompt: bool = True, fit_context: bool = True) -> list[int]:
+    def render_prompt(self, spec: TurnSpec, fit_context: bool = True) -> list[int]:
         """The prompt token ids `spec` would be served with (400 on bad input); nothing runs.
-        `generation_prompt` False: a chat conversation alone, without the next turn's opening;
         `fit_context` False: a prompt longer than the model's context is counted, not refused."""
         if not spec.is_chat:
             prompt_ids = list(spec.prompt_ids)
             self.check_prompt(prompt_ids, spec.param, fit_context)
             return prompt_ids
-        return self._render(spec, generation_prompt, fit_context)[0]
+        return self._render(spec, fit_context)[0]
 
-    def _render(self, spec: TurnSpec, generation_prompt: bool = True,
-                fit_context: bool = True) -> tuple[list[int], str]:
+    def _render(self, spec: TurnSpec, fit_context: bool = True) -> tuple[list[int], str]:
         """A chat turn's prompt token ids and the prefill they end with (a forced call's opening)."""
         if self.renderer is None:
             raise APIError(400, "this model has no chat template; use /v1/completions", code="no_chat_template")
@@ -388,10 +399,13 @@ class Turns:
             raise bad_request(f"tool_choice {asked} cannot be enforced with vLLM's tool parser "
                               f"{self.format.name!r}: {self.format.forcing_refusal}; send tool_choice auto",
                               param="tool_choice")
+        if spec.opening is Opening.CONTINUE:
+            check_continuable(spec, mode.forced)
         prefill = self.format.forced_prefill(mode.forced_name) if mode.forced else ""
         try:
-            prompt_ids = self.renderer.render(spec.messages, mode.tools, self.conversations.known_turn, prefill,
-                                              spec.template_kwargs, generation_prompt)
+            known_turn = functools.partial(self.conversations.known_turn, owner=spec.owner)
+            prompt_ids = self.renderer.render(spec.messages, mode.tools, known_turn, prefill,
+                                              spec.template_kwargs, spec.opening)
         except APIError:
             raise
         except Exception as e:  # the template (jinja) or the tokenizer refused the input

@@ -178,8 +178,8 @@ def test_a_structured_answer_follows_output_config_format(srv):
      400, "invalid_request_error", "toolu_1"),
     ({"model": MODEL, "max_tokens": 5, "messages": QUESTION, "tool_choice": {"type": "tool"}}, 400,
      "invalid_request_error", "tool_choice.name"),
-    ({"model": MODEL, "max_tokens": 5, "messages": QUESTION + [{"role": "assistant", "content": "It is"}]}, 400,
-     "invalid_request_error", "a prefill of the answer"),
+    ({"model": MODEL, "max_tokens": 5, "messages": QUESTION + [{"role": "assistant", "content": "It is "}]}, 400,
+     "invalid_request_error", "trailing whitespace"),
 ])
 def test_errors_have_anthropics_shape(srv, body, status, kind, says):
     r = httpx.post(srv.base + "/v1/messages", json=body, timeout=30)

@@ -152,7 +152,8 @@ def test_tokenize_a_prompt_and_detokenize_ids(srv, tokenizer):
     ({"prompt": "Hi", "messages": QUESTION}, None),
     ({}, None),
     ({"prompt": "Hi", "tools": TOOLS}, None),
-    ({"messages": QUESTION, "continue_final_message": True}, "continue_final_message"),
+    ({"messages": QUESTION, "continue_final_message": True}, None),  # with add_generation_prompt (vLLM's 400)
+    ({"messages": QUESTION, "continue_final_message": True, "add_generation_prompt": False}, "messages"),
     ({"messages": QUESTION, "add_special_tokens": True}, "add_special_tokens"),
     ({"messages": QUESTION, "chat_template": "{{ messages }}"}, "chat_template"),
     ({"messages": []}, "messages"),
