@@ -16,7 +16,9 @@ REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool, stop: list[str]):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool, stop: list[str],
+                 keep_stop: bool = False):
+        """`keep_stop`: the text ends with the stop string that ended it (else just before it)."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
@@ -25,6 +27,7 @@ class IncrementalDetokenizer:
         self.text = ""
         self.stop = stop
         self.max_stop_len = max((len(s) for s in stop), default=0)
+        self.keep_stop = keep_stop
         self._backend, self._stream = self._decode_stream()
 
     def _decode(self, ids: list[int]) -> str:
@@ -70,7 +73,7 @@ class IncrementalDetokenizer:
         if not found:
             return None
         at, stop = min(found)
-        self.text = self.text[:at]
+        self.text = self.text[:at + len(stop) if self.keep_stop else at]
         return stop
 
     def visible_text(self, finished: bool) -> str:

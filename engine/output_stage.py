@@ -71,11 +71,13 @@ class TurnOutput:
         """`context`: every token before the turn's first output (its tail seeds the detokenizer).
         `eos_token_ids`: the model's end-of-sequence tokens (None: the tokenizer's). `vllm_parses`: the
         backend runs vLLM's tool parsers, whose calls arrive with the turn's end (`take_vllm_calls`)."""
-        self.detok = IncrementalDetokenizer(tokenizer, context, params.skip_special_tokens, params.stop)
+        self.detok = IncrementalDetokenizer(tokenizer, context, params.skip_special_tokens, params.stop,
+                                            keep_stop=params.include_stop_str_in_output)
         self.judge = call_judge(intercept, vllm_parses)
         self.pause_on_stop = intercept is not None and intercept.pause_on_stop
         self.params = params
-        # The token that stops the turn (EOS, a stop token) is not text, as in vLLM: with
+        # The token that stops the turn (EOS, a stop token) is not text, as in vLLM (unless
+        # `include_stop_str_in_output`): with
         # skip_special_tokens off (tool formats whose markers are special tokens), "<|eot_id|>" or
         # "</s>" would otherwise end the turn's text and its content.
         if eos_token_ids is None:
@@ -117,7 +119,7 @@ class TurnOutput:
 
     def add(self, token_id: int) -> str | None:
         """One generated token; returns the stop string it completed, if any."""
-        if token_id in self.end_ids:
+        if token_id in self.end_ids and not self.params.include_stop_str_in_output:
             return None
         return self.detok.add(token_id)
 

@@ -74,6 +74,7 @@ class SamplingParams:
     min_tokens: int = 0  # end-of-sequence and stop tokens are suppressed until this many
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False  # the text keeps the stop string (or stop token) that ended it
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k: the sampled token's logprob plus the top k
     skip_special_tokens: bool = True

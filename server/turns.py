@@ -456,13 +456,16 @@ class Turns:
         max_tokens = room if s.max_tokens is None else min(s.max_tokens, room)
         stop = [s.stop] if isinstance(s.stop, str) else list(s.stop or [])
         logit_bias = self.logit_bias(s.logit_bias)
+        if any(not 0 <= t < self.vocab_size for t in s.stop_token_ids or ()):
+            raise bad_request(f"stop_token_ids must be token ids in [0, {self.vocab_size})", param="stop_token_ids")
         try:
             return SamplingParams(
                 temperature=1.0 if s.temperature is None else s.temperature,
                 top_p=1.0 if s.top_p is None else s.top_p,
                 top_k=max(s.top_k or 0, 0), seed=s.seed,
                 max_tokens=max_tokens, min_tokens=s.min_tokens,
-                stop=stop, ignore_eos=s.ignore_eos, logprobs=s.logprobs, skip_special_tokens=skip_special_tokens,
+                stop=stop, stop_token_ids=list(s.stop_token_ids or ()), include_stop_str_in_output=s.include_stop,
+                ignore_eos=s.ignore_eos, logprobs=s.logprobs, skip_special_tokens=skip_special_tokens,
                 presence_penalty=s.presence_penalty or 0.0, frequency_penalty=s.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if s.repetition_penalty is None else s.repetition_penalty,
                 min_p=s.min_p or 0.0, logit_bias=logit_bias)

@@ -344,6 +344,37 @@ def test_completions_token_prompts_and_token_level_resume(srv):
     assert streamed == ids.choices[0].text[:len(streamed)] and streamed
 
 
+def test_stop_token_ids_and_include_stop_str_in_output(srv):
+    """vLLM's fields: a stop token ends the output as EOS does (its id last in token_ids, its text left
+    out), and `include_stop_str_in_output` keeps the stop token's text or the stop string."""
+    client, tok = srv.client(), srv.engine.tokenizer
+    prompt = "Count: 1, 2, 3, 4,"
+    full = client.completions.create(prompt=prompt, max_tokens=8, extra_body={"return_token_ids": True}, **greedy())
+    ids = full.choices[0].model_extra["token_ids"]
+    k = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])
+
+    def complete(**extra):
+        out = client.completions.create(prompt=prompt, max_tokens=8, extra_body={"return_token_ids": True, **extra},
+                                        **greedy()).choices[0]
+        return out, out.model_extra["token_ids"]
+
+    out, got = complete(stop_token_ids=[ids[k]])
+    assert got == ids[:k + 1] and out.text == tok.decode(ids[:k])
+    assert out.finish_reason == "stop" and out.model_extra["stop_reason"] == ids[k]
+    out, got = complete(stop_token_ids=[ids[k]], include_stop_str_in_output=True)
+    assert got == ids[:k + 1] and out.text == tok.decode(ids[:k + 1])
+    stop = tok.decode(ids[k:k + 1]).strip()
+    out, _ = complete(stop=[stop], include_stop_str_in_output=True)
+    assert out.text.endswith(stop) and out.text == full.choices[0].text[:full.choices[0].text.index(stop) + len(stop)]
+    chat = client.chat.completions.create(messages=QUESTION, max_tokens=8, extra_body={"return_token_ids": True},
+                                          **greedy())
+    chat_ids = chat.choices[0].model_extra["token_ids"]
+    stopped = client.chat.completions.create(messages=QUESTION, max_tokens=8, **greedy(),
+                                             extra_body={"return_token_ids": True, "stop_token_ids": [chat_ids[1]]})
+    assert stopped.choices[0].model_extra["token_ids"] == chat_ids[:chat_ids.index(chat_ids[1]) + 1]
+    assert stopped.choices[0].finish_reason == "stop"
+
+
 # -- bad input, auth, limits, disconnects -----------------------------------------------------------
 
 BAD_CHAT = [
@@ -374,6 +405,7 @@ BAD_CHAT = [
     ("unknown session", {"model": MODEL, "messages": [{"role": "tool", "tool_call_id": "x", "content": "1"}],
                          "session_id": "ghost"}, 404),
     ("min_tokens over max", {"model": MODEL, "messages": QUESTION, "max_tokens": 2, "min_tokens": 5}, 400),
+    ("stop token id out of range", {"model": MODEL, "messages": QUESTION, "stop_token_ids": [10 ** 9]}, 400),
     ("lone surrogate", b'{"model": "smol", "messages": [{"role": "user", "content": "\\ud800"}]}', 400),
     ("deep nesting", b'{"model": "smol", "messages": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400),
     ("odd tool schema", {"model": MODEL, "messages": QUESTION, "max_tokens": 1, "tools": [{"type": "function", "function": {
@@ -394,6 +426,7 @@ BAD_COMPLETIONS = [
     ("mixed prompt list", {"model": MODEL, "prompt": ["a", 5]}, 400),
     ("lone surrogate", b'{"model": "smol", "prompt": "\\ud800"}', 400),
     ("empty prompt in a batch", {"model": MODEL, "prompt": [[1, 2], []]}, 400),
+    ("negative stop token id", {"model": MODEL, "prompt": "hi", "stop_token_ids": [-1]}, 400),
 ]
 
 

@@ -237,6 +237,15 @@ def test_a_stop_string_ends_a_turn_where_our_engine_does_and_a_paused_one_keeps_
     cut = asyncio.run(run_turn(backend.generate(prompt, greedy(30, stop=[stop]), "stop-3")))
     assert cut.finished and cut.finish_reason == "stop" and cut.stop_reason == stop
     assert cut.text == plain.text[:plain.text.index(stop)]
+    # vLLM's include_stop_str_in_output and stop_token_ids, as on our engine (the output stage is the same).
+    kept = asyncio.run(run_turn(backend.generate(prompt, greedy(30, stop=[stop], include_stop_str_in_output=True),
+                                                 "stop-3-kept")))
+    assert kept.text == plain.text[:plain.text.index(stop) + len(stop)] and kept.token_ids == cut.token_ids
+    ids = plain.token_ids
+    k = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])
+    by_id = asyncio.run(run_turn(backend.generate(prompt, greedy(30, stop_token_ids=[ids[k]]), "stop-3-id")))
+    assert by_id.token_ids == ids[:k + 1] and by_id.stop_reason == ids[k] and by_id.finish_reason == "stop"
+    assert by_id.text == tokenizer.decode(ids[:k])
     # A turn that pauses at any stop: the session's turn ends at the token completing the stop string (our
     # scheduler inside vLLM), it waits with its KV, and the resumed turn reuses it and equals a fresh run.
     paused = asyncio.run(run_turn(backend.generate(prompt, greedy(30, stop=[stop]), "stop-4",
