@@ -33,13 +33,14 @@ class OutOfBlocksError(RuntimeError):
     pass
 
 
-def chain_hashes(token_ids: Sequence[int], block_size: int, known: list[int]) -> list[int]:
+def chain_hashes(token_ids: Sequence[int], block_size: int, known: list[int], salt: str | None = None) -> list[int]:
     """Hashes of every full block of `token_ids`, extending `known` (the hashes of its first blocks,
     computed before: a context only grows at its end, so they never change). Each hash covers the
-    block's tokens and, through its parent's hash, everything before. Python's tuple hash is 64-bit:
+    block's tokens and, through its parent's hash, everything before; the first block's covers `salt`
+    too (a request's `cache_salt`: contexts of different salts share no block). Python's tuple hash is 64-bit:
     a collision between two different prefixes is astronomically unlikely (vLLM accepts the same)."""
     hashes = list(known)
-    parent = hashes[-1] if hashes else None
+    parent = hashes[-1] if hashes else salt
     for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
         parent = hash((parent, tuple(token_ids[start:start + block_size])))
         hashes.append(parent)

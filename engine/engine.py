@@ -160,7 +160,7 @@ class Engine:
                           self.eos_token_ids)
         request = Request(request_id, token_ids, params, self.eos_token_ids,
                           arrival_time=self.scheduler.clock() if arrival_time is None else arrival_time,
-                          intercept=intercept)
+                          intercept=intercept, cache_salt=params.cache_salt)
         self.scheduler.add(request)
         self.turns[request_id] = turn
         return request_id

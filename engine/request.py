@@ -78,8 +78,10 @@ class Request:
     paused_at: float | None = None
     tool_calls: list = field(default_factory=list)  # the calls that paused it (tool_parsers.ToolCall)
     num_turns: int = 1
-    # Content hashes of the context's full blocks, computed once (a context only grows at its end).
+    # Content hashes of the context's full blocks, computed once (a context only grows at its end),
+    # in the namespace of its first turn's `cache_salt` (its KV's, whatever later turns' parameters say).
     block_hashes: list[int] = field(default_factory=list)
+    cache_salt: str | None = None
     num_cached_tokens: int = 0  # this turn's context tokens whose KV was reused: never computed this turn
     # Program-level priority (Policy.priority): tokens computed for this request (its program) so far,
     # recomputed ones included; its first arrival, kept whatever arrival_time becomes; and the key the

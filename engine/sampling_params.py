@@ -86,6 +86,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 0: a seen token's logit is divided by it if > 0, else multiplied
     min_p: float = 0.0  # [0, 1]: random sampling drops tokens less likely than min_p x the most likely one
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    # Not sampling, but a request's option that travels with these to either backend: the prefix cache's
+    # namespace. Requests share cached blocks only with requests of the same salt (vLLM's `cache_salt`);
+    # a request keeps its first turn's.
+    cache_salt: str | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):

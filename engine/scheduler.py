@@ -272,7 +272,7 @@ class Scheduler:
         if not self.blocks.enable_caching:
             return []
         bs = self.blocks.block_size
-        request.block_hashes = chain_hashes(request.token_ids, bs, request.block_hashes)
+        request.block_hashes = chain_hashes(request.token_ids, bs, request.block_hashes, request.cache_salt)
         return self.blocks.match_prefix(request.block_hashes[:(request.num_tokens - 1) // bs])
 
     def _register_computed(self, request: Request) -> None:
@@ -282,7 +282,8 @@ class Scheduler:
         if full <= self.blocks.num_registered(request.request_id):
             return  # no block filled since (most decode steps)
         if len(request.block_hashes) < full:
-            request.block_hashes = chain_hashes(request.token_ids[:full * bs], bs, request.block_hashes)
+            request.block_hashes = chain_hashes(request.token_ids[:full * bs], bs, request.block_hashes,
+                                                request.cache_salt)
         self.blocks.register_blocks(request.request_id, request.block_hashes[:full])
 
     def paused_device_tokens(self) -> int:

@@ -100,7 +100,8 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
     renderer = ChatRenderer(tokenizer, info.eos_token_ids, tool_format) if tokenizer.chat_template else None
     defaults = sampling_defaults(info.model, settings.generation_config, settings.override_generation_config)
     turns = Turns(EngineTurns(backend, metrics), conversations, metrics, admission, renderer,
-                  info.max_model_len, info.vocab_size, info.guided_decoding, reasoning, defaults)
+                  info.max_model_len, info.vocab_size, info.guided_decoding, reasoning, defaults,
+                  tenant_cache_salt=not settings.shared_prefix_cache)
     common = dict(turns=turns, model_name=model_name,
                   model_aliases={model_name, info.model, info.model_name, *settings.more_model_names},
                   tokenizer=tokenizer)

@@ -288,6 +288,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-keys-file", default=_env("API_KEYS_FILE", None),
                    help="tenants, one per line: KEY [NAME] [max_paused=N] [max_paused_tokens=N]; each tenant "
                         "sees only its own sessions, responses and paused generations (docs/operators.md)")
+    g.add_argument("--shared-prefix-cache", action="store_true", default=_env("SHARED_PREFIX_CACHE", "") == "1",
+                   help="tenants share cached prompt blocks (a common system prompt computed once for all); by "
+                        "default each tenant's are apart, so cached_tokens and timing never reveal what "
+                        "another tenant sent")
     g.add_argument("--served-model-name", nargs="+", metavar="NAME", default=_env("SERVED_MODEL_NAME", "").split() or None,
                    help="model name clients use (default: the model folder's name, or the Hub repo id); more names "
                         "are aliases the server answers to as well, each listed in /v1/models (as vLLM's flag)")
@@ -411,6 +415,7 @@ def server_settings(args: argparse.Namespace):
                              "object, e.g. '{\"temperature\": 0}'")
     names = args.served_model_name or [None]
     return ServerSettings(host=args.host, port=args.port, api_key=api_key or None, tenants=tenants,
+                          shared_prefix_cache=args.shared_prefix_cache,
                           served_model_name=names[0], more_model_names=tuple(names[1:]),
                           chat_template=chat_template(args.chat_template) if args.chat_template else None,
                           conversations=policy,

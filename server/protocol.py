@@ -3,7 +3,7 @@
 Requests are validated strictly where OpenAI is strict (`extra="forbid"`: an unknown top-level field is
 a 400, as OpenAI answers "Unrecognized request argument supplied"), with vLLM's extras (`ignore_eos`,
 `min_tokens`, `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `include_stop_str_in_output`,
-`return_token_ids`, `structured_outputs` regex / choice and their older spellings `guided_regex` /
+`cache_salt`, `return_token_ids`, `structured_outputs` regex / choice and their older spellings `guided_regex` /
 `guided_choice`, and on chat completions `chat_template_kwargs`, `add_generation_prompt` and
 `continue_final_message`) and ours (`session_id`, `intercept`). Messages are lenient (`extra="ignore"`)
 because SDKs echo response messages back with fields such as `refusal` and `annotations`. Responses
@@ -133,6 +133,9 @@ class SamplingFields(Strict):
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[int] | None = None  # ids that end the output as EOS does (the model's own ids)
     include_stop_str_in_output: bool = False  # the text keeps the stop string or stop token that ended it
+    # The prefix cache's namespace: a request shares cached blocks only with requests of the same salt
+    # (and, unless --shared-prefix-cache, of the same tenant)
+    cache_salt: str | None = Field(default=None, min_length=1)
     return_token_ids: bool = False
     structured_outputs: StructuredOutputs | None = None
     guided_regex: str | None = None  # vLLM's older spellings of structured_outputs regex / choice

@@ -103,6 +103,10 @@ class ServerSettings:
     # its own tenant (server/tenants.py); `api_key` alone is the tenant "default".
     api_key: str | None = None
     tenants: tuple[Tenant, ...] = ()
+    # Tenants share one prefix cache: a common system prompt's KV is computed once for all of them, but a
+    # tenant's cached_tokens (and its latency) then tell whether another tenant sent the same prompt.
+    # False (the default): each tenant's prompts are cached apart from every other's.
+    shared_prefix_cache: bool = False
     conversations: ConversationPolicy = field(default_factory=ConversationPolicy)
     # Requests generating at once; beyond this the server answers 429 with Retry-After.
     max_concurrent_requests: int = 512

@@ -21,6 +21,7 @@ sibling adapters: each maps its wire request to a `TurnSpec` and these events to
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import time
 import uuid
@@ -296,7 +297,7 @@ class Turns:
     def __init__(self, engine_turns: EngineTurns, conversations: ConversationStore, metrics: ServerMetrics,
                  admission: Admission, renderer: ChatRenderer | None, max_model_len: int, vocab_size: int,
                  guided_decoding: bool = True, reasoning: ReasoningParser | None = None,
-                 sampling_defaults: Mapping[str, Any] | None = None):
+                 sampling_defaults: Mapping[str, Any] | None = None, tenant_cache_salt: bool = True):
         self.engine_turns = engine_turns
         self.conversations = conversations
         self.metrics = metrics
@@ -308,6 +309,7 @@ class Turns:
         self.guided_decoding = guided_decoding  # the backend's (EngineInfo.guided_decoding)
         self.reasoning = reasoning  # --reasoning-parser: chat turns' thinking is split off (None: not)
         self.sampling_defaults = sampling_defaults or {}  # for the fields a request leaves out (generation_defaults.py)
+        self.tenant_cache_salt = tenant_cache_salt  # each tenant's prompts cached apart (not --shared-prefix-cache)
 
     async def open(self, spec: TurnSpec) -> Turn:
         """Open one turn; closing it releases its admission."""
@@ -468,9 +470,16 @@ class Turns:
                 ignore_eos=s.ignore_eos, logprobs=s.logprobs, skip_special_tokens=skip_special_tokens,
                 presence_penalty=s.presence_penalty or 0.0, frequency_penalty=s.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if s.repetition_penalty is None else s.repetition_penalty,
-                min_p=s.min_p or 0.0, logit_bias=logit_bias)
+                min_p=s.min_p or 0.0, logit_bias=logit_bias, cache_salt=self.cache_salt(spec.owner, s.cache_salt))
         except ValueError as e:
             raise bad_request(str(e)) from None
+
+    def cache_salt(self, owner: str | None, salt: str | None) -> str | None:
+        """The prefix-cache namespace of a tenant's request: the tenant's own (unless tenants share the
+        cache), and within it the request's `cache_salt`."""
+        if owner is None or not self.tenant_cache_salt:
+            return salt
+        return json.dumps([owner, salt])
 
     def logit_bias(self, bias) -> dict[int, float] | None:
         """`logit_bias` with integer token ids; 400 for a key that is not a token id of this model, or a

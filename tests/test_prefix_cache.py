@@ -252,6 +252,25 @@ def test_common_prefix_is_shared_and_token_exact(default_model_dir, cache_on, to
     assert cache_off.block_manager.device.num_cached == 0 and cache_off.block_manager.device.counters.queried == 0
 
 
+def test_a_cache_salt_shares_blocks_only_with_its_own_salt(cache_on, tokenizer):
+    """vLLM's `cache_salt`: the same prompt under another salt computes everything again; under its own
+    salt (or none, as before) it reuses the blocks, and the tokens are the same either way."""
+    prompt = tokenizer.encode("Ferries from Naples sail to Capri, Ischia and Procida all year, and to Sicily, "
+                              "Sardinia and the Aeolian islands in summer. Which one is the fastest?")  # no other test's
+    full = (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+    def run(salt):
+        rid = cache_on.add_request(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, cache_salt=salt))
+        outs = {}
+        while cache_on.has_unfinished_requests():
+            outs.update((o.request_id, o) for o in cache_on.step())
+        return outs[rid]
+
+    first = run("tenant-a")
+    assert [run(s).num_cached_tokens for s in ("tenant-a", "tenant-b", None, "tenant-b")] == [full, 0, 0, full]
+    assert run(None).num_cached_tokens == full and run("tenant-a").token_ids == first.token_ids
+
+
 def test_paused_session_resumes_after_partial_eviction(default_model_dir, tokenizer, hf_model_fp32):
     """prefix-cache policy: the paused context is dropped lazily; another request evicts its deepest
     blocks; the resume recomputes only those and continues exactly as a fresh run would."""

@@ -128,6 +128,31 @@ def test_a_quota_releases_the_keys_own_oldest_paused_generation_first(default_mo
         thread.join(timeout=10)
 
 
+def test_each_keys_prompts_are_cached_apart_unless_the_operator_shares_the_cache(default_model_dir):
+    """The real engine: a prompt alice sent is in the prefix cache for her next request, never for bob's
+    (cached_tokens would tell him what she sent); a request's `cache_salt` (vLLM's) splits her own cache
+    further. With --shared-prefix-cache the keys share it."""
+    from live_server import MODEL, LiveServer
+
+    ask = [{"role": "user", "content": "List three rivers of France and one city on each of them, briefly."}]
+    for shared in (False, True):
+        live = LiveServer(default_model_dir, "preserve", tenants=(ALICE, BOB), shared_prefix_cache=shared)
+        try:
+            def cached(tenant: Tenant, **extra) -> int:
+                client = openai.OpenAI(base_url=live.url, api_key=tenant.key, max_retries=0, timeout=60)
+                out = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=2, temperature=0,
+                                                     extra_body=extra)
+                return out.usage.prompt_tokens_details.cached_tokens
+
+            assert cached(ALICE) == 0
+            again = cached(ALICE)
+            assert again > 16
+            assert cached(BOB) == (again if shared else 0)
+            assert cached(ALICE, cache_salt="project-x") == 0 and cached(ALICE, cache_salt="project-x") == again
+        finally:
+            live.close()
+
+
 def test_keys_are_compared_in_constant_time_against_every_key(monkeypatch):
     compared = []
     real = tenants.hmac.compare_digest

@@ -144,6 +144,21 @@ def test_a_greedy_turn_equals_transformers(backend, tokenizer, hf_model_fp32):
     assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
 
 
+@needs_vllm
+def test_a_cache_salt_reaches_vllms_prefix_cache(backend, tokenizer):
+    """`SamplingParams.cache_salt` goes to vLLM as its prompt's `cache_salt`: the same prompt under another
+    salt is computed again, under its own it reuses the blocks, and the tokens are the same."""
+    prompt = chat_prompt(tokenizer, [{"role": "user", "content": "Name four oceans and one sea that borders each."}])
+
+    def run(salt, rid):
+        return asyncio.run(run_turn(backend.generate(prompt, greedy(4, ignore_eos=True, cache_salt=salt), rid)))
+
+    first = run("a", "salt-1")
+    other, same = run("b", "salt-2"), run("a", "salt-3")
+    assert other.num_cached_tokens == 0 and same.num_cached_tokens >= 16
+    assert other.token_ids == same.token_ids == first.token_ids
+
+
 def tool_turn_prompt(tokenizer) -> list[int]:
     """The server's prompt for a chat template without a tool section: the tool system prompt and example
     exchanges, then the question."""

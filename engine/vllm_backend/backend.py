@@ -90,6 +90,7 @@ class _Generation:
     turn_start: int  # where this turn's generated tokens begin in `context`
     session: bool  # a vLLM streaming-input session: its first turn may pause (fixed for its life)
     wire_id: str  # vLLM's request id for this turn: the request id, or for stock policies one per turn
+    cache_salt: str | None = None  # its first turn's (SamplingParams.cache_salt), for every request it sends
     cached: int = 0  # this turn's context tokens whose KV was reused
     turn: int = 0
     logprobs: list[SampledToken] = field(default_factory=list)
@@ -281,7 +282,8 @@ class VllmBackend(EngineBackend):
         gen = _Generation(request_id, list(prompt), list(prompt), params, intercept,
                           TurnOutput(self.tokenizer, prompt, params, intercept, self.info.eos_token_ids, True),
                           turn_start=len(prompt),
-                          session=self.sessions and may_pause(intercept), wire_id=request_id)
+                          session=self.sessions and may_pause(intercept), wire_id=request_id,
+                          cache_salt=params.cache_salt)
         fields = vllm_sampling_fields(params, gen.session, TurnRule.of(params, intercept))
         with self._lock:
             if request_id in self._generations or request_id in self._wires:
@@ -290,7 +292,8 @@ class VllmBackend(EngineBackend):
             self._wires[request_id] = gen
         self._open(gen)
         self.worker.send({"op": "generate", "id": request_id, "prompt": list(prompt), "params": fields,
-                          "resumable": gen.session, "calls": _call_rule(gen.stage, intercept)})
+                          "resumable": gen.session, "calls": _call_rule(gen.stage, intercept),
+                          "cache_salt": gen.cache_salt})
         async for out in self._stream(gen):
             yield out
 
@@ -326,7 +329,8 @@ class VllmBackend(EngineBackend):
                 self._wires.pop(gen.wire_id, None)
                 gen.wire_id = f"{request_id}#{gen.turn}"
                 self._wires[gen.wire_id] = gen
-            msg = {"op": "generate", "id": gen.wire_id, "prompt": gen.context + list(appended), "resumable": False}
+            msg = {"op": "generate", "id": gen.wire_id, "prompt": gen.context + list(appended), "resumable": False,
+                   "cache_salt": gen.cache_salt}
             gen.cached = 0  # vLLM reports the prefix-cache hit with the first output
         gen.context += appended
         gen.turn_start = len(gen.context)

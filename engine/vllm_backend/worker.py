@@ -14,7 +14,7 @@ of ours). Every message is a dict.
 
     backend -> worker                                   worker -> backend
     {"op": "generate", "id", "prompt", "params",        {"op": "ready", "info"}            once, at start
-     "resumable", "calls"}                              {"op": "refused", "error"}   or this: no start
+     "resumable", "calls", "cache_salt"}                {"op": "refused", "error"}   or this: no start
     {"op": "resume", "id", "tokens", "params", "at",    {"op": "out", "id", "tokens", "logprobs",
      "calls"}                                            "finish_reason", "stop_reason", "cached"
     {"op": "pause", "id", "tool", "expected_s"}          [, "streamed_content" | "calls", "content"]}
@@ -335,6 +335,8 @@ class Worker:
                 return
         if op == "generate":
             prompt = TokensPrompt(prompt_token_ids=list(msg["prompt"]))
+            if msg.get("cache_salt") is not None:  # the prefix cache's namespace (vLLM's own field)
+                prompt["cache_salt"] = msg["cache_salt"]
             if msg["resumable"]:
                 self.inputs[rid] = asyncio.Queue()
                 self.inputs[rid].put_nowait(StreamingInput(prompt, params))
