@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # 3 GB CUDA build). Hosts with an NVIDIA driver get PyPI's CUDA build. Override with TORCH=...
 TORCH ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0+cpu)
 
-.PHONY: install serve test bench download clean vllm-env browser claude-code gpu-pack gpu-check
+.PHONY: install serve test bench download clean vllm-env browser claude-code ai-sdk gpu-pack gpu-check
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -47,7 +47,7 @@ router: install
 # (tests/conftest.py); TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 test:
-	@$(MAKE) --no-print-directory -j4 download vllm-env browser claude-code
+	@$(MAKE) --no-print-directory -j4 download vllm-env browser claude-code ai-sdk
 	$(BIN)/python -m pytest -q --durations=25 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 # Debian's chromium for tests/test_dashboard.py: installed as root where apt-get exists; elsewhere that
@@ -68,12 +68,24 @@ claude-code:
 		    @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) >/dev/null; } || \
 		echo "Claude Code is not installed (needs npm): tests/test_claude_code.py will skip"
 
+# The Vercel AI SDK for tests/test_ai_sdk.py (npm: `ai` and its OpenAI-compatible provider) in the
+# git-ignored .ai-sdk/. Pinned, as Claude Code is: the test checks what these releases send. Without npm
+# that test skips (it says why).
+AI_SDK_VERSION := 7.0.173
+AI_SDK_PROVIDER_VERSION := 3.0.92
+ai-sdk:
+	@[ "$$(cat .ai-sdk/.installed 2>/dev/null)" = "$(AI_SDK_VERSION) $(AI_SDK_PROVIDER_VERSION)" ] || \
+		{ command -v npm >/dev/null && npm install --silent --no-audit --no-fund --prefix .ai-sdk \
+		    ai@$(AI_SDK_VERSION) @ai-sdk/openai-compatible@$(AI_SDK_PROVIDER_VERSION) >/dev/null && \
+		    echo "$(AI_SDK_VERSION) $(AI_SDK_PROVIDER_VERSION)" > .ai-sdk/.installed; } || \
+		echo "the AI SDK is not installed (needs npm): tests/test_ai_sdk.py will skip"
+
 # The real-server rate sweep of every policy (<= 20 min; `benchmarks/sweep.py --quick` for ~2 min).
 bench: download
 	$(BIN)/python benchmarks/sweep.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .claude-code build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .claude-code .ai-sdk build *.egg-info .pytest_cache .hypothesis
 
 # The GPU check (benchmarks/README.md, "GPU check"), in two halves. `make gpu-pack`, here (network, .venv):
 # fills the git-ignored .gpu-check/ (< 40 MiB) with the wheels a bare CUDA host lacks (CPython 3.12) and
