@@ -104,8 +104,8 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
                   tenant_cache_salt=not settings.shared_prefix_cache)
     common = dict(turns=turns, model_name=model_name,
                   model_aliases={model_name, info.model, info.model_name, *settings.more_model_names},
-                  tokenizer=tokenizer)
-    completions = CompletionServing(eos_token_ids=info.eos_token_ids, **common)
+                  tokenizer=tokenizer, eos_token_ids=info.eos_token_ids)
+    completions = CompletionServing(**common)
     chat = chat_server_tools = responses = messages = sessions = None
     if renderer is not None:
         chat = ChatServing(**common)

@@ -352,6 +352,7 @@ class ChatChoice(BaseModel):
     message: ChatMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: Literal["stop", "length", "tool_calls", "content_filter", "function_call"]
+    stop_reason: str | int | None = None  # vLLM: the stop string or token id that ended it
     token_ids: list[int] | None = None  # return_token_ids (vLLM)
 
 
@@ -372,6 +373,7 @@ class ChatChunkChoice(BaseModel):
     delta: dict[str, Any]
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM: on the chunk that ends the choice
     token_ids: list[int] | None = None
 
 

@@ -13,6 +13,8 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 
+from infercept.engine.backend import RequestOutput
+
 from .protocol import APIError, bad_request
 from .turns import Turn, TurnEvent, Turns, TurnSpec
 
@@ -28,17 +30,24 @@ STREAM_CUT_S = SHUTDOWN_GRACE_S + 2.0
 class Frontend:
     """What every front end checks of its wire request before it builds a turn."""
 
-    def __init__(self, turns: Turns, model_name: str, model_aliases: set[str], tokenizer):
+    def __init__(self, turns: Turns, model_name: str, model_aliases: set[str], tokenizer,
+                 eos_token_ids: frozenset[int] = frozenset()):
         self.turns = turns
         self.conversations = turns.conversations
         self.model_name = model_name
         self.model_aliases = model_aliases
         self.tokenizer = tokenizer  # the server's own instance: the engine thread decodes with the engine's
+        self.eos_token_ids = eos_token_ids  # a stop at one of these reports no stop_reason
 
     def check_model(self, name: str) -> None:
         if name not in self.model_aliases:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
+
+    def stop_reason(self, out: RequestOutput) -> str | int | None:
+        """vLLM's `stop_reason`: the stop string or stop token that ended the output; None at EOS or the
+        length limit."""
+        return None if isinstance(out.stop_reason, int) and out.stop_reason in self.eos_token_ids else out.stop_reason
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

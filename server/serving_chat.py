@@ -28,6 +28,8 @@ from collections.abc import AsyncIterator
 from fastapi.responses import Response
 from starlette.requests import Request
 
+from infercept.engine.backend import RequestOutput
+
 from .chat import Message, Opening, normalize_messages, tool_specs
 from .conversations import Conversation, Kind, State
 from .protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
@@ -37,8 +39,8 @@ from .serving_base import Frontend, check_n, close_all, merged_events, once, res
 from .structured import check_without_calls, output_constraint
 from .tenants import owner_of
 from .tool_mode import tool_mode
-from .turns import (CallArguments, CallOpened, ReasoningDelta, Sampling, TextDelta, Turn, TurnFinished, TurnSpec,
-                    TurnUsage)
+from .turns import (CallArguments, CallOpened, ReasoningDelta, Sampling, TextDelta, Turn, TurnFinished, TurnResult,
+                    TurnSpec, TurnUsage)
 
 SESSION_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
@@ -192,7 +194,7 @@ class ChatServing(Frontend):
                               reasoning_content=result.reasoning)
         choice = ChatChoice(index=index, message=message,
                             logprobs=self._logprobs(req, last, 0, len(last.token_ids)),
-                            finish_reason=result.finish_reason,
+                            finish_reason=result.finish_reason, stop_reason=self._stop_reason(result, last),
                             token_ids=list(last.token_ids) if req.return_token_ids else None)
         body = choice.model_dump(mode="json")
         if body["token_ids"] is None:
@@ -201,6 +203,10 @@ class ChatServing(Frontend):
             del body["message"]["reasoning_content"]
         return body
 
+    def _stop_reason(self, result: TurnResult, last: RequestOutput) -> str | int | None:
+        """A choice's `stop_reason`: a turn that ended in tool calls names none."""
+        return None if result.finish_reason == "tool_calls" else self.stop_reason(last)
+
     # -- streaming ---------------------------------------------------------------------------------
     async def _stream(self, req: ChatCompletionRequest, response_id: str, turns: list[Turn]) -> AsyncIterator[dict]:
         """Each turn's chunks carry its choice index; with n > 1 the samples' chunks interleave as they are
@@ -208,13 +214,17 @@ class ChatServing(Frontend):
         created = now()
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs=None, token_ids=None) -> dict:
+        def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs=None, token_ids=None,
+                  stop_reason=None) -> dict:
             c = ChatCompletionChunk(id=response_id, created=created, model=req.model,
                                     choices=[ChatChunkChoice(index=index, delta=delta, logprobs=logprobs,
-                                                             finish_reason=finish_reason, token_ids=token_ids)])
+                                                             finish_reason=finish_reason, stop_reason=stop_reason,
+                                                             token_ids=token_ids)])
             body = c.model_dump(mode="json", exclude={"usage"} if not include_usage else None)
             if token_ids is None:
                 del body["choices"][0]["token_ids"]
+            if finish_reason is None:  # (only the chunk that ends a choice has vLLM's stop_reason)
+                del body["choices"][0]["stop_reason"]
             return {"data": json.dumps(body, ensure_ascii=False)}
 
         sent_tokens = [0] * len(turns)  # of each turn: tokens whose logprobs were sent
@@ -236,6 +246,7 @@ class ChatServing(Frontend):
                 self.remember(turns[i], turns[i].spec.messages + (event.result.message,))
                 ends.append(event.usage)
                 yield chunk(i, {}, finish_reason=event.result.finish_reason,
+                            stop_reason=self._stop_reason(event.result, last),
                             logprobs=self._logprobs(req, last, sent_tokens[i], len(last.token_ids)),
                             token_ids=list(last.token_ids) if req.return_token_ids else None)
         if include_usage:

@@ -26,10 +26,6 @@ from .turns import Sampling, TextDelta, Turn, TurnFinished, TurnSpec
 
 
 class CompletionServing(Frontend):
-    def __init__(self, *args, eos_token_ids: frozenset[int], **kwargs):
-        super().__init__(*args, **kwargs)
-        self.eos_token_ids = eos_token_ids  # a stop at one of these reports no stop_reason
-
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         check_n(req.n, "intercept makes each of its stops a pause" if req.intercept is not None else None)
@@ -87,9 +83,6 @@ class CompletionServing(Frontend):
             return ""
         return text if text is not None else self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def _stop_reason(self, out: RequestOutput) -> str | int | None:
-        return None if isinstance(out.stop_reason, int) and out.stop_reason in self.eos_token_ids else out.stop_reason
-
     def _logprobs(self, req: CompletionRequest, out: RequestOutput, start: int, end: int,
                   offset: int) -> CompletionLogprobs | None:
         if req.logprobs is None or out.logprobs is None:
@@ -135,7 +128,7 @@ class CompletionServing(Frontend):
         for i, (turn, end) in enumerate(zip(turns, ends)):
             out = end.output
             choice = CompletionChoice(index=i, text=echoes[i] + out.text, finish_reason=end.result.finish_reason,
-                                      stop_reason=self._stop_reason(out),
+                                      stop_reason=self.stop_reason(out),
                                       logprobs=self._logprobs(req, out, 0, len(out.token_ids), len(echoes[i])))
             choices.append(self._choice_extras(req, choice.model_dump(mode="json"), turn, out))
         body = CompletionResponse(id=response_id, model=req.model, choices=[], usage=self._usage(ends, req.n or 1))
@@ -176,7 +169,7 @@ class CompletionServing(Frontend):
             choice = {"index": i, "text": pending[i], "logprobs": lp.model_dump() if lp else None,
                       "finish_reason": finish}
             if finish:
-                choice["stop_reason"] = self._stop_reason(out)
+                choice["stop_reason"] = self.stop_reason(out)
                 if req.return_token_ids:
                     choice["prompt_token_ids"] = list(turns[i].prompt_ids)
                     choice["token_ids"] = list(out.token_ids)

@@ -292,7 +292,8 @@ def test_chat_stream_shapes(srv):
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "", "refusal": None}
     *body_chunks, finish_chunk, usage_chunk = chunks
     assert all(c["usage"] is None for c in chunks[:-1])
-    assert all(set(c["choices"][0]) == {"index", "delta", "logprobs", "finish_reason"} for c in chunks[:-1])
+    assert all(set(c["choices"][0]) == {"index", "delta", "logprobs", "finish_reason"} for c in body_chunks)
+    assert set(finish_chunk["choices"][0]) == {"index", "delta", "logprobs", "finish_reason", "stop_reason"}
     assert finish_chunk["choices"][0]["finish_reason"] == "length" and finish_chunk["choices"][0]["delta"] == {}
     assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 6
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in body_chunks)
@@ -372,7 +373,12 @@ def test_stop_token_ids_and_include_stop_str_in_output(srv):
     stopped = client.chat.completions.create(messages=QUESTION, max_tokens=8, **greedy(),
                                              extra_body={"return_token_ids": True, "stop_token_ids": [chat_ids[1]]})
     assert stopped.choices[0].model_extra["token_ids"] == chat_ids[:chat_ids.index(chat_ids[1]) + 1]
-    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].model_extra["stop_reason"] == chat_ids[1]
+    assert chat.choices[0].model_extra["stop_reason"] is None  # EOS or the length limit: vLLM names none
+    streamed = client.chat.completions.create(messages=QUESTION, max_tokens=8, stream=True, **greedy(),
+                                              extra_body={"stop_token_ids": [chat_ids[1]]})
+    last = [c for c in streamed if c.choices and c.choices[0].finish_reason][-1].choices[0]
+    assert last.finish_reason == "stop" and last.model_extra["stop_reason"] == chat_ids[1]
 
 
 # -- bad input, auth, limits, disconnects -----------------------------------------------------------
