@@ -7,8 +7,8 @@ room raises, since it means the caller's plan is wrong.
 
 Prefix caching (device pool): a full block whose KV is computed gets a content hash chained from its
 parent block's hash and its own token ids (`chain_hashes`), registered in `cached` (hash -> the
-blocks holding that content). A request admitted later reuses the longest chain of registered blocks (`match_prefix`) and computes
-only the rest. A block whose last reference goes keeps its hash and stays in the free queue as an
+blocks holding that content). A request admitted later reuses the longest chain of registered blocks
+(`match_prefix`) and computes only the rest. A block whose last reference goes keeps its hash and stays in the free queue as an
 *evictable* cached block: reusable by content until `take` hands it out again, which evicts it. The free
 queue is LRU: blocks are taken from its front, and a freed table is appended leaf first, so the
 deepest blocks of the least recently used contexts are evicted first and shared parents last.

@@ -135,6 +135,12 @@ def normalize_messages(params: Sequence[ChatMessageParam], validate: bool = True
     return out
 
 
+def ends_in_assistant_text(messages: Sequence[Message]) -> bool:
+    """The conversation's last message is an assistant message of text (no tool calls): one an answer can
+    continue."""
+    return bool(messages) and messages[-1].role == "assistant" and not messages[-1].tool_calls
+
+
 def validate_tool_flow(messages: Sequence[Message]) -> None:
     """Every tool message answers a call of the assistant message just before the run of tool messages
     it belongs to, once; every call made is answered before the conversation moves on."""

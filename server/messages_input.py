@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from infercept.engine.backend import ToolSpec
 
-from .chat import Call, Message
+from .chat import Call, Message, ends_in_assistant_text
 from .protocol import bad_request
 from .protocol_messages import Block, CountTokensRequest, TextBlock, Tool
 from .tool_mode import ToolMode, tool_mode
@@ -91,10 +91,9 @@ def chat_messages(req: CountTokensRequest) -> list[Message]:
 def is_prefill(messages: Sequence[Message]) -> bool:
     """The conversation ends with an assistant message of text, which the answer continues (400 where
     that text ends in whitespace, as Anthropic's API answers)."""
-    last = messages[-1] if messages else None
-    if last is None or last.role != "assistant" or last.tool_calls:
+    if not ends_in_assistant_text(messages):
         return False
-    if last.content != last.content.rstrip():
+    if messages[-1].content != messages[-1].content.rstrip():
         raise bad_request("messages: final assistant content cannot end with trailing whitespace", param="messages")
     return True
 

@@ -32,7 +32,7 @@ from typing import Any
 from infercept.engine.backend import InterceptParams, RequestOutput, SamplingParams
 from infercept.engine.backend import THINK_END, ReasoningParser
 
-from .chat import AssistantTurn, Call, ChatRenderer, Message, Opening, validate_tool_flow
+from .chat import AssistantTurn, Call, ChatRenderer, Message, Opening, ends_in_assistant_text, validate_tool_flow
 from .conversations import ConversationStore, Paused
 from .engine_turn import Admission, EngineTurn, EngineTurns
 from .metrics import ServerMetrics
@@ -271,8 +271,7 @@ def _unstreamed(content: str, streamed: str) -> str:
 def check_continuable(spec: TurnSpec, forced: bool) -> None:
     """400 unless the answer can continue the conversation's final message: an assistant message of text,
     and no call forced (a forced call opens the answer itself)."""
-    last = spec.messages[-1] if spec.messages else None
-    if last is None or last.role != "assistant" or last.tool_calls:
+    if not ends_in_assistant_text(spec.messages):
         raise bad_request(f"{spec.param}: an answer can continue only a final assistant message of text "
                           "(no tool calls)", param=spec.param)
     if forced:
