@@ -11,6 +11,8 @@ chat messages, its tools as `ToolSpec`s, its `tool_choice` as a tool mode.
   prompt through either API.
 - `tool_choice` auto / any / tool / none are Chat Completions' auto / required / the named function /
   none; `disable_parallel_tool_use` is `parallel_tool_calls: false`.
+- Consecutive messages of one role are one turn, as Anthropic combines them (an assistant turn's texts
+  joined as they are, a user turn's with newlines).
 - A conversation that ends with an assistant message of text is Anthropic's prefill: the prompt ends
   inside that message and the answer continues it (its content is the continuation only, as
   Anthropic's is). As Anthropic does, a prefill may not end in whitespace.
@@ -57,35 +59,49 @@ def chat_messages(req: CountTokensRequest) -> list[Message]:
     if not req.messages:
         raise bad_request("messages: at least one message is required", param="messages")
     out = system_messages(req.system)
-    for i, m in enumerate(req.messages):
-        where = f"messages[{i}].content"
-        blocks = [Block(type="text", text=m.content)] if isinstance(m.content, str) else m.content
+    for role, first, blocks in _turns(req):
+        where = f"messages[{first}]"
         texts, calls = [], []
-        for j, block in enumerate(blocks):
-            at = f"{where}[{j}]"
+        for at, block in blocks:
             if block.type == "text" and block.text is not None:
                 texts.append(block.text)
-            elif block.type in ("thinking", "redacted_thinking") and m.role == "assistant":
+            elif block.type in ("thinking", "redacted_thinking") and role == "assistant":
                 continue
-            elif block.type == "tool_use" and m.role == "assistant":
+            elif block.type == "tool_use" and role == "assistant":
                 if not block.id or not block.name:
                     raise bad_request(f"{at}: a tool_use block needs an id and a name", param=at)
                 calls.append(Call.make(block.id, block.name, json.dumps(block.input or {}, ensure_ascii=False)))
-            elif block.type == "tool_result" and m.role == "user":
+            elif block.type == "tool_result" and role == "user":
                 if not block.tool_use_id:
                     raise bad_request(f"{at}: a tool_result block needs tool_use_id", param=at)
                 content = block.content if isinstance(block.content, str) else _text(block.content or (), f"{at}.content")
                 out.append(Message("tool", content, tool_call_id=block.tool_use_id))
             else:
-                raise bad_request(f"{at}: {block.type!r} blocks cannot be sent in a {m.role} message here; "
+                raise bad_request(f"{at}: {block.type!r} blocks cannot be sent in a {role} message here; "
                                   + TEXT_ONLY, param=at)
-        if m.role == "assistant":
+        if role == "assistant":
             if len({c.id for c in calls}) != len(calls):
-                raise bad_request(f"messages[{i}]: duplicate tool_use ids", param=where)
+                raise bad_request(f"{where}: duplicate tool_use ids", param=f"{where}.content")
             out.append(Message("assistant", "".join(texts), tool_calls=tuple(calls)))
-        elif texts or not any(b.type == "tool_result" for b in blocks):
+        elif texts or not any(b.type == "tool_result" for _, b in blocks):
             out.append(Message("user", "\n".join(texts)))
     return out
+
+
+def _turns(req: CountTokensRequest) -> list[tuple[str, int, list[tuple[str, Block]]]]:
+    """The request's turns: consecutive messages of one role combined into one, as Anthropic combines
+    them (an agent that sends a prefill's answer back as a message of its own after the prefill sends
+    one assistant turn). Each: its role, the index of its first message, and its blocks with where
+    each is in the request."""
+    turns: list[tuple[str, int, list[tuple[str, Block]]]] = []
+    for i, m in enumerate(req.messages):
+        blocks = [Block(type="text", text=m.content)] if isinstance(m.content, str) else m.content
+        located = [(f"messages[{i}].content[{j}]", b) for j, b in enumerate(blocks)]
+        if turns and turns[-1][0] == m.role:
+            turns[-1][2].extend(located)
+        else:
+            turns.append((m.role, i, located))
+    return turns
 
 
 def is_prefill(messages: Sequence[Message]) -> bool:

@@ -1,9 +1,10 @@
 """Wire shapes: pydantic models of the OpenAI Chat Completions and Completions APIs, and errors.
 
 Requests are validated strictly where OpenAI is strict (`extra="forbid"`: an unknown top-level field is
-a 400, as OpenAI answers "Unrecognized request argument supplied"), with vLLM's extras (`ignore_eos`,
-`min_tokens`, `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `include_stop_str_in_output`,
-`cache_salt`, `return_token_ids`, `structured_outputs` regex / choice and their older spellings `guided_regex` /
+a 400, as OpenAI answers "Unrecognized request argument supplied"), with vLLM's extras (the sampling
+ones in `SamplingKnobs`, which Responses requests take too: `ignore_eos`, `min_tokens`, `top_k`, `min_p`,
+`repetition_penalty`, `stop_token_ids`, `include_stop_str_in_output`, `cache_salt`; then
+`return_token_ids`, `structured_outputs` regex / choice and their older spellings `guided_regex` /
 `guided_choice`, and on chat completions `chat_template_kwargs`, `add_generation_prompt` and
 `continue_final_message`) and ours (`session_id`, `intercept`). Messages are lenient (`extra="ignore"`)
 because SDKs echo response messages back with fields such as `refusal` and `annotations`. Responses
@@ -93,6 +94,9 @@ def _check_stop(v: str | list[str] | None) -> str | list[str] | None:
 
 
 Stop = Annotated[str | list[str] | None, AfterValidator(_check_stop)]  # OpenAI's `stop`: up to 16 strings
+# vLLM's `cache_salt`, the prefix cache's namespace: a request shares cached blocks only with requests of
+# the same salt (and, unless --shared-prefix-cache, of the same tenant)
+CacheSalt = Annotated[str, Field(min_length=1, max_length=1024)] | None
 
 
 class StructuredOutputs(Strict):
@@ -110,21 +114,17 @@ class StructuredOutputs(Strict):
         return self
 
 
-class SamplingFields(Strict):
-    """Fields common to both endpoints."""
+class SamplingKnobs(Strict):
+    """How a request samples, as OpenAI and vLLM name it: the fields Chat Completions, Completions and
+    Responses share (turn_types.Sampling.of reads them)."""
 
-    model: str
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    n: int | None = Field(default=1, ge=1, le=128)
     stop: Stop = None
     seed: int | None = None
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
     # vLLM extras
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0, le=1)
@@ -133,9 +133,18 @@ class SamplingFields(Strict):
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[int] | None = None  # ids that end the output as EOS does (the model's own ids)
     include_stop_str_in_output: bool = False  # the text keeps the stop string or stop token that ended it
-    # The prefix cache's namespace: a request shares cached blocks only with requests of the same salt
-    # (and, unless --shared-prefix-cache, of the same tenant)
-    cache_salt: str | None = Field(default=None, min_length=1)
+    cache_salt: CacheSalt = None
+
+
+class SamplingFields(SamplingKnobs):
+    """Fields common to both endpoints."""
+
+    model: str
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(default=1, ge=1, le=128)
+    user: str | None = None
+    # vLLM extras
     return_token_ids: bool = False
     structured_outputs: StructuredOutputs | None = None
     guided_regex: str | None = None  # vLLM's older spellings of structured_outputs regex / choice

@@ -6,7 +6,7 @@ has no use for (`metadata`, `service_tier`, beta fields such as `context_managem
 as Claude Code send them on every request. `output_config.format` (a JSON schema) constrains the answer
 as Chat Completions' `response_format` does. Of `thinking`, only its type is read: "disabled" turns a
 thinking model's thinking off where its chat template can (Qwen3's `enable_thinking`); a budget is not
-enforced. What is read is checked as Anthropic checks it:
+enforced. vLLM's extras `chat_template_kwargs` and `cache_salt` are read as on Chat Completions. What is read is checked as Anthropic checks it:
 `max_tokens` is required, `temperature` lies in [0, 1], a `tool` choice names its tool. Content blocks
 the server cannot take (images, documents, the hosted tools' blocks) are refused by their type, where
 they are turned into chat messages (messages_input.py).
@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .protocol import APIError
+from .protocol import APIError, CacheSalt
 
 # Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -104,6 +104,7 @@ class CountTokensRequest(Lenient):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra, as on Chat Completions
 
 
 class MessagesRequest(CountTokensRequest):
@@ -113,3 +114,4 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
     stream: bool = False
+    cache_salt: CacheSalt = None  # vLLM's extra, as on Chat Completions

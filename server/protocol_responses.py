@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, Discriminator, Field, Tag, field_validator
 
 from .mcp_config import SERVER_NAME
-from .protocol import Lenient, Strict
+from .protocol import Lenient, SamplingKnobs, Strict
 
 # -- request ----------------------------------------------------------------------------------------
 
@@ -214,7 +214,10 @@ class TextConfig(Lenient):
         return {"format": fmt}
 
 
-class ResponsesRequest(Strict):
+class ResponsesRequest(SamplingKnobs):
+    """OpenAI's fields, and vLLM's extras: its sampling fields (SamplingKnobs, as on Chat Completions) and
+    `chat_template_kwargs`."""
+
     model: str | None = None  # None = the served model
     input: str | list[InputItem]
     instructions: str | None = None
@@ -224,12 +227,11 @@ class ResponsesRequest(Strict):
     parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
     store: bool | None = True
     stream: bool | None = False
     metadata: dict[str, str] | None = None
     text: TextConfig | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's, as on Chat Completions
     # Accepted for compatibility and otherwise ignored.
     truncation: Literal["auto", "disabled"] | None = None
     user: str | None = None

@@ -16,7 +16,7 @@ from .chat import Call, Message
 from .protocol import APIError
 from .protocol_responses import (FunctionCallItem, FunctionCallOutputItem, FunctionTool, MessageItem, ReasoningItem,
                                  ResponsesRequest, TextPart)
-from .turns import Turn
+from .turns import Sampling, Turn
 
 # -- input items -> chat messages -------------------------------------------------------------------
 
@@ -56,10 +56,12 @@ def tool_spec(tool: FunctionTool) -> ToolSpec:
                     {"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)})
 
 
-def answer_format(req: ResponsesRequest) -> dict:
-    """The TurnSpec fields of `text.format`: the JSON its answer must follow, and the field errors name."""
+def request_fields(req: ResponsesRequest) -> dict:
+    """The TurnSpec fields a Responses request sets itself: how it samples, the chat template's extra
+    arguments and, for `text.format`, the JSON its answer must follow and the field errors name."""
+    fields = {"sampling": Sampling.of(req, req.max_output_tokens), "template_kwargs": req.chat_template_kwargs}
     schema = req.text.answer_schema() if req.text is not None else None
-    return {"answer_schema": schema, "answer_param": "text.format"} if schema is not None else {}
+    return fields | ({"answer_schema": schema, "answer_param": "text.format"} if schema is not None else {})
 
 
 @dataclass

@@ -44,7 +44,7 @@ from infercept.engine.backend import ToolSpec
 from .chat import Call, Message, validate_tool_flow
 from .mcp_config import function_name
 from .protocol import APIError, bad_request, new_id, now
-from .responses_input import ResponseTurn, answer_format, input_messages, tool_spec
+from .responses_input import ResponseTurn, input_messages, request_fields, tool_spec
 from .protocol_responses import (FunctionTool, FunctionToolChoice, McpApprovalRequestItem, McpApprovalResponseItem,
                                  McpCallItem, McpListToolsItem, McpToolChoice, McpToolFilter, McpToolParam,
                                  OutputFunctionCall, OutputMcpApprovalRequest, OutputMcpCall, OutputMcpListTools,
@@ -53,7 +53,7 @@ from .settings import McpSettings
 from .tenants import owner_of
 from .tool_loop import LoopOutcome, events_then_result, serve_turns, tool_outcome
 from .tool_mode import tool_mode
-from .turns import Sampling, Turn, TurnFinished, TurnSpec, TurnUsage
+from .turns import Turn, TurnFinished, TurnSpec, TurnUsage
 
 logger = logging.getLogger("infercept.server")
 
@@ -350,10 +350,9 @@ class ResponsesMcp:
                 raise bad_request("tool_choice forces a call, but max_tool_calls allows no more", param="tool_choice")
             choice = "none"
         parallel = req.parallel_tool_calls is not False
-        sampling = Sampling(temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_output_tokens)
-        spec = TurnSpec("chat", sampling, system + conversation,
+        spec = TurnSpec("chat", messages=system + conversation,
                         mode=tool_mode(specs or None, choice, parallel, servers.tools),
-                        id_prefix="resp_", param="input", owner=owner, **answer_format(req))
+                        id_prefix="resp_", param="input", owner=owner, **request_fields(req))
         turn = await serving.turns.open(spec)
         rt = ResponseTurn(req, model, new_id("msg_"), now(), conversation, turn)
         current = turn

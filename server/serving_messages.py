@@ -51,14 +51,16 @@ class MessagesServing(Frontend):
         sampling = Sampling()
         if isinstance(req, MessagesRequest):
             sampling = Sampling(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k or None,
-                                max_tokens=req.max_tokens, stop=req.stop_sequences or None)
-        # Thinking off, where the model's chat template takes the switch (Qwen3's); other templates ignore it.
-        no_thinking = {"enable_thinking": False} if req.thinking is not None and req.thinking.type == "disabled" else None
+                                max_tokens=req.max_tokens, stop=req.stop_sequences or None, cache_salt=req.cache_salt)
+        template_kwargs = dict(req.chat_template_kwargs or {})
+        if req.thinking is not None and req.thinking.type == "disabled":
+            # thinking off, where the chat template takes the switch (Qwen3's); other templates ignore it
+            template_kwargs["enable_thinking"] = False
         answer = req.output_config.format if req.output_config is not None else None
         messages = chat_messages(req)
         opening = Opening.CONTINUE if is_prefill(messages) else Opening.GENERATION_PROMPT
         return TurnSpec("messages", sampling, tuple(messages), mode=mode, owner=owner_of(raw), opening=opening,
-                        id_prefix="msg_", template_kwargs=no_thinking,
+                        id_prefix="msg_", template_kwargs=template_kwargs or None,
                         answer_schema=answer.schema_ if answer is not None else None,
                         answer_param="output_config.format")
 

@@ -24,12 +24,12 @@ from . import responses_mcp
 from .protocol_responses import (DeletedResponse, IncompleteDetails, InputTokensDetails, OutputFunctionCall, OutputItem,
                                  OutputMessage, OutputReasoning, OutputText, OutputTokensDetails, ReasoningText,
                                  ResponseObject, ResponsesRequest, ResponseUsage)
-from .responses_input import ResponseTurn, answer_format, input_messages, tool_spec
+from .responses_input import ResponseTurn, input_messages, request_fields, tool_spec
 from .responses_mcp import ResponsesMcp
 from .serving_base import Frontend, respond
 from .tenants import owner_of
 from .tool_mode import tool_mode
-from .turns import ReasoningDelta, Sampling, TextDelta, TurnFinished, TurnResult, TurnSpec
+from .turns import ReasoningDelta, TextDelta, TurnFinished, TurnResult, TurnSpec
 
 ARGUMENT_FRAGMENT_CHARS = 16  # a call's arguments stream in pieces of this size once the call is parsed
 
@@ -58,9 +58,8 @@ class ResponsesServing(Frontend):
         mode = tool_mode([tool_spec(t) for t in req.tools] if req.tools else None, choice,
                          req.parallel_tool_calls is not False)
         system = (Message("system", req.instructions),) if req.instructions else ()
-        sampling = Sampling(temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_output_tokens)
-        turn = await self.turns.open(TurnSpec("chat", sampling, system + conversation, mode=mode, id_prefix="resp_",
-                                              param="input", owner=owner, **answer_format(req)))
+        turn = await self.turns.open(TurnSpec("chat", messages=system + conversation, mode=mode, id_prefix="resp_",
+                                              param="input", owner=owner, **request_fields(req)))
         rt = ResponseTurn(req, model, new_id("msg_"), now(), conversation, turn, reasoning_id=new_id("rs_"))
         return await respond(raw, req.stream, lambda: self._events(rt), lambda: self._full(rt), turn.close,
                              {"X-Request-Id": rt.id}, f"response {rt.id}", error=rt.error, done=None)

@@ -10,7 +10,7 @@ from infercept.engine.backend import RequestOutput
 
 from .chat import Call, Message, Opening
 from .conversations import Conversation, Paused
-from .protocol import APIError, InterceptOptions, SamplingFields
+from .protocol import APIError, InterceptOptions, SamplingKnobs
 from .structured import OutputConstraint
 from .tool_mode import ToolMode
 
@@ -34,7 +34,7 @@ class Sampling:
     min_p: float | None = None  # None: 0
     logit_bias: Mapping[str, float] | None = None  # token id (a JSON key: a string) -> bias
     stop_token_ids: Sequence[int] | None = None  # ids that end the turn as EOS does
-    include_stop: bool = False  # the text keeps the stop string or token that ended the turn
+    include_stop_str_in_output: bool = False  # the text keeps the stop string or token that ended the turn
     cache_salt: str | None = None  # the request's prefix-cache namespace (within its tenant's)
 
     def defaulted(self, defaults: Mapping[str, Any]) -> Sampling:
@@ -42,7 +42,7 @@ class Sampling:
         return replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
 
     @classmethod
-    def of(cls, req: SamplingFields, max_tokens: int | None, logprobs: int | None = None) -> Sampling:
+    def of(cls, req: SamplingKnobs, max_tokens: int | None, logprobs: int | None = None) -> Sampling:
         return cls(req.temperature, req.top_p, req.top_k, req.seed, max_tokens, req.min_tokens, req.stop,
                    req.ignore_eos, logprobs, req.presence_penalty, req.frequency_penalty, req.repetition_penalty,
                    req.min_p, req.logit_bias, req.stop_token_ids, req.include_stop_str_in_output, req.cache_salt)

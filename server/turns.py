@@ -26,7 +26,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from infercept.engine.backend import InterceptParams, RequestOutput, SamplingParams
@@ -216,6 +216,20 @@ class Turn:
         return self.call_ids[index]
 
     # -- the end -----------------------------------------------------------------------------------
+    def _opened_ids(self) -> int | None:
+        """How many of the prompt's last tokens open the turn's own assistant message, which a resume renders
+        as this turn's tokens: a forced call's prefill, or the final message's text that the turn continued
+        (the prompt less the conversation before that message with the generation prompt; None where the
+        prompt does not start with that: the template or the tokenizer joins them)."""
+        if self.spec.opening is not Opening.CONTINUE:
+            return len(self.turns.renderer.encode(self.prefill)) if self.prefill else 0
+        prompt, spec = self.engine.prompt_ids, self.spec
+        try:
+            head = self.turns.render_head(spec)
+        except APIError:
+            return None
+        return len(prompt) - len(head) if prompt[:len(head)] == head else None
+
     def _end(self, out: RequestOutput) -> tuple[TurnResult, Paused | None]:
         """The engine's verdict on the turn, rendered, and the handle of its paused generation. Tool calls
         that all count keep the generation paused for the request that brings their results (calls of
@@ -235,11 +249,16 @@ class Turn:
             # session_id) is exempt: its client may continue it with only the tool results, which needs the pause.
             if out.paused and spec.mode.answer and spec.holder is None:
                 engine.end()
+            elif out.paused and (opened := self._opened_ids()) is None:
+                engine.end()  # the prompt does not show where the turn's message starts: nothing could resume it
             elif out.paused:
-                prefill_ids = len(self.turns.renderer.encode(self.prefill)) if self.prefill else 0
-                turn_ids = tuple(engine.prompt_ids[len(engine.prompt_ids) - prefill_ids:] + out.token_ids)
+                turn_ids = tuple(engine.prompt_ids[len(engine.prompt_ids) - opened:] + out.token_ids)
+                history = spec.messages
+                if spec.opening is Opening.CONTINUE:  # the client sends the message back whole, its opening joined
+                    *history, opening = history
+                    message = replace(message, content=opening.content + message.content)
                 handle = Paused(engine.request_id, engine.prompt_ids + list(out.token_ids),
-                                AssistantTurn(message, turn_ids, spec.template_kwargs), spec.messages)
+                                AssistantTurn(message, turn_ids, spec.template_kwargs), tuple(history))
         else:
             text = self.prefill + text
             result = TurnResult(text, [], finish_reason(out), Message("assistant", text), reasoning)
@@ -415,6 +434,11 @@ class Turns:
         self.check_prompt(prompt_ids, spec.param, fit_context)
         return prompt_ids, prefill
 
+    def render_head(self, spec: TurnSpec) -> list[int]:
+        """A continued chat turn's conversation before its final message, with the generation prompt."""
+        return self._render(replace(spec, messages=spec.messages[:-1], opening=Opening.GENERATION_PROMPT),
+                            fit_context=False)[0]
+
     def _claim(self, spec: TurnSpec, prompt_ids: list[int]) -> Paused | None:
         """The paused generation the turn continues, taken out of the store: its holder's, or found by the
         conversation's call ids (chat) or by the tokens (a prompt strictly extending its tokens)."""
@@ -465,7 +489,7 @@ class Turns:
                 top_p=1.0 if s.top_p is None else s.top_p,
                 top_k=max(s.top_k or 0, 0), seed=s.seed,
                 max_tokens=max_tokens, min_tokens=s.min_tokens,
-                stop=stop, stop_token_ids=list(s.stop_token_ids or ()), include_stop_str_in_output=s.include_stop,
+                stop=stop, stop_token_ids=list(s.stop_token_ids or ()), include_stop_str_in_output=s.include_stop_str_in_output,
                 ignore_eos=s.ignore_eos, logprobs=s.logprobs, skip_special_tokens=skip_special_tokens,
                 presence_penalty=s.presence_penalty or 0.0, frequency_penalty=s.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if s.repetition_penalty is None else s.repetition_penalty,

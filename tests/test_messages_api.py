@@ -123,6 +123,26 @@ def test_a_stop_sequence_ends_the_message_and_is_named(srv):
     assert text.startswith(stopped.content[0].text) and word not in stopped.content[0].text
 
 
+def test_vllms_cache_salt_and_chat_template_kwargs(srv):
+    """vLLM's extras, as on Chat Completions: `cache_salt` keeps the prompt's cached blocks apart (a new
+    salt reads none, its repeat reads them), and `chat_template_kwargs` reaches the chat template (a name
+    the server sets itself is refused; so count_tokens reads it too)."""
+    c = client(srv)
+    ask = dict(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Tell me about Lyon, briefly."}])
+
+    def cache_read(**extra) -> int:
+        return c.messages.create(**ask, extra_body={**GREEDY, **extra}).usage.cache_read_input_tokens
+
+    cache_read()
+    assert cache_read() > 16
+    assert cache_read(cache_salt="messages-salt") == 0 and cache_read(cache_salt="messages-salt") > 16
+    for refused in (lambda: c.messages.create(**ask, extra_body={"chat_template_kwargs": {"tools": []}}),
+                    lambda: c.messages.count_tokens(model=MODEL, messages=ask["messages"],
+                                                    extra_body={"chat_template_kwargs": {"tools": []}})):
+        with pytest.raises(anthropic.BadRequestError, match="chat_template_kwargs"):
+            refused()
+
+
 def test_count_tokens_counts_the_prompt_a_message_is_served_with(srv):
     c = client(srv)
     counted = c.messages.count_tokens(model=MODEL, system=SYSTEM, messages=QUESTION, tools=[TOOL])

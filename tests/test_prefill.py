@@ -11,11 +11,14 @@ import pytest
 
 from live_server import MODEL
 from test_render import tokenize
-from test_server import greedy
+from test_server import QUESTION as WEATHER, RESULT, TOOLS, greedy
 
 QUESTION = {"role": "user", "content": "What is the capital of France? Answer in one sentence."}
 OPENED = {"role": "assistant", "content": "The capital of France is"}
 CONTINUE = {"continue_final_message": True, "add_generation_prompt": False}
+LOOKING = {"role": "assistant", "content": "Let me check."}  # SmolLM2 continues it with a get_weather call
+TOOL = {"name": "get_weather", "description": TOOLS[0]["function"]["description"],
+        "input_schema": TOOLS[0]["function"]["parameters"]}
 
 
 def continued_prompt(tokenizer, messages: list[dict]) -> list[int]:
@@ -84,3 +87,54 @@ def test_the_messages_api_continues_a_trailing_assistant_message_as_chat_does(sr
     assert u.input_tokens + u.cache_read_input_tokens == chat.usage.prompt_tokens
     counted = c.messages.count_tokens(model=MODEL, messages=[QUESTION, OPENED])
     assert counted.input_tokens == chat.usage.prompt_tokens
+
+
+def test_a_continued_turn_that_calls_resumes_when_its_message_comes_back_whole(srv):
+    """A continued turn that ends in a call stays paused; the client sends its message back whole (the
+    opening it wrote joined with the answer's content, the calls) with the result: the turn resumes (the
+    whole paused context is read, from the continued prompt to the call's last token) and answers what
+    the same prompt answers from scratch. Sent back as another assistant message after the opening, it is
+    not the turn the model generated (the template renders two turns): served fresh."""
+    client = srv.client()
+    first = client.chat.completions.create(messages=[*WEATHER, LOOKING], tools=TOOLS, max_tokens=40, **greedy(),
+                                           extra_body={**CONTINUE, "return_token_ids": True})
+    message = first.choices[0].message
+    assert first.choices[0].finish_reason == "tool_calls", message
+    paused = first.model_extra["prompt_token_ids"] + first.choices[0].model_extra["token_ids"]
+    whole = {"role": "assistant", "content": LOOKING["content"] + (message.content or ""),
+             "tool_calls": [c.model_dump() for c in message.tool_calls]}
+    results = [{"role": "tool", "tool_call_id": c.id, "content": RESULT} for c in message.tool_calls]
+    second = client.chat.completions.create(messages=[*WEATHER, whole, *results], tools=TOOLS, max_tokens=8,
+                                            **greedy(), extra_body={"return_token_ids": True})
+    assert second.usage.prompt_tokens_details.cached_tokens == len(paused) - 1 == first.usage.total_tokens - 1
+    prompt_ids, output_ids = second.model_extra["prompt_token_ids"], second.choices[0].model_extra["token_ids"]
+    assert prompt_ids[:len(paused)] == paused
+    again = client.completions.create(prompt=prompt_ids, max_tokens=len(output_ids), **greedy(),
+                                      extra_body={"return_token_ids": True})
+    assert again.choices[0].model_extra["token_ids"] == output_ids
+    srv.assert_no_leak()
+
+    client.chat.completions.create(messages=[*WEATHER, LOOKING], tools=TOOLS, max_tokens=40, **greedy(),
+                                   extra_body=CONTINUE)
+    apart = {"role": "assistant", "content": message.content, "tool_calls": whole["tool_calls"]}
+    fresh = client.chat.completions.create(messages=[*WEATHER, LOOKING, apart, *results], tools=TOOLS,
+                                           max_tokens=2, **greedy())
+    assert fresh.usage.prompt_tokens_details.cached_tokens < len(paused) - 16
+    srv.abort_paused()
+
+
+def test_the_messages_api_resumes_a_continued_turn_sent_back_after_its_prefill(srv):
+    """Anthropic's SDK loop appends the answer after the prefill as a message of its own; Anthropic
+    combines consecutive messages of one role into one turn, so the server does too: the prefill and the
+    answer are the continued turn's message, which resumes the paused generation."""
+    c = anthropic.Anthropic(base_url=srv.base, api_key="unused", max_retries=0, timeout=60)
+    ask = dict(model=MODEL, tools=[TOOL], extra_body={"temperature": 0})
+    first = c.messages.create(**ask, max_tokens=40, messages=[*WEATHER, LOOKING])
+    assert first.stop_reason == "tool_use", first
+    uses = [b for b in first.content if b.type == "tool_use"]
+    sent_back = [*WEATHER, LOOKING, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": u.id, "content": RESULT} for u in uses]}]
+    second = c.messages.create(**ask, max_tokens=4, messages=sent_back)
+    u = first.usage
+    assert second.usage.cache_read_input_tokens == u.input_tokens + u.cache_read_input_tokens + u.output_tokens - 1
+    srv.assert_no_leak()

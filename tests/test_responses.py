@@ -152,6 +152,9 @@ BAD = [
         {"role": "user", "content": "hi"}, {"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, 400),
     ("unknown model", {"model": "gpt-9", "input": "hi"}, 404),
     ("unknown previous response", {"model": MODEL, "input": "hi", "previous_response_id": "resp_nope"}, 404),
+    ("stop token id out of range", {"model": MODEL, "input": "hi", "stop_token_ids": [10 ** 9]}, 400),
+    ("empty cache salt", {"model": MODEL, "input": "hi", "cache_salt": ""}, 400),
+    ("top_k below -1", {"model": MODEL, "input": "hi", "top_k": -2}, 400),
 ]
 
 
@@ -173,6 +176,36 @@ def test_bad_input_is_4xx_in_openai_shape(srv):
     first, _ = call_step(client)
     with pytest.raises(openai.BadRequestError):
         client.responses.create(previous_response_id=first.id, input="and tomorrow?", **GREEDY)
+    srv.assert_no_leak()
+
+
+def test_vllms_sampling_fields_mean_what_they_mean_on_chat_completions(srv):
+    """vLLM's Responses extras, as on Chat Completions: `stop` (and `include_stop_str_in_output`) ends the
+    text where the same request's greedy text has the stop string, `top_k` 1 samples greedily, a `seed`
+    draws the same text twice, `cache_salt` keeps the prompt's cached blocks apart, and
+    `chat_template_kwargs` reaches the chat template (a name the server sets itself is refused)."""
+    client = srv.client()
+    ask = dict(input="Name four colours of the rainbow, separated by commas.", max_output_tokens=16)
+    full = client.responses.create(**ask, **GREEDY)
+    text = full.output_text
+    stop = text.split(",")[1] + ","
+    cut = text.index(stop)
+    assert client.responses.create(**ask, **GREEDY, extra_body={"stop": [stop]}).output_text == text[:cut]
+    kept = client.responses.create(**ask, **GREEDY, extra_body={"stop": [stop], "include_stop_str_in_output": True})
+    assert kept.output_text == text[:cut + len(stop)]
+    assert client.responses.create(**ask, model=MODEL, temperature=1, extra_body={"top_k": 1}).output_text == text
+    seeded = [client.responses.create(**ask, model=MODEL, temperature=1, extra_body={"seed": 7}).output_text
+              for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+    def cached(**extra) -> int:
+        return client.responses.create(**ask, **GREEDY, extra_body=extra).usage.input_tokens_details.cached_tokens
+
+    assert cached() > 16
+    assert cached(cache_salt="responses-salt") == 0 and cached(cache_salt="responses-salt") > 16
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(**ask, **GREEDY, extra_body={"chat_template_kwargs": {"tools": []}})
+    assert refused.value.body["param"] == "chat_template_kwargs"
     srv.assert_no_leak()
 
 

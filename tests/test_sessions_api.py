@@ -278,6 +278,30 @@ def test_session_stop_and_seed_match_a_completion(srv, http):
     srv.assert_no_leak()
 
 
+def test_session_takes_vllms_sampling_fields(srv, http):
+    """vLLM's sampling fields (as session defaults or per message) mean what they mean in a completion:
+    `stop_token_ids` ends the turn at that token (its text kept with `include_stop_str_in_output`),
+    `top_k` 1 samples greedily, and `cache_salt` keeps the prompt's cached blocks apart."""
+    tok = srv.app.state.completions.tokenizer
+    prompt = token_ids(srv, "Count with me, slowly and in words, from one up to twenty: one, two, three,")
+    assert len(prompt) > 16  # a whole block, which the prefix cache keeps
+    ids = http.post("/completions", json={"model": MODEL, "prompt": prompt, "temperature": 0, "max_tokens": 8,
+                                          "ignore_eos": True, "return_token_ids": True}).json()["choices"][0]["token_ids"]
+    k = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])
+    sid = http.post("/sessions", json={"temperature": 0, "max_tokens": 8, "stop_token_ids": [ids[k]],
+                                       "include_stop_str_in_output": True, "cache_salt": "session-salt"}).json()["id"]
+    turn = http.post(f"/sessions/{sid}/messages", json={"token_ids": prompt}).json()
+    assert turn["token_ids"] == ids[:k + 1] and turn["text"] == tok.decode(ids[:k + 1]), (turn, ids, k)
+    assert turn["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # the completion's blocks: unsalted
+    again = http.post("/sessions", json={"temperature": 1, "top_k": 1, "max_tokens": 8, "cache_salt": "session-salt",
+                                         "stop_token_ids": [ids[k]]}).json()["id"]
+    turn = http.post(f"/sessions/{again}/messages", json={"token_ids": prompt}).json()
+    assert turn["token_ids"] == ids[:k + 1] and turn["text"] == tok.decode(ids[:k])
+    assert turn["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert_error(http.post(f"/sessions/{again}/messages", json={"token_ids": [1], "stop_token_ids": [-1]}), 400, None)
+    assert_error(http.post("/sessions", json={"cache_salt": ""}), 400, None)
+
+
 def test_session_store_limit_and_ttl_on_a_clock():
     clock, released = [0.0], []
     store = ConversationStore(ConversationPolicy(idle_ttl=10, max_named_sessions=2),
