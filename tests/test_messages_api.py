@@ -151,6 +151,21 @@ def test_count_tokens_counts_the_prompt_a_message_is_served_with(srv):
     assert counted.input_tokens == served.usage.input_tokens + served.usage.cache_read_input_tokens > 100
 
 
+def test_consecutive_messages_of_one_role_are_one_turn(srv):
+    """As Anthropic combines them: two user messages in a row render as one user message of both texts
+    (joined by a newline), two assistant messages as one of both texts as they are."""
+    c = client(srv)
+
+    def counted(messages) -> int:
+        return c.messages.count_tokens(model=MODEL, messages=messages).input_tokens
+
+    assert counted([{"role": "user", "content": "Hello."}, {"role": "user", "content": "Who are you?"}]) == \
+        counted([{"role": "user", "content": "Hello.\nWho are you?"}])
+    said = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+            {"role": "assistant", "content": [{"type": "text", "text": " there."}]}, {"role": "user", "content": "Bye"}]
+    assert counted(said) == counted([said[0], {"role": "assistant", "content": "Hello there."}, said[3]])
+
+
 def test_claude_codes_attribution_block_is_not_rendered(srv):
     """Claude Code's first system block carries a hash of the conversation's first message: rendered, no
     two conversations would share their system prompt's KV. It is left out; the rest is the prompt."""
