@@ -12,9 +12,11 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, Discriminator, Field, Tag, field_validator
 
 from .mcp_config import SERVER_NAME
-from .protocol import Lenient, SamplingKnobs, Strict
+from .protocol import Lenient, SamplingKnobs, Strict, TokenLogprob
 
 # -- request ----------------------------------------------------------------------------------------
+
+OUTPUT_LOGPROBS = "message.output_text.logprobs"  # an `include` that asks for the output text's logprobs
 
 
 class TextPart(Lenient):
@@ -231,6 +233,10 @@ class ResponsesRequest(SamplingKnobs):
     stream: bool | None = False
     metadata: dict[str, str] | None = None
     text: TextConfig | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)  # alternatives per token, with OUTPUT_LOGPROBS
+    # What the response includes beyond its default: OUTPUT_LOGPROBS is read; the others name what this
+    # server never has (file search results, encrypted reasoning, ...) and are accepted and ignored
+    include: list[str] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's, as on Chat Completions
     # Accepted for compatibility and otherwise ignored.
     truncation: Literal["auto", "disabled"] | None = None
@@ -238,8 +244,11 @@ class ResponsesRequest(SamplingKnobs):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    include: list[str] | None = None
     reasoning: dict | None = None  # effort / summary: a local thinking model thinks as it was trained to
+
+    def logprobs(self) -> int | None:
+        """Top logprobs per output token the response shows (0: the sampled token's alone); None: none."""
+        return (self.top_logprobs or 0) if OUTPUT_LOGPROBS in (self.include or ()) else None
 
 
 # -- response ---------------------------------------------------------------------------------------
@@ -248,7 +257,7 @@ class OutputText(BaseModel):
     type: Literal["output_text"] = "output_text"
     text: str
     annotations: list = Field(default_factory=list)
-    logprobs: list = Field(default_factory=list)
+    logprobs: list[TokenLogprob] = Field(default_factory=list)
 
 
 class OutputMessage(BaseModel):

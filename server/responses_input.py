@@ -59,7 +59,8 @@ def tool_spec(tool: FunctionTool) -> ToolSpec:
 def request_fields(req: ResponsesRequest) -> dict:
     """The TurnSpec fields a Responses request sets itself: how it samples, the chat template's extra
     arguments and, for `text.format`, the JSON its answer must follow and the field errors name."""
-    fields = {"sampling": Sampling.of(req, req.max_output_tokens), "template_kwargs": req.chat_template_kwargs}
+    fields = {"sampling": Sampling.of(req, req.max_output_tokens, req.logprobs()),
+              "template_kwargs": req.chat_template_kwargs}
     schema = req.text.answer_schema() if req.text is not None else None
     return fields | ({"answer_schema": schema, "answer_param": "text.format"} if schema is not None else {})
 

@@ -45,10 +45,10 @@ from .chat import Call, Message, validate_tool_flow
 from .mcp_config import function_name
 from .protocol import APIError, bad_request, new_id, now
 from .responses_input import ResponseTurn, input_messages, request_fields, tool_spec
-from .protocol_responses import (FunctionTool, FunctionToolChoice, McpApprovalRequestItem, McpApprovalResponseItem,
-                                 McpCallItem, McpListToolsItem, McpToolChoice, McpToolFilter, McpToolParam,
-                                 OutputFunctionCall, OutputMcpApprovalRequest, OutputMcpCall, OutputMcpListTools,
-                                 OutputMessage, OutputText, ResponsesRequest)
+from .protocol_responses import (OUTPUT_LOGPROBS, FunctionTool, FunctionToolChoice, McpApprovalRequestItem,
+                                 McpApprovalResponseItem, McpCallItem, McpListToolsItem, McpToolChoice, McpToolFilter,
+                                 McpToolParam, OutputFunctionCall, OutputMcpApprovalRequest, OutputMcpCall,
+                                 OutputMcpListTools, OutputMessage, OutputText, ResponsesRequest)
 from .settings import McpSettings
 from .tenants import owner_of
 from .tool_loop import LoopOutcome, events_then_result, serve_turns, tool_outcome
@@ -280,6 +280,8 @@ class ResponsesMcp:
     async def create(self, serving, req: ResponsesRequest, raw):
         from .serving_base import respond
 
+        if req.logprobs() is not None:  # (its text may span several turns, each with its own tokens)
+            raise bad_request(f"{OUTPUT_LOGPROBS} is not available with mcp tools", param="include")
         owner = owner_of(raw)
         previous = None
         if req.previous_response_id is not None:

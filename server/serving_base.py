@@ -15,7 +15,7 @@ from starlette.requests import Request
 
 from infercept.engine.backend import RequestOutput
 
-from .protocol import APIError, bad_request
+from .protocol import APIError, TokenLogprob, TopLogprob, bad_request
 from .turns import Turn, TurnEvent, Turns, TurnSpec
 
 logger = logging.getLogger("infercept.server")
@@ -51,6 +51,21 @@ class Frontend:
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def token_logprobs(self, out: RequestOutput, start: int, end: int, top: int) -> list[TokenLogprob]:
+        """Logprobs of the turn's output tokens [start, end), each with its `top` most likely alternatives
+        (the engine keeps every turn's of a resumed generation: this turn's are the tail)."""
+        if out.logprobs is None:
+            return []
+        offset = len(out.logprobs) - len(out.token_ids)
+        entries = []
+        for sampled in out.logprobs[offset + start:offset + end]:
+            text = self.token_text(sampled.token_id)
+            alternatives = [TopLogprob(token=self.token_text(t), logprob=lp, bytes=list(self.token_text(t).encode()))
+                            for t, lp in (sampled.top_logprobs or {}).items()][:top]
+            entries.append(TokenLogprob(token=text, logprob=sampled.logprob if sampled.logprob is not None else 0.0,
+                                        bytes=list(text.encode()), top_logprobs=alternatives))
+        return entries
 
     def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A text prompt's token ids (400 for a text the tokenizer cannot encode)."""

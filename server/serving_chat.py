@@ -34,7 +34,7 @@ from .chat import Message, Opening, normalize_messages, tool_specs
 from .conversations import Conversation, Kind, State
 from .protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatMessage, ChoiceLogprobs, CompletionTokensDetails, FunctionCall,
-                       PromptTokensDetails, TokenLogprob, ToolCall, TopLogprob, Usage, bad_request, new_id, now)
+                       PromptTokensDetails, ToolCall, Usage, bad_request, new_id, now)
 from .serving_base import Frontend, check_n, close_all, merged_events, once, respond, samples
 from .structured import check_without_calls, output_constraint
 from .tenants import owner_of
@@ -163,15 +163,7 @@ class ChatServing(Frontend):
         """Logprobs of this turn's tokens [start, end) (the engine keeps every turn's; ours are the tail)."""
         if not req.logprobs or out.logprobs is None or start >= end:
             return None
-        offset = len(out.logprobs) - len(out.token_ids)
-        entries = []
-        for sampled in out.logprobs[offset + start:offset + end]:
-            text = self.token_text(sampled.token_id)
-            top = [TopLogprob(token=self.token_text(t), logprob=lp, bytes=list(self.token_text(t).encode()))
-                   for t, lp in (sampled.top_logprobs or {}).items()][:req.top_logprobs or 0]
-            entries.append(TokenLogprob(token=text, logprob=sampled.logprob if sampled.logprob is not None else 0.0,
-                                        bytes=list(text.encode()), top_logprobs=top))
-        return ChoiceLogprobs(content=entries)
+        return ChoiceLogprobs(content=self.token_logprobs(out, start, end, req.top_logprobs or 0))
 
     # -- non-streaming -----------------------------------------------------------------------------
     async def _full(self, req: ChatCompletionRequest, response_id: str, turns: list[Turn]) -> dict:

@@ -19,7 +19,7 @@ from starlette.requests import Request
 
 from .chat import Message
 from .conversations import Conversation
-from .protocol import APIError, bad_request, new_id, now
+from .protocol import APIError, TokenLogprob, bad_request, new_id, now
 from . import responses_mcp
 from .protocol_responses import (DeletedResponse, IncompleteDetails, InputTokensDetails, OutputFunctionCall, OutputItem,
                                  OutputMessage, OutputReasoning, OutputText, OutputTokensDetails, ReasoningText,
@@ -79,7 +79,17 @@ class ResponsesServing(Frontend):
         return stored
 
     # -- building the response ---------------------------------------------------------------------
-    def _output_items(self, rt: ResponseTurn, result: TurnResult, text_announced: bool) -> list[OutputItem]:
+    def text_logprobs(self, rt: ResponseTurn, end: TurnFinished, start: int | None = None) -> list[TokenLogprob]:
+        """The output text's logprobs, where the request includes them: of the turn's tokens after its
+        thinking (or from `start`), those of its calls too, as vLLM reports them."""
+        top = rt.request.logprobs()
+        if top is None:
+            return []
+        start = (end.usage.reasoning_tokens or 0) if start is None else start
+        return self.token_logprobs(end.output, start, len(end.output.token_ids), top)
+
+    def _output_items(self, rt: ResponseTurn, result: TurnResult, text_announced: bool,
+                      logprobs: Sequence[TokenLogprob] = ()) -> list[OutputItem]:
         items: list[OutputItem] = []
         if result.reasoning:
             items.append(OutputReasoning(id=rt.reasoning_id, content=[ReasoningText(text=result.reasoning)],
@@ -87,7 +97,7 @@ class ResponsesServing(Frontend):
         if result.content or text_announced:
             status = "incomplete" if result.finish_reason == "length" else "completed"
             items.append(OutputMessage(id=rt.message_id, status=status,
-                                       content=[OutputText(text=result.content or "")]))
+                                       content=[OutputText(text=result.content or "", logprobs=list(logprobs))]))
         items += [OutputFunctionCall(id=new_id("fc_"), call_id=c.id, name=c.name, arguments=c.arguments,
                                      status="completed") for c in result.calls]
         return items
@@ -126,7 +136,7 @@ class ResponsesServing(Frontend):
     # -- non-streaming -----------------------------------------------------------------------------
     async def _full(self, rt: ResponseTurn) -> dict:
         end = await rt.turn.result()
-        return self._finish(rt, end, self._output_items(rt, end.result, text_announced=False))
+        return self._finish(rt, end, self._output_items(rt, end.result, False, self.text_logprobs(rt, end)))
 
     # -- streaming ---------------------------------------------------------------------------------
     async def _events(self, rt: ResponseTurn) -> AsyncIterator[dict]:
@@ -155,6 +165,7 @@ class ResponsesServing(Frontend):
 
         thinking = {"item_id": rt.reasoning_id, "output_index": 0, "content_index": 0}
         streamed, thought, end = "", None, None  # thought: the reasoning streamed, until its item is done
+        top, shown = rt.request.logprobs(), None  # shown: the output tokens whose logprobs a delta carried
         async for e in rt.turn.events():
             if isinstance(e, ReasoningDelta):
                 if thought is None:
@@ -171,11 +182,17 @@ class ResponsesServing(Frontend):
                 if not streamed:
                     for announcement in announce():
                         yield announcement
-                yield event("response.output_text.delta", **part, delta=e.text, logprobs=[])
+                if shown is None:  # the text's first tokens follow the thinking's
+                    shown = rt.turn.usage(e.output).reasoning_tokens or 0
+                upto = len(e.output.token_ids)
+                lp = [] if top is None else self.token_logprobs(e.output, shown, upto, top)
+                shown = upto
+                yield event("response.output_text.delta", **part, delta=e.text, logprobs=_dumped(lp))
                 streamed += e.text
             elif isinstance(e, TurnFinished):
                 end = e
-        output = self._output_items(rt, end.result, bool(streamed))
+        logprobs = self.text_logprobs(rt, end)
+        output = self._output_items(rt, end.result, bool(streamed), logprobs)
         for index, item in enumerate(output):
             if isinstance(item, OutputReasoning):
                 if thought:  # (a turn's reasoning streams whole before its end: nothing is left to send)
@@ -188,8 +205,10 @@ class ResponsesServing(Frontend):
                     for announcement in announce():
                         yield announcement
                 if len(text) > len(streamed) and text.startswith(streamed):
-                    yield event("response.output_text.delta", **part, delta=text[len(streamed):], logprobs=[])
-                yield event("response.output_text.done", **part, text=text, logprobs=[])
+                    rest = self.text_logprobs(rt, end, shown) if shown is not None else logprobs
+                    yield event("response.output_text.delta", **part, delta=text[len(streamed):],
+                                logprobs=_dumped(rest))
+                yield event("response.output_text.done", **part, text=text, logprobs=_dumped(logprobs))
                 yield event("response.content_part.done", **part, part=item.content[0].model_dump())
             else:
                 yield event("response.output_item.added", output_index=index,
@@ -202,3 +221,7 @@ class ResponsesServing(Frontend):
             yield event("response.output_item.done", output_index=index, item=item.model_dump())
         body = self._finish(rt, end, output)
         yield event("response.completed" if body["status"] == "completed" else "response.incomplete", response=body)
+
+
+def _dumped(logprobs: Sequence[TokenLogprob]) -> list[dict]:
+    return [lp.model_dump() for lp in logprobs]

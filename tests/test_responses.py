@@ -209,6 +209,37 @@ def test_vllms_sampling_fields_mean_what_they_mean_on_chat_completions(srv):
     srv.assert_no_leak()
 
 
+def test_output_text_logprobs_are_chat_completions_logprobs(srv):
+    """`include: ["message.output_text.logprobs"]` with `top_logprobs`: the output text carries each of its
+    tokens' logprob and most likely alternatives, those Chat Completions gives the same conversation; a
+    stream's deltas carry their own tokens', its done event and the response all of them."""
+    client = srv.client()
+    ask = dict(input="Name three colours.", max_output_tokens=6, **GREEDY)
+    wanted = dict(top_logprobs=2, include=["message.output_text.logprobs"])
+    whole = client.responses.create(**ask, **wanted)
+    (item,) = whole.output
+    (text,) = item.content
+    assert whole.status == "incomplete"  # (the length limit: no EOS among its tokens)
+    assert "".join(lp.token for lp in text.logprobs) == text.text
+    assert all(len(lp.top_logprobs) == 2 and lp.bytes == list(lp.token.encode()) for lp in text.logprobs)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ask["input"]}],
+                                          max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    expected = chat.choices[0].logprobs.content
+    assert [lp.token for lp in text.logprobs] == [lp.token for lp in expected]
+    assert [lp.logprob for lp in text.logprobs] == pytest.approx([lp.logprob for lp in expected], abs=1e-4)
+    assert [[a.token for a in lp.top_logprobs] for lp in text.logprobs] == \
+        [[a.token for a in lp.top_logprobs] for lp in expected]
+
+    events = list(client.responses.create(**ask, **wanted, stream=True))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    final = events[-1].response.output[0].content[0]
+    assert [lp.token for d in deltas for lp in d.logprobs] == [lp.token for lp in done.logprobs] == \
+        [lp.token for lp in final.logprobs] == [lp.token for lp in text.logprobs]
+    assert all(len(lp.top_logprobs) == 2 for lp in done.logprobs)
+    assert client.responses.create(**ask).output[0].content[0].logprobs == []  # not included: none
+
+
 def test_stored_responses_are_bounded_and_expire(srv):
     """A second app on the running engine, over ASGI: at most 2 stored responses, each for 60 s of its
     store's clock (moved by hand)."""
