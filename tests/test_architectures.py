@@ -18,7 +18,7 @@ import shutil
 import pytest
 import torch
 from transformers import (AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config,
-                          Qwen3Config)
+                          Qwen3Config, SmolLM3Config)
 
 from conftest import hf_greedy
 from infercept.engine import LLM, SamplingParams
@@ -47,6 +47,9 @@ VARIANTS = {
     "qwen2": lambda: Qwen2Config(**TINY),
     "qwen3": lambda: Qwen3Config(**TINY, head_dim=16),
     "qwen3-bias-wide-head": lambda: Qwen3Config(**TINY, head_dim=32, attention_bias=True),
+    # RoPE in layer 0, none in layer 1 (SmolLM3-3B: none in every 4th); its own token ids are past this vocabulary
+    "smollm3": lambda: SmolLM3Config(**TINY, no_rope_layer_interval=2, bos_token_id=1, eos_token_id=2,
+                                     pad_token_id=None),
 }
 
 
@@ -135,6 +138,19 @@ def test_llama3_rope_differs_from_default():
     assert inv_scaled.shape == inv_plain.shape == (TINY["hidden_size"] // TINY["num_attention_heads"] // 2,)
     assert torch.allclose(inv_scaled[0], inv_plain[0])  # highest frequency is kept
     assert not torch.allclose(inv_scaled, inv_plain)  # low frequencies are divided by `factor`
+
+
+def test_smollm3s_layer_without_rope_changes_what_it_generates(tmp_path, default_model_dir):
+    """The smollm3 variant above is only a real test if its layer without RoPE changes the output:
+    transformers' model with RoPE in that layer too generates something else."""
+    config = VARIANTS["smollm3"]()
+    assert config.no_rope_layers == [1, 0]
+    assert ModelSpec.from_hf_config(config).unrotated_layers == {1}
+    hf = build_tiny_model(config, tmp_path, default_model_dir)
+    prompt = [random.Random("smollm3").randrange(3, VOCAB) for _ in range(PROMPT_LENGTHS[-1])]
+    as_configured = hf_greedy(hf, prompt, NEW_TOKENS)
+    hf.model.layers[1].self_attn.use_rope = 1
+    assert hf_greedy(hf, prompt, NEW_TOKENS) != as_configured
 
 
 def test_unsupported_model_type_is_rejected(tmp_path):

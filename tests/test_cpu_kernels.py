@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config, SmolLM3Config
 
 from infercept.engine import LLM, SamplingParams, cpu_kernels
 from infercept.engine.attention import _gather
@@ -174,6 +174,8 @@ VARIANTS = {
     "llama-untied-bias": lambda: LlamaConfig(**TINY, attention_bias=True, mlp_bias=True),
     "qwen2": lambda: Qwen2Config(**TINY),
     "qwen3-qk-norm": lambda: Qwen3Config(**TINY, head_dim=32),  # attention stays on the torch path
+    "smollm3-layer-without-rope": lambda: SmolLM3Config(**TINY, no_rope_layer_interval=2, bos_token_id=1,
+                                                        eos_token_id=2, pad_token_id=None),
 }
 
 

@@ -12,7 +12,6 @@ import sys
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from conftest import hf_greedy
 from infercept.engine import LLM, SamplingParams
@@ -223,17 +222,17 @@ print(json.dumps({"interpreted": [type(k).__name__ for k in kernels], "runs": ru
 """
 
 
-@pytest.mark.parametrize("kernels", ["torch", "fused"])
+@pytest.mark.parametrize("kernels, variant", [("torch", "llama"), ("fused", "llama"), ("fused", "smollm3")])
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton runs on Linux")
-def test_static_paths_with_the_triton_kernels_match_transformers(tmp_path, default_model_dir, kernels):
+def test_static_paths_with_the_triton_kernels_match_transformers(tmp_path, default_model_dir, kernels, variant):
     """The GPU's step paths end to end on the CPU: both graph families' static buffers, padding into the
     scratch block and the Triton attention kernels (under the interpreter, in a child process: see
     test_triton_decode.py), 16-token steps so a prompt's chunks run beside other requests' decodes, on a
     tiny random Llama, token by token against transformers; "fused": with the fused Triton kernels of
-    triton_fused (norms, SiLU, RoPE + cache write) as well."""
-    from test_architectures import TINY, build_tiny_model
+    triton_fused (norms, SiLU, RoPE + cache write) as well, and on SmolLM3's shape (a layer without RoPE)."""
+    from test_architectures import VARIANTS, build_tiny_model
 
-    hf = build_tiny_model(LlamaConfig(**TINY), tmp_path / "model", default_model_dir)
+    hf = build_tiny_model(VARIANTS[variant](), tmp_path / "model", default_model_dir)
     env = {**os.environ, "TRITON_INTERPRET": "1", "INFERCEPT_CACHE": str(tmp_path / "cache")}
     run = subprocess.run([sys.executable, "-c", TRITON_GRAPH_PATH, str(tmp_path / "model"), kernels], env=env,
                          capture_output=True, text=True, timeout=300)

@@ -85,13 +85,18 @@ class RMSNorm(nn.Module):
 
 @dataclass
 class Rotary:
-    """RoPE inputs of one step: the positions and tables, and (torch path) each row's cos/sin."""
+    """RoPE inputs of one step: the positions and tables, and (torch path) each row's cos/sin; a layer
+    without RoPE gets the identity (every position at a table row of cos 1, sin 0; no cos/sin)."""
 
     positions: torch.Tensor  # [T]
     cos_table: torch.Tensor  # [max_positions, D]
     sin_table: torch.Tensor  # [max_positions, D], first half negated (see apply_rope)
-    cos: torch.Tensor | None = None  # [T, 1, D]
+    cos: torch.Tensor | None = None  # [T, 1, D]; None on the torch path: no RoPE
     sin: torch.Tensor | None = None
+
+
+def rotated(x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+    return x if rotary.cos is None else apply_rope(x, rotary.cos, rotary.sin)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -133,11 +138,11 @@ class Attention(nn.Module):
             q, k = heads[:, :H], heads[:, H:H + Hkv]
         elif self.q_norm is None:
             # RoPE on q and k together: one set of kernels for H + Hkv heads.
-            qk = apply_rope(heads[:, :H + Hkv], rotary.cos, rotary.sin)
+            qk = rotated(heads[:, :H + Hkv], rotary)
             q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, Hkv, D]
         else:
-            q = apply_rope(self.q_norm(heads[:, :H]), rotary.cos, rotary.sin)
-            k = apply_rope(self.k_norm(heads[:, H:H + Hkv]), rotary.cos, rotary.sin)
+            q = rotated(self.q_norm(heads[:, :H]), rotary)
+            k = rotated(self.k_norm(heads[:, H:H + Hkv]), rotary)
         v = heads[:, H + Hkv:]  # [T, Hkv, D]
         o = paged_attention(q, k, v, meta, kv_cache[0], kv_cache[1], self.scale, kernels=self.kernels)
         return self.o_proj(o.reshape(T, self.q_size))
@@ -204,6 +209,9 @@ class LlamaForCausalLM(nn.Module):
         sin = emb.sin() * attention_scaling
         sin[:, :sin.shape[1] // 2] *= -1  # sign of rotate_half folded in, see apply_rope
         self.register_buffer("sin_table", sin.to(device, dtype), persistent=False)
+        # The identity, for layers without RoPE: one row, cos 1 and sin 0, which every position reads
+        self.register_buffer("unrotated_cos", torch.ones(1, emb.shape[1], device=device, dtype=dtype), persistent=False)
+        self.register_buffer("unrotated_sin", torch.zeros(1, emb.shape[1], device=device, dtype=dtype), persistent=False)
 
     def shard_sizes(self, fused: str) -> list[int]:
         s = self.spec
@@ -219,9 +227,12 @@ class LlamaForCausalLM(nn.Module):
         if self.layers[0].self_attn.kernels is None:
             rotary.cos = self.cos_table[positions].unsqueeze(1)  # [T, 1, D]
             rotary.sin = self.sin_table[positions].unsqueeze(1)  # [T, 1, D], first half negated
+        unrotated = None
+        if self.spec.unrotated_layers:
+            unrotated = Rotary(torch.zeros_like(positions), self.unrotated_cos, self.unrotated_sin)
         delta = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            h, delta = layer(h, delta, rotary, meta, kv_cache)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            h, delta = layer(h, delta, unrotated if i in self.spec.unrotated_layers else rotary, meta, kv_cache)
         return self.norm.add_and_norm(h, delta)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

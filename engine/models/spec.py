@@ -12,6 +12,7 @@ SUPPORTED_MODEL_TYPES = {
     "mistral": {},
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
+    "smollm3": {},  # Llama with RoPE left out of every `no_rope_layer_interval`-th layer (`no_rope_layers`)
 }
 
 
@@ -38,6 +39,7 @@ class ModelSpec:
     qk_norm: bool
     torch_dtype: torch.dtype | None
     hf_config: Any  # the transformers config, for RoPE parameters
+    unrotated_layers: frozenset[int] = frozenset()  # layers whose attention has no RoPE (SmolLM3's)
 
     @classmethod
     def from_hf_config(cls, config: Any, max_model_len: int | None = None) -> "ModelSpec":
@@ -45,7 +47,7 @@ class ModelSpec:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)} "
-                "(Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, SmolLM2)")
+                "(Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, SmolLM2, SmolLM3)")
         family = SUPPORTED_MODEL_TYPES[model_type]
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         attention_bias = bool(getattr(config, "attention_bias", False))
@@ -73,11 +75,13 @@ class ModelSpec:
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=family.get("qkv_bias", attention_bias),
-            o_bias=attention_bias and model_type in ("llama", "qwen3"),
+            o_bias=attention_bias and model_type in ("llama", "qwen3", "smollm3"),
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             qk_norm=family.get("qk_norm", False),
             torch_dtype=dtype,
             hf_config=config,
+            unrotated_layers=frozenset(i for i, rotated in enumerate(getattr(config, "no_rope_layers", None) or ())
+                                       if not rotated),
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
