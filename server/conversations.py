@@ -324,6 +324,14 @@ class ConversationStore:
             self.touch(record)
         return record
 
+    def holds(self, kind: Kind, id: str) -> bool:
+        """Whether any tenant's record (kind, id) is here (what another replica asks before it forwards a
+        request naming it: server/replica_forwarding.py)."""
+        if kind is Kind.RESPONSE:
+            self._expire_responses()
+            return id in self._responses
+        return any(k is kind and i == id for _, k, i in self._named)
+
     def touch(self, record: Conversation) -> None:
         """`record` was used now: its idle TTL starts again (also when its request ends, so a turn that
         generated longer than the TTL does not leave its record to expire at once)."""

@@ -15,17 +15,18 @@ launcher offers two (`--router-policy`):
   to the least loaded replica). An implicit resume (the whole conversation sent again with the tool
   results: the OpenAI SDK's chat loop, LangChain, ...) renders to ids that extend those of the turn that
   paused, and so does a chat request that continues a session named in its body (`session_id`: the
-  replica that holds the session renders its stored conversation first), so both go home. Not: a
-  session named in the X-Session-Id header alone (the router sends no headers with its render calls)
-  and Responses chains (`previous_response_id`: the router does not render stateful requests and
-  balances them by load, so on another replica they fail, 404).
+  replica that holds the session renders its stored conversation first), so both go home. Not by the
+  router: a session named in the X-Session-Id header alone (the router sends no headers with its render
+  calls) and Responses chains (`previous_response_id`: the router does not render stateful requests
+  and balances them by load); those the replica they reach forwards home (below).
 * `kv_aware` with session affinity (`--affinity-ttl`, default 3600 s), for clients that send an
   `X-Session-Id` header: chat sessions and Responses chains whose requests carry the header stay on the
   replica their first request went to. Requests without the header are balanced by load (the router's
   KV-aware matching needs KV events that the server does not publish), so implicit resumes then miss.
 
-The native /v1/sessions routes cannot be routed under either: the replica makes the session id up when
-the session is created, so no request before that names it (docs/replicas.md).
+Whatever the policy, a request that names its conversation (a Responses chain, a chat session, a native
+session) and reaches a replica that does not hold it is forwarded to the one that does:
+server/replica_forwarding.py, with the fleet file this launcher writes (`replica --fleet FILE`).
 
 The launcher starts the replicas (`infercept serve` on consecutive ports, `--threads` each), waits for
 their /health, starts the router, waits for its /readiness, and then watches: a replica that exits is
@@ -39,24 +40,29 @@ released and counted; their agents' next steps go to the others and recompute).
 
     kill -TTIN $(pgrep -f 'infercept.server.replicas --replicas')    # one more replica
 
-Each replica runs `infercept serve` through this module (`replica` below), which puts one ASGI layer
-in front of the server's app and changes nothing else: DropRouterDefaults removes the SGLang sampling
-fields the router adds to every chat and completion body it forwards or renders (`no_stop_trim: false`, `skip_special_tokens: true`, ...; the server refuses unknown
-fields with a 400) when they hold exactly the router's defaults; any other value still reaches the server
-and is refused there.
+Each replica runs `infercept serve` through this module (`replica` below), which puts two ASGI layers
+in front of the server's app and changes nothing else: ForwardToHolder (above), and DropRouterDefaults,
+which removes the SGLang sampling fields the router adds to every chat and completion body it forwards or
+renders (`no_stop_trim: false`, `skip_special_tokens: true`, ...; the server refuses unknown fields with
+a 400) when they hold exactly the router's defaults; any other value still reaches the server and is
+refused there.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import IO
+
+from .replica_forwarding import Fleet, ForwardToHolder, buffered, buffered_replay, write_fleet
 
 ROUTER_PACKAGE = "vllm-router"  # pinned in pyproject.toml's `router` extra
 ROUTER_POLICIES = ("cache_aware", "kv_aware", "round_robin", "consistent_hash", "power_of_two", "random")
@@ -82,27 +88,15 @@ class DropRouterDefaults:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in REWRITTEN_PATHS:
             return await self.app(scope, receive, send)
-        chunks = []
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away before sending its body
-                return await self.app(scope, _replay([message], receive), send)
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body"):
-                break
-        body = b"".join(chunks)
+        body, replay = await buffered(receive)
+        if body is None:  # the client went away before sending its body
+            return await self.app(scope, replay, send)
         stripped = strip_router_defaults(body)
-        if stripped is not body:
-            headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
-            scope = dict(scope, headers=headers + [(b"content-length", str(len(stripped)).encode())])
-        return await self.app(scope, _replay([{"type": "http.request", "body": stripped, "more_body": False}],
-                                             receive), send)
-
-
-def _replay(messages: list, receive):
-    async def replay():
-        return messages.pop(0) if messages else await receive()
-    return replay
+        if stripped is body:
+            return await self.app(scope, replay, send)
+        headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
+        scope = dict(scope, headers=headers + [(b"content-length", str(len(stripped)).encode())])
+        return await self.app(scope, buffered_replay(stripped, receive), send)
 
 
 def strip_router_defaults(body: bytes) -> bytes:
@@ -123,15 +117,22 @@ def strip_router_defaults(body: bytes) -> bytes:
 
 
 def replica(argv: list[str]) -> None:
-    """`infercept serve ARGV` with DropRouterDefaults in front of the app."""
+    """`infercept serve ARGV` with DropRouterDefaults in front of the app, and with `--fleet FILE` first
+    (the launcher's: the fleet file, server/replica_forwarding.py) ForwardToHolder in front of that."""
     import infercept.server.app as app_module
     from infercept.server.cli import main as cli_main
 
+    fleet = None
+    if argv[:1] == ["--fleet"]:
+        port = argv[argv.index("--port") + 1] if "--port" in argv else "8000"
+        fleet, argv = Fleet(argv[1], f"http://127.0.0.1:{port}"), argv[2:]
     build_app = app_module.build_app
 
     def build_app_behind_router(*args, **kwargs):
         app = build_app(*args, **kwargs)
         app.add_middleware(DropRouterDefaults)
+        if fleet is not None:
+            app.add_middleware(ForwardToHolder, fleet=fleet)
         return app
 
     app_module.build_app = build_app_behind_router  # cmd_serve imports it from the module when it runs
@@ -331,8 +332,12 @@ def main(argv: list[str] | None = None) -> None:
     def on_signal(sig, frame):
         raise Stop(signal.Signals(sig).name)
 
+    fleet_dir = tempfile.mkdtemp(prefix="infercept-fleet-")
+    fleet_file, fleet_token = os.path.join(fleet_dir, "fleet.json"), secrets.token_hex(16)
+
     def new_replica(port: int) -> Child:
         return Child(f"replica :{port}", [sys.executable, "-m", "infercept.server.replicas", "replica",
+                                          "--fleet", fleet_file,
                                           "--host", args.replica_host, "--port", str(port),
                                           "--threads", str(args.threads), *serve_args],
                      f"http://127.0.0.1:{port}", log(f"replica-{port}"))
@@ -352,6 +357,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"infercept replicas: {child.name} not added: {e}", file=sys.stderr, flush=True)
                 return
             replicas.append(child)
+            write_fleet(fleet_file, fleet_token, [r.url for r in replicas])
             print(f"infercept replicas: {child.name} added ({len(replicas)} replicas)", flush=True)
         elif len(replicas) > 1:
             child = replicas[-1]
@@ -361,6 +367,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"infercept replicas: {child.name} not removed: {e}", file=sys.stderr, flush=True)
                 return
             replicas.pop()
+            write_fleet(fleet_file, fleet_token, [r.url for r in replicas])
             stop([child], 60)
             print(f"infercept replicas: {child.name} removed and stopped ({len(replicas)} replicas)", flush=True)
 
@@ -373,6 +380,7 @@ def main(argv: list[str] | None = None) -> None:
     router: Child | None = None
     status = 0
     try:
+        write_fleet(fleet_file, fleet_token, [f"http://127.0.0.1:{port}" for port in ports])
         for port in ports:
             replicas.append(new_replica(port))
         print(f"infercept replicas: starting {args.replicas} on ports {ports[0]}-{ports[-1]} "
@@ -415,6 +423,7 @@ def main(argv: list[str] | None = None) -> None:
         if router is not None:
             stop([router], 15)
         stop(replicas, 60)
+        shutil.rmtree(fleet_dir, ignore_errors=True)
     sys.exit(status)
 
 

@@ -12,6 +12,9 @@ conversation sent again each step).
   resumed steps miss (< 90% cached; what the right routing buys);
 * kv_aware with session affinity: Responses chains (previous_response_id) and chat sessions whose requests
   carry an X-Session-Id header return to their replica;
+* round_robin again: Responses chains, chat sessions and a native session still reach their replica, which
+  the replica a request reaches forwards it to (server/replica_forwarding.py; stand-in replicas test each
+  kind of request, streams and disconnects without a router);
 * one replica killed while agents run: agents that start afterwards get no 5xx (the router sends them to
   the other replica).
 
@@ -36,6 +39,7 @@ import httpx
 import pytest
 
 from bench_modules import load_bench
+from infercept.server.replica_forwarding import Fleet, ForwardToHolder, write_fleet
 from infercept.server.replicas import DropRouterDefaults, router_argv, router_executable, strip_router_defaults
 
 ROUTER_MISSING = importlib.util.find_spec("vllm_router") is None or router_executable() is None
@@ -84,6 +88,107 @@ def test_the_middleware_rewrites_chat_and_completions_bodies_only():
                            ("/v1/responses", routed)):
         answer = client.post(path, json=routed).json()
         assert answer == {"body": expected, "length": True}, path
+
+
+# -- forwarding to the replica that holds a conversation (no router, no model) ----------------------------
+
+def fleet_member(name: str, held: set, fleet_file: Path, streams: dict):
+    """A stand-in for a replica: answers every request with who served it and what it got, holds `held`
+    ((Kind, id) pairs), and streams on POST /v1/chat/completions with "stream" in its body."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    async def answer(request):
+        body = (await request.body()).decode()
+        if "stream" in body:
+            async def events():
+                try:
+                    yield b"data: one\n\n"
+                    while not streams["go on"].is_set():  # (the client has read the first event by then)
+                        await asyncio.sleep(0.01)
+                    yield b"data: two\n\n"
+                    await asyncio.sleep(30)  # (the client leaves before this ends)
+                finally:
+                    streams["ended"].set()
+            return StreamingResponse(events(), media_type="text/event-stream")
+        return JSONResponse({"served_by": name, "path": request.url.path, "query": request.url.query, "body": body,
+                             "from_fleet": "x-infercept-fleet" in request.headers,
+                             "authorization": request.headers.get("authorization")})
+
+    app = Starlette(routes=[Route("/{path:path}", answer, methods=["GET", "POST", "DELETE"])])
+    app.state.settings = SimpleNamespace(keep_alive_s=5)
+    app.state.conversations = SimpleNamespace(holds=lambda kind, id: (kind, id) in held)
+    fleet = Fleet(fleet_file, own_url="")
+    app.add_middleware(ForwardToHolder, fleet=fleet)
+    return app, fleet
+
+
+def test_a_request_naming_what_another_replica_holds_is_served_there(tmp_path):
+    from live_server import serve_in_thread
+
+    from infercept.server.conversations import Kind
+
+    streams = {"go on": threading.Event(), "ended": threading.Event()}
+    held = {(Kind.RESPONSE, "resp_a"), (Kind.SESSION, "sess_a"), (Kind.CHAT, "chat-a")}
+    fleet_file = tmp_path / "fleet.json"
+    servers = []
+    for name, holds in (("a", held), ("b", set())):
+        app, fleet = fleet_member(name, holds, fleet_file, streams)
+        server, thread, url = serve_in_thread(app)
+        fleet.own_url = url
+        servers.append((server, thread, url))
+    a, b = servers[0][2], servers[1][2]
+    write_fleet(fleet_file, "secret", [a, b])
+    try:
+        with httpx.Client(base_url=b, timeout=30) as http:
+            key = {"Authorization": "Bearer k"}
+            for method, path, kw in (
+                    ("POST", "/v1/responses", {"json": {"previous_response_id": "resp_a", "input": "x"}}),
+                    ("GET", "/v1/responses/resp_a", {}), ("DELETE", "/v1/responses/resp_a", {}),
+                    ("GET", "/v1/sessions/sess_a", {}), ("POST", "/v1/sessions/sess_a/messages", {"json": {"content": "x"}}),
+                    ("POST", "/v1/chat/completions", {"json": {"messages": [], "session_id": "chat-a"}}),
+                    ("POST", "/v1/chat/completions", {"json": {"messages": []}, "headers": {"X-Session-Id": "chat-a"}})):
+                r = http.request(method, path, params={"q": "1"}, json=kw.get("json"),
+                                 headers={**key, **kw.get("headers", {})})
+                got = r.json()
+                assert got["served_by"] == "a" and got["path"] == path and got["query"] == "q=1", (method, path, got)
+                assert got["from_fleet"] and got["authorization"] == "Bearer k"  # (the client's key goes along)
+                if "json" in kw:
+                    assert json.loads(got["body"]) == kw["json"]
+            for method, path, kw in (
+                    ("POST", "/v1/responses", {"json": {"previous_response_id": "resp_b", "input": "x"}}),
+                    ("GET", "/v1/sessions/sess_b", {}), ("POST", "/v1/chat/completions", {"json": {"messages": []}}),
+                    ("POST", "/v1/completions", {"json": {"session_id": "chat-a"}})):  # (completions name none)
+                got = http.request(method, path, **kw).json()
+                assert got["served_by"] == "b" and not got["from_fleet"], (method, path, got)
+            # The question replicas ask each other needs the fleet's token.
+            assert http.get("/internal/fleet/holds", params={"kind": "chat", "id": "x"}).status_code == 404
+            with httpx.Client(base_url=a, timeout=30) as at_a:
+                asked = at_a.get("/internal/fleet/holds", params={"kind": "session", "id": "sess_a"},
+                                 headers={"x-infercept-fleet": "secret"})
+                assert asked.json() == {"holds": True}
+            # A stream is relayed as it is written; the client leaving ends it at the holder too.
+            with http.stream("POST", "/v1/chat/completions", json={"session_id": "chat-a", "stream": True}) as r:
+                assert r.headers["content-type"].startswith("text/event-stream")
+                lines = r.iter_lines()
+                assert next(lines) == "data: one"
+                streams["go on"].set()
+                assert next(lines) == ""
+                assert next(lines) == "data: two"
+            assert streams["ended"].wait(10), "the holder's stream went on after the client left"
+            # The holder gone: served here (as one server answers a conversation it lost).
+            servers[0][0].should_exit = True
+            servers[0][1].join(timeout=10)
+            got = http.get("/v1/sessions/sess_a").json()
+            assert got["served_by"] == "b", got
+    finally:
+        for server, thread, _ in servers:
+            server.should_exit = True
+            thread.join(timeout=10)
 
 
 # -- the launcher and the router ------------------------------------------------------------------------
@@ -280,6 +385,30 @@ def test_responses_chains_and_header_sessions_return_home_under_kv_aware_affinit
         proc.terminate()
         proc.wait(timeout=30)
     for run in runs:
+        shares = resumed_shares(run, cluster)
+        assert len(shares) == 4 and min(shares) >= 0.9, shares
+
+
+@needs_router
+def test_responses_chains_and_sessions_reach_their_replica_under_round_robin(cluster, bench):
+    """Round robin sends each agent's consecutive requests to alternating replicas; the replica that does
+    not hold the chain or the session a request names forwards it to the one that does
+    (server/replica_forwarding.py), so every resumed step is a resume."""
+    proc, url = cluster.extra_router("round_robin")
+    try:
+        runs = [bench.run_agents(url, 2, f"rr-{mode}", at_once=False, steps=3, words=WORDS, mode=mode)
+                for mode in ("responses", "session")]
+        with httpx.Client(base_url=url + "/v1", timeout=120) as http:  # a native session, message by message
+            session = http.post("/sessions", json={"temperature": 0, "max_tokens": 3}).json()["id"]
+            for word in ("Hello.", "And again.", "Once more."):
+                r = http.post(f"/sessions/{session}/messages", json={"content": word})
+                assert r.status_code == 200, r.text
+            seen = [http.get(f"/sessions/{session}") for _ in range(2)]
+            assert [r.status_code for r in seen] == [200, 200] and len(seen[1].json()["messages"]) == 6, seen[1].text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    for run in runs:  # (without forwarding: previous_response_not_found, and tool results without their calls)
         shares = resumed_shares(run, cluster)
         assert len(shares) == 4 and min(shares) >= 0.9, shares
 

@@ -210,8 +210,9 @@ class LlamaForCausalLM(nn.Module):
         sin[:, :sin.shape[1] // 2] *= -1  # sign of rotate_half folded in, see apply_rope
         self.register_buffer("sin_table", sin.to(device, dtype), persistent=False)
         # The identity, for layers without RoPE: one row, cos 1 and sin 0, which every position reads
-        self.register_buffer("unrotated_cos", torch.ones(1, emb.shape[1], device=device, dtype=dtype), persistent=False)
-        self.register_buffer("unrotated_sin", torch.zeros(1, emb.shape[1], device=device, dtype=dtype), persistent=False)
+        row = dict(device=device, dtype=dtype)
+        self.register_buffer("unrotated_cos", torch.ones(1, emb.shape[1], **row), persistent=False)
+        self.register_buffer("unrotated_sin", torch.zeros(1, emb.shape[1], **row), persistent=False)
 
     def shard_sizes(self, fused: str) -> list[int]:
         s = self.spec

@@ -1,0 +1,263 @@
+"""Requests that name a conversation another replica holds, forwarded to that replica (replicas behind a
+router, server/replicas.py).
+
+The router sends a request where its policy says, which for some clients is not the replica holding the
+conversation the request continues: a Responses chain (`previous_response_id`) or a chat session named
+only in the X-Session-Id header under cache_aware, a chat session named without that header under
+kv_aware, any of them under round_robin. So each replica knows the fleet (a file the launcher writes and
+rewrites as the fleet grows and shrinks: the replicas' URLs and a token only the fleet knows), and a
+request naming a conversation this replica does not hold:
+
+- asks the other replicas whether they hold it (`GET /internal/fleet/holds?kind=...&id=...` with the
+  fleet's token, answered by this layer for any tenant's record: the holder's server checks the key and
+  the owner as it always does);
+- goes, as it came, to the one that does, whose answer is relayed (status, headers, and the body as it
+  streams, server-sent events included; a client that disconnects closes the forwarded request too, so
+  the holder stops its turn as it would for its own client); the holder sees the fleet's token and
+  serves the request itself;
+- is served here when none holds it (a new chat session starts here; an unknown response is a 404, as
+  on one server), or when the holder cannot be reached (it died, and its conversations with it).
+
+Which replica holds what is remembered (up to REMEMBERED_HOLDERS), so a conversation's later requests
+go straight there.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+from collections import OrderedDict
+from pathlib import Path
+from urllib.parse import parse_qs
+
+import httpx
+
+from .conversations import Kind
+
+logger = logging.getLogger("infercept.server")
+
+HOLDS_PATH = "/internal/fleet/holds"
+FLEET_HEADER = b"x-infercept-fleet"  # the fleet's token: a request from a replica, or a question from one
+NAMED_KINDS = {Kind.CHAT.value, Kind.SESSION.value, Kind.RESPONSE.value}
+REMEMBERED_HOLDERS = 100_000
+ASK_TIMEOUT_S = 2.0
+# Hop-by-hop headers (RFC 9110 §7.6.1) and those the forwarding client sets itself
+NOT_FORWARDED = {b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer", b"transfer-encoding",
+                 b"upgrade", b"host", b"content-length", FLEET_HEADER}
+NOT_RELAYED = {b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer", b"transfer-encoding", b"upgrade"}
+
+_RESPONSE = re.compile(r"/v1/responses/([^/]+)")
+_SESSION = re.compile(r"/v1/sessions/([^/]+)(?:/messages)?")
+
+
+def named_conversation(method: str, path: str, headers: dict[bytes, bytes], body: bytes) -> tuple[Kind, str] | None:
+    """The conversation a request continues or reads, by kind and id; None for one that names none."""
+    if (m := _RESPONSE.fullmatch(path)) is not None:
+        return Kind.RESPONSE, m.group(1)
+    if (m := _SESSION.fullmatch(path)) is not None:
+        return Kind.SESSION, m.group(1)
+    if method != "POST" or path not in ("/v1/responses", "/v1/chat/completions"):
+        return None
+    try:
+        fields = json.loads(body)
+    except ValueError:
+        fields = None
+    fields = fields if isinstance(fields, dict) else {}
+    if path == "/v1/responses":
+        named = fields.get("previous_response_id")
+        return (Kind.RESPONSE, named) if isinstance(named, str) and named else None
+    named = fields.get("session_id") or headers.get(b"x-session-id", b"").decode("latin-1")
+    return (Kind.CHAT, named) if isinstance(named, str) and named else None
+
+
+def _may_name(method: str, path: str) -> bool:
+    return ((method == "POST" and path in ("/v1/responses", "/v1/chat/completions"))
+            or path.startswith(("/v1/responses/", "/v1/sessions/")))
+
+
+class Fleet:
+    """The fleet as the launcher last wrote it: {"token": ..., "replicas": [URL, ...]} (read again when
+    the file changes), and this replica's own URL among them."""
+
+    def __init__(self, path: str | Path, own_url: str):
+        self.path, self.own_url = Path(path), own_url
+        self._stamp: tuple[int, int] | None = None
+        self._token, self._urls = "", []
+
+    def _read(self) -> None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return  # (not written yet, or the launcher is gone: the last fleet stands)
+        if (st.st_mtime_ns, st.st_size) == self._stamp:
+            return
+        try:
+            fleet = json.loads(self.path.read_text())
+            self._token, self._urls = str(fleet["token"]), [str(u) for u in fleet["replicas"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # (mid-write: the next request reads it)
+        self._stamp = (st.st_mtime_ns, st.st_size)
+
+    @property
+    def token(self) -> bytes:
+        self._read()
+        return self._token.encode()
+
+    def peers(self) -> list[str]:
+        self._read()
+        return [u for u in self._urls if u != self.own_url]
+
+
+def write_fleet(path: str | Path, token: str, replicas: list[str]) -> None:
+    """The launcher's side: the fleet file, replaced whole (a replica never reads half of it)."""
+    path = Path(path)
+    partial = path.with_suffix(".tmp")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # (the token is the fleet's secret)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"token": token, "replicas": replicas}, f)
+    os.replace(partial, path)
+
+
+class ForwardToHolder:
+    """ASGI middleware (outermost, before the server's own gate): see the module docstring."""
+
+    def __init__(self, app, fleet: Fleet):
+        self.app, self.fleet = app, fleet
+        self.holders: OrderedDict[tuple[Kind, str], str] = OrderedDict()
+        self._client: httpx.AsyncClient | None = None
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:  # (made in the server's event loop, on first use)
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(5.0, read=None, write=60.0))
+        return self._client
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        method, path = scope["method"], scope["path"]
+        headers = dict(scope["headers"])
+        from_fleet = headers.get(FLEET_HEADER) == self.fleet.token and self.fleet.token != b""
+        if path == HOLDS_PATH:
+            return await self._answer_holds(scope, send, from_fleet)
+        if from_fleet or not _may_name(method, path):
+            return await self.app(scope, receive, send)
+        body, replay = await buffered(receive)
+        if body is None:  # the client went away before sending its body
+            return await self.app(scope, replay, send)
+        named = named_conversation(method, path, headers, body)
+        if named is None or scope["app"].state.conversations.holds(*named):
+            return await self.app(scope, replay, send)
+        holder = await self._holder(named)
+        if holder is None or not await self._forward(holder, named, scope, body, receive, send):
+            self.holders.pop(named, None)
+            return await self.app(scope, replay, send)
+
+    # -- which replica holds it --------------------------------------------------------------------
+    async def _answer_holds(self, scope, send, from_fleet: bool) -> None:
+        if not from_fleet:
+            return await _send_json(send, 404, {"error": {"message": "Not Found"}})
+        query = parse_qs(scope["query_string"].decode("latin-1"))
+        kind, named = query.get("kind", [""])[0], query.get("id", [""])[0]
+        if kind not in NAMED_KINDS or not named:
+            return await _send_json(send, 400, {"error": {"message": "give kind (chat, session, response) and id"}})
+        await _send_json(send, 200, {"holds": scope["app"].state.conversations.holds(Kind(kind), named)})
+
+    async def _holder(self, named: tuple[Kind, str]) -> str | None:
+        peers = self.fleet.peers()
+        known = self.holders.get(named)
+        if known in peers:
+            self.holders.move_to_end(named)
+            return known
+        answers = await asyncio.gather(*(self._holds(peer, named) for peer in peers))
+        holder = next((peer for peer, holds in zip(peers, answers) if holds), None)
+        if holder is not None:
+            self.holders[named] = holder
+            while len(self.holders) > REMEMBERED_HOLDERS:
+                self.holders.popitem(last=False)
+        return holder
+
+    async def _holds(self, peer: str, named: tuple[Kind, str]) -> bool:
+        try:
+            r = await self.client.get(peer + HOLDS_PATH, params={"kind": named[0].value, "id": named[1]},
+                                      headers={FLEET_HEADER.decode(): self.fleet.token.decode()},
+                                      timeout=ASK_TIMEOUT_S)
+            return r.status_code == 200 and r.json().get("holds") is True
+        except (httpx.HTTPError, ValueError):
+            return False
+
+    # -- forwarding --------------------------------------------------------------------------------
+    async def _forward(self, holder: str, named: tuple[Kind, str], scope, body: bytes, receive, send) -> bool:
+        """The request sent to `holder` and its answer relayed; False if the holder could not be reached
+        (nothing was sent to the client then)."""
+        query = scope["query_string"].decode("latin-1")
+        url = holder + scope["path"] + (f"?{query}" if query else "")
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in NOT_FORWARDED]
+        headers.append((FLEET_HEADER, self.fleet.token))
+        request = self.client.build_request(scope["method"], url, headers=headers, content=body)
+        try:
+            response = await self.client.send(request, stream=True)
+        except httpx.HTTPError as e:
+            logger.warning("replica %s holds %s %s but cannot be reached (%s); serving the request here",
+                           holder, named[0].value, named[1], e)
+            return False
+        logger.info("%s %s: %s %s is held by %s; forwarded there", scope["method"], scope["path"], named[0].value,
+                    named[1], holder)
+        relay = asyncio.ensure_future(_relay(response, send))
+        gone = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not relay.done():  # the client left: closing the forwarded request stops the holder's turn
+                relay.cancel()
+            await asyncio.gather(relay, gone, return_exceptions=True)
+            await response.aclose()
+        return True
+
+
+async def _relay(response: httpx.Response, send) -> None:
+    await send({"type": "http.response.start", "status": response.status_code,
+                "headers": [(k, v) for k, v in response.headers.raw if k.lower() not in NOT_RELAYED]})
+    async for chunk in response.aiter_raw():
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _disconnected(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def buffered(receive):
+    """The request's whole body and a `receive` that gives it again; (None, ...) if the client left."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None, _replay([message], receive)
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            break
+    body = b"".join(chunks)
+    return body, buffered_replay(body, receive)
+
+
+def buffered_replay(body: bytes, receive):
+    """A `receive` that gives `body` (whole) first, then what the client sends (its disconnect)."""
+    return _replay([{"type": "http.request", "body": body, "more_body": False}], receive)
+
+
+def _replay(messages: list, receive):
+    async def replay():
+        return messages.pop(0) if messages else await receive()
+    return replay
+
+
+async def _send_json(send, status: int, payload: dict) -> None:
+    body = json.dumps(payload).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
