@@ -114,9 +114,9 @@ class StructuredOutputs(Strict):
         return self
 
 
-class SamplingKnobs(Strict):
-    """How a request samples, as OpenAI and vLLM name it: the fields Chat Completions, Completions and
-    Responses share (turn_types.Sampling.of reads them)."""
+class OptionalSampling(Strict):
+    """The sampling fields, as OpenAI and vLLM name and bound them, that a request leaves unset with None
+    (the server's or the model's default applies): every front end's, and a native session's defaults."""
 
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
@@ -129,11 +129,18 @@ class SamplingKnobs(Strict):
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    stop_token_ids: list[int] | None = None  # ids that end the output as EOS does (the model's own ids)
+    cache_salt: CacheSalt = None
+
+
+class SamplingKnobs(OptionalSampling):
+    """How a request samples: the fields Chat Completions, Completions and Responses share
+    (turn_types.Sampling.of reads them)."""
+
+    # vLLM extras
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
-    stop_token_ids: list[int] | None = None  # ids that end the output as EOS does (the model's own ids)
     include_stop_str_in_output: bool = False  # the text keeps the stop string or stop token that ended it
-    cache_salt: CacheSalt = None
 
 
 class SamplingFields(SamplingKnobs):

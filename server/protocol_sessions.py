@@ -4,28 +4,16 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from .protocol import CacheSalt, InterceptOptions, Stop, Strict, ToolParam
+from .protocol import InterceptOptions, OptionalSampling, Strict, ToolParam
 
 
-class SamplingDefaults(Strict):
+class SamplingDefaults(OptionalSampling):
     """Named and checked as in a completion request (vLLM's extras included), so a turn passes them on as
     they are; None here is unset (a message's field overrides its session's only where it is set)."""
 
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
     max_tokens: int | None = Field(default=None, ge=1)
-    stop: Stop = None
-    seed: int | None = None
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
-    top_k: int | None = Field(default=None, ge=-1)
-    min_p: float | None = Field(default=None, ge=0, le=1)
-    repetition_penalty: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     min_tokens: int | None = Field(default=None, ge=0)
-    stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
-    cache_salt: CacheSalt = None
 
     def sampling(self) -> dict:
         """These fields alone (a message's other fields are not sampling defaults)."""
