@@ -125,6 +125,10 @@ class ServerMetrics:
         self.released_kv_tokens = Counter("infercept_paused_released_kv_tokens",
                                           "KV tokens (device + host) the aborted paused generations still kept: "
                                           "what their agents' next turns recompute", ["model", "cause"], registry=r)
+        self.forwarded = Counter("infercept_forwarded_requests", "Requests naming a conversation another replica "
+                                 "holds, forwarded there (replicas behind a router: server/replica_forwarding.py), "
+                                 "by the kind of conversation: chat, session, response", ["model", "kind"],
+                                 registry=r)
         self.ttft = Histogram("infercept_time_to_first_token_seconds", "Time to first token", ["model"],
                               buckets=TTFT_BUCKETS, registry=r)
         self.inter_token = Histogram("infercept_inter_token_latency_seconds",

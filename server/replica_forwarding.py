@@ -205,6 +205,8 @@ class ForwardToHolder:
             return False
         logger.info("%s %s: %s %s is held by %s; forwarded there", scope["method"], scope["path"], named[0].value,
                     named[1], holder)
+        metrics = scope["app"].state.metrics
+        metrics.forwarded.labels(metrics.model, named[0].value).inc()
         relay = asyncio.ensure_future(_relay(response, send))
         gone = asyncio.ensure_future(_disconnected(receive))
         try:

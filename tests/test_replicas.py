@@ -39,6 +39,7 @@ import httpx
 import pytest
 
 from bench_modules import load_bench
+from infercept.server.metrics import ServerMetrics
 from infercept.server.replica_forwarding import Fleet, ForwardToHolder, write_fleet
 from infercept.server.replicas import DropRouterDefaults, router_argv, router_executable, strip_router_defaults
 
@@ -122,6 +123,7 @@ def fleet_member(name: str, held: set, fleet_file: Path, streams: dict):
     app = Starlette(routes=[Route("/{path:path}", answer, methods=["GET", "POST", "DELETE"])])
     app.state.settings = SimpleNamespace(keep_alive_s=5)
     app.state.conversations = SimpleNamespace(holds=lambda kind, id: (kind, id) in held)
+    app.state.metrics = ServerMetrics("m")
     fleet = Fleet(fleet_file, own_url="")
     app.add_middleware(ForwardToHolder, fleet=fleet)
     return app, fleet
@@ -140,7 +142,7 @@ def test_a_request_naming_what_another_replica_holds_is_served_there(tmp_path):
         app, fleet = fleet_member(name, holds, fleet_file, streams)
         server, thread, url = serve_in_thread(app)
         fleet.own_url = url
-        servers.append((server, thread, url))
+        servers.append((server, thread, url, app.state.metrics))
     a, b = servers[0][2], servers[1][2]
     write_fleet(fleet_file, "secret", [a, b])
     try:
@@ -180,13 +182,16 @@ def test_a_request_naming_what_another_replica_holds_is_served_there(tmp_path):
                 assert next(lines) == ""
                 assert next(lines) == "data: two"
             assert streams["ended"].wait(10), "the holder's stream went on after the client left"
+            counted = servers[1][3].registry.get_sample_value
+            assert [counted("infercept_forwarded_requests_total", {"model": "m", "kind": kind})
+                    for kind in ("response", "session", "chat")] == [3, 2, 3]
             # The holder gone: served here (as one server answers a conversation it lost).
             servers[0][0].should_exit = True
             servers[0][1].join(timeout=10)
             got = http.get("/v1/sessions/sess_a").json()
             assert got["served_by"] == "b", got
     finally:
-        for server, thread, _ in servers:
+        for server, thread, *_ in servers:
             server.should_exit = True
             thread.join(timeout=10)
 
