@@ -24,6 +24,7 @@ go straight there.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import os
@@ -59,6 +60,9 @@ def named_conversation(method: str, path: str, headers: dict[bytes, bytes], body
     if (m := _SESSION.fullmatch(path)) is not None:
         return Kind.SESSION, m.group(1)
     if method != "POST" or path not in ("/v1/responses", "/v1/chat/completions"):
+        return None
+    field = b"previous_response_id" if path == "/v1/responses" else b"session_id"
+    if field not in body and b"x-session-id" not in headers:  # (most requests: no JSON to parse)
         return None
     try:
         fields = json.loads(body)
@@ -139,7 +143,8 @@ class ForwardToHolder:
             return await self.app(scope, receive, send)
         method, path = scope["method"], scope["path"]
         headers = dict(scope["headers"])
-        from_fleet = headers.get(FLEET_HEADER) == self.fleet.token and self.fleet.token != b""
+        token = self.fleet.token
+        from_fleet = bool(token) and hmac.compare_digest(headers.get(FLEET_HEADER, b""), token)
         if path == HOLDS_PATH:
             return await self._answer_holds(scope, send, from_fleet)
         if from_fleet or not _may_name(method, path):
