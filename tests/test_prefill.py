@@ -138,3 +138,24 @@ def test_the_messages_api_resumes_a_continued_turn_sent_back_after_its_prefill(s
     u = first.usage
     assert second.usage.cache_read_input_tokens == u.input_tokens + u.cache_read_input_tokens + u.output_tokens - 1
     srv.assert_no_leak()
+
+
+def test_a_continued_turn_that_calls_resumes_on_either_backend(backend_url):
+    """The same resume of a continued turn on the native engine and on vLLM (the turn layer keeps the
+    pause either way): the whole paused context is read back."""
+    import openai
+
+    client = openai.OpenAI(base_url=backend_url, api_key="unused", max_retries=0, timeout=120)
+    ask = dict(model="smol", tools=TOOLS, temperature=0)
+    first = client.chat.completions.create(**ask, messages=[*WEATHER, LOOKING], max_tokens=40,
+                                           extra_body={**CONTINUE, "return_token_ids": True})
+    message = first.choices[0].message
+    assert first.choices[0].finish_reason == "tool_calls", message
+    paused = first.model_extra["prompt_token_ids"] + first.choices[0].model_extra["token_ids"]
+    whole = {"role": "assistant", "content": LOOKING["content"] + (message.content or ""),
+             "tool_calls": [c.model_dump() for c in message.tool_calls]}
+    results = [{"role": "tool", "tool_call_id": c.id, "content": RESULT} for c in message.tool_calls]
+    second = client.chat.completions.create(**ask, messages=[*WEATHER, whole, *results], max_tokens=4,
+                                            extra_body={"return_token_ids": True})
+    assert second.model_extra["prompt_token_ids"][:len(paused)] == paused
+    assert second.usage.prompt_tokens_details.cached_tokens == len(paused) - 1
