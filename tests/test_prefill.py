@@ -89,14 +89,13 @@ def test_the_messages_api_continues_a_trailing_assistant_message_as_chat_does(sr
     assert counted.input_tokens == chat.usage.prompt_tokens
 
 
-def test_a_continued_turn_that_calls_resumes_when_its_message_comes_back_whole(srv):
-    """A continued turn that ends in a call stays paused; the client sends its message back whole (the
-    opening it wrote joined with the answer's content, the calls) with the result: the turn resumes (the
-    whole paused context is read, from the continued prompt to the call's last token) and answers what
-    the same prompt answers from scratch. Sent back as another assistant message after the opening, it is
-    not the turn the model generated (the template renders two turns): served fresh."""
-    client = srv.client()
-    first = client.chat.completions.create(messages=[*WEATHER, LOOKING], tools=TOOLS, max_tokens=40, **greedy(),
+def continued_call_and_its_result(client, model: str):
+    """A continued turn that ends in a call, then the request that sends its message back whole (the
+    opening joined with the answer's content, the calls) with the result; checks that the second reads
+    the whole paused context back (its prompt starts with it; all of it cached but the last token).
+    Returns both responses, the message sent back and the results."""
+    ask = dict(model=model, tools=TOOLS, temperature=0)
+    first = client.chat.completions.create(**ask, messages=[*WEATHER, LOOKING], max_tokens=40,
                                            extra_body={**CONTINUE, "return_token_ids": True})
     message = first.choices[0].message
     assert first.choices[0].finish_reason == "tool_calls", message
@@ -104,11 +103,24 @@ def test_a_continued_turn_that_calls_resumes_when_its_message_comes_back_whole(s
     whole = {"role": "assistant", "content": LOOKING["content"] + (message.content or ""),
              "tool_calls": [c.model_dump() for c in message.tool_calls]}
     results = [{"role": "tool", "tool_call_id": c.id, "content": RESULT} for c in message.tool_calls]
-    second = client.chat.completions.create(messages=[*WEATHER, whole, *results], tools=TOOLS, max_tokens=8,
-                                            **greedy(), extra_body={"return_token_ids": True})
-    assert second.usage.prompt_tokens_details.cached_tokens == len(paused) - 1 == first.usage.total_tokens - 1
+    second = client.chat.completions.create(**ask, messages=[*WEATHER, whole, *results], max_tokens=8,
+                                            extra_body={"return_token_ids": True})
+    assert second.model_extra["prompt_token_ids"][:len(paused)] == paused
+    assert second.usage.prompt_tokens_details.cached_tokens == len(paused) - 1
+    return first, second, whole, results
+
+
+def test_a_continued_turn_that_calls_resumes_when_its_message_comes_back_whole(srv):
+    """A continued turn that ends in a call stays paused; the client sends its message back whole (the
+    opening it wrote joined with the answer's content, the calls) with the result: the turn resumes (the
+    whole paused context is read, from the continued prompt to the call's last token) and answers what
+    the same prompt answers from scratch. Sent back as another assistant message after the opening, it is
+    not the turn the model generated (the template renders two turns): served fresh."""
+    client = srv.client()
+    first, second, whole, results = continued_call_and_its_result(client, MODEL)
+    message = first.choices[0].message
+    assert first.usage.total_tokens - 1 == second.usage.prompt_tokens_details.cached_tokens
     prompt_ids, output_ids = second.model_extra["prompt_token_ids"], second.choices[0].model_extra["token_ids"]
-    assert prompt_ids[:len(paused)] == paused
     again = client.completions.create(prompt=prompt_ids, max_tokens=len(output_ids), **greedy(),
                                       extra_body={"return_token_ids": True})
     assert again.choices[0].model_extra["token_ids"] == output_ids
@@ -119,7 +131,7 @@ def test_a_continued_turn_that_calls_resumes_when_its_message_comes_back_whole(s
     apart = {"role": "assistant", "content": message.content, "tool_calls": whole["tool_calls"]}
     fresh = client.chat.completions.create(messages=[*WEATHER, LOOKING, apart, *results], tools=TOOLS,
                                            max_tokens=2, **greedy())
-    assert fresh.usage.prompt_tokens_details.cached_tokens < len(paused) - 16
+    assert fresh.usage.prompt_tokens_details.cached_tokens < first.usage.total_tokens - 16
     srv.abort_paused()
 
 
@@ -146,16 +158,4 @@ def test_a_continued_turn_that_calls_resumes_on_either_backend(backend_url):
     import openai
 
     client = openai.OpenAI(base_url=backend_url, api_key="unused", max_retries=0, timeout=120)
-    ask = dict(model="smol", tools=TOOLS, temperature=0)
-    first = client.chat.completions.create(**ask, messages=[*WEATHER, LOOKING], max_tokens=40,
-                                           extra_body={**CONTINUE, "return_token_ids": True})
-    message = first.choices[0].message
-    assert first.choices[0].finish_reason == "tool_calls", message
-    paused = first.model_extra["prompt_token_ids"] + first.choices[0].model_extra["token_ids"]
-    whole = {"role": "assistant", "content": LOOKING["content"] + (message.content or ""),
-             "tool_calls": [c.model_dump() for c in message.tool_calls]}
-    results = [{"role": "tool", "tool_call_id": c.id, "content": RESULT} for c in message.tool_calls]
-    second = client.chat.completions.create(**ask, messages=[*WEATHER, whole, *results], max_tokens=4,
-                                            extra_body={"return_token_ids": True})
-    assert second.model_extra["prompt_token_ids"][:len(paused)] == paused
-    assert second.usage.prompt_tokens_details.cached_tokens == len(paused) - 1
+    continued_call_and_its_result(client, "smol")
