@@ -49,6 +49,7 @@ NOT_FORWARDED = {b"connection", b"keep-alive", b"proxy-connection", b"te", b"tra
                  b"upgrade", b"host", b"content-length", FLEET_HEADER}
 NOT_RELAYED = {b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer", b"transfer-encoding", b"upgrade"}
 
+NAMING_POSTS = ("/v1/responses", "/v1/chat/completions")  # POSTs whose body may name a conversation
 _RESPONSE = re.compile(r"/v1/responses/([^/]+)")
 _SESSION = re.compile(r"/v1/sessions/([^/]+)(?:/messages)?")
 
@@ -59,7 +60,7 @@ def named_conversation(method: str, path: str, headers: dict[bytes, bytes], body
         return Kind.RESPONSE, m.group(1)
     if (m := _SESSION.fullmatch(path)) is not None:
         return Kind.SESSION, m.group(1)
-    if method != "POST" or path not in ("/v1/responses", "/v1/chat/completions"):
+    if method != "POST" or path not in NAMING_POSTS:
         return None
     field = b"previous_response_id" if path == "/v1/responses" else b"session_id"
     if field not in body and b"x-session-id" not in headers:  # (most requests: no JSON to parse)
@@ -77,7 +78,7 @@ def named_conversation(method: str, path: str, headers: dict[bytes, bytes], body
 
 
 def _may_name(method: str, path: str) -> bool:
-    return ((method == "POST" and path in ("/v1/responses", "/v1/chat/completions"))
+    return ((method == "POST" and path in NAMING_POSTS)
             or path.startswith(("/v1/responses/", "/v1/sessions/")))
 
 
@@ -142,12 +143,14 @@ class ForwardToHolder:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         method, path = scope["method"], scope["path"]
+        if path != HOLDS_PATH and not _may_name(method, path):  # (most requests: not even the fleet file read)
+            return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         token = self.fleet.token
         from_fleet = bool(token) and hmac.compare_digest(headers.get(FLEET_HEADER, b""), token)
         if path == HOLDS_PATH:
             return await self._answer_holds(scope, send, from_fleet)
-        if from_fleet or not _may_name(method, path):
+        if from_fleet:
             return await self.app(scope, receive, send)
         body, replay = await buffered(receive)
         if body is None:  # the client went away before sending its body

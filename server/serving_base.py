@@ -57,12 +57,15 @@ class Frontend:
         (the engine keeps every turn's of a resumed generation: this turn's are the tail)."""
         if out.logprobs is None:
             return []
+        def alternative(token_id: int, logprob: float) -> TopLogprob:
+            text = self.token_text(token_id)
+            return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
         offset = len(out.logprobs) - len(out.token_ids)
         entries = []
         for sampled in out.logprobs[offset + start:offset + end]:
             text = self.token_text(sampled.token_id)
-            alternatives = [TopLogprob(token=self.token_text(t), logprob=lp, bytes=list(self.token_text(t).encode()))
-                            for t, lp in (sampled.top_logprobs or {}).items()][:top]
+            alternatives = [alternative(t, lp) for t, lp in list((sampled.top_logprobs or {}).items())[:top]]
             entries.append(TokenLogprob(token=text, logprob=sampled.logprob if sampled.logprob is not None else 0.0,
                                         bytes=list(text.encode()), top_logprobs=alternatives))
         return entries

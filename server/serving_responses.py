@@ -182,11 +182,12 @@ class ResponsesServing(Frontend):
                 if not streamed:
                     for announcement in announce():
                         yield announcement
-                if shown is None:  # the text's first tokens follow the thinking's
-                    shown = rt.turn.usage(e.output).reasoning_tokens or 0
-                upto = len(e.output.token_ids)
-                lp = [] if top is None else self.token_logprobs(e.output, shown, upto, top)
-                shown = upto
+                lp = []
+                if top is not None:
+                    if shown is None:  # the text's first tokens follow the thinking's
+                        shown = rt.turn.usage(e.output).reasoning_tokens or 0
+                    upto = len(e.output.token_ids)
+                    lp, shown = self.token_logprobs(e.output, shown, upto, top), upto
                 yield event("response.output_text.delta", **part, delta=e.text, logprobs=_dumped(lp))
                 streamed += e.text
             elif isinstance(e, TurnFinished):
