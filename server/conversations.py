@@ -184,6 +184,7 @@ class ConversationStore:
         self._block_key: dict[str, int | None] = {}  # request id -> its key there
         # (owner, kind, id) -> record, least recently used first: each tenant names its own chat sessions
         self._named: OrderedDict[tuple[str | None, Kind, str], Conversation] = OrderedDict()
+        self._named_tenants: dict[tuple[Kind, str], int] = {}  # (kind, id) -> how many tenants name it
         self._responses: OrderedDict[str, Conversation] = OrderedDict()  # oldest first
         # (owner, call ids) -> turns: a tenant's conversations render only its own generated turns' tokens
         self._turns: OrderedDict[tuple[str | None, tuple[str, ...]], list[AssistantTurn]] = OrderedDict()
@@ -330,7 +331,7 @@ class ConversationStore:
         if kind is Kind.RESPONSE:
             self._expire_responses()
             return id in self._responses
-        return any(k is kind and i == id for _, k, i in self._named)
+        return (kind, id) in self._named_tenants
 
     def touch(self, record: Conversation) -> None:
         """`record` was used now: its idle TTL starts again (also when its request ends, so a turn that
@@ -352,6 +353,7 @@ class ConversationStore:
                 self.close(victim, "limits", "over the session limit")
             record = self._named[(owner, kind, id)] = Conversation(id, kind, last_used=self.clock(), owner=owner,
                                                                    **fields)
+            self._named_tenants[(kind, id)] = self._named_tenants.get((kind, id), 0) + 1
         return record
 
     def store_response(self, response_id: str, body: dict, conversation: tuple[Message, ...],
@@ -379,6 +381,8 @@ class ConversationStore:
             del self._responses[record.id]
         elif record.kind is not Kind.IMPLICIT:
             del self._named[(record.owner, record.kind, record.id)]
+            if (left := self._named_tenants.pop((record.kind, record.id)) - 1) > 0:
+                self._named_tenants[(record.kind, record.id)] = left
         self.release_paused(record, reason or f"{record.kind.value} {record.id} closed", cause)
 
     # -- time --------------------------------------------------------------------------------------

@@ -327,3 +327,18 @@ def test_a_generated_turn_is_known_to_its_own_tenant_only():
     store.pause(Paused("r1", [9, 1, 2, 3], turn, (Message("user", "weather?"),)), owner="alice")
     assert store.known_turn(message, "alice") is turn
     assert store.known_turn(message, "bob") is None and store.known_turn(message) is None
+
+
+def test_what_the_store_holds_is_each_named_record_of_any_tenant_until_it_closes():
+    """`holds` (what another replica asks before it forwards a request) answers for every tenant's record
+    of a kind and id, and stops when the last of them closes; a record of the other kind is not it."""
+    store = ConversationStore(ConversationPolicy(max_named_sessions=3), release=lambda *a: None)
+    alice, bob = store.open_named(Kind.CHAT, "c1", "alice"), store.open_named(Kind.CHAT, "c1", "bob")
+    assert store.holds(Kind.CHAT, "c1") and not store.holds(Kind.SESSION, "c1") and not store.holds(Kind.CHAT, "c2")
+    store.close(alice)
+    assert store.holds(Kind.CHAT, "c1")
+    store.close(bob)
+    assert not store.holds(Kind.CHAT, "c1")
+    for name in ("s1", "s2", "s3", "s4"):  # past the limit the least recently used closes
+        store.open_named(Kind.SESSION, name)
+    assert not store.holds(Kind.SESSION, "s1") and all(store.holds(Kind.SESSION, n) for n in ("s2", "s3", "s4"))
