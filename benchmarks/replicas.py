@@ -92,8 +92,10 @@ def run_agent(client: openai.OpenAI, model: str, seed: str, steps: int = 3, word
     """One agent's loop; returns {"steps": [...], "error": None or {"status", "message", "step"}}.
 
     `mode`: implicit (chat, the whole conversation every step), session (chat under an X-Session-Id
-    header, only the tool results after the first step) or responses (previous_response_id, with the
-    same X-Session-Id header on every request). The last step answers without a tool call.
+    header, only the tool results after the first step), responses (previous_response_id, with the
+    same X-Session-Id header on every request) or cache_key (Responses as Codex sends them: nothing
+    stored, the whole input every step, the agent's `prompt_cache_key`). The last step answers without a
+    tool call.
     `identical_results`: every agent's tool returns the same text at the same step (`entry <step>: <the
     call's arguments>`) instead of the entry from its own list."""
     rng = random.Random(seed)
@@ -101,6 +103,7 @@ def run_agent(client: openai.OpenAI, model: str, seed: str, steps: int = 3, word
     session = f"agent-{seed}"
     headers = {"X-Session-Id": session} if mode in ("session", "responses") else None
     messages, new, previous = [{"role": "user", "content": text}], None, None
+    inputs: list = [{"role": "user", "content": text}]  # (cache_key: the input sent again each step)
     records: list[dict] = []
     for step in range(steps):
         last = step == steps - 1
@@ -115,6 +118,14 @@ def run_agent(client: openai.OpenAI, model: str, seed: str, steps: int = 3, word
                 prompt, cached = r.usage.input_tokens, r.usage.input_tokens_details.cached_tokens or 0
                 calls = [(o.call_id, o.arguments) for o in r.output if o.type == "function_call"]
                 previous = r.id
+            elif mode == "cache_key":
+                choice = "none" if last else {"type": "function", "name": TOOL["name"]}
+                r = client.responses.create(model=model, input=inputs, tools=RESPONSES_TOOLS, tool_choice=choice,
+                                            max_output_tokens=max_tokens if not last else 16, temperature=0,
+                                            store=False, prompt_cache_key=session)
+                prompt, cached = r.usage.input_tokens, r.usage.input_tokens_details.cached_tokens or 0
+                calls = [(o.call_id, o.arguments) for o in r.output if o.type == "function_call"]
+                inputs += [o.model_dump(exclude_none=True) for o in r.output]
             else:
                 choice = "none" if last else {"type": "function", "function": {"name": TOOL["name"]}}
                 sent = messages if mode == "implicit" or step == 0 else new
@@ -142,8 +153,9 @@ def run_agent(client: openai.OpenAI, model: str, seed: str, steps: int = 3, word
         time.sleep(tool_s)
         results = [{"call_id": cid, "output": f"entry {step}: {args}" if identical_results else lookup(items, args)}
                    for cid, args in calls]
-        if mode == "responses":
+        if mode in ("responses", "cache_key"):
             new = [{"type": "function_call_output", **r} for r in results]
+            inputs += new
         else:
             new = [{"role": "tool", "tool_call_id": r["call_id"], "content": r["output"]} for r in results]
             messages += new

@@ -126,8 +126,9 @@ class ServerMetrics:
                                           "KV tokens (device + host) the aborted paused generations still kept: "
                                           "what their agents' next turns recompute", ["model", "cause"], registry=r)
         self.forwarded = Counter("infercept_forwarded_requests", "Requests naming a conversation another replica "
-                                 "holds, forwarded there (replicas behind a router: server/replica_forwarding.py), "
-                                 "by the kind of conversation: chat, session, response", ["model", "kind"],
+                                 "holds, or a prompt_cache_key whose home is another replica, forwarded there "
+                                 "(replicas behind a router: server/replica_forwarding.py), by kind: chat, "
+                                 "session, response, prompt_cache_key", ["model", "kind"],
                                  registry=r)
         self.ttft = Histogram("infercept_time_to_first_token_seconds", "Time to first token", ["model"],
                               buckets=TTFT_BUCKETS, registry=r)

@@ -269,12 +269,14 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     # ours: tools the server runs itself (by name, see server/tool_loop.py); their calls never leave it
     server_tools: list[str] | None = Field(default=None, min_length=1)
+    # Behind the launcher's router, the key's replica serves the request (server/replica_forwarding.py);
+    # one server has one cache for every key.
+    prompt_cache_key: str | None = None
     # Accepted for compatibility and otherwise ignored (they change nothing a local server does).
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
     reasoning_effort: str | None = None
-    prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     modalities: list[str] | None = None
     verbosity: str | None = None

@@ -238,11 +238,13 @@ class ResponsesRequest(SamplingKnobs):
     # server never has (file search results, encrypted reasoning, ...) and are accepted and ignored
     include: list[str] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's, as on Chat Completions
+    # Behind the launcher's router, the key's replica serves the request (server/replica_forwarding.py);
+    # one server has one cache for every key.
+    prompt_cache_key: str | None = None
     # Accepted for compatibility and otherwise ignored.
     truncation: Literal["auto", "disabled"] | None = None
     user: str | None = None
     service_tier: str | None = None
-    prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     reasoning: dict | None = None  # effort / summary: a local thinking model thinks as it was trained to
 

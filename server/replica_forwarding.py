@@ -20,10 +20,19 @@ request naming a conversation this replica does not hold:
 
 Which replica holds what is remembered (up to REMEMBERED_HOLDERS), so a conversation's later requests
 go straight there.
+
+A request that names no conversation held anywhere but carries OpenAI's `prompt_cache_key` (chat
+completions, Responses) is served by the key's home: the replica that rendezvous hashing of the key over
+the fleet picks, the same on every replica without asking, so the requests of one key (an agent's
+conversation: Codex sends its session's id, and the whole input each turn) reach the replica that has
+their prefix cached and their generation paused, whatever the router's policy. A fleet that grows or
+shrinks moves only the keys the new or gone replica wins; a home that cannot be reached leaves the
+request here.
 """
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
@@ -49,7 +58,9 @@ NOT_FORWARDED = {b"connection", b"keep-alive", b"proxy-connection", b"te", b"tra
                  b"upgrade", b"host", b"content-length", FLEET_HEADER}
 NOT_RELAYED = {b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer", b"transfer-encoding", b"upgrade"}
 
-NAMING_POSTS = ("/v1/responses", "/v1/chat/completions")  # POSTs whose body may name a conversation
+NAMING_POSTS = ("/v1/responses", "/v1/chat/completions")  # POSTs whose body may name a conversation or a key
+CACHE_KEY = "prompt_cache_key"
+CACHE_KEY_KIND = "prompt_cache_key"  # (the forwarded-requests metric's kind for requests sent to their key's home)
 _RESPONSE = re.compile(r"/v1/responses/([^/]+)")
 _SESSION = re.compile(r"/v1/sessions/([^/]+)(?:/messages)?")
 
@@ -65,16 +76,28 @@ def named_conversation(method: str, path: str, headers: dict[bytes, bytes], body
     field = b"previous_response_id" if path == "/v1/responses" else b"session_id"
     if field not in body and b"x-session-id" not in headers:  # (most requests: no JSON to parse)
         return None
-    try:
-        fields = json.loads(body)
-    except ValueError:
-        fields = None
-    fields = fields if isinstance(fields, dict) else {}
+    fields = _fields(body)
     if path == "/v1/responses":
         named = fields.get("previous_response_id")
         return (Kind.RESPONSE, named) if isinstance(named, str) and named else None
     named = fields.get("session_id") or headers.get(b"x-session-id", b"").decode("latin-1")
     return (Kind.CHAT, named) if isinstance(named, str) and named else None
+
+
+def prompt_cache_key(method: str, path: str, body: bytes) -> str | None:
+    """The request's `prompt_cache_key`, if it carries one."""
+    if method != "POST" or path not in NAMING_POSTS or CACHE_KEY.encode() not in body:
+        return None
+    key = _fields(body).get(CACHE_KEY)
+    return key if isinstance(key, str) and key else None
+
+
+def _fields(body: bytes) -> dict:
+    try:
+        fields = json.loads(body)
+    except ValueError:
+        return {}
+    return fields if isinstance(fields, dict) else {}
 
 
 def _may_name(method: str, path: str) -> bool:
@@ -113,6 +136,12 @@ class Fleet:
     def peers(self) -> list[str]:
         self._read()
         return [u for u in self._urls if u != self.own_url]
+
+    def home(self, key: str) -> str | None:
+        """The replica whose URL hashes highest with `key` (rendezvous hashing); None for an empty fleet."""
+        self._read()
+        return max(self._urls, default=None,
+                   key=lambda url: hashlib.blake2b(f"{url} {key}".encode(), digest_size=8).digest())
 
 
 def write_fleet(path: str | Path, token: str, replicas: list[str]) -> None:
@@ -156,11 +185,19 @@ class ForwardToHolder:
         if body is None:  # the client went away before sending its body
             return await self.app(scope, replay, send)
         named = named_conversation(method, path, headers, body)
-        if named is None or scope["app"].state.conversations.holds(*named):
-            return await self.app(scope, replay, send)
-        holder = await self._holder(named)
-        if holder is None or not await self._forward(holder, named, scope, body, receive, send):
-            self.holders.pop(named, None)
+        if named is not None:
+            if scope["app"].state.conversations.holds(*named):
+                return await self.app(scope, replay, send)
+            if (holder := await self._holder(named)) is not None:
+                if not await self._forward(holder, named[0].value, f"{named[0].value} {named[1]}", scope, body,
+                                           receive, send):
+                    self.holders.pop(named, None)
+                    return await self.app(scope, replay, send)
+                return
+        key = prompt_cache_key(method, path, body)
+        home = self.fleet.home(key) if key is not None else None
+        if home in (None, self.fleet.own_url) or not await self._forward(
+                home, CACHE_KEY_KIND, f"{CACHE_KEY} {key!r}", scope, body, receive, send):
             return await self.app(scope, replay, send)
 
     # -- which replica holds it --------------------------------------------------------------------
@@ -197,9 +234,9 @@ class ForwardToHolder:
             return False
 
     # -- forwarding --------------------------------------------------------------------------------
-    async def _forward(self, holder: str, named: tuple[Kind, str], scope, body: bytes, receive, send) -> bool:
-        """The request sent to `holder` and its answer relayed; False if the holder could not be reached
-        (nothing was sent to the client then)."""
+    async def _forward(self, holder: str, kind: str, what: str, scope, body: bytes, receive, send) -> bool:
+        """The request sent to `holder` (which holds `what`, counted under `kind`) and its answer relayed;
+        False if the holder could not be reached (nothing was sent to the client then)."""
         query = scope["query_string"].decode("latin-1")
         url = holder + scope["path"] + (f"?{query}" if query else "")
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in NOT_FORWARDED]
@@ -208,13 +245,11 @@ class ForwardToHolder:
         try:
             response = await self.client.send(request, stream=True)
         except httpx.HTTPError as e:
-            logger.warning("replica %s holds %s %s but cannot be reached (%s); serving the request here",
-                           holder, named[0].value, named[1], e)
+            logger.warning("%s is at replica %s, which cannot be reached (%s); serving the request here", what, holder, e)
             return False
-        logger.info("%s %s: %s %s is held by %s; forwarded there", scope["method"], scope["path"], named[0].value,
-                    named[1], holder)
+        logger.info("%s %s: %s is at %s; forwarded there", scope["method"], scope["path"], what, holder)
         metrics = scope["app"].state.metrics
-        metrics.forwarded.labels(metrics.model, named[0].value).inc()
+        metrics.forwarded.labels(metrics.model, kind).inc()
         relay = asyncio.ensure_future(_relay(response, send))
         gone = asyncio.ensure_future(_disconnected(receive))
         try:

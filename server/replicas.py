@@ -25,8 +25,9 @@ launcher offers two (`--router-policy`):
   KV-aware matching needs KV events that the server does not publish), so implicit resumes then miss.
 
 Whatever the policy, a request that names its conversation (a Responses chain, a chat session, a native
-session) and reaches a replica that does not hold it is forwarded to the one that does:
-server/replica_forwarding.py, with the fleet file this launcher writes (`replica --fleet FILE`).
+session) and reaches a replica that does not hold it is forwarded to the one that does, and one that
+carries a `prompt_cache_key` to the key's home replica: server/replica_forwarding.py, with the fleet file
+this launcher writes (`replica --fleet FILE`).
 
 The launcher starts the replicas (`infercept serve` on consecutive ports, `--threads` each), waits for
 their /health, starts the router, waits for its /readiness, and then watches: a replica that exits is

@@ -14,7 +14,8 @@ conversation sent again each step).
   carry an X-Session-Id header return to their replica;
 * round_robin again: Responses chains, chat sessions and a native session still reach their replica, which
   the replica a request reaches forwards it to (server/replica_forwarding.py; stand-in replicas test each
-  kind of request, streams and disconnects without a router);
+  kind of request, streams and disconnects without a router), and so do stateless Responses agents that
+  send a `prompt_cache_key` (to the key's home replica);
 * one replica killed while agents run: agents that start afterwards get no 5xx (the router sends them to
   the other replica).
 
@@ -192,6 +193,67 @@ def test_a_request_naming_what_another_replica_holds_is_served_there(tmp_path):
             assert got["served_by"] == "b", got
     finally:
         for server, thread, *_ in servers:
+            server.should_exit = True
+            thread.join(timeout=10)
+
+
+def test_a_prompt_cache_key_is_served_by_its_home_replica(tmp_path):
+    """Every replica sends a request with a `prompt_cache_key` to the same replica, the key's home by
+    rendezvous hashing; a conversation held elsewhere still wins; a home out of reach leaves the request
+    where it is; a replica joining the fleet takes only keys from the others, none moves between them."""
+    from live_server import serve_in_thread
+
+    from infercept.server.conversations import Kind
+
+    streams = {"go on": threading.Event(), "ended": threading.Event()}
+    fleet_file = tmp_path / "fleet.json"
+    servers, urls = [], {}
+    for name in ("a", "b", "c"):
+        app, fleet = fleet_member(name, {(Kind.RESPONSE, "resp_c")} if name == "c" else set(), fleet_file, streams)
+        server, thread, url = serve_in_thread(app)
+        fleet.own_url = urls[name] = url
+        servers.append((server, thread, app.state.metrics))
+    name_of = {url: name for name, url in urls.items()}
+    write_fleet(fleet_file, "secret", [urls["a"], urls["b"]])
+    keys = [f"agent-{i}" for i in range(24)]
+    reader = Fleet(fleet_file, own_url="")
+    try:
+        clients = {name: httpx.Client(base_url=url, timeout=30) for name, url in urls.items()}
+
+        def served_by(at: str, path: str, body: dict) -> str:
+            return clients[at].post(path, json=body).json()["served_by"]
+
+        homes = {key: name_of[reader.home(key)] for key in keys}
+        assert set(homes.values()) == {"a", "b"}  # (24 keys: both replicas are some key's home)
+        for key in keys:
+            for at in ("a", "b"):
+                assert served_by(at, "/v1/chat/completions", {"messages": [], "prompt_cache_key": key}) == homes[key]
+                assert served_by(at, "/v1/responses", {"input": "x", "prompt_cache_key": key}) == homes[key]
+        counted = [m.registry.get_sample_value("infercept_forwarded_requests_total",
+                                               {"model": "m", "kind": "prompt_cache_key"}) for _, _, m in servers[:2]]
+        assert counted == [2.0 * sum(h == "b" for h in homes.values()), 2.0 * sum(h == "a" for h in homes.values())]
+        # A key of another shape, or on a route that takes none, is served where it arrives.
+        for body in ({"messages": [], "prompt_cache_key": 7}, {"messages": [], "prompt_cache_key": ""}):
+            assert served_by("a", "/v1/chat/completions", body) == "a"
+        assert served_by("a", "/v1/completions", {"prompt": "x", "prompt_cache_key": keys[0]}) == "a"
+        # The fleet grows: keys move to the new replica only.
+        write_fleet(fleet_file, "secret", [urls["a"], urls["b"], urls["c"]])
+        grown = {key: name_of[reader.home(key)] for key in keys}
+        assert "c" in grown.values() and all(grown[k] in (homes[k], "c") for k in keys)
+        for key in keys:
+            assert served_by("a", "/v1/responses", {"input": "x", "prompt_cache_key": key}) == grown[key]
+        # The conversation's holder wins over the key's home.
+        key_of_a = next(k for k in keys if grown[k] == "a")
+        assert served_by("a", "/v1/responses", {"previous_response_id": "resp_c", "prompt_cache_key": key_of_a}) == "c"
+        # The home gone: served here.
+        key_of_c = next(k for k in keys if grown[k] == "c")
+        servers[2][0].should_exit = True
+        servers[2][1].join(timeout=10)
+        assert served_by("b", "/v1/chat/completions", {"messages": [], "prompt_cache_key": key_of_c}) == "b"
+        for client in clients.values():
+            client.close()
+    finally:
+        for server, thread, _ in servers:
             server.should_exit = True
             thread.join(timeout=10)
 
@@ -398,11 +460,13 @@ def test_responses_chains_and_header_sessions_return_home_under_kv_aware_affinit
 def test_responses_chains_and_sessions_reach_their_replica_under_round_robin(cluster, bench):
     """Round robin sends each agent's consecutive requests to alternating replicas; the replica that does
     not hold the chain or the session a request names forwards it to the one that does
-    (server/replica_forwarding.py), so every resumed step is a resume."""
+    (server/replica_forwarding.py), and one that gets a `prompt_cache_key` another replica is the home
+    of forwards it there (Responses as Codex sends them: nothing stored, the whole input each step), so
+    every resumed step is a resume."""
     proc, url = cluster.extra_router("round_robin")
     try:
         runs = [bench.run_agents(url, 2, f"rr-{mode}", at_once=False, steps=3, words=WORDS, mode=mode)
-                for mode in ("responses", "session")]
+                for mode in ("responses", "session", "cache_key")]
         with httpx.Client(base_url=url + "/v1", timeout=120) as http:  # a native session, message by message
             session = http.post("/sessions", json={"temperature": 0, "max_tokens": 3}).json()["id"]
             for word in ("Hello.", "And again.", "Once more."):
@@ -413,7 +477,8 @@ def test_responses_chains_and_sessions_reach_their_replica_under_round_robin(clu
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    for run in runs:  # (without forwarding: previous_response_not_found, and tool results without their calls)
+    # (without forwarding: previous_response_not_found, tool results without their calls, and resumes missed)
+    for run in runs:
         shares = resumed_shares(run, cluster)
         assert len(shares) == 4 and min(shares) >= 0.9, shares
 
