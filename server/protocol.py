@@ -135,12 +135,13 @@ class OptionalSampling(Strict):
 
 class SamplingKnobs(OptionalSampling):
     """How a request samples: the fields Chat Completions, Completions and Responses share
-    (turn_types.Sampling.of reads them)."""
+    (turn_types.Sampling.of reads them; server/structured.py the output constraint)."""
 
     # vLLM extras
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     include_stop_str_in_output: bool = False  # the text keeps the stop string or stop token that ended it
+    structured_outputs: StructuredOutputs | None = None
 
 
 class SamplingFields(SamplingKnobs):
@@ -153,7 +154,6 @@ class SamplingFields(SamplingKnobs):
     user: str | None = None
     # vLLM extras
     return_token_ids: bool = False
-    structured_outputs: StructuredOutputs | None = None
     guided_regex: str | None = None  # vLLM's older spellings of structured_outputs regex / choice
     guided_choice: list[str] | None = Field(default=None, min_length=1)
     # ours

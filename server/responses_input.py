@@ -16,6 +16,8 @@ from .chat import Call, Message
 from .protocol import APIError
 from .protocol_responses import (FunctionCallItem, FunctionCallOutputItem, FunctionTool, MessageItem, ReasoningItem,
                                  ResponsesRequest, TextPart)
+from .structured import check_without_calls, output_constraint
+from .tool_mode import ToolMode
 from .turns import Sampling, Turn
 
 # -- input items -> chat messages -------------------------------------------------------------------
@@ -56,12 +58,16 @@ def tool_spec(tool: FunctionTool) -> ToolSpec:
                     {"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)})
 
 
-def request_fields(req: ResponsesRequest) -> dict:
-    """The TurnSpec fields a Responses request sets itself: how it samples, the chat template's extra
-    arguments and, for `text.format`, the JSON its answer must follow and the field errors name."""
-    fields = {"sampling": Sampling.of(req, req.max_output_tokens, req.logprobs()),
-              "template_kwargs": req.chat_template_kwargs}
+def request_fields(req: ResponsesRequest, mode: ToolMode) -> dict:
+    """The TurnSpec fields a Responses request sets itself: how it samples, the regex or choice its whole
+    output must match (`structured_outputs`; 400 if the turn, in `mode`, may call tools), the chat
+    template's extra arguments and, for `text.format`, the JSON its answer must follow and the field
+    errors name."""
     schema = req.text.answer_schema() if req.text is not None else None
+    constraint = output_constraint(req)
+    check_without_calls(constraint, mode.parse, "text.format" if schema is not None else None)
+    fields = {"sampling": Sampling.of(req, req.max_output_tokens, req.logprobs()), "constraint": constraint,
+              "template_kwargs": req.chat_template_kwargs}
     return fields | ({"answer_schema": schema, "answer_param": "text.format"} if schema is not None else {})
 
 

@@ -352,9 +352,9 @@ class ResponsesMcp:
                 raise bad_request("tool_choice forces a call, but max_tool_calls allows no more", param="tool_choice")
             choice = "none"
         parallel = req.parallel_tool_calls is not False
-        spec = TurnSpec("chat", messages=system + conversation,
-                        mode=tool_mode(specs or None, choice, parallel, servers.tools),
-                        id_prefix="resp_", param="input", owner=owner, **request_fields(req))
+        mode = tool_mode(specs or None, choice, parallel, servers.tools)
+        spec = TurnSpec("chat", messages=system + conversation, mode=mode, id_prefix="resp_", param="input",
+                        owner=owner, **request_fields(req, mode))
         turn = await serving.turns.open(spec)
         rt = ResponseTurn(req, model, new_id("msg_"), now(), conversation, turn)
         current = turn

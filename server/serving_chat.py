@@ -92,8 +92,8 @@ class ChatServing(Frontend):
             else req.tool_choice.function.name
         mode = tool_mode(tool_specs(req.tools) if req.tools else None, choice, req.parallel_tool_calls is not False)
         constraint = output_constraint(req)
-        check_without_calls(constraint, mode.parse, req.response_format is not None
-                            and req.response_format.type != "text")
+        check_without_calls(constraint, mode.parse, "response_format" if req.response_format is not None
+                            and req.response_format.type != "text" else None)
         session_id = session_id_of(req, raw)
         check_n(req.n, "this one may end in tool calls and pause there (send tool_choice none, or no tools)"
                 if mode.parse else "a session keeps one conversation" if session_id is not None else None)

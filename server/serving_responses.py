@@ -59,7 +59,7 @@ class ResponsesServing(Frontend):
                          req.parallel_tool_calls is not False)
         system = (Message("system", req.instructions),) if req.instructions else ()
         turn = await self.turns.open(TurnSpec("chat", messages=system + conversation, mode=mode, id_prefix="resp_",
-                                              param="input", owner=owner, **request_fields(req)))
+                                              param="input", owner=owner, **request_fields(req, mode)))
         rt = ResponseTurn(req, model, new_id("msg_"), now(), conversation, turn, reasoning_id=new_id("rs_"))
         return await respond(raw, req.stream, lambda: self._events(rt), lambda: self._full(rt), turn.close,
                              {"X-Request-Id": rt.id}, f"response {rt.id}", error=rt.error, done=None)

@@ -1,7 +1,7 @@
 """Structured outputs through the real `openai` SDK against the live server and its embedded model:
 Responses `text.format` (JSON, the same grammar path as Chat Completions' response_format), vLLM's
-`structured_outputs` regex / choice (and the older `guided_regex` / `guided_choice`) on Chat
-Completions and Completions, `n` > 1 samples, and the 400s where a request cannot hold together."""
+`structured_outputs` regex / choice on Chat Completions, Completions and Responses (and the older
+`guided_regex` / `guided_choice` on the first two), `n` > 1 samples, and the 400s where a request cannot hold together."""
 from __future__ import annotations
 
 import json
@@ -27,6 +27,7 @@ PHONE = r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}"  # (\d would allow any Unicode digit, 
 MOODS = ["positive", "negative", "neutral"]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+RESPONSES_WEATHER = {"type": "function", **WEATHER["function"]}
 SEEDED = dict(temperature=1.0, seed=7)  # sampled, not greedy: the grammar, not the argmax, keeps the shape
 
 
@@ -119,6 +120,42 @@ def test_chat_regex_and_choice(srv, field):
     # tool_choice none keeps the tools in the prompt and calls out: the regex alone constrains the turn.
     none = chat(client, "Weather in Oslo?", tools=[WEATHER], tool_choice="none", extra_body=body(choice=MOODS))
     assert none.choices[0].message.content in MOODS
+
+
+def test_responses_regex_and_choice(srv):
+    """vLLM's Responses API takes `structured_outputs` as its Chat Completions does: the output text
+    fullmatches the regex, or is one of the choices; streamed alike."""
+    client = srv.client()
+
+    def respond(question: str, constraint: dict, seed: int | None = None, **kw):
+        return client.responses.create(model=MODEL, input=question, max_output_tokens=24,
+                                       extra_body={"structured_outputs": constraint, "seed": seed}, **kw)
+
+    for sampling in (dict(temperature=0), SEEDED):  # (the SDK's Responses has no seed: vLLM's, in the body)
+        phone = respond("What is the phone number of the office?", {"regex": PHONE}, **sampling)
+        assert re.fullmatch(PHONE, phone.output_text) and phone.status == "completed", phone.output_text
+        mood = respond("Is 'I love it' positive or negative?", {"choice": MOODS}, **sampling)
+        assert mood.output_text in MOODS and mood.status == "completed", mood.output_text
+    with client.responses.stream(model=MODEL, input="What is the phone number of the office?", max_output_tokens=24,
+                                 temperature=0, extra_body={"structured_outputs": {"regex": PHONE}}) as stream:
+        text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+    assert re.fullmatch(PHONE, text), text
+    none = respond("Weather in Oslo?", {"choice": MOODS}, tools=[RESPONSES_WEATHER], tool_choice="none")
+    assert none.output_text in MOODS
+
+
+@pytest.mark.parametrize("kw, param, message", [
+    (dict(tools=[RESPONSES_WEATHER], extra_body={"structured_outputs": {"regex": PHONE}}), "structured_outputs",
+     "cannot also make tool calls"),
+    (dict(text={"format": {"type": "json_object"}}, extra_body={"structured_outputs": {"choice": MOODS}}),
+     "structured_outputs", "JSON text.format"),
+    (dict(extra_body={"structured_outputs": {"regex": "(?<=a)b"}}), "structured_outputs", "cannot be enforced"),
+    (dict(extra_body={"guided_regex": PHONE}), "guided_regex", "Unrecognized"),  # (not a Responses field in vLLM)
+])
+def test_responses_constraints_that_cannot_hold_are_400(srv, kw, param, message):
+    with pytest.raises(openai.BadRequestError, match=message) as raised:
+        srv.client().responses.create(model=MODEL, input="Hi", max_output_tokens=8, **kw)
+    assert raised.value.body["param"] == param
 
 
 def test_completions_regex_and_choice(srv):
