@@ -29,7 +29,7 @@ from infercept.engine.backend import get_reasoning_parser
 from infercept.tools import get_tool
 
 from .chat import ChatRenderer
-from .conversations import ConversationStore, engine_release
+from .conversations import ConversationStore, Kind, engine_release
 from .metrics import ServerMetrics
 from .protocol import APIError
 from .protocol_messages import error_body as anthropic_error_body
@@ -40,6 +40,7 @@ from .serving_base import SHUTDOWN_GRACE_S
 from .serving_chat import ChatServing
 from .serving_completions import CompletionServing
 from .serving_messages import MessagesServing
+from .responses_background import BackgroundResponses
 from .responses_mcp import ResponsesMcp
 from .serving_responses import ResponsesServing
 from .serving_server_tools import ChatServerTools
@@ -112,6 +113,7 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
         chat_server_tools = ChatServerTools(chat, tool_lookup)
         responses = ResponsesServing(**common)
         responses.mcp = ResponsesMcp(settings.mcp, mcp_tools)
+        responses.background = BackgroundResponses(policy.max_stored_responses)
         messages = MessagesServing(**common)
         sessions = SessionServing(tool_lookup=tool_lookup, backend=backend, **common)
     tokenize = TokenizeServing(chat=chat, **common)
@@ -131,12 +133,20 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            if responses is not None:
+                await responses.background.stop()  # (each one's turn closed before the paused are released)
             conversations.release_all("shutdown", "server shutdown")
             if responses is not None:
                 await responses.mcp.stop()  # the request-named MCP servers' connections
             if mcp_tools is not None:
                 await mcp_tools.stop()
             await asyncio.to_thread(backend.shutdown)
+
+    def holds(kind: Kind, id: str) -> bool:
+        """Whether any tenant's conversation (kind, id) is here, a response still running in the background
+        included (what other replicas ask: server/replica_forwarding.py)."""
+        return conversations.holds(kind, id) or (kind is Kind.RESPONSE and responses is not None
+                                                 and responses.background.holds(id))
 
     app = FastAPI(title="InferCept", version="0.1.0", lifespan=lifespan)
     app.state.backend = backend
@@ -146,6 +156,7 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
     app.state.model_name = model_name
     app.state.model_names = (model_name, *settings.more_model_names)  # /v1/models lists each
     app.state.conversations = conversations
+    app.state.holds = holds
     app.state.turns = turns
     app.state.metrics = metrics
     app.state.chat = chat or _NoChat()

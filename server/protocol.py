@@ -267,6 +267,8 @@ class ChatCompletionRequest(SamplingFields):
     # continue_final_message, inside its final assistant message, whose text the answer continues
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's: false leaves a thinking model's thinking out of the answer (its paused generation keeps it)
+    include_reasoning: bool = True
     # ours: tools the server runs itself (by name, see server/tool_loop.py); their calls never leave it
     server_tools: list[str] | None = Field(default=None, min_length=1)
     # Behind the launcher's router, the key's replica serves the request (server/replica_forwarding.py);

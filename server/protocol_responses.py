@@ -238,9 +238,11 @@ class ResponsesRequest(SamplingKnobs):
     # server never has (file search results, encrypted reasoning, ...) and are accepted and ignored
     include: list[str] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's, as on Chat Completions
+    include_reasoning: bool = True  # vLLM's: false, no reasoning item (the paused generation keeps the thinking)
     # Behind the launcher's router, the key's replica serves the request (server/replica_forwarding.py);
     # one server has one cache for every key.
     prompt_cache_key: str | None = None
+    background: bool | None = None  # run without the client: server/responses_background.py
     # Accepted for compatibility and otherwise ignored.
     truncation: Literal["auto", "disabled"] | None = None
     user: str | None = None
@@ -352,7 +354,8 @@ class ResponseObject(BaseModel):
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
+    background: bool = False
     error: dict | None = None
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None = None

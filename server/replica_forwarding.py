@@ -61,7 +61,7 @@ NOT_RELAYED = {b"connection", b"keep-alive", b"proxy-connection", b"te", b"trail
 NAMING_POSTS = ("/v1/responses", "/v1/chat/completions")  # POSTs whose body may name a conversation or a key
 CACHE_KEY = "prompt_cache_key"
 CACHE_KEY_KIND = "prompt_cache_key"  # (the forwarded-requests metric's kind for requests sent to their key's home)
-_RESPONSE = re.compile(r"/v1/responses/([^/]+)")
+_RESPONSE = re.compile(r"/v1/responses/([^/]+)(?:/cancel)?")
 _SESSION = re.compile(r"/v1/sessions/([^/]+)(?:/messages)?")
 
 
@@ -186,7 +186,7 @@ class ForwardToHolder:
             return await self.app(scope, replay, send)
         named = named_conversation(method, path, headers, body)
         if named is not None:
-            if scope["app"].state.conversations.holds(*named):
+            if scope["app"].state.holds(*named):
                 return await self.app(scope, replay, send)
             if (holder := await self._holder(named)) is not None:
                 if not await self._forward(holder, named[0].value, f"{named[0].value} {named[1]}", scope, body,
@@ -208,7 +208,7 @@ class ForwardToHolder:
         kind, named = query.get("kind", [""])[0], query.get("id", [""])[0]
         if kind not in NAMED_KINDS or not named:
             return await _send_json(send, 400, {"error": {"message": "give kind (chat, session, response) and id"}})
-        await _send_json(send, 200, {"holds": scope["app"].state.conversations.holds(Kind(kind), named)})
+        await _send_json(send, 200, {"holds": scope["app"].state.holds(Kind(kind), named)})
 
     async def _holder(self, named: tuple[Kind, str]) -> str | None:
         peers = self.fleet.peers()

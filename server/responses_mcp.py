@@ -278,8 +278,6 @@ class ResponsesMcp:
 
     # -- serving -----------------------------------------------------------------------------------
     async def create(self, serving, req: ResponsesRequest, raw):
-        from .serving_base import respond
-
         if req.logprobs() is not None:  # (its text may span several turns, each with its own tokens)
             raise bad_request(f"{OUTPUT_LOGPROBS} is not available with mcp tools", param="include")
         owner = owner_of(raw)
@@ -372,7 +370,7 @@ class ResponsesMcp:
         runnable = {name: t for name, t in servers.tools.items() if not t.needs_approval}
         out = Output(rt, servers, output)
         queue: asyncio.Queue = asyncio.Queue()
-        emit = (lambda kind, data: queue.put_nowait(("event", data))) if req.stream else (lambda *_: None)
+        emit = (lambda kind, data: queue.put_nowait(("event", data))) if req.stream or req.background else (lambda *_: None)
         out.emit = emit
 
         async def work() -> dict:
@@ -399,8 +397,7 @@ class ResponsesMcp:
                     yield rt.event("response.completed" if data["status"] == "completed" else "response.incomplete",
                                    response=data)
 
-        return await respond(raw, bool(req.stream), events, work, cleanup, {"X-Request-Id": rt.id},
-                             f"response {rt.id}", error=rt.error, done=None)
+        return await serving.answer(raw, rt, events, work, cleanup)
 
     @staticmethod
     def _choice(req: ResponsesRequest, servers: RequestServers) -> str | None:

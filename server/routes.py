@@ -106,6 +106,11 @@ async def retrieve_response(response_id: str, request: Request) -> Response:
     return await request.app.state.responses.retrieve(response_id, request)
 
 
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, request: Request) -> Response:
+    return await request.app.state.responses.cancel(response_id, request)
+
+
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, request: Request) -> Response:
     return await request.app.state.responses.delete(response_id, request)

@@ -183,7 +183,7 @@ class ChatServing(Frontend):
         result, last = end.result, end.output
         self.remember(turn, turn.spec.messages + (result.message,))
         message = ChatMessage(content=result.content, tool_calls=tool_calls(result.calls),
-                              reasoning_content=result.reasoning)
+                              reasoning_content=result.reasoning if req.include_reasoning else None)
         choice = ChatChoice(index=index, message=message,
                             logprobs=self._logprobs(req, last, 0, len(last.token_ids)),
                             finish_reason=result.finish_reason, stop_reason=self._stop_reason(result, last),
@@ -191,7 +191,7 @@ class ChatServing(Frontend):
         body = choice.model_dump(mode="json")
         if body["token_ids"] is None:
             del body["token_ids"]
-        if result.reasoning is None:
+        if message.reasoning_content is None:
             del body["message"]["reasoning_content"]
         return body
 
@@ -225,7 +225,8 @@ class ChatServing(Frontend):
             yield chunk(i, {"role": "assistant", "content": "", "refusal": None})
         async for i, event in merged_events(turns):
             if isinstance(event, ReasoningDelta):
-                yield chunk(i, {"reasoning_content": event.text})
+                if req.include_reasoning:
+                    yield chunk(i, {"reasoning_content": event.text})
             elif isinstance(event, TextDelta):
                 out = event.output
                 lp = self._logprobs(req, out, sent_tokens[i], len(out.token_ids))

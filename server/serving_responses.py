@@ -1,4 +1,5 @@
-"""POST /v1/responses (OpenAI Responses API), GET and DELETE /v1/responses/{id}.
+"""POST /v1/responses (OpenAI Responses API), GET and DELETE /v1/responses/{id}, and POST
+/v1/responses/{id}/cancel (for those run in the background: responses_background.py).
 
 A Responses request is a chat turn in another shape: its input items become chat messages
 (`function_call` items join the assistant message they follow, `function_call_output` items become
@@ -12,7 +13,7 @@ input tokens whose KV was reused. A stored response is a record of the conversat
 """
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
@@ -26,7 +27,8 @@ from .protocol_responses import (DeletedResponse, IncompleteDetails, InputTokens
                                  ResponseObject, ResponsesRequest, ResponseUsage)
 from .responses_input import ResponseTurn, input_messages, request_fields, tool_spec
 from .responses_mcp import ResponsesMcp
-from .serving_base import Frontend, respond
+from .responses_background import BackgroundResponses
+from .serving_base import Frontend, StreamResponse, respond
 from .tenants import owner_of
 from .tool_mode import tool_mode
 from .turns import ReasoningDelta, TextDelta, TurnFinished, TurnResult, TurnSpec
@@ -35,8 +37,11 @@ ARGUMENT_FRAGMENT_CHARS = 16  # a call's arguments stream in pieces of this size
 
 class ResponsesServing(Frontend):
     mcp: ResponsesMcp | None = None  # serves the requests with MCP tools or items (app.py sets it)
+    background: BackgroundResponses  # the responses running in the background (app.py sets it)
 
     async def create(self, req: ResponsesRequest, raw: Request) -> Response:
+        if req.background:
+            BackgroundResponses.check(req.store, self.conversations.policy.max_stored_responses)
         if responses_mcp.wanted(req):
             if self.mcp is None:
                 raise bad_request("mcp tools are not available on this server", param="tools")
@@ -61,15 +66,59 @@ class ResponsesServing(Frontend):
         turn = await self.turns.open(TurnSpec("chat", messages=system + conversation, mode=mode, id_prefix="resp_",
                                               param="input", owner=owner, **request_fields(req, mode)))
         rt = ResponseTurn(req, model, new_id("msg_"), now(), conversation, turn, reasoning_id=new_id("rs_"))
-        return await respond(raw, req.stream, lambda: self._events(rt), lambda: self._full(rt), turn.close,
-                             {"X-Request-Id": rt.id}, f"response {rt.id}", error=rt.error, done=None)
+        return await self.answer(raw, rt, lambda: self._events(rt), lambda: self._full(rt), turn.close)
+
+    async def answer(self, raw: Request, rt: ResponseTurn, events: Callable[[], AsyncIterator[dict]],
+                     body: Callable[[], Awaitable[dict]], cleanup: Callable[[], Awaitable[None]]) -> Response:
+        """The response as the request asks: streamed, whole, or run in the background (answered at once,
+        queued, or streamed while the turn goes on without the client)."""
+        headers = {"X-Request-Id": rt.id}
+        if not rt.request.background:
+            return await respond(raw, bool(rt.request.stream), events, body, cleanup, headers, f"response {rt.id}",
+                                 error=rt.error, done=None)
+        try:
+            entry = self.background.start(rt.id, rt.turn.spec.owner, events(), cleanup, rt.error)
+        except APIError:
+            await cleanup()
+            raise
+        if rt.request.stream:
+            return StreamResponse(entry.stream(), _nothing, headers)
+        await entry.started()
+        return JSONResponse(entry.body, headers=headers)
 
     async def retrieve(self, response_id: str, raw: Request) -> Response:
+        """The response; `?stream=true` (a background response's): its events again, from the first or
+        after `starting_after`, then the rest as its turn goes on."""
+        entry = self.background.get(response_id, owner_of(raw))
+        if raw.query_params.get("stream", "false").lower() in ("true", "1"):
+            if entry is None:
+                self._stored(response_id, raw)  # (404 for an unknown one)
+                raise bad_request("only a background response can be streamed again", param="stream")
+            after = raw.query_params.get("starting_after", "-1")
+            if not after.lstrip("-").isdigit():
+                raise bad_request("starting_after must be a sequence number", param="starting_after")
+            return StreamResponse(entry.stream(int(after)), _nothing, {"X-Request-Id": response_id})
+        if entry is not None and (not entry.done or self.conversations.response(response_id, entry.owner) is None):
+            return JSONResponse(entry.body)  # (running, or ended without being stored: failed, cancelled)
         return JSONResponse(self._stored(response_id, raw).body)
+
+    async def cancel(self, response_id: str, raw: Request) -> Response:
+        entry = self.background.get(response_id, owner_of(raw))
+        if entry is None:
+            self._stored(response_id, raw)
+            raise bad_request("only a background response can be cancelled", param="response_id")
+        await self.background.cancel(entry)
+        return JSONResponse(entry.body)
 
     async def delete(self, response_id: str, raw: Request) -> Response:
         # Its paused generation is released too, unless a later response of the chain resumed it.
-        self.conversations.close(self._stored(response_id, raw), reason=f"response {response_id} deleted")
+        owner = owner_of(raw)
+        entry = self.background.get(response_id, owner)
+        if entry is not None:
+            await self.background.forget(entry)
+        stored = self.conversations.response(response_id, owner)
+        if stored is not None or entry is None:
+            self.conversations.close(self._stored(response_id, raw), reason=f"response {response_id} deleted")
         return JSONResponse(DeletedResponse(id=response_id).model_dump())
 
     def _stored(self, response_id: str, raw: Request) -> Conversation:
@@ -91,7 +140,7 @@ class ResponsesServing(Frontend):
     def _output_items(self, rt: ResponseTurn, result: TurnResult, text_announced: bool,
                       logprobs: Sequence[TokenLogprob] = ()) -> list[OutputItem]:
         items: list[OutputItem] = []
-        if result.reasoning:
+        if result.reasoning and rt.request.include_reasoning:
             items.append(OutputReasoning(id=rt.reasoning_id, content=[ReasoningText(text=result.reasoning)],
                                          status="completed"))
         if result.content or text_announced:
@@ -121,7 +170,7 @@ class ResponsesServing(Frontend):
             parallel_tool_calls=req.parallel_tool_calls is not False, previous_response_id=req.previous_response_id,
             store=req.store is not False, temperature=req.temperature, top_p=req.top_p, tool_choice=tool_choice,
             tools=[t.model_dump(exclude_none=True) for t in req.tools or ()], usage=usage, user=req.user,
-            metadata=req.metadata or {},
+            metadata=req.metadata or {}, background=req.background is True,
             text=req.text.echoed() if req.text is not None else {"format": {"type": "text"}})
 
     def _finish(self, rt: ResponseTurn, end: TurnFinished, output: list[OutputItem]) -> dict:
@@ -168,6 +217,8 @@ class ResponsesServing(Frontend):
         top, shown = rt.request.logprobs(), None  # shown: the output tokens whose logprobs a delta carried
         async for e in rt.turn.events():
             if isinstance(e, ReasoningDelta):
+                if not rt.request.include_reasoning:
+                    continue
                 if thought is None:
                     thought, part["output_index"] = "", 1
                     yield event("response.output_item.added", output_index=0, item=OutputReasoning(
@@ -222,6 +273,10 @@ class ResponsesServing(Frontend):
             yield event("response.output_item.done", output_index=index, item=item.model_dump())
         body = self._finish(rt, end, output)
         yield event("response.completed" if body["status"] == "completed" else "response.incomplete", response=body)
+
+
+async def _nothing() -> None:
+    pass
 
 
 def _dumped(logprobs: Sequence[TokenLogprob]) -> list[dict]:

@@ -405,6 +405,44 @@ def test_a_thinking_answer(srv):
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == answer
 
 
+def test_include_reasoning_false_leaves_the_thinking_out_but_the_resume_keeps_it(srv):
+    """vLLM's `include_reasoning: false`: no reasoning_content (chat, streamed or not), no reasoning item
+    or events (Responses); the paused generation still holds the thinking, so the result resumes it."""
+    client = srv.client()
+    hidden = {"include_reasoning": False}
+    with forced_thinking_call():
+        full = client.chat.completions.create(messages=QUESTION, tools=TOOLS, max_tokens=80, extra_body=hidden,
+                                              **greedy())
+        chunks = list(client.chat.completions.create(messages=QUESTION, tools=TOOLS, max_tokens=80, stream=True,
+                                                     extra_body=hidden, **greedy()))
+    message = full.choices[0].message
+    assert "reasoning_content" not in message.model_extra and message.content is None and message.tool_calls
+    assert full.usage.completion_tokens_details.reasoning_tokens >= 4  # (it did think)
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert not any(d.model_extra.get("reasoning_content") for d in deltas) and any(d.tool_calls for d in deltas)
+    (call,) = message.tool_calls
+    second = client.chat.completions.create(messages=QUESTION + returned(call), tools=TOOLS, max_tokens=2, **greedy())
+    assert second.usage.prompt_tokens_details.cached_tokens == full.usage.total_tokens - 1
+
+    tools = [{"type": "function", **TOOLS[0]["function"]}]
+    with forced_thinking_call():
+        response = client.responses.create(model=MODEL, input=QUESTION[0]["content"], tools=tools,
+                                           max_output_tokens=80, temperature=0, extra_body=hidden)
+        events = list(client.responses.create(model=MODEL, input=QUESTION[0]["content"], tools=tools,
+                                              max_output_tokens=80, temperature=0, stream=True, extra_body=hidden))
+    assert [item.type for item in response.output] == ["function_call"]
+    assert not any("reasoning" in e.type for e in events)
+    added = [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.added"]
+    assert added == [(0, "function_call")] and [i.type for i in events[-1].response.output] == ["function_call"]
+    call = response.output[0]
+    resumed = client.responses.create(model=MODEL, previous_response_id=response.id, tools=tools, max_output_tokens=2,
+                                      temperature=0, input=[{"type": "function_call_output", "call_id": call.call_id,
+                                                             "output": RESULT}])
+    assert resumed.usage.input_tokens_details.cached_tokens == response.usage.total_tokens - 1
+    srv.abort_paused()  # (the two streamed turns' pauses)
+    assert srv.engine_state()["requests"] == {}
+
+
 def test_the_sdk_message_goes_back_as_is(srv):
     """Agents send the SDK's message object back: it carries reasoning_content, which is not rendered
     (the paused generation has the thinking as its tokens) and does not stop the resume."""

@@ -123,7 +123,7 @@ def fleet_member(name: str, held: set, fleet_file: Path, streams: dict):
 
     app = Starlette(routes=[Route("/{path:path}", answer, methods=["GET", "POST", "DELETE"])])
     app.state.settings = SimpleNamespace(keep_alive_s=5)
-    app.state.conversations = SimpleNamespace(holds=lambda kind, id: (kind, id) in held)
+    app.state.holds = lambda kind, id: (kind, id) in held
     app.state.metrics = ServerMetrics("m")
     fleet = Fleet(fleet_file, own_url="")
     app.add_middleware(ForwardToHolder, fleet=fleet)
@@ -152,6 +152,7 @@ def test_a_request_naming_what_another_replica_holds_is_served_there(tmp_path):
             for method, path, kw in (
                     ("POST", "/v1/responses", {"json": {"previous_response_id": "resp_a", "input": "x"}}),
                     ("GET", "/v1/responses/resp_a", {}), ("DELETE", "/v1/responses/resp_a", {}),
+                    ("POST", "/v1/responses/resp_a/cancel", {}),
                     ("GET", "/v1/sessions/sess_a", {}), ("POST", "/v1/sessions/sess_a/messages", {"json": {"content": "x"}}),
                     ("POST", "/v1/chat/completions", {"json": {"messages": [], "session_id": "chat-a"}}),
                     ("POST", "/v1/chat/completions", {"json": {"messages": []}, "headers": {"X-Session-Id": "chat-a"}})):
@@ -185,7 +186,7 @@ def test_a_request_naming_what_another_replica_holds_is_served_there(tmp_path):
             assert streams["ended"].wait(10), "the holder's stream went on after the client left"
             counted = servers[1][3].registry.get_sample_value
             assert [counted("infercept_forwarded_requests_total", {"model": "m", "kind": kind})
-                    for kind in ("response", "session", "chat")] == [3, 2, 3]
+                    for kind in ("response", "session", "chat")] == [4, 2, 3]
             # The holder gone: served here (as one server answers a conversation it lost).
             servers[0][0].should_exit = True
             servers[0][1].join(timeout=10)

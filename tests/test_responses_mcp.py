@@ -16,6 +16,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -177,6 +178,24 @@ def test_a_stream_shows_the_listing_the_call_and_the_answer_as_they_happen(mcp):
     assert kinds[2:6] == ["response.output_item.added", "response.mcp_call_arguments.done",
                           "response.mcp_call.completed", "response.output_item.done"], kinds
     assert [o.type for o in events[-1].response.output] == ["mcp_call", "message"]
+
+
+def test_an_mcp_response_runs_in_the_background(mcp):
+    """Background, the listing, the call (run while the generation waits paused) and the answer are the
+    response's as they are a synchronous one's; its events stream again afterwards."""
+    queued = mcp.client.responses.create(input=QUESTION, tools=[calc_tool()], tool_choice=force("multiply"),
+                                         max_tool_calls=1, background=True, **GREEDY)
+    assert queued.status in ("queued", "in_progress") and "headers" not in queued.tools[0].model_dump(exclude_none=True)
+    deadline = time.monotonic() + 120
+    while (r := mcp.client.responses.retrieve(queued.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert [o.type for o in r.output] == ["mcp_list_tools", "mcp_call", "message"] and r.output[1].output == "42"
+    assert_resumed_once(mcp.backend.calls)
+    events = list(mcp.client.responses.retrieve(r.id, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and "response.mcp_call.completed" in kinds, kinds
+    assert events[-1].response.output_text == r.output_text
 
 
 def test_approval_runs_the_call_and_resumes_the_same_generation(mcp):

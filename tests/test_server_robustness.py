@@ -415,8 +415,8 @@ def prepare_positive(case, http: httpx.Client, n: int) -> None:
     if n % 2 and "model" in (case.path_parameters or {}):
         case.path_parameters["model"] = MODEL
     if n % 2 and "response_id" in (case.path_parameters or {}):
-        case.path_parameters["response_id"] = http.post("/responses", json=GREEDY | {
-            "input": "Hi", "max_output_tokens": 1}).json()["id"]
+        case.path_parameters["response_id"] = http.post("/responses", json=GREEDY | {  # (cancel: a background one's)
+            "input": "Hi", "max_output_tokens": 1, "background": case.path.endswith("/cancel")}).json()["id"]
 
 
 def test_schemathesis_finds_no_server_error_and_no_leak(srv):

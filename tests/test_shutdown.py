@@ -1,8 +1,8 @@
 """How a real `infercept serve` process holds connections and ends. An idle keep-alive connection
 outlives a client pool's expiry (so a pooled connection is never closed under a request). SIGTERM
-while streams are generating and a generation is paused at a tool call: the streams finish (or, past
-the grace period, end with an error event and [DONE]), the paused generation is released, and the
-process exits 0. An engine thread that dies: the process exits 1 on its own, so a supervisor restarts
+while streams are generating, a response runs in the background and a generation is paused at a tool
+call: the streams finish (or, past the grace period, end with an error event and [DONE]), the background
+turn and the paused generation are released, and the process exits 0. An engine thread that dies: the process exits 1 on its own, so a supervisor restarts
 it."""
 from __future__ import annotations
 
@@ -105,6 +105,8 @@ def test_sigterm_finishes_streams_releases_paused_generations_and_exits_0(served
         model="smol", messages=QUESTION, tools=[WEATHER], max_tokens=40,
         tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert paused.choices[0].finish_reason == "tool_calls"
+    background = client.responses.create(model="smol", input="Write a long story.", max_output_tokens=4000,
+                                         background=True, extra_body={"ignore_eos": True})  # (runs past the grace)
 
     streams = []
     for max_tokens in (16, 800):  # one finishes well within the grace period (6 s), one cannot
@@ -128,6 +130,7 @@ def test_sigterm_finishes_streams_releases_paused_generations_and_exits_0(served
     text = log.read_text()
     released = [line for line in text.splitlines() if paused.id in line and "shutdown" in line]
     assert released, text[-3000:]
+    assert "Task was destroyed" not in text and f"background response {background.id} failed" not in text, text[-3000:]
 
 
 def test_an_engine_that_dies_stops_the_process_with_status_1(default_model_dir, tmp_path):
