@@ -475,6 +475,26 @@ def test_responses_chains_and_sessions_reach_their_replica_under_round_robin(clu
                 assert r.status_code == 200, r.text
             seen = [http.get(f"/sessions/{session}") for _ in range(2)]
             assert [r.status_code for r in seen] == [200, 200] and len(seen[1].json()["messages"]) == 6, seen[1].text
+            # A background response, polled, streamed again and cancelled through either replica.
+            model = bench.default_model(url)
+            queued = http.post("/responses", json={"model": model, "input": "Hi", "max_output_tokens": 24,
+                                                   "temperature": 0, "background": True}).json()
+            deadline = time.monotonic() + 120
+            while (polled := http.get(f"/responses/{queued['id']}").json())["status"] in ("queued", "in_progress"):
+                assert time.monotonic() < deadline, polled
+                time.sleep(0.05)
+            assert polled["status"] in ("completed", "incomplete"), polled
+            for _ in range(2):
+                cancelled = http.post(f"/responses/{queued['id']}/cancel")
+                assert cancelled.status_code == 200 and cancelled.json()["status"] == polled["status"], cancelled.text
+            # vllm-router drops the query of a GET it passes on: streamed again, it is the replicas' own
+            # ports (either one: the other forwards), and through the router the response as JSON.
+            again = http.get(f"/responses/{queued['id']}", params={"stream": "true", "starting_after": 1})
+            assert again.status_code == 200 and again.json()["id"] == queued["id"], again.text[:300]
+            for worker in cluster.workers:
+                again = httpx.get(f"{worker}/v1/responses/{queued['id']}", params={"stream": "true", "starting_after": 1},
+                                  timeout=60)
+                assert again.status_code == 200 and '"sequence_number":2' in again.text.replace(" ", ""), again.text[:300]
     finally:
         proc.terminate()
         proc.wait(timeout=30)
