@@ -5,8 +5,9 @@ The router sends a request where its policy says, which for some clients is not 
 conversation the request continues: a Responses chain (`previous_response_id`) or a chat session named
 only in the X-Session-Id header under cache_aware, a chat session named without that header under
 kv_aware, any of them under round_robin. So each replica knows the fleet (a file the launcher writes and
-rewrites as the fleet grows and shrinks: the replicas' URLs and a token only the fleet knows), and a
-request naming a conversation this replica does not hold:
+rewrites as the fleet grows and shrinks: the replicas' URLs and a token only the fleet knows; without
+the launcher, on Kubernetes, a DNS name that resolves to every replica's address and a token every
+replica is given: DnsFleet), and a request naming a conversation this replica does not hold:
 
 - asks the other replicas whether they hold it (`GET /internal/fleet/holds?kind=...&id=...` with the
   fleet's token, answered by this layer for any tenant's record: the holder's server checks the key and
@@ -38,6 +39,9 @@ import json
 import logging
 import os
 import re
+import socket
+import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 from urllib.parse import parse_qs
@@ -53,6 +57,7 @@ FLEET_HEADER = b"x-infercept-fleet"  # the fleet's token: a request from a repli
 NAMED_KINDS = {Kind.CHAT.value, Kind.SESSION.value, Kind.RESPONSE.value}
 REMEMBERED_HOLDERS = 100_000
 ASK_TIMEOUT_S = 2.0
+RESOLVE_EVERY_S = 5.0  # how often a DnsFleet looks its name up again (pods come and go)
 # Hop-by-hop headers (RFC 9110 §7.6.1) and those the forwarding client sets itself
 NOT_FORWARDED = {b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer", b"transfer-encoding",
                  b"upgrade", b"host", b"content-length", FLEET_HEADER}
@@ -142,6 +147,37 @@ class Fleet:
         self._read()
         return max(self._urls, default=None,
                    key=lambda url: hashlib.blake2b(f"{url} {key}".encode(), digest_size=8).digest())
+
+
+class DnsFleet(Fleet):
+    """The fleet as DNS names it, where no launcher writes a file: on Kubernetes a headless Service's name
+    resolves to the address of every ready pod. The replicas are those addresses at `port` (resolved
+    again every RESOLVE_EVERY_S, in a thread of its own, so no request waits on DNS), this one
+    `own_address` among them, and the token one the deployment gives every pod (a Secret)."""
+
+    def __init__(self, name: str, port: int, token: str, own_address: str):
+        super().__init__("", _url(own_address, port))
+        self.name, self.port = name, port
+        self._token, self._resolving, self._resolved_at = token, False, 0.0
+        self._resolve()  # (the first requests know the fleet)
+
+    def _read(self) -> None:
+        if not self._resolving and time.monotonic() - self._resolved_at >= RESOLVE_EVERY_S:
+            self._resolving = True
+            threading.Thread(target=self._resolve, name="fleet-dns", daemon=True).start()
+
+    def _resolve(self) -> None:
+        try:
+            found = socket.getaddrinfo(self.name, self.port, type=socket.SOCK_STREAM)
+            self._urls = sorted({_url(address[4][0], self.port) for address in found})
+        except OSError as e:  # (the last fleet stands)
+            logger.warning("the fleet's name %s does not resolve (%s); the last fleet stands", self.name, e)
+        finally:
+            self._resolved_at, self._resolving = time.monotonic(), False
+
+
+def _url(address: str, port: int) -> str:
+    return f"http://[{address}]:{port}" if ":" in address else f"http://{address}:{port}"
 
 
 def write_fleet(path: str | Path, token: str, replicas: list[str]) -> None:

@@ -56,6 +56,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -63,7 +64,7 @@ import time
 from pathlib import Path
 from typing import IO
 
-from .replica_forwarding import Fleet, ForwardToHolder, buffered, buffered_replay, write_fleet
+from .replica_forwarding import DnsFleet, Fleet, ForwardToHolder, buffered, buffered_replay, write_fleet
 
 ROUTER_PACKAGE = "vllm-router"  # pinned in pyproject.toml's `router` extra
 ROUTER_POLICIES = ("cache_aware", "kv_aware", "round_robin", "consistent_hash", "power_of_two", "random")
@@ -117,16 +118,29 @@ def strip_router_defaults(body: bytes) -> bytes:
     return json.dumps(request).encode()
 
 
+FLEET_TOKEN_ENV = "INFERCEPT_FLEET_TOKEN"  # --fleet-dns: the fleet's token (the same on every replica)
+FLEET_SELF_ENV = "INFERCEPT_FLEET_SELF"  # --fleet-dns: this replica's address, where its hostname's is not it
+
+
 def replica(argv: list[str]) -> None:
-    """`infercept serve ARGV` with DropRouterDefaults in front of the app, and with `--fleet FILE` first
-    (the launcher's: the fleet file, server/replica_forwarding.py) ForwardToHolder in front of that."""
+    """`infercept serve ARGV` with DropRouterDefaults in front of the app, and with ForwardToHolder in front
+    of that (server/replica_forwarding.py) given the fleet first: `--fleet FILE` (the launcher's fleet
+    file) or `--fleet-dns NAME` (every address NAME resolves to, at this replica's port: a Kubernetes
+    headless Service; the token in $INFERCEPT_FLEET_TOKEN, this replica's address its hostname's or
+    $INFERCEPT_FLEET_SELF)."""
     import infercept.server.app as app_module
     from infercept.server.cli import main as cli_main
 
     fleet = None
+    port = argv[argv.index("--port") + 1] if "--port" in argv else "8000"
     if argv[:1] == ["--fleet"]:
-        port = argv[argv.index("--port") + 1] if "--port" in argv else "8000"
         fleet, argv = Fleet(argv[1], f"http://127.0.0.1:{port}"), argv[2:]
+    elif argv[:1] == ["--fleet-dns"]:
+        token = os.environ.get(FLEET_TOKEN_ENV, "")
+        if not token:
+            sys.exit(f"replica --fleet-dns: set {FLEET_TOKEN_ENV} to the fleet's token (the same on every replica)")
+        own = os.environ.get(FLEET_SELF_ENV) or socket.gethostbyname(socket.gethostname())
+        fleet, argv = DnsFleet(argv[1], int(port), token, own), argv[2:]
     build_app = app_module.build_app
 
     def build_app_behind_router(*args, **kwargs):

@@ -94,9 +94,9 @@ def test_the_middleware_rewrites_chat_and_completions_bodies_only():
 
 # -- forwarding to the replica that holds a conversation (no router, no model) ----------------------------
 
-def fleet_member(name: str, held: set, fleet_file: Path, streams: dict):
-    """A stand-in for a replica: answers every request with who served it and what it got, holds `held`
-    ((Kind, id) pairs), and streams on POST /v1/chat/completions with "stream" in its body."""
+def fleet_member(name: str, held: set, fleet: Fleet, streams: dict):
+    """A stand-in for a replica in `fleet`: answers every request with who served it and what it got,
+    holds `held` ((Kind, id) pairs), and streams on POST /v1/chat/completions with "stream" in its body."""
     import asyncio
     from types import SimpleNamespace
 
@@ -125,9 +125,8 @@ def fleet_member(name: str, held: set, fleet_file: Path, streams: dict):
     app.state.settings = SimpleNamespace(keep_alive_s=5)
     app.state.holds = lambda kind, id: (kind, id) in held
     app.state.metrics = ServerMetrics("m")
-    fleet = Fleet(fleet_file, own_url="")
     app.add_middleware(ForwardToHolder, fleet=fleet)
-    return app, fleet
+    return app
 
 
 def test_a_request_naming_what_another_replica_holds_is_served_there(tmp_path):
@@ -140,7 +139,8 @@ def test_a_request_naming_what_another_replica_holds_is_served_there(tmp_path):
     fleet_file = tmp_path / "fleet.json"
     servers = []
     for name, holds in (("a", held), ("b", set())):
-        app, fleet = fleet_member(name, holds, fleet_file, streams)
+        fleet = Fleet(fleet_file, own_url="")
+        app = fleet_member(name, holds, fleet, streams)
         server, thread, url = serve_in_thread(app)
         fleet.own_url = url
         servers.append((server, thread, url, app.state.metrics))
@@ -210,7 +210,8 @@ def test_a_prompt_cache_key_is_served_by_its_home_replica(tmp_path):
     fleet_file = tmp_path / "fleet.json"
     servers, urls = [], {}
     for name in ("a", "b", "c"):
-        app, fleet = fleet_member(name, {(Kind.RESPONSE, "resp_c")} if name == "c" else set(), fleet_file, streams)
+        fleet = Fleet(fleet_file, own_url="")
+        app = fleet_member(name, {(Kind.RESPONSE, "resp_c")} if name == "c" else set(), fleet, streams)
         server, thread, url = serve_in_thread(app)
         fleet.own_url = urls[name] = url
         servers.append((server, thread, app.state.metrics))
@@ -255,6 +256,64 @@ def test_a_prompt_cache_key_is_served_by_its_home_replica(tmp_path):
             client.close()
     finally:
         for server, thread, _ in servers:
+            server.should_exit = True
+            thread.join(timeout=10)
+
+
+def test_a_fleet_named_by_dns_forwards_as_the_launchers_file_does(monkeypatch):
+    """Kubernetes' shape, without Kubernetes: replicas on one port at two addresses (127.0.0.1 and
+    127.0.0.2, as pods have their own), a name that resolves to both (a headless Service; the lookup is
+    the only thing stood in for here), and the token every replica is given. A conversation held by the
+    other replica and a prompt_cache_key whose home it is are forwarded there; a replica that leaves the
+    name's answer is asked no more."""
+    import socket
+
+    import uvicorn
+
+    from infercept.server import replica_forwarding
+    from infercept.server.conversations import Kind
+    from infercept.server.replica_forwarding import DnsFleet
+
+    port, = free_ports(1)
+    answers = {"fleet.test": ["127.0.0.1", "127.0.0.2"]}
+    resolve = socket.getaddrinfo
+
+    def getaddrinfo(host, *args, **kwargs):
+        if host not in answers:
+            return resolve(host, *args, **kwargs)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, args[0] if args else 0)) for a in answers[host]]
+
+    monkeypatch.setattr(replica_forwarding.socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(replica_forwarding, "RESOLVE_EVERY_S", 0.0)
+    streams = {"go on": threading.Event(), "ended": threading.Event()}
+    servers, fleets = [], {}
+    for name, address, held in (("a", "127.0.0.1", set()), ("b", "127.0.0.2", {(Kind.RESPONSE, "resp_b")})):
+        fleet = fleets[name] = DnsFleet("fleet.test", port, "secret", address)
+        app = fleet_member(name, held, fleet, streams)
+        server = uvicorn.Server(uvicorn.Config(app, host=address, port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        servers.append((server, thread))
+    try:
+        for server, _ in servers:
+            deadline = time.monotonic() + 30
+            while not server.started:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+        assert fleets["a"].peers() == [f"http://127.0.0.2:{port}"] and fleets["a"].own_url == f"http://127.0.0.1:{port}"
+        key = next(k for k in (f"agent-{i}" for i in range(64)) if fleets["a"].home(k).startswith("http://127.0.0.2"))
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as at_a:
+            assert at_a.get("/v1/responses/resp_b").json()["served_by"] == "b"
+            assert at_a.post("/v1/responses", json={"input": "x", "prompt_cache_key": key}).json()["served_by"] == "b"
+            answers["fleet.test"] = ["127.0.0.1"]  # b left the Service's endpoints
+            deadline = time.monotonic() + 10
+            while fleets["a"].peers():
+                assert time.monotonic() < deadline, "the name was not looked up again"
+                at_a.get("/v1/responses/resp_x")  # (a request starts the lookup)
+                time.sleep(0.05)
+            assert at_a.post("/v1/responses", json={"input": "x", "prompt_cache_key": key}).json()["served_by"] == "a"
+    finally:
+        for server, thread in servers:
             server.should_exit = True
             thread.join(timeout=10)
 
