@@ -85,7 +85,8 @@ class Request:
     num_cached_tokens: int = 0  # this turn's context tokens whose KV was reused: never computed this turn
     # Program-level priority (Policy.priority): tokens computed for this request (its program) so far,
     # recomputed ones included; its first arrival, kept whatever arrival_time becomes; and the key the
-    # scheduler's queues are sorted by (lower first), set whenever it is queued.
+    # scheduler's queues are sorted by (lower first; the request's own `priority` first), set whenever
+    # it is queued.
     num_service_tokens: int = 0
     program_arrival: float | None = None
     priority: tuple = ()
@@ -96,7 +97,7 @@ class Request:
         self.turn_start = self.turn_start or len(self.prompt_token_ids)
         if self.program_arrival is None:
             self.program_arrival = self.arrival_time
-        self.priority = self.priority or (self.arrival_time,)
+        self.priority = self.priority or (self.sampling_params.priority, self.arrival_time)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -90,6 +90,9 @@ class SamplingParams:
     # namespace. Requests share cached blocks only with requests of the same salt (vLLM's `cache_salt`);
     # a request keeps its first turn's.
     cache_salt: str | None = None
+    # Nor this: the request's place in the scheduler's queues, ahead of the policy's own order (vLLM's
+    # `priority`: lower first); a resumed turn takes its own request's.
+    priority: int = 0
 
     def __post_init__(self):
         if isinstance(self.stop, str):

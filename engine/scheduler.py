@@ -7,7 +7,8 @@ its uncomputed tokens, so prefill, chunked prefill, decode, resume and recompute
 one path.
 
 A step, in order (three queues, each FCFS by arrival time, paper §4.3, or by another program-level
-order the policy names: `Policy.priority`, `Request.priority`):
+order the policy names: `Policy.priority`, `Request.priority`; ahead of either, a request's own
+`priority`, vLLM's, lower first, 0 by default):
   1. paused requests: the policy decides preserve / swap out / discard (`policy.plan`) for those
      holding device KV whose decision could differ from last time (fresh pauses, swaps in progress,
      preserved ones whose `PreserveGuard` may be crossed: `paused_kv.py`), so waiting agents cost a
@@ -126,15 +127,18 @@ class Scheduler:
         bisect.insort(queue, request, key=_by_priority)
 
     def _priority(self, request: Request) -> tuple:
-        """The request's place in every queue, by the policy's program-level rule (`Policy.priority`),
-        fixed while it stays queued: its service counts what was computed before it was queued, so the
-        running queue keeps its order as it computes."""
+        """The request's place in every queue: its own `priority` (SamplingParams: vLLM's, lower first),
+        then the policy's program-level rule (`Policy.priority`), fixed while it stays queued: its
+        service counts what was computed before it was queued, so the running queue keeps its order as
+        it computes."""
         rule = self.policy.priority if self.policy is not None else "arrival"
         if rule == "las":
-            return (request.num_service_tokens, request.program_arrival)
-        if rule == "program-arrival":
-            return (request.program_arrival,)
-        return (request.arrival_time,)
+            order = (request.num_service_tokens, request.program_arrival)
+        elif rule == "program-arrival":
+            order = (request.program_arrival,)
+        else:
+            order = (request.arrival_time,)
+        return (request.sampling_params.priority, *order)
 
     def _dequeue(self, request: Request) -> None:
         """Take the request out of the queue its status names (only that one: a long waiting queue

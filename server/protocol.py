@@ -142,6 +142,7 @@ class SamplingKnobs(OptionalSampling):
     min_tokens: int = Field(default=0, ge=0)
     include_stop_str_in_output: bool = False  # the text keeps the stop string or stop token that ended it
     structured_outputs: StructuredOutputs | None = None
+    priority: int = 0  # the request's place in the engine's queues: lower first (vLLM's)
 
 
 class SamplingFields(SamplingKnobs):

@@ -36,6 +36,7 @@ class Sampling:
     stop_token_ids: Sequence[int] | None = None  # ids that end the turn as EOS does
     include_stop_str_in_output: bool = False  # the text keeps the stop string or token that ended the turn
     cache_salt: str | None = None  # the request's prefix-cache namespace (within its tenant's)
+    priority: int = 0  # its place in the engine's queues: lower first
 
     def defaulted(self, defaults: Mapping[str, Any]) -> Sampling:
         """These fields, with `defaults` (the server's, generation_defaults.py) where these are unset."""
@@ -45,7 +46,8 @@ class Sampling:
     def of(cls, req: SamplingKnobs, max_tokens: int | None, logprobs: int | None = None) -> Sampling:
         return cls(req.temperature, req.top_p, req.top_k, req.seed, max_tokens, req.min_tokens, req.stop,
                    req.ignore_eos, logprobs, req.presence_penalty, req.frequency_penalty, req.repetition_penalty,
-                   req.min_p, req.logit_bias, req.stop_token_ids, req.include_stop_str_in_output, req.cache_salt)
+                   req.min_p, req.logit_bias, req.stop_token_ids, req.include_stop_str_in_output, req.cache_salt,
+                   req.priority)
 
 
 @dataclass(frozen=True)

@@ -494,7 +494,8 @@ class Turns:
                 ignore_eos=s.ignore_eos, logprobs=s.logprobs, skip_special_tokens=skip_special_tokens,
                 presence_penalty=s.presence_penalty or 0.0, frequency_penalty=s.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if s.repetition_penalty is None else s.repetition_penalty,
-                min_p=s.min_p or 0.0, logit_bias=logit_bias, cache_salt=self.cache_salt(spec.owner, s.cache_salt))
+                min_p=s.min_p or 0.0, logit_bias=logit_bias, cache_salt=self.cache_salt(spec.owner, s.cache_salt),
+                priority=s.priority)
         except ValueError as e:
             raise bad_request(str(e)) from None
 

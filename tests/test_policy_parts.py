@@ -391,7 +391,7 @@ def test_las_key_counts_service_and_program_arrival_survives_a_requeue():
     s.add(old)
     s.add(new)
     assert [r.request_id for r in s.waiting] == ["new", "old"]
-    assert old.priority == (500, 1.0)
+    assert old.priority == (0, 500, 1.0)  # (the request's own priority first)
     s = sched("infercept-paper")
     old2 = Request("old", [1] * 40, SamplingParams(max_tokens=4), arrival_time=1.0)
     old2.num_service_tokens = 500
@@ -400,8 +400,45 @@ def test_las_key_counts_service_and_program_arrival_survives_a_requeue():
     assert [r.request_id for r in s.waiting] == ["old", "new"]
     requeued = Request("r", [3] * 40, SamplingParams(max_tokens=4), arrival_time=1.0)
     requeued.arrival_time = 99.0  # prefix-cache's resume: a new request at the tail
-    assert sched("prefix-cache+program-arrival-priority")._priority(requeued) == (1.0,)
-    assert sched("prefix-cache")._priority(requeued) == (99.0,)
+    assert sched("prefix-cache+program-arrival-priority")._priority(requeued) == (0, 1.0)
+    assert sched("prefix-cache")._priority(requeued) == (0, 99.0)
+
+
+def test_a_requests_own_priority_goes_before_the_policys_order():
+    """vLLM's `priority` (lower first) orders every queue ahead of the policy's rule: a later request of
+    priority -1 is admitted before an earlier one of 0, under arrival order and under las alike; when the
+    pool runs out, the running request of the highest priority value gives way, though it is older."""
+    from infercept.engine.block_manager import BlockManager
+    from infercept.engine.config import SchedulerConfig
+    from infercept.engine.request import Request, RequestStatus
+    from infercept.engine.sampling_params import SamplingParams
+    from infercept.engine.scheduler import Scheduler
+
+    def sched(name, device_blocks=64, max_seqs=1):
+        return Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=max_seqs),
+                         BlockManager(device_blocks, 64, 16), make_policy(name), _sim_profile(), clock=lambda: 100.0)
+
+    for name in ("infercept-paper", "infercept-paper+las-priority"):
+        s = sched(name)
+        s.add(Request("early", [1] * 40, SamplingParams(max_tokens=4), arrival_time=1.0))
+        s.add(Request("urgent", [2] * 40, SamplingParams(max_tokens=4, priority=-1), arrival_time=50.0))
+        assert [r.request_id for r in s.waiting] == ["urgent", "early"], name
+        out = s.schedule()
+        assert [r.request_id for r in s.running] == ["urgent"], name
+        assert out.num_preempted == 0
+    # Four blocks: both requests' prompts fit (two blocks each), their decodes do not.
+    s = sched("infercept-paper", device_blocks=4, max_seqs=2)
+    old = Request("old", [1] * 32, SamplingParams(max_tokens=40, priority=1), arrival_time=1.0)
+    new = Request("new", [2] * 32, SamplingParams(max_tokens=40), arrival_time=2.0)
+    s.add(old)
+    s.add(new)
+    s.schedule()
+    assert {r.request_id for r in s.running} == {"old", "new"}
+    for r in (old, new):  # each computed its prompt and sampled a token: its next one needs a third block
+        r.num_computed_tokens = 32
+        r.token_ids.append(7)
+    s.schedule()
+    assert old.status is not RequestStatus.RUNNING and new.status is RequestStatus.RUNNING  # (old: swapped out)
 
 
 # -- proactive swap-in ------------------------------------------------------------------------------
