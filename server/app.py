@@ -143,8 +143,8 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
             await asyncio.to_thread(backend.shutdown)
 
     def holds(kind: Kind, id: str) -> bool:
-        """Whether any tenant's conversation (kind, id) is here, a response still running in the background
-        included (what other replicas ask: server/replica_forwarding.py)."""
+        """Whether any tenant's conversation (kind, id) is here, a background response kept here included
+        (what other replicas ask: server/replica_forwarding.py)."""
         return conversations.holds(kind, id) or (kind is Kind.RESPONSE and responses is not None
                                                  and responses.background.holds(id))
 

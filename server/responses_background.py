@@ -31,7 +31,6 @@ from .protocol import APIError, bad_request
 logger = logging.getLogger("infercept.server")
 
 FINISHED_KEPT = 64
-ENDING_EVENTS = ("response.completed", "response.incomplete")
 
 
 @dataclass
@@ -138,9 +137,9 @@ class BackgroundResponses:
         return entry if entry is not None and entry.owner == owner else None
 
     def holds(self, response_id: str) -> bool:
-        """Whether any tenant's background response of that id is running here (replica forwarding)."""
-        entry = self._kept.get(response_id)
-        return entry is not None and not entry.done
+        """Whether any tenant's background response of that id is kept here, running or not (replica
+        forwarding: one that failed or was cancelled is nowhere else)."""
+        return response_id in self._kept
 
     async def cancel(self, entry: BackgroundResponse) -> None:
         if entry.task is not None and not entry.done:

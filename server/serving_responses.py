@@ -97,7 +97,7 @@ class ResponsesServing(Frontend):
             after = raw.query_params.get("starting_after", "-1")
             if not after.lstrip("-").isdigit():
                 raise bad_request("starting_after must be a sequence number", param="starting_after")
-            return StreamResponse(entry.stream(int(after)), _nothing, {"X-Request-Id": response_id})
+            return StreamResponse(entry.stream(max(int(after), -1)), _nothing, {"X-Request-Id": response_id})
         if entry is not None and (not entry.done or self.conversations.response(response_id, entry.owner) is None):
             return JSONResponse(entry.body)  # (running, or ended without being stored: failed, cancelled)
         return JSONResponse(self._stored(response_id, raw).body)

@@ -54,6 +54,8 @@ def test_a_background_stream_goes_on_without_its_client_and_streams_again(srv):
     assert "".join(e.delta for e in again if e.type == "response.output_text.delta") == done.output_text
     tail = list(client.responses.retrieve(done.id, stream=True, starting_after=2))
     assert [e.sequence_number for e in tail] == [e.sequence_number for e in again[3:]]
+    before_the_first = list(client.responses.retrieve(done.id, stream=True, starting_after=-5))
+    assert [e.sequence_number for e in before_the_first] == [e.sequence_number for e in again]
     srv.assert_no_leak()
 
 
