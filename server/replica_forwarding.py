@@ -64,8 +64,7 @@ NOT_FORWARDED = {b"connection", b"keep-alive", b"proxy-connection", b"te", b"tra
 NOT_RELAYED = {b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer", b"transfer-encoding", b"upgrade"}
 
 NAMING_POSTS = ("/v1/responses", "/v1/chat/completions")  # POSTs whose body may name a conversation or a key
-CACHE_KEY = "prompt_cache_key"
-CACHE_KEY_KIND = "prompt_cache_key"  # (the forwarded-requests metric's kind for requests sent to their key's home)
+CACHE_KEY = "prompt_cache_key"  # (also the forwarded-requests metric's kind for requests sent to their key's home)
 _RESPONSE = re.compile(r"/v1/responses/([^/]+)(?:/cancel)?")
 _SESSION = re.compile(r"/v1/sessions/([^/]+)(?:/messages)?")
 
@@ -233,7 +232,7 @@ class ForwardToHolder:
         key = prompt_cache_key(method, path, body)
         home = self.fleet.home(key) if key is not None else None
         if home in (None, self.fleet.own_url) or not await self._forward(
-                home, CACHE_KEY_KIND, f"{CACHE_KEY} {key!r}", scope, body, receive, send):
+                home, CACHE_KEY, f"{CACHE_KEY} {key!r}", scope, body, receive, send):
             return await self.app(scope, replay, send)
 
     # -- which replica holds it --------------------------------------------------------------------

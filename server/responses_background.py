@@ -31,6 +31,7 @@ from .protocol import APIError, bad_request
 logger = logging.getLogger("infercept.server")
 
 FINISHED_KEPT = 64
+RESPONSE_EVENTS = {"response.created", "response.in_progress", "response.completed", "response.incomplete"}
 
 
 @dataclass
@@ -44,15 +45,13 @@ class BackgroundResponse:
     _grown: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) at each event and the end
 
     def add(self, event: dict) -> None:
-        if event["event"] == "response.created":  # (a background response is queued before it runs)
+        if event["event"] in RESPONSE_EVENTS:  # (those that carry the response object: where it stands)
             data = json.loads(event["data"])
-            data["response"]["status"] = "queued"
-            event = {**event, "data": json.dumps(data, ensure_ascii=False)}
+            if event["event"] == "response.created":  # (a background response is queued before it runs)
+                data["response"]["status"] = "queued"
+                event = {**event, "data": json.dumps(data, ensure_ascii=False)}
+            self.body = data["response"]
         self.events.append(event)
-        if event["event"].startswith("response.") and '"response"' in event["data"]:
-            response = json.loads(event["data"]).get("response")
-            if isinstance(response, dict):
-                self.body = response
         self._wake()
 
     def end(self, status: str | None = None, error: dict | None = None) -> None:

@@ -370,7 +370,8 @@ class ResponsesMcp:
         runnable = {name: t for name, t in servers.tools.items() if not t.needs_approval}
         out = Output(rt, servers, output)
         queue: asyncio.Queue = asyncio.Queue()
-        emit = (lambda kind, data: queue.put_nowait(("event", data))) if req.stream or req.background else (lambda *_: None)
+        streamed = req.stream or req.background  # (a background response's events are kept for its streams)
+        emit = (lambda kind, data: queue.put_nowait(("event", data))) if streamed else (lambda *_: None)
         out.emit = emit
 
         async def work() -> dict:
