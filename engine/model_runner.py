@@ -18,6 +18,7 @@ from .models.llama import LlamaForCausalLM
 from .outputs import RunnerOutput, SchedulerOutput
 from .request import PLACEHOLDER
 from .sampler import DeviceSamples, TokenHistory, sample_on_device
+from .thinking_budget import ThinkingBudgets
 
 
 def gpu_attention_kernels():
@@ -34,7 +35,8 @@ def gpu_attention_kernels():
 class PendingSamples:
     """A step's sampled tokens still on their way to the host (`ModelRunner.run` with `defer_samples`), and
     the span of its pass on the device (`ModelRunner.device_seconds`), readable once they arrived.
-    `on_read` runs once, when they are first read: the grammars that constrained them take them."""
+    `on_read` runs once, when they are first read: the grammars that constrained them and the thinking
+    budgets that count them take them."""
 
     request_ids: list[str]
     samples: DeviceSamples
@@ -66,6 +68,8 @@ class ModelRunner:
         self.model = model
         # Grammar-constrained sampling needs the tokenizer (token bytes); without one, no grammars.
         self.guided = GuidedDecoder(tokenizer, eos_token_ids) if tokenizer is not None else None
+        # Thinking budgets force the end-of-thinking marker's tokens, which the tokenizer gives.
+        self.thinking = ThinkingBudgets.of_tokenizer(tokenizer) if tokenizer is not None else None
         self.kv_cache = kv_cache
         self.device = device
         self.block_size = kv_cache.block_size
@@ -174,12 +178,15 @@ class ModelRunner:
         next step can be planned and launched before they arrive (asynchronous scheduling).
 
         A request planned on a placeholder whose next token depends on the tokens before it on the host (a
-        grammar's mask, penalties' counts) is sampled after `while_running`, which reads the step before's
-        samples: the pass computes meanwhile, and the grammar or counts take the token it read."""
+        grammar's mask, penalties' counts, a thinking budget about to be spent) is sampled after
+        `while_running`, which reads the step before's samples: the pass computes meanwhile, and the
+        grammar, counts or budget take the token it read."""
         for request_id in output.finished_request_ids:
             self.generators.pop(request_id, None)
             if self.guided is not None:
                 self.guided.free(request_id)
+            if self.thinking is not None:
+                self.thinking.free(request_id)
         inputs = time.perf_counter()
         if not output.chunks:
             after_launch = self._queue_copies(output)
@@ -208,7 +215,7 @@ class ModelRunner:
             hidden = static.launch(size)
         else:
             hidden = self.model(input_ids, positions, meta, self.kv_cache.layer_views)
-        sample_late = any(chunk.sample and chunk.token_ids[-1] == PLACEHOLDER and chunk.sampling_params.needs_history
+        sample_late = any(chunk.sample and chunk.token_ids[-1] == PLACEHOLDER and self._needs_last_sample(chunk)
                           for chunk in output.chunks)
         if not sample_late:
             pending = self._sample(output, hidden, started)  # queued behind the pass at once
@@ -249,19 +256,36 @@ class ModelRunner:
         params = [c.sampling_params for c in to_sample]
         generators = [self._generator(c.request_id, c.sampling_params.seed) for c in to_sample]
         banned = [self._banned(c) for c in to_sample]
-        allowed = self.guided.allowed_tokens(to_sample, logits.shape[-1]) if self.guided is not None else None
+        grammar = self.guided.allowed_tokens(to_sample, logits.shape[-1]) if self.guided is not None else None
+        allowed = grammar
+        budgeted = [c for c in to_sample if c.sampling_params.thinking_token_budget is not None
+                    and self.thinking is not None]
+        if budgeted:
+            allowed = self.thinking.forced_tokens(to_sample, logits.shape[-1], grammar)
         histories = [self._history(c) for c in to_sample]
         samples = sample_on_device(logits, params, generators, banned, allowed, histories)
         samples.to_host()
         self._device_span = (started, self._mark())
+        constrained = [] if grammar is None else [to_sample[r] for r in grammar.rows]
         return PendingSamples([c.request_id for c in to_sample], samples, self._device_span,
-                              None if allowed is None else self._grammars_take([to_sample[r] for r in allowed.rows]))
+                              self._taken_by(constrained, budgeted) if constrained or budgeted else None)
 
-    def _grammars_take(self, constrained: list) -> Callable[[RunnerOutput], None]:
-        """What advances the grammars of the `constrained` chunks' requests once their samples are read."""
+    def _taken_by(self, constrained: list, budgeted: list) -> Callable[[RunnerOutput], None]:
+        """What advances the grammars of the `constrained` chunks' requests and the thinking budgets of
+        the `budgeted` ones once their samples are read."""
         def take(read: RunnerOutput) -> None:
-            self.guided.accept(constrained, [read.sampled[c.request_id] for c in constrained])
+            if constrained:
+                self.guided.accept(constrained, [read.sampled[c.request_id] for c in constrained])
+            for chunk in budgeted:
+                self.thinking.take(chunk.request_id, read.sampled[chunk.request_id].token_id)
         return take
+
+    def _needs_last_sample(self, chunk) -> bool:
+        """Whether the chunk's sampling depends on the token before it on the host (`run`)."""
+        if chunk.sampling_params.needs_history:
+            return True
+        return (chunk.sampling_params.thinking_token_budget is not None and self.thinking is not None
+                and self.thinking.may_force(chunk))
 
     def _history(self, chunk) -> TokenHistory | None:
         """A penalized request's tokens for its penalties, the placeholder it was planned on (the step

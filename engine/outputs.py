@@ -16,7 +16,8 @@ class ScheduledChunk:
     sampling_params: SamplingParams
     num_output_tokens: int  # for min_tokens
     # The request's tokens so far (its prompt, then its `num_output_tokens` outputs), for a request with
-    # penalties whose chunk samples (sampler.TokenHistory); None for every other chunk.
+    # penalties whose chunk samples (sampler.TokenHistory) and for a turn's first sample under a thinking
+    # budget (thinking_budget.py); None for every other chunk.
     context_token_ids: list[int] | None = None
 
 

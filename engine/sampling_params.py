@@ -93,6 +93,9 @@ class SamplingParams:
     # Nor this: the request's place in the scheduler's queues, ahead of the policy's own order (vLLM's
     # `priority`: lower first); a resumed turn takes its own request's.
     priority: int = 0
+    # A thinking model's turn thinks at most this many tokens, then the end-of-thinking marker is forced
+    # (engine/thinking_budget.py; vLLM's `thinking_token_budget`); None: as long as it likes.
+    thinking_token_budget: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -118,6 +121,8 @@ class SamplingParams:
             raise ValueError("min_tokens must be between 0 and max_tokens")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError("logprobs must be between 0 and 20")
+        if self.thinking_token_budget is not None and self.thinking_token_budget < 0:
+            raise ValueError("thinking_token_budget must be >= 0 (None: no budget)")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if self.guided is not None and self.holds_back_the_end:

@@ -730,7 +730,7 @@ class Scheduler:
                 sample=sample,
                 sampling_params=r.sampling_params,
                 num_output_tokens=r.num_output_tokens,
-                context_token_ids=list(r.token_ids) if sample and r.sampling_params.penalized else None,
+                context_token_ids=list(r.token_ids) if sample and self._needs_context(r) else None,
             ))
         out.num_thrashed_tokens += out.num_recomputed_tokens
         out.num_paused_device_tokens = self.paused_device_tokens()
@@ -740,6 +740,13 @@ class Scheduler:
         out.finished_request_ids, self._finished_ids = self._finished_ids, []
         self._last_batched_tokens = max(out.num_batched_tokens, 1)
         return out
+
+    @staticmethod
+    def _needs_context(request: Request) -> bool:
+        """Whether the runner reads the request's tokens where it samples: its penalties count them each
+        time; a thinking budget reads, at a turn's first token, whether the context left it thinking."""
+        params = request.sampling_params
+        return params.penalized or (params.thinking_token_budget is not None and request.num_output_tokens == 0)
 
     # -- update -----------------------------------------------------------------------------------
     def update(self, output: SchedulerOutput, runner_output: RunnerOutput) -> list[Request]:

@@ -3,7 +3,8 @@
 Requests are validated strictly where OpenAI is strict (`extra="forbid"`: an unknown top-level field is
 a 400, as OpenAI answers "Unrecognized request argument supplied"), with vLLM's extras (the sampling
 ones in `SamplingKnobs`, which Responses requests take too: `ignore_eos`, `min_tokens`, `top_k`, `min_p`,
-`repetition_penalty`, `stop_token_ids`, `include_stop_str_in_output`, `cache_salt`; then
+`repetition_penalty`, `stop_token_ids`, `include_stop_str_in_output`, `cache_salt`, `priority`,
+`thinking_token_budget`; then
 `return_token_ids`, `structured_outputs` regex / choice and their older spellings `guided_regex` /
 `guided_choice`, and on chat completions `chat_template_kwargs`, `add_generation_prompt` and
 `continue_final_message`) and ours (`session_id`, `intercept`). Messages are lenient (`extra="ignore"`)
@@ -143,6 +144,9 @@ class SamplingKnobs(OptionalSampling):
     include_stop_str_in_output: bool = False  # the text keeps the stop string or stop token that ended it
     structured_outputs: StructuredOutputs | None = None
     priority: int = 0  # the request's place in the engine's queues: lower first (vLLM's)
+    # vLLM's: a thinking model (--reasoning-parser) thinks at most this many tokens, then </think> is
+    # forced; -1 or null: no budget
+    thinking_token_budget: int | None = Field(default=None, ge=-1)
 
 
 class SamplingFields(SamplingKnobs):

@@ -4,9 +4,9 @@ request, its content blocks, and the error body Anthropic's clients read.
 Requests are lenient at the top level (`extra="ignore"`): Anthropic's clients send fields this server
 has no use for (`metadata`, `service_tier`, beta fields such as `context_management`), and agents such
 as Claude Code send them on every request. `output_config.format` (a JSON schema) constrains the answer
-as Chat Completions' `response_format` does. Of `thinking`, only its type is read: "disabled" turns a
-thinking model's thinking off where its chat template can (Qwen3's `enable_thinking`); a budget is not
-enforced. vLLM's extras `chat_template_kwargs` and `cache_salt` are read as on Chat Completions. What is
+as Chat Completions' `response_format` does. `thinking` "disabled" turns a thinking model's thinking
+off where its chat template can (Qwen3's `enable_thinking`); "enabled" with `budget_tokens` bounds it
+(vLLM's `thinking_token_budget`, on a server with --reasoning-parser). vLLM's extras `chat_template_kwargs` and `cache_salt` are read as on Chat Completions. What is
 read is checked as Anthropic checks it: `max_tokens` is required, `temperature` lies in [0, 1], a `tool`
 choice names its tool. Content blocks
 the server cannot take (images, documents, the hosted tools' blocks) are refused by their type, where
@@ -83,6 +83,7 @@ class ToolChoice(Lenient):
 
 class Thinking(Lenient):
     type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(default=None, ge=0)  # "enabled": the most tokens the thinking may take
 
 
 class OutputFormat(Lenient):

@@ -51,7 +51,8 @@ class MessagesServing(Frontend):
         sampling = Sampling()
         if isinstance(req, MessagesRequest):
             sampling = Sampling(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k or None,
-                                max_tokens=req.max_tokens, stop=req.stop_sequences or None, cache_salt=req.cache_salt)
+                                max_tokens=req.max_tokens, stop=req.stop_sequences or None, cache_salt=req.cache_salt,
+                                thinking_token_budget=self._thinking_budget(req))
         template_kwargs = dict(req.chat_template_kwargs or {})
         if req.thinking is not None and req.thinking.type == "disabled":
             # thinking off, where the chat template takes the switch (Qwen3's); other templates ignore it
@@ -63,6 +64,15 @@ class MessagesServing(Frontend):
                         id_prefix="msg_", template_kwargs=template_kwargs or None,
                         answer_schema=answer.schema_ if answer is not None else None,
                         answer_param="output_config.format")
+
+    def _thinking_budget(self, req: MessagesRequest) -> int | None:
+        """Anthropic's `thinking.budget_tokens`, as vLLM maps it: the turn's `thinking_token_budget`. A
+        model the server does not read as thinking (no --reasoning-parser) has none to keep to: Anthropic's
+        clients send a budget whatever the model, so it is ignored there rather than refused."""
+        thinking = req.thinking
+        if thinking is None or thinking.type != "enabled" or self.turns.reasoning is None:
+            return None
+        return thinking.budget_tokens
 
     # -- the message -------------------------------------------------------------------------------
     def _message(self, req: MessagesRequest, turn: Turn, content: list[dict], end: TurnFinished | None) -> dict:

@@ -37,6 +37,7 @@ class Sampling:
     include_stop_str_in_output: bool = False  # the text keeps the stop string or token that ended the turn
     cache_salt: str | None = None  # the request's prefix-cache namespace (within its tenant's)
     priority: int = 0  # its place in the engine's queues: lower first
+    thinking_token_budget: int | None = None  # thinking tokens before </think> is forced; None: no budget
 
     def defaulted(self, defaults: Mapping[str, Any]) -> Sampling:
         """These fields, with `defaults` (the server's, generation_defaults.py) where these are unset."""
@@ -47,7 +48,7 @@ class Sampling:
         return cls(req.temperature, req.top_p, req.top_k, req.seed, max_tokens, req.min_tokens, req.stop,
                    req.ignore_eos, logprobs, req.presence_penalty, req.frequency_penalty, req.repetition_penalty,
                    req.min_p, req.logit_bias, req.stop_token_ids, req.include_stop_str_in_output, req.cache_salt,
-                   req.priority)
+                   req.priority, None if req.thinking_token_budget == -1 else req.thinking_token_budget)
 
 
 @dataclass(frozen=True)

@@ -483,6 +483,9 @@ class Turns:
         logit_bias = self.logit_bias(s.logit_bias)
         if any(not 0 <= t < self.vocab_size for t in s.stop_token_ids or ()):
             raise bad_request(f"stop_token_ids must be token ids in [0, {self.vocab_size})", param="stop_token_ids")
+        if s.thinking_token_budget is not None and self.reasoning is None:
+            raise bad_request("thinking_token_budget is for a thinking model: the server reads its thinking with "
+                              "--reasoning-parser, which it was not started with", param="thinking_token_budget")
         try:
             return SamplingParams(
                 temperature=1.0 if s.temperature is None else s.temperature,
@@ -495,7 +498,7 @@ class Turns:
                 presence_penalty=s.presence_penalty or 0.0, frequency_penalty=s.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if s.repetition_penalty is None else s.repetition_penalty,
                 min_p=s.min_p or 0.0, logit_bias=logit_bias, cache_salt=self.cache_salt(spec.owner, s.cache_salt),
-                priority=s.priority)
+                priority=s.priority, thinking_token_budget=s.thinking_token_budget)
         except ValueError as e:
             raise bad_request(str(e)) from None
 

@@ -599,6 +599,43 @@ def test_messages_api_thinking_disabled_closes_the_thinking_in_the_prompt(srv, q
                                    ).input_tokens == plain
 
 
+def test_a_thinking_budget_closes_the_thinking_there(srv, qwen3_dir):
+    """`thinking_token_budget` (vLLM's, here on completions): the thinking the prompt opened stops after
+    that many tokens, counted from after <think> (the prompt's newline is the first), with </think>
+    forced where an unbudgeted run thinks on; the tokens before it are the unbudgeted run's."""
+    end = AutoTokenizer.from_pretrained(qwen3_dir).convert_tokens_to_ids("</think>")
+    prompt = "<|im_start|>user\nWhat is the weather in Paris?<|im_end|>\n<|im_start|>assistant\n<think>\n"
+
+    def run(**extra) -> list[int]:
+        out = srv.client().completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                              extra_body={"return_token_ids": True, "ignore_eos": True, **extra})
+        return out.choices[0].model_extra["token_ids"]
+
+    free, budgeted = run(), run(thinking_token_budget=4)
+    assert end not in free[:4]
+    assert budgeted[:3] == free[:3] and budgeted[3] == end
+    assert run(thinking_token_budget=-1) == free  # vLLM's "no budget"
+
+
+def test_messages_api_thinking_budget_tokens_bound_the_thinking_block(srv):
+    """Anthropic's `thinking: {"type": "enabled", "budget_tokens": N}` is the turn's thinking budget:
+    after a prefill that opens the thinking, the thinking block stops early and the answer follows."""
+    import anthropic
+
+    c = anthropic.Anthropic(base_url=srv.base, api_key="unused", max_retries=0, timeout=60)
+    ask = dict(model=MODEL, max_tokens=16, messages=[*QUESTION, {"role": "assistant", "content": "<think>"}],
+               extra_body={"temperature": 0})
+
+    def blocks(message) -> dict[str, str]:
+        return {b.type: b.thinking if b.type == "thinking" else b.text for b in message.content}
+
+    free = blocks(c.messages.create(**ask, thinking={"type": "adaptive"}))
+    budgeted = blocks(c.messages.create(**ask, thinking={"type": "enabled", "budget_tokens": 3}))
+    assert "text" not in free  # unbudgeted, the 16 tokens are all thinking
+    assert budgeted["thinking"] and free["thinking"].startswith(budgeted["thinking"])
+    assert len(budgeted["thinking"]) < len(free["thinking"]) and budgeted["text"]
+
+
 # -- the renderer, on its own ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("opened", [False, True], ids=["qwen3-template", "thinking-opened-by-the-prompt"])

@@ -145,6 +145,24 @@ def test_a_greedy_turn_equals_transformers(backend, tokenizer, hf_model_fp32):
 
 
 @needs_vllm
+def test_a_thinking_budget_ends_the_thinking_where_our_engine_does(backend, tokenizer, llm_fp32):
+    """`thinking_token_budget` reaches vLLM's own budget (its reasoning config holds the markers the
+    native engine reads, here three tokens each): </think> forced into a thinking the prompt opened,
+    at once under a budget of 0. vLLM counts such a thinking from the last token of <think>, not after
+    it, so with a marker of k tokens it thinks k - 1 more (none more with Qwen3's or DeepSeek's
+    one-token markers): the tokens are the native engine's under a budget that much higher."""
+    markers = llm_fp32.engine.runner.thinking
+    prompt = tokenizer.encode("Question: what is 2+2? Let me think.") + markers.start_ids
+    extra = len(markers.start_ids) - 1
+    for budget, thought in ((0, 0), (2, 2 + extra), (4, 4 + extra)):
+        out = asyncio.run(run_turn(backend.generate(prompt, greedy(12, ignore_eos=True, thinking_token_budget=budget),
+                                                    f"budget-{budget}")))
+        (native,) = llm_fp32.generate([prompt], [greedy(12, ignore_eos=True, thinking_token_budget=thought)])
+        assert out.token_ids == native.token_ids
+        assert out.token_ids[thought:thought + len(markers.end_ids)] == markers.end_ids
+
+
+@needs_vllm
 def test_a_cache_salt_reaches_vllms_prefix_cache(backend, tokenizer):
     """`SamplingParams.cache_salt` goes to vLLM as its prompt's `cache_salt`: the same prompt under another
     salt is computed again, under its own it reuses the blocks, and the tokens are the same."""

@@ -45,6 +45,7 @@ from ..config import CacheConfig, available_host_memory_bytes
 from ..output_stage import GO_ON, Action, TurnOutput, TurnRule, Verdict, may_pause
 from ..outputs import RequestOutput, SampledToken
 from ..policy import base_policy
+from ..reasoning_parsers import THINK_END, THINK_START
 from ..request import InterceptParams
 from ..sampling_params import SamplingParams
 from ..stats import RESUME_KV_PLACES, resume_kv_place
@@ -198,6 +199,9 @@ class VllmBackend(EngineBackend):
                 "max_num_batched_tokens": max_num_batched_tokens,
                 # Grammars compiled by llguidance, as ours are (params.py)
                 "structured_outputs_config": {"backend": "guidance"},
+                # Thinking budgets (`thinking_token_budget`) read the thinking from its markers alone, as
+                # the native engine's do (thinking_budget.py), whichever reasoning parser splits the text
+                "reasoning_config": {"reasoning_start_str": THINK_START, "reasoning_end_str": THINK_END},
                 "kv_cache_memory_bytes": None if kv_cache_gb is None else int(kv_cache_gb * 2**30)}
         if kv_cache_gb is None and not shutil.which("nvidia-smi") and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             # vLLM on a CPU would size its KV cache to most of the machine's memory, on top of the server,

@@ -32,6 +32,7 @@ def vllm_sampling_fields(params: SamplingParams, resumable: bool, rule: TurnRule
         "seed": params.seed,
         "max_tokens": params.max_tokens,
         "min_tokens": params.min_tokens,
+        "thinking_token_budget": params.thinking_token_budget,
         # Stop strings end a request that cannot pause in vLLM as they do here (the backend still finds
         # them itself, so the text is cut the same way); vLLM needs to detokenize only for them.
         "stop": stop,

@@ -181,7 +181,7 @@ class Worker:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from vllm.config import KVTransferConfig
+        from vllm.config import KVTransferConfig, ReasoningConfig
         from vllm.usage.usage_lib import UsageContext
 
         if self.tool_parser is not None and self.tool_parser not in tool_calls.registered():
@@ -191,6 +191,8 @@ class Worker:
         args = dict(self.engine_args)
         if "kv_transfer_config" in args:  # our host tier's connector (host_tier.py), as plain data
             args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
+        if "reasoning_config" in args:  # the thinking markers (backend.py), as plain data
+            args["reasoning_config"] = ReasoningConfig(**args["reasoning_config"])
         # vLLM's defaults for what the backend leaves unset (max_num_batched_tokens, max_num_seqs, ...) are
         # those `vllm serve` takes on this hardware.
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args), usage_context=UsageContext.OPENAI_API_SERVER,
