@@ -33,6 +33,7 @@ request here.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import json
@@ -43,6 +44,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import parse_qs
 
@@ -69,8 +71,10 @@ _RESPONSE = re.compile(r"/v1/responses/([^/]+)(?:/cancel)?")
 _SESSION = re.compile(r"/v1/sessions/([^/]+)(?:/messages)?")
 
 
-def named_conversation(method: str, path: str, headers: dict[bytes, bytes], body: bytes) -> tuple[Kind, str] | None:
-    """The conversation a request continues or reads, by kind and id; None for one that names none."""
+def named_conversation(method: str, path: str, headers: dict[bytes, bytes], body: bytes,
+                       fields: Callable[[], dict]) -> tuple[Kind, str] | None:
+    """The conversation a request continues or reads, by kind and id; None for one that names none.
+    `fields()`: the body's JSON object (`body_fields`), parsed only where needed."""
     if (m := _RESPONSE.fullmatch(path)) is not None:
         return Kind.RESPONSE, m.group(1)
     if (m := _SESSION.fullmatch(path)) is not None:
@@ -80,28 +84,32 @@ def named_conversation(method: str, path: str, headers: dict[bytes, bytes], body
     field = b"previous_response_id" if path == "/v1/responses" else b"session_id"
     if field not in body and b"x-session-id" not in headers:  # (most requests: no JSON to parse)
         return None
-    fields = _fields(body)
     if path == "/v1/responses":
-        named = fields.get("previous_response_id")
+        named = fields().get("previous_response_id")
         return (Kind.RESPONSE, named) if isinstance(named, str) and named else None
-    named = fields.get("session_id") or headers.get(b"x-session-id", b"").decode("latin-1")
+    named = fields().get("session_id") or headers.get(b"x-session-id", b"").decode("latin-1")
     return (Kind.CHAT, named) if isinstance(named, str) and named else None
 
 
-def prompt_cache_key(method: str, path: str, body: bytes) -> str | None:
-    """The request's `prompt_cache_key`, if it carries one."""
+def prompt_cache_key(method: str, path: str, body: bytes, fields: Callable[[], dict]) -> str | None:
+    """The request's `prompt_cache_key`, if it carries one (`fields` as for `named_conversation`)."""
     if method != "POST" or path not in NAMING_POSTS or CACHE_KEY.encode() not in body:
         return None
-    key = _fields(body).get(CACHE_KEY)
+    key = fields().get(CACHE_KEY)
     return key if isinstance(key, str) and key else None
 
 
-def _fields(body: bytes) -> dict:
-    try:
-        fields = json.loads(body)
-    except ValueError:
-        return {}
-    return fields if isinstance(fields, dict) else {}
+def body_fields(body: bytes) -> Callable[[], dict]:
+    """The body's JSON object ({} for anything else), parsed on the first call and kept for the next: a
+    body that names both a conversation and a key is parsed once."""
+    @functools.cache
+    def fields() -> dict:
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            return {}
+        return parsed if isinstance(parsed, dict) else {}
+    return fields
 
 
 def _may_name(method: str, path: str) -> bool:
@@ -110,27 +118,15 @@ def _may_name(method: str, path: str) -> bool:
 
 
 class Fleet:
-    """The fleet as the launcher last wrote it: {"token": ..., "replicas": [URL, ...]} (read again when
-    the file changes), and this replica's own URL among them."""
+    """The replicas (their URLs), this one's own URL among them, and the token they share; where they
+    come from is a subclass's (`_read`, called before each look, brings them up to date)."""
 
-    def __init__(self, path: str | Path, own_url: str):
-        self.path, self.own_url = Path(path), own_url
-        self._stamp: tuple[int, int] | None = None
-        self._token, self._urls = "", []
+    def __init__(self, own_url: str, token: str = ""):
+        self.own_url = own_url
+        self._token, self._urls = token, []
 
     def _read(self) -> None:
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return  # (not written yet, or the launcher is gone: the last fleet stands)
-        if (st.st_mtime_ns, st.st_size) == self._stamp:
-            return
-        try:
-            fleet = json.loads(self.path.read_text())
-            self._token, self._urls = str(fleet["token"]), [str(u) for u in fleet["replicas"]]
-        except (OSError, ValueError, KeyError, TypeError):
-            return  # (mid-write: the next request reads it)
-        self._stamp = (st.st_mtime_ns, st.st_size)
+        pass
 
     @property
     def token(self) -> bytes:
@@ -148,6 +144,30 @@ class Fleet:
                    key=lambda url: hashlib.blake2b(f"{url} {key}".encode(), digest_size=8).digest())
 
 
+class FleetFile(Fleet):
+    """The fleet as the launcher last wrote it: {"token": ..., "replicas": [URL, ...]} (read again when
+    the file changes)."""
+
+    def __init__(self, path: str | Path, own_url: str):
+        super().__init__(own_url)
+        self.path = Path(path)
+        self._stamp: tuple[int, int] | None = None
+
+    def _read(self) -> None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return  # (not written yet, or the launcher is gone: the last fleet stands)
+        if (st.st_mtime_ns, st.st_size) == self._stamp:
+            return
+        try:
+            fleet = json.loads(self.path.read_text())
+            self._token, self._urls = str(fleet["token"]), [str(u) for u in fleet["replicas"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # (mid-write: the next request reads it)
+        self._stamp = (st.st_mtime_ns, st.st_size)
+
+
 class DnsFleet(Fleet):
     """The fleet as DNS names it, where no launcher writes a file: on Kubernetes a headless Service's name
     resolves to the address of every ready pod. The replicas are those addresses at `port` (resolved
@@ -155,9 +175,9 @@ class DnsFleet(Fleet):
     `own_address` among them, and the token one the deployment gives every pod (a Secret)."""
 
     def __init__(self, name: str, port: int, token: str, own_address: str):
-        super().__init__("", _url(own_address, port))
+        super().__init__(_url(own_address, port), token)
         self.name, self.port = name, port
-        self._token, self._resolving, self._resolved_at = token, False, 0.0
+        self._resolving, self._resolved_at = False, 0.0
         self._resolve()  # (the first requests know the fleet)
 
     def _read(self) -> None:
@@ -219,7 +239,8 @@ class ForwardToHolder:
         body, replay = await buffered(receive)
         if body is None:  # the client went away before sending its body
             return await self.app(scope, replay, send)
-        named = named_conversation(method, path, headers, body)
+        fields = body_fields(body)
+        named = named_conversation(method, path, headers, body, fields)
         if named is not None:
             if scope["app"].state.holds(*named):
                 return await self.app(scope, replay, send)
@@ -229,7 +250,7 @@ class ForwardToHolder:
                     self.holders.pop(named, None)
                     return await self.app(scope, replay, send)
                 return
-        key = prompt_cache_key(method, path, body)
+        key = prompt_cache_key(method, path, body, fields)
         home = self.fleet.home(key) if key is not None else None
         if home in (None, self.fleet.own_url) or not await self._forward(
                 home, CACHE_KEY, f"{CACHE_KEY} {key!r}", scope, body, receive, send):

@@ -64,7 +64,7 @@ import time
 from pathlib import Path
 from typing import IO
 
-from .replica_forwarding import DnsFleet, Fleet, ForwardToHolder, buffered, buffered_replay, write_fleet
+from .replica_forwarding import DnsFleet, FleetFile, ForwardToHolder, buffered, buffered_replay, write_fleet
 
 ROUTER_PACKAGE = "vllm-router"  # pinned in pyproject.toml's `router` extra
 ROUTER_POLICIES = ("cache_aware", "kv_aware", "round_robin", "consistent_hash", "power_of_two", "random")
@@ -134,7 +134,7 @@ def replica(argv: list[str]) -> None:
     fleet = None
     port = argv[argv.index("--port") + 1] if "--port" in argv else "8000"
     if argv[:1] == ["--fleet"]:
-        fleet, argv = Fleet(argv[1], f"http://127.0.0.1:{port}"), argv[2:]
+        fleet, argv = FleetFile(argv[1], f"http://127.0.0.1:{port}"), argv[2:]
     elif argv[:1] == ["--fleet-dns"]:
         token = os.environ.get(FLEET_TOKEN_ENV, "")
         if not token:

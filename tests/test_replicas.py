@@ -41,7 +41,7 @@ import pytest
 
 from bench_modules import load_bench
 from infercept.server.metrics import ServerMetrics
-from infercept.server.replica_forwarding import Fleet, ForwardToHolder, write_fleet
+from infercept.server.replica_forwarding import Fleet, FleetFile, ForwardToHolder, write_fleet
 from infercept.server.replicas import DropRouterDefaults, router_argv, router_executable, strip_router_defaults
 
 ROUTER_MISSING = importlib.util.find_spec("vllm_router") is None or router_executable() is None
@@ -139,7 +139,7 @@ def test_a_request_naming_what_another_replica_holds_is_served_there(tmp_path):
     fleet_file = tmp_path / "fleet.json"
     servers = []
     for name, holds in (("a", held), ("b", set())):
-        fleet = Fleet(fleet_file, own_url="")
+        fleet = FleetFile(fleet_file, own_url="")
         app = fleet_member(name, holds, fleet, streams)
         server, thread, url = serve_in_thread(app)
         fleet.own_url = url
@@ -210,7 +210,7 @@ def test_a_prompt_cache_key_is_served_by_its_home_replica(tmp_path):
     fleet_file = tmp_path / "fleet.json"
     servers, urls = [], {}
     for name in ("a", "b", "c"):
-        fleet = Fleet(fleet_file, own_url="")
+        fleet = FleetFile(fleet_file, own_url="")
         app = fleet_member(name, {(Kind.RESPONSE, "resp_c")} if name == "c" else set(), fleet, streams)
         server, thread, url = serve_in_thread(app)
         fleet.own_url = urls[name] = url
@@ -218,7 +218,7 @@ def test_a_prompt_cache_key_is_served_by_its_home_replica(tmp_path):
     name_of = {url: name for name, url in urls.items()}
     write_fleet(fleet_file, "secret", [urls["a"], urls["b"]])
     keys = [f"agent-{i}" for i in range(24)]
-    reader = Fleet(fleet_file, own_url="")
+    reader = FleetFile(fleet_file, own_url="")
     try:
         clients = {name: httpx.Client(base_url=url, timeout=30) for name, url in urls.items()}
 
