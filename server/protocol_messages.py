@@ -6,10 +6,10 @@ has no use for (`metadata`, `service_tier`, beta fields such as `context_managem
 as Claude Code send them on every request. `output_config.format` (a JSON schema) constrains the answer
 as Chat Completions' `response_format` does. `thinking` "disabled" turns a thinking model's thinking
 off where its chat template can (Qwen3's `enable_thinking`); "enabled" with `budget_tokens` bounds it
-(vLLM's `thinking_token_budget`, on a server with --reasoning-parser). vLLM's extras `chat_template_kwargs` and `cache_salt` are read as on Chat Completions. What is
-read is checked as Anthropic checks it: `max_tokens` is required, `temperature` lies in [0, 1], a `tool`
-choice names its tool. Content blocks
-the server cannot take (images, documents, the hosted tools' blocks) are refused by their type, where
+(vLLM's `thinking_token_budget`, on a server with --reasoning-parser). vLLM's extras
+`chat_template_kwargs` and `cache_salt` are read as on Chat Completions. What is read is checked as
+Anthropic checks it: `max_tokens` is required, `temperature` lies in [0, 1], a `tool` choice names its
+tool. Content blocks the server cannot take (images, documents, the hosted tools' blocks) are refused by their type, where
 they are turned into chat messages (messages_input.py).
 """
 from __future__ import annotations
