@@ -309,7 +309,8 @@ class Engine:
         the step before's."""
         updating = time.perf_counter()
         if isinstance(runner_output, PendingSamples):
-            sampling = self.scheduler.advance(scheduler_output, placeholders=True)
+            sampling = self.scheduler.advance(scheduler_output, placeholders=True,
+                                              prompt_logprobs=runner_output.prompt_logprobs)
             self._in_flight = (sampling, runner_output) if sampling else None
         else:
             self._unprocessed += self.scheduler.update(scheduler_output, runner_output)
@@ -355,7 +356,8 @@ class Engine:
             outputs.append(turn.output(
                 request.request_id, request.prompt_token_ids, request.output_token_ids, verdict,
                 request.finish_reason, request.stop_reason,
-                list(request.output_logprobs) if p.logprobs is not None else None, request.num_cached_tokens))
+                list(request.output_logprobs) if p.logprobs is not None else None, request.num_cached_tokens,
+                request.prompt_logprobs or None))
             if verdict.action is not Action.GO_ON:
                 del self.turns[request.request_id]
         return outputs

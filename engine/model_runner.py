@@ -4,18 +4,18 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from . import cpu_kernels
+from . import cpu_kernels, prompt_logprobs
 from .attention import AttentionMetadata, PrefillSpan
 from .copy_stream import to_device
 from .cuda_graphs import DecodeGraphs, MixedGraphs
 from .guided_decoding import GuidedDecoder
 from .kv_cache import KVCache, token_slots
 from .models.llama import LlamaForCausalLM
-from .outputs import RunnerOutput, SchedulerOutput
+from .outputs import RunnerOutput, SampledToken, SchedulerOutput
 from .request import PLACEHOLDER
 from .sampler import DeviceSamples, TokenHistory, sample_on_device
 from .thinking_budget import ThinkingBudgets
@@ -42,11 +42,13 @@ class PendingSamples:
     samples: DeviceSamples
     device_span: tuple | None
     on_read: Callable[[RunnerOutput], None] | None = None
+    prompt_logprobs: dict[str, list[SampledToken]] = field(default_factory=dict)  # read already (`run`)
     _read: RunnerOutput | None = None
 
     def result(self) -> RunnerOutput:
         if self._read is None:
-            self._read = RunnerOutput(sampled=dict(zip(self.request_ids, self.samples.result())))
+            self._read = RunnerOutput(sampled=dict(zip(self.request_ids, self.samples.result())),
+                                      prompt_logprobs=self.prompt_logprobs)
             if self.on_read is not None:
                 self.on_read(self._read)
         return self._read
@@ -229,8 +231,10 @@ class ModelRunner:
             self._last_samples.result()
             pending = self._sample(output, hidden, started)
         self._last_samples = pending
+        scored = self._score_prompts(output, hidden)
         if pending is None:
-            return RunnerOutput(sampled={})
+            return RunnerOutput(sampled={}, prompt_logprobs=scored)
+        pending.prompt_logprobs = scored
         if defer_samples:
             self._device_span = None  # read from `pending` once its tokens are on the host
             return pending
@@ -269,6 +273,16 @@ class ModelRunner:
         constrained = [] if grammar is None else [to_sample[r] for r in grammar.rows]
         return PendingSamples([c.request_id for c in to_sample], samples, self._device_span,
                               self._taken_by(constrained, budgeted) if constrained or budgeted else None)
+
+    def _score_prompts(self, output: SchedulerOutput, hidden: torch.Tensor) -> dict[str, list[SampledToken]]:
+        """The prompt logprobs the step's chunks are to report (`ScheduledChunk.prompt_logprob_targets`)."""
+        spans, row = [], 0
+        for chunk in output.chunks:
+            if chunk.prompt_logprob_targets is not None:
+                spans.append(prompt_logprobs.PromptSpan(chunk.request_id, row, chunk.prompt_logprob_targets,
+                                                        chunk.sampling_params.prompt_logprobs))
+            row += len(chunk.token_ids)
+        return prompt_logprobs.score(self.model.compute_logits, hidden, spans) if spans else {}
 
     def _taken_by(self, constrained: list, budgeted: list) -> Callable[[RunnerOutput], None]:
         """What advances the grammars of the `constrained` chunks' requests and the thinking budgets of

@@ -148,9 +148,10 @@ class TurnOutput:
 
     def output(self, request_id: str, prompt_token_ids: list[int], token_ids: list[int], verdict: Verdict,
                finish_reason: str | None, stop_reason: str | int | None, logprobs: list | None,
-               num_cached_tokens: int) -> RequestOutput:
+               num_cached_tokens: int, prompt_logprobs: list | None = None) -> RequestOutput:
         """The caller's record after this token. `finish_reason` is the stop's ("stop", "length"); a turn
-        that ends in calls reports "tool_calls", one paused without calls "intercept"."""
+        that ends in calls reports "tool_calls", one paused without calls "intercept". `prompt_logprobs`:
+        the request's (RequestOutput.prompt_logprobs), complete by its first token, shared, not copied."""
         finished = verdict.action is Action.FINISH
         paused = verdict.action is Action.PAUSE
         calls = verdict.calls
@@ -160,7 +161,8 @@ class TurnOutput:
             request_id=request_id, prompt_token_ids=prompt_token_ids, token_ids=token_ids,
             text=self.detok.visible_text(finished or paused), finished=finished,
             finish_reason=finish_reason if finished or paused else None, stop_reason=stop_reason,
-            logprobs=logprobs if self.params.logprobs is not None else None, num_cached_tokens=num_cached_tokens,
+            logprobs=logprobs if self.params.logprobs is not None else None, prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=num_cached_tokens,
             paused=paused, tool_calls=calls, content=verdict.judged.content if verdict.judged is not None else None,
             streamed_content=self.streamed_content)
 

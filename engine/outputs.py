@@ -19,6 +19,10 @@ class ScheduledChunk:
     # penalties whose chunk samples (sampler.TokenHistory) and for a turn's first sample under a thinking
     # budget (thinking_budget.py); None for every other chunk.
     context_token_ids: list[int] | None = None
+    # For a request that asked for prompt logprobs: the prompt tokens that follow the chunk's first
+    # positions, one each (the prompt's last position is followed by the sample, so has none); the runner
+    # reports their logprobs (`RunnerOutput.prompt_logprobs`).
+    prompt_logprob_targets: list[int] | None = None
 
 
 @dataclass
@@ -57,11 +61,14 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: dict[int, float] | None = None
+    rank: int | None = None  # a prompt token's rank among the tokens its position could have had (1: the likeliest)
 
 
 @dataclass
 class RunnerOutput:
     sampled: dict[str, SampledToken]  # request id -> its next token (only chunks with sample=True)
+    # request id -> the logprobs of its chunk's `prompt_logprob_targets`, in order
+    prompt_logprobs: dict[str, list[SampledToken]] = field(default_factory=dict)
 
 
 @dataclass
@@ -76,6 +83,8 @@ class RequestOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[SampledToken] | None = None
+    # With SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing precedes it)
+    prompt_logprobs: list[SampledToken | None] | None = None
     num_cached_tokens: int = 0
     paused: bool = False  # the turn ended in an interception; the request waits for `resume`
     # At the end of a turn with tool calls (tool_format.CallJudge): the calls that count (tool_parsers.

@@ -68,6 +68,9 @@ class Request:
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     output_logprobs: list = field(default_factory=list)
+    # With SamplingParams.prompt_logprobs: the first turn's prompt tokens' logprobs so far (sampler.
+    # SampledToken), from the first (None: nothing precedes it); complete once the prompt is computed.
+    prompt_logprobs: list = field(default_factory=list)
     stop_reason: str | int | None = None  # the stop string or token that ended it
     intercept: InterceptParams | None = None
     turn_start: int = 0  # index in token_ids where the current turn's generated tokens begin
@@ -98,6 +101,8 @@ class Request:
         if self.program_arrival is None:
             self.program_arrival = self.arrival_time
         self.priority = self.priority or (self.sampling_params.priority, self.arrival_time)
+        if self.sampling_params.prompt_logprobs is not None and not self.prompt_logprobs:
+            self.prompt_logprobs = [None]
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -106,6 +111,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and some are still to compute."""
+        return 0 < len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:

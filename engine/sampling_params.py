@@ -77,6 +77,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # the text keeps the stop string (or stop token) that ended it
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k: the sampled token's logprob plus the top k
+    # None: off; k: each prompt token's logprob given the tokens before it (the first has none), its rank
+    # and the top k there (vLLM's `prompt_logprobs`). The prompt is then computed whole: no prefix-cache
+    # reuse below the positions whose logprobs it still needs.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     guided: GuidedDecodingParams | None = None  # every turn's output must match this grammar
     # Penalties, as vLLM defines them (engine/sampler.py): presence and frequency (OpenAI's) over the
@@ -121,6 +125,8 @@ class SamplingParams:
             raise ValueError("min_tokens must be between 0 and max_tokens")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError("logprobs must be between 0 and 20")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError("prompt_logprobs must be between 0 and 20")
         if self.thinking_token_budget is not None and self.thinking_token_budget < 0:
             raise ValueError("thinking_token_budget must be >= 0 (None: no budget)")
         if any(not s for s in self.stop):

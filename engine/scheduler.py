@@ -277,7 +277,10 @@ class Scheduler:
             return []
         bs = self.blocks.block_size
         request.block_hashes = chain_hashes(request.token_ids, bs, request.block_hashes, request.cache_salt)
-        return self.blocks.match_prefix(request.block_hashes[:(request.num_tokens - 1) // bs])
+        reusable = (request.num_tokens - 1) // bs
+        if request.needs_prompt_logprobs:  # only the positions whose logprobs it has may be skipped
+            reusable = min(reusable, (len(request.prompt_logprobs) - 1) // bs)
+        return self.blocks.match_prefix(request.block_hashes[:reusable])
 
     def _register_computed(self, request: Request) -> None:
         """Make the request's computed full blocks findable by content."""
@@ -731,6 +734,8 @@ class Scheduler:
                 sampling_params=r.sampling_params,
                 num_output_tokens=r.num_output_tokens,
                 context_token_ids=list(r.token_ids) if sample and self._needs_context(r) else None,
+                prompt_logprob_targets=(r.prompt_token_ids[start + 1:start + n + 1] or None)
+                if r.needs_prompt_logprobs else None,
             ))
         out.num_thrashed_tokens += out.num_recomputed_tokens
         out.num_paused_device_tokens = self.paused_device_tokens()
@@ -755,13 +760,15 @@ class Scheduler:
         A request that hit EOS, a stop token or its length limit is finished here, unless it may be
         intercepted: then `pending_stop` is set and the engine decides between finish and pause.
         """
-        return self.apply_samples(self.advance(output), runner_output)
+        return self.apply_samples(self.advance(output, prompt_logprobs=runner_output.prompt_logprobs), runner_output)
 
-    def advance(self, output: SchedulerOutput, placeholders: bool = False) -> list[Request]:
-        """The step ran: its requests' KV now covers their chunks, and its block copies were queued.
-        Returns the requests it sampled a token for, in its chunks' order, for `apply_samples`. With
-        `placeholders` (asynchronous scheduling: the samples are still on the device), each of them gets
-        a `PLACEHOLDER` as its newest token, so the next step can be planned at once."""
+    def advance(self, output: SchedulerOutput, placeholders: bool = False,
+                prompt_logprobs: dict[str, list] | None = None) -> list[Request]:
+        """The step ran: its requests' KV now covers their chunks (and their prompt logprobs, from
+        `RunnerOutput.prompt_logprobs`, the positions the chunks computed), and its block copies were
+        queued. Returns the requests it sampled a token for, in its chunks' order, for `apply_samples`.
+        With `placeholders` (asynchronous scheduling: the samples are still on the device), each of them
+        gets a `PLACEHOLDER` as its newest token, so the next step can be planned at once."""
         self.blocks.copies_done()  # the runner copied this step's blocks
         if self._step_planned_at is not None and output.chunks:
             self._recent_step_s.append(self.clock() - self._step_planned_at)
@@ -777,6 +784,10 @@ class Scheduler:
             request.num_service_tokens += len(chunk.token_ids)
             request.num_computed_high = max(request.num_computed_high, request.num_computed_tokens)
             request.recompute_all = False
+            if chunk.prompt_logprob_targets is not None and prompt_logprobs:
+                # (a chunk computed again after a preemption writes over the same positions)
+                at = chunk.start_pos + 1
+                request.prompt_logprobs[at:at + len(chunk.prompt_logprob_targets)] = prompt_logprobs[chunk.request_id]
             if self.blocks.enable_caching:
                 self._register_computed(request)
             if chunk.sample:

@@ -5,7 +5,7 @@ a 400, as OpenAI answers "Unrecognized request argument supplied"), with vLLM's 
 ones in `SamplingKnobs`, which Responses requests take too: `ignore_eos`, `min_tokens`, `top_k`, `min_p`,
 `repetition_penalty`, `stop_token_ids`, `include_stop_str_in_output`, `cache_salt`, `priority`,
 `thinking_token_budget`; then
-`return_token_ids`, `structured_outputs` regex / choice and their older spellings `guided_regex` /
+`return_token_ids`, `prompt_logprobs`, `structured_outputs` regex / choice and their older spellings `guided_regex` /
 `guided_choice`, and on chat completions `chat_template_kwargs`, `add_generation_prompt` and
 `continue_final_message`) and ours (`session_id`, `intercept`). Messages are lenient (`extra="ignore"`)
 because SDKs echo response messages back with fields such as `refusal` and `annotations`. Responses
@@ -159,11 +159,19 @@ class SamplingFields(SamplingKnobs):
     user: str | None = None
     # vLLM extras
     return_token_ids: bool = False
+    # Each prompt token's logprob, rank and top k (not streamed, as in vLLM)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     guided_regex: str | None = None  # vLLM's older spellings of structured_outputs regex / choice
     guided_choice: list[str] | None = Field(default=None, min_length=1)
     # ours
     session_id: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")
     intercept: InterceptOptions | None = None
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self):
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs are not available when stream=true")
+        return self
 
 
 # -- chat completions request -----------------------------------------------------------------------

@@ -70,6 +70,26 @@ class Frontend:
                                         bytes=list(text.encode()), top_logprobs=alternatives))
         return entries
 
+    def prompt_logprobs(self, out: RequestOutput) -> list[dict | None] | None:
+        """vLLM's `prompt_logprobs`: for each prompt token, None (the first: nothing precedes it) or
+        {token id: {logprob, rank, decoded_token}} of the token itself and then the top k, -inf as -9999."""
+        if out.prompt_logprobs is None:
+            return None
+
+        def entry(token_id: int, logprob: float, rank: int | None) -> dict:
+            return {"logprob": max(logprob, -9999.0), "rank": rank, "decoded_token": self.token_text(token_id)}
+
+        positions: list[dict | None] = []
+        for scored in out.prompt_logprobs:
+            if scored is None:
+                positions.append(None)
+                continue
+            by_id = {str(scored.token_id): entry(scored.token_id, scored.logprob, scored.rank)}
+            for rank, (token_id, logprob) in enumerate((scored.top_logprobs or {}).items(), start=1):
+                by_id.setdefault(str(token_id), entry(token_id, logprob, rank))
+            positions.append(by_id)
+        return positions
+
     def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A text prompt's token ids (400 for a text the tokenizer cannot encode)."""
         try:

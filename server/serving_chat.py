@@ -108,7 +108,8 @@ class ChatServing(Frontend):
         if opening is not Opening.GENERATION_PROMPT and session_id is not None:
             raise bad_request("a session's turns open with the generation prompt: send add_generation_prompt "
                               "and continue_final_message without session_id", param="session_id")
-        return TurnSpec("chat", Sampling.of(req, req.max_completion_tokens or req.max_tokens, logprobs),
+        return TurnSpec("chat", Sampling.of(req, req.max_completion_tokens or req.max_tokens, logprobs,
+                                            req.prompt_logprobs),
                         tuple(messages), mode=mode, intercept=req.intercept, holder=session, owner=owner,
                         answer_schema=req.response_format.answer_schema() if req.response_format else None,
                         constraint=constraint, template_kwargs=req.chat_template_kwargs or None, opening=opening)
@@ -176,6 +177,8 @@ class ChatServing(Frontend):
         for key in ("prompt_token_ids", "session_id"):
             if body[key] is None:
                 del body[key]
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.prompt_logprobs(ends[0].output)
         body["choices"] = [self._choice(req, turn, end, i) for i, (turn, end) in enumerate(zip(turns, ends))]
         return body
 

@@ -34,11 +34,9 @@ class CompletionServing(Frontend):
             raise bad_request("suffix is not supported", param="suffix")
         if req.best_of not in (None, 1):
             raise bad_request("best_of > 1 is not supported", param="best_of")
-        if req.echo and req.logprobs is not None:
-            raise bad_request("echo with logprobs (prompt logprobs) is not supported", param="echo")
         prompts = self._prompts(req.prompt)
         response_id = new_id("cmpl-")
-        sampling = Sampling.of(req, req.max_tokens, req.logprobs)
+        sampling = Sampling.of(req, req.max_tokens, req.logprobs, self._prompt_logprobs(req))
         n = req.n or 1
         # n samples of each prompt, in the order of their choice index: prompt p's are p*n ... p*n + n-1
         turns, release = await self.turns.open_batch([
@@ -78,6 +76,14 @@ class CompletionServing(Frontend):
             return [None]
         return [p if isinstance(p, str) else None for p in prompt]
 
+    @staticmethod
+    def _prompt_logprobs(req: CompletionRequest) -> int | None:
+        """The top logprobs each prompt token gets: `prompt_logprobs`, else with echo `logprobs` (as vLLM:
+        the echoed prompt's tokens carry logprobs as the generated ones do)."""
+        if req.prompt_logprobs is not None:
+            return req.prompt_logprobs
+        return req.logprobs if req.echo else None
+
     def _echo_text(self, req: CompletionRequest, ids: list[int], text: str | None) -> str:
         if not req.echo:
             return ""
@@ -88,16 +94,40 @@ class CompletionServing(Frontend):
         if req.logprobs is None or out.logprobs is None:
             return None
         first = len(out.logprobs) - len(out.token_ids)  # the engine keeps every turn's; ours are the tail
+        return self._token_logprobs(req, out.logprobs[first + start:first + end], offset)
+
+    def _echo_logprobs(self, req: CompletionRequest, out: RequestOutput) -> CompletionLogprobs:
+        """The echoed prompt's tokens with their logprobs, its first token's None (nothing precedes it)."""
+        lp = self._token_logprobs(req, out.prompt_logprobs[1:], len(self.token_text(out.prompt_token_ids[0])))
+        lp.tokens.insert(0, self.token_text(out.prompt_token_ids[0]))
+        lp.token_logprobs.insert(0, None)
+        lp.top_logprobs.insert(0, None)
+        lp.text_offset.insert(0, 0)
+        return lp
+
+    def _token_logprobs(self, req: CompletionRequest, scored: list, offset: int) -> CompletionLogprobs:
         lp = CompletionLogprobs()
-        for sampled in out.logprobs[first + start:first + end]:
+        for sampled in scored:
             text = self.token_text(sampled.token_id)
             lp.tokens.append(text)
-            lp.token_logprobs.append(sampled.logprob)
-            lp.top_logprobs.append({self.token_text(t): v for t, v in (sampled.top_logprobs or {}).items()}
+            lp.token_logprobs.append(max(sampled.logprob, -9999.0))
+            lp.top_logprobs.append({self.token_text(t): max(v, -9999.0) for t, v in (sampled.top_logprobs or {}).items()}
                                    if req.logprobs else None)
             lp.text_offset.append(offset)
             offset += len(text)
         return lp
+
+    def _choice_logprobs(self, req: CompletionRequest, out: RequestOutput, start: int, end: int,
+                         offset: int) -> CompletionLogprobs | None:
+        """A choice's logprobs of its tokens [start, end), after the echoed prompt's where the choice
+        starts (`start` 0) with an echo."""
+        lp = self._logprobs(req, out, start, end, offset)
+        if lp is None or not req.echo or start or out.prompt_logprobs is None:
+            return lp
+        echoed = self._echo_logprobs(req, out)
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(echoed, name).extend(getattr(lp, name))
+        return echoed
 
     @staticmethod
     def _usage(ends: list[TurnFinished], n: int) -> Usage:
@@ -109,8 +139,9 @@ class CompletionServing(Frontend):
         return Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
-    @staticmethod
-    def _choice_extras(req: CompletionRequest, choice: dict, turn: Turn, out: RequestOutput) -> dict:
+    def _choice_extras(self, req: CompletionRequest, choice: dict, turn: Turn, out: RequestOutput) -> dict:
+        if out.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.prompt_logprobs(out)
         if req.return_token_ids:
             choice["prompt_token_ids"] = list(turn.prompt_ids)
             choice["token_ids"] = list(out.token_ids)
@@ -129,7 +160,7 @@ class CompletionServing(Frontend):
             out = end.output
             choice = CompletionChoice(index=i, text=echoes[i] + out.text, finish_reason=end.result.finish_reason,
                                       stop_reason=self.stop_reason(out),
-                                      logprobs=self._logprobs(req, out, 0, len(out.token_ids), len(echoes[i])))
+                                      logprobs=self._choice_logprobs(req, out, 0, len(out.token_ids), len(echoes[i])))
             choices.append(self._choice_extras(req, choice.model_dump(mode="json"), turn, out))
         body = CompletionResponse(id=response_id, model=req.model, choices=[], usage=self._usage(ends, req.n or 1))
         return body.model_dump(mode="json") | {"choices": choices}
@@ -151,10 +182,17 @@ class CompletionServing(Frontend):
         sent_tokens = [0] * len(turns)  # whose logprobs were sent
         pending = [""] * len(turns)  # text not sent yet: the last delta goes out with the finish reason
         ends: list[TurnFinished] = []
+        # An echo goes first; with logprobs, once the prompt's have come (with the turn's first output).
+        scored_echo = req.logprobs is not None
         for i, echo in enumerate(echoes):
-            if echo:
+            if echo and not scored_echo:
                 yield chunk({"index": i, "text": echo, "logprobs": None, "finish_reason": None})
+        echo_due = [bool(echo) and scored_echo for echo in echoes]
         async for i, event in merged_events(turns):
+            if echo_due[i] and isinstance(event, (TextDelta, TurnFinished)):
+                echo_due[i] = False
+                yield chunk({"index": i, "text": echoes[i], "finish_reason": None,
+                             "logprobs": self._echo_logprobs(req, event.output).model_dump()})
             if isinstance(event, TextDelta):
                 pending[i] += event.text
                 if event.output.turn_done or not pending[i]:

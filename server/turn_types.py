@@ -38,17 +38,20 @@ class Sampling:
     cache_salt: str | None = None  # the request's prefix-cache namespace (within its tenant's)
     priority: int = 0  # its place in the engine's queues: lower first
     thinking_token_budget: int | None = None  # thinking tokens before </think> is forced; None: no budget
+    prompt_logprobs: int | None = None  # top logprobs per prompt token; None: no prompt logprobs
 
     def defaulted(self, defaults: Mapping[str, Any]) -> Sampling:
         """These fields, with `defaults` (the server's, generation_defaults.py) where these are unset."""
         return replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
 
     @classmethod
-    def of(cls, req: SamplingKnobs, max_tokens: int | None, logprobs: int | None = None) -> Sampling:
+    def of(cls, req: SamplingKnobs, max_tokens: int | None, logprobs: int | None = None,
+           prompt_logprobs: int | None = None) -> Sampling:
         return cls(req.temperature, req.top_p, req.top_k, req.seed, max_tokens, req.min_tokens, req.stop,
                    req.ignore_eos, logprobs, req.presence_penalty, req.frequency_penalty, req.repetition_penalty,
                    req.min_p, req.logit_bias, req.stop_token_ids, req.include_stop_str_in_output, req.cache_salt,
-                   req.priority, None if req.thinking_token_budget == -1 else req.thinking_token_budget)
+                   req.priority, None if req.thinking_token_budget == -1 else req.thinking_token_budget,
+                   prompt_logprobs)
 
 
 @dataclass(frozen=True)

@@ -441,8 +441,13 @@ class Turns:
 
     def _claim(self, spec: TurnSpec, prompt_ids: list[int]) -> Paused | None:
         """The paused generation the turn continues, taken out of the store: its holder's, or found by the
-        conversation's call ids (chat) or by the tokens (a prompt strictly extending its tokens)."""
+        conversation's call ids (chat) or by the tokens (a prompt strictly extending its tokens). None for
+        a turn that asks for prompt logprobs: its whole prompt is computed, so it starts afresh."""
         store, holder = self.conversations, spec.holder
+        if spec.sampling.prompt_logprobs is not None:
+            if holder is not None:
+                store.release_paused(holder, f"{holder.kind.value} {holder.id} asked for prompt logprobs")
+            return None
         if spec.is_chat:
             entry = store.find_for_messages(spec.messages, holder, spec.owner)
         else:
@@ -498,7 +503,7 @@ class Turns:
                 presence_penalty=s.presence_penalty or 0.0, frequency_penalty=s.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if s.repetition_penalty is None else s.repetition_penalty,
                 min_p=s.min_p or 0.0, logit_bias=logit_bias, cache_salt=self.cache_salt(spec.owner, s.cache_salt),
-                priority=s.priority, thinking_token_budget=s.thinking_token_budget)
+                priority=s.priority, thinking_token_budget=s.thinking_token_budget, prompt_logprobs=s.prompt_logprobs)
         except ValueError as e:
             raise bad_request(str(e)) from None
 

@@ -228,3 +228,17 @@ def test_only_a_step_with_a_grammar_on_a_placeholder_samples_after_the_step_befo
     engine.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=4, guided=GuidedDecodingParams(regex=CITY)))
     drain(engine)
     assert order == ["sample", "read"] + ["read", "late sample"] * 3 + ["read"]
+
+
+def test_prompt_logprobs_are_the_synchronous_engines(async_llm, llm_fp32):
+    """A step that scores a prompt reads its logprobs before the next is planned: the same positions,
+    ranks and values as the synchronous engine, the prompt computed over several chunks."""
+    prompt = "Once upon a time, " * 8
+    params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2)
+    (sync,), (overlapped,) = llm_fp32.generate([prompt], [params]), async_llm.generate([prompt], [params])
+    assert overlapped.token_ids == sync.token_ids and len(sync.prompt_logprobs) > 32
+    assert overlapped.prompt_logprobs[0] is None is sync.prompt_logprobs[0]
+    assert [(s.token_id, s.rank, list(s.top_logprobs)) for s in overlapped.prompt_logprobs[1:]] == \
+        [(s.token_id, s.rank, list(s.top_logprobs)) for s in sync.prompt_logprobs[1:]]
+    assert [s.logprob for s in overlapped.prompt_logprobs[1:]] == \
+        pytest.approx([s.logprob for s in sync.prompt_logprobs[1:]], abs=1e-4)

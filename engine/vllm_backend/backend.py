@@ -95,6 +95,7 @@ class _Generation:
     cached: int = 0  # this turn's context tokens whose KV was reused
     turn: int = 0
     logprobs: list[SampledToken] = field(default_factory=list)
+    prompt_logprobs: list[SampledToken | None] | None = None  # the first turn's prompt's, if asked for
     paused: bool = False
     inbox: asyncio.Queue | None = None  # the worker's messages for the turn being streamed
     loop: asyncio.AbstractEventLoop | None = None
@@ -315,8 +316,9 @@ class VllmBackend(EngineBackend):
         params, intercept = params or gen.params, intercept or gen.intercept
         stage = TurnOutput(self.tokenizer, gen.context + list(appended), params, intercept,  # may raise
                            self.info.eos_token_ids, True)
-        # A session stays one, whatever the turn's rule; a stock turn is a request of its own.
-        fields = vllm_sampling_fields(params, gen.session, TurnRule.of(params, intercept))
+        # A session stays one, whatever the turn's rule; a stock turn is a request of its own. Prompt
+        # logprobs are the first turn's prompt's (as our engine reports them).
+        fields = vllm_sampling_fields(params, gen.session, TurnRule.of(params, intercept)) | {"prompt_logprobs": None}
         gen.params, gen.intercept, gen.stage = params, intercept, stage
         gen.turn += 1
         self._resumes_by_kv[resume_kv_place(*self._kv_tokens(gen))] += 1
@@ -421,6 +423,9 @@ class VllmBackend(EngineBackend):
                 break
         ended_here = verdict is not None and verdict.action is not Action.GO_ON
         vllm_ended = ended and taken == len(tokens)  # vLLM's turn ended at the token the stage ended it
+        if msg.get("prompt_logprobs") is not None and gen.turn == 0:
+            gen.prompt_logprobs = [None if entries is None else _prompt_scored(token, entries, gen.params.prompt_logprobs)
+                                   for token, entries in zip(gen.prompt, msg["prompt_logprobs"])]
         if msg["logprobs"] is not None and gen.params.logprobs is not None:
             gen.logprobs += [_sampled(t, lp, entries, gen.params.logprobs)
                              for t, (lp, entries) in zip(tokens[:taken], msg["logprobs"])]
@@ -457,7 +462,7 @@ class VllmBackend(EngineBackend):
     @staticmethod
     def _output(gen: _Generation, verdict: Verdict | None, reason: str | None, stop_reason) -> RequestOutput:
         return gen.stage.output(gen.request_id, gen.prompt, list(gen.output_ids), verdict or GO_ON, reason,
-                                stop_reason, list(gen.logprobs), gen.cached)
+                                stop_reason, list(gen.logprobs), gen.cached, gen.prompt_logprobs)
 
     def _forget(self, gen: _Generation) -> None:
         with self._lock:
@@ -583,3 +588,10 @@ def _sampled(token_id: int, logprob: float, entries: list, k: int) -> SampledTok
     """A token's logprobs as our engine reports them: its own and the top `k` by rank."""
     return SampledToken(token_id, logprob, {t: lp for t, lp, rank in entries if rank is not None and rank <= k}
                         if k else None)
+
+
+def _prompt_scored(token_id: int, entries: list, k: int) -> SampledToken:
+    """A prompt token's logprob and rank (its own entry) and the top `k` by rank."""
+    own = next(e for e in entries if e[0] == token_id)
+    return SampledToken(token_id, own[1], {t: lp for t, lp, rank in entries if rank is not None and rank <= k}
+                        if k else None, own[2])

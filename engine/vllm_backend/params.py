@@ -41,6 +41,8 @@ def vllm_sampling_fields(params: SamplingParams, resumable: bool, rule: TurnRule
         "stop_token_ids": list(params.stop_token_ids),
         "ignore_eos": params.ignore_eos,
         "logprobs": params.logprobs,
+        # (vLLM computes such a prompt whole too: its prefix cache is not read for it)
+        "prompt_logprobs": params.prompt_logprobs,
         "skip_special_tokens": params.skip_special_tokens,
         # Grammars (forced tool calls, response_format, regex and choice) as vLLM's structured outputs,
         # compiled by the same library as ours (llguidance: the worker runs vLLM with its `guidance`

@@ -16,7 +16,7 @@ of ours). Every message is a dict.
     {"op": "generate", "id", "prompt", "params",        {"op": "ready", "info"}            once, at start
      "resumable", "calls", "cache_salt"}                {"op": "refused", "error"}   or this: no start
     {"op": "resume", "id", "tokens", "params", "at",    {"op": "out", "id", "tokens", "logprobs",
-     "calls"}                                            "finish_reason", "stop_reason", "cached"
+     "calls"}                                            "prompt_logprobs", "finish_reason", "stop_reason", "cached"
     {"op": "pause", "id", "tool", "expected_s"}          [, "streamed_content" | "calls", "content"]}
     {"op": "end", "id"}        a paused request ends    {"op": "gone", "id", "error",      vLLM let it go
     {"op": "abort", "id"}                                "bad_input"}
@@ -428,7 +428,12 @@ class Worker:
             logprobs = [[lps[tid].logprob, [[t, lp.logprob, lp.rank] for t, lp in lps.items()]]
                         for tid, lps in zip(c.token_ids, c.logprobs)]
         stop = c.stop_reason
+        # With the first output only: per prompt token None or [id, logprob, rank] of every entry, the
+        # prompt token's first.
+        prompt_logprobs = None if out.prompt_logprobs is None else [
+            None if lps is None else [[t, lp.logprob, lp.rank] for t, lp in lps.items()] for lps in out.prompt_logprobs]
         return {"op": "out", "id": rid, "tokens": list(c.token_ids), "logprobs": logprobs,
+                "prompt_logprobs": prompt_logprobs,
                 "finish_reason": c.finish_reason, "stop_reason": stop if isinstance(stop, (int, str)) else None,
                 "cached": out.num_cached_tokens or 0}
 
