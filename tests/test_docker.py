@@ -368,8 +368,10 @@ def test_make_targets_build_the_images():
 # -- the operator guide ------------------------------------------------------------------------------------
 
 # Flags in docs/operators.md that belong to docker, compose or pytest, not to `infercept serve`.
-# docker's, and vLLM's own that the guide names where it compares (`vllm serve --chat-template`)
-NOT_SERVER_FLAGS = {"--build-arg", "--entrypoint", "--gpus", "--ipc", "--profile", "--rm", "--chat-template"}
+# docker's, vLLM's own that the guide names where it compares (`vllm serve --chat-template`), and
+# lm_eval's (its `--model` and `--model_args` read as `--model`, a server flag too)
+NOT_SERVER_FLAGS = {"--build-arg", "--entrypoint", "--gpus", "--ipc", "--profile", "--rm", "--chat-template",
+                    "--tasks"}
 
 
 def replicas_options() -> set[str]:

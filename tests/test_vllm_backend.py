@@ -163,6 +163,30 @@ def test_a_thinking_budget_ends_the_thinking_where_our_engine_does(backend, toke
 
 
 @needs_vllm
+def test_prompt_logprobs_are_our_engines_and_vllm_computes_the_prompt_whole(vllm, tokenizer, llm_fp32):
+    """`prompt_logprobs` reach vLLM, which reads no prefix cache for them either: each prompt token's
+    logprob, rank and top k are the native engine's, the second time too; and Completions' echo with
+    logprobs over the vLLM backend scores the prompt as over ours."""
+    backend, base, _ = vllm
+    prompt = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 6)
+    params = greedy(2, prompt_logprobs=2)
+    first, again = (asyncio.run(run_turn(backend.generate(prompt, params, f"scored-{i}"))) for i in range(2))
+    (native,) = llm_fp32.generate([prompt], [params])
+    assert again.num_cached_tokens == 0 and first.token_ids == native.token_ids
+    for out in (first, again):
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        assert [(s.token_id, s.rank, list(s.top_logprobs)) for s in out.prompt_logprobs[1:]] == \
+            [(s.token_id, s.rank, list(s.top_logprobs)) for s in native.prompt_logprobs[1:]]
+        assert [s.logprob for s in out.prompt_logprobs[1:]] == \
+            pytest.approx([s.logprob for s in native.prompt_logprobs[1:]], abs=1e-3)
+    body = {"model": "smol", "prompt": prompt, "max_tokens": 1, "logprobs": 1, "echo": True}
+    lp = httpx.post(base + "/v1/completions", json=body, timeout=60).json()["choices"][0]["logprobs"]
+    assert lp["token_logprobs"][0] is None and len(lp["tokens"]) == len(prompt) + 1
+    assert lp["token_logprobs"][1:len(prompt)] == pytest.approx([s.logprob for s in native.prompt_logprobs[1:]],
+                                                                abs=1e-3)
+
+
+@needs_vllm
 def test_a_cache_salt_reaches_vllms_prefix_cache(backend, tokenizer):
     """`SamplingParams.cache_salt` goes to vLLM as its prompt's `cache_salt`: the same prompt under another
     salt is computed again, under its own it reuses the blocks, and the tokens are the same."""

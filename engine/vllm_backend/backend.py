@@ -423,9 +423,10 @@ class VllmBackend(EngineBackend):
                 break
         ended_here = verdict is not None and verdict.action is not Action.GO_ON
         vllm_ended = ended and taken == len(tokens)  # vLLM's turn ended at the token the stage ended it
-        if msg.get("prompt_logprobs") is not None and gen.turn == 0:
-            gen.prompt_logprobs = [None if entries is None else _prompt_scored(token, entries, gen.params.prompt_logprobs)
-                                   for token, entries in zip(gen.prompt, msg["prompt_logprobs"])]
+        if msg.get("prompt_logprobs") and gen.turn == 0:  # (vLLM sends what it scored since, none after the prompt)
+            scored = gen.prompt_logprobs = gen.prompt_logprobs or []
+            scored += [None if entries is None else _prompt_scored(token, entries, gen.params.prompt_logprobs)
+                       for token, entries in zip(gen.prompt[len(scored):], msg["prompt_logprobs"])]
         if msg["logprobs"] is not None and gen.params.logprobs is not None:
             gen.logprobs += [_sampled(t, lp, entries, gen.params.logprobs)
                              for t, (lp, entries) in zip(tokens[:taken], msg["logprobs"])]
@@ -586,12 +587,17 @@ def _call_rule(stage: TurnOutput, intercept: InterceptParams | None) -> dict | N
 
 def _sampled(token_id: int, logprob: float, entries: list, k: int) -> SampledToken:
     """A token's logprobs as our engine reports them: its own and the top `k` by rank."""
-    return SampledToken(token_id, logprob, {t: lp for t, lp, rank in entries if rank is not None and rank <= k}
-                        if k else None)
+    return SampledToken(token_id, logprob, _top(entries, k))
 
 
 def _prompt_scored(token_id: int, entries: list, k: int) -> SampledToken:
     """A prompt token's logprob and rank (its own entry) and the top `k` by rank."""
     own = next(e for e in entries if e[0] == token_id)
-    return SampledToken(token_id, own[1], {t: lp for t, lp, rank in entries if rank is not None and rank <= k}
-                        if k else None, own[2])
+    return SampledToken(token_id, own[1], _top(entries, k), own[2])
+
+
+def _top(entries: list, k: int) -> dict[int, float] | None:
+    """The top `k` of vLLM's [id, logprob, rank] entries, in rank order (vLLM lists the token's own first)."""
+    if not k:
+        return None
+    return {t: lp for t, lp, rank in sorted(entries, key=lambda e: e[2] or 0) if rank is not None and rank <= k}
