@@ -306,7 +306,7 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=0)  # 0: with echo, the prompt alone (scored, with logprobs)
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool | None = False
     best_of: int | None = Field(default=None, ge=1)

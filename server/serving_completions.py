@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from fastapi.responses import Response
 from starlette.requests import Request
@@ -34,9 +35,14 @@ class CompletionServing(Frontend):
             raise bad_request("suffix is not supported", param="suffix")
         if req.best_of not in (None, 1):
             raise bad_request("best_of > 1 is not supported", param="best_of")
+        if req.max_tokens == 0 and (not req.echo or req.intercept is not None):
+            raise bad_request("max_tokens 0 generates nothing: it asks for the echoed prompt alone (echo true, "
+                              "no intercept)", param="max_tokens")
         prompts = self._prompts(req.prompt)
         response_id = new_id("cmpl-")
-        sampling = Sampling.of(req, req.max_tokens, req.logprobs, self._prompt_logprobs(req))
+        # The prompt alone is a turn of one token, left out of the answer (as vLLM does it).
+        sampling = Sampling.of(req, req.max_tokens if req.max_tokens != 0 else 1, req.logprobs,
+                               self._prompt_logprobs(req))
         n = req.n or 1
         # n samples of each prompt, in the order of their choice index: prompt p's are p*n ... p*n + n-1
         turns, release = await self.turns.open_batch([
@@ -130,11 +136,25 @@ class CompletionServing(Frontend):
         return echoed
 
     @staticmethod
-    def _usage(ends: list[TurnFinished], n: int) -> Usage:
+    def _shown(req: CompletionRequest, out: RequestOutput) -> RequestOutput:
+        """What a choice shows of an engine output: with max_tokens 0, the prompt alone (the token
+        generated for it left out)."""
+        if req.max_tokens != 0:
+            return out
+        earlier = None if out.logprobs is None else out.logprobs[:len(out.logprobs) - len(out.token_ids)]
+        return replace(out, token_ids=[], text="", logprobs=earlier, stop_reason=None)
+
+    @staticmethod
+    def _finish_reason(req: CompletionRequest, end: TurnFinished) -> str:
+        return "length" if req.max_tokens == 0 else end.result.finish_reason
+
+    @staticmethod
+    def _usage(req: CompletionRequest, ends: list[TurnFinished]) -> Usage:
         """Every choice's completion tokens; each prompt's tokens once, not once per sample (as OpenAI
         counts them): its n samples have the same prompt, so the sums over samples are n times that."""
+        n = req.n or 1
         n_prompt = sum(e.usage.prompt_tokens for e in ends) // n
-        n_out = sum(e.usage.completion_tokens for e in ends)
+        n_out = 0 if req.max_tokens == 0 else sum(e.usage.completion_tokens for e in ends)
         cached = sum(e.usage.cached_tokens for e in ends) // n  # (samples may differ here: their mean)
         return Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
@@ -157,12 +177,12 @@ class CompletionServing(Frontend):
             turn.keep()
         choices = []
         for i, (turn, end) in enumerate(zip(turns, ends)):
-            out = end.output
-            choice = CompletionChoice(index=i, text=echoes[i] + out.text, finish_reason=end.result.finish_reason,
+            out = self._shown(req, end.output)
+            choice = CompletionChoice(index=i, text=echoes[i] + out.text, finish_reason=self._finish_reason(req, end),
                                       stop_reason=self.stop_reason(out),
                                       logprobs=self._choice_logprobs(req, out, 0, len(out.token_ids), len(echoes[i])))
             choices.append(self._choice_extras(req, choice.model_dump(mode="json"), turn, out))
-        body = CompletionResponse(id=response_id, model=req.model, choices=[], usage=self._usage(ends, req.n or 1))
+        body = CompletionResponse(id=response_id, model=req.model, choices=[], usage=self._usage(req, ends))
         return body.model_dump(mode="json") | {"choices": choices}
 
     # -- streaming ---------------------------------------------------------------------------------
@@ -194,13 +214,14 @@ class CompletionServing(Frontend):
                 yield chunk({"index": i, "text": echoes[i], "finish_reason": None,
                              "logprobs": self._echo_logprobs(req, event.output).model_dump()})
             if isinstance(event, TextDelta):
-                pending[i] += event.text
+                if req.max_tokens != 0:  # (0: the prompt alone)
+                    pending[i] += event.text
                 if event.output.turn_done or not pending[i]:
                     continue
                 out, finish = event.output, None
             elif isinstance(event, TurnFinished):
                 ends.append(event)
-                out, finish = event.output, event.result.finish_reason
+                out, finish = self._shown(req, event.output), self._finish_reason(req, event)
             else:
                 continue
             lp = self._logprobs(req, out, sent_tokens[i], len(out.token_ids), len(echoes[i]) + sent_chars[i])
@@ -217,4 +238,4 @@ class CompletionServing(Frontend):
         if include_usage:
             yield {"data": json.dumps({"id": response_id, "object": "text_completion", "created": created,
                                        "model": req.model, "system_fingerprint": None, "choices": [],
-                                       "usage": self._usage(ends, req.n or 1).model_dump(mode="json")})}
+                                       "usage": self._usage(req, ends).model_dump(mode="json")})}

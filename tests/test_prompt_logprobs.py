@@ -4,6 +4,8 @@ top k, against transformers in fp32, across prefill chunks, with the prompt's bl
 prefix cache (it is computed whole all the same), and through the HTTP API."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 import torch
@@ -103,7 +105,6 @@ def test_completions_echo_with_logprobs_streams_the_scored_prompt_first(srv, ref
             "stream": True}
     with httpx.stream("POST", srv.url + "/completions", json=body, timeout=60) as r:
         chunks = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
-    import json
     first = json.loads(chunks[0])["choices"][0]
     assert first["text"] == PROMPT and len(first["logprobs"]["tokens"]) == len(ids)
     assert first["logprobs"]["token_logprobs"][0] is None
@@ -131,3 +132,24 @@ def test_chat_prompt_logprobs_are_vllms(srv, tokenizer, hf_model_fp32):
         assert own["rank"] == int((ref[i - 1] > ref[i - 1, ids[i]]).sum()) + 1
         top = ref[i - 1].topk(2).indices.tolist()
         assert all(entries[str(t)]["rank"] == r for r, t in enumerate(top, 1))
+
+
+def test_max_tokens_0_with_echo_scores_the_prompt_alone(srv, reference):
+    """The classic way to score a text (OpenAI's GPT-3 API, vLLM): echo, logprobs, max_tokens 0. Nothing
+    generated is shown or counted; without echo it is a 400."""
+    ids, ref = reference
+    client = srv.client()
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=0,
+                                    extra_body={"return_token_ids": True})
+    choice = out.choices[0]
+    assert choice.text == srv.engine.tokenizer.decode(ids) and choice.finish_reason == "length"
+    assert len(choice.logprobs.tokens) == len(ids) and choice.model_extra["token_ids"] == []
+    assert choice.logprobs.token_logprobs[-1] == pytest.approx(float(ref[-2, ids[-1]]), abs=1e-3)
+    assert out.usage.completion_tokens == 0 and out.usage.prompt_tokens == len(ids)
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 0, "stream": True}
+    with httpx.stream("POST", srv.url + "/completions", json=body, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert [c["choices"][0]["text"] for c in chunks] == [choice.text, ""]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and not chunks[-1]["choices"][0]["logprobs"]["tokens"]
+    r = httpx.post(srv.url + "/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 0}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
