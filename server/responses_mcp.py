@@ -45,7 +45,7 @@ from .chat import Call, Message, validate_tool_flow
 from .mcp_config import function_name
 from .protocol import APIError, bad_request, new_id, now
 from .responses_input import ResponseTurn, input_messages, request_fields, tool_spec
-from .protocol_responses import (OUTPUT_LOGPROBS, FunctionTool, FunctionToolChoice, McpApprovalRequestItem,
+from .protocol_responses import (FunctionTool, FunctionToolChoice, McpApprovalRequestItem,
                                  McpApprovalResponseItem, McpCallItem, McpListToolsItem, McpToolChoice, McpToolFilter,
                                  McpToolParam, OutputFunctionCall, OutputMcpApprovalRequest, OutputMcpCall,
                                  OutputMcpListTools, OutputMessage, OutputText, ResponsesRequest)
@@ -278,8 +278,6 @@ class ResponsesMcp:
 
     # -- serving -----------------------------------------------------------------------------------
     async def create(self, serving, req: ResponsesRequest, raw):
-        if req.logprobs() is not None:  # (its text may span several turns, each with its own tokens)
-            raise bad_request(f"{OUTPUT_LOGPROBS} is not available with mcp tools", param="include")
         owner = owner_of(raw)
         previous = None
         if req.previous_response_id is not None:
@@ -368,7 +366,7 @@ class ResponsesMcp:
                            mode=tool_mode(specs or None, later, parallel, servers.tools))
 
         runnable = {name: t for name, t in servers.tools.items() if not t.needs_approval}
-        out = Output(rt, servers, output)
+        out = Output(rt, servers, output, serving.token_logprobs)
         queue: asyncio.Queue = asyncio.Queue()
         streamed = req.stream or req.background  # (a background response's events are kept for its streams)
         emit = (lambda kind, data: queue.put_nowait(("event", data))) if streamed else (lambda *_: None)
@@ -420,10 +418,12 @@ class Output:
     """A response's output items, built as its turns run (the same for a stream and for JSON), and the
     stream events that show them: text as it is generated, each mcp_call as it runs."""
 
-    def __init__(self, rt, servers: RequestServers, output: list):
+    def __init__(self, rt, servers: RequestServers, output: list, token_logprobs: Callable):
         self.rt = rt
         self.servers = servers
         self.output = output  # the items so far
+        # Frontend.token_logprobs, for the text's tokens where the request includes their logprobs
+        self.token_logprobs = token_logprobs
         self.emit: Callable[[str, dict], None] = lambda *_: None  # ("event", event): a stream's
         self.text: OutputMessage | None = None  # the turn's message while its text streams
         self.calls: dict[str, int] = {}  # call id -> index of its mcp_call item
@@ -434,7 +434,8 @@ class Output:
     # -- what the loop reports -----------------------------------------------------------------------
     def on_loop_event(self, kind: str, data: dict) -> None:
         if kind == "delta":
-            self._text_delta(data["content"])
+            top = self.rt.request.logprobs()
+            self._text_delta(data["content"], [] if top is None else self.token_logprobs(*data["tokens"], top))
         elif kind == "tool_call":
             self._close_text("completed")
             if data["server"]:  # run now by the loop: its item opens, its result closes it
@@ -460,7 +461,8 @@ class Output:
         self._event("response.output_item.added", output_index=len(self.output) - 1, item=item.model_dump(mode="json"))
         return len(self.output) - 1
 
-    def _text_delta(self, text: str) -> None:
+    def _text_delta(self, text: str, logprobs: list) -> None:
+        """A turn's text as it is generated, with its tokens' logprobs (a message's text is one turn's)."""
         if self.text is None:
             self.text = OutputMessage(id=new_id("msg_"), status="in_progress", content=[])
             index = self._add(self.text)
@@ -469,8 +471,9 @@ class Output:
             self.text.content.append(OutputText(text=""))
         part = self.text.content[0]
         part.text += text
+        part.logprobs += logprobs
         self._event("response.output_text.delta", item_id=self.text.id, output_index=len(self.output) - 1,
-                    content_index=0, delta=text, logprobs=[])
+                    content_index=0, delta=text, logprobs=[lp.model_dump() for lp in logprobs])
 
     def _close_text(self, status: str) -> None:
         if self.text is None:
@@ -479,7 +482,8 @@ class Output:
         item.status = status
         index = self.output.index(item)
         fields = {"item_id": item.id, "output_index": index, "content_index": 0}
-        self._event("response.output_text.done", **fields, text=item.content[0].text, logprobs=[])
+        self._event("response.output_text.done", **fields, text=item.content[0].text,
+                    logprobs=[lp.model_dump() for lp in item.content[0].logprobs])
         self._event("response.content_part.done", **fields, part=item.content[0].model_dump())
         self._event("response.output_item.done", output_index=index, item=item.model_dump(mode="json"))
 

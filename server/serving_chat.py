@@ -160,7 +160,7 @@ class ChatServing(Frontend):
         if turn.spec.holder is not None:
             turn.spec.holder.messages = messages
 
-    def _logprobs(self, req: ChatCompletionRequest, out, start: int, end: int) -> ChoiceLogprobs | None:
+    def choice_logprobs(self, req: ChatCompletionRequest, out, start: int, end: int) -> ChoiceLogprobs | None:
         """Logprobs of this turn's tokens [start, end) (the engine keeps every turn's; ours are the tail)."""
         if not req.logprobs or out.logprobs is None or start >= end:
             return None
@@ -188,7 +188,7 @@ class ChatServing(Frontend):
         message = ChatMessage(content=result.content, tool_calls=tool_calls(result.calls),
                               reasoning_content=result.reasoning if req.include_reasoning else None)
         choice = ChatChoice(index=index, message=message,
-                            logprobs=self._logprobs(req, last, 0, len(last.token_ids)),
+                            logprobs=self.choice_logprobs(req, last, 0, len(last.token_ids)),
                             finish_reason=result.finish_reason, stop_reason=self._stop_reason(result, last),
                             token_ids=list(last.token_ids) if req.return_token_ids else None)
         body = choice.model_dump(mode="json")
@@ -232,7 +232,7 @@ class ChatServing(Frontend):
                     yield chunk(i, {"reasoning_content": event.text})
             elif isinstance(event, TextDelta):
                 out = event.output
-                lp = self._logprobs(req, out, sent_tokens[i], len(out.token_ids))
+                lp = self.choice_logprobs(req, out, sent_tokens[i], len(out.token_ids))
                 sent_tokens[i] = len(out.token_ids)
                 yield chunk(i, {"content": event.text}, logprobs=lp)
             elif isinstance(event, CallOpened | CallArguments):
@@ -243,7 +243,7 @@ class ChatServing(Frontend):
                 ends.append(event.usage)
                 yield chunk(i, {}, finish_reason=event.result.finish_reason,
                             stop_reason=self._stop_reason(event.result, last),
-                            logprobs=self._logprobs(req, last, sent_tokens[i], len(last.token_ids)),
+                            logprobs=self.choice_logprobs(req, last, sent_tokens[i], len(last.token_ids)),
                             token_ids=list(last.token_ids) if req.return_token_ids else None)
         if include_usage:
             yield {"data": ChatCompletionChunk(id=response_id, created=created, model=req.model, choices=[],

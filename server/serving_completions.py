@@ -117,8 +117,8 @@ class CompletionServing(Frontend):
             text = self.token_text(sampled.token_id)
             lp.tokens.append(text)
             lp.token_logprobs.append(max(sampled.logprob, -9999.0))
-            lp.top_logprobs.append({self.token_text(t): max(v, -9999.0) for t, v in (sampled.top_logprobs or {}).items()}
-                                   if req.logprobs else None)
+            top = (sampled.top_logprobs or {}).items()
+            lp.top_logprobs.append({self.token_text(t): max(v, -9999.0) for t, v in top} if req.logprobs else None)
             lp.text_offset.append(offset)
             offset += len(text)
         return lp

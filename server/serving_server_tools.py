@@ -33,6 +33,8 @@ class ChatServerTools:
         if req.tool_choice not in (None, "auto"):
             # a forced call every turn would call server tools round after round
             raise bad_request("server_tools need tool_choice auto", param="tool_choice")
+        if req.prompt_logprobs is not None:  # (each turn would be its own prompt, computed whole: none resumed)
+            raise bad_request("prompt_logprobs are not available with server_tools", param="prompt_logprobs")
         client_tools = list(req.tools or ())
         server_tools, definitions = resolve_server_tools(req.server_tools, self.tool_lookup, client_tools,
                                                          "server_tools")
@@ -60,14 +62,14 @@ class ChatServerTools:
         return await respond(raw, req.stream, lambda: self._stream(req, turn, loop, events),
                              lambda: self._full(req, turn, loop), once(cleanup), headers(turn), f"request {turn.id}")
 
-    @staticmethod
-    async def _full(req: ChatCompletionRequest, turn: Turn, work) -> dict:
+    async def _full(self, req: ChatCompletionRequest, turn: Turn, work) -> dict:
         outcome = await work
-        result = outcome.result
+        result, last = outcome.result, outcome.last
         response = ChatCompletionResponse(
             id=turn.id, model=req.model, usage=_usage(outcome), session_id=session_of(turn),
             choices=[ChatChoice(message=ChatMessage(content=result.content, tool_calls=tool_calls(result.calls),
                                                     reasoning_content=result.reasoning),
+                                logprobs=self.chat.choice_logprobs(req, last, 0, len(last.token_ids)),
                                 finish_reason=result.finish_reason)])
         choice = {"token_ids": True} | ({"message": {"reasoning_content"}} if result.reasoning is None else {})
         exclude = {"prompt_token_ids": True, "choices": {0: choice}} | (
@@ -78,16 +80,18 @@ class ChatServerTools:
         created = now()
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        def chunk(delta: dict, finish_reason: str | None = None) -> dict:
+        def chunk(delta: dict, finish_reason: str | None = None, logprobs=None) -> dict:
             c = ChatCompletionChunk(id=turn.id, created=created, model=req.model,
-                                    choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
+                                    choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason,
+                                                             logprobs=logprobs)])
             return {"data": c.model_dump_json(exclude={"usage": True, "choices": {0: {"token_ids"}}})}
 
         yield chunk({"role": "assistant", "content": "", "refusal": None})
         outcome: LoopOutcome | None = None
         async for kind, data in events_then_result(work, events):
-            if kind == "delta":
-                yield chunk({"content": data["content"]})
+            if kind == "delta":  # (with its tokens' logprobs, where asked for: those of the text it carries)
+                yield chunk({"content": data["content"]},
+                            logprobs=self.chat.choice_logprobs(req, *data["tokens"]))
             elif kind == "done":
                 outcome = data
         for i, call in enumerate(outcome.result.calls):

@@ -30,7 +30,7 @@ from .protocol_sessions import SessionCreateRequest, SessionMessageRequest
 from .serving_base import Frontend, respond
 from .tenants import owner_of
 from .serving_session_tokens import check_kind, converse, token_turn
-from .tool_loop import Emit, call_view, events_then_result, resolve_server_tools, serve_turns
+from .tool_loop import Emit, call_view, events_then_result, resolve_server_tools, serve_turns, wire
 from .tool_mode import tool_mode
 from .turns import Sampling, Turn, TurnSpec
 
@@ -206,4 +206,4 @@ class SessionServing(Frontend):
                    events: asyncio.Queue) -> AsyncIterator[dict]:
         """Events as the turns produce them, then `done` with the outcome."""
         async for kind, data in events_then_result(self._outcome(session, task), events):
-            yield {"event": kind, "data": json.dumps(data, ensure_ascii=False)}
+            yield {"event": kind, "data": json.dumps(wire(data), ensure_ascii=False)}

@@ -28,7 +28,14 @@ logger = logging.getLogger("infercept.server")
 
 MAX_SERVER_TOOL_ROUNDS = 8  # server-tool rounds per request before its calls go to the client anyway
 
-Emit = Callable[[str, dict], None]  # (event kind, payload): "delta", "tool_call", "tool_result"
+# (event kind, payload): "delta" (its `content`, and as `tokens` the engine output it came with and the
+# range of that output's tokens whose text it carries), "tool_call", "tool_result"
+Emit = Callable[[str, dict], None]
+
+
+def wire(data: dict) -> dict:
+    """An event's payload as a client's stream shows it: without the engine's `tokens`."""
+    return {k: v for k, v in data.items() if k != "tokens"}
 
 
 def resolve_server_tools(names: list[str] | None, lookup: Callable[[str], Any], client_tools: list[ToolParam],
@@ -124,9 +131,13 @@ async def serve_turns(turns: Turns, turn: Turn, server_tools: Mapping[str, Any],
 
 async def _serve_turn(turn: Turn, server_tools: Mapping[str, Any], emit: Emit) -> TurnFinished:
     """One turn to its end, its content emitted as `delta`s while it is generated, then its calls."""
+    shown = None  # the turn's tokens whose text the deltas so far carried (the first follow its thinking)
     async for event in turn.events():
         if isinstance(event, TextDelta):
-            emit("delta", {"content": event.text})
+            if shown is None:
+                shown = turn.usage(event.output).reasoning_tokens or 0
+            tokens, shown = (event.output, shown, len(event.output.token_ids)), len(event.output.token_ids)
+            emit("delta", {"content": event.text, "tokens": tokens})
         elif isinstance(event, CallDone):
             emit("tool_call", call_view(event.call, server_tools))
         elif isinstance(event, TurnFinished):

@@ -140,6 +140,45 @@ def test_an_mcp_call_runs_while_the_generation_waits_paused(mcp, http_mcp, trans
     assert [o.type for o in r3.output] == ["mcp_call", "message"], r3.output
 
 
+def test_the_answer_after_an_mcp_call_carries_its_tokens_logprobs(mcp):
+    """`include: ["message.output_text.logprobs"]` with MCP tools: the message after the call (the resumed
+    turn's text) carries each of its tokens' logprob and alternatives, greedy ones the likeliest; a
+    stream's deltas carry their own, its done event and the response all of them."""
+    ask = dict(input=QUESTION, tools=[calc_tool()], tool_choice=force("multiply"), max_tool_calls=1,
+               top_logprobs=2, include=["message.output_text.logprobs"], **GREEDY)
+    whole = mcp.client.responses.create(**ask)
+    assert [o.type for o in whole.output] == ["mcp_list_tools", "mcp_call", "message"]
+    (text,) = whole.output[2].content
+    assert text.logprobs and "".join(lp.token for lp in text.logprobs) == text.text
+    assert all(len(lp.top_logprobs) == 2 and lp.top_logprobs[0].token == lp.token
+               and lp.top_logprobs[0].logprob == pytest.approx(lp.logprob) for lp in text.logprobs)
+    mcp.app.state.conversations.release_all("ttl", "next")
+    events = list(mcp.client.responses.create(**ask, stream=True))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    final = events[-1].response.output[2].content[0]
+    assert [lp.token for d in deltas for lp in d.logprobs] == [lp.token for lp in done.logprobs] == \
+        [lp.token for lp in final.logprobs] == [lp.token for lp in text.logprobs]
+
+
+def test_chat_with_server_tools_carries_the_answers_logprobs(mcp):
+    """Chat Completions' `server_tools` on the real model: the answer's tokens' logprobs (the last
+    turn's), and in a stream each content delta's own; prompt_logprobs are a 400 there."""
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=24,
+               logprobs=True, top_logprobs=1, extra_body={"server_tools": ["mcp:calc/multiply"]})
+    whole = mcp.client.chat.completions.create(**ask)
+    content = whole.choices[0].logprobs.content
+    assert content and all(lp.top_logprobs[0].token == lp.token for lp in content)
+    mcp.app.state.conversations.release_all("ttl", "next")
+    chunks = list(mcp.client.chat.completions.create(**ask, stream=True))
+    streamed = [lp.token for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.content]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed and "".join(streamed) == text
+    with pytest.raises(openai.BadRequestError) as refused:
+        mcp.client.chat.completions.create(**{**ask, "extra_body": {**ask["extra_body"], "prompt_logprobs": 1}})
+    assert refused.value.body["param"] == "prompt_logprobs"
+
+
 def test_a_stream_shows_the_listing_the_call_and_the_answer_as_they_happen(mcp):
     events = list(mcp.client.responses.create(input=QUESTION, tools=[calc_tool()], tool_choice=force("multiply"),
                                               max_tool_calls=1, stream=True, **GREEDY))
