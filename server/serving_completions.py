@@ -211,8 +211,9 @@ class CompletionServing(Frontend):
         async for i, event in merged_events(turns):
             if echo_due[i] and isinstance(event, (TextDelta, TurnFinished)):
                 echo_due[i] = False
+                scored = event.output.prompt_logprobs is not None
                 yield chunk({"index": i, "text": echoes[i], "finish_reason": None,
-                             "logprobs": self._echo_logprobs(req, event.output).model_dump()})
+                             "logprobs": self._echo_logprobs(req, event.output).model_dump() if scored else None})
             if isinstance(event, TextDelta):
                 if req.max_tokens != 0:  # (0: the prompt alone)
                     pending[i] += event.text
