@@ -52,19 +52,26 @@ class Frontend:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def token_logprobs(self, out: RequestOutput, start: int, end: int, top: int) -> list[TokenLogprob]:
+    def token_label(self, token_id: int, as_id: bool) -> str:
+        """A token as logprobs name it: its text, or with vLLM's `return_tokens_as_token_ids` "token_id:<id>"
+        (which names exactly a token whose text alone is not valid UTF-8, or is another token's too)."""
+        return f"token_id:{token_id}" if as_id else self.token_text(token_id)
+
+    def token_logprobs(self, out: RequestOutput, start: int, end: int, top: int,
+                       as_ids: bool = False) -> list[TokenLogprob]:
         """Logprobs of the turn's output tokens [start, end), each with its `top` most likely alternatives
-        (the engine keeps every turn's of a resumed generation: this turn's are the tail)."""
+        (the engine keeps every turn's of a resumed generation: this turn's are the tail); `as_ids`: each
+        token named by its id (`token_label`)."""
         if out.logprobs is None:
             return []
         def alternative(token_id: int, logprob: float) -> TopLogprob:
-            text = self.token_text(token_id)
+            text = self.token_label(token_id, as_ids)
             return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
 
         offset = len(out.logprobs) - len(out.token_ids)
         entries = []
         for sampled in out.logprobs[offset + start:offset + end]:
-            text = self.token_text(sampled.token_id)
+            text = self.token_label(sampled.token_id, as_ids)
             alternatives = [alternative(t, lp) for t, lp in list((sampled.top_logprobs or {}).items())[:top]]
             entries.append(TokenLogprob(token=text, logprob=sampled.logprob if sampled.logprob is not None else 0.0,
                                         bytes=list(text.encode()), top_logprobs=alternatives))

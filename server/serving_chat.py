@@ -164,7 +164,8 @@ class ChatServing(Frontend):
         """Logprobs of this turn's tokens [start, end) (the engine keeps every turn's; ours are the tail)."""
         if not req.logprobs or out.logprobs is None or start >= end:
             return None
-        return ChoiceLogprobs(content=self.token_logprobs(out, start, end, req.top_logprobs or 0))
+        return ChoiceLogprobs(content=self.token_logprobs(out, start, end, req.top_logprobs or 0,
+                                                          req.return_tokens_as_token_ids))
 
     # -- non-streaming -----------------------------------------------------------------------------
     async def _full(self, req: ChatCompletionRequest, response_id: str, turns: list[Turn]) -> dict:

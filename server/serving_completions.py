@@ -104,8 +104,9 @@ class CompletionServing(Frontend):
 
     def _echo_logprobs(self, req: CompletionRequest, out: RequestOutput) -> CompletionLogprobs:
         """The echoed prompt's tokens with their logprobs, its first token's None (nothing precedes it)."""
-        lp = self._token_logprobs(req, out.prompt_logprobs[1:], len(self.token_text(out.prompt_token_ids[0])))
-        lp.tokens.insert(0, self.token_text(out.prompt_token_ids[0]))
+        first = out.prompt_token_ids[0]
+        lp = self._token_logprobs(req, out.prompt_logprobs[1:], len(self.token_text(first)))
+        lp.tokens.insert(0, self.token_label(first, req.return_tokens_as_token_ids))
         lp.token_logprobs.insert(0, None)
         lp.top_logprobs.insert(0, None)
         lp.text_offset.insert(0, 0)
@@ -113,14 +114,15 @@ class CompletionServing(Frontend):
 
     def _token_logprobs(self, req: CompletionRequest, scored: list, offset: int) -> CompletionLogprobs:
         lp = CompletionLogprobs()
+        as_ids = req.return_tokens_as_token_ids
         for sampled in scored:
-            text = self.token_text(sampled.token_id)
-            lp.tokens.append(text)
+            lp.tokens.append(self.token_label(sampled.token_id, as_ids))
             lp.token_logprobs.append(max(sampled.logprob, -9999.0))
             top = (sampled.top_logprobs or {}).items()
-            lp.top_logprobs.append({self.token_text(t): max(v, -9999.0) for t, v in top} if req.logprobs else None)
-            lp.text_offset.append(offset)
-            offset += len(text)
+            lp.top_logprobs.append({self.token_label(t, as_ids): max(v, -9999.0) for t, v in top}
+                                   if req.logprobs else None)
+            lp.text_offset.append(offset)  # (into the text, whatever names the tokens)
+            offset += len(self.token_text(sampled.token_id))
         return lp
 
     def _choice_logprobs(self, req: CompletionRequest, out: RequestOutput, start: int, end: int,

@@ -345,6 +345,28 @@ def test_completions_token_prompts_and_token_level_resume(srv):
     assert streamed == ids.choices[0].text[:len(streamed)] and streamed
 
 
+def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(srv):
+    """vLLM's `return_tokens_as_token_ids`: every token in logprobs, alternatives too, is "token_id:<id>",
+    the ids those of the output (what RL frameworks rebuild a rollout's tokens from); the text is the same."""
+    client = srv.client()
+    extra = {"return_tokens_as_token_ids": True, "return_token_ids": True}
+    chat = client.chat.completions.create(messages=QUESTION, max_tokens=6, logprobs=True, top_logprobs=2,
+                                          extra_body=extra, **greedy())
+    content = chat.choices[0].logprobs.content
+    assert [lp.token for lp in content] == [f"token_id:{t}" for t in chat.choices[0].model_extra["token_ids"]]
+    assert all(lp.top_logprobs[0].token == lp.token and lp.bytes == list(lp.token.encode()) for lp in content)
+    plain = client.chat.completions.create(messages=QUESTION, max_tokens=6, **greedy())
+    assert chat.choices[0].message.content == plain.choices[0].message.content
+    text = client.completions.create(prompt="The three primary colors are", max_tokens=4, logprobs=1,
+                                     echo=True, extra_body=extra, **greedy())
+    lp, choice = text.choices[0].logprobs, text.choices[0]
+    ids = choice.model_extra["prompt_token_ids"] + choice.model_extra["token_ids"]
+    assert lp.tokens == [f"token_id:{t}" for t in ids]
+    assert all(label.startswith("token_id:") for top in lp.top_logprobs[1:] for label in top)
+    tok = srv.engine.tokenizer
+    assert lp.text_offset[-1] == len(choice.text) - len(tok.decode(ids[-1:]))  # offsets into the text
+
+
 def test_stop_token_ids_and_include_stop_str_in_output(srv):
     """vLLM's fields: a stop token ends the output as EOS does (its id last in token_ids, its text left
     out), and `include_stop_str_in_output` keeps the stop token's text or the stop string."""
