@@ -58,4 +58,5 @@ def test_a_tool_calling_agent_calls_its_tool_and_the_next_step_reads_the_context
     assert any("Observation" in json.dumps(m["content"]) for m in second["messages"])
     usage = answers[1]["usage"]
     cached, prompt = usage["prompt_tokens_details"]["cached_tokens"], usage["prompt_tokens"]
+    print(f"second step: {cached}/{prompt} prompt tokens cached")
     assert cached >= MIN_CACHED_SHARE * prompt, (cached, prompt)
