@@ -184,6 +184,13 @@ def test_prompt_logprobs_are_our_engines_and_vllm_computes_the_prompt_whole(vllm
     assert lp["token_logprobs"][0] is None and len(lp["tokens"]) == len(prompt) + 1
     assert lp["token_logprobs"][1:len(prompt)] == pytest.approx([s.logprob for s in native.prompt_logprobs[1:]],
                                                                 abs=1e-3)
+    # A chat turn with tools is one of vLLM's streaming-input sessions (it may pause): scored all the same.
+    body = {"model": "smol", "messages": QUESTION, "tools": TOOLS, "max_tokens": 2, "prompt_logprobs": 0,
+            "return_token_ids": True}
+    chat = httpx.post(base + "/v1/chat/completions", json=body, timeout=60).json()
+    rendered, scored = chat["prompt_token_ids"], chat["prompt_logprobs"]
+    assert len(scored) == len(rendered) and scored[0] is None
+    assert [int(next(iter(entry))) for entry in scored[1:]] == rendered[1:]
 
 
 @needs_vllm
