@@ -262,8 +262,7 @@ class ModelRunner:
         banned = [self._banned(c) for c in to_sample]
         grammar = self.guided.allowed_tokens(to_sample, logits.shape[-1]) if self.guided is not None else None
         allowed = grammar
-        budgeted = [c for c in to_sample if c.sampling_params.thinking_token_budget is not None
-                    and self.thinking is not None]
+        budgeted = [c for c in to_sample if self._on_budget(c)]
         if budgeted:
             allowed = self.thinking.forced_tokens(to_sample, logits.shape[-1], grammar)
         histories = [self._history(c) for c in to_sample]
@@ -298,8 +297,11 @@ class ModelRunner:
         """Whether the chunk's sampling depends on the token before it on the host (`run`)."""
         if chunk.sampling_params.needs_history:
             return True
-        return (chunk.sampling_params.thinking_token_budget is not None and self.thinking is not None
-                and self.thinking.may_force(chunk))
+        return self._on_budget(chunk) and self.thinking.may_force(chunk)
+
+    def _on_budget(self, chunk) -> bool:
+        """The chunk's request thinks on a budget this runner can enforce (it has the tokenizer's markers)."""
+        return chunk.sampling_params.thinking_token_budget is not None and self.thinking is not None
 
     def _history(self, chunk) -> TokenHistory | None:
         """A penalized request's tokens for its penalties, the placeholder it was planned on (the step
