@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import cpu_kernels, prompt_logprobs
+from . import bad_words, cpu_kernels, prompt_logprobs
 from .attention import AttentionMetadata, PrefillSpan
 from .copy_stream import to_device
 from .cuda_graphs import DecodeGraphs, MixedGraphs
@@ -72,6 +72,10 @@ class ModelRunner:
         self.guided = GuidedDecoder(tokenizer, eos_token_ids) if tokenizer is not None else None
         # Thinking budgets force the end-of-thinking marker's tokens, which the tokenizer gives.
         self.thinking = ThinkingBudgets.of_tokenizer(tokenizer) if tokenizer is not None else None
+        self.tokenizer = tokenizer  # (bad words are tokenized here, as vLLM tokenizes them)
+        # Per request: its bad words' token sequences, and its allowed_token_ids as a mask on the device.
+        self._bad_words: dict[str, list[list[int]]] = {}
+        self._permitted: dict[str, torch.Tensor] = {}
         self.kv_cache = kv_cache
         self.device = device
         self.block_size = kv_cache.block_size
@@ -185,6 +189,8 @@ class ModelRunner:
         grammar, counts or budget take the token it read."""
         for request_id in output.finished_request_ids:
             self.generators.pop(request_id, None)
+            self._bad_words.pop(request_id, None)
+            self._permitted.pop(request_id, None)
             if self.guided is not None:
                 self.guided.free(request_id)
             if self.thinking is not None:
@@ -259,14 +265,16 @@ class ModelRunner:
         logits = self.model.compute_logits(picked)
         params = [c.sampling_params for c in to_sample]
         generators = [self._generator(c.request_id, c.sampling_params.seed) for c in to_sample]
-        banned = [self._banned(c) for c in to_sample]
+        histories = [self._history(c) for c in to_sample]
+        banned = [self._banned(c, h) for c, h in zip(to_sample, histories)]
+        permitted = [self._permitted_mask(c, logits.shape[-1]) for c in to_sample]
         grammar = self.guided.allowed_tokens(to_sample, logits.shape[-1]) if self.guided is not None else None
         allowed = grammar
         budgeted = [c for c in to_sample if self._on_budget(c)]
         if budgeted:
             allowed = self.thinking.forced_tokens(to_sample, logits.shape[-1], grammar)
-        histories = [self._history(c) for c in to_sample]
-        samples = sample_on_device(logits, params, generators, banned, allowed, histories)
+        samples = sample_on_device(logits, params, generators, banned, allowed, histories,
+                                   permitted if any(m is not None for m in permitted) else None)
         samples.to_host()
         self._device_span = (started, self._mark())
         constrained = [] if grammar is None else [to_sample[r] for r in grammar.rows]
@@ -390,8 +398,29 @@ class ModelRunner:
         end.synchronize()  # recorded after the sampled ids were queued to the host: already done, or nearly
         return start.elapsed_time(end) / 1e3
 
-    def _banned(self, chunk) -> list[int]:
+    def _banned(self, chunk, history: TokenHistory | None) -> list[int]:
+        """The tokens the chunk may not sample: the ends of the turn before min_tokens, and the last
+        token of a bad word the output so far (`history`, which such a chunk has) has begun."""
         params = chunk.sampling_params
-        if chunk.num_output_tokens >= params.min_tokens:
-            return []
-        return list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
+        banned = []
+        if chunk.num_output_tokens < params.min_tokens:
+            banned += list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
+        if params.bad_words:
+            if chunk.request_id not in self._bad_words:
+                if self.tokenizer is None:
+                    raise ValueError("bad_words need the model's tokenizer")
+                self._bad_words[chunk.request_id] = bad_words.word_token_ids(self.tokenizer, params.bad_words)
+            output = history.token_ids[len(history.token_ids) - history.num_output:]
+            banned += bad_words.forbidden_next(self._bad_words[chunk.request_id], output)
+        return banned
+
+    def _permitted_mask(self, chunk, vocab_size: int) -> torch.Tensor | None:
+        """The chunk's `allowed_token_ids` as a mask on the device (made once per request), or None."""
+        ids = chunk.sampling_params.allowed_token_ids
+        if ids is None:
+            return None
+        mask = self._permitted.get(chunk.request_id)
+        if mask is None:
+            mask = self._permitted[chunk.request_id] = torch.zeros(vocab_size, dtype=torch.bool, device=self.device)
+            mask[to_device(ids, self.device)] = True
+        return mask

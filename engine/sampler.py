@@ -1,9 +1,10 @@
 """Turn logits into next tokens: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs,
 grammar masks (engine/guided_decoding.py), logit biases and penalties.
 
-In vLLM's order (vllm/v1/sample/sampler.py): masks (banned tokens, grammars), logit bias, penalties
-(repetition, frequency, presence); then greedy rows take the argmax, random rows are divided by their
-temperature and go through min-p, then top-k/top-p, then the draw. Logprobs are those of the masked
+In vLLM's order (vllm/v1/sample/sampler.py): masks (banned tokens: min_tokens' and bad words'; allowed
+token ids; grammars), logit bias, penalties (repetition, frequency, presence); then greedy rows take the
+argmax, random rows are divided by their temperature and go through min-p, then top-k/top-p, then the
+draw. Logprobs are those of the masked
 logits, before bias and penalties (vLLM's default reports logits before everything). Each step is
 skipped unless some row asks for it, decided from the parameters on the host: a batch that asks for
 none of them costs nothing more and never waits on the device.
@@ -167,14 +168,19 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 
 def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
                      banned: list[list[int]], allowed: AllowedTokens | None = None,
-                     histories: Sequence[TokenHistory | None] | None = None) -> DeviceSamples:
+                     histories: Sequence[TokenHistory | None] | None = None,
+                     permitted: Sequence[torch.Tensor | None] | None = None) -> DeviceSamples:
     """logits: [B, V] fp32, one row per request to sample; banned: token ids forbidden per row;
-    allowed: grammar masks. Both act before everything else, so top-k/top-p, the random draw and
-    the logprobs all see only the tokens that may follow. histories: each row's tokens, needed (only)
-    for the rows whose parameters set a penalty. Nothing here waits for the device."""
+    permitted: per row, None or a [V] bool mask on the device of the only tokens it may sample
+    (`allowed_token_ids`); allowed: grammar masks. They act before everything else, so top-k/top-p, the
+    random draw and the logprobs all see only the tokens that may follow. histories: each row's tokens,
+    needed (only) for the rows whose parameters set a penalty. Nothing here waits for the device."""
     for row, ids in enumerate(banned):
         if ids:
             logits[row, to_device(ids, logits.device)] = float("-inf")
+    for row, mask in enumerate(permitted or ()):
+        if mask is not None:
+            logits[row].masked_fill_(~mask, float("-inf"))
     if allowed is not None:
         rows = to_device(allowed.rows, logits.device)
         logits[rows] = logits[rows].masked_fill(~to_device(allowed.mask, logits.device), float("-inf"))

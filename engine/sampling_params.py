@@ -100,6 +100,11 @@ class SamplingParams:
     # A thinking model's turn thinks at most this many tokens, then the end-of-thinking marker is forced
     # (engine/thinking_budget.py; vLLM's `thinking_token_budget`); None: as long as it likes.
     thinking_token_budget: int | None = None
+    # vLLM's: sample only among these token ids (None: all), and never write one of these words (each as
+    # it tokenizes at the start of a text and after a space, as vLLM tokenizes it: a word's last token
+    # is forbidden where the turn's output so far ends with the tokens before it; engine/bad_words.py).
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -133,6 +138,12 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if self.guided is not None and self.holds_back_the_end:
             raise ValueError(GRAMMAR_ENDS_THE_OUTPUT)
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must name at least one token")
+        if self.allowed_token_ids is not None and self.guided is not None:
+            raise ValueError("allowed_token_ids do not combine with a grammar (the grammar decides the tokens)")
+        if any(not w.strip() for w in self.bad_words):
+            raise ValueError("bad_words must be non-empty words")
 
     @property
     def holds_back_the_end(self) -> bool:
@@ -153,8 +164,8 @@ class SamplingParams:
     @property
     def needs_history(self) -> bool:
         """The next token's sampling depends on the tokens before it, on the host: a grammar's mask (its
-        matcher has taken them) or the penalties' counts."""
-        return self.guided is not None or self.penalized
+        matcher has taken them), the penalties' counts or the bad words' prefixes."""
+        return self.guided is not None or self.penalized or bool(self.bad_words)
 
 
 def _checked_logit_bias(bias: dict | None) -> dict[int, float] | None:

@@ -748,10 +748,12 @@ class Scheduler:
 
     @staticmethod
     def _needs_context(request: Request) -> bool:
-        """Whether the runner reads the request's tokens where it samples: its penalties count them each
-        time; a thinking budget reads, at a turn's first token, whether the context left it thinking."""
+        """Whether the runner reads the request's tokens where it samples: its penalties count them and its
+        bad words match their ends each time; a thinking budget reads, at a turn's first token, whether the
+        context left it thinking."""
         params = request.sampling_params
-        return params.penalized or (params.thinking_token_budget is not None and request.num_output_tokens == 0)
+        return (params.penalized or bool(params.bad_words)
+                or (params.thinking_token_budget is not None and request.num_output_tokens == 0))
 
     # -- update -----------------------------------------------------------------------------------
     def update(self, output: SchedulerOutput, runner_output: RunnerOutput) -> list[Request]:

@@ -4,10 +4,10 @@ Requests are validated strictly where OpenAI is strict (`extra="forbid"`: an unk
 a 400, as OpenAI answers "Unrecognized request argument supplied"), with vLLM's extras (the sampling
 ones in `SamplingKnobs`, which Responses requests take too: `ignore_eos`, `min_tokens`, `top_k`, `min_p`,
 `repetition_penalty`, `stop_token_ids`, `include_stop_str_in_output`, `cache_salt`, `priority`,
-`thinking_token_budget`; then `return_token_ids`, `prompt_logprobs`, `return_tokens_as_token_ids`,
-`structured_outputs` regex / choice and their older spellings `guided_regex` / `guided_choice`, and on
-chat completions `chat_template_kwargs`, `add_generation_prompt` and `continue_final_message`) and ours
-(`session_id`, `intercept`). Messages are lenient (`extra="ignore"`) because SDKs echo response messages
+`thinking_token_budget`, `allowed_token_ids`, `bad_words`; then `return_token_ids`, `prompt_logprobs`,
+`return_tokens_as_token_ids`, `structured_outputs` regex / choice and their older spellings
+`guided_regex` / `guided_choice`, and on chat completions `chat_template_kwargs`, `add_generation_prompt`
+and `continue_final_message`) and ours (`session_id`, `intercept`). Messages are lenient (`extra="ignore"`) because SDKs echo response messages
 back with fields such as `refusal` and `annotations`. Responses keep OpenAI's keys, nulls included; a
 stream delta is a plain dict because OpenAI sends only the keys that changed.
 """
@@ -146,6 +146,8 @@ class SamplingKnobs(OptionalSampling):
     # vLLM's: a thinking model (--reasoning-parser) thinks at most this many tokens, then </think> is
     # forced; -1 or null: no budget
     thinking_token_budget: int | None = Field(default=None, ge=-1)
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1)  # sample only among these
+    bad_words: list[str] | None = None  # words the output never contains (as vLLM tokenizes them)
 
 
 class SamplingFields(SamplingKnobs):

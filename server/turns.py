@@ -486,8 +486,9 @@ class Turns:
         max_tokens = room if s.max_tokens is None else min(s.max_tokens, room)
         stop = [s.stop] if isinstance(s.stop, str) else list(s.stop or [])
         logit_bias = self.logit_bias(s.logit_bias)
-        if any(not 0 <= t < self.vocab_size for t in s.stop_token_ids or ()):
-            raise bad_request(f"stop_token_ids must be token ids in [0, {self.vocab_size})", param="stop_token_ids")
+        for param, token_ids in (("stop_token_ids", s.stop_token_ids), ("allowed_token_ids", s.allowed_token_ids)):
+            if any(not 0 <= t < self.vocab_size for t in token_ids or ()):
+                raise bad_request(f"{param} must be token ids in [0, {self.vocab_size})", param=param)
         if s.thinking_token_budget is not None and self.reasoning is None:
             raise bad_request("thinking_token_budget is for a thinking model: the server reads its thinking with "
                               "--reasoning-parser, which it was not started with", param="thinking_token_budget")
@@ -503,7 +504,9 @@ class Turns:
                 presence_penalty=s.presence_penalty or 0.0, frequency_penalty=s.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if s.repetition_penalty is None else s.repetition_penalty,
                 min_p=s.min_p or 0.0, logit_bias=logit_bias, cache_salt=self.cache_salt(spec.owner, s.cache_salt),
-                priority=s.priority, thinking_token_budget=s.thinking_token_budget, prompt_logprobs=s.prompt_logprobs)
+                priority=s.priority, thinking_token_budget=s.thinking_token_budget, prompt_logprobs=s.prompt_logprobs,
+                allowed_token_ids=None if s.allowed_token_ids is None else list(s.allowed_token_ids),
+                bad_words=list(s.bad_words))
         except ValueError as e:
             raise bad_request(str(e)) from None
 

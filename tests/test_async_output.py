@@ -242,3 +242,14 @@ def test_prompt_logprobs_are_the_synchronous_engines(async_llm, llm_fp32):
         [(s.token_id, s.rank, list(s.top_logprobs)) for s in sync.prompt_logprobs[1:]]
     assert [s.logprob for s in overlapped.prompt_logprobs[1:]] == \
         pytest.approx([s.logprob for s in sync.prompt_logprobs[1:]], abs=1e-4)
+
+
+def test_bad_words_and_allowed_token_ids_are_the_synchronous_engines(async_llm, llm_fp32):
+    """A bad word's prefix is read from the step before's sample (late sampling under asynchronous
+    scheduling, as penalties are): the same tokens as the synchronous engine."""
+    prompt = "The capital of France is"
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, bad_words=["answer is", "Paris"]),
+              SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, allowed_token_ids=[30, 198, 504, 7042])]
+    sync, overlapped = llm_fp32.generate([prompt] * 2, params), async_llm.generate([prompt] * 2, params)
+    assert [o.token_ids for o in overlapped] == [o.token_ids for o in sync]
+    assert set(sync[1].token_ids) <= {30, 198, 504, 7042} and "Paris" not in sync[0].text

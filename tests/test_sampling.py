@@ -191,6 +191,56 @@ def test_logprobs_of_sampled_tokens_and_k0(llm_fp32, engine, tokenizer, hf_model
     assert llm_fp32.generate(ids, greedy(max_tokens=2))[0].logprobs is None
 
 
+# -- allowed token ids and bad words (vLLM's) ----------------------------------------------------------------
+
+def hf_greedy_masked(hf_model, ids: list[int], n: int, forbid) -> list[int]:
+    """Transformers' greedy continuation with `forbid(output so far)` (token ids) masked at each step."""
+    out: list[int] = []
+    for _ in range(n):
+        logits = hf_last_logits(hf_model, ids + out)
+        logits[list(forbid(out))] = float("-inf")
+        out.append(int(logits.argmax()))
+    return out
+
+
+def test_allowed_token_ids_restrict_every_token_as_transformers_would(llm_fp32, engine, tokenizer, hf_model_fp32):
+    ids = tokenizer.encode(PROMPT)
+    # The second to sixth likeliest first tokens: the likeliest is not among them, so the output differs.
+    allowed = hf_last_logits(hf_model_fp32, ids).topk(6).indices.tolist()[1:]
+    out = llm_fp32.generate(ids, greedy(max_tokens=6, ignore_eos=True, allowed_token_ids=allowed))[0]
+    others = sorted(set(range(tokenizer.vocab_size)) - set(allowed))
+    assert out.token_ids == hf_greedy_masked(hf_model_fp32, ids, 6, lambda _: others)
+    assert set(out.token_ids) <= set(allowed)
+
+
+def test_bad_words_are_never_written_as_transformers_would_avoid_them(llm_fp32, engine, tokenizer, hf_model_fp32):
+    """A one-token word is never sampled, bare or after a space; a two-token word's second token is
+    forbidden right after its first (vLLM's rule: the output so far, not the prompt)."""
+    ids = tokenizer.encode(PROMPT)
+    plain = llm_fp32.generate(ids, greedy(max_tokens=12, ignore_eos=True))[0]
+    word = tokenizer.decode(plain.token_ids[:1]).strip()  # the answer's first word
+    pair = ["answer", "is"]  # the plain answer goes on "The answer is"
+    assert word and " answer is" in plain.text
+    one = [tokenizer.encode(w, add_special_tokens=False) for w in (word, " " + word)]
+    two = [tokenizer.encode(w, add_special_tokens=False) for w in ("answer is", " answer is")]
+    assert all(len(t) == 1 for t in one) and all(len(t) == 2 for t in two)
+
+    out = llm_fp32.generate(ids, greedy(max_tokens=12, ignore_eos=True, bad_words=[word]))[0]
+    assert out.token_ids == hf_greedy_masked(hf_model_fp32, ids, 12, lambda _: [t[0] for t in one])
+    assert word not in out.text
+    out = llm_fp32.generate(ids, greedy(max_tokens=12, ignore_eos=True, bad_words=[" ".join(pair)]))[0]
+    assert out.token_ids == hf_greedy_masked(hf_model_fp32, ids, 12,
+                                             lambda out: [t[1] for t in two if out and out[-1] == t[0]])
+    cut = plain.text.index(" answer is") + len(" answer")
+    assert out.text[:cut] == plain.text[:cut] and " answer is" not in out.text
+
+
+def test_bad_allowed_token_ids_and_bad_words_are_refused():
+    for kw in ({"allowed_token_ids": []}, {"bad_words": [" "]}):
+        with pytest.raises(ValueError):
+            SamplingParams(**kw)
+
+
 # -- request lifecycle ------------------------------------------------------------------------------------
 
 def test_abort_running_request_frees_its_blocks(llm_fp32, engine):

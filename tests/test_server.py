@@ -367,6 +367,28 @@ def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(srv):
     assert lp.text_offset[-1] == len(choice.text) - len(tok.decode(ids[-1:]))  # offsets into the text
 
 
+def test_allowed_token_ids_and_bad_words_reach_the_sampler(srv):
+    """vLLM's `allowed_token_ids` and `bad_words` on chat completions, completions and Responses: the
+    output keeps to the allowed ids and never writes the bad word; an id outside the vocabulary is a 400."""
+    client, tok = srv.client(), srv.engine.tokenizer
+    plain = client.completions.create(prompt="The capital of France is", max_tokens=8, **greedy())
+    word = plain.choices[0].text.split()[0].strip(".,")  # the answer's first word
+    avoided = client.completions.create(prompt="The capital of France is", max_tokens=8,
+                                        extra_body={"bad_words": [word]}, **greedy())
+    assert word in plain.choices[0].text and word not in avoided.choices[0].text
+    allowed = sorted(set(tok.encode(" yes no maybe", add_special_tokens=False)))
+    chat = client.chat.completions.create(messages=QUESTION, max_tokens=4, extra_body={
+        "allowed_token_ids": allowed, "return_token_ids": True}, **greedy())
+    assert set(chat.choices[0].model_extra["token_ids"]) <= set(allowed)
+    response = client.responses.create(model=MODEL, input="Is Paris in France?", max_output_tokens=4, temperature=0,
+                                       extra_body={"allowed_token_ids": allowed})
+    assert set(tok.encode(response.output_text, add_special_tokens=False)) <= set(allowed)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(messages=QUESTION, max_tokens=4, extra_body={"allowed_token_ids": [10 ** 9]},
+                                       **greedy())
+    assert refused.value.body["param"] == "allowed_token_ids"
+
+
 def test_stop_token_ids_and_include_stop_str_in_output(srv):
     """vLLM's fields: a stop token ends the output as EOS does (its id last in token_ids, its text left
     out), and `include_stop_str_in_output` keeps the stop token's text or the stop string."""

@@ -194,6 +194,20 @@ def test_prompt_logprobs_are_our_engines_and_vllm_computes_the_prompt_whole(vllm
 
 
 @needs_vllm
+def test_allowed_token_ids_and_bad_words_are_vllms_own_and_give_our_engines_tokens(backend, tokenizer, llm_fp32):
+    """`allowed_token_ids` and `bad_words` go to vLLM's own SamplingParams, whose definitions the native
+    engine follows (engine/bad_words.py): the same tokens on both backends, a one-token and a two-token
+    bad word among them."""
+    prompt = tokenizer.encode("The capital of France is")
+    params = [greedy(12, ignore_eos=True, bad_words=["Paris"]), greedy(12, ignore_eos=True, bad_words=["answer is"]),
+              greedy(6, ignore_eos=True, allowed_token_ids=[30, 198, 504, 7042])]
+    native = llm_fp32.generate([prompt] * len(params), params)
+    for i, (p, expected) in enumerate(zip(params, native)):
+        out = asyncio.run(run_turn(backend.generate(prompt, p, f"masked-{i}")))
+        assert out.token_ids == expected.token_ids, (p, out.text, expected.text)
+
+
+@needs_vllm
 def test_a_cache_salt_reaches_vllms_prefix_cache(backend, tokenizer):
     """`SamplingParams.cache_salt` goes to vLLM as its prompt's `cache_salt`: the same prompt under another
     salt is computed again, under its own it reuses the blocks, and the tokens are the same."""

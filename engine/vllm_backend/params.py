@@ -43,6 +43,9 @@ def vllm_sampling_fields(params: SamplingParams, resumable: bool, rule: TurnRule
         "logprobs": params.logprobs,
         # (vLLM computes such a prompt whole too: its prefix cache is not read for it)
         "prompt_logprobs": params.prompt_logprobs,
+        # vLLM's own: the same definitions (engine/bad_words.py tokenizes the words as vLLM does)
+        "allowed_token_ids": None if params.allowed_token_ids is None else list(params.allowed_token_ids),
+        "bad_words": list(params.bad_words) or None,
         "skip_special_tokens": params.skip_special_tokens,
         # Grammars (forced tool calls, response_format, regex and choice) as vLLM's structured outputs,
         # compiled by the same library as ours (llguidance: the worker runs vLLM with its `guidance`
