@@ -387,6 +387,9 @@ def test_allowed_token_ids_and_bad_words_reach_the_sampler(srv):
         client.chat.completions.create(messages=QUESTION, max_tokens=4, extra_body={"allowed_token_ids": [10 ** 9]},
                                        **greedy())
     assert refused.value.body["param"] == "allowed_token_ids"
+    with pytest.raises(openai.BadRequestError, match="grammar"):  # a forced call: the grammar decides
+        client.chat.completions.create(messages=QUESTION, max_tokens=4, tools=TOOLS, tool_choice="required",
+                                       extra_body={"allowed_token_ids": allowed}, **greedy())
 
 
 def test_stop_token_ids_and_include_stop_str_in_output(srv):
