@@ -7,9 +7,10 @@ ones in `SamplingKnobs`, which Responses requests take too: `ignore_eos`, `min_t
 `thinking_token_budget`, `allowed_token_ids`, `bad_words`; then `return_token_ids`, `prompt_logprobs`,
 `return_tokens_as_token_ids`, `structured_outputs` regex / choice and their older spellings
 `guided_regex` / `guided_choice`, and on chat completions `chat_template_kwargs`, `add_generation_prompt`
-and `continue_final_message`) and ours (`session_id`, `intercept`). Messages are lenient (`extra="ignore"`) because SDKs echo response messages
-back with fields such as `refusal` and `annotations`. Responses keep OpenAI's keys, nulls included; a
-stream delta is a plain dict because OpenAI sends only the keys that changed.
+and `continue_final_message`) and ours (`session_id`, `intercept`). Messages are lenient
+(`extra="ignore"`) because SDKs echo response messages back with fields such as `refusal` and
+`annotations`. Responses keep OpenAI's keys, nulls included; a stream delta is a plain dict because
+OpenAI sends only the keys that changed.
 """
 from __future__ import annotations
 
