@@ -4,7 +4,7 @@ Requests are validated strictly where OpenAI is strict (`extra="forbid"`: an unk
 a 400, as OpenAI answers "Unrecognized request argument supplied"), with vLLM's extras (the sampling
 ones in `SamplingKnobs`, which Responses requests take too: `ignore_eos`, `min_tokens`, `top_k`, `min_p`,
 `repetition_penalty`, `stop_token_ids`, `include_stop_str_in_output`, `cache_salt`, `priority`,
-`thinking_token_budget`, `allowed_token_ids`, `bad_words`; then `return_token_ids`, `prompt_logprobs`,
+`thinking_token_budget`, `allowed_token_ids`, `bad_words`, `skip_special_tokens`; then `return_token_ids`, `prompt_logprobs`,
 `return_tokens_as_token_ids`, `structured_outputs` regex / choice and their older spellings
 `guided_regex` / `guided_choice`, and on chat completions `chat_template_kwargs`, `add_generation_prompt`
 and `continue_final_message`) and ours (`session_id`, `intercept`). Messages are lenient
@@ -149,6 +149,7 @@ class SamplingKnobs(OptionalSampling):
     thinking_token_budget: int | None = Field(default=None, ge=-1)
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1)  # sample only among these
     bad_words: list[str] | None = None  # words the output never contains (as vLLM tokenizes them)
+    skip_special_tokens: bool = True  # false: the text keeps the special tokens the model writes
 
 
 class SamplingFields(SamplingKnobs):

@@ -45,8 +45,8 @@ Each replica runs `infercept serve` through this module (`replica` below), which
 in front of the server's app and changes nothing else: ForwardToHolder (above), and DropRouterDefaults,
 which removes the SGLang sampling fields the router adds to every chat and completion body it forwards or
 renders (`no_stop_trim: false`, `skip_special_tokens: true`, ...; the server refuses unknown fields with
-a 400) when they hold exactly the router's defaults; any other value still reaches the server and is
-refused there.
+a 400) when they hold exactly the router's defaults; any other value still reaches the server, which
+takes the fields it knows (`skip_special_tokens`, vLLM's too) and refuses the others.
 """
 from __future__ import annotations
 

@@ -41,6 +41,7 @@ class Sampling:
     prompt_logprobs: int | None = None  # top logprobs per prompt token; None: no prompt logprobs
     allowed_token_ids: Sequence[int] | None = None  # the only tokens it may sample; None: any
     bad_words: Sequence[str] = ()  # words its output never contains
+    skip_special_tokens: bool = True  # False: its text keeps the special tokens it writes
 
     def defaulted(self, defaults: Mapping[str, Any]) -> Sampling:
         """These fields, with `defaults` (the server's, generation_defaults.py) where these are unset."""
@@ -53,7 +54,7 @@ class Sampling:
                    req.ignore_eos, logprobs, req.presence_penalty, req.frequency_penalty, req.repetition_penalty,
                    req.min_p, req.logit_bias, req.stop_token_ids, req.include_stop_str_in_output, req.cache_salt,
                    req.priority, None if req.thinking_token_budget == -1 else req.thinking_token_budget,
-                   prompt_logprobs, req.allowed_token_ids, tuple(req.bad_words or ()))
+                   prompt_logprobs, req.allowed_token_ids, tuple(req.bad_words or ()), req.skip_special_tokens)
 
 
 @dataclass(frozen=True)

@@ -366,13 +366,15 @@ class Turns:
             prompt_ids = self.render_prompt(spec)
             intercept = None if spec.intercept is None else InterceptParams(
                 pause_on_stop=True, expected_s=spec.intercept.expected_s, kind=spec.intercept.kind)
-            params = self.sampling_params(spec, len(prompt_ids))
+            params = self.sampling_params(spec, len(prompt_ids), spec.sampling.skip_special_tokens)
             if spec.constraint is not None:
                 params = constrained(params, spec.constraint.guided, spec.constraint.param)
             return _Prepared(spec, spec.request_id or new_id(spec.id_prefix), prompt_ids, params, intercept)
         prompt_ids, prefill = self._render(spec)
         mode, fmt = spec.mode, self.format
-        params = self.sampling_params(spec, len(prompt_ids), skip_special_tokens=not (mode.parse and fmt.keeps_special_tokens))
+        # (a tool format whose calls are written in special tokens keeps them, for its parser to read)
+        skip_special_tokens = spec.sampling.skip_special_tokens and not (mode.parse and fmt.keeps_special_tokens)
+        params = self.sampling_params(spec, len(prompt_ids), skip_special_tokens)
         params = with_grammar(fmt, params, mode, spec.answer_schema, self.guided_decoding, self.reasoning is not None,
                               spec.answer_param, spec.constraint)
         # A forced turn (opened by its call's prefill, or written by the grammar of vLLM's parser) starts

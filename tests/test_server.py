@@ -392,6 +392,21 @@ def test_allowed_token_ids_and_bad_words_reach_the_sampler(srv):
                                        extra_body={"allowed_token_ids": allowed}, **greedy())
 
 
+def test_skip_special_tokens_false_keeps_the_special_tokens_in_the_text(srv):
+    """vLLM's `skip_special_tokens`: a special token the model writes (here one forced by logit_bias) is
+    left out of the text by default and kept with false."""
+    client, tok = srv.client(), srv.engine.tokenizer
+    special = tok.convert_ids_to_tokens(1)
+    assert special in tok.all_special_tokens
+    ask = dict(messages=QUESTION, max_tokens=2, logit_bias={"1": 100}, **greedy())
+    kept = client.chat.completions.create(**ask, extra_body={"skip_special_tokens": False, "return_token_ids": True})
+    assert kept.choices[0].model_extra["token_ids"] == [1, 1] and kept.choices[0].message.content == special * 2
+    assert not client.chat.completions.create(**ask).choices[0].message.content
+    text = client.completions.create(prompt="Hi", max_tokens=2, logit_bias={"1": 100},
+                                     extra_body={"skip_special_tokens": False}, **greedy())
+    assert text.choices[0].text == special * 2
+
+
 def test_stop_token_ids_and_include_stop_str_in_output(srv):
     """vLLM's fields: a stop token ends the output as EOS does (its id last in token_ids, its text left
     out), and `include_stop_str_in_output` keeps the stop token's text or the stop string."""
