@@ -388,8 +388,10 @@ def prepare_positive(case, http: httpx.Client, n: int) -> None:
     """Steer schemathesis' valid data to where the server does work. Bodies name the served model (a
     random name is only ever 404) and generate at most 4 tokens (an unset or huge max_tokens, 325.0 as well as
     10**11, means "up to the context limit", seconds per example on a CPU). Chat
-    messages, which the schema lets be any objects, are a real conversation every other example. Every
-    other example of an operation on a session or a stored response names a real one, made for it, and
+    messages, which the schema lets be any objects, are a real conversation every other example, as a
+    completions prompt is a few real token ids. Every
+    other example drops `allowed_token_ids` and `bad_words`, which random ids and words seldom satisfy.
+    Every other example of an operation on a session or a stored response names a real one, made for it, and
     one on a model the served model (and every fourth message posted to a session is a user message,
     which it accepts; every other /tokenize body is a conversation alone)."""
     body = case.body if isinstance(case.body, dict) else None
@@ -400,9 +402,17 @@ def prepare_positive(case, http: httpx.Client, n: int) -> None:
         value = body.get(field)
         if field and (value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 4)):
             body[field] = 4
+        if field and value == 0 and not body.get("echo"):  # (completions' 0 asks for the echoed prompt alone)
+            body[field] = 1
+        if n % 2:  # ids and words random data rarely makes valid (ids in the vocabulary, words not blank)
+            body.pop("allowed_token_ids", None)
+            body.pop("bad_words", None)
         if case.path in ("/v1/chat/completions", "/v1/chat/completions/render", "/v1/messages",
                          "/v1/messages/count_tokens") and n % 2:
             body["messages"] = QUESTION  # a user message in both APIs' shapes
+        if case.path == "/v1/completions" and n % 2:  # a prompt of real token ids, without the refused suffix
+            body["prompt"] = [1, 2, 3]
+            body.pop("suffix", None)
         if case.path == "/tokenize" and n % 2:  # a conversation, without the fields refused beside one
             for key in ("prompt", "continue_final_message", "add_special_tokens", "chat_template"):
                 body.pop(key, None)
