@@ -243,8 +243,9 @@ class ResponsesRequest(SamplingKnobs):
     # one server has one cache for every key.
     prompt_cache_key: str | None = None
     background: bool | None = None  # run without the client: server/responses_background.py
-    # Accepted for compatibility and otherwise ignored.
+    # auto: a conversation longer than the context keeps its last tokens; disabled (the default): a 400
     truncation: Literal["auto", "disabled"] | None = None
+    # Accepted for compatibility and otherwise ignored.
     user: str | None = None
     service_tier: str | None = None
     safety_identifier: str | None = None

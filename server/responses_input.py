@@ -18,7 +18,7 @@ from .protocol_responses import (FunctionCallItem, FunctionCallOutputItem, Funct
                                  ResponsesRequest, TextPart)
 from .structured import check_without_calls, output_constraint
 from .tool_mode import ToolMode
-from .turns import Sampling, Turn
+from .turns import PromptTruncation, Sampling, Turn
 
 # -- input items -> chat messages -------------------------------------------------------------------
 
@@ -61,13 +61,16 @@ def tool_spec(tool: FunctionTool) -> ToolSpec:
 def request_fields(req: ResponsesRequest, mode: ToolMode) -> dict:
     """The TurnSpec fields a Responses request sets itself: how it samples, the regex or choice its whole
     output must match (`structured_outputs`; 400 if the turn, in `mode`, may call tools), the chat
-    template's extra arguments and, for `text.format`, the JSON its answer must follow and the field
-    errors name."""
+    template's extra arguments, how the prompt is truncated and, for `text.format`, the JSON its answer
+    must follow and the field errors name."""
     schema = req.text.answer_schema() if req.text is not None else None
     constraint = output_constraint(req)
     check_without_calls(constraint, mode.parse, "text.format" if schema is not None else None)
+    # truncation auto: a conversation longer than the context is served with its last tokens that fit (as
+    # vLLM truncates it), not refused
+    truncation = PromptTruncation(-1, param="truncation") if req.truncation == "auto" else None
     fields = {"sampling": Sampling.of(req, req.max_output_tokens, req.logprobs()), "constraint": constraint,
-              "template_kwargs": req.chat_template_kwargs}
+              "template_kwargs": req.chat_template_kwargs, "truncation": truncation}
     return fields | ({"answer_schema": schema, "answer_param": "text.format"} if schema is not None else {})
 
 

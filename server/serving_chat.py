@@ -39,8 +39,8 @@ from .serving_base import Frontend, check_n, close_all, merged_events, once, res
 from .structured import check_without_calls, output_constraint
 from .tenants import owner_of
 from .tool_mode import tool_mode
-from .turns import (CallArguments, CallOpened, ReasoningDelta, Sampling, TextDelta, Turn, TurnFinished, TurnResult,
-                    TurnSpec, TurnUsage)
+from .turns import (CallArguments, CallOpened, PromptTruncation, ReasoningDelta, Sampling, TextDelta, Turn,
+                    TurnFinished, TurnResult, TurnSpec, TurnUsage)
 
 SESSION_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
@@ -112,7 +112,8 @@ class ChatServing(Frontend):
                                             req.prompt_logprobs),
                         tuple(messages), mode=mode, intercept=req.intercept, holder=session, owner=owner,
                         answer_schema=req.response_format.answer_schema() if req.response_format else None,
-                        constraint=constraint, template_kwargs=req.chat_template_kwargs or None, opening=opening)
+                        constraint=constraint, template_kwargs=req.chat_template_kwargs or None, opening=opening,
+                        truncation=PromptTruncation.of(req.truncate_prompt_tokens, req.truncation_side))
 
     async def open(self, spec: TurnSpec) -> Turn:
         """Open the turn; its chat session (if any) is generating until `close`."""

@@ -23,7 +23,7 @@ from .protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, 
 from .serving_base import Frontend, check_n, close_all, merged_events, once, respond, samples
 from .structured import output_constraint
 from .tenants import owner_of
-from .turns import Sampling, TextDelta, Turn, TurnFinished, TurnSpec
+from .turns import PromptTruncation, Sampling, TextDelta, Turn, TurnFinished, TurnSpec
 
 
 class CompletionServing(Frontend):
@@ -44,13 +44,16 @@ class CompletionServing(Frontend):
         sampling = Sampling.of(req, req.max_tokens if req.max_tokens != 0 else 1, req.logprobs,
                                self._prompt_logprobs(req))
         n = req.n or 1
+        truncation = PromptTruncation.of(req.truncate_prompt_tokens, req.truncation_side)
         # n samples of each prompt, in the order of their choice index: prompt p's are p*n ... p*n + n-1
         turns, release = await self.turns.open_batch([
             sample for p, ids in enumerate(prompts) for sample in samples(
                 TurnSpec("completions", sampling, prompt_ids=tuple(ids), intercept=req.intercept, owner=owner_of(raw),
-                         param="prompt", constraint=constraint), n, response_id, first=p * n)])
-        echoes = [self._echo_text(req, ids, text) for ids, text in zip(prompts, self._prompt_texts(req.prompt))
-                  for _ in range(n)]
+                         param="prompt", constraint=constraint, truncation=truncation), n, response_id, first=p * n)])
+        # (a truncated prompt echoes the tokens it was served with)
+        texts = [text for text in self._prompt_texts(req.prompt) for _ in range(n)]
+        echoes = [self._echo_text(req, turn.prompt_ids, text if turn.prompt_ids == ids else None)
+                  for turn, ids, text in zip(turns, (ids for ids in prompts for _ in range(n)), texts)]
         return await respond(
             raw, req.stream, lambda: self._stream(response_id, req, turns, echoes),
             lambda: self._full(response_id, req, turns, echoes), once(lambda: close_all(turns, release)),
@@ -59,8 +62,9 @@ class CompletionServing(Frontend):
     def render(self, req: CompletionRequest) -> list[dict]:
         """vLLM's render answer (`POST /v1/completions/render`): each prompt's token ids, nothing run."""
         self.check_model(req.model)
+        truncation = PromptTruncation.of(req.truncate_prompt_tokens, req.truncation_side)
         return [{"request_id": new_id("cmpl-"), "token_ids": self.turns.render_prompt(
-                    TurnSpec("completions", Sampling(), prompt_ids=tuple(ids), param="prompt"))}
+                    TurnSpec("completions", Sampling(), prompt_ids=tuple(ids), param="prompt", truncation=truncation))}
                 for ids in self._prompts(req.prompt)]
 
     # -- pieces ------------------------------------------------------------------------------------

@@ -170,7 +170,7 @@ class ResponsesServing(Frontend):
             parallel_tool_calls=req.parallel_tool_calls is not False, previous_response_id=req.previous_response_id,
             store=req.store is not False, temperature=req.temperature, top_p=req.top_p, tool_choice=tool_choice,
             tools=[t.model_dump(exclude_none=True) for t in req.tools or ()], usage=usage, user=req.user,
-            metadata=req.metadata or {}, background=req.background is True,
+            metadata=req.metadata or {}, background=req.background is True, truncation=req.truncation or "disabled",
             text=req.text.echoed() if req.text is not None else {"format": {"type": "text"}})
 
     def _finish(self, rt: ResponseTurn, end: TurnFinished, output: list[OutputItem]) -> dict:

@@ -58,6 +58,29 @@ class Sampling:
 
 
 @dataclass(frozen=True)
+class PromptTruncation:
+    """Which of a rendered prompt's tokens a turn is served with (vLLM's `truncate_prompt_tokens`):
+    its last `keep` (`side` "right": its first); `keep` -1: as many as leave room for one output token."""
+
+    keep: int
+    side: str = "left"
+    param: str = "truncate_prompt_tokens"  # the request field that errors name
+
+    @classmethod
+    def of(cls, keep: int | None, side: str | None) -> PromptTruncation | None:
+        return None if keep is None else cls(keep, side or "left")
+
+    def apply(self, ids: list[int], max_model_len: int) -> list[int]:
+        if self.keep > max_model_len:
+            raise APIError(400, f"{self.param}={self.keep} cannot be greater than the model's context length "
+                                f"{max_model_len}; ask for a smaller truncation", param=self.param)
+        keep = max_model_len - 1 if self.keep == -1 else self.keep
+        if keep >= len(ids):
+            return ids
+        return ids[-keep:] if self.side == "left" and keep else ids[:keep]
+
+
+@dataclass(frozen=True)
 class TurnSpec:
     """One turn, whatever front end it came through: `messages` (a chat turn) or `prompt_ids` (a token turn)."""
 
@@ -75,6 +98,7 @@ class TurnSpec:
     id_prefix: str = "chatcmpl-"
     request_id: str | None = None  # instead of a new id with `id_prefix`
     param: str = "messages"  # the request field that prompt errors name
+    truncation: PromptTruncation | None = None  # None: the whole prompt, or a 400 if it overflows the context
     # Extra keyword arguments of the chat template (`chat_template_kwargs`, a chat turn's); a paused turn
     # keeps its own, with which its prompt is rendered again when a later turn continues it (chat.py)
     template_kwargs: Mapping[str, Any] | None = None

@@ -38,11 +38,11 @@ from .engine_turn import Admission, EngineTurn, EngineTurns
 from .metrics import ServerMetrics
 from .protocol import APIError, bad_request, new_id
 from .tool_mode import constrained, with_grammar
-from .turn_types import (CallArguments, CallDone, CallOpened, ReasoningDelta, Sampling, TextDelta, TurnEvent,
-                         TurnFinished, TurnPaused, TurnResult, TurnSpec, TurnUsage, finish_reason)
+from .turn_types import (CallArguments, CallDone, CallOpened, PromptTruncation, ReasoningDelta, Sampling, TextDelta,
+                         TurnEvent, TurnFinished, TurnPaused, TurnResult, TurnSpec, TurnUsage, finish_reason)
 
-__all__ = ["CallArguments", "CallDone", "CallOpened", "ReasoningDelta", "Sampling", "TextDelta", "Turn", "TurnEvent",
-           "TurnFinished", "TurnPaused", "TurnResult", "TurnSpec", "TurnUsage", "Turns"]
+__all__ = ["CallArguments", "CallDone", "CallOpened", "PromptTruncation", "ReasoningDelta", "Sampling", "TextDelta",
+           "Turn", "TurnEvent", "TurnFinished", "TurnPaused", "TurnResult", "TurnSpec", "TurnUsage", "Turns"]
 
 logger = logging.getLogger("infercept.server")
 
@@ -403,9 +403,7 @@ class Turns:
         """The prompt token ids `spec` would be served with (400 on bad input); nothing runs.
         `fit_context` False: a prompt longer than the model's context is counted, not refused."""
         if not spec.is_chat:
-            prompt_ids = list(spec.prompt_ids)
-            self.check_prompt(prompt_ids, spec.param, fit_context)
-            return prompt_ids
+            return self._fit(spec, list(spec.prompt_ids), fit_context)
         return self._render(spec, fit_context)[0]
 
     def _render(self, spec: TurnSpec, fit_context: bool = True) -> tuple[list[int], str]:
@@ -433,13 +431,23 @@ class Turns:
         except Exception as e:  # the template (jinja) or the tokenizer refused the input
             raise bad_request(f"the conversation could not be rendered with the model's chat template: {e}",
                               param=spec.param) from None
+        truncated = self._fit(spec, prompt_ids, fit_context)
+        if prefill and len(truncated) < len(prompt_ids) and spec.truncation.side == "right":
+            raise bad_request("truncation_side right would cut off the forced call's opening the prompt ends with; "
+                              "truncate from the left", param="truncation_side")
+        return truncated, prefill
+
+    def _fit(self, spec: TurnSpec, prompt_ids: list[int], fit_context: bool) -> list[int]:
+        """The prompt as `spec` truncates it, checked (400 on bad input)."""
+        if spec.truncation is not None:
+            prompt_ids = spec.truncation.apply(prompt_ids, self.max_model_len)
         self.check_prompt(prompt_ids, spec.param, fit_context)
-        return prompt_ids, prefill
+        return prompt_ids
 
     def render_head(self, spec: TurnSpec) -> list[int]:
         """A continued chat turn's conversation before its final message, with the generation prompt."""
-        return self._render(replace(spec, messages=spec.messages[:-1], opening=Opening.GENERATION_PROMPT),
-                            fit_context=False)[0]
+        return self._render(replace(spec, messages=spec.messages[:-1], opening=Opening.GENERATION_PROMPT,
+                                    truncation=None), fit_context=False)[0]
 
     def _claim(self, spec: TurnSpec, prompt_ids: list[int]) -> Paused | None:
         """The paused generation the turn continues, taken out of the store: its holder's, or found by the

@@ -338,6 +338,53 @@ def test_max_tokens_beyond_the_context_left_is_clamped_to_it_and_a_prompt_that_f
     srv.assert_no_leak()
 
 
+def test_truncate_prompt_tokens_serves_the_prompts_last_tokens(srv):
+    """vLLM's `truncate_prompt_tokens`: the turn is served with the rendered prompt's last k tokens
+    (`truncation_side` right: its first), as if those alone had been sent; -1 fits a prompt longer than
+    the context into it, and more than the context is a 400. Responses' `truncation` auto is -1."""
+    client, http = srv.client(), httpx.Client(base_url=srv.url, timeout=120)
+    ids = srv.engine.tokenizer.encode("Count: 1, 2, 3, 4, 5, 6, 7,")
+
+    def complete(prompt, **extra):
+        return client.completions.create(prompt=prompt, max_tokens=4, extra_body={"return_token_ids": True, **extra},
+                                         **GREEDY).choices[0]
+
+    for side, kept in ((None, ids[-5:]), ("left", ids[-5:]), ("right", ids[:5])):
+        out = client.completions.create(prompt=ids, max_tokens=4, echo=True, **GREEDY, extra_body={
+            "truncate_prompt_tokens": 5, "truncation_side": side})
+        assert out.usage.prompt_tokens == 5
+        alone = complete(kept)
+        assert out.choices[0].text == srv.engine.tokenizer.decode(kept) + alone.text, side
+    assert complete(ids, truncate_prompt_tokens=len(ids) + 1).text == complete(ids).text  # longer: nothing cut
+
+    # A chat turn's rendered prompt (the render endpoint shows it truncated) is cut the same way.
+    full = http.post("/chat/completions/render", json=GREEDY | dict(messages=QUESTION)).json()["token_ids"]
+    cut = http.post("/chat/completions/render", json=GREEDY | dict(messages=QUESTION, truncate_prompt_tokens=6))
+    assert cut.json()["token_ids"] == full[-6:]
+    chat = client.chat.completions.create(messages=QUESTION, max_tokens=4, extra_body={"truncate_prompt_tokens": 6},
+                                          **GREEDY)
+    assert chat.usage.prompt_tokens == 6 and chat.choices[0].message.content == complete(full[-6:]).text
+
+    limit = http.get("/models").json()["data"][0]["max_model_len"]
+    word = srv.engine.tokenizer.encode(" apple")[0]
+    long = [word] * (limit + 5)
+    assert_error(http.post("/completions", json=GREEDY | dict(prompt=long)), 400, "context_length_exceeded")
+    fitted = http.post("/completions", json=GREEDY | dict(prompt=long, max_tokens=1, truncate_prompt_tokens=-1))
+    assert fitted.json()["usage"]["prompt_tokens"] == limit - 1, fitted.text
+    too_many = http.post("/completions", json=GREEDY | dict(prompt=ids, truncate_prompt_tokens=limit + 1))
+    assert assert_error(too_many, 400)["param"] == "truncate_prompt_tokens"
+    assert_error(http.post("/completions", json=GREEDY | dict(prompt=ids, truncate_prompt_tokens=0)), 400)
+
+    essay = [{"role": "user", "content": "apple " * (limit + 5)}]
+    assert_error(http.post("/responses", json=GREEDY | dict(input=essay, max_output_tokens=1)), 400,
+                 "context_length_exceeded")
+    answered = http.post("/responses", json=GREEDY | dict(input=essay, max_output_tokens=1, truncation="auto"))
+    assert answered.json()["truncation"] == "auto", answered.text
+    assert answered.json()["usage"]["input_tokens"] == limit - 1
+    http.close()
+    srv.assert_no_leak()
+
+
 EMPTY = [  # (path, body, status): empty messages, content and inputs not in the other batteries
     ("/chat/completions", {"messages": None}, 400),
     ("/chat/completions", {"messages": [{"role": "user"}]}, 400),
@@ -390,7 +437,8 @@ def prepare_positive(case, http: httpx.Client, n: int) -> None:
     10**11, means "up to the context limit", seconds per example on a CPU). Chat
     messages, which the schema lets be any objects, are a real conversation every other example, as a
     completions prompt is a few real token ids. Every
-    other example drops `allowed_token_ids` and `bad_words`, which random ids and words seldom satisfy.
+    other example drops `allowed_token_ids`, `bad_words` and `truncate_prompt_tokens`, which random ids,
+    words and counts seldom satisfy.
     Every other example of an operation on a session or a stored response names a real one, made for it, and
     one on a model the served model (and every fourth message posted to a session is a user message,
     which it accepts; every other /tokenize body is a conversation alone)."""
@@ -404,9 +452,10 @@ def prepare_positive(case, http: httpx.Client, n: int) -> None:
             body[field] = 4
         if field and value == 0 and not body.get("echo"):  # (completions' 0 asks for the echoed prompt alone)
             body[field] = 1
-        if n % 2:  # ids and words random data rarely makes valid (ids in the vocabulary, words not blank)
-            body.pop("allowed_token_ids", None)
-            body.pop("bad_words", None)
+        if n % 2:  # ids, words and counts random data rarely makes valid (ids in the vocabulary, words not
+            # blank, a truncation within the context that leaves a token)
+            for key in ("allowed_token_ids", "bad_words", "truncate_prompt_tokens"):
+                body.pop(key, None)
         if case.path in ("/v1/chat/completions", "/v1/chat/completions/render", "/v1/messages",
                          "/v1/messages/count_tokens") and n % 2:
             body["messages"] = QUESTION  # a user message in both APIs' shapes
