@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 from pathlib import Path
 
-import httpx
 import pytest
+from live_server import resumes
 
 CLAUDE = Path(__file__).resolve().parents[1] / ".claude-code" / "node_modules" / ".bin" / "claude"
 needs_claude_code = pytest.mark.skipif(not CLAUDE.exists(), reason="needs Claude Code (make claude-code: npm)")
@@ -33,17 +32,12 @@ def claude(base: str, model: str, workdir: Path, prompt: str, *flags: str) -> li
     return events
 
 
-def implicit_resumes(base: str) -> float:
-    text = httpx.get(base + "/metrics").text
-    return sum(float(v) for v in re.findall(r'^infercept_resumes_total\{[^}]*how="implicit"[^}]*\} (\S+)', text, re.M))
-
-
 def check_read_tool_loop(base: str, model: str, workdir: Path) -> None:
     """Two turns of Claude Code's tool loop (`--max-turns 2`): the model calls Read on weather.txt; Claude
     Code reads the file and sends the result back with the whole conversation; the server resumes the
     paused generation (the first request's prompt and call read from the cache) and the model goes on."""
     (workdir / "weather.txt").write_text("Sunny, 24 C\n")
-    before = implicit_resumes(base)
+    before = resumes(base)
     events = claude(base, model, workdir, READ_PROMPT, "--system-prompt", READ_SYSTEM, "--tools", "Read",
                     "--allowedTools", "Read", "--max-turns", "2")
     assert events[-1]["subtype"] == "error_max_turns", events[-1]
@@ -53,7 +47,7 @@ def check_read_tool_loop(base: str, model: str, workdir: Path) -> None:
     (use,) = [b for b in answers[0]["content"] if b["type"] == "tool_use"]
     assert use["name"] == "Read" and use["input"]["file_path"] == "weather.txt", use  # read in its folder
     assert results[0]["tool_use_id"] == use["id"] and "Sunny, 24 C" in str(results[0]["content"]), results
-    assert implicit_resumes(base) == before + 1
+    assert resumes(base) == before + 1
     first = answers[0]["usage"]  # at message_start: the whole prompt as input, none cached yet
     # Over both requests: at least the first request's prompt was read from the cache (the resume reads
     # the paused context: that prompt and the call).

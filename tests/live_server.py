@@ -5,9 +5,11 @@ backend (`--backend vllm`), for the tests that run a client against both backend
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 
+import httpx
 import openai
 from vllm_env import TEST_ENGINE_ARGS, VLLM_PYTHON, vllm_threads_env
 
@@ -36,6 +38,16 @@ def serve_in_thread(app, lifespan: str = "on") -> tuple:
         time.sleep(0.02)
     port = server.servers[0].sockets[0].getsockname()[1]
     return server, thread, f"http://127.0.0.1:{port}"
+
+
+def resumes(url: str, how: str = "implicit") -> float:
+    """How many requests the server at `url` (its base or its /v1) has served by resuming a paused
+    generation, found `how` (its `infercept_resumes_total`): "implicit" by the conversation, "explicit" by
+    a named session, "tokens" by a token prompt. A framework test counts them: a resumed step's cached
+    share alone would not tell the paused KV from the prefix cache's blocks."""
+    text = httpx.get(url.removesuffix("/v1") + "/metrics").text
+    pattern = rf'^infercept_resumes_total\{{[^}}]*how="{how}"[^}}]*\}} (\S+)'
+    return sum(float(v) for v in re.findall(pattern, text, re.M))
 
 
 def profile() -> Profile:

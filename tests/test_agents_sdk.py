@@ -21,6 +21,7 @@ from pydantic import BaseModel
 pytest.importorskip("agents")
 from agents import (Agent, AgentHooks, ModelSettings, OpenAIChatCompletionsModel,  # noqa: E402
                     OpenAIResponsesModel, RunConfig, Runner, function_tool)
+from live_server import resumes  # noqa: E402
 
 MODELS = {"responses": OpenAIResponsesModel, "chat_completions": OpenAIChatCompletionsModel}
 QUESTION = "What is the weather in Paris?"
@@ -45,6 +46,7 @@ class Recorder:
     def __init__(self):
         self.bodies: list[dict] = []
         self.statuses: list[int] = []
+        self.resumes = 0  # paused generations the run's requests resumed
         self.calls: list[str] = []
 
     def client(self, backend_url: str) -> openai.AsyncOpenAI:
@@ -78,7 +80,10 @@ def run_agent(backend_url: str, api: str, output_type=None):
                       model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=48))
         return await Runner.run(agent, QUESTION, max_turns=2, run_config=RunConfig(tracing_disabled=True))
 
-    return asyncio.run(run()), recorder
+    before = resumes(backend_url)
+    result = asyncio.run(run())
+    recorder.resumes = resumes(backend_url) - before
+    return result, recorder
 
 
 def assert_tool_then_cached_answer(result, recorder: Recorder) -> None:
@@ -92,6 +97,7 @@ def assert_tool_then_cached_answer(result, recorder: Recorder) -> None:
     assert [item.type for item in resumed.output] == ["message"]
     cached, prompt = resumed.usage.input_tokens_details.cached_tokens, resumed.usage.input_tokens
     print(f"resumed step: {cached}/{prompt} prompt tokens cached")
+    assert recorder.resumes == 1
     assert cached >= MIN_CACHED_SHARE * prompt, (cached, prompt)
 
 

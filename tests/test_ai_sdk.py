@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from claude_code import implicit_resumes
+from live_server import resumes
 
 AI_SDK = Path(__file__).resolve().parents[1] / ".ai-sdk"
 AGENT = Path(__file__).with_name("ai_sdk_agent.mjs")
@@ -32,13 +32,13 @@ def run_agent(backend_url: str, mode: str) -> list[dict]:
 @pytest.mark.parametrize("mode", ["generate", "stream"])
 def test_the_ai_sdks_tool_loop_resumes_the_paused_generation(backend_url, mode):
     base = backend_url.removesuffix("/v1")
-    before = implicit_resumes(base)
+    before = resumes(base)
     first, answer = run_agent(backend_url, mode)
     assert first["finishReason"] == "tool-calls" and first["text"] == ""
     assert first["toolCalls"] == [{"name": "get_weather", "input": {"city": "Paris"}}]
     assert first["toolResults"] == [{"city": "Paris", "temperature": 21, "sky": "clear"}]
     assert answer["finishReason"] == "stop" and answer["text"] and not answer["toolCalls"]
-    assert implicit_resumes(base) == before + 1
+    assert resumes(base) == before + 1
     # The answer's prompt holds the first step's whole context, read from the cache but its last token
     # (sampled, never fed back).
     cached = answer["usage"]["inputTokenDetails"]["cacheReadTokens"]

@@ -20,6 +20,7 @@ pytest.importorskip("autogen_agentchat")
 from autogen_agentchat.agents import AssistantAgent  # noqa: E402
 from autogen_core.models import ModelInfo  # noqa: E402
 from autogen_ext.models.openai import OpenAIChatCompletionClient  # noqa: E402
+from live_server import resumes  # noqa: E402
 
 MIN_CACHED_SHARE = 0.9  # of the resumed step's prompt, as the other framework tests require
 MODEL_INFO = ModelInfo(vision=False, function_calling=True, json_output=True, family="unknown", structured_output=True)
@@ -59,7 +60,9 @@ def cached_share(answer: dict) -> tuple[int, int]:
 
 
 def test_the_agents_tool_loop_resumes_the_paused_generation(agent_server_url):
+    before = resumes(agent_server_url)
     bodies, answers, cities = run_agent(agent_server_url, max_tool_iterations=2)
+    assert resumes(agent_server_url) == before + len(bodies) - 1  # every step after the first
     call = answers[0]["choices"][0]["message"]["tool_calls"][0]
     assert call["function"]["name"] == "get_weather" and cities[0] == "Paris"
     second = bodies[1]
@@ -71,7 +74,9 @@ def test_the_agents_tool_loop_resumes_the_paused_generation(agent_server_url):
 
 
 def test_a_reflection_step_without_tools_is_served_fresh(agent_server_url):
+    before = resumes(agent_server_url)
     bodies, answers, cities = run_agent(agent_server_url, reflect_on_tool_use=True)
+    assert resumes(agent_server_url) == before
     assert cities[0] == "Paris" and len(bodies) == 2
     reflection = bodies[1]
     assert "tools" not in reflection and reflection.get("tool_choice") in (None, "none")

@@ -12,6 +12,7 @@ from haystack.components.generators.chat import OpenAIChatGenerator  # noqa: E40
 from haystack.dataclasses import ChatMessage  # noqa: E402
 from haystack.tools import Tool  # noqa: E402
 from haystack.utils import Secret  # noqa: E402
+from live_server import resumes  # noqa: E402
 
 MIN_CACHED_SHARE = 0.9  # of the resumed step's prompt, as the other framework tests require
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -29,7 +30,9 @@ def test_the_agents_next_step_resumes_the_paused_generation(agent_server_url):
     tool = Tool(name="get_weather", description="Get the current weather in a city", parameters=WEATHER,
                 function=get_weather)
     agent = Agent(chat_generator=generator, tools=[tool], max_agent_steps=2)
+    before = resumes(agent_server_url)
     messages = agent.run(messages=[ChatMessage.from_user("What is the weather in Paris?")])["messages"]
+    assert resumes(agent_server_url) == before + 1
 
     call, result = messages[1], messages[2]
     assert call.tool_calls[0].tool_name == "get_weather" and call.tool_calls[0].arguments == {"city": "Paris"}

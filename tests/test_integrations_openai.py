@@ -7,6 +7,7 @@ import json
 import openai
 
 from infercept.integrations.openai import Session, async_client, client
+from live_server import resumes
 
 WEATHER = [{"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
@@ -34,7 +35,9 @@ def test_session_tool_loop_sends_only_tool_results_and_reuses_the_paused_generat
         calls.append(city)
         return f"It is sunny in {city}.\n\nNow answer the user's question without calling a tool."
 
+    before = resumes(agent_server_url, "explicit")
     answer = session.run("What is the weather in Paris?", {"get_weather": get_weather})
+    assert resumes(agent_server_url, "explicit") == before + 1
     assert calls == ["Paris"] and "sunny" in answer.lower()
     assert [s.finish_reason for s in session.steps] == ["tool_calls", "stop"]
     assert all(body["session_id"] == session.id for body in sent)

@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field
 from infercept.integrations.langchain import ChatInferCept
 from infercept.integrations.langchain.chat_models import session_id_for_thread
 from infercept.integrations.openai.clients import DEFAULT_MODEL, client
+from live_server import resumes
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 SMALL_MODEL = "the 135M model cannot do this reliably"
@@ -155,6 +156,7 @@ def test_react_agent_resumes_every_step(base_url):
     get_weather, asked = weather_station()
     model = ChatInferCept(base_url=base_url, model="smol", temperature=0, max_tokens=48, max_retries=0)
     agent = create_agent(model, tools=[get_weather, calculator], checkpointer=InMemorySaver())
+    before = resumes(base_url, "explicit")  # (the thread is a named session: its steps resume it by name)
     result = agent.invoke({"messages": [{"role": "user", "content": "What is the weather in Paris?"}]},
                           {"configurable": {"thread_id": "react test 1"}, "recursion_limit": 12})
     steps = [m for m in result["messages"] if isinstance(m, AIMessage)]
@@ -163,6 +165,7 @@ def test_react_agent_resumes_every_step(base_url):
     assert len(steps) >= 3 and asked[:2] == ["Paris", "Paris"]
     assert all(m.tool_calls for m in steps[:-1]) and not steps[-1].tool_calls
     assert all(r >= 0.9 for r in reuse[1:]), reuse
+    assert resumes(base_url, "explicit") == before + len(steps) - 1
     assert "24" in steps[-1].text or "sunny" in steps[-1].text.lower()  # the answer comes from the tool
     assert sum(isinstance(m, ToolMessage) for m in result["messages"]) == len(steps) - 1
 

@@ -9,7 +9,7 @@ import json
 import os
 
 import pytest
-from claude_code import implicit_resumes
+from live_server import resumes
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # its import would fetch a price list from GitHub
 litellm = pytest.importorskip("litellm")
@@ -36,7 +36,7 @@ def complete(backend_url: str, provider: str, stream: bool, messages: list[dict]
 @pytest.mark.parametrize("provider, stream", [("hosted_vllm", False), ("openai", True)])
 def test_a_litellm_tool_loop_resumes_the_paused_generation(backend_url, provider, stream):
     base = backend_url.removesuffix("/v1")
-    before = implicit_resumes(base)
+    before = resumes(base)
     first = complete(backend_url, provider, stream, QUESTION, tool_choice="required")
     message = first.choices[0].message
     assert first.choices[0].finish_reason == "tool_calls", message
@@ -46,6 +46,6 @@ def test_a_litellm_tool_loop_resumes_the_paused_generation(backend_url, provider
                                                       "content": '{"temperature": 21, "sky": "clear"}'}]
     answer = complete(backend_url, provider, stream, conversation, tool_choice="none")
     assert answer.choices[0].finish_reason in ("stop", "length") and answer.choices[0].message.content
-    assert implicit_resumes(base) == before + 1
+    assert resumes(base) == before + 1
     # The whole paused context but its last token (sampled, never fed back) read from the cache.
     assert answer.usage.prompt_tokens_details.cached_tokens == first.usage.total_tokens - 1, answer.usage

@@ -26,6 +26,7 @@ from pydantic_ai.messages import ModelResponse  # noqa: E402
 from pydantic_ai.models.openai import OpenAIChatModel, OpenAIResponsesModel  # noqa: E402
 from pydantic_ai.providers.openai import OpenAIProvider  # noqa: E402
 from pydantic_ai.usage import UsageLimits  # noqa: E402
+from live_server import resumes  # noqa: E402
 
 MODELS = {"chat_completions": OpenAIChatModel, "responses": OpenAIResponsesModel}
 QUESTION = "What is the weather in Paris?"
@@ -54,6 +55,7 @@ class Recorder:
     def __init__(self):
         self.bodies: list[dict] = []
         self.statuses: list[int] = []
+        self.resumes = 0  # paused generations the run's requests resumed
         self.calls: list[str] = []
 
     def model(self, backend_url: str, api: str):
@@ -96,7 +98,10 @@ def run_agent(backend_url: str, api: str, output_type, after):
 
         return await agent.run(QUESTION, usage_limits=UsageLimits(request_limit=2))
 
-    return asyncio.run(run()), recorder
+    before = resumes(backend_url)
+    result = asyncio.run(run())
+    recorder.resumes = resumes(backend_url) - before
+    return result, recorder
 
 
 def assert_tool_then_cached_answer(result, recorder: Recorder, api: str) -> None:
@@ -110,6 +115,7 @@ def assert_tool_then_cached_answer(result, recorder: Recorder, api: str) -> None
     assert [p.tool_name for p in first.tool_calls] == ["get_weather"]
     cached, prompt = resumed.usage.cache_read_tokens, resumed.usage.input_tokens
     print(f"resumed step: {cached}/{prompt} prompt tokens cached")
+    assert recorder.resumes == 1
     assert cached >= MIN_CACHED_SHARE * prompt, (cached, prompt)
 
 

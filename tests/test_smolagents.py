@@ -16,6 +16,7 @@ import openai
 import pytest
 
 pytest.importorskip("smolagents")
+from live_server import resumes  # noqa: E402
 from smolagents import OpenAIServerModel, ToolCallingAgent, tool  # noqa: E402
 
 MIN_CACHED_SHARE = 0.9  # of the second step's prompt, as the other framework tests require
@@ -45,7 +46,9 @@ def test_a_tool_calling_agent_calls_its_tool_and_the_next_step_reads_the_context
     model = OpenAIServerModel(model_id="smol", api_base=agent_server_url, api_key="unused", temperature=0,
                               max_tokens=40, client_kwargs={"http_client": http, "max_retries": 0, "timeout": 120})
     agent = ToolCallingAgent(tools=[get_weather], model=model, max_steps=2, verbosity_level=0)
+    before = resumes(agent_server_url)
     agent.run("What is the weather in Paris?")
+    assert resumes(agent_server_url) == before  # (a call replayed as text continues no paused generation)
 
     first, second = bodies[0], bodies[1]
     assert first["tool_choice"] == "required"
