@@ -364,6 +364,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--response-ttl", type=float, default=float(_env("RESPONSE_TTL", 3600.0)),
                    help="seconds a stored Responses-API response stays retrievable and chainable after its "
                         "creation (default 3600)")
+    c.add_argument("--resume-without-tools", action=argparse.BooleanOptionalAction,
+                   default=bool(_env_flag("RESUME_WITHOUT_TOOLS")),
+                   help="a chat request that sends no tools but continues a paused generation with its calls' "
+                        "results (AutoGen's reflection step) is served with the paused prompt's tools and "
+                        "tool_choice none, so it resumes instead of being recomputed (default off: the model "
+                        "sees tool definitions the request did not send, and cannot call them)")
     c.add_argument("--max-stored-responses", type=int, default=int(_env("MAX_STORED_RESPONSES", 1024)),
                    help="stored Responses-API responses kept at most; beyond, the oldest is forgotten (default 1024)")
 
@@ -393,7 +399,8 @@ def server_settings(args: argparse.Namespace):
 
     policy = ConversationPolicy(idle_ttl=args.idle_ttl, max_paused_tokens=args.max_paused_tokens,
                                 max_paused=args.max_paused, max_named_sessions=args.max_named_sessions,
-                                response_ttl=args.response_ttl, max_stored_responses=args.max_stored_responses)
+                                response_ttl=args.response_ttl, max_stored_responses=args.max_stored_responses,
+                                resume_without_tools=args.resume_without_tools)
     from infercept.server.tenants import load_keys_file
 
     keys = args.api_key or []  # one key: the tenant "default"; several: key-1, key-2, ... by position

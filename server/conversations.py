@@ -49,6 +49,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from infercept.engine.backend import ToolSpec
+
 from .chat import AssistantTurn, Call, Message
 from .protocol import APIError, ToolParam
 from .settings import ConversationPolicy, Tenant
@@ -82,6 +84,7 @@ class Paused:
     turn: AssistantTurn | None = None  # chat: the assistant tool-call turn it paused at
     history: tuple[Message, ...] = ()  # chat: the conversation before `turn`
     since: float = 0.0  # when it paused, on the store's clock
+    tools: tuple[ToolSpec, ...] = ()  # chat: the tools its prompt rendered
 
     @property
     def call_ids(self) -> tuple[str, ...]:
@@ -298,6 +301,16 @@ class ConversationStore:
             if found.owner == owner and found.paused.continues(messages):
                 return found.paused
         return None
+
+    def tools_to_resume(self, messages: Sequence[Message], holder: Conversation | None = None,
+                        owner: str | None = None) -> tuple[ToolSpec, ...]:
+        """The tools a request without tools that continues `messages` is served with: those the prompt of
+        the paused generation it continues rendered (`resume_without_tools`); none without that policy, or
+        where `messages` continue no paused generation."""
+        if not self.policy.resume_without_tools:
+            return ()
+        handle = self.find_for_messages(messages, holder, owner)
+        return handle.tools if handle is not None else ()
 
     def find_for_tokens(self, token_ids: Sequence[int], owner: str | None = None) -> Paused | None:
         """The handle of `owner`'s whose whole token sequence `token_ids` strictly extends (the longest). Candidates

@@ -102,6 +102,10 @@ class ChatServing(Frontend):
         session = None
         if session_id is not None:
             messages, session = self._session_messages(session_id, messages, owner, peek)
+        if not req.tools and choice in (None, "none"):
+            kept = self.conversations.tools_to_resume(messages, session, owner)
+            if kept:  # (--resume-without-tools) the paused prompt's tools, none of them callable
+                mode = tool_mode(list(kept), "none")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         opening = (Opening.CONTINUE if req.continue_final_message else
                    Opening.GENERATION_PROMPT if req.add_generation_prompt else Opening.NONE)

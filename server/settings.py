@@ -34,6 +34,11 @@ class ConversationPolicy:
     # its creation.
     response_ttl: float = 3600.0
     max_stored_responses: int = 1024
+    # A chat request without tools that continues a paused generation (its calls' results, as AutoGen's
+    # reflection step sends them) is served with the tools the paused prompt rendered and tool_choice
+    # "none", so that it resumes instead of being recomputed under another prompt (--resume-without-tools).
+    # Off by default: the model then sees tool definitions the request did not send (it cannot call them).
+    resume_without_tools: bool = False
     # Assistant tool-call turns remembered token-exactly, so later turns of the same conversation render
     # them as the model generated them (implicit resume needs this prefix to match token for token).
     max_remembered_turns: int = 4096

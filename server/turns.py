@@ -258,7 +258,8 @@ class Turn:
                     *history, opening = history
                     message = replace(message, content=opening.content + message.content)
                 handle = Paused(engine.request_id, engine.prompt_ids + list(out.token_ids),
-                                AssistantTurn(message, turn_ids, spec.template_kwargs), tuple(history))
+                                AssistantTurn(message, turn_ids, spec.template_kwargs), tuple(history),
+                                tools=tuple(spec.mode.tools or ()))
         else:
             text = self.prefill + text
             result = TurnResult(text, [], finish_reason(out), Message("assistant", text), reasoning)

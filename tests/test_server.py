@@ -236,6 +236,37 @@ def test_a_last_step_with_tool_choice_none_resumes(srv):
     assert "clear" in last.choices[0].message.content and "<" not in last.choices[0].message.content  # from RESULT
 
 
+def test_a_step_without_tools_resumes_with_the_paused_tools_when_the_server_is_told_to(srv, monkeypatch):
+    """A step that sends the call's result back without tools (AutoGen's reflection) renders another
+    prompt, so it is served fresh; with --resume-without-tools the server renders it with the paused
+    prompt's tools and tool_choice none: it resumes, and answers what that request sent whole answers."""
+    from dataclasses import replace
+
+    from live_server import resumes
+
+    client, store = srv.client(), srv.app.state.conversations
+
+    def reflect():
+        first = tool_turn(client)
+        (call,) = first.choices[0].message.tool_calls
+        conversation = QUESTION + [first.choices[0].message,
+                                   {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
+        before = resumes(srv.url)
+        answer = client.chat.completions.create(messages=conversation, max_tokens=20, **greedy())
+        return first, conversation, answer, resumes(srv.url) - before
+
+    first, _, fresh, resumed = reflect()
+    assert resumed == 0 and fresh.usage.prompt_tokens_details.cached_tokens < 0.5 * fresh.usage.prompt_tokens
+    srv.abort_paused()
+    monkeypatch.setattr(store, "policy", replace(store.policy, resume_without_tools=True))
+    first, conversation, answer, resumed = reflect()
+    assert resumed == 1 and answer.usage.prompt_tokens_details.cached_tokens == first.usage.total_tokens - 1
+    assert answer.choices[0].finish_reason == "stop" and not answer.choices[0].message.tool_calls
+    monkeypatch.setattr(store, "policy", replace(store.policy, resume_without_tools=False))
+    whole = client.chat.completions.create(messages=conversation, tools=TOOLS, tool_choice="none", max_tokens=20,
+                                           **greedy())
+    assert answer.choices[0].message.content == whole.choices[0].message.content
+
 def test_explicit_session_continuation(srv):
     client = srv.client()
     first = tool_turn(client, extra_body={"session_id": "agent-7"})
@@ -710,6 +741,9 @@ def test_serve_cli_flags_and_environment(monkeypatch):
     args = cli.build_parser().parse_args(["serve", "--idle-ttl", "45", "--max-named-sessions", "9"])
     assert (cli.server_settings(args).conversations.idle_ttl, args.max_named_sessions) == (45.0, 9)
     assert cli.build_parser().parse_args(["serve"]).idle_ttl == 40.0
+    assert not cli.server_settings(cli.build_parser().parse_args(["serve"])).conversations.resume_without_tools
+    monkeypatch.setenv("INFERCEPT_RESUME_WITHOUT_TOOLS", "1")
+    assert cli.server_settings(cli.build_parser().parse_args(["serve"])).conversations.resume_without_tools
 
 
 def test_renderer_extends_paused_tokens_exactly(tokenizer):
