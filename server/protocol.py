@@ -5,7 +5,7 @@ a 400, as OpenAI answers "Unrecognized request argument supplied"), with vLLM's 
 ones in `SamplingKnobs`, which Responses requests take too: `ignore_eos`, `min_tokens`, `top_k`, `min_p`,
 `repetition_penalty`, `stop_token_ids`, `include_stop_str_in_output`, `cache_salt`, `priority`,
 `thinking_token_budget`, `allowed_token_ids`, `bad_words`, `skip_special_tokens`; then `return_token_ids`,
-`prompt_logprobs`, `return_tokens_as_token_ids`, `truncate_prompt_tokens` and `truncation_side`,
+`prompt_logprobs`, `return_tokens_as_token_ids`, `truncate_prompt_tokens` and `truncation_side`, `request_id`,
 `structured_outputs` regex / choice and their older spellings `guided_regex` / `guided_choice`, and on chat
 completions `chat_template_kwargs`, `add_generation_prompt` and `continue_final_message`) and ours
 (`session_id`, `intercept`). Messages are lenient (`extra="ignore"`) because SDKs echo response messages
@@ -165,6 +165,10 @@ class SamplingFields(SamplingKnobs):
     # Each prompt token's logprob, rank and top k (not streamed, as in vLLM)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     return_tokens_as_token_ids: bool = False  # logprobs name each token "token_id:<id>"
+    # The response's id is "chatcmpl-<request_id>" ("cmpl-" on completions); an X-Request-Id header names it
+    # first. Not unique: several requests may share one (their engine requests' ids still differ)
+    # (visible ASCII: it goes out in a response header too)
+    request_id: str | None = Field(default=None, min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")
     # Serve only the rendered prompt's last this many tokens (truncation_side right: its first); -1: as
     # many as leave the context room for one output token
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)

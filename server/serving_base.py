@@ -113,6 +113,13 @@ def check_n(n: int | None, pauses: str | None) -> None:
         raise bad_request(f"n > 1 needs a turn that cannot pause, and {pauses}; send n=1", param="n")
 
 
+def named_id(raw: Request, named: str | None, prefix: str) -> str | None:
+    """The response id a request names, as vLLM takes it: its X-Request-Id header, else its `request_id`
+    field, after `prefix`; None where it names none (the server makes one)."""
+    named = raw.headers.get("x-request-id") or named
+    return None if named is None else prefix + named
+
+
 def samples(spec: TurnSpec, n: int, request_id: str, first: int = 0) -> list[TurnSpec]:
     """`spec` as n sample turns with their own request ids. A seed is offset per sample (as vLLM does),
     so seeded samples differ from each other and each is still reproducible."""

@@ -35,7 +35,7 @@ from .conversations import Conversation, Kind, State
 from .protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, ChatMessage, ChoiceLogprobs, CompletionTokensDetails, FunctionCall,
                        PromptTokensDetails, ToolCall, Usage, bad_request, new_id, now)
-from .serving_base import Frontend, check_n, close_all, merged_events, once, respond, samples
+from .serving_base import Frontend, check_n, close_all, merged_events, named_id, once, respond, samples
 from .structured import check_without_calls, output_constraint
 from .tenants import owner_of
 from .tool_mode import tool_mode
@@ -55,12 +55,16 @@ def unmatched_ids(vocab_size: int, n: int = 16) -> list[int]:
 class ChatServing(Frontend):
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         spec = self.spec(req, raw)
+        # A client's id names the response only: several requests may name one, and engine requests' ids differ
+        named = named_id(raw, req.request_id, "chatcmpl-")
         if (req.n or 1) == 1:
             turn = await self.open(spec)
-            turns, response_id, cleanup, names = [turn], turn.id, lambda: self.close(turn), headers(turn)
+            response_id = named or turn.id
+            turns, cleanup, names = [turn], lambda: self.close(turn), headers(turn, response_id)
         else:  # n samples of a turn that cannot pause (`spec` checked it): n turns admitted as one request
-            response_id = new_id("chatcmpl-")
-            turns, release = await self.turns.open_batch(samples(spec, req.n, response_id))
+            response_id = named or new_id("chatcmpl-")
+            turns, release = await self.turns.open_batch(samples(spec, req.n, new_id("chatcmpl-") if named
+                                                                 else response_id))
             cleanup, names = once(lambda: close_all(turns, release)), {"X-Request-Id": response_id}
         return await respond(raw, req.stream, lambda: self._stream(req, response_id, turns),
                              lambda: self._full(req, response_id, turns), cleanup, names, f"request {response_id}")
@@ -258,10 +262,10 @@ class ChatServing(Frontend):
 
 # -- wire pieces (the server-tool front end shares them) ---------------------------------------------
 
-def headers(turn: Turn) -> dict[str, str]:
-    """The response headers that name the request (and its session)."""
+def headers(turn: Turn, response_id: str | None = None) -> dict[str, str]:
+    """The response headers that name the request (`response_id`, else the turn's id) and its session."""
     session = session_of(turn)
-    return {"X-Request-Id": turn.id} | ({"X-Session-Id": session} if session else {})
+    return {"X-Request-Id": response_id or turn.id} | ({"X-Session-Id": session} if session else {})
 
 
 def session_of(turn: Turn) -> str | None:

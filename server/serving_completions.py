@@ -20,7 +20,7 @@ from infercept.engine.backend import RequestOutput
 
 from .protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                        PromptTokensDetails, Usage, bad_request, new_id, now)
-from .serving_base import Frontend, check_n, close_all, merged_events, once, respond, samples
+from .serving_base import Frontend, check_n, close_all, merged_events, named_id, once, respond, samples
 from .structured import output_constraint
 from .tenants import owner_of
 from .turns import PromptTruncation, Sampling, TextDelta, Turn, TurnFinished, TurnSpec
@@ -39,7 +39,9 @@ class CompletionServing(Frontend):
             raise bad_request("max_tokens 0 generates nothing: it asks for the echoed prompt alone (echo true, "
                               "no intercept)", param="max_tokens")
         prompts = self._prompts(req.prompt)
-        response_id = new_id("cmpl-")
+        named = named_id(raw, req.request_id, "cmpl-")  # (it names the response only, as on chat)
+        response_id = named or new_id("cmpl-")
+        samples_id = new_id("cmpl-") if named else response_id
         # The prompt alone is a turn of one token, left out of the answer (as vLLM does it).
         sampling = Sampling.of(req, req.max_tokens if req.max_tokens != 0 else 1, req.logprobs,
                                self._prompt_logprobs(req))
@@ -49,7 +51,7 @@ class CompletionServing(Frontend):
         turns, release = await self.turns.open_batch([
             sample for p, ids in enumerate(prompts) for sample in samples(
                 TurnSpec("completions", sampling, prompt_ids=tuple(ids), intercept=req.intercept, owner=owner_of(raw),
-                         param="prompt", constraint=constraint, truncation=truncation), n, response_id, first=p * n)])
+                         param="prompt", constraint=constraint, truncation=truncation), n, samples_id, first=p * n)])
         # (a truncated prompt echoes the tokens it was served with)
         texts = [text for text in self._prompt_texts(req.prompt) for _ in range(n)]
         echoes = [self._echo_text(req, turn.prompt_ids, text if turn.prompt_ids == ids else None)

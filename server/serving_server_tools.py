@@ -18,7 +18,7 @@ from starlette.requests import Request
 
 from .protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                        ChatMessage, PromptTokensDetails, Usage, bad_request, now)
-from .serving_base import once, respond
+from .serving_base import named_id, once, respond
 from .serving_chat import ChatServing, headers, session_of, tool_calls
 from .tool_loop import LoopOutcome, events_then_result, resolve_server_tools, serve_turns
 from .turns import Turn
@@ -59,14 +59,16 @@ class ChatServerTools:
             return outcome
 
         loop = work()
-        return await respond(raw, req.stream, lambda: self._stream(req, turn, loop, events),
-                             lambda: self._full(req, turn, loop), once(cleanup), headers(turn), f"request {turn.id}")
+        response_id = named_id(raw, req.request_id, "chatcmpl-") or turn.id
+        return await respond(raw, req.stream, lambda: self._stream(req, response_id, turn, loop, events),
+                             lambda: self._full(req, response_id, turn, loop), once(cleanup),
+                             headers(turn, response_id), f"request {response_id}")
 
-    async def _full(self, req: ChatCompletionRequest, turn: Turn, work) -> dict:
+    async def _full(self, req: ChatCompletionRequest, response_id: str, turn: Turn, work) -> dict:
         outcome = await work
         result, last = outcome.result, outcome.last
         response = ChatCompletionResponse(
-            id=turn.id, model=req.model, usage=_usage(outcome), session_id=session_of(turn),
+            id=response_id, model=req.model, usage=_usage(outcome), session_id=session_of(turn),
             choices=[ChatChoice(message=ChatMessage(content=result.content, tool_calls=tool_calls(result.calls),
                                                     reasoning_content=result.reasoning),
                                 logprobs=self.chat.choice_logprobs(req, last, 0, len(last.token_ids)),
@@ -76,12 +78,13 @@ class ChatServerTools:
             {"session_id": True} if session_of(turn) is None else {})
         return response.model_dump(mode="json", exclude=exclude)
 
-    async def _stream(self, req: ChatCompletionRequest, turn: Turn, work, events: asyncio.Queue) -> AsyncIterator[dict]:
+    async def _stream(self, req: ChatCompletionRequest, response_id: str, turn: Turn, work,
+                      events: asyncio.Queue) -> AsyncIterator[dict]:
         created = now()
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         def chunk(delta: dict, finish_reason: str | None = None, logprobs=None) -> dict:
-            c = ChatCompletionChunk(id=turn.id, created=created, model=req.model,
+            c = ChatCompletionChunk(id=response_id, created=created, model=req.model,
                                     choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason,
                                                              logprobs=logprobs)])
             return {"data": c.model_dump_json(exclude={"usage": True, "choices": {0: {"token_ids"}}})}
@@ -99,7 +102,7 @@ class ChatServerTools:
                                          "function": {"name": call.name, "arguments": call.arguments}}]})
         yield chunk({}, finish_reason=outcome.result.finish_reason)
         if include_usage:
-            usage = ChatCompletionChunk(id=turn.id, created=created, model=req.model, choices=[],
+            usage = ChatCompletionChunk(id=response_id, created=created, model=req.model, choices=[],
                                         usage=_usage(outcome))
             yield {"data": usage.model_dump_json()}
 

@@ -438,6 +438,28 @@ def test_skip_special_tokens_false_keeps_the_special_tokens_in_the_text(srv):
     assert text.choices[0].text == special * 2
 
 
+def test_request_id_names_the_response_and_may_repeat(srv):
+    """vLLM's `request_id`: the response is "chatcmpl-<id>" ("cmpl-<id>"), an X-Request-Id header naming it
+    first; two requests at once may name one id (their engine requests differ), a sample's id has its index."""
+    client = srv.client()
+    ask = dict(messages=QUESTION, max_tokens=2, **greedy())
+
+    async def twice():
+        aio = srv.async_client()
+        return await asyncio.gather(*(aio.chat.completions.create(**ask, extra_body={"request_id": "trace-7"})
+                                      for _ in range(2)))
+
+    one, two = asyncio.run(twice())
+    assert one.id == two.id == "chatcmpl-trace-7" and one.choices[0].message.content == two.choices[0].message.content
+    raw = client.chat.completions.with_raw_response.create(**ask, extra_headers={"X-Request-Id": "from-header"},
+                                                           extra_body={"request_id": "from-body"})
+    assert raw.parse().id == raw.headers["x-request-id"] == "chatcmpl-from-header"
+    samples = client.chat.completions.create(**ask, n=2, extra_body={"request_id": "many"})
+    assert samples.id == "chatcmpl-many" and [c.index for c in samples.choices] == [0, 1]
+    text = client.completions.create(prompt="Hi", max_tokens=2, extra_body={"request_id": "c1"}, **greedy())
+    assert text.id == "cmpl-c1"
+    assert client.chat.completions.create(**ask).id.startswith("chatcmpl-")
+
 def test_stop_token_ids_and_include_stop_str_in_output(srv):
     """vLLM's fields: a stop token ends the output as EOS does (its id last in token_ids, its text left
     out), and `include_stop_str_in_output` keeps the stop token's text or the stop string."""

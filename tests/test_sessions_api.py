@@ -356,7 +356,7 @@ def test_chat_completions_with_server_tools(srv):
             r = await http.post("/chat/completions", json={**body, "tool_choice": "required"})
             assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
             full = (await http.post("/chat/completions", json=body)).json()
-            streamed = (await http.post("/chat/completions", json={**body, "stream": True,
+            streamed = (await http.post("/chat/completions", json={**body, "stream": True, "request_id": "loop-1",
                                                                    "stream_options": {"include_usage": True}})).text
             return full, streamed
 
@@ -371,6 +371,7 @@ def test_chat_completions_with_server_tools(srv):
     assert streamed.rstrip().endswith("data: [DONE]")
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     assert text == choice["message"]["content"]
+    assert {c["id"] for c in chunks} == {"chatcmpl-loop-1"}  # (vLLM's request_id names the response)
     streamed_usage = chunks[-1]["usage"]  # the same tokens (the prefix cache may find more of the first turn)
     assert (streamed_usage["prompt_tokens"], streamed_usage["completion_tokens"]) == \
         (usage["prompt_tokens"], usage["completion_tokens"])
