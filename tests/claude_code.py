@@ -8,7 +8,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from live_server import resumes
 
 CLAUDE = Path(__file__).resolve().parents[1] / ".claude-code" / "node_modules" / ".bin" / "claude"
 needs_claude_code = pytest.mark.skipif(not CLAUDE.exists(), reason="needs Claude Code (make claude-code: npm)")
@@ -36,6 +35,9 @@ def check_read_tool_loop(base: str, model: str, workdir: Path) -> None:
     """Two turns of Claude Code's tool loop (`--max-turns 2`): the model calls Read on weather.txt; Claude
     Code reads the file and sends the result back with the whole conversation; the server resumes the
     paused generation (the first request's prompt and call read from the cache) and the model goes on."""
+    # (imported here: the GPU tests import this module on hosts without the server's dependencies)
+    from live_server import resumes
+
     (workdir / "weather.txt").write_text("Sunny, 24 C\n")
     before = resumes(base)
     events = claude(base, model, workdir, READ_PROMPT, "--system-prompt", READ_SYSTEM, "--tools", "Read",
