@@ -39,6 +39,7 @@ from .generation_defaults import sampling_defaults
 from .serving_base import SHUTDOWN_GRACE_S
 from .serving_chat import ChatServing
 from .serving_completions import CompletionServing
+from .serving_conversations import ConversationsServing
 from .serving_messages import MessagesServing
 from .responses_background import BackgroundResponses
 from .responses_mcp import ResponsesMcp
@@ -107,6 +108,7 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
                   model_aliases={model_name, info.model, info.model_name, *settings.more_model_names},
                   tokenizer=tokenizer, eos_token_ids=info.eos_token_ids)
     completions = CompletionServing(**common)
+    conversations_api = ConversationsServing(conversations)
     chat = chat_server_tools = responses = messages = sessions = None
     if renderer is not None:
         chat = ChatServing(**common)
@@ -114,6 +116,7 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
         responses = ResponsesServing(**common)
         responses.mcp = ResponsesMcp(settings.mcp, mcp_tools)
         responses.background = BackgroundResponses(policy.max_stored_responses)
+        responses.conversations_api = conversations_api
         messages = MessagesServing(**common)
         sessions = SessionServing(tool_lookup=tool_lookup, backend=backend, **common)
     tokenize = TokenizeServing(chat=chat, **common)
@@ -163,6 +166,7 @@ def build_app(backend: EngineBackend, settings: ServerSettings | None = None,
     app.state.chat_server_tools = chat_server_tools or _NoChat()
     app.state.completions = completions
     app.state.responses = responses or _NoChat()
+    app.state.conversations_api = conversations_api
     app.state.messages = messages or _NoChat()
     app.state.sessions = sessions or _NoChat()
     app.state.tokenize = tokenize

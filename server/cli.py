@@ -363,7 +363,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "recently used one that is not generating is closed (default 16384)")
     c.add_argument("--response-ttl", type=float, default=float(_env("RESPONSE_TTL", 3600.0)),
                    help="seconds a stored Responses-API response stays retrievable and chainable after its "
-                        "creation (default 3600)")
+                        "creation, and a conversation (/v1/conversations) is kept after its last use (default 3600)")
     c.add_argument("--resume-without-tools", action=argparse.BooleanOptionalAction,
                    default=bool(_env_flag("RESUME_WITHOUT_TOOLS")),
                    help="a chat request that sends no tools but continues a paused generation with its calls' "
@@ -372,6 +372,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "sees tool definitions the request did not send, and cannot call them)")
     c.add_argument("--max-stored-responses", type=int, default=int(_env("MAX_STORED_RESPONSES", 1024)),
                    help="stored Responses-API responses kept at most; beyond, the oldest is forgotten (default 1024)")
+    c.add_argument("--max-conversations", type=int, default=int(_env("MAX_CONVERSATIONS", 1024)),
+                   help="Responses-API conversations (/v1/conversations) kept at most, each --response-ttl seconds "
+                        "after its last use; beyond, the least recently used one is forgotten (default 1024)")
 
 
 def chat_template(given: str) -> str:
@@ -400,6 +403,7 @@ def server_settings(args: argparse.Namespace):
     policy = ConversationPolicy(idle_ttl=args.idle_ttl, max_paused_tokens=args.max_paused_tokens,
                                 max_paused=args.max_paused, max_named_sessions=args.max_named_sessions,
                                 response_ttl=args.response_ttl, max_stored_responses=args.max_stored_responses,
+                                max_conversations=args.max_conversations,
                                 resume_without_tools=args.resume_without_tools)
     from infercept.server.tenants import load_keys_file
 

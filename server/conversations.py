@@ -1,13 +1,15 @@
 """The conversation store: what the server keeps between requests, and the paused generations it holds.
 
-Every conversation is one record (`Conversation`) of one of four kinds (`Kind`):
+Every conversation is one record (`Conversation`) of one of five kinds (`Kind`):
 
 * implicit -- a generation paused at tool calls (or at a token-level interception) that nobody named,
   found by its call ids (a chat request repeating that conversation, that turn and one result per call)
   or by its tokens (a `/v1/completions` prompt strictly extending them); it closes once resumed;
 * chat -- a chat completion's `session_id`: its messages, so a request may bring only tool results;
 * session -- a native session (`/v1/sessions`): its spec, its messages or, token-level, its context;
-* response -- a stored Responses-API response (`store: true`): its body and the conversation it closes.
+* response -- a stored Responses-API response (`store: true`): its body and the conversation it closes;
+* conversation -- a Responses-API conversation (`/v1/conversations`): its items, the chat messages they
+  make, and the generation its last response paused at.
 
 A record is in one state (`State`): idle, generating (a request of it is being served), paused (its
 last turn ended in tool calls or an interception and waits for the results) or closed (gone). A paused
@@ -24,11 +26,13 @@ of a token sequence's 16-token blocks -> handles (`find_for_tokens`); (kind, id)
 
 The policy (`settings.ConversationPolicy`) is one object with two clocks, because the documented
 defaults differ: handles, chat sessions and native sessions go after `idle_ttl` unused (600 s),
-stored responses `response_ttl` after their creation (3600 s). Handles are bounded by memory: past
+stored responses `response_ttl` after their creation (3600 s), conversations `response_ttl` after their
+last use (they are stored objects a client comes back to, like responses). Handles are bounded by memory: past
 `max_paused_tokens` context tokens (or `max_paused` handles) the one keeping the least KV goes
 (`kept_tokens`: its resume recomputes what it keeps; oldest among equals). Named records (chat and
 native sessions) are bounded by `max_named_sessions` (least recently used first, never one generating),
-stored responses by `max_stored_responses` (oldest first). Closing a record releases its handle.
+stored responses by `max_stored_responses` (oldest first), conversations by `max_conversations` (least
+recently used first, never one generating). Closing a record releases its handle.
 
 Releasing goes through one function, `release(request_id, cause, reason)` (`engine_release`: abort in
 the engine, counted by cause -- limits, ttl, shutdown, client -- with the KV it kept), and resuming
@@ -66,6 +70,7 @@ class Kind(enum.Enum):
     CHAT = "chat"  # a chat completion's session_id
     SESSION = "session"  # /v1/sessions
     RESPONSE = "response"  # a stored Responses-API response
+    CONVERSATION = "conversation"  # a Responses-API conversation (/v1/conversations)
 
 
 class State(str, enum.Enum):  # (enum.StrEnum needs Python 3.11; we support 3.10)
@@ -136,7 +141,8 @@ class Conversation:
     messages: tuple[Message, ...] = ()
     token_ids: list[int] = field(default_factory=list)  # a token-level session's whole context
     spec: SessionSpec | None = None  # native sessions
-    body: dict | None = None  # stored responses: the response object as returned
+    body: dict | None = None  # stored responses: the response object as returned; conversations: theirs
+    items: list[dict] = field(default_factory=list)  # conversations: their items as listed, oldest first
     request_id: str | None = None  # native sessions: the engine request generating now
     task: asyncio.Task | None = None  # native sessions: the post in flight (deleting the session cancels it)
     last_used: float = 0.0  # named records: last use; responses: creation
@@ -189,6 +195,7 @@ class ConversationStore:
         self._named: OrderedDict[tuple[str | None, Kind, str], Conversation] = OrderedDict()
         self._named_tenants: dict[tuple[Kind, str], int] = {}  # (kind, id) -> how many tenants name it
         self._responses: OrderedDict[str, Conversation] = OrderedDict()  # oldest first
+        self._conversations: OrderedDict[str, Conversation] = OrderedDict()  # least recently used first
         # (owner, call ids) -> turns: a tenant's conversations render only its own generated turns' tokens
         self._turns: OrderedDict[tuple[str | None, tuple[str, ...]], list[AssistantTurn]] = OrderedDict()
         self._num_turns = 0
@@ -344,6 +351,9 @@ class ConversationStore:
         if kind is Kind.RESPONSE:
             self._expire_responses()
             return id in self._responses
+        if kind is Kind.CONVERSATION:
+            self._expire_conversations()
+            return id in self._conversations
         return (kind, id) in self._named_tenants
 
     def touch(self, record: Conversation) -> None:
@@ -352,6 +362,8 @@ class ConversationStore:
         record.last_used = self.clock()
         if record.kind in (Kind.CHAT, Kind.SESSION) and record.state is not State.CLOSED:
             self._named.move_to_end((record.owner, record.kind, record.id))
+        elif record.kind is Kind.CONVERSATION and record.state is not State.CLOSED:
+            self._conversations.move_to_end(record.id)
 
     def open_named(self, kind: Kind, id: str, owner: str | None = None, **fields) -> Conversation:
         """`owner`'s named record (kind, id), created if new: past `max_named_sessions` the least recently
@@ -387,11 +399,36 @@ class ConversationStore:
         record = self._responses.get(response_id)
         return record if record is not None and record.owner == owner else None
 
+    def open_conversation(self, conversation_id: str, body: dict, owner: str | None = None) -> Conversation:
+        """A new conversation of `owner`'s: past `max_conversations` the least recently used one that is not
+        generating is closed (429 when every one is generating)."""
+        self._expire_conversations()
+        while len(self._conversations) >= self.policy.max_conversations:
+            victim = next((r for r in self._conversations.values() if r.state is not State.GENERATING), None)
+            if victim is None:
+                raise APIError(429, f"too many conversations generating (limit {self.policy.max_conversations})",
+                               code="rate_limit_exceeded", headers={"Retry-After": "1"})
+            self.close(victim, "limits", "over the conversation limit")
+        record = self._conversations[conversation_id] = Conversation(conversation_id, Kind.CONVERSATION, body=body,
+                                                                     last_used=self.clock(), owner=owner)
+        return record
+
+    def conversation(self, conversation_id: str, owner: str | None = None) -> Conversation | None:
+        """`owner`'s conversation, its TTL started again; None if there is none."""
+        self._expire_conversations()
+        record = self._conversations.get(conversation_id)
+        if record is None or record.owner != owner:
+            return None
+        self.touch(record)
+        return record
+
     def close(self, record: Conversation, cause: str = "client", reason: str | None = None) -> None:
         """Forget `record`, releasing the generation it holds."""
         record.state = State.CLOSED
         if record.kind is Kind.RESPONSE:
             del self._responses[record.id]
+        elif record.kind is Kind.CONVERSATION:
+            del self._conversations[record.id]
         elif record.kind is not Kind.IMPLICIT:
             del self._named[(record.owner, record.kind, record.id)]
             if (left := self._named_tenants.pop((record.kind, record.id)) - 1) > 0:
@@ -419,6 +456,7 @@ class ConversationStore:
         for record in stale:
             self.close(record, "ttl", f"{record.kind.value} {record.id} unused longer than the TTL")
         self._expire_responses()
+        self._expire_conversations()
 
     def _expire_responses(self) -> None:
         now = self.clock()
@@ -427,6 +465,17 @@ class ConversationStore:
             if now - oldest.last_used <= self.policy.response_ttl:
                 break
             self.close(oldest, "ttl", f"response {oldest.id} past its TTL")
+
+    def _expire_conversations(self) -> None:
+        now = self.clock()
+        stale = []
+        for record in self._conversations.values():  # (least recently used first)
+            if now - record.last_used <= self.policy.response_ttl:
+                break
+            if record.state is not State.GENERATING:
+                stale.append(record)
+        for record in stale:
+            self.close(record, "ttl", f"conversation {record.id} unused longer than --response-ttl")
 
     async def reap(self) -> None:
         """The TTL loop, for the app's lifetime."""

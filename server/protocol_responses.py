@@ -29,6 +29,7 @@ class MessageItem(Lenient):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[TextPart]
+    id: str | None = None
 
 
 class FunctionCallItem(Lenient):
@@ -43,6 +44,7 @@ class FunctionCallOutputItem(Lenient):
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1)
     output: str | list[TextPart]
+    id: str | None = None
 
 
 class McpApprovalResponseItem(Lenient):
@@ -96,6 +98,9 @@ class ReasoningItem(Lenient):
     templates leave earlier thinking out; a paused generation keeps the thinking as its tokens."""
 
     type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[dict] = Field(default_factory=list)  # (kept as sent, where a conversation keeps the item)
+    content: list[dict] | None = None
 
 
 def _item_type(value: Any) -> str:
@@ -216,18 +221,25 @@ class TextConfig(Lenient):
         return {"format": fmt}
 
 
+class ConversationRef(Strict):
+    id: str = Field(min_length=1)
+
+
 class ResponsesRequest(SamplingKnobs):
     """OpenAI's fields, and vLLM's extras: its sampling fields (SamplingKnobs, as on Chat Completions) and
     `chat_template_kwargs`."""
 
     model: str | None = None  # None = the served model
-    input: str | list[InputItem]
+    input: str | list[InputItem] = Field(default_factory=list)  # (may be empty after a conversation's items)
     instructions: str | None = None
     tools: list[ResponsesTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | McpToolChoice | None = None
     max_tool_calls: int | None = Field(default=None, ge=0)  # MCP calls the server runs in this response
     parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
+    # The conversation (/v1/conversations) the response belongs to: its items come before `input`, and the
+    # input and output items are added to it when the response ends (its id, or {"id": ...})
+    conversation: str | ConversationRef | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     store: bool | None = True
     stream: bool | None = False
@@ -250,6 +262,10 @@ class ResponsesRequest(SamplingKnobs):
     service_tier: str | None = None
     safety_identifier: str | None = None
     reasoning: dict | None = None  # effort / summary: a local thinking model thinks as it was trained to
+
+    @property
+    def conversation_id(self) -> str | None:
+        return self.conversation.id if isinstance(self.conversation, ConversationRef) else self.conversation
 
     def logprobs(self) -> int | None:
         """Top logprobs per output token the response shows (0: the sampled token's alone); None: none."""
@@ -365,6 +381,7 @@ class ResponseObject(BaseModel):
     output: list[OutputItem] = Field(default_factory=list)
     parallel_tool_calls: bool = True
     previous_response_id: str | None = None
+    conversation: dict | None = None  # {"id": ...} of the conversation its items were added to
     reasoning: dict | None = None
     store: bool = True
     temperature: float | None = None

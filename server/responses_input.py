@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from infercept.engine.backend import ToolSpec
 
 from .chat import Call, Message
+from .conversations import Conversation
 from .protocol import APIError
 from .protocol_responses import (FunctionCallItem, FunctionCallOutputItem, FunctionTool, MessageItem, ReasoningItem,
                                  ResponsesRequest, TextPart)
@@ -86,6 +87,8 @@ class ResponseTurn:
     turn: Turn
     sequence: int = 0  # of the next stream event
     reasoning_id: str = ""  # of the reasoning output item (a thinking model's), known before it streams
+    in_conversation: Conversation | None = None  # the conversation (/v1/conversations) it is part of
+    kept_items: list[dict] = field(default_factory=list)  # the input items it adds there when it ends
 
     @property
     def id(self) -> str:

@@ -7,6 +7,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from .protocol_conversations import ConversationCreateRequest, ConversationItemsRequest, ConversationUpdateRequest
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from .protocol_messages import CountTokensRequest, MessagesRequest
 from .protocol_responses import ResponsesRequest
@@ -114,6 +115,46 @@ async def cancel_response(response_id: str, request: Request) -> Response:
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, request: Request) -> Response:
     return await request.app.state.responses.delete(response_id, request)
+
+
+@router.post("/v1/conversations")
+async def create_conversation(body: ConversationCreateRequest, request: Request) -> Response:
+    return await request.app.state.conversations_api.create(body, request)
+
+
+@router.get("/v1/conversations/{conversation_id}")
+async def retrieve_conversation(conversation_id: str, request: Request) -> Response:
+    return await request.app.state.conversations_api.retrieve(conversation_id, request)
+
+
+@router.post("/v1/conversations/{conversation_id}")
+async def update_conversation(conversation_id: str, body: ConversationUpdateRequest, request: Request) -> Response:
+    return await request.app.state.conversations_api.update(conversation_id, body, request)
+
+
+@router.delete("/v1/conversations/{conversation_id}")
+async def delete_conversation(conversation_id: str, request: Request) -> Response:
+    return await request.app.state.conversations_api.delete(conversation_id, request)
+
+
+@router.post("/v1/conversations/{conversation_id}/items")
+async def add_conversation_items(conversation_id: str, body: ConversationItemsRequest, request: Request) -> Response:
+    return await request.app.state.conversations_api.add_items(conversation_id, body, request)
+
+
+@router.get("/v1/conversations/{conversation_id}/items")
+async def list_conversation_items(conversation_id: str, request: Request) -> Response:
+    return await request.app.state.conversations_api.list_items(conversation_id, request)
+
+
+@router.get("/v1/conversations/{conversation_id}/items/{item_id}")
+async def retrieve_conversation_item(conversation_id: str, item_id: str, request: Request) -> Response:
+    return await request.app.state.conversations_api.retrieve_item(conversation_id, item_id, request)
+
+
+@router.delete("/v1/conversations/{conversation_id}/items/{item_id}")
+async def delete_conversation_item(conversation_id: str, item_id: str, request: Request) -> Response:
+    return await request.app.state.conversations_api.delete_item(conversation_id, item_id, request)
 
 
 @router.post("/v1/messages")

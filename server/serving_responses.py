@@ -19,7 +19,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
 from .chat import Message
-from .conversations import Conversation
+from .conversation_items import kept_items
+from .conversations import Conversation, State
 from .protocol import APIError, TokenLogprob, bad_request, new_id, now
 from . import responses_mcp
 from .protocol_responses import (DeletedResponse, IncompleteDetails, InputTokensDetails, OutputFunctionCall, OutputItem,
@@ -29,6 +30,7 @@ from .responses_input import ResponseTurn, input_messages, request_fields, tool_
 from .responses_mcp import ResponsesMcp
 from .responses_background import BackgroundResponses
 from .serving_base import Frontend, StreamResponse, respond
+from .serving_conversations import ConversationsServing
 from .tenants import owner_of
 from .tool_mode import tool_mode
 from .turns import ReasoningDelta, TextDelta, TurnFinished, TurnResult, TurnSpec
@@ -38,6 +40,7 @@ ARGUMENT_FRAGMENT_CHARS = 16  # a call's arguments stream in pieces of this size
 class ResponsesServing(Frontend):
     mcp: ResponsesMcp | None = None  # serves the requests with MCP tools or items (app.py sets it)
     background: BackgroundResponses  # the responses running in the background (app.py sets it)
+    conversations_api: ConversationsServing  # the conversations (/v1/conversations) responses join (app.py sets it)
 
     async def create(self, req: ResponsesRequest, raw: Request) -> Response:
         if req.background:
@@ -45,10 +48,21 @@ class ResponsesServing(Frontend):
         if responses_mcp.wanted(req):
             if self.mcp is None:
                 raise bad_request("mcp tools are not available on this server", param="tools")
+            if req.conversation is not None:
+                raise bad_request("a response with mcp tools or items cannot be in a conversation (its MCP calls "
+                                  "run within the response): send its history as input, or chain it by "
+                                  "previous_response_id", param="conversation")
             return await self.mcp.create(self, req, raw)
         history: tuple[Message, ...] = ()
         owner = owner_of(raw)
-        if req.previous_response_id is not None:
+        record, kept = None, []  # the conversation it belongs to, and the input items it adds there
+        if req.conversation is not None:
+            if req.previous_response_id is not None:
+                raise bad_request("previous_response_id cannot be used with conversation", param="conversation")
+            record = self.conversations_api.of(req.conversation_id, owner, editing=True)
+            history = record.messages
+            kept = kept_items(req.input, {item["id"] for item in record.items})
+        elif req.previous_response_id is not None:
             previous = self.conversations.response(req.previous_response_id, owner)
             if previous is None:
                 raise APIError(404, f"Previous response with id '{req.previous_response_id}' not found.",
@@ -63,10 +77,29 @@ class ResponsesServing(Frontend):
         mode = tool_mode([tool_spec(t) for t in req.tools] if req.tools else None, choice,
                          req.parallel_tool_calls is not False)
         system = (Message("system", req.instructions),) if req.instructions else ()
-        turn = await self.turns.open(TurnSpec("chat", messages=system + conversation, mode=mode, id_prefix="resp_",
-                                              param="input", owner=owner, **request_fields(req, mode)))
-        rt = ResponseTurn(req, model, new_id("msg_"), now(), conversation, turn, reasoning_id=new_id("rs_"))
-        return await self.answer(raw, rt, lambda: self._events(rt), lambda: self._full(rt), turn.close)
+        spec = TurnSpec("chat", messages=system + conversation, mode=mode, id_prefix="resp_", param="input",
+                        owner=owner, holder=record, **request_fields(req, mode))
+        if record is not None:
+            record.state = State.GENERATING  # (until the turn closes: one response at a time in a conversation)
+        try:
+            turn = await self.turns.open(spec)
+        except BaseException:
+            self._settle(record)
+            raise
+        rt = ResponseTurn(req, model, new_id("msg_"), now(), conversation, turn, reasoning_id=new_id("rs_"),
+                          in_conversation=record, kept_items=kept)
+
+        async def close() -> None:
+            await turn.close()
+            self._settle(record)
+
+        return await self.answer(raw, rt, lambda: self._events(rt), lambda: self._full(rt), close)
+
+    def _settle(self, record: Conversation | None) -> None:
+        """A conversation's response ended (or never started): it is paused if it holds the generation."""
+        if record is not None and record.state is State.GENERATING:
+            record.state = State.PAUSED if record.paused is not None else State.IDLE
+            self.conversations.touch(record)
 
     async def answer(self, raw: Request, rt: ResponseTurn, events: Callable[[], AsyncIterator[dict]],
                      body: Callable[[], Awaitable[dict]], cleanup: Callable[[], Awaitable[None]]) -> Response:
@@ -171,12 +204,16 @@ class ResponsesServing(Frontend):
             store=req.store is not False, temperature=req.temperature, top_p=req.top_p, tool_choice=tool_choice,
             tools=[t.model_dump(exclude_none=True) for t in req.tools or ()], usage=usage, user=req.user,
             metadata=req.metadata or {}, background=req.background is True, truncation=req.truncation or "disabled",
+            conversation={"id": rt.in_conversation.id} if rt.in_conversation is not None else None,
             text=req.text.echoed() if req.text is not None else {"format": {"type": "text"}})
 
     def _finish(self, rt: ResponseTurn, end: TurnFinished, output: list[OutputItem]) -> dict:
         """The final response body; stored when the request asked for it."""
         status = "incomplete" if end.result.finish_reason == "length" else "completed"
         body = self._response(rt, status, output, end).model_dump(mode="json")
+        record = rt.in_conversation
+        if record is not None and record.state is not State.CLOSED:
+            self.conversations_api.keep(record, record.items + rt.kept_items + body["output"])
         if rt.request.store is not False:
             self.conversations.store_response(rt.id, body, rt.conversation + (end.result.message,),
                                               rt.turn.engine.request_id, rt.turn.spec.owner)

@@ -34,6 +34,9 @@ class ConversationPolicy:
     # its creation.
     response_ttl: float = 3600.0
     max_stored_responses: int = 1024
+    # Responses-API conversations (/v1/conversations) kept at most, each for response_ttl seconds after
+    # its last use; creating one more closes the least recently used one that is not generating.
+    max_conversations: int = 1024
     # A chat request without tools that continues a paused generation (its calls' results, as AutoGen's
     # reflection step sends them) is served with the tools the paused prompt rendered and tool_choice
     # "none", so that it resumes instead of being recomputed under another prompt (--resume-without-tools).
@@ -48,8 +51,8 @@ class ConversationPolicy:
             raise ValueError("--idle-ttl and --response-ttl must be positive")
         if (self.max_paused or 0) < 0 or (self.max_paused_tokens or 0) < 0 or self.max_stored_responses < 0:
             raise ValueError("--max-paused, --max-paused-tokens and --max-stored-responses must be >= 0")
-        if self.max_named_sessions < 1:
-            raise ValueError("--max-named-sessions must be >= 1")
+        if self.max_named_sessions < 1 or self.max_conversations < 1:
+            raise ValueError("--max-named-sessions and --max-conversations must be >= 1")
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,8 @@ class Recorder:
 
     def client(self, backend_url: str) -> openai.AsyncOpenAI:
         async def on_request(request):
-            self.bodies.append(json.loads(request.content))
+            if request.content:  # (a session's GETs have no body)
+                self.bodies.append(json.loads(request.content))
 
         async def on_response(response):
             self.statuses.append(response.status_code)
@@ -119,3 +120,72 @@ def test_an_output_type_agent_gets_a_validated_object(backend_url, api):
         recorder.bodies[1]["response_format"]
     assert schema_of_answer["type"] == "json_schema"
     assert isinstance(result.final_output, Weather) and result.final_output.city == "Paris"
+
+
+def run_in_conversation(url: str, questions: list[str], **run_options) -> tuple[list, Recorder]:
+    """`Runner.run` of the weather agent (Responses model) once per question, with `run_options` (a
+    server-side conversation, or a session): the results and the recorder."""
+    recorder = Recorder()
+    client = recorder.client(url)
+    options = {k: v(client) if callable(v) else v for k, v in run_options.items()}
+
+    async def run():
+        results = []
+        for question in questions:
+            agent = Agent(name="weather", instructions="You answer weather questions.",
+                          tools=[recorder.weather_tool()], model=OpenAIResponsesModel("smol", client),
+                          hooks=AnswerAfterTheTool(), reset_tool_choice=False,
+                          model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=48))
+            results.append(await Runner.run(agent, question, max_turns=2, run_config=RunConfig(tracing_disabled=True),
+                                            **options))
+        return results
+
+    before = resumes(url, "explicit") + resumes(url)
+    results = asyncio.run(run())
+    recorder.resumes = resumes(url, "explicit") + resumes(url) - before
+    return results, recorder
+
+
+def test_a_run_in_a_server_side_conversation_resumes_and_keeps_its_items(agent_server_url):
+    """`Runner.run(conversation_id=...)`: each request sends only its new items with `conversation`; the
+    step after the tool resumes the generation the conversation holds, and the conversation keeps both
+    runs' items, the second run's prompt continuing the first's."""
+    conversation = openai.OpenAI(base_url=agent_server_url, api_key="unused").conversations.create()
+    results, recorder = run_in_conversation(agent_server_url, [QUESTION, "And in Rome?"],
+                                            conversation_id=conversation.id)
+    assert [body["conversation"] for body in recorder.bodies] == [conversation.id] * 4
+    assert [item["type"] for item in recorder.bodies[1]["input"]] == ["function_call_output"]
+    assert recorder.calls == ["Paris", "Rome"] and recorder.resumes == 2
+    for result in results:
+        assert_tool_then_cached_answer_in(result)
+    first, second = results
+    assert second.raw_responses[0].usage.input_tokens > first.raw_responses[1].usage.input_tokens
+    items = list(openai.OpenAI(base_url=agent_server_url, api_key="unused").conversations.items.list(
+        conversation.id, order="asc"))
+    assert [item.type for item in items] == ["message", "function_call", "function_call_output", "message"] * 2
+
+
+def test_a_conversations_session_stores_the_runs_items(agent_server_url):
+    """`OpenAIConversationsSession`, the SDK's memory kept in a conversation (/v1/conversations): the
+    second run reads the first's items back (parsed by the SDK), sends them whole, and its tool step
+    resumes too."""
+    from agents.memory import OpenAIConversationsSession
+
+    results, recorder = run_in_conversation(agent_server_url, [QUESTION, "And in Rome?"],
+                                            session=lambda client: OpenAIConversationsSession(openai_client=client))
+    assert recorder.calls == ["Paris", "Rome"] and recorder.resumes == 2
+    responses = [body for body in recorder.bodies if "input" in body]
+    assert len(responses) == 4 and all("conversation" not in body for body in responses)
+    history = [item.get("type", "message") for item in responses[2]["input"]]
+    assert history == ["message", "function_call", "function_call_output", "message", "message"]
+    for result in results:
+        assert_tool_then_cached_answer_in(result)
+
+
+def assert_tool_then_cached_answer_in(result) -> None:
+    first, resumed = result.raw_responses
+    assert [item.type for item in first.output] == ["function_call"]
+    assert [item.type for item in resumed.output] == ["message"]
+    cached, prompt = resumed.usage.input_tokens_details.cached_tokens, resumed.usage.input_tokens
+    print(f"resumed step: {cached}/{prompt} prompt tokens cached")
+    assert cached >= MIN_CACHED_SHARE * prompt, (cached, prompt)

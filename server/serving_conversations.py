@@ -1,0 +1,115 @@
+"""OpenAI's Conversations API: POST /v1/conversations, GET / POST / DELETE /v1/conversations/{id}, and its
+items: POST and GET /v1/conversations/{id}/items, GET and DELETE /v1/conversations/{id}/items/{item_id}.
+
+A conversation is a record of the conversation store (`Kind.CONVERSATION`): its items (as listed) and
+the chat messages they make. A Responses request naming it (`conversation`) continues those messages
+and adds its input and output items when it ends (serving_responses.py); a response that ends in
+function calls leaves its generation paused, held by the conversation, so the request that brings the
+`function_call_output` items (as its input, or added to the conversation first) resumes it. Editing the
+conversation's history (deleting an item) lets that paused generation go: nothing could resume it.
+"""
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import Request
+
+from .conversation_items import kept_items, messages_of, parsed_items
+from .conversations import Conversation, ConversationStore, State
+from .protocol import APIError, bad_request, new_id, now
+from .protocol_conversations import ConversationCreateRequest, ConversationItemsRequest, ConversationUpdateRequest
+from .tenants import owner_of
+
+DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT = 20, 100  # OpenAI's
+
+
+class ConversationsServing:
+    def __init__(self, conversations: ConversationStore):
+        self.conversations = conversations
+
+    def of(self, conversation_id: str, owner: str | None, editing: bool = False) -> Conversation:
+        """The conversation (404 if unknown); `editing`: one no response is being generated in (409)."""
+        record = self.conversations.conversation(conversation_id, owner)
+        if record is None:
+            raise APIError(404, f"Conversation with id '{conversation_id}' not found.", param="conversation_id",
+                           code="conversation_not_found")
+        if editing and record.state is State.GENERATING:
+            raise APIError(409, f"conversation {conversation_id!r} has a response in progress", param="conversation",
+                           code="conversation_locked")
+        return record
+
+    @staticmethod
+    def keep(record: Conversation, items: list[dict]) -> None:
+        """`items` are the conversation's now, and their messages its history."""
+        record.items, record.messages = items, messages_of(items)
+
+    async def create(self, req: ConversationCreateRequest, raw: Request) -> Response:
+        items = kept_items(parsed_items(req.items or ()), set(), param="items")
+        body = {"id": new_id("conv_"), "object": "conversation", "created_at": now(), "metadata": req.metadata or {}}
+        record = self.conversations.open_conversation(body["id"], body, owner_of(raw))
+        self.keep(record, items)
+        return JSONResponse(body)
+
+    async def retrieve(self, conversation_id: str, raw: Request) -> Response:
+        return JSONResponse(self.of(conversation_id, owner_of(raw)).body)
+
+    async def update(self, conversation_id: str, req: ConversationUpdateRequest, raw: Request) -> Response:
+        record = self.of(conversation_id, owner_of(raw))
+        record.body = {**record.body, "metadata": req.metadata}
+        return JSONResponse(record.body)
+
+    async def delete(self, conversation_id: str, raw: Request) -> Response:
+        # Its paused generation is released with it; a response being generated in it ends unrecorded.
+        self.conversations.close(self.of(conversation_id, owner_of(raw)), reason=f"conversation {conversation_id} deleted")
+        return JSONResponse({"id": conversation_id, "object": "conversation.deleted", "deleted": True})
+
+    # -- items -------------------------------------------------------------------------------------
+    async def add_items(self, conversation_id: str, req: ConversationItemsRequest, raw: Request) -> Response:
+        record = self.of(conversation_id, owner_of(raw), editing=True)
+        items = kept_items(parsed_items(req.items), {item["id"] for item in record.items}, param="items")
+        self.keep(record, record.items + items)
+        return JSONResponse(_page(items, has_more=False))
+
+    async def list_items(self, conversation_id: str, raw: Request) -> Response:
+        """A page of the items, newest first unless `order=asc`, after the item `after` (cursor paging)."""
+        record = self.of(conversation_id, owner_of(raw))
+        query = raw.query_params
+        limit = query.get("limit", str(DEFAULT_LIST_LIMIT))
+        if not limit.isdigit() or not 1 <= int(limit) <= MAX_LIST_LIMIT:
+            raise bad_request(f"limit must be an integer from 1 to {MAX_LIST_LIMIT}", param="limit")
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise bad_request("order must be 'asc' or 'desc'", param="order")
+        items = record.items if order == "asc" else record.items[::-1]
+        after = query.get("after")
+        if after is not None:
+            position = next((i for i, item in enumerate(items) if item["id"] == after), None)
+            if position is None:
+                raise bad_request(f"after: no item {after!r} in conversation {conversation_id!r}", param="after")
+            items = items[position + 1:]
+        page = items[:int(limit)]
+        return JSONResponse(_page(page, has_more=len(items) > len(page)))
+
+    async def retrieve_item(self, conversation_id: str, item_id: str, raw: Request) -> Response:
+        record = self.of(conversation_id, owner_of(raw))
+        return JSONResponse(record.items[self._index(record, item_id)])
+
+    async def delete_item(self, conversation_id: str, item_id: str, raw: Request) -> Response:
+        record = self.of(conversation_id, owner_of(raw), editing=True)
+        index = self._index(record, item_id)
+        self.keep(record, record.items[:index] + record.items[index + 1:])
+        self.conversations.release_paused(record, f"conversation {conversation_id}: item {item_id} deleted")
+        if record.state is State.PAUSED:
+            record.state = State.IDLE
+        return JSONResponse(record.body)
+
+    @staticmethod
+    def _index(record: Conversation, item_id: str) -> int:
+        index = next((i for i, item in enumerate(record.items) if item["id"] == item_id), None)
+        if index is None:
+            raise APIError(404, f"Item with id '{item_id}' not found.", param="item_id", code="item_not_found")
+        return index
+
+
+def _page(items: list[dict], has_more: bool) -> dict:
+    return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
+            "last_id": items[-1]["id"] if items else None, "has_more": has_more}
