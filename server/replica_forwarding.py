@@ -2,7 +2,8 @@
 router, server/replicas.py).
 
 The router sends a request where its policy says, which for some clients is not the replica holding the
-conversation the request continues: a Responses chain (`previous_response_id`) or a chat session named
+conversation the request continues: a Responses chain (`previous_response_id`), a Responses
+conversation (`conversation`, and /v1/conversations/{id} with its items), or a chat session named
 only in the X-Session-Id header under cache_aware, a chat session named without that header under
 kv_aware, any of them under round_robin. So each replica knows the fleet (a file the launcher writes and
 rewrites as the fleet grows and shrinks: the replicas' URLs and a token only the fleet knows; without
@@ -56,7 +57,7 @@ logger = logging.getLogger("infercept.server")
 
 HOLDS_PATH = "/internal/fleet/holds"
 FLEET_HEADER = b"x-infercept-fleet"  # the fleet's token: a request from a replica, or a question from one
-NAMED_KINDS = {Kind.CHAT.value, Kind.SESSION.value, Kind.RESPONSE.value}
+NAMED_KINDS = {Kind.CHAT.value, Kind.SESSION.value, Kind.RESPONSE.value, Kind.CONVERSATION.value}
 REMEMBERED_HOLDERS = 100_000
 ASK_TIMEOUT_S = 2.0
 RESOLVE_EVERY_S = 5.0  # how often a DnsFleet looks its name up again (pods come and go)
@@ -69,6 +70,7 @@ NAMING_POSTS = ("/v1/responses", "/v1/chat/completions")  # POSTs whose body may
 CACHE_KEY = "prompt_cache_key"  # (also the forwarded-requests metric's kind for requests sent to their key's home)
 _RESPONSE = re.compile(r"/v1/responses/([^/]+)(?:/cancel)?")
 _SESSION = re.compile(r"/v1/sessions/([^/]+)(?:/messages)?")
+_CONVERSATION = re.compile(r"/v1/conversations/([^/]+)(?:/items(?:/[^/]+)?)?")
 
 
 def named_conversation(method: str, path: str, headers: dict[bytes, bytes], body: bytes,
@@ -79,14 +81,21 @@ def named_conversation(method: str, path: str, headers: dict[bytes, bytes], body
         return Kind.RESPONSE, m.group(1)
     if (m := _SESSION.fullmatch(path)) is not None:
         return Kind.SESSION, m.group(1)
+    if (m := _CONVERSATION.fullmatch(path)) is not None:
+        return Kind.CONVERSATION, m.group(1)
     if method != "POST" or path not in NAMING_POSTS:
         return None
-    field = b"previous_response_id" if path == "/v1/responses" else b"session_id"
-    if field not in body and b"x-session-id" not in headers:  # (most requests: no JSON to parse)
-        return None
     if path == "/v1/responses":
-        named = fields().get("previous_response_id")
+        if b"previous_response_id" not in body and b"conversation" not in body:  # (most: no JSON to parse)
+            return None
+        named, conversation = fields().get("previous_response_id"), fields().get("conversation")
+        if isinstance(conversation, dict):  # ({"id": ...})
+            conversation = conversation.get("id")
+        if isinstance(conversation, str) and conversation:
+            return Kind.CONVERSATION, conversation
         return (Kind.RESPONSE, named) if isinstance(named, str) and named else None
+    if b"session_id" not in body and b"x-session-id" not in headers:
+        return None
     named = fields().get("session_id") or headers.get(b"x-session-id", b"").decode("latin-1")
     return (Kind.CHAT, named) if isinstance(named, str) and named else None
 
@@ -114,7 +123,7 @@ def body_fields(body: bytes) -> Callable[[], dict]:
 
 def _may_name(method: str, path: str) -> bool:
     return ((method == "POST" and path in NAMING_POSTS)
-            or path.startswith(("/v1/responses/", "/v1/sessions/")))
+            or path.startswith(("/v1/responses/", "/v1/sessions/", "/v1/conversations/")))
 
 
 class Fleet:

@@ -165,9 +165,15 @@ def srv(server):
 
 
 @pytest.fixture(scope="session")
-def agent_server_url(default_model_dir):
+def agent_server_url(agent_server):
+    """The /v1 base URL of `agent_server`."""
+    return agent_server[0]
+
+
+@pytest.fixture(scope="session")
+def agent_server(default_model_dir):
     """One live OpenAI-compatible server (real embedded model, real HTTP on a loopback port) shared by
-    the integration tests (LangChain, OpenAI shim, examples); yields its /v1 base URL.
+    the integration tests (LangChain, OpenAI shim, examples); yields its /v1 base URL and its app.
 
     A hand-written profile skips the start-up measurement; the model is served as "smol". Responses
     requests may name MCP servers on the loopback (`--mcp-allow-url`), as the MCP examples' own do.
@@ -184,7 +190,7 @@ def agent_server_url(default_model_dir):
     app = build_app(NativeBackend(async_engine), ServerSettings(
         served_model_name="smol", mcp=McpSettings(allow_urls=("http://127.0.0.1:*/mcp",))))
     server, thread, base = serve_in_thread(app)
-    yield base + "/v1"
+    yield base + "/v1", app
     server.should_exit = True
     thread.join(timeout=10)
 

@@ -146,12 +146,12 @@ def run_in_conversation(url: str, questions: list[str], **run_options) -> tuple[
     return results, recorder
 
 
-def test_a_run_in_a_server_side_conversation_resumes_and_keeps_its_items(agent_server_url):
+def test_a_run_in_a_server_side_conversation_resumes_and_keeps_its_items(backend_url):
     """`Runner.run(conversation_id=...)`: each request sends only its new items with `conversation`; the
     step after the tool resumes the generation the conversation holds, and the conversation keeps both
     runs' items, the second run's prompt continuing the first's."""
-    conversation = openai.OpenAI(base_url=agent_server_url, api_key="unused").conversations.create()
-    results, recorder = run_in_conversation(agent_server_url, [QUESTION, "And in Rome?"],
+    conversation = openai.OpenAI(base_url=backend_url, api_key="unused").conversations.create()
+    results, recorder = run_in_conversation(backend_url, [QUESTION, "And in Rome?"],
                                             conversation_id=conversation.id)
     assert [body["conversation"] for body in recorder.bodies] == [conversation.id] * 4
     assert [item["type"] for item in recorder.bodies[1]["input"]] == ["function_call_output"]
@@ -160,7 +160,7 @@ def test_a_run_in_a_server_side_conversation_resumes_and_keeps_its_items(agent_s
         assert_tool_then_cached_answer_in(result)
     first, second = results
     assert second.raw_responses[0].usage.input_tokens > first.raw_responses[1].usage.input_tokens
-    items = list(openai.OpenAI(base_url=agent_server_url, api_key="unused").conversations.items.list(
+    items = list(openai.OpenAI(base_url=backend_url, api_key="unused").conversations.items.list(
         conversation.id, order="asc"))
     assert [item.type for item in items] == ["message", "function_call", "function_call_output", "message"] * 2
 

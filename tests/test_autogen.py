@@ -6,12 +6,14 @@ call as `tool_calls` and the result as a `tool` message, and the same tools: tha
 generation. Its `reflect_on_tool_use` step instead asks for no tools (`tool_choice` "none", which its
 client then leaves out with the tools), so its prompt, rendered without the tool definitions, does not
 extend the paused generation: it is served fresh, its context computed again but for the few tokens the
-two prompts share.
+two prompts share; with the server's `--resume-without-tools` it is served with the paused prompt's tools
+(none callable) and resumes.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 
 import openai
 import pytest
@@ -84,3 +86,17 @@ def test_a_reflection_step_without_tools_is_served_fresh(agent_server_url):
     cached, prompt = cached_share(answers[1])
     print(f"reflection step: {cached}/{prompt} prompt tokens cached")
     assert cached < 0.5 * prompt, (cached, prompt)
+
+
+def test_a_reflection_step_resumes_with_resume_without_tools(agent_server, monkeypatch):
+    url, app = agent_server
+    store = app.state.conversations
+    monkeypatch.setattr(store, "policy", replace(store.policy, resume_without_tools=True))
+    before = resumes(url)
+    bodies, answers, cities = run_agent(url, reflect_on_tool_use=True)
+    assert resumes(url) == before + 1
+    assert cities[0] == "Paris" and len(bodies) == 2 and "tools" not in bodies[1]
+    assert answers[1]["choices"][0]["message"]["content"] and not answers[1]["choices"][0]["message"].get("tool_calls")
+    cached, prompt = cached_share(answers[1])
+    print(f"reflection step with --resume-without-tools: {cached}/{prompt} prompt tokens cached")
+    assert cached >= MIN_CACHED_SHARE * prompt, (cached, prompt)

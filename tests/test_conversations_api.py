@@ -162,3 +162,31 @@ def test_bad_requests_are_4xx_in_openai_shape(srv):
     with pytest.raises(openai.NotFoundError):
         client.conversations.items.retrieve("msg_nope", conversation_id=conv.id)
     assert list(client.conversations.items.list(conv.id)) == []  # nothing was added by the failed requests
+
+
+def test_conversations_are_kept_response_ttl_after_their_last_use_and_bounded():
+    from infercept.server.conversations import ConversationStore, State
+    from infercept.server.protocol import APIError
+    from infercept.server.settings import ConversationPolicy
+
+    clock = [0.0]
+    store = ConversationStore(ConversationPolicy(response_ttl=10, max_conversations=2), lambda *_: None,
+                              clock=lambda: clock[0])
+    first, second = (store.open_conversation(f"conv_{i}", {"id": f"conv_{i}"}) for i in (1, 2))
+    clock[0] = 5.0
+    assert store.conversation("conv_1") is first  # used: the least recently used is now conv_2
+    store.open_conversation("conv_3", {})
+    assert store.conversation("conv_2") is None and second.state is State.CLOSED
+    clock[0] = 8.0
+    assert store.conversation("conv_1") is first
+    clock[0] = 15.5  # conv_3 created at 5 and unused since, conv_1 last used at 8
+    assert store.conversation("conv_3") is None and store.conversation("conv_1") is first
+    assert store.conversation("conv_1", owner="another tenant") is None  # (another tenant's is none of its business)
+    first.state = State.GENERATING  # a conversation with a response in progress is neither reaped nor evicted
+    clock[0] = 30.0
+    store.expire()
+    assert store._conversations == {"conv_1": first}
+    store.open_conversation("conv_4", {}).state = State.GENERATING
+    with pytest.raises(APIError) as full:  # (every one generating)
+        store.open_conversation("conv_5", {})
+    assert full.value.status == 429

@@ -135,7 +135,7 @@ def test_a_request_naming_what_another_replica_holds_is_served_there(tmp_path):
     from infercept.server.conversations import Kind
 
     streams = {"go on": threading.Event(), "ended": threading.Event()}
-    held = {(Kind.RESPONSE, "resp_a"), (Kind.SESSION, "sess_a"), (Kind.CHAT, "chat-a")}
+    held = {(Kind.RESPONSE, "resp_a"), (Kind.SESSION, "sess_a"), (Kind.CHAT, "chat-a"), (Kind.CONVERSATION, "conv_a")}
     fleet_file = tmp_path / "fleet.json"
     servers = []
     for name, holds in (("a", held), ("b", set())):
@@ -155,7 +155,11 @@ def test_a_request_naming_what_another_replica_holds_is_served_there(tmp_path):
                     ("POST", "/v1/responses/resp_a/cancel", {}),
                     ("GET", "/v1/sessions/sess_a", {}), ("POST", "/v1/sessions/sess_a/messages", {"json": {"content": "x"}}),
                     ("POST", "/v1/chat/completions", {"json": {"messages": [], "session_id": "chat-a"}}),
-                    ("POST", "/v1/chat/completions", {"json": {"messages": []}, "headers": {"X-Session-Id": "chat-a"}})):
+                    ("POST", "/v1/chat/completions", {"json": {"messages": []}, "headers": {"X-Session-Id": "chat-a"}}),
+                    ("POST", "/v1/responses", {"json": {"conversation": "conv_a", "input": "x"}}),
+                    ("POST", "/v1/responses", {"json": {"conversation": {"id": "conv_a"}, "input": "x"}}),
+                    ("GET", "/v1/conversations/conv_a", {}), ("POST", "/v1/conversations/conv_a/items", {"json": {}}),
+                    ("DELETE", "/v1/conversations/conv_a/items/msg_1", {})):
                 r = http.request(method, path, params={"q": "1"}, json=kw.get("json"),
                                  headers={**key, **kw.get("headers", {})})
                 got = r.json()
@@ -165,6 +169,8 @@ def test_a_request_naming_what_another_replica_holds_is_served_there(tmp_path):
                     assert json.loads(got["body"]) == kw["json"]
             for method, path, kw in (
                     ("POST", "/v1/responses", {"json": {"previous_response_id": "resp_b", "input": "x"}}),
+                    ("POST", "/v1/responses", {"json": {"conversation": "conv_b", "input": "x"}}),
+                    ("GET", "/v1/conversations/conv_b/items", {}), ("POST", "/v1/conversations", {"json": {}}),
                     ("GET", "/v1/sessions/sess_b", {}), ("POST", "/v1/chat/completions", {"json": {"messages": []}}),
                     ("POST", "/v1/completions", {"json": {"session_id": "chat-a"}})):  # (completions name none)
                 got = http.request(method, path, **kw).json()
@@ -186,7 +192,7 @@ def test_a_request_naming_what_another_replica_holds_is_served_there(tmp_path):
             assert streams["ended"].wait(10), "the holder's stream went on after the client left"
             counted = servers[1][3].registry.get_sample_value
             assert [counted("infercept_forwarded_requests_total", {"model": "m", "kind": kind})
-                    for kind in ("response", "session", "chat")] == [4, 2, 3]
+                    for kind in ("response", "session", "chat", "conversation")] == [4, 2, 3, 5]
             # The holder gone: served here (as one server answers a conversation it lost).
             servers[0][0].should_exit = True
             servers[0][1].join(timeout=10)

@@ -439,7 +439,8 @@ def prepare_positive(case, http: httpx.Client, n: int) -> None:
     completions prompt is a few real token ids. Every
     other example drops `allowed_token_ids`, `bad_words` and `truncate_prompt_tokens`, which random ids,
     words and counts seldom satisfy.
-    Every other example of an operation on a session or a stored response names a real one, made for it, and
+    Every other example of an operation on a session, a stored response or a conversation (and its item)
+    names a real one, made for it (a Responses body then names no conversation and has an input), and
     one on a model the served model (and every fourth message posted to a session is a user message,
     which it accepts; every other /tokenize body is a conversation alone)."""
     body = case.body if isinstance(case.body, dict) else None
@@ -466,11 +467,21 @@ def prepare_positive(case, http: httpx.Client, n: int) -> None:
             for key in ("prompt", "continue_final_message", "add_special_tokens", "chat_template"):
                 body.pop(key, None)
             body["messages"] = QUESTION
+        if case.path == "/v1/responses" and n % 2:  # a random conversation id is only ever 404
+            body.pop("conversation", None)
+            body.setdefault("input", QUESTION)
+        if case.path.startswith("/v1/conversations") and "items" in body and n % 2:
+            body["items"] = [{"role": "user", "content": "Hi"}]
         if case.path == "/v1/sessions/{session_id}/messages" and n % 4 == 1:  # a user message to the fresh session
             body.pop("tool_results", None)
             body["content"] = body.get("content") or "Hi"
     if n % 2 and "session_id" in (case.path_parameters or {}):
         case.path_parameters["session_id"] = http.post("/sessions", json={"tools": TOOLS, "max_tokens": 4}).json()["id"]
+    if n % 2 and "conversation_id" in (case.path_parameters or {}):  # a real one, with one item
+        made = http.post("/conversations", json={"items": [{"role": "user", "content": "Hi"}]}).json()["id"]
+        case.path_parameters["conversation_id"] = made
+        if "item_id" in case.path_parameters:
+            case.path_parameters["item_id"] = http.get(f"/conversations/{made}/items").json()["data"][0]["id"]
     if n % 2 and "model" in (case.path_parameters or {}):
         case.path_parameters["model"] = MODEL
     if n % 2 and "response_id" in (case.path_parameters or {}):
