@@ -365,6 +365,13 @@ class ConversationStore:
         elif record.kind is Kind.CONVERSATION and record.state is not State.CLOSED:
             self._conversations.move_to_end(record.id)
 
+    def settle(self, record: Conversation | None) -> None:
+        """The request `record` was generating for ended (or never started): it is paused if it holds a
+        generation, else idle, and its TTL starts again."""
+        if record is not None and record.state is State.GENERATING:
+            record.state = State.PAUSED if record.paused is not None else State.IDLE
+            self.touch(record)
+
     def open_named(self, kind: Kind, id: str, owner: str | None = None, **fields) -> Conversation:
         """`owner`'s named record (kind, id), created if new: past `max_named_sessions` the least recently
         used one that is not generating is closed (429 when every one is generating)."""

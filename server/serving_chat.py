@@ -131,17 +131,12 @@ class ChatServing(Frontend):
         try:
             return await self.turns.open(spec)
         except BaseException:
-            self._settle(session)
+            self.conversations.settle(session)
             raise
 
     async def close(self, turn: Turn) -> None:
         await turn.close()
-        self._settle(turn.spec.holder)
-
-    def _settle(self, session: Conversation | None) -> None:
-        if session is not None and session.state is State.GENERATING:
-            session.state = State.PAUSED if session.paused is not None else State.IDLE
-            self.conversations.touch(session)
+        self.conversations.settle(turn.spec.holder)
 
     def _session_messages(self, session_id: str, messages: list[Message], owner: str | None,
                           peek: bool = False) -> tuple[list[Message], Conversation | None]:

@@ -26,14 +26,15 @@ class ConversationsServing:
     def __init__(self, conversations: ConversationStore):
         self.conversations = conversations
 
-    def of(self, conversation_id: str, owner: str | None, editing: bool = False) -> Conversation:
+    def of(self, conversation_id: str, owner: str | None, editing: bool = False,
+           param: str = "conversation_id") -> Conversation:
         """The conversation (404 if unknown); `editing`: one no response is being generated in (409)."""
         record = self.conversations.conversation(conversation_id, owner)
         if record is None:
-            raise APIError(404, f"Conversation with id '{conversation_id}' not found.", param="conversation_id",
+            raise APIError(404, f"Conversation with id '{conversation_id}' not found.", param=param,
                            code="conversation_not_found")
         if editing and record.state is State.GENERATING:
-            raise APIError(409, f"conversation {conversation_id!r} has a response in progress", param="conversation",
+            raise APIError(409, f"conversation {conversation_id!r} has a response in progress", param=param,
                            code="conversation_locked")
         return record
 

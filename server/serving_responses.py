@@ -9,7 +9,9 @@ function calls leaves its generation paused; the request that brings the `functi
 (after `previous_response_id`, or repeating the items itself) repeats that conversation, so its turn
 claims and resumes the paused generation, and `usage.input_tokens_details.cached_tokens` counts the
 input tokens whose KV was reused. A stored response is a record of the conversation store
-(`Kind.RESPONSE`) and holds the generation it paused until a chained request resumes it.
+(`Kind.RESPONSE`) and holds the generation it paused until a chained request resumes it. A request
+naming a `conversation` (/v1/conversations: serving_conversations.py) continues that conversation's
+messages instead, and the conversation holds the generation its response paused at.
 """
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ class ResponsesServing(Frontend):
         if req.conversation is not None:
             if req.previous_response_id is not None:
                 raise bad_request("previous_response_id cannot be used with conversation", param="conversation")
-            record = self.conversations_api.of(req.conversation_id, owner, editing=True)
+            record = self.conversations_api.of(req.conversation_id, owner, editing=True, param="conversation")
             history = record.messages
             kept = kept_items(req.input, {item["id"] for item in record.items})
         elif req.previous_response_id is not None:
@@ -84,22 +86,16 @@ class ResponsesServing(Frontend):
         try:
             turn = await self.turns.open(spec)
         except BaseException:
-            self._settle(record)
+            self.conversations.settle(record)
             raise
         rt = ResponseTurn(req, model, new_id("msg_"), now(), conversation, turn, reasoning_id=new_id("rs_"),
                           in_conversation=record, kept_items=kept)
 
         async def close() -> None:
             await turn.close()
-            self._settle(record)
+            self.conversations.settle(record)
 
         return await self.answer(raw, rt, lambda: self._events(rt), lambda: self._full(rt), close)
-
-    def _settle(self, record: Conversation | None) -> None:
-        """A conversation's response ended (or never started): it is paused if it holds the generation."""
-        if record is not None and record.state is State.GENERATING:
-            record.state = State.PAUSED if record.paused is not None else State.IDLE
-            self.conversations.touch(record)
 
     async def answer(self, raw: Request, rt: ResponseTurn, events: Callable[[], AsyncIterator[dict]],
                      body: Callable[[], Awaitable[dict]], cleanup: Callable[[], Awaitable[None]]) -> Response:
