@@ -377,12 +377,7 @@ class ConversationStore:
         used one that is not generating is closed (429 when every one is generating)."""
         record = self.named(kind, id, owner)
         if record is None:
-            while len(self._named) >= self.policy.max_named_sessions:
-                victim = next((r for r in self._named.values() if r.state is not State.GENERATING), None)
-                if victim is None:
-                    raise APIError(429, f"too many sessions generating (limit {self.policy.max_named_sessions})",
-                                   code="rate_limit_exceeded", headers={"Retry-After": "1"})
-                self.close(victim, "limits", "over the session limit")
+            self._make_room(self._named, self.policy.max_named_sessions, "session")
             record = self._named[(owner, kind, id)] = Conversation(id, kind, last_used=self.clock(), owner=owner,
                                                                    **fields)
             self._named_tenants[(kind, id)] = self._named_tenants.get((kind, id), 0) + 1
@@ -406,16 +401,21 @@ class ConversationStore:
         record = self._responses.get(response_id)
         return record if record is not None and record.owner == owner else None
 
+    def _make_room(self, records: OrderedDict, limit: int, what: str) -> None:
+        """Close the least recently used of `records` not generating until one more fits in `limit` (429
+        when every one is generating)."""
+        while len(records) >= limit:
+            victim = next((r for r in records.values() if r.state is not State.GENERATING), None)
+            if victim is None:
+                raise APIError(429, f"too many {what}s generating (limit {limit})", code="rate_limit_exceeded",
+                               headers={"Retry-After": "1"})
+            self.close(victim, "limits", f"over the {what} limit")
+
     def open_conversation(self, conversation_id: str, body: dict, owner: str | None = None) -> Conversation:
         """A new conversation of `owner`'s: past `max_conversations` the least recently used one that is not
         generating is closed (429 when every one is generating)."""
         self._expire_conversations()
-        while len(self._conversations) >= self.policy.max_conversations:
-            victim = next((r for r in self._conversations.values() if r.state is not State.GENERATING), None)
-            if victim is None:
-                raise APIError(429, f"too many conversations generating (limit {self.policy.max_conversations})",
-                               code="rate_limit_exceeded", headers={"Retry-After": "1"})
-            self.close(victim, "limits", "over the conversation limit")
+        self._make_room(self._conversations, self.policy.max_conversations, "conversation")
         record = self._conversations[conversation_id] = Conversation(conversation_id, Kind.CONVERSATION, body=body,
                                                                      last_used=self.clock(), owner=owner)
         return record
