@@ -6,6 +6,9 @@ added to the conversation first); errors have OpenAI's shape."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import openai
 import pytest
@@ -17,6 +20,7 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "Get the cur
 QUESTION = "What is the weather in Paris?"
 RESULT = '{"temperature": 21, "sky": "clear"}'
 GREEDY = dict(model=MODEL, temperature=0)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def held_by(srv, conversation_id: str) -> list[str]:
@@ -190,3 +194,15 @@ def test_conversations_are_kept_response_ttl_after_their_last_use_and_bounded():
     with pytest.raises(APIError) as full:  # (every one generating)
         store.open_conversation("conv_5", {})
     assert full.value.status == 429
+
+
+def test_the_responses_example_runs_in_a_conversation(srv):
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "responses_chain.py"), "--base-url", srv.base,
+                          "--max-steps", "2", "--conversation"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("step 1:") and "calls get_weather" in lines[0]
+    assert lines[1].startswith("step 2:") and int(lines[1].split("(")[1].split("%")[0]) >= 90, out.stdout
+    assert lines[2].endswith(": message, function_call, function_call_output, message"), out.stdout
+    srv.abort_paused()
+    srv.assert_no_leak()
