@@ -25,6 +25,9 @@ and the conversation that resumes it agree):
 ``pythonic``     ``[f(a=1, b="x"), g()]``: the keyword arguments in the schema's property order,
                  required ones always, optional ones maybe, each value JSON that follows its property's
                  schema (JSON literals are pythonic values to the parser).
+``qwen3_coder``  ``\\n<tool_call>\\n<function=f>\\n<parameter=a>\\nvalue\\n</parameter>\\n</function>\\n</tool_call>``
+                 per call: the parameters in the schema's property order, a value whose schema allows
+                 only strings as text, any other as JSON (the parser types the values by the schema).
 
 Special tokens in a grammar: ``[TOOL_CALLS]`` and ``[ARGS]`` are single tokens of Mistral's
 vocabularies, which a grammar names by id (``<[id]>``); without the id (a vocabulary where they are
@@ -44,7 +47,7 @@ from typing import TYPE_CHECKING
 
 from . import hermes_format as hermes
 from .hermes_format import PartialCall, json_grammar_schema
-from .tool_parsers import PythonicToolParser
+from .tool_parsers import PythonicToolParser, Qwen3CoderToolParser, ToolCall, _resolved, value_types
 
 if TYPE_CHECKING:
     from .tool_spec import ToolSpec
@@ -413,6 +416,116 @@ class PythonicWriter(Writer):
         return text.rstrip()
 
 
+# -- qwen3_coder -------------------------------------------------------------------------------------
+
+_PARAMETER_KEYS = {"type", "enum", "const", "minLength", "maxLength", "title", "description", "default",
+                   "examples", "$comment"}  # what a string parameter's grammar enforces, or may ignore
+
+
+class Qwen3CoderWriter(Writer):
+    """``\n<tool_call>\n<function=f>\n<parameter=a>\nvalue\n</parameter>\n</function>\n</tool_call>``
+    per call, as Qwen3-Coder's template renders a past call (each call after a newline). The parameters
+    in the schema's property order, required ones always, optional ones maybe; a parameter whose schema
+    allows only strings is text (its enum's values, or any text within its length bounds that does not
+    close the element), any other JSON that follows its schema. A tool without declared properties is
+    called without parameters."""
+
+    family = "qwen3_coder"
+    openers = (Qwen3CoderToolParser.OPEN,)
+    CALL = "\n<tool_call>\n<function="
+    END = "</function>\n</tool_call>"
+    _element = re.compile(r"\s*<tool_call>\s*<function=([^>\n]+)>.*?</function>\s*</tool_call>", re.S)
+
+    def forced_prefill(self, tool_name: str | None) -> str:
+        return self.CALL + ("" if tool_name is None else tool_name + ">\n")
+
+    @staticmethod
+    def _parameters(i: int, tool: ToolSpec) -> list[str]:
+        """Rule ``params{i}``: the parameters of tool `i`, each element whole, its value as its schema says."""
+        schema = tool.arguments_schema
+        if not re.fullmatch(r"[^>\n\s]+", tool.name):
+            raise ValueError(f"tool {tool.name!r}: a qwen3_coder function name has no '>', newline or blank")
+        if schema.get("type", "object") != "object" or set(schema) - _SCHEMA_KEYS:
+            raise ValueError(f"tool {tool.name!r}: the qwen3_coder format can enforce a parameters schema of "
+                             "properties, required and additionalProperties only; this one has "
+                             + ", ".join(sorted(set(schema) - _SCHEMA_KEYS) or ["a type other than object"]))
+        properties = schema.get("properties") or {}
+        required = {p for p in schema.get("required") or [] if isinstance(p, str)}
+        if required - set(properties):
+            raise ValueError(f"tool {tool.name!r}: required parameters without a schema: {sorted(required - set(properties))}")
+        defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
+        lines, items = [], []
+        for k, (name, value_schema) in enumerate(properties.items()):
+            if not re.fullmatch(r"[^>\n\s]+", name):
+                raise ValueError(f"tool {tool.name!r}: parameter {name!r} cannot be a qwen3_coder parameter name")
+            rule = f"p{i}x{k}"
+            items.append(rule + ("" if name in required else "?"))
+            head = _lit(f"<parameter={name}>\n")
+            close = "\n</parameter>\n"
+            value_schema = _resolved(value_schema if isinstance(value_schema, Mapping) else {}, schema)
+            types = value_types(value_schema, schema)
+            if types == {"string"}:
+                if set(value_schema) - _PARAMETER_KEYS:
+                    raise ValueError(f"tool {tool.name!r}: parameter {name!r}: qwen3_coder writes strings as text, "
+                                     "whose grammar enforces enum, const, minLength and maxLength only")
+                values = value_schema.get("enum") or ([value_schema["const"]] if "const" in value_schema else None)
+                if values is not None:
+                    lines.append(f"{rule}: {head} (" + " | ".join(_lit(v + close) for v in values) + ")")
+                else:
+                    low, high = int(value_schema.get("minLength", 0)), value_schema.get("maxLength")
+                    bound = f"{{{low},{'' if high is None else int(high)}}}"
+                    lines.append(f"{rule}: {head} V{i}X{k}")
+                    lines.append(f"V{i}X{k}: /(?s:.{bound})\\n<\\/parameter>\\n/ & ~/(?s:.*<\\/parameter>.*<\\/parameter>.*)/")
+            elif types is not None and "string" not in types:
+                lines.append(f"{rule}: {head} v{i}x{k} {_lit(close)}")
+                lines.append(_json_rule(f"v{i}x{k}", dict(value_schema) | defs))
+            else:
+                raise ValueError(f"tool {tool.name!r}: parameter {name!r}: qwen3_coder writes a value as text or "
+                                 "as JSON, so its schema must allow strings only or no strings")
+        return [f"params{i}: " + (" ".join(items) or '""')] + lines
+
+    def _grammar(self, tools: Sequence[ToolSpec], first: list[int], skip_name: bool, parallel: bool,
+                 answer_schema: dict | None = None) -> str:
+        everyone = list(range(len(tools))) if parallel or answer_schema is not None else first
+
+        def call(i: int, named: bool = True) -> str:
+            return (f"{_lit(tools[i].name + '>' + chr(10))} " if named else "") + f"params{i} {_lit(self.END)}"
+
+        lines = ["first: " + " | ".join(call(i, not skip_name) for i in first)]
+        more = f" ({_lit(self.CALL)} call)*" if parallel else ""
+        if parallel:
+            lines.append("call: " + " | ".join(call(i) for i in everyone))
+        if answer_schema is None:
+            lines.insert(0, f"start: first{more}")
+        else:
+            lines[:0] = ["start: calls | answer", f"calls: {_lit(self.CALL)} first{more}"]
+            lines.append(_answer(answer_schema))
+        for i in sorted(set(everyone) | set(first)):
+            lines += self._parameters(i, tools[i])
+        return "\n".join(lines)
+
+    def forced_grammar(self, tools: Sequence[ToolSpec], tool_name: str | None, parallel: bool) -> str:
+        return self._grammar(tools, _allowed(tools, tool_name), tool_name is not None, parallel)
+
+    def answer_or_call_grammar(self, tools: Sequence[ToolSpec], parallel: bool, answer_schema: dict) -> str:
+        return self._grammar(tools, list(range(len(tools))), False, parallel, answer_schema)
+
+    def partial_calls(self, text: str) -> list[PartialCall]:
+        """The complete calls written so far, their values as text (a value is whole only once its
+        element closes; ToolFormat types them by the tools' schemas)."""
+        calls: list[PartialCall] = []
+        pos = 0
+        while (m := self._element.match(text, pos)) is not None:
+            parsed = self._parser._parse_span(m.group().strip())
+            if not isinstance(parsed[0], ToolCall):
+                break
+            calls.append(PartialCall(parsed[0].name, parsed[0].arguments, True))
+            pos = m.end()
+        return calls
+
+    _parser = Qwen3CoderToolParser()
+
+
 def writer_for(family: str, chat_template: str | None = None, token_ids: Mapping[str, int] | None = None) -> Writer:
     """The writer of `family`; for mistral, the v11+ form where the template writes ``[ARGS]`` (or, with
     no template, where the vocabulary has an ``[ARGS]`` token)."""
@@ -422,6 +535,8 @@ def writer_for(family: str, chat_template: str | None = None, token_ids: Mapping
         return Llama3JsonWriter()
     if family == "pythonic":
         return PythonicWriter()
+    if family == "qwen3_coder":
+        return Qwen3CoderWriter()
     if family == "mistral":
         args = "[ARGS]" in chat_template if chat_template else "[ARGS]" in (token_ids or {})
         return MistralArgsWriter(token_ids) if args else MistralWriter(token_ids)

@@ -8,7 +8,7 @@ the stop strings: a turn's calls are parsed once, checked against the request's 
 arguments valid under its parameters schema), and the engine pauses only on calls the client can
 answer. `RequestOutput.tool_calls` / `.content` carry the verdict; the server only renders it.
 
-Every family the parsers read (hermes, llama3_json, mistral, pythonic) is forced by a grammar, kept from
+Every family the parsers read (hermes, llama3_json, mistral, pythonic, qwen3_coder) is forced by a grammar, kept from
 calling by one under tool_choice "none", may answer in JSON or call under a JSON response_format, and
 has its grammar-written calls followed while they stream (call_formats.py; hermes_format.py for
 Hermes). Templates without a tool section get a Hermes-style tool prompt whatever the family.
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from . import hermes_format as hermes
@@ -78,8 +78,8 @@ class ToolFormat:
         self.family = family
         self.writer = writer_for(family, chat_template, token_ids)
         # Llama's <|python_tag|>, Mistral's [TOOL_CALLS] and pythonic's <|python_start|> are special tokens
-        # the parser must see.
-        self.keeps_special_tokens = family != "hermes"
+        # the parser must see (<tool_call> is text to Hermes and Qwen vocabularies).
+        self.keeps_special_tokens = family not in ("hermes", "qwen3_coder")
 
     @classmethod
     def for_tokenizer(cls, family: str, tokenizer) -> "ToolFormat":
@@ -131,10 +131,13 @@ class ToolFormat:
         return hermes.call_text(name, arguments)
 
     # -- the stream side --
-    def partial_calls(self, text: str) -> list[hermes.PartialCall]:
+    def partial_calls(self, text: str, tools: Sequence[ToolSpec] = ()) -> list[hermes.PartialCall]:
         """Calls a stream may show while they are written, in the form the format's grammars write;
-        [] for text in any other form."""
-        return self.writer.partial_calls(text)
+        [] for text in any other form. A complete call's arguments are typed by its tool's schema, as the
+        verdict's will be (qwen3_coder's values are text until then)."""
+        schemas = {t.name: t.arguments_schema for t in tools}
+        return [replace(c, arguments=self.parser.typed(ToolCall(c.name, c.arguments, ""), schemas.get(c.name)).arguments)
+                if c.complete else c for c in self.writer.partial_calls(text)]
 
     def safe_content(self, text: str) -> str:
         """The part of `text` that cannot belong to a tool call: before the first call opener (or a
@@ -181,7 +184,7 @@ class VllmToolFormat:
     prompt_messages = staticmethod(ToolFormat.prompt_messages)
     call_text = staticmethod(ToolFormat.call_text)
 
-    def partial_calls(self, text: str) -> list:
+    def partial_calls(self, text: str, tools: Sequence[ToolSpec] = ()) -> list:
         return []
 
     def safe_content(self, text: str) -> str:
@@ -190,7 +193,8 @@ class VllmToolFormat:
 
 def tool_format_for(name: str, tokenizer, vllm_parsers: Sequence[str] = (),
                     vllm_forcing_refusals: Mapping[str, str] | None = None) -> ToolFormat | VllmToolFormat:
-    """The format `--tool-parser NAME` serves: ours by that name (hermes, llama3_json, mistral, pythonic), else
+    """The format `--tool-parser NAME` serves: ours by that name (hermes, llama3_json, mistral, pythonic,
+    qwen3_coder), else
     vLLM's parser NAME where the backend runs vLLM's parsers (`vllm_parsers`, their names; ``vllm:NAME``
     picks vLLM's where we have one of the same name; `vllm_forcing_refusals`: why those that cannot force
     a call cannot). ValueError naming the valid names otherwise."""
@@ -220,6 +224,7 @@ class CallJudge:
                  text_prefix: str = "", reasoning: str | None = None):
         self.parser = get_tool_parser(family)
         self.validators = None if tools is None else {t.name: _validator(t.arguments_schema) for t in tools}
+        self.schemas = None if tools is None else {t.name: t.arguments_schema for t in tools}
         self.parallel = parallel
         self.text_prefix = text_prefix
         self.reasoning = get_reasoning_parser(reasoning) if reasoning is not None else None
@@ -236,7 +241,7 @@ class CallJudge:
     def judge(self, text: str) -> TurnCalls | None:
         """The verdict on the turn's text so far; None when it holds no well-formed call at all."""
         text = self._read(text)
-        parsed = self.parser.parse(text)
+        parsed = self.parser.parse(text, self.schemas)
         if not parsed.tool_calls:
             return None
         valid = [c for c in parsed.tool_calls if self._valid(c)]

@@ -1,7 +1,7 @@
 """Tool-call parsers: where does a generated turn contain tool calls, and when may the engine pause?
 
 The engine calls a parser on the text generated so far in the current assistant turn (after every new
-token). Parsers are stateless, so one instance can serve any number of requests. Four chat families:
+token). Parsers are stateless, so one instance can serve any number of requests. Five chat families:
 
 ``hermes``       ``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`` (Qwen2.5, Qwen3,
                  Hermes, and our own prompt for templates without a tool section, e.g. SmolLM2). Several
@@ -12,6 +12,9 @@ token). Parsers are stateless, so one instance can serve any number of requests.
                  ``[TOOL_CALLS]f[ARGS]{...}`` (also ``f[CALL_ID]id[ARGS]{...}`` and ``f{...}``).
 ``pythonic``     Llama 3.2 / Llama 4 pythonic templates: the message is a Python list of calls,
                  ``[f(a=1, b="x"), g()]``, optionally inside ``<|python_start|>...<|python_end|>``.
+``qwen3_coder``  Qwen3-Coder: ``<tool_call>\n<function=f>\n<parameter=a>\nvalue\n</parameter>\n</function>
+                 \n</tool_call>``, any number of them. A value is text; the tool's parameters schema says
+                 which values are JSON (numbers, booleans, objects, ...) and which are strings as written.
 
 Special tokens (``<|python_tag|>``, ``[TOOL_CALLS]``, ``[ARGS]``) must be kept in the detokenized text
 (``<tool_call>`` is ordinary text for most Hermes-style vocabularies). Without ``<|python_tag|>`` a
@@ -52,10 +55,11 @@ import re
 import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 __all__ = ["PARSERS", "VLLM_PREFIX", "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser", "ParseResult",
-           "ParsedByVllm", "PythonicToolParser", "ToolCall", "ToolParser", "get_tool_parser", "parser_for_model",
+           "ParsedByVllm", "PythonicToolParser", "Qwen3CoderToolParser", "ToolCall", "ToolParser", "get_tool_parser", "parser_for_model",
            "vllm_parser_name"]
 
 
@@ -263,8 +267,14 @@ class ToolParser(ABC):
         spans = self._spans(text)
         return bool(spans) and spans[-1].closed and not self._may_continue(text[spans[-1].end:])
 
-    def parse(self, text: str) -> ParseResult:
-        """Calls, content and invalid spans of ``text`` (normally the finished or paused turn)."""
+    def typed(self, call: ToolCall, schema: Mapping | None) -> ToolCall:
+        """The call with its arguments as the tool's parameters `schema` (None: unknown) reads them: the
+        formats whose arguments are JSON already need nothing of it."""
+        return call
+
+    def parse(self, text: str, schemas: Mapping[str, Mapping] | None = None) -> ParseResult:
+        """Calls, content and invalid spans of ``text`` (normally the finished or paused turn); `schemas`:
+        each tool's parameters schema by name, where the format's arguments are typed by it (qwen3_coder)."""
         content: list[str] = []
         calls: list[ToolCall] = []
         invalid: list[str] = []
@@ -276,7 +286,7 @@ class ToolParser(ABC):
             items: list[ToolCall | str] = self._parse_span(raw) if span.closed else [raw]
             for item in items:
                 if isinstance(item, ToolCall):
-                    calls.append(item)
+                    calls.append(self.typed(item, (schemas or {}).get(item.name)))
                 else:
                     invalid.append(item)
                     content.append(item)
@@ -633,10 +643,123 @@ def _python_literal(node: ast.expr) -> Any:
     raise ValueError("not a literal")
 
 
+# -- qwen3_coder -------------------------------------------------------------------------------------
+
+_JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object",
+               type(None): "null"}
+
+
+def _resolved(schema: Any, root: Mapping) -> Any:
+    """`schema`, or what its local ``$ref`` (``#/$defs/x``, ``#/definitions/x``) names in `root`."""
+    ref = schema.get("$ref") if isinstance(schema, Mapping) else None
+    if isinstance(ref, str) and ref.startswith("#/"):
+        target: Any = root
+        for part in ref[2:].split("/"):
+            target = target.get(part) if isinstance(target, Mapping) else None
+        return target if isinstance(target, Mapping) else {}
+    return schema
+
+
+def value_types(schema: Any, root: Mapping) -> set[str] | None:
+    """The JSON types a parameter's schema allows (``integer`` within ``number``); None when it does not
+    say (no ``type``, ``enum``, ``const``, or ``anyOf`` / ``oneOf`` of schemas that say)."""
+    schema = _resolved(schema, root)
+    if not isinstance(schema, Mapping):
+        return None
+    kind = schema.get("type")
+    if isinstance(kind, str) or (isinstance(kind, list) and all(isinstance(k, str) for k in kind)):
+        return {kind} if isinstance(kind, str) else set(kind)
+    values = schema["enum"] if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema \
+        else None
+    if values is not None:
+        return {_JSON_TYPES.get(type(v), "object") for v in values}
+    branches = schema.get("anyOf") or schema.get("oneOf")
+    if isinstance(branches, list) and branches:
+        types = [value_types(b, root) for b in branches]
+        return None if any(t is None for t in types) else set().union(*types)
+    return None
+
+
+# Python's spellings, as Qwen3-Coder's template writes a past call's values (Jinja's `string` filter)
+_PYTHON_LITERALS = {"True": ("boolean", True), "False": ("boolean", False), "None": ("null", None)}
+
+
+def typed_value(text: str, schema: Any, root: Mapping) -> Any:
+    """A parameter's value as written (text) as its schema reads it: the text itself where the schema
+    allows only strings, else the JSON it holds where that is of a type the schema allows (any type, for
+    a schema that names none; ``True``, ``False`` and ``None`` read as JSON's), else the text."""
+    types = value_types(schema, root)
+    if types == {"string"}:
+        return text
+    if text.strip() in _PYTHON_LITERALS:
+        kind, value = _PYTHON_LITERALS[text.strip()]
+        return value if types is None or kind in types else text
+    ok, value = _try_loads(text)
+    if not ok or isinstance(value, str):
+        return text
+    kind = _JSON_TYPES.get(type(value), "object")
+    if types is None or kind in types or (kind == "integer" and "number" in types):
+        return value
+    return text
+
+
+class Qwen3CoderToolParser(ToolParser):
+    """``<tool_call>`` spans holding one ``<function=NAME>`` of ``<parameter=NAME>`` elements, anywhere in
+    the text, any number of them.
+
+    A span closes at the first ``</tool_call>`` (values are text, not JSON: no quotes to skip). A
+    parameter's value is the text between its tags, less one newline after the opening tag and one
+    before the closing tag; `parse` types it by the tool's schema (`typed_value`), and without a schema
+    a value that is JSON (not a string) is that JSON. A span with anything else (no function, text
+    between the elements, a parameter named twice) is invalid.
+    """
+
+    name = "qwen3_coder"
+    OPEN = "<tool_call>"
+    CLOSE = "</tool_call>"
+    openers = (OPEN,)
+    _function = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.S)
+    _parameter = re.compile(r"\s*<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+
+    def _spans(self, text: str) -> list[_Span]:
+        spans: list[_Span] = []
+        pos = 0
+        while (start := text.find(self.OPEN, pos)) >= 0:
+            close = text.find(self.CLOSE, start + len(self.OPEN))
+            if close < 0:
+                spans.append(_Span(start, len(text), False))
+                break
+            pos = close + len(self.CLOSE)
+            spans.append(_Span(start, pos, True))
+        return spans
+
+    def _parse_span(self, raw: str) -> list[ToolCall | str]:
+        m = self._function.fullmatch(raw, len(self.OPEN), len(raw) - len(self.CLOSE))
+        if m is None or not m.group(1).strip():
+            return [raw]
+        body, pos, arguments = m.group(2), 0, {}
+        while (p := self._parameter.match(body, pos)) is not None:
+            if p.group(1) in arguments:
+                return [raw]
+            arguments[p.group(1)] = p.group(2)
+            pos = p.end()
+        if body[pos:].strip():
+            return [raw]
+        return [ToolCall(m.group(1).strip(), json.dumps(arguments, ensure_ascii=False), raw)]
+
+    def typed(self, call: ToolCall, schema: Mapping | None) -> ToolCall:
+        root = schema if isinstance(schema, Mapping) else {}
+        properties = root.get("properties") if isinstance(root.get("properties"), Mapping) else {}
+        values = {k: typed_value(v, properties.get(k) if schema is not None else None, root)
+                  for k, v in json.loads(call.arguments).items()}
+        return ToolCall(call.name, json.dumps(values, ensure_ascii=False), call.raw, call.id)
+
+
 # -- registry ----------------------------------------------------------------------------------------
 
 PARSERS: dict[str, type[ToolParser]] = {
-    cls.name: cls for cls in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser)
+    cls.name: cls for cls in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser,
+                              Qwen3CoderToolParser)
 }
 
 
@@ -679,7 +802,7 @@ class ParsedByVllm:
     def turn_done(self, text: str) -> bool:
         return False
 
-    def parse(self, text: str) -> ParseResult:
+    def parse(self, text: str, schemas: Mapping[str, Mapping] | None = None) -> ParseResult:
         return self.result if self.result is not None else ParseResult(text.strip(), [], [])
 
 
@@ -697,7 +820,8 @@ def get_tool_parser(name: str) -> ToolParser | ParsedByVllm:
 def parser_for_model(model_type: str, chat_template: str | None) -> str:
     """The parser name for a model, from its ``config.model_type`` and its chat template.
 
-    First that applies: the template mentions ``<tool_call>`` -> ``hermes``; ``[TOOL_CALLS]`` ->
+    First that applies: the template writes calls as ``<function=...>`` of ``<parameter=...>`` elements
+    (Qwen3-Coder's) -> ``qwen3_coder``; it mentions ``<tool_call>`` -> ``hermes``; ``[TOOL_CALLS]`` ->
     ``mistral``; it asks for calls ``in the format of [func_name1(...)`` (the pythonic templates of
     Llama 3.2 and Llama 4) -> ``pythonic``; ``<|python_tag|>`` -> ``llama3_json``; a Llama model type
     whose template uses ``<|eot_id|>`` and a ``"parameters"`` JSON -> ``llama3_json``; otherwise
@@ -706,6 +830,8 @@ def parser_for_model(model_type: str, chat_template: str | None) -> str:
     """
     template = chat_template or ""
     model_type = (model_type or "").lower()
+    if "<function=" in template and "<parameter=" in template:
+        return "qwen3_coder"
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template:

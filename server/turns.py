@@ -192,7 +192,8 @@ class Turn:
         arguments at the end); otherwise none (calls count only once the engine validated them)."""
         if not self.guided_calls:
             return []
-        return [(c.name, c.arguments) for c in self.turns.format.partial_calls(self.prefill + text)]
+        return [(c.name, c.arguments) for c in self.turns.format.partial_calls(self.prefill + text,
+                                                                              self.spec.mode.tools or ())]
 
     def _call_events(self, calls: list[tuple[str, str]], sent: dict[int, str]) -> list[TurnEvent]:
         """The events that take a client from `sent` (index -> arguments shown) to `calls`."""

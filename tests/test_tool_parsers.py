@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from stdlib_only import non_stdlib_imports
 from infercept.engine.tool_parsers import (PARSERS, HermesToolParser, Llama3JsonToolParser, MistralToolParser,
-                                           ParseResult, PythonicToolParser, ToolCall, ToolParser, get_tool_parser,
-                                           parser_for_model)
+                                           ParseResult, PythonicToolParser, Qwen3CoderToolParser, ToolCall, ToolParser,
+                                           get_tool_parser, parser_for_model)
 
 MODULE = Path(__file__).resolve().parents[1] / "engine" / "tool_parsers.py"
 
@@ -25,6 +25,7 @@ hermes = HermesToolParser()
 llama = Llama3JsonToolParser()
 mistral = MistralToolParser()
 pythonic = PythonicToolParser()
+qwen3_coder = Qwen3CoderToolParser()
 
 
 def state(parser: ToolParser, text: str) -> tuple[int, bool, bool, bool]:
@@ -398,6 +399,57 @@ def test_pythonic_invalid_calls_stay_content(text, invalid):
     assert calls(mixed) == [("f", {"a": 1}), ("h", {})] and mixed.invalid == ["g(1)"]
 
 
+# -- qwen3_coder -------------------------------------------------------------------------------------
+
+def xml_call(name: str, values: dict[str, str]) -> str:
+    return (f"<tool_call>\n<function={name}>\n" + "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
+            + "</function>\n</tool_call>")
+
+
+ALARM = {"type": "object", "properties": {
+    "hour": {"type": "integer"}, "label": {"type": "string"}, "loud": {"type": "boolean"}, "days": {"type": "array"},
+    "note": {"type": ["string", "null"]}, "level": {"anyOf": [{"type": "number"}, {"type": "null"}]},
+    "unit": {"$ref": "#/$defs/unit"}, "any": {}}, "$defs": {"unit": {"enum": ["c", "f"]}}}
+
+
+def test_qwen3_coder_values_are_typed_by_the_schema():
+    text = "Setting it.\n" + xml_call("set_alarm", {
+        "hour": "7", "label": "007", "loud": "True", "days": '["mon", "tue"]', "note": "null", "level": "0.5",
+        "unit": "f", "any": '{"a": 1}'}) + "\n" + xml_call("clock", {})
+    result = qwen3_coder.parse(text, {"set_alarm": ALARM})
+    assert calls(result) == [("set_alarm", {"hour": 7, "label": "007", "loud": True, "days": ["mon", "tue"],
+                                            "note": None, "level": 0.5, "unit": "f", "any": {"a": 1}}), ("clock", {})]
+    assert result.content == "Setting it." and result.tool_calls[0].raw in text
+    # text where the schema allows strings only, or where the JSON is of a type it does not allow
+    typed = calls(qwen3_coder.parse(xml_call("set_alarm", {"label": "true", "hour": "seven", "note": "12"}),
+                                    {"set_alarm": ALARM}))
+    assert typed == [("set_alarm", {"label": "true", "hour": "seven", "note": "12"})]
+    # without a schema: JSON where the value is JSON (not a string), else the text; multi-line values whole
+    untyped = calls(qwen3_coder.parse(xml_call("f", {"n": "12", "s": "Paris", "code": "a\n  b\n"})))
+    assert untyped == [("f", {"n": 12, "s": "Paris", "code": "a\n  b\n"})]
+
+
+@pytest.mark.parametrize("text, expected", [
+    (xml_call("f", {"a": "1"}), (1, False, True, False)),
+    (xml_call("f", {"a": "1"}) + "\n<tool", (1, False, True, False)),
+    (xml_call("f", {"a": "1"}) + "\nDone.", (1, False, False, True)),
+    ("<tool_call>\n<function=f>\n<parameter=a>\n1", (0, True, False, False)),
+    ("The weather is fine.", (0, False, False, False)),
+])
+def test_qwen3_coder_pause_rule(text, expected):
+    assert state(qwen3_coder, text) == expected
+
+
+@pytest.mark.parametrize("body", ["<tool_call>\nno function\n</tool_call>",
+                                  "<tool_call>\n<function=f>\nstray text\n</function>\n</tool_call>",
+                                  "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n<parameter=a>\n2\n"
+                                  "</parameter>\n</function>\n</tool_call>",
+                                  "<tool_call>\n<function=>\n</function>\n</tool_call>"])
+def test_qwen3_coder_invalid_calls_stay_content(body):
+    result = qwen3_coder.parse("Here: " + body)
+    assert result.tool_calls == [] and result.invalid == [body] and body in result.content
+
+
 # -- round trips (hypothesis) ----------------------------------------------------------------------
 
 json_scalars = (st.none() | st.booleans() | st.integers(-10**18, 10**18)
@@ -412,7 +464,15 @@ call_lists = st.lists(st.tuples(names, arguments_dicts), min_size=1, max_size=3)
 
 
 def expressible(family: str, tool_calls: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
-    """The calls as ``family`` can write them: pythonic names and keywords are Python identifiers."""
+    """The calls as ``family`` can write them: pythonic names and keywords are Python identifiers;
+    qwen3_coder's parameter names have no ``>`` or newline, its values (text) never close an element, and
+    its calls' names differ (each is typed by a schema of its own: `schemas_of`)."""
+    if family == "qwen3_coder":
+        def fits(value) -> bool:
+            written = value if isinstance(value, str) else json.dumps(value)
+            return not any(tag in written for tag in ("</parameter>", "</function>", "</tool_call>"))
+        return [(f"{n}_{i}", {f"k{j}_" + "".join(ch for ch in k if ch not in ">\n"): v
+                              for j, (k, v) in enumerate(a.items()) if fits(v)}) for i, (n, a) in enumerate(tool_calls)]
     if family != "pythonic":
         return tool_calls
     def ident(text: str, i: int) -> str:
@@ -429,6 +489,9 @@ def render(family: str, tool_calls: list[tuple[str, dict]], variant: int, ascii_
         value = dumps if variant % 2 else repr
         calls_ = ", ".join(f"{n}({', '.join(f'{k}={value(v)}' for k, v in a.items())})" for n, a in tool_calls)
         return ("<|python_start|>" if variant == 3 else "") + f"[{calls_}]"
+    if family == "qwen3_coder":
+        return "\n".join(xml_call(n, {k: v if isinstance(v, str) else dumps(v) for k, v in a.items()})
+                         for n, a in tool_calls)
     if family == "hermes":
         sep = "\n" if variant % 2 else ""
         return sep.join(f"<tool_call>\n{dumps({'name': n, 'arguments': a})}\n</tool_call>" for n, a in tool_calls)
@@ -438,6 +501,13 @@ def render(family: str, tool_calls: list[tuple[str, dict]], variant: int, ascii_
     if variant % 2:
         return "[TOOL_CALLS]" + dumps([{"name": n, "arguments": a, "id": "abcdefghi"} for n, a in tool_calls])
     return "".join(f"[TOOL_CALLS]{n}[ARGS]{dumps(a)}" for n, a in tool_calls)
+
+
+def schemas_of(tool_calls: list[tuple[str, dict]]) -> dict[str, dict]:
+    """Each call's parameters schema: each value's own JSON type (qwen3_coder reads values by it)."""
+    kinds = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
+    return {n: {"type": "object", "properties": {k: {"type": kinds[type(v)]} if v is not None else {"type": "null"}
+                                                 for k, v in a.items()}} for n, a in tool_calls}
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -452,7 +522,7 @@ def test_parse_round_trips_rendered_calls(family, tool_calls, variant, ascii_, c
     elif any(marker in content for marker in ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>")):
         content = ""
     text = content + body
-    result = parser.parse(text)
+    result = parser.parse(text, schemas_of(tool_calls))
     assert [(c.name, json.loads(c.arguments)) for c in result.tool_calls] == tool_calls
     assert all(c.arguments == json.dumps(json.loads(c.arguments), ensure_ascii=False) for c in result.tool_calls)
     assert all(c.raw in text for c in result.tool_calls)
@@ -504,11 +574,11 @@ def test_arbitrary_text_never_breaks_the_invariants(family, pieces):
 # -- registry and model mapping --------------------------------------------------------------------
 
 def test_registry():
-    assert sorted(PARSERS) == ["hermes", "llama3_json", "mistral", "pythonic"]
+    assert sorted(PARSERS) == ["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"]
     for name, cls in PARSERS.items():
         parser = get_tool_parser(name)
         assert isinstance(parser, cls) and isinstance(parser, ToolParser) and parser.name == name
-    with pytest.raises(ValueError, match="hermes, llama3_json, mistral, pythonic"):
+    with pytest.raises(ValueError, match="hermes, llama3_json, mistral, pythonic, qwen3_coder"):
         get_tool_parser("qwen3_xml")
 
 
@@ -526,6 +596,8 @@ MISTRAL_TEMPLATE = '{{- "[AVAILABLE_TOOLS] [" }}...{{- "[TOOL_CALLS] [" }}...{{-
 PYTHONIC_TEMPLATE = ("{{- 'If you decide to invoke any of the function(s), you MUST put it in the format of "
                      "[func_name1(params_name1=params_value1, params_name2=params_value2...), func_name2(params)]' }}"
                      "{{- '<|python_tag|>' }}{{- '<|eot_id|>' }}")
+QWEN3_CODER_TEMPLATE = ("{{- '\\n<tool_call>\\n<function=' + tool_call.name + '>\\n' }}"
+                        "{{- '<parameter=' + args_name + '>\\n' }}{{- '\\n</parameter>\\n' }}")
 CHATML_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] "
                    "+ '<|im_end|>' + '\\n'}}{% endfor %}")
 
@@ -545,6 +617,7 @@ CHATML_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['rol
     ("mistral", "[INST] {{ content }} [/INST]", "hermes"),  # Mistral v0.1: no tools
     ("llama", PYTHONIC_TEMPLATE, "pythonic"),
     ("llama4", PYTHONIC_TEMPLATE, "pythonic"),
+    ("qwen3_moe", QWEN3_CODER_TEMPLATE, "qwen3_coder"),  # Qwen3-Coder: <tool_call> too, but XML inside
 ])
 def test_parser_for_model(model_type, template, expected):
     assert parser_for_model(model_type, template) == expected

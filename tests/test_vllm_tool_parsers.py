@@ -30,14 +30,16 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_a_name_serves_ours_first_else_vllms_where_vllm_runs():
     assert type(tool_format_for("hermes", None, VLLMS)) is ToolFormat  # ours, though vLLM has one too
-    vllms = tool_format_for("qwen3_coder", None, VLLMS)
-    assert isinstance(vllms, VllmToolFormat) and vllms.family == "vllm:qwen3_coder"
+    assert type(tool_format_for("qwen3_coder", None, VLLMS)) is ToolFormat
+    vllms = tool_format_for("kimi_k2", None, VLLMS)
+    assert isinstance(vllms, VllmToolFormat) and vllms.family == "vllm:kimi_k2"
     assert tool_format_for("vllm:hermes", None, VLLMS).family == "vllm:hermes"  # vLLM's, asked by name
+    assert tool_format_for("vllm:qwen3_coder", None, VLLMS).family == "vllm:qwen3_coder"
     with pytest.raises(ValueError, match="one of ours .* or one of vLLM's .*kimi_k2, qwen3_coder"):
         tool_format_for("qwen3_xmll", None, VLLMS)
     # The native engine runs no vLLM parser: the error says where one runs.
     with pytest.raises(ValueError, match="--backend vllm"):
-        tool_format_for("qwen3_coder", None, ())
+        tool_format_for("kimi_k2", None, ())
     with pytest.raises(ValueError, match="--backend vllm"):
         tool_format_for("vllm:hermes", None, ())
 
@@ -186,12 +188,12 @@ def serve_vllms_parser(model_dir: str, parser: str, call_id: str, backend_cls: t
 
 @pytest.fixture(scope="module")
 def served(default_model_dir):
-    yield from serve_vllms_parser(default_model_dir, "qwen3_coder", "chatcmpl-tool-7")
+    yield from serve_vllms_parser(default_model_dir, "vllm:qwen3_coder", "chatcmpl-tool-7")
 
 
 @pytest.fixture(scope="module")
 def served_streamed(default_model_dir):
-    yield from serve_vllms_parser(default_model_dir, "qwen3_coder", "chatcmpl-tool-9", StreamedTurns)
+    yield from serve_vllms_parser(default_model_dir, "vllm:qwen3_coder", "chatcmpl-tool-9", StreamedTurns)
 
 
 @pytest.fixture(scope="module")
