@@ -27,7 +27,8 @@ def _pin_xdist_worker() -> None:
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < int(count):
         return  # fewer cores than workers: nothing to split
-    mine = cores[int(worker.removeprefix("gw"))::int(count)]
+    # (a worker that replaces a crashed one is numbered past the count: gw2 of two)
+    mine = cores[int(worker.removeprefix("gw")) % int(count)::int(count)]
     os.sched_setaffinity(0, mine)
     torch.set_num_threads(len(mine))
 

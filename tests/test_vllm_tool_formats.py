@@ -156,3 +156,20 @@ def test_the_server_over_vllm_streams_forced_calls_and_resumes_them(name, served
     client = openai.OpenAI(base_url=s.base + "/v1", api_key="unused", max_retries=0, timeout=120)
     check_served_calls(name, client, s.tokenizer,
                        lambda: s.app.state.conversations.release_all("ttl", "the test starts afresh"))
+
+
+def test_a_seeded_turn_whose_prompt_takes_several_steps_is_served(served):
+    """vLLM 0.32's CPU worker takes back a discarded draw of a seeded request's generator by an offset that a
+    CPU generator lacks, which ended the engine at the first such request whose prompt was computed in more
+    than one step (engine/vllm_backend/cpu_sampling.py): a seeded turn with a prompt over the step's 256
+    tokens is served, and the engine serves on."""
+    backend, tokenizer = served["llama3_json"].backend, served["llama3_json"].tokenizer
+    piece = tokenizer.encode("the sky is clear and the temperature is warm ", add_special_tokens=False)
+    prompt_ids = piece * (700 // len(piece))
+
+    async def turn(request_id: str, **sampling):
+        return await last(backend.generate(list(prompt_ids), SamplingParams(max_tokens=4, **sampling), request_id))
+
+    seeded = asyncio.run(turn("seeded-long-prompt", temperature=1.0, seed=3))
+    assert seeded.finished and len(seeded.token_ids) == 4 and len(prompt_ids) > 2 * 256
+    assert asyncio.run(turn("after-it", temperature=0)).finished

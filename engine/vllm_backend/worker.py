@@ -10,7 +10,7 @@ engine arguments (`engine`), whether vLLM runs our scheduler (`policy_channel`) 
 tool parsers the server serves, if any (`tool_parser`, checked before vLLM starts). Imports only the
 standard library, vllm and torch (our scheduler and connector are loaded by vLLM itself, by name), and
 tool_calls.py beside it (vLLM's tool parsers: the standard library, vllm and two standard-library modules
-of ours). Every message is a dict.
+of ours). On a CPU, vLLM's worker also loads cpu_sampling.py (its seeded requests). Every message is a dict.
 
     backend -> worker                                   worker -> backend
     {"op": "generate", "id", "prompt", "params",        {"op": "ready", "info"}            once, at start
@@ -57,6 +57,8 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Connection, Listener
+
+CPU_SAMPLING_EXTENSION = "engine.vllm_backend.cpu_sampling.CpuSeededSampling"
 
 from engine.vllm_backend import tool_calls  # (standard library and vllm only; the repository root is on the path)
 
@@ -193,6 +195,10 @@ class Worker:
             args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
         if "reasoning_config" in args:  # the thinking markers (backend.py), as plain data
             args["reasoning_config"] = ReasoningConfig(**args["reasoning_config"])
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu() and "worker_extension_cls" not in args:
+            args["worker_extension_cls"] = CPU_SAMPLING_EXTENSION  # (seeded requests: cpu_sampling.py)
         # vLLM's defaults for what the backend leaves unset (max_num_batched_tokens, max_num_seqs, ...) are
         # those `vllm serve` takes on this hardware.
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args), usage_context=UsageContext.OPENAI_API_SERVER,
