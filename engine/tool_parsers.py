@@ -703,9 +703,9 @@ def typed_value(text: str, schema: Any, root: Mapping) -> Any:
     return text
 
 
-class Qwen3CoderToolParser(ToolParser):
-    """``<tool_call>`` spans holding one ``<function=NAME>`` of ``<parameter=NAME>`` elements, anywhere in
-    the text, any number of them.
+class Qwen3CoderToolParser(HermesToolParser):
+    """Hermes's ``<tool_call>`` spans, each holding one ``<function=NAME>`` of ``<parameter=NAME>``
+    elements, anywhere in the text, any number of them.
 
     A span closes at the first ``</tool_call>`` (values are text, not JSON: no quotes to skip). A
     parameter's value is the text between its tags, less one newline after the opening tag and one
@@ -715,23 +715,12 @@ class Qwen3CoderToolParser(ToolParser):
     """
 
     name = "qwen3_coder"
-    OPEN = "<tool_call>"
-    CLOSE = "</tool_call>"
-    openers = (OPEN,)
     _function = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.S)
     _parameter = re.compile(r"\s*<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
 
-    def _spans(self, text: str) -> list[_Span]:
-        spans: list[_Span] = []
-        pos = 0
-        while (start := text.find(self.OPEN, pos)) >= 0:
-            close = text.find(self.CLOSE, start + len(self.OPEN))
-            if close < 0:
-                spans.append(_Span(start, len(text), False))
-                break
-            pos = close + len(self.CLOSE)
-            spans.append(_Span(start, pos, True))
-        return spans
+    def _close_at(self, text: str, pos: int) -> int | None:
+        close = text.find(self.CLOSE, pos)
+        return close if close >= 0 else None
 
     def _parse_span(self, raw: str) -> list[ToolCall | str]:
         m = self._function.fullmatch(raw, len(self.OPEN), len(raw) - len(self.CLOSE))
