@@ -469,6 +469,8 @@ class Qwen3CoderWriter(Writer):
                     raise ValueError(f"tool {tool.name!r}: parameter {name!r}: qwen3_coder writes strings as text, "
                                      "whose grammar enforces enum, const, minLength and maxLength only")
                 values = value_schema.get("enum") or ([value_schema["const"]] if "const" in value_schema else None)
+                if values is not None and not all(isinstance(v, str) for v in values):
+                    raise ValueError(f"tool {tool.name!r}: parameter {name!r}: a string whose enum holds other values")
                 if values is not None:
                     lines.append(f"{rule}: {head} (" + " | ".join(_lit(v + close) for v in values) + ")")
                 else:

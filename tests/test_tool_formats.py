@@ -461,6 +461,21 @@ def test_pythonic_tools_a_grammar_cannot_write_are_refused():
     assert GuidedDecodingParams(lark=fmt.forced_grammar((ToolSpec.function("f", schema),), None, True))
 
 
+def test_qwen3_coder_tools_a_grammar_cannot_write_are_refused():
+    fmt = ToolFormat("qwen3_coder")
+    for schema, said in (({"type": "string", "pattern": "^a"}, "enforces enum"),
+                         ({"type": ["string", "integer"]}, "strings only or no strings"),
+                         ({"type": "string", "enum": ["x", 1]}, "enum holds other values"), ({}, "strings only")):
+        with pytest.raises(ValueError, match=said):
+            fmt.forced_grammar((ToolSpec.function("f", {"type": "object", "properties": {"a": schema}}),), None, True)
+    with pytest.raises(ValueError, match="function name"):
+        fmt.forced_grammar((ToolSpec.function("get weather"),), None, True)
+    # a $ref resolves against the tool's $defs; a string's length bounds are the grammar's
+    schema = {"type": "object", "properties": {"unit": {"$ref": "#/$defs/unit"}, "note": {"type": "string",
+              "minLength": 2}}, "required": ["unit"], "$defs": {"unit": {"enum": ["c", "f"]}}}
+    assert GuidedDecodingParams(lark=fmt.forced_grammar((ToolSpec.function("f", schema),), None, True))
+
+
 def test_the_call_writers_import_only_the_standard_library():
     assert non_stdlib_imports(Path(__file__).resolve().parents[1] / "engine" / "call_formats.py") == []
 
