@@ -371,7 +371,7 @@ def test_make_targets_build_the_images():
 # docker's, vLLM's own that the guide names where it compares (`vllm serve --chat-template`), and
 # lm_eval's (its `--model` and `--model_args` read as `--model`, a server flag too)
 NOT_SERVER_FLAGS = {"--build-arg", "--entrypoint", "--gpus", "--ipc", "--profile", "--rm", "--chat-template",
-                    "--tasks"}
+                    "--tasks", "--conversation"}  # (docker's, lm_eval's, examples/responses_chain.py's)
 
 
 def replicas_options() -> set[str]:

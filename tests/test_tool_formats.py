@@ -241,8 +241,6 @@ CORPUS = ["what is the weather in paris today", "the sky is clear and the temper
           '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}',
           '{"name": "set_alarm", "arguments": {"hour": 7, "period": "am", "label": "wake"}}',
           '[get_weather(city="Oslo", days=2), set_alarm(hour=7, period="pm"), clock()]',
-          "<tool_call>\n<function=set_alarm>\n<parameter=hour>\n7\n</parameter>\n<parameter=period>\npm\n</parameter>\n"
-          "</function>\n</tool_call>",
           '{"type": "function", "function": {"name": "clock", "description": "The time now", "parameters": '
           '{"type": "object", "properties": {}, "required": [], "additionalProperties": false}}}']
 
