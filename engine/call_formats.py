@@ -307,11 +307,50 @@ def _dotted(name: str) -> bool:
     return all(_identifier(part) for part in name.split("."))
 
 
-class PythonicWriter(Writer):
+class _CallListWriter(Writer):
+    """A format whose calls follow one another, each a tool's name and its arguments' rules (pythonic,
+    qwen3_coder): the grammars of a forced turn (after its prefill) and of calls or a JSON answer.
+    A subclass says how call `i` is written (`_call`, without its name where the prefill wrote it), its
+    arguments' rules (`_tool_rules`), what comes between calls (`SEPARATOR`), after the last (`CLOSE`)
+    and, in an answer-or-call turn that has no prefill, before the first (`OPEN`)."""
+
+    SEPARATOR = OPEN = CLOSE = ""
+
+    def _call(self, i: int, tool: ToolSpec, named: bool) -> str:
+        raise NotImplementedError
+
+    def _tool_rules(self, i: int, tool: ToolSpec) -> list[str]:
+        raise NotImplementedError
+
+    def _grammar(self, tools: Sequence[ToolSpec], first: list[int], skip_name: bool, parallel: bool,
+                 answer_schema: dict | None = None) -> str:
+        everyone = list(range(len(tools))) if parallel or answer_schema is not None else first
+        lines = ["first: " + " | ".join(self._call(i, tools[i], not skip_name) for i in first)]
+        rest = (f" ({_lit(self.SEPARATOR)} call)*" if parallel else "") + (f" {_lit(self.CLOSE)}" if self.CLOSE else "")
+        if parallel:
+            lines.append("call: " + " | ".join(self._call(i, tools[i], True) for i in everyone))
+        if answer_schema is None:
+            lines.insert(0, f"start: first{rest}")
+        else:
+            lines[:0] = ["start: calls | answer", f"calls: {_lit(self.OPEN)} first{rest}"]
+            lines.append(_answer(answer_schema))
+        for i in sorted(set(everyone) | set(first)):
+            lines += self._tool_rules(i, tools[i])
+        return "\n".join(lines)
+
+    def forced_grammar(self, tools: Sequence[ToolSpec], tool_name: str | None, parallel: bool) -> str:
+        return self._grammar(tools, _allowed(tools, tool_name), tool_name is not None, parallel)
+
+    def answer_or_call_grammar(self, tools: Sequence[ToolSpec], parallel: bool, answer_schema: dict) -> str:
+        return self._grammar(tools, list(range(len(tools))), False, parallel, answer_schema)
+
+
+class PythonicWriter(_CallListWriter):
     """``[f(a=1, b="x"), g()]`` (module docstring)."""
 
     family = "pythonic"
     openers = ("[", PythonicToolParser.START)
+    SEPARATOR, OPEN, CLOSE = ", ", "[", "]"
     _parser = PythonicToolParser()
     _call_head = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)\(")
 
@@ -350,31 +389,11 @@ class PythonicWriter(Writer):
         lines += [f'kw{i}s{n}: ""', f'kw{i}r{n}: ""']
         return lines
 
-    def _grammar(self, tools: Sequence[ToolSpec], first: list[int], skip_name: bool, parallel: bool,
-                 answer_schema: dict | None = None) -> str:
-        everyone = list(range(len(tools))) if parallel or answer_schema is not None else first
+    def _call(self, i: int, tool: ToolSpec, named: bool) -> str:
+        return (f"{_lit(tool.name + '(')} " if named else "") + f'kw{i} ")"'
 
-        def call(i: int, named: bool = True) -> str:
-            return (f"{_lit(tools[i].name + '(')} " if named else "") + f'kw{i} ")"'
-
-        lines = ["first: " + " | ".join(call(i, not skip_name) for i in first)]
-        calls = 'first (", " call)* "]"' if parallel else 'first "]"'
-        if parallel:
-            lines.append("call: " + " | ".join(call(i) for i in everyone))
-        if answer_schema is None:
-            lines.insert(0, f"start: {calls}")
-        else:
-            lines[:0] = ['start: "[" calls | answer', f"calls: {calls}"]
-            lines.append(_answer(answer_schema))
-        for i in sorted(set(everyone) | set(first)):
-            lines += self._keywords(i, tools[i])
-        return "\n".join(lines)
-
-    def forced_grammar(self, tools: Sequence[ToolSpec], tool_name: str | None, parallel: bool) -> str:
-        return self._grammar(tools, _allowed(tools, tool_name), tool_name is not None, parallel)
-
-    def answer_or_call_grammar(self, tools: Sequence[ToolSpec], parallel: bool, answer_schema: dict) -> str:
-        return self._grammar(tools, list(range(len(tools))), False, parallel, answer_schema)
+    def _tool_rules(self, i: int, tool: ToolSpec) -> list[str]:
+        return self._keywords(i, tool)
 
     def no_call_grammar(self) -> str:
         # Calls open the message with "[" (or the <|python_start|> token, which no text grammar allows).
@@ -422,7 +441,7 @@ _PARAMETER_KEYS = {"type", "enum", "const", "minLength", "maxLength", "title", "
                    "examples", "$comment"}  # what a string parameter's grammar enforces, or may ignore
 
 
-class Qwen3CoderWriter(Writer):
+class Qwen3CoderWriter(_CallListWriter):
     """``\n<tool_call>\n<function=f>\n<parameter=a>\nvalue\n</parameter>\n</function>\n</tool_call>``
     per call, as Qwen3-Coder's template renders a past call (each call after a newline). The parameters
     in the schema's property order, required ones always, optional ones maybe; a parameter whose schema
@@ -434,6 +453,7 @@ class Qwen3CoderWriter(Writer):
     openers = (Qwen3CoderToolParser.OPEN,)
     CALL = "\n<tool_call>\n<function="
     END = "</function>\n</tool_call>"
+    SEPARATOR = OPEN = CALL
     _element = re.compile(r"\s*<tool_call>\s*<function=([^>\n]+)>.*?</function>\s*</tool_call>", re.S)
 
     def forced_prefill(self, tool_name: str | None) -> str:
@@ -486,31 +506,11 @@ class Qwen3CoderWriter(Writer):
                                  "as JSON, so its schema must allow strings only or no strings")
         return [f"params{i}: " + (" ".join(items) or '""')] + lines
 
-    def _grammar(self, tools: Sequence[ToolSpec], first: list[int], skip_name: bool, parallel: bool,
-                 answer_schema: dict | None = None) -> str:
-        everyone = list(range(len(tools))) if parallel or answer_schema is not None else first
+    def _call(self, i: int, tool: ToolSpec, named: bool) -> str:
+        return (f"{_lit(tool.name + '>' + chr(10))} " if named else "") + f"params{i} {_lit(self.END)}"
 
-        def call(i: int, named: bool = True) -> str:
-            return (f"{_lit(tools[i].name + '>' + chr(10))} " if named else "") + f"params{i} {_lit(self.END)}"
-
-        lines = ["first: " + " | ".join(call(i, not skip_name) for i in first)]
-        more = f" ({_lit(self.CALL)} call)*" if parallel else ""
-        if parallel:
-            lines.append("call: " + " | ".join(call(i) for i in everyone))
-        if answer_schema is None:
-            lines.insert(0, f"start: first{more}")
-        else:
-            lines[:0] = ["start: calls | answer", f"calls: {_lit(self.CALL)} first{more}"]
-            lines.append(_answer(answer_schema))
-        for i in sorted(set(everyone) | set(first)):
-            lines += self._parameters(i, tools[i])
-        return "\n".join(lines)
-
-    def forced_grammar(self, tools: Sequence[ToolSpec], tool_name: str | None, parallel: bool) -> str:
-        return self._grammar(tools, _allowed(tools, tool_name), tool_name is not None, parallel)
-
-    def answer_or_call_grammar(self, tools: Sequence[ToolSpec], parallel: bool, answer_schema: dict) -> str:
-        return self._grammar(tools, list(range(len(tools))), False, parallel, answer_schema)
+    def _tool_rules(self, i: int, tool: ToolSpec) -> list[str]:
+        return self._parameters(i, tool)
 
     def partial_calls(self, text: str) -> list[PartialCall]:
         """The complete calls written so far, their values as text (a value is whole only once its

@@ -15,6 +15,7 @@ from starlette.requests import Request
 
 from infercept.engine.backend import RequestOutput
 
+from .conversations import State
 from .protocol import APIError, TokenLogprob, TopLogprob, bad_request
 from .turns import Turn, TurnEvent, Turns, TurnSpec
 
@@ -38,6 +39,22 @@ class Frontend:
         self.model_aliases = model_aliases
         self.tokenizer = tokenizer  # the server's own instance: the engine thread decodes with the engine's
         self.eos_token_ids = eos_token_ids  # a stop at one of these reports no stop_reason
+
+    async def open(self, spec: TurnSpec) -> Turn:
+        """Open the turn; the named record it continues (a chat session, a conversation), if any, is
+        generating until `close`: one request at a time in it."""
+        held = spec.holder
+        if held is not None:
+            held.state = State.GENERATING
+        try:
+            return await self.turns.open(spec)
+        except BaseException:
+            self.conversations.settle(held)
+            raise
+
+    async def close(self, turn: Turn) -> None:
+        await turn.close()
+        self.conversations.settle(turn.spec.holder)
 
     def check_model(self, name: str) -> None:
         if name not in self.model_aliases:

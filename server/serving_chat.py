@@ -123,21 +123,6 @@ class ChatServing(Frontend):
                         constraint=constraint, template_kwargs=req.chat_template_kwargs or None, opening=opening,
                         truncation=PromptTruncation.of(req.truncate_prompt_tokens, req.truncation_side))
 
-    async def open(self, spec: TurnSpec) -> Turn:
-        """Open the turn; its chat session (if any) is generating until `close`."""
-        session = spec.holder
-        if session is not None:
-            session.state = State.GENERATING
-        try:
-            return await self.turns.open(spec)
-        except BaseException:
-            self.conversations.settle(session)
-            raise
-
-    async def close(self, turn: Turn) -> None:
-        await turn.close()
-        self.conversations.settle(turn.spec.holder)
-
     def _session_messages(self, session_id: str, messages: list[Message], owner: str | None,
                           peek: bool = False) -> tuple[list[Message], Conversation | None]:
         """Explicit continuation. Messages that start with tool results continue the session's stored

@@ -81,21 +81,10 @@ class ResponsesServing(Frontend):
         system = (Message("system", req.instructions),) if req.instructions else ()
         spec = TurnSpec("chat", messages=system + conversation, mode=mode, id_prefix="resp_", param="input",
                         owner=owner, holder=record, **request_fields(req, mode))
-        if record is not None:
-            record.state = State.GENERATING  # (until the turn closes: one response at a time in a conversation)
-        try:
-            turn = await self.turns.open(spec)
-        except BaseException:
-            self.conversations.settle(record)
-            raise
+        turn = await self.open(spec)  # (its conversation generating until the turn closes)
         rt = ResponseTurn(req, model, new_id("msg_"), now(), conversation, turn, reasoning_id=new_id("rs_"),
                           in_conversation=record, kept_items=kept)
-
-        async def close() -> None:
-            await turn.close()
-            self.conversations.settle(record)
-
-        return await self.answer(raw, rt, lambda: self._events(rt), lambda: self._full(rt), close)
+        return await self.answer(raw, rt, lambda: self._events(rt), lambda: self._full(rt), lambda: self.close(turn))
 
     async def answer(self, raw: Request, rt: ResponseTurn, events: Callable[[], AsyncIterator[dict]],
                      body: Callable[[], Awaitable[dict]], cleanup: Callable[[], Awaitable[None]]) -> Response:

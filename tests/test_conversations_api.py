@@ -8,19 +8,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import openai
 import pytest
 
-from live_server import MODEL, resumes
-
-TOOLS = [{"type": "function", "name": "get_weather", "description": "Get the current weather in a city",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
-QUESTION = "What is the weather in Paris?"
-RESULT = '{"temperature": 21, "sky": "clear"}'
-GREEDY = dict(model=MODEL, temperature=0)
-ROOT = Path(__file__).resolve().parents[1]
+from live_server import resumes
+from test_responses import GREEDY, QUESTION, RESULT, ROOT, TOOLS  # (the same weather step)
 
 
 def held_by(srv, conversation_id: str) -> list[str]:
