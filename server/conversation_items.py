@@ -1,10 +1,12 @@
-"""A Responses-API conversation's items (OpenAI's Conversations API): each item as the conversation keeps
-and lists it, with its id and status, in the shapes the official SDK parses, and the chat messages the
-items make (the history a response in the conversation continues).
+"""Items as the server keeps and lists them: a Responses-API conversation's (OpenAI's Conversations API)
+and a stored response's input items (GET /v1/responses/{id}/input_items), each with its id and status, in
+the shapes the official SDK parses; the chat messages a conversation's items make (the history a response
+in it continues); and a page of items, as both lists are paged.
 
 Input items are kept as the Responses input takes them: messages (their text parts), function calls,
-function call outputs and reasoning items. MCP items are not kept: the server's MCP tools run within one
-response, which a conversation does not serve (responses_mcp.py).
+function call outputs and reasoning items. A conversation keeps no MCP items: the server's MCP tools run
+within one response, which a conversation does not serve (responses_mcp.py); a response's input items
+include them as sent.
 """
 from __future__ import annotations
 
@@ -14,12 +16,14 @@ from pydantic import TypeAdapter, ValidationError
 
 from .chat import Message
 from .protocol import bad_request, new_id
-from .protocol_responses import (FunctionCallItem, FunctionCallOutputItem, InputItem, MessageItem, OutputText,
-                                 ReasoningItem, TextPart)
+from .protocol_responses import (FunctionCallItem, FunctionCallOutputItem, InputItem, McpApprovalResponseItem,
+                                 McpListToolsItem, MessageItem, OutputText, ReasoningItem, TextPart)
 from .responses_input import input_messages
 
 _ITEM = TypeAdapter(InputItem)
-ID_PREFIXES = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_", "reasoning": "rs_"}
+ID_PREFIXES = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_", "reasoning": "rs_",
+               "mcp_approval_response": "mcpa_", "mcp_list_tools": "mcpl_"}  # (the other MCP items come with one)
+DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT = 20, 100  # OpenAI's
 
 
 def parsed_items(raw: Sequence[dict], param: str = "items") -> list:
@@ -36,20 +40,28 @@ def parsed_items(raw: Sequence[dict], param: str = "items") -> list:
     return items
 
 
-def kept_items(input: str | Sequence, taken: set[str], param: str = "input") -> list[dict]:
+def kept_items(input: str | Sequence, taken: set[str], param: str = "input", mcp: bool = False) -> list[dict]:
     """The items a conversation keeps of `input` (a Responses input, or the items a client adds), each
-    with an id: the one it came with unless the conversation has it already (`taken`, which grows)."""
+    with an id: the one it came with unless the list has it already (`taken`, which grows). `mcp`: MCP
+    items are kept too (a response's input items), else refused (a conversation's)."""
     if isinstance(input, str):
         input = [MessageItem(role="user", content=input)]
     kept = []
     for i, item in enumerate(input):
-        if not isinstance(item, (MessageItem, FunctionCallItem, FunctionCallOutputItem, ReasoningItem)):
+        if not mcp and not isinstance(item, (MessageItem, FunctionCallItem, FunctionCallOutputItem, ReasoningItem)):
             raise bad_request(f"{param}[{i}]: a conversation keeps no {item.type} items (MCP tools run within one "
                               "response: send them without a conversation)", param=f"{param}[{i}]")
         item_id = item.id if item.id and item.id not in taken else new_id(ID_PREFIXES[item.type])
         taken.add(item_id)
         kept.append({"id": item_id, **_fields(item)})
     return kept
+
+
+def input_items_after(previous, input: str | Sequence) -> list[dict]:
+    """A response's input items: those of the stored response it continues (`previous`, a record of the
+    conversation store, or None) and that response's output, then `input`'s."""
+    earlier = previous.items + previous.body["output"] if previous is not None else []
+    return earlier + kept_items(input, {item["id"] for item in earlier}, mcp=True)
 
 
 def _fields(item) -> dict:
@@ -61,7 +73,13 @@ def _fields(item) -> dict:
     if isinstance(item, FunctionCallOutputItem):
         output = item.output if isinstance(item.output, str) else [p.model_dump() for p in item.output]
         return {"type": "function_call_output", "call_id": item.call_id, "output": output, "status": "completed"}
-    return item.model_dump(exclude={"id"}, exclude_none=True)  # reasoning: its summary and content as sent
+    if isinstance(item, McpApprovalResponseItem):
+        return {"type": item.type, "approval_request_id": item.approval_request_id, "approve": item.approve,
+                "reason": item.reason}
+    if isinstance(item, McpListToolsItem):
+        return {"type": item.type, "server_label": item.server_label, "tools": item.tools, "error": item.error}
+    # reasoning: its summary and content as sent; mcp_call, mcp_approval_request: as sent
+    return item.model_dump(exclude={"id"}, exclude_none=True)
 
 
 def _parts(item: MessageItem) -> list[dict]:
@@ -76,3 +94,29 @@ def _parts(item: MessageItem) -> list[dict]:
 def messages_of(items: Sequence[dict]) -> tuple[Message, ...]:
     """The chat messages a conversation's items make: what a response in it continues."""
     return tuple(input_messages(parsed_items(items)))
+
+
+def list_page(items: Sequence[dict], query, where: str) -> dict:
+    """A page of `items` (oldest first) as a list request's `query` asks: newest first unless
+    `order=asc`, after the item `after` (cursor paging), at most `limit`; `where` names the list in
+    errors. (`include` asks for fields a kept item has already, or never has here: nothing to add.)"""
+    limit = query.get("limit", str(DEFAULT_LIST_LIMIT))
+    if not limit.isdigit() or not 1 <= int(limit) <= MAX_LIST_LIMIT:
+        raise bad_request(f"limit must be an integer from 1 to {MAX_LIST_LIMIT}", param="limit")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request("order must be 'asc' or 'desc'", param="order")
+    items = list(items) if order == "asc" else list(items)[::-1]
+    after = query.get("after")
+    if after is not None:
+        position = next((i for i, item in enumerate(items) if item["id"] == after), None)
+        if position is None:
+            raise bad_request(f"after: no item {after!r} in {where}", param="after")
+        items = items[position + 1:]
+    page = items[:int(limit)]
+    return page_of(page, has_more=len(items) > len(page))
+
+
+def page_of(items: list[dict], has_more: bool) -> dict:
+    return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
+            "last_id": items[-1]["id"] if items else None, "has_more": has_more}

@@ -142,7 +142,8 @@ class Conversation:
     token_ids: list[int] = field(default_factory=list)  # a token-level session's whole context
     spec: SessionSpec | None = None  # native sessions
     body: dict | None = None  # stored responses: the response object as returned; conversations: theirs
-    items: list[dict] = field(default_factory=list)  # conversations: their items as listed, oldest first
+    # conversations: their items as listed; responses: their input items (the chain's), oldest first
+    items: list[dict] = field(default_factory=list)
     request_id: str | None = None  # native sessions: the engine request generating now
     task: asyncio.Task | None = None  # native sessions: the post in flight (deleting the session cancels it)
     last_used: float = 0.0  # named records: last use; responses: creation
@@ -384,8 +385,9 @@ class ConversationStore:
         return record
 
     def store_response(self, response_id: str, body: dict, conversation: tuple[Message, ...],
-                       request_id: str, owner: str | None = None) -> None:
-        """Store a finished response; it takes the generation `request_id` paused at its calls, if any."""
+                       request_id: str, owner: str | None = None, items: list[dict] | None = None) -> None:
+        """Store a finished response (`items`: its input items); it takes the generation `request_id`
+        paused at its calls, if any."""
         if self.policy.max_stored_responses == 0:
             return
         self._expire_responses()
@@ -393,7 +395,8 @@ class ConversationStore:
             self.close(next(iter(self._responses.values())), "limits", "over the stored-response limit")
         state = State.PAUSED if conversation[-1].tool_calls else State.IDLE
         record = self._responses[response_id] = Conversation(response_id, Kind.RESPONSE, state, messages=conversation,
-                                                             body=body, last_used=self.clock(), owner=owner)
+                                                             body=body, items=items or [], last_used=self.clock(),
+                                                             owner=owner)
         self.adopt(record, request_id)
 
     def response(self, response_id: str, owner: str | None = None) -> Conversation | None:

@@ -68,7 +68,7 @@ NOT_RELAYED = {b"connection", b"keep-alive", b"proxy-connection", b"te", b"trail
 
 NAMING_POSTS = ("/v1/responses", "/v1/chat/completions")  # POSTs whose body may name a conversation or a key
 CACHE_KEY = "prompt_cache_key"  # (also the forwarded-requests metric's kind for requests sent to their key's home)
-_RESPONSE = re.compile(r"/v1/responses/([^/]+)(?:/cancel)?")
+_RESPONSE = re.compile(r"/v1/responses/([^/]+)(?:/cancel|/input_items)?")
 _SESSION = re.compile(r"/v1/sessions/([^/]+)(?:/messages)?")
 _CONVERSATION = re.compile(r"/v1/conversations/([^/]+)(?:/items(?:/[^/]+)?)?")
 

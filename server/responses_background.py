@@ -42,6 +42,7 @@ class BackgroundResponse:
     events: list[dict] = field(default_factory=list)  # as streamed: {"event": kind, "data": JSON}
     done: bool = False
     task: asyncio.Task | None = None
+    input_items: list[dict] = field(default_factory=list)  # (listed while it runs: it is stored when it ends)
     _grown: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) at each event and the end
 
     def add(self, event: dict) -> None:
@@ -97,12 +98,13 @@ class BackgroundResponses:
                               "the background", param="background")
 
     def start(self, response_id: str, owner: str | None, events: AsyncIterator[dict],
-              cleanup: Callable[[], Awaitable[None]], error: Callable[[APIError], dict]) -> BackgroundResponse:
+              cleanup: Callable[[], Awaitable[None]], error: Callable[[APIError], dict],
+              input_items: list[dict]) -> BackgroundResponse:
         """Run the response's `events` to their end in a task of its own (cleanup after, however it ends)."""
         if sum(not r.done for r in self._kept.values()) >= self.limit:
             raise APIError(429, f"too many background responses running (limit {self.limit})",
                            code="rate_limit_exceeded", headers={"Retry-After": "1"})
-        entry = self._kept[response_id] = BackgroundResponse(response_id, owner)
+        entry = self._kept[response_id] = BackgroundResponse(response_id, owner, input_items=input_items)
         entry.task = asyncio.create_task(self._run(entry, events, cleanup, error))
         return entry
 

@@ -89,6 +89,7 @@ class ResponseTurn:
     reasoning_id: str = ""  # of the reasoning output item (a thinking model's), known before it streams
     in_conversation: Conversation | None = None  # the conversation (/v1/conversations) it is part of
     kept_items: list[dict] = field(default_factory=list)  # the input items it adds there when it ends
+    input_items: list[dict] = field(default_factory=list)  # the chain's input items, this request's included
 
     @property
     def id(self) -> str:

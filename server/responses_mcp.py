@@ -42,6 +42,7 @@ from urllib.parse import urlsplit
 from infercept.engine.backend import ToolSpec
 
 from .chat import Call, Message, validate_tool_flow
+from .conversation_items import input_items_after
 from .mcp_config import function_name
 from .protocol import APIError, bad_request, new_id, now
 from .responses_input import ResponseTurn, input_messages, request_fields, tool_spec
@@ -352,7 +353,8 @@ class ResponsesMcp:
         spec = TurnSpec("chat", messages=system + conversation, mode=mode, id_prefix="resp_", param="input",
                         owner=owner, **request_fields(req, mode))
         turn = await serving.turns.open(spec)
-        rt = ResponseTurn(req, model, new_id("msg_"), now(), conversation, turn)
+        rt = ResponseTurn(req, model, new_id("msg_"), now(), conversation, turn,
+                          input_items=input_items_after(previous, req.input))
         current = turn
 
         def on_turn(opened: Turn) -> None:
@@ -548,7 +550,7 @@ class Output:
         _redact(body)
         if rt.request.store is not False:
             serving.conversations.store_response(rt.id, body, tuple(messages[num_system:]),
-                                                 last_turn.engine.request_id, last_turn.spec.owner)
+                                                 last_turn.engine.request_id, last_turn.spec.owner, rt.input_items)
         return body
 
 

@@ -107,6 +107,11 @@ async def retrieve_response(response_id: str, request: Request) -> Response:
     return await request.app.state.responses.retrieve(response_id, request)
 
 
+@router.get("/v1/responses/{response_id}/input_items")
+async def response_input_items(response_id: str, request: Request) -> Response:
+    return await request.app.state.responses.input_items(response_id, request)
+
+
 @router.post("/v1/responses/{response_id}/cancel")
 async def cancel_response(response_id: str, request: Request) -> Response:
     return await request.app.state.responses.cancel(response_id, request)

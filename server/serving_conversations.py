@@ -13,13 +13,11 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
-from .conversation_items import kept_items, messages_of, parsed_items
+from .conversation_items import kept_items, list_page, messages_of, page_of, parsed_items
 from .conversations import Conversation, ConversationStore, State
-from .protocol import APIError, bad_request, new_id, now
+from .protocol import APIError, new_id, now
 from .protocol_conversations import ConversationCreateRequest, ConversationItemsRequest, ConversationUpdateRequest
 from .tenants import owner_of
-
-DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT = 20, 100  # OpenAI's
 
 
 class ConversationsServing:
@@ -68,27 +66,12 @@ class ConversationsServing:
         record = self.of(conversation_id, owner_of(raw), editing=True)
         items = kept_items(parsed_items(req.items), {item["id"] for item in record.items}, param="items")
         self.keep(record, record.items + items)
-        return JSONResponse(_page(items, has_more=False))
+        return JSONResponse(page_of(items, has_more=False))
 
     async def list_items(self, conversation_id: str, raw: Request) -> Response:
         """A page of the items, newest first unless `order=asc`, after the item `after` (cursor paging)."""
         record = self.of(conversation_id, owner_of(raw))
-        query = raw.query_params
-        limit = query.get("limit", str(DEFAULT_LIST_LIMIT))
-        if not limit.isdigit() or not 1 <= int(limit) <= MAX_LIST_LIMIT:
-            raise bad_request(f"limit must be an integer from 1 to {MAX_LIST_LIMIT}", param="limit")
-        order = query.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise bad_request("order must be 'asc' or 'desc'", param="order")
-        items = record.items if order == "asc" else record.items[::-1]
-        after = query.get("after")
-        if after is not None:
-            position = next((i for i, item in enumerate(items) if item["id"] == after), None)
-            if position is None:
-                raise bad_request(f"after: no item {after!r} in conversation {conversation_id!r}", param="after")
-            items = items[position + 1:]
-        page = items[:int(limit)]
-        return JSONResponse(_page(page, has_more=len(items) > len(page)))
+        return JSONResponse(list_page(record.items, raw.query_params, f"conversation {conversation_id!r}"))
 
     async def retrieve_item(self, conversation_id: str, item_id: str, raw: Request) -> Response:
         record = self.of(conversation_id, owner_of(raw))
@@ -110,7 +93,3 @@ class ConversationsServing:
             raise APIError(404, f"Item with id '{item_id}' not found.", param="item_id", code="item_not_found")
         return index
 
-
-def _page(items: list[dict], has_more: bool) -> dict:
-    return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
-            "last_id": items[-1]["id"] if items else None, "has_more": has_more}

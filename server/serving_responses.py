@@ -1,5 +1,6 @@
-"""POST /v1/responses (OpenAI Responses API), GET and DELETE /v1/responses/{id}, and POST
-/v1/responses/{id}/cancel (for those run in the background: responses_background.py).
+"""POST /v1/responses (OpenAI Responses API), GET and DELETE /v1/responses/{id}, GET
+/v1/responses/{id}/input_items, and POST /v1/responses/{id}/cancel (for those run in the background:
+responses_background.py).
 
 A Responses request is a chat turn in another shape: its input items become chat messages
 (`function_call` items join the assistant message they follow, `function_call_output` items become
@@ -21,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
 from .chat import Message
-from .conversation_items import kept_items
+from .conversation_items import input_items_after, kept_items, list_page
 from .conversations import Conversation, State
 from .protocol import APIError, TokenLogprob, bad_request, new_id, now
 from . import responses_mcp
@@ -64,12 +65,16 @@ class ResponsesServing(Frontend):
             record = self.conversations_api.of(req.conversation_id, owner, editing=True, param="conversation")
             history = record.messages
             kept = kept_items(req.input, {item["id"] for item in record.items})
-        elif req.previous_response_id is not None:
-            previous = self.conversations.response(req.previous_response_id, owner)
-            if previous is None:
-                raise APIError(404, f"Previous response with id '{req.previous_response_id}' not found.",
-                               param="previous_response_id", code="previous_response_not_found")
-            history = previous.messages
+            items = record.items + kept
+        else:
+            previous = None
+            if req.previous_response_id is not None:
+                previous = self.conversations.response(req.previous_response_id, owner)
+                if previous is None:
+                    raise APIError(404, f"Previous response with id '{req.previous_response_id}' not found.",
+                                   param="previous_response_id", code="previous_response_not_found")
+                history = previous.messages
+            items = input_items_after(previous, req.input)
         conversation = history + tuple(input_messages(req.input))
         if not conversation:
             raise bad_request("input must not be empty", param="input")
@@ -83,7 +88,7 @@ class ResponsesServing(Frontend):
                         owner=owner, holder=record, **request_fields(req, mode))
         turn = await self.open(spec)  # (its conversation generating until the turn closes)
         rt = ResponseTurn(req, model, new_id("msg_"), now(), conversation, turn, reasoning_id=new_id("rs_"),
-                          in_conversation=record, kept_items=kept)
+                          in_conversation=record, kept_items=kept, input_items=items)
         return await self.answer(raw, rt, lambda: self._events(rt), lambda: self._full(rt), lambda: self.close(turn))
 
     async def answer(self, raw: Request, rt: ResponseTurn, events: Callable[[], AsyncIterator[dict]],
@@ -95,7 +100,7 @@ class ResponsesServing(Frontend):
             return await respond(raw, bool(rt.request.stream), events, body, cleanup, headers, f"response {rt.id}",
                                  error=rt.error, done=None)
         try:
-            entry = self.background.start(rt.id, rt.turn.spec.owner, events(), cleanup, rt.error)
+            entry = self.background.start(rt.id, rt.turn.spec.owner, events(), cleanup, rt.error, rt.input_items)
         except APIError:
             await cleanup()
             raise
@@ -119,6 +124,16 @@ class ResponsesServing(Frontend):
         if entry is not None and (not entry.done or self.conversations.response(response_id, entry.owner) is None):
             return JSONResponse(entry.body)  # (running, or ended without being stored: failed, cancelled)
         return JSONResponse(self._stored(response_id, raw).body)
+
+    async def input_items(self, response_id: str, raw: Request) -> Response:
+        """A page of the response's input items (those of the chain it continues, its own input's after),
+        as a conversation's items are paged."""
+        stored = self.conversations.response(response_id, owner_of(raw))
+        entry = self.background.get(response_id, owner_of(raw)) if stored is None else None
+        if stored is None and entry is None:
+            self._stored(response_id, raw)  # (404)
+        items = stored.items if stored is not None else entry.input_items
+        return JSONResponse(list_page(items, raw.query_params, f"response {response_id!r}"))
 
     async def cancel(self, response_id: str, raw: Request) -> Response:
         entry = self.background.get(response_id, owner_of(raw))
@@ -201,7 +216,7 @@ class ResponsesServing(Frontend):
             self.conversations_api.keep(record, record.items + rt.kept_items + body["output"])
         if rt.request.store is not False:
             self.conversations.store_response(rt.id, body, rt.conversation + (end.result.message,),
-                                              rt.turn.engine.request_id, rt.turn.spec.owner)
+                                              rt.turn.engine.request_id, rt.turn.spec.owner, rt.input_items)
         return body
 
     # -- non-streaming -----------------------------------------------------------------------------

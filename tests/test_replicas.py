@@ -152,7 +152,7 @@ def test_a_request_naming_what_another_replica_holds_is_served_there(tmp_path):
             for method, path, kw in (
                     ("POST", "/v1/responses", {"json": {"previous_response_id": "resp_a", "input": "x"}}),
                     ("GET", "/v1/responses/resp_a", {}), ("DELETE", "/v1/responses/resp_a", {}),
-                    ("POST", "/v1/responses/resp_a/cancel", {}),
+                    ("POST", "/v1/responses/resp_a/cancel", {}), ("GET", "/v1/responses/resp_a/input_items", {}),
                     ("GET", "/v1/sessions/sess_a", {}), ("POST", "/v1/sessions/sess_a/messages", {"json": {"content": "x"}}),
                     ("POST", "/v1/chat/completions", {"json": {"messages": [], "session_id": "chat-a"}}),
                     ("POST", "/v1/chat/completions", {"json": {"messages": []}, "headers": {"X-Session-Id": "chat-a"}}),
@@ -552,6 +552,8 @@ def test_responses_chains_and_sessions_reach_their_replica_under_round_robin(clu
             for _ in range(2):
                 cancelled = http.post(f"/responses/{queued['id']}/cancel")
                 assert cancelled.status_code == 200 and cancelled.json()["status"] == polled["status"], cancelled.text
+                items = http.get(f"/responses/{queued['id']}/input_items")
+                assert items.status_code == 200 and items.json()["data"][0]["content"][0]["text"] == "Hi", items.text
             # vllm-router drops the query of a GET it passes on: streamed again, it is the replicas' own
             # ports (either one: the other forwards), and through the router the response as JSON.
             again = http.get(f"/responses/{queued['id']}", params={"stream": "true", "starting_after": 1})

@@ -64,6 +64,37 @@ def test_chain_by_previous_response_id_resumes(srv):
     srv.assert_no_leak()
 
 
+def test_input_items_list_the_chain_items_paged(srv):
+    """GET /v1/responses/{id}/input_items: the chain's items (the earlier inputs and outputs), then the
+    request's own, each with an id, in the SDK's types; newest first unless asked, cursor-paged."""
+    client = srv.client()
+    first, call = call_step(client, instructions="Answer briefly.")
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": RESULT}
+    second = client.responses.create(previous_response_id=first.id, input=[output], tools=TOOLS,
+                                     max_output_tokens=4, **GREEDY)
+    items = list(client.responses.input_items.list(second.id, order="asc", limit=1))  # (pages of 1, followed)
+    assert [item.type for item in items] == ["message", "function_call", "function_call_output"]
+    assert items[0].role == "user" and items[0].content[0].text == QUESTION  # (instructions are no item)
+    assert items[1].id == call.id and items[1].arguments == call.arguments
+    assert items[2].call_id == call.call_id and items[2].output == RESULT and items[2].id.startswith("fco_")
+    assert [item.id for item in client.responses.input_items.list(first.id)] == [items[0].id]
+    newest = client.responses.input_items.list(second.id, limit=2)
+    assert [item.id for item in newest.data] == [items[2].id, items[1].id] and newest.has_more
+    after = client.responses.input_items.list(second.id, limit=2, after=items[1].id)
+    assert [item.id for item in after.data] == [items[0].id] and not after.has_more
+
+    with pytest.raises(openai.BadRequestError, match="after"):
+        client.responses.input_items.list(second.id, after="msg_nope")
+    with pytest.raises(openai.BadRequestError, match="limit"):
+        client.responses.input_items.list(second.id, limit=101)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_nope")
+    unstored = client.responses.create(input="Hi.", max_output_tokens=2, store=False, **GREEDY)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list(unstored.id)
+    srv.assert_no_leak()
+
+
 def test_stateless_items_resume_and_store_false(srv):
     client = srv.client()
     first, call = call_step(client, store=False)

@@ -31,7 +31,10 @@ def test_a_background_response_is_answered_at_once_and_polled_to_the_synchronous
     question = dict(input="Name three colours.", max_output_tokens=12, **GREEDY)
     queued = client.responses.create(background=True, **question)
     assert queued.status in ("queued", "in_progress") and queued.background is True and queued.output == []
+    (item,) = client.responses.input_items.list(queued.id)  # (listed while it runs, as when it is stored)
+    assert item.content[0].text == question["input"]
     done = settled(client, queued.id)
+    assert [i.id for i in client.responses.input_items.list(done.id)] == [item.id]
     alike = client.responses.create(**question)
     assert done.status == alike.status and done.output_text == alike.output_text and done.output_text
     assert done.usage.output_tokens == alike.usage.output_tokens and done.background is True

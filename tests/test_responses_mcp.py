@@ -254,6 +254,11 @@ def test_approval_runs_the_call_and_resumes_the_same_generation(mcp):
     assert call.output == "42" and call.approval_request_id == request.id and call.name == "multiply"
     assert assert_resumed_once(mcp.backend.calls) == len(paused.token_ids) - 1
     assert mcp.backend.calls[0][1] == paused.request_id
+    # Its input items: the question, the first response's listing and approval request, the approval.
+    items = list(mcp.client.responses.input_items.list(second.id, order="asc"))
+    assert [i.type for i in items] == ["message", "mcp_list_tools", "mcp_approval_request", "mcp_approval_response"]
+    assert items[2].id == request.id and items[3].approval_request_id == request.id and items[3].approve
+    assert items[1].tools[0].name == "multiply"
 
     # An approval answered once is not waiting any more.
     with pytest.raises(openai.BadRequestError, match="approval_request_id"):
