@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # 3 GB CUDA build). Hosts with an NVIDIA driver get PyPI's CUDA build. Override with TORCH=...
 TORCH ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0+cpu)
 
-.PHONY: install serve test bench download clean vllm-env browser claude-code ai-sdk gpu-pack gpu-check
+.PHONY: install serve test bench download clean vllm-env frameworks-env browser claude-code ai-sdk gpu-pack gpu-check
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -38,7 +38,8 @@ serve: download $(if $(filter vllm auto,$(BACKEND)),vllm-env) $(if $(REPLICAS),r
 router: install
 	@$(BIN)/python -c "import vllm_router" 2>/dev/null || $(BIN)/pip install --quiet -e ".[router]"
 
-# The tests include the vLLM backend's (tests/test_vllm_backend.py), so this also sets up .venv-vllm, the
+# The tests include the vLLM backend's (tests/test_vllm_backend.py), so this also sets up .venv-vllm, and
+# Instructor's and LlamaIndex's (.venv-frameworks), the
 # dashboard's in a headless browser (tests/test_dashboard.py), so Debian's chromium where it can, and
 # Claude Code's against the server (tests/test_claude_code.py), so Claude Code where npm is. The
 # environments install side by side (-j3): each mostly waits on downloads and unpacking. The slowest
@@ -47,7 +48,7 @@ router: install
 # (tests/conftest.py); TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 test:
-	@$(MAKE) --no-print-directory -j4 download vllm-env browser claude-code ai-sdk
+	@$(MAKE) --no-print-directory -j4 download vllm-env frameworks-env browser claude-code ai-sdk
 	$(BIN)/python -m pytest -q --durations=25 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 # Debian's chromium for tests/test_dashboard.py: installed as root where apt-get exists; elsewhere that
@@ -85,7 +86,7 @@ bench: download
 	$(BIN)/python benchmarks/sweep.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .claude-code .ai-sdk build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(FRAMEWORKS_VENV) .claude-code .ai-sdk build *.egg-info .pytest_cache .hypothesis
 
 # The GPU check (benchmarks/README.md, "GPU check"), in two halves. `make gpu-pack`, here (network, .venv):
 # fills the git-ignored .gpu-check/ (< 40 MiB) with the wheels a bare CUDA host lacks (CPython 3.12) and
@@ -125,3 +126,17 @@ docker:
 
 docker-cpu:
 	docker build $(DOCKER_BUILD_ARGS) -f docker/Dockerfile.cpu -t infercept:cpu .
+
+# Agent libraries the suite's environment cannot hold, in their own (tests/frameworks_env.py): Instructor
+# 1.17.0 requires jiter<0.15, and the openai SDK the suite runs requires jiter>=0.16; LlamaIndex's OpenAI
+# model requires openai<3. Pinned, as the other frameworks are: each release changes what it sends.
+FRAMEWORKS_VENV := .venv-frameworks
+FRAMEWORKS := instructor==1.17.0 llama-index-core==0.14.25 llama-index-llms-openai-like==0.8.1 llama-index-llms-openai==0.8.3 \
+	openai==2.54.0
+
+$(FRAMEWORKS_VENV)/.installed: Makefile
+	$(PYTHON) -m venv $(FRAMEWORKS_VENV)
+	$(FRAMEWORKS_VENV)/bin/pip install --quiet $(FRAMEWORKS)
+	touch $@
+
+frameworks-env: $(FRAMEWORKS_VENV)/.installed
