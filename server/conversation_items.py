@@ -4,9 +4,9 @@ the shapes the official SDK parses; the chat messages a conversation's items mak
 in it continues); and a page of items, as both lists are paged.
 
 Input items are kept as the Responses input takes them: messages (their text parts), function calls,
-function call outputs and reasoning items. A conversation keeps no MCP items: the server's MCP tools run
-within one response, which a conversation does not serve (responses_mcp.py); a response's input items
-include them as sent.
+function call outputs and reasoning items, and the MCP items a response takes or makes (tool listings,
+calls, approval requests and answers: responses_mcp.py). A client adds no MCP items to a conversation
+itself: an approval is the input of the response that runs the call.
 """
 from __future__ import annotations
 
@@ -43,14 +43,14 @@ def parsed_items(raw: Sequence[dict], param: str = "items") -> list:
 def kept_items(input: str | Sequence, taken: set[str], param: str = "input", mcp: bool = False) -> list[dict]:
     """The items a conversation keeps of `input` (a Responses input, or the items a client adds), each
     with an id: the one it came with unless the list has it already (`taken`, which grows). `mcp`: MCP
-    items are kept too (a response's input items), else refused (a conversation's)."""
+    items are kept too (a response's input), else refused (items a client adds)."""
     if isinstance(input, str):
         input = [MessageItem(role="user", content=input)]
     kept = []
     for i, item in enumerate(input):
         if not mcp and not isinstance(item, (MessageItem, FunctionCallItem, FunctionCallOutputItem, ReasoningItem)):
-            raise bad_request(f"{param}[{i}]: a conversation keeps no {item.type} items (MCP tools run within one "
-                              "response: send them without a conversation)", param=f"{param}[{i}]")
+            raise bad_request(f"{param}[{i}]: {item.type} items are added by the responses that make or take them "
+                              "(an approval is the input of the response that runs its call)", param=f"{param}[{i}]")
         item_id = item.id if item.id and item.id not in taken else new_id(ID_PREFIXES[item.type])
         taken.add(item_id)
         kept.append({"id": item_id, **_fields(item)})

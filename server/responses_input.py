@@ -15,8 +15,10 @@ from infercept.engine.backend import ToolSpec
 from .chat import Call, Message
 from .conversations import Conversation
 from .protocol import APIError
-from .protocol_responses import (FunctionCallItem, FunctionCallOutputItem, FunctionTool, MessageItem, ReasoningItem,
-                                 ResponsesRequest, TextPart)
+from .mcp_config import function_name
+from .protocol_responses import (FunctionCallItem, FunctionCallOutputItem, FunctionTool, McpApprovalRequestItem,
+                                 McpApprovalResponseItem, McpCallItem, MessageItem, ReasoningItem, ResponsesRequest,
+                                 TextPart)
 from .structured import check_without_calls, output_constraint
 from .tool_mode import ToolMode
 from .turns import PromptTruncation, Sampling, Turn
@@ -31,7 +33,8 @@ def _text(content: str | Sequence[TextPart]) -> str:
 def input_messages(input: str | Sequence, other: Callable[[Any, list[Message]], None] | None = None) -> list[Message]:
     """Responses input -> chat messages. Consecutive `function_call` items are one assistant turn, with
     the assistant message just before them as its content: the shape of the turn that made them.
-    `other(item, messages)` adds the messages of the items of other kinds (MCP items: responses_mcp.py)."""
+    `other(item, messages)` adds the messages of the items of other kinds (MCP items), `mcp_item_messages`
+    where it is not given."""
     if isinstance(input, str):
         return [Message("user", input)]
     messages: list[Message] = []
@@ -46,11 +49,64 @@ def input_messages(input: str | Sequence, other: Callable[[Any, list[Message]], 
             messages.append(Message("tool", _text(item.output), tool_call_id=item.call_id))
         elif isinstance(item, ReasoningItem):
             continue  # earlier thinking: not part of the conversation (chat templates drop it too)
-        elif not isinstance(item, MessageItem) and other is not None:
-            other(item, messages)
+        elif not isinstance(item, MessageItem):
+            (other or mcp_item_messages)(item, messages)
         else:
             messages.append(Message("system" if item.role == "developer" else item.role, _text(item.content)))
     return messages
+
+
+# Item ids follow the call's id, so an approval (or an mcp_call sent back) names its call.
+def approval_id(call_id: str) -> str:
+    return "mcpr_" + call_id.removeprefix("call_")
+
+
+def mcp_call_id(call_id: str) -> str:
+    return "mcp_" + call_id.removeprefix("call_")
+
+
+def call_id_of(item_id: str, prefix: str) -> str:
+    return "call_" + item_id.removeprefix(prefix)
+
+
+def refusal(reason: str | None) -> str:
+    """What the model reads as the result of a call the user did not approve."""
+    return "error: the user did not approve this call" + (f": {reason}" if reason else "")
+
+
+def mcp_item_messages(item, messages: list[Message]) -> None:
+    """Add the messages of an MCP item of a finished exchange (a conversation's items, the input of a
+    client keeping its own history): a call (asked for approval, or run) joins the assistant turn just
+    before it, unless that turn asked for it already (the approval before its run); a run call brings its
+    result as a tool message; a refused approval, the refusal; an approval, nothing (the `mcp_call` after
+    it brings the result); a tool listing, nothing (the tools come from the request's `tools`)."""
+    if isinstance(item, McpApprovalResponseItem):
+        if not item.approve:
+            messages.append(Message("tool", refusal(item.reason),
+                                    tool_call_id=call_id_of(item.approval_request_id, "mcpr_")))
+        return
+    if not isinstance(item, (McpApprovalRequestItem, McpCallItem)):
+        return
+    prefix = "mcpr_" if isinstance(item, McpApprovalRequestItem) else "mcp_"
+    call = Call.make(call_id_of(item.id, prefix), function_name(item.server_label, item.name), item.arguments)
+    k = len(messages) - 1
+    while k >= 0 and messages[k].role == "tool":  # (the results of the turn's earlier calls)
+        k -= 1
+    asked = k >= 0 and messages[k].role == "assistant" and any(c.id == call.id for c in messages[k].tool_calls)
+    if not asked:
+        if messages and messages[-1].role == "assistant":
+            messages[-1] = replace(messages[-1], tool_calls=messages[-1].tool_calls + (call,))
+        else:
+            messages.append(Message("assistant", "", tool_calls=(call,)))
+    if isinstance(item, McpCallItem):
+        result = item.output if item.output is not None else f"error: {_error_text(item.error)}"
+        messages.append(Message("tool", result, tool_call_id=call.id))
+
+
+def _error_text(error: Any) -> str:
+    if isinstance(error, dict):
+        return str(error.get("message") or error.get("content") or error)
+    return str(error)
 
 
 def tool_spec(tool: FunctionTool) -> ToolSpec:
@@ -73,6 +129,17 @@ def request_fields(req: ResponsesRequest, mode: ToolMode) -> dict:
     fields = {"sampling": Sampling.of(req, req.max_output_tokens, req.logprobs()), "constraint": constraint,
               "template_kwargs": req.chat_template_kwargs, "truncation": truncation}
     return fields | ({"answer_schema": schema, "answer_param": "text.format"} if schema is not None else {})
+
+
+@dataclass
+class Continued:
+    """What a Responses request continues (`ResponsesServing.continued`)."""
+
+    history: tuple[Message, ...]  # the messages before its input's
+    input_items: list[dict]  # the response's input items: the history's, then its input's
+    previous: Conversation | None = None  # the stored response it chains onto
+    in_conversation: Conversation | None = None  # the conversation (/v1/conversations) it is part of
+    kept_items: list[dict] = field(default_factory=list)  # the input items it adds there when it ends
 
 
 @dataclass

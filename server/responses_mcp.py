@@ -42,10 +42,10 @@ from urllib.parse import urlsplit
 from infercept.engine.backend import ToolSpec
 
 from .chat import Call, Message, validate_tool_flow
-from .conversation_items import input_items_after
 from .mcp_config import function_name
 from .protocol import APIError, bad_request, new_id, now
-from .responses_input import ResponseTurn, input_messages, request_fields, tool_spec
+from .responses_input import (ResponseTurn, approval_id, call_id_of, input_messages, mcp_call_id, mcp_item_messages,
+                              refusal, request_fields, tool_spec)
 from .protocol_responses import (FunctionTool, FunctionToolChoice, McpApprovalRequestItem,
                                  McpApprovalResponseItem, McpCallItem, McpListToolsItem, McpToolChoice, McpToolFilter,
                                  McpToolParam, OutputFunctionCall, OutputMcpApprovalRequest, OutputMcpCall,
@@ -66,19 +66,6 @@ def wanted(req: ResponsesRequest) -> bool:
     """Whether the request involves MCP tools (then responses_mcp serves it)."""
     return (any(isinstance(t, McpToolParam) for t in req.tools or ()) or isinstance(req.tool_choice, McpToolChoice)
             or (not isinstance(req.input, str) and any(isinstance(i, MCP_ITEMS) for i in req.input)))
-
-
-# Item ids follow the call's id, so an approval (or an mcp_call sent back) names its call.
-def approval_id(call_id: str) -> str:
-    return "mcpr_" + call_id.removeprefix("call_")
-
-
-def mcp_call_id(call_id: str) -> str:
-    return "mcp_" + call_id.removeprefix("call_")
-
-
-def call_id_of(item_id: str, prefix: str) -> str:
-    return "call_" + item_id.removeprefix(prefix)
 
 
 # -- per-request servers ----------------------------------------------------------------------------
@@ -280,19 +267,15 @@ class ResponsesMcp:
     # -- serving -----------------------------------------------------------------------------------
     async def create(self, serving, req: ResponsesRequest, raw):
         owner = owner_of(raw)
-        previous = None
-        if req.previous_response_id is not None:
-            previous = serving.conversations.response(req.previous_response_id, owner)
-            if previous is None:
-                raise APIError(404, f"Previous response with id '{req.previous_response_id}' not found.",
-                               param="previous_response_id", code="previous_response_not_found")
-        history = previous.messages if previous is not None else ()
+        continued = serving.continued(req, owner)
+        history, previous, record = continued.history, continued.previous, continued.in_conversation
         model = req.model or serving.model_name
         serving.check_model(model)
         functions = [t for t in req.tools or () if isinstance(t, FunctionTool)]
         items = [] if isinstance(req.input, str) else list(req.input)
-        listed_before = _listed_in_chain(serving.conversations, previous, owner) | {
-            i.server_label for i in items if isinstance(i, McpListToolsItem)}
+        listed_before = _listed_in_chain(serving.conversations, previous, owner) | {  # (in the context already)
+            i.server_label for i in items if isinstance(i, McpListToolsItem)} | {
+            i["server_label"] for i in continued.input_items if i["type"] == "mcp_list_tools"}
         servers = await self.resolve(req, {t.name for t in functions}, listed_before)
 
         # Approvals: each answers a call waiting for one (of the previous response or of the input).
@@ -312,19 +295,10 @@ class ResponsesMcp:
             approvals[item.approval_request_id] = (item, call, tool)
 
         def other(item, messages: list[Message]) -> None:
-            if isinstance(item, McpApprovalResponseItem):
+            if isinstance(item, McpApprovalResponseItem):  # (each answers a waiting call: its result, as it ran)
                 messages.append(answers[item.approval_request_id])
-            elif isinstance(item, (McpApprovalRequestItem, McpCallItem)):
-                prefix = "mcpr_" if isinstance(item, McpApprovalRequestItem) else "mcp_"
-                call = Call.make(call_id_of(item.id, prefix), function_name(item.server_label, item.name),
-                                 item.arguments)
-                if messages and messages[-1].role == "assistant":
-                    messages[-1] = replace(messages[-1], tool_calls=messages[-1].tool_calls + (call,))
-                else:
-                    messages.append(Message("assistant", "", tool_calls=(call,)))
-                if isinstance(item, McpCallItem):
-                    result = item.output if item.output is not None else f"error: {_error_text(item.error)}"
-                    messages.append(Message("tool", result, tool_call_id=call.id))
+            else:
+                mcp_item_messages(item, messages)
 
         system = (Message("system", req.instructions),) if req.instructions else ()
         answers = {key: Message("tool", "", tool_call_id=call.id) for key, (_, call, _) in approvals.items()}
@@ -338,7 +312,7 @@ class ResponsesMcp:
                 content, error = await tool_outcome(tool, call)
                 output.append(_call_item(tool, call, content, error, key))
             else:
-                content = "error: the user did not approve this call" + (f": {item.reason}" if item.reason else "")
+                content = refusal(item.reason)
             answers[key] = Message("tool", content, tool_call_id=call.id)
         conversation = history + tuple(input_messages(req.input, other))
         specs = [tool_spec(t) for t in functions] + [t.spec() for t in servers.tools.values()]
@@ -351,10 +325,10 @@ class ResponsesMcp:
         parallel = req.parallel_tool_calls is not False
         mode = tool_mode(specs or None, choice, parallel, servers.tools)
         spec = TurnSpec("chat", messages=system + conversation, mode=mode, id_prefix="resp_", param="input",
-                        owner=owner, **request_fields(req, mode))
-        turn = await serving.turns.open(spec)
-        rt = ResponseTurn(req, model, new_id("msg_"), now(), conversation, turn,
-                          input_items=input_items_after(previous, req.input))
+                        owner=owner, holder=record, **request_fields(req, mode))
+        turn = await serving.open(spec)  # (its conversation generating until the last turn closes)
+        rt = ResponseTurn(req, model, new_id("msg_"), now(), conversation, turn, in_conversation=record,
+                          kept_items=continued.kept_items, input_items=continued.input_items)
         current = turn
 
         def on_turn(opened: Turn) -> None:
@@ -381,7 +355,7 @@ class ResponsesMcp:
 
         async def cleanup() -> None:
             await current.close()
-            await turn.close()
+            await serving.close(turn)
 
         async def events():
             snapshot = serving._response(rt, "in_progress").model_dump(mode="json")
@@ -548,6 +522,7 @@ class Output:
         status = "incomplete" if result.finish_reason == "length" else "completed"
         body = serving._response(rt, status, self.output, end).model_dump(mode="json")
         _redact(body)
+        serving.keep_in_conversation(rt, body["output"])
         if rt.request.store is not False:
             serving.conversations.store_response(rt.id, body, tuple(messages[num_system:]),
                                                  last_turn.engine.request_id, last_turn.spec.owner, rt.input_items)
@@ -591,12 +566,6 @@ def _call_item(tool: RequestTool, call: Call, content: str, error: Exception | N
     error_item = error.error_item() if hasattr(error, "error_item") else {
         "type": "mcp_protocol_error", "code": -32602, "message": str(error)}  # arguments that are no JSON object
     return item.model_copy(update={"error": error_item, "status": "failed"})
-
-
-def _error_text(error: Any) -> str:
-    if isinstance(error, dict):
-        return str(error.get("message") or error.get("content") or error)
-    return str(error)
 
 
 # A chain of responses longer than this is not searched further back for tool listings (the server lists

@@ -29,7 +29,7 @@ from . import responses_mcp
 from .protocol_responses import (DeletedResponse, IncompleteDetails, InputTokensDetails, OutputFunctionCall, OutputItem,
                                  OutputMessage, OutputReasoning, OutputText, OutputTokensDetails, ReasoningText,
                                  ResponseObject, ResponsesRequest, ResponseUsage)
-from .responses_input import ResponseTurn, input_messages, request_fields, tool_spec
+from .responses_input import Continued, ResponseTurn, input_messages, request_fields, tool_spec
 from .responses_mcp import ResponsesMcp
 from .responses_background import BackgroundResponses
 from .serving_base import Frontend, StreamResponse, respond
@@ -51,30 +51,10 @@ class ResponsesServing(Frontend):
         if responses_mcp.wanted(req):
             if self.mcp is None:
                 raise bad_request("mcp tools are not available on this server", param="tools")
-            if req.conversation is not None:
-                raise bad_request("a response with mcp tools or items cannot be in a conversation (its MCP calls "
-                                  "run within the response): send its history as input, or chain it by "
-                                  "previous_response_id", param="conversation")
             return await self.mcp.create(self, req, raw)
-        history: tuple[Message, ...] = ()
         owner = owner_of(raw)
-        record, kept = None, []  # the conversation it belongs to, and the input items it adds there
-        if req.conversation is not None:
-            if req.previous_response_id is not None:
-                raise bad_request("previous_response_id cannot be used with conversation", param="conversation")
-            record = self.conversations_api.of(req.conversation_id, owner, editing=True, param="conversation")
-            history = record.messages
-            kept = kept_items(req.input, {item["id"] for item in record.items})
-            items = record.items + kept
-        else:
-            previous = None
-            if req.previous_response_id is not None:
-                previous = self.conversations.response(req.previous_response_id, owner)
-                if previous is None:
-                    raise APIError(404, f"Previous response with id '{req.previous_response_id}' not found.",
-                                   param="previous_response_id", code="previous_response_not_found")
-                history = previous.messages
-            items = input_items_after(previous, req.input)
+        continued = self.continued(req, owner)
+        history, record = continued.history, continued.in_conversation
         conversation = history + tuple(input_messages(req.input))
         if not conversation:
             raise bad_request("input must not be empty", param="input")
@@ -88,8 +68,31 @@ class ResponsesServing(Frontend):
                         owner=owner, holder=record, **request_fields(req, mode))
         turn = await self.open(spec)  # (its conversation generating until the turn closes)
         rt = ResponseTurn(req, model, new_id("msg_"), now(), conversation, turn, reasoning_id=new_id("rs_"),
-                          in_conversation=record, kept_items=kept, input_items=items)
+                          in_conversation=record, kept_items=continued.kept_items, input_items=continued.input_items)
         return await self.answer(raw, rt, lambda: self._events(rt), lambda: self._full(rt), lambda: self.close(turn))
+
+    def continued(self, req: ResponsesRequest, owner: str | None) -> Continued:
+        """What the request continues: its conversation's messages (the input items it adds there), or the
+        stored response it chains onto (404 for an unknown one), or nothing; and the response's input items."""
+        if req.conversation is not None:
+            if req.previous_response_id is not None:
+                raise bad_request("previous_response_id cannot be used with conversation", param="conversation")
+            record = self.conversations_api.of(req.conversation_id, owner, editing=True, param="conversation")
+            kept = kept_items(req.input, {item["id"] for item in record.items}, mcp=True)
+            return Continued(record.messages, record.items + kept, in_conversation=record, kept_items=kept)
+        if req.previous_response_id is None:
+            return Continued((), input_items_after(None, req.input))
+        previous = self.conversations.response(req.previous_response_id, owner)
+        if previous is None:
+            raise APIError(404, f"Previous response with id '{req.previous_response_id}' not found.",
+                           param="previous_response_id", code="previous_response_not_found")
+        return Continued(previous.messages, input_items_after(previous, req.input), previous=previous)
+
+    def keep_in_conversation(self, rt: ResponseTurn, output: list[dict]) -> None:
+        """A response in a conversation ends: its input and output items are the conversation's."""
+        record = rt.in_conversation
+        if record is not None and record.state is not State.CLOSED:
+            self.conversations_api.keep(record, record.items + rt.kept_items + output)
 
     async def answer(self, raw: Request, rt: ResponseTurn, events: Callable[[], AsyncIterator[dict]],
                      body: Callable[[], Awaitable[dict]], cleanup: Callable[[], Awaitable[None]]) -> Response:
@@ -211,9 +214,7 @@ class ResponsesServing(Frontend):
         """The final response body; stored when the request asked for it."""
         status = "incomplete" if end.result.finish_reason == "length" else "completed"
         body = self._response(rt, status, output, end).model_dump(mode="json")
-        record = rt.in_conversation
-        if record is not None and record.state is not State.CLOSED:
-            self.conversations_api.keep(record, record.items + rt.kept_items + body["output"])
+        self.keep_in_conversation(rt, body["output"])
         if rt.request.store is not False:
             self.conversations.store_response(rt.id, body, rt.conversation + (end.result.message,),
                                               rt.turn.engine.request_id, rt.turn.spec.owner, rt.input_items)

@@ -266,6 +266,47 @@ def test_approval_runs_the_call_and_resumes_the_same_generation(mcp):
             {"type": "mcp_approval_response", "approval_request_id": "mcpr_nope", "approve": True}])
 
 
+def test_mcp_tools_in_a_conversation_keep_their_items_and_resume(mcp):
+    """In a conversation (/v1/conversations) the MCP exchange is the conversation's: its items are kept, a
+    call asking for approval leaves the generation paused, held by the conversation, and the response that
+    brings the approval resumes it. The kept items make the messages the turns had (those the stored
+    responses keep), so the conversation goes on from them."""
+    client, store = mcp.client, mcp.app.state.conversations
+    conv = client.conversations.create()
+    ran = client.responses.create(conversation=conv.id, input=QUESTION, tools=[calc_tool()], max_tool_calls=1,
+                                  tool_choice=force("multiply"), **GREEDY)
+    assert [o.type for o in ran.output] == ["mcp_list_tools", "mcp_call", "message"], ran.output
+    assert ran.conversation.id == conv.id and ran.output[1].output == "42"
+    record = store.conversation(conv.id)
+    assert record.messages == store.response(ran.id).messages  # (a tool message with the call's result)
+    assert [i.type for i in client.conversations.items.list(conv.id, order="asc")] == [
+        "message", "mcp_list_tools", "mcp_call", "message"]
+
+    tool = calc_tool(require_approval="always")
+    mcp.backend.calls.clear()
+    first = client.responses.create(conversation=conv.id, input="And 6 times 8?", tools=[tool],
+                                    tool_choice=force("multiply"), **GREEDY)
+    assert [o.type for o in first.output] == ["mcp_approval_request"], first.output  # (listed already)
+    request = first.output[0]
+    assert record.paused is not None and record.messages == store.response(first.id).messages
+    second = client.responses.create(conversation=conv.id, tools=[tool], max_tool_calls=1, **GREEDY,
+                                     input=[{"type": "mcp_approval_response", "approval_request_id": request.id,
+                                             "approve": True}])
+    assert [o.type for o in second.output] == ["mcp_call", "message"], second.output
+    assert second.output[0].approval_request_id == request.id
+    assert_resumed_once(mcp.backend.calls)  # the approval's response resumed the generation the conversation held
+    assert record.messages == store.response(second.id).messages
+    items = list(client.conversations.items.list(conv.id, order="asc"))
+    assert [i.type for i in items[4:]] == ["message", "mcp_approval_request", "mcp_approval_response", "mcp_call",
+                                           "message"]
+    assert [i.id for i in client.responses.input_items.list(second.id, order="asc")] == [i.id for i in items[:7]]
+    # A response without the MCP tools goes on from the kept items (the calls and results among them).
+    plain = dict(input="Thanks!", max_output_tokens=4, model=MODEL, temperature=0)
+    third, alone = client.responses.create(conversation=conv.id, **plain), client.responses.create(**plain)
+    assert third.usage.input_tokens > alone.usage.input_tokens + 100, (third.usage, alone.usage)
+    assert [i.id for i in client.responses.input_items.list(third.id, order="asc")][:-1] == [i.id for i in items]
+
+
 def test_a_stateless_client_sends_the_items_back_and_still_resumes(mcp):
     """store=false: the client keeps the history, sending the output items back with its approval; the
     approval request's id names the paused call, so the same paused generation resumes."""
