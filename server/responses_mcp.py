@@ -317,6 +317,10 @@ class ResponsesMcp:
         conversation = history + tuple(input_messages(req.input, other))
         specs = [tool_spec(t) for t in functions] + [t.spec() for t in servers.tools.values()]
         choice = self._choice(req, servers)
+        if approvals and choice not in (None, "none"):
+            # The answered calls are those a forced tool_choice made (clients send the same settings with
+            # the approval): the first turn is one after calls, as the turns after calls the server ran are.
+            choice = "auto"
         num_approved = sum(isinstance(o, OutputMcpCall) for o in output)  # calls run already count
         if req.max_tool_calls is not None and num_approved >= req.max_tool_calls:
             if choice not in (None, "auto", "none"):

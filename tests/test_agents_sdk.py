@@ -22,6 +22,7 @@ pytest.importorskip("agents")
 from agents import (Agent, AgentHooks, ModelSettings, OpenAIChatCompletionsModel,  # noqa: E402
                     OpenAIResponsesModel, RunConfig, Runner, function_tool)
 from live_server import resumes  # noqa: E402
+from test_mcp_tools import http_mcp  # noqa: E402,F401 (a fixture: the calc MCP server over HTTP)
 
 MODELS = {"responses": OpenAIResponsesModel, "chat_completions": OpenAIChatCompletionsModel}
 QUESTION = "What is the weather in Paris?"
@@ -189,3 +190,48 @@ def assert_tool_then_cached_answer_in(result) -> None:
     cached, prompt = resumed.usage.input_tokens_details.cached_tokens, resumed.usage.input_tokens
     print(f"resumed step: {cached}/{prompt} prompt tokens cached")
     assert cached >= MIN_CACHED_SHARE * prompt, (cached, prompt)
+
+
+def test_a_hosted_mcp_tool_in_a_conversation_is_approved_and_resumes(agent_server_url, http_mcp):
+    """A `HostedMCPTool` (the server runs the MCP server's tools) that asks for approval, in a server-side
+    conversation: the first response ends with the approval request and the generation stays paused, held
+    by the conversation; the SDK's `on_approval_request` approves, its next request brings only the
+    `mcp_approval_response`, and the server runs the call and resumes the held generation."""
+    from agents import HostedMCPTool
+    from agents.model_settings import MCPToolChoice
+
+    recorder, asked = Recorder(), []
+    client = recorder.client(agent_server_url)
+    conversation = openai.OpenAI(base_url=agent_server_url, api_key="unused").conversations.create()
+
+    def approve(request):
+        asked.append(request.data.name)
+        return {"approve": True}
+
+    tool = HostedMCPTool(tool_config={"type": "mcp", "server_label": "calc", "server_url": http_mcp,
+                                      "require_approval": "always"}, on_approval_request=approve)
+
+    async def run():
+        agent = Agent(name="calc", instructions="You multiply with the multiply tool.", tools=[tool],
+                      model=OpenAIResponsesModel("smol", client),
+                      model_settings=ModelSettings(tool_choice=MCPToolChoice(server_label="calc", name="multiply"),
+                                                   temperature=0, max_tokens=128, extra_args={"max_tool_calls": 1}))
+        return await Runner.run(agent, "What is 6 times 7? Use the multiply tool.", max_turns=3, conversation_id=conversation.id,
+                                run_config=RunConfig(tracing_disabled=True))
+
+    before = resumes(agent_server_url, "explicit")
+    result = asyncio.run(run())
+    assert asked == ["multiply"] and recorder.statuses == [200, 200], (asked, recorder.statuses)
+    assert resumes(agent_server_url, "explicit") == before + 1
+    assert [item["type"] for item in recorder.bodies[1]["input"]] == ["mcp_approval_response"]
+    assert all(body["conversation"] == conversation.id for body in recorder.bodies)
+    first, approved = result.raw_responses
+    assert [item.type for item in first.output] == ["mcp_list_tools", "mcp_approval_request"]
+    assert [item.type for item in approved.output] == ["mcp_call", "message"] and approved.output[0].output == "42"
+    cached, prompt = approved.usage.input_tokens_details.cached_tokens, approved.usage.input_tokens
+    print(f"approved step: {cached}/{prompt} prompt tokens cached")
+    assert cached >= MIN_CACHED_SHARE * prompt, (cached, prompt)
+    items = openai.OpenAI(base_url=agent_server_url, api_key="unused").conversations.items.list(
+        conversation.id, order="asc")
+    assert [item.type for item in items] == ["message", "mcp_list_tools", "mcp_approval_request",
+                                             "mcp_approval_response", "mcp_call", "message"]
