@@ -69,16 +69,19 @@ claude-code:
 		    @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) >/dev/null; } || \
 		echo "Claude Code is not installed (needs npm): tests/test_claude_code.py will skip"
 
-# The Vercel AI SDK for tests/test_ai_sdk.py (npm: `ai` and its OpenAI-compatible provider) in the
-# git-ignored .ai-sdk/. Pinned, as Claude Code is: the test checks what these releases send. Without npm
-# that test skips (it says why).
+# The Vercel AI SDK for tests/test_ai_sdk.py (npm: `ai`, its OpenAI-compatible provider and its OpenAI
+# provider) in the git-ignored .ai-sdk/. Pinned, as Claude Code is: the test checks what these releases
+# send. Without npm that test skips (it says why).
 AI_SDK_VERSION := 7.0.173
 AI_SDK_PROVIDER_VERSION := 3.0.92
+AI_SDK_OPENAI_VERSION := 4.0.118
+AI_SDK_PINS := $(AI_SDK_VERSION) $(AI_SDK_PROVIDER_VERSION) $(AI_SDK_OPENAI_VERSION)
 ai-sdk:
-	@[ "$$(cat .ai-sdk/.installed 2>/dev/null)" = "$(AI_SDK_VERSION) $(AI_SDK_PROVIDER_VERSION)" ] || \
+	@[ "$$(cat .ai-sdk/.installed 2>/dev/null)" = "$(AI_SDK_PINS)" ] || \
 		{ command -v npm >/dev/null && npm install --silent --no-audit --no-fund --prefix .ai-sdk \
-		    ai@$(AI_SDK_VERSION) @ai-sdk/openai-compatible@$(AI_SDK_PROVIDER_VERSION) >/dev/null && \
-		    echo "$(AI_SDK_VERSION) $(AI_SDK_PROVIDER_VERSION)" > .ai-sdk/.installed; } || \
+		    ai@$(AI_SDK_VERSION) @ai-sdk/openai-compatible@$(AI_SDK_PROVIDER_VERSION) \
+		    @ai-sdk/openai@$(AI_SDK_OPENAI_VERSION) >/dev/null && \
+		    echo "$(AI_SDK_PINS)" > .ai-sdk/.installed; } || \
 		echo "the AI SDK is not installed (needs npm): tests/test_ai_sdk.py will skip"
 
 # The real-server rate sweep of every policy (<= 20 min; `benchmarks/sweep.py --quick` for ~2 min).

@@ -16,8 +16,9 @@ from pydantic import TypeAdapter, ValidationError
 
 from .chat import Message
 from .protocol import bad_request, new_id
-from .protocol_responses import (FunctionCallItem, FunctionCallOutputItem, InputItem, McpApprovalResponseItem,
-                                 McpListToolsItem, MessageItem, OutputText, ReasoningItem, TextPart)
+from .protocol_responses import (FunctionCallItem, FunctionCallOutputItem, InputItem, ItemReference,
+                                 McpApprovalResponseItem, McpListToolsItem, MessageItem, OutputText, ReasoningItem,
+                                 TextPart)
 from .responses_input import input_messages
 
 _ITEM = TypeAdapter(InputItem)
@@ -48,6 +49,9 @@ def kept_items(input: str | Sequence, taken: set[str], param: str = "input", mcp
         input = [MessageItem(role="user", content=input)]
     kept = []
     for i, item in enumerate(input):
+        if isinstance(item, ItemReference):  # (a response's input has them replaced by what they name)
+            raise bad_request(f"{param}[{i}]: an item_reference is taken as a response's input only",
+                              param=f"{param}[{i}]")
         if not mcp and not isinstance(item, (MessageItem, FunctionCallItem, FunctionCallOutputItem, ReasoningItem)):
             raise bad_request(f"{param}[{i}]: {item.type} items are added by the responses that make or take them "
                               "(an approval is the input of the response that runs its call)", param=f"{param}[{i}]")

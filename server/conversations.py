@@ -49,7 +49,7 @@ import enum
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -422,6 +422,19 @@ class ConversationStore:
         record = self._conversations[conversation_id] = Conversation(conversation_id, Kind.CONVERSATION, body=body,
                                                                      last_used=self.clock(), owner=owner)
         return record
+
+    def items_of(self, owner: str | None = None) -> Iterator[dict]:
+        """The items `owner`'s stored responses (their output, then their input items) and conversations
+        keep, the newest record's first: what an `item_reference` may name."""
+        self._expire_responses()
+        self._expire_conversations()
+        for record in reversed(self._responses.values()):
+            if record.owner == owner:
+                yield from record.body["output"]
+                yield from record.items
+        for record in reversed(self._conversations.values()):
+            if record.owner == owner:
+                yield from record.items
 
     def conversation(self, conversation_id: str, owner: str | None = None) -> Conversation | None:
         """`owner`'s conversation, its TTL started again; None if there is none."""

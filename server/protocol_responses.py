@@ -103,8 +103,22 @@ class ReasoningItem(Lenient):
     content: list[dict] | None = None
 
 
+class ItemReference(Lenient):
+    """An item of a stored response (or conversation) named by its id instead of sent again, as clients
+    that keep the history send earlier output items (the AI SDK's OpenAI provider, with `store`): the
+    server puts the item it names in its place (ResponsesServing.dereferenced)."""
+
+    type: Literal["item_reference"] = "item_reference"
+    id: str = Field(min_length=1)
+
+
 def _item_type(value: Any) -> str:
-    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    if isinstance(value, dict):
+        kind = value.get("type")
+        if kind is None and "role" not in value and "id" in value:  # (OpenAI's reference may leave its type out)
+            return "item_reference"
+    else:
+        kind = getattr(value, "type", None)
     return kind or "message"
 
 
@@ -115,7 +129,8 @@ InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")],
                             Annotated[McpApprovalRequestItem, Tag("mcp_approval_request")],
                             Annotated[McpCallItem, Tag("mcp_call")],
                             Annotated[McpListToolsItem, Tag("mcp_list_tools")],
-                            Annotated[ReasoningItem, Tag("reasoning")]],
+                            Annotated[ReasoningItem, Tag("reasoning")],
+                            Annotated[ItemReference, Tag("item_reference")]],
                       Discriminator(_item_type)]
 
 

@@ -22,13 +22,13 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
 from .chat import Message
-from .conversation_items import input_items_after, kept_items, list_page
+from .conversation_items import input_items_after, kept_items, list_page, parsed_items
 from .conversations import Conversation, State
 from .protocol import APIError, TokenLogprob, bad_request, new_id, now
 from . import responses_mcp
-from .protocol_responses import (DeletedResponse, IncompleteDetails, InputTokensDetails, OutputFunctionCall, OutputItem,
-                                 OutputMessage, OutputReasoning, OutputText, OutputTokensDetails, ReasoningText,
-                                 ResponseObject, ResponsesRequest, ResponseUsage)
+from .protocol_responses import (DeletedResponse, IncompleteDetails, InputTokensDetails, ItemReference,
+                                 OutputFunctionCall, OutputItem, OutputMessage, OutputReasoning, OutputText,
+                                 OutputTokensDetails, ReasoningText, ResponseObject, ResponsesRequest, ResponseUsage)
 from .responses_input import Continued, ResponseTurn, input_messages, request_fields, tool_spec
 from .responses_mcp import ResponsesMcp
 from .responses_background import BackgroundResponses
@@ -48,11 +48,12 @@ class ResponsesServing(Frontend):
     async def create(self, req: ResponsesRequest, raw: Request) -> Response:
         if req.background:
             BackgroundResponses.check(req.store, self.conversations.policy.max_stored_responses)
+        owner = owner_of(raw)
+        req = self.dereferenced(req, owner)
         if responses_mcp.wanted(req):
             if self.mcp is None:
                 raise bad_request("mcp tools are not available on this server", param="tools")
             return await self.mcp.create(self, req, raw)
-        owner = owner_of(raw)
         continued = self.continued(req, owner)
         history, record = continued.history, continued.in_conversation
         conversation = history + tuple(input_messages(req.input))
@@ -70,6 +71,40 @@ class ResponsesServing(Frontend):
         rt = ResponseTurn(req, model, new_id("msg_"), now(), conversation, turn, reasoning_id=new_id("rs_"),
                           in_conversation=record, kept_items=continued.kept_items, input_items=continued.input_items)
         return await self.answer(raw, rt, lambda: self._events(rt), lambda: self._full(rt), lambda: self.close(turn))
+
+    def dereferenced(self, req: ResponsesRequest, owner: str | None) -> ResponsesRequest:
+        """The request with each `item_reference` of its input replaced by the item it names, of the owner's
+        stored responses and conversations: 400 for one that names none, or an item the conversation or
+        chain it continues has already (a duplicate, as OpenAI's API says)."""
+        if isinstance(req.input, str) or not any(isinstance(item, ItemReference) for item in req.input):
+            return req
+        wanted = {item.id for item in req.input if isinstance(item, ItemReference)}
+        found: dict[str, dict] = {}
+        for item in self.conversations.items_of(owner):
+            if item["id"] in wanted:
+                found.setdefault(item["id"], item)
+                if len(found) == len(wanted):
+                    break
+        if req.conversation is not None:
+            record = self.conversations.conversation(req.conversation_id, owner)
+            history = record.items if record is not None else []
+        else:
+            previous = self.conversations.response(req.previous_response_id, owner) if req.previous_response_id else None
+            history = previous.items + previous.body["output"] if previous is not None else []
+        had = {item["id"] for item in history}
+        resolved = []
+        for i, item in enumerate(req.input):
+            if isinstance(item, ItemReference):
+                if item.id in had:
+                    raise bad_request(f"input[{i}]: Duplicate item found with id '{item.id}': the conversation or "
+                                      "previous response continued has it already; remove it from the input",
+                                      param=f"input[{i}]")
+                if item.id not in found:
+                    raise bad_request(f"input[{i}]: item_reference names no stored item '{item.id}'",
+                                      param=f"input[{i}]")
+                item = parsed_items([found[item.id]], param=f"input[{i}]")[0]
+            resolved.append(item)
+        return req.model_copy(update={"input": resolved})
 
     def continued(self, req: ResponsesRequest, owner: str | None) -> Continued:
         """What the request continues: its conversation's messages (the input items it adds there), or the

@@ -95,6 +95,36 @@ def test_input_items_list_the_chain_items_paged(srv):
     srv.assert_no_leak()
 
 
+def test_item_references_name_stored_items_and_resume(srv):
+    """`item_reference` input items (what the AI SDK's OpenAI provider sends for earlier output it got with
+    `store`) are replaced by the stored items they name, so a client resending its history by reference
+    resumes the paused generation as one resending the items themselves does."""
+    client = srv.client()
+    first, call = call_step(client)
+    items = [{"role": "user", "content": QUESTION}, {"type": "item_reference", "id": call.id},
+             {"type": "function_call_output", "call_id": call.call_id, "output": RESULT}]
+    second = client.responses.create(input=items, tools=TOOLS, max_output_tokens=6, **GREEDY)
+    assert second.usage.input_tokens_details.cached_tokens == first.usage.total_tokens - 1
+    listed = list(client.responses.input_items.list(second.id, order="asc"))
+    assert [item.type for item in listed] == ["message", "function_call", "function_call_output"]
+    assert listed[1].id == call.id and listed[1].call_id == call.call_id and listed[1].arguments == call.arguments
+
+    answer = second.output[-1]  # (an assistant message, referenced by id without its type, as OpenAI allows)
+    third = client.responses.create(input=[*items, {"id": answer.id}, {"role": "user", "content": "Thanks!"}],
+                                    tools=TOOLS, max_output_tokens=2, **GREEDY)
+    assert [item.type for item in client.responses.input_items.list(third.id, order="asc")][3] == "message"
+    assert third.usage.input_tokens > second.usage.input_tokens
+
+    with pytest.raises(openai.BadRequestError) as unknown:
+        client.responses.create(input=[{"type": "item_reference", "id": "msg_nope"}], **GREEDY)
+    assert unknown.value.body["param"] == "input[0]"
+    with pytest.raises(openai.BadRequestError, match="Duplicate item"):  # (the chain continued has it already)
+        client.responses.create(previous_response_id=first.id, tools=TOOLS, **GREEDY, input=[
+            {"type": "item_reference", "id": call.id},
+            {"type": "function_call_output", "call_id": call.call_id, "output": RESULT}])
+    srv.assert_no_leak()
+
+
 def test_stateless_items_resume_and_store_false(srv):
     client = srv.client()
     first, call = call_step(client, store=False)
