@@ -3,32 +3,14 @@
 // (which the SDK executes) and may not call it on the second, so the run is two model calls whatever a
 // small model would choose. MODE "generate" runs generateText, "stream" streamText. Prints the steps as
 // one JSON line. Run by tests/test_ai_sdk.py.
-import { createRequire } from 'node:module';
-import { join } from 'node:path';
-import { pathToFileURL } from 'node:url';
+import { load, weatherSettings } from './ai_sdk_weather.mjs';
 
-const require = createRequire(join(process.env.AI_SDK_DIR, 'package.json'));
-const load = (name) => import(pathToFileURL(require.resolve(name)).href);
-const { generateText, streamText, tool, jsonSchema, isStepCount } = await load('ai');
+const { generateText, streamText } = await load('ai');
 const { createOpenAICompatible } = await load('@ai-sdk/openai-compatible');
 
 const provider = createOpenAICompatible({ name: 'infercept', baseURL: process.env.BASE_URL, apiKey: 'unused',
                                           includeUsage: true });
-const settings = {
-  model: provider.chatModel(process.env.MODEL),
-  temperature: 0,
-  maxOutputTokens: 40,
-  tools: {
-    get_weather: tool({
-      description: 'Get the current weather in a city',
-      inputSchema: jsonSchema({ type: 'object', properties: { city: { type: 'string' } }, required: ['city'] }),
-      execute: async ({ city }) => ({ city, temperature: 21, sky: 'clear' }),
-    }),
-  },
-  prepareStep: ({ stepNumber }) => ({ toolChoice: stepNumber === 0 ? 'required' : 'none' }),
-  stopWhen: isStepCount(2),
-  prompt: 'What is the weather in Paris?',
-};
+const settings = { ...weatherSettings(provider.chatModel(process.env.MODEL)), prompt: 'What is the weather in Paris?' };
 
 let steps;
 if (process.env.MODE === 'stream') {

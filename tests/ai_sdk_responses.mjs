@@ -4,13 +4,9 @@
 // the first turn's messages back, which the provider sends as `item_reference`s to the stored output it
 // came from (`store` is its default). Prints the turns' steps and the request bodies as one JSON line. Run
 // by tests/test_ai_sdk.py.
-import { createRequire } from 'node:module';
-import { join } from 'node:path';
-import { pathToFileURL } from 'node:url';
+import { load, weatherSettings } from './ai_sdk_weather.mjs';
 
-const require = createRequire(join(process.env.AI_SDK_DIR, 'package.json'));
-const load = (name) => import(pathToFileURL(require.resolve(name)).href);
-const { generateText, tool, jsonSchema, isStepCount } = await load('ai');
+const { generateText } = await load('ai');
 const { createOpenAI } = await load('@ai-sdk/openai');
 
 const bodies = [];
@@ -18,20 +14,7 @@ const provider = createOpenAI({
   baseURL: process.env.BASE_URL, apiKey: 'unused',
   fetch: async (url, init) => { bodies.push(JSON.parse(init.body)); return fetch(url, init); },
 });
-const settings = {
-  model: provider.responses(process.env.MODEL),
-  temperature: 0,
-  maxOutputTokens: 40,
-  tools: {
-    get_weather: tool({
-      description: 'Get the current weather in a city',
-      inputSchema: jsonSchema({ type: 'object', properties: { city: { type: 'string' } }, required: ['city'] }),
-      execute: async ({ city }) => ({ city, temperature: 21, sky: 'clear' }),
-    }),
-  },
-  prepareStep: ({ stepNumber }) => ({ toolChoice: stepNumber === 0 ? 'required' : 'none' }),
-  stopWhen: isStepCount(2),
-};
+const settings = weatherSettings(provider.responses(process.env.MODEL));
 
 const steps = (result) => result.steps.map((s) => ({
   finishReason: s.finishReason, text: s.text, usage: s.usage,
