@@ -28,6 +28,9 @@ and the conversation that resumes it agree):
 ``qwen3_coder``  ``\\n<tool_call>\\n<function=f>\\n<parameter=a>\\nvalue\\n</parameter>\\n</function>\\n</tool_call>``
                  per call: the parameters in the schema's property order, a value whose schema allows
                  only strings as text, any other as JSON (the parser types the values by the schema).
+``glm45``        ``\\n<tool_call>f\\n<arg_key>a</arg_key>\\n<arg_value>value</arg_value>\\n</tool_call>`` per call
+                 (GLM-4.5, 4.6), or the same without its newlines where the template writes it so
+                 (GLM-4.7): the parameters and values as qwen3_coder's.
 
 Special tokens in a grammar: ``[TOOL_CALLS]`` and ``[ARGS]`` are single tokens of Mistral's
 vocabularies, which a grammar names by id (``<[id]>``); without the id (a vocabulary where they are
@@ -47,7 +50,7 @@ from typing import TYPE_CHECKING
 
 from . import hermes_format as hermes
 from .hermes_format import PartialCall, json_grammar_schema
-from .tool_parsers import PythonicToolParser, Qwen3CoderToolParser, ToolCall, _resolved, value_types
+from .tool_parsers import Glm4ToolParser, PythonicToolParser, Qwen3CoderToolParser, ToolCall, _resolved, value_types
 
 if TYPE_CHECKING:
     from .tool_spec import ToolSpec
@@ -441,32 +444,29 @@ _PARAMETER_KEYS = {"type", "enum", "const", "minLength", "maxLength", "title", "
                    "examples", "$comment"}  # what a string parameter's grammar enforces, or may ignore
 
 
-class Qwen3CoderWriter(_CallListWriter):
-    """``\n<tool_call>\n<function=f>\n<parameter=a>\nvalue\n</parameter>\n</function>\n</tool_call>``
-    per call, as Qwen3-Coder's template renders a past call (each call after a newline). The parameters
-    in the schema's property order, required ones always, optional ones maybe; a parameter whose schema
-    allows only strings is text (its enum's values, or any text within its length bounds that does not
-    close the element), any other JSON that follows its schema. A tool without declared properties is
-    called without parameters."""
+class _TaggedArgumentsWriter(_CallListWriter):
+    """A call list whose arguments are tagged elements, one per parameter (qwen3_coder, glm45): the
+    parameters in the schema's property order, required ones always, optional ones maybe; a parameter
+    whose schema allows only strings is text (its enum's values, or any text within its length bounds
+    that does not close the element), any other JSON that follows its schema. A tool without declared
+    properties is called without parameters. A subclass says how an element opens (`_opening`), what
+    follows its value (`VALUE_CLOSE`, starting with the closing tag `VALUE_END`), and which names its
+    tags can hold (`NAME`)."""
 
-    family = "qwen3_coder"
-    openers = (Qwen3CoderToolParser.OPEN,)
-    CALL = "\n<tool_call>\n<function="
-    END = "</function>\n</tool_call>"
-    SEPARATOR = OPEN = CALL
-    _element = re.compile(r"\s*<tool_call>\s*<function=([^>\n]+)>.*?</function>\s*</tool_call>", re.S)
+    family: str
+    VALUE_END = VALUE_CLOSE = ""
+    NAME = re.compile(r"[^>\n\s]+")
 
-    def forced_prefill(self, tool_name: str | None) -> str:
-        return self.CALL + ("" if tool_name is None else tool_name + ">\n")
+    def _opening(self, name: str) -> str:
+        raise NotImplementedError
 
-    @staticmethod
-    def _parameters(i: int, tool: ToolSpec) -> list[str]:
+    def _parameters(self, i: int, tool: ToolSpec) -> list[str]:
         """Rule ``params{i}``: the parameters of tool `i`, each element whole, its value as its schema says."""
-        schema = tool.arguments_schema
-        if not re.fullmatch(r"[^>\n\s]+", tool.name):
-            raise ValueError(f"tool {tool.name!r}: a qwen3_coder function name has no '>', newline or blank")
+        schema, family = tool.arguments_schema, self.family
+        if not self.NAME.fullmatch(tool.name):
+            raise ValueError(f"tool {tool.name!r}: the name cannot be a {family} function name")
         if schema.get("type", "object") != "object" or set(schema) - _SCHEMA_KEYS:
-            raise ValueError(f"tool {tool.name!r}: the qwen3_coder format can enforce a parameters schema of "
+            raise ValueError(f"tool {tool.name!r}: the {family} format can enforce a parameters schema of "
                              "properties, required and additionalProperties only; this one has "
                              + ", ".join(sorted(set(schema) - _SCHEMA_KEYS) or ["a type other than object"]))
         properties = schema.get("properties") or {}
@@ -474,19 +474,19 @@ class Qwen3CoderWriter(_CallListWriter):
         if required - set(properties):
             raise ValueError(f"tool {tool.name!r}: required parameters without a schema: {sorted(required - set(properties))}")
         defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
+        close, end = self.VALUE_CLOSE, _regex_text(self.VALUE_END)
         lines, items = [], []
         for k, (name, value_schema) in enumerate(properties.items()):
-            if not re.fullmatch(r"[^>\n\s]+", name):
-                raise ValueError(f"tool {tool.name!r}: parameter {name!r} cannot be a qwen3_coder parameter name")
+            if not self.NAME.fullmatch(name):
+                raise ValueError(f"tool {tool.name!r}: parameter {name!r} cannot be a {family} parameter name")
             rule = f"p{i}x{k}"
             items.append(rule + ("" if name in required else "?"))
-            head = _lit(f"<parameter={name}>\n")
-            close = "\n</parameter>\n"
+            head = _lit(self._opening(name))
             value_schema = _resolved(value_schema if isinstance(value_schema, Mapping) else {}, schema)
             types = value_types(value_schema, schema)
             if types == {"string"}:
                 if set(value_schema) - _PARAMETER_KEYS:
-                    raise ValueError(f"tool {tool.name!r}: parameter {name!r}: qwen3_coder writes strings as text, "
+                    raise ValueError(f"tool {tool.name!r}: parameter {name!r}: {family} writes strings as text, "
                                      "whose grammar enforces enum, const, minLength and maxLength only")
                 values = value_schema.get("enum") or ([value_schema["const"]] if "const" in value_schema else None)
                 if values is not None and not all(isinstance(v, str) for v in values):
@@ -497,17 +497,14 @@ class Qwen3CoderWriter(_CallListWriter):
                     low, high = int(value_schema.get("minLength", 0)), value_schema.get("maxLength")
                     bound = f"{{{low},{'' if high is None else int(high)}}}"
                     lines.append(f"{rule}: {head} V{i}X{k}")
-                    lines.append(f"V{i}X{k}: /(?s:.{bound})\\n<\\/parameter>\\n/ & ~/(?s:.*<\\/parameter>.*<\\/parameter>.*)/")
+                    lines.append(f"V{i}X{k}: /(?s:.{bound}){_regex_text(close)}/ & ~/(?s:.*{end}.*{end}.*)/")
             elif types is not None and "string" not in types:
                 lines.append(f"{rule}: {head} v{i}x{k} {_lit(close)}")
                 lines.append(_json_rule(f"v{i}x{k}", dict(value_schema) | defs))
             else:
-                raise ValueError(f"tool {tool.name!r}: parameter {name!r}: qwen3_coder writes a value as text or "
+                raise ValueError(f"tool {tool.name!r}: parameter {name!r}: {family} writes a value as text or "
                                  "as JSON, so its schema must allow strings only or no strings")
         return [f"params{i}: " + (" ".join(items) or '""')] + lines
-
-    def _call(self, i: int, tool: ToolSpec, named: bool) -> str:
-        return (f"{_lit(tool.name + '>' + chr(10))} " if named else "") + f"params{i} {_lit(self.END)}"
 
     def _tool_rules(self, i: int, tool: ToolSpec) -> list[str]:
         return self._parameters(i, tool)
@@ -525,7 +522,64 @@ class Qwen3CoderWriter(_CallListWriter):
             pos = m.end()
         return calls
 
+
+def _regex_text(text: str) -> str:
+    """`text` matched literally inside a Lark ``/.../`` regex."""
+    return re.escape(text).replace("\\\n", "\\n").replace("/", "\\/")
+
+
+class Qwen3CoderWriter(_TaggedArgumentsWriter):
+    """``\n<tool_call>\n<function=f>\n<parameter=a>\nvalue\n</parameter>\n</function>\n</tool_call>``
+    per call, as Qwen3-Coder's template renders a past call (each call after a newline)."""
+
+    family = "qwen3_coder"
+    openers = (Qwen3CoderToolParser.OPEN,)
+    CALL = "\n<tool_call>\n<function="
+    END = "</function>\n</tool_call>"
+    SEPARATOR = OPEN = CALL
+    VALUE_END = "</parameter>"
+    VALUE_CLOSE = "\n</parameter>\n"
+    _element = re.compile(r"\s*<tool_call>\s*<function=([^>\n]+)>.*?</function>\s*</tool_call>", re.S)
     _parser = Qwen3CoderToolParser()
+
+    def forced_prefill(self, tool_name: str | None) -> str:
+        return self.CALL + ("" if tool_name is None else tool_name + ">\n")
+
+    def _opening(self, name: str) -> str:
+        return f"<parameter={name}>\n"
+
+    def _call(self, i: int, tool: ToolSpec, named: bool) -> str:
+        return (f"{_lit(tool.name + '>' + chr(10))} " if named else "") + f"params{i} {_lit(self.END)}"
+
+
+class Glm4Writer(_TaggedArgumentsWriter):
+    """GLM's calls as its template renders a past call: GLM-4.5 and 4.6's
+    ``\n<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>value</arg_value>\n</tool_call>`` per call (each
+    after a newline), or, where the template writes its tags without newlines (GLM-4.7),
+    ``<tool_call>f<arg_key>a</arg_key><arg_value>value</arg_value></tool_call>``."""
+
+    family = "glm45"
+    openers = (Glm4ToolParser.OPEN,)
+    END = Glm4ToolParser.CLOSE
+    VALUE_END = "</arg_value>"
+    NAME = re.compile(r"[^<>\s]+")
+    _element = re.compile(r"\s*<tool_call>.*?</tool_call>", re.S)
+    _parser = Glm4ToolParser()
+
+    def __init__(self, compact: bool = False):
+        self.newline = "" if compact else "\n"
+        self.CALL = self.newline + Glm4ToolParser.OPEN
+        self.SEPARATOR = self.OPEN = self.CALL
+        self.VALUE_CLOSE = self.VALUE_END + self.newline
+
+    def forced_prefill(self, tool_name: str | None) -> str:
+        return self.CALL + ("" if tool_name is None else tool_name + self.newline)
+
+    def _opening(self, name: str) -> str:
+        return f"<arg_key>{name}</arg_key>{self.newline}<arg_value>"
+
+    def _call(self, i: int, tool: ToolSpec, named: bool) -> str:
+        return (f"{_lit(tool.name + self.newline)} " if named else "") + f"params{i} {_lit(self.END)}"
 
 
 def writer_for(family: str, chat_template: str | None = None, token_ids: Mapping[str, int] | None = None) -> Writer:
@@ -539,6 +593,8 @@ def writer_for(family: str, chat_template: str | None = None, token_ids: Mapping
         return PythonicWriter()
     if family == "qwen3_coder":
         return Qwen3CoderWriter()
+    if family in ("glm45", "glm47"):  # (GLM-4.7's template writes its tags without newlines)
+        return Glm4Writer(compact="</arg_key><arg_value>" in (chat_template or ""))
     if family == "mistral":
         args = "[ARGS]" in chat_template if chat_template else "[ARGS]" in (token_ids or {})
         return MistralArgsWriter(token_ids) if args else MistralWriter(token_ids)

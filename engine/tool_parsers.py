@@ -744,11 +744,49 @@ class Qwen3CoderToolParser(HermesToolParser):
         return ToolCall(call.name, json.dumps(values, ensure_ascii=False), call.raw, call.id)
 
 
+class Glm4ToolParser(Qwen3CoderToolParser):
+    """GLM-4.5 / 4.6 / 4.7's calls: Hermes's ``<tool_call>`` spans, each holding the function's name and
+    then ``<arg_key>NAME</arg_key><arg_value>VALUE</arg_value>`` pairs, anywhere in the text, any number
+    of them. GLM-4.5 and 4.6 put a newline after the name and after each tag; GLM-4.7 none: blanks
+    between the elements are read either way.
+
+    A span closes at the first ``</tool_call>``. A value is the text between its tags, typed by the tool's
+    schema as qwen3_coder's are (`typed_value`). A span with anything else (no name, text between the
+    pairs, an argument named twice) is invalid.
+    """
+
+    name = "glm45"
+    _head = re.compile(r"\s*([^<\s]+)\s*")
+    _argument = re.compile(r"<arg_key>([^<]+)</arg_key>\s*<arg_value>(.*?)</arg_value>\s*", re.S)
+
+    def _parse_span(self, raw: str) -> list[ToolCall | str]:
+        body = raw[len(self.OPEN):len(raw) - len(self.CLOSE)]
+        head = self._head.match(body)
+        if head is None:
+            return [raw]
+        pos, arguments = head.end(), {}
+        while (a := self._argument.match(body, pos)) is not None:
+            key = a.group(1).strip()
+            if key in arguments:
+                return [raw]
+            arguments[key] = a.group(2)
+            pos = a.end()
+        if pos != len(body):
+            return [raw]
+        return [ToolCall(head.group(1), json.dumps(arguments, ensure_ascii=False), raw)]
+
+
+class Glm47ToolParser(Glm4ToolParser):
+    """The same format by vLLM's other name for it (``--tool-call-parser glm47``)."""
+
+    name = "glm47"
+
+
 # -- registry ----------------------------------------------------------------------------------------
 
 PARSERS: dict[str, type[ToolParser]] = {
     cls.name: cls for cls in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser,
-                              Qwen3CoderToolParser)
+                              Qwen3CoderToolParser, Glm4ToolParser, Glm47ToolParser)
 }
 
 
@@ -810,7 +848,8 @@ def parser_for_model(model_type: str, chat_template: str | None) -> str:
     """The parser name for a model, from its ``config.model_type`` and its chat template.
 
     First that applies: the template writes calls as ``<function=...>`` of ``<parameter=...>`` elements
-    (Qwen3-Coder's) -> ``qwen3_coder``; it mentions ``<tool_call>`` -> ``hermes``; ``[TOOL_CALLS]`` ->
+    (Qwen3-Coder's) -> ``qwen3_coder``; as ``<arg_key>`` / ``<arg_value>`` pairs (GLM-4.5 to 4.7's) ->
+    ``glm45``; it mentions ``<tool_call>`` -> ``hermes``; ``[TOOL_CALLS]`` ->
     ``mistral``; it asks for calls ``in the format of [func_name1(...)`` (the pythonic templates of
     Llama 3.2 and Llama 4) -> ``pythonic``; ``<|python_tag|>`` -> ``llama3_json``; a Llama model type
     whose template uses ``<|eot_id|>`` and a ``"parameters"`` JSON -> ``llama3_json``; otherwise
@@ -821,6 +860,8 @@ def parser_for_model(model_type: str, chat_template: str | None) -> str:
     model_type = (model_type or "").lower()
     if "<function=" in template and "<parameter=" in template:
         return "qwen3_coder"
+    if "<arg_key>" in template and "<arg_value>" in template:
+        return "glm45"
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template:

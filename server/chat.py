@@ -245,7 +245,7 @@ class ChatRenderer:
                 return self.encode(full) + self.encode(prefill)  # a template that is not prefix-stable
             ids += self.encode(before[pos:])
             ids += turn.token_ids
-            pos = end - len(self._turn_end_left(turn.token_ids))
+            pos = self._after_turn(full, end, turn.token_ids)
         return ids + self.encode(full[pos:]) + self.encode(prefill)
 
     # -- internals ---------------------------------------------------------------------------------
@@ -278,14 +278,19 @@ class ChatRenderer:
                 return len(head) + at
         return None
 
-    def _turn_end_left(self, token_ids: Sequence[int]) -> str:
-        """The part of the template's turn end the model did not generate itself: after a generated
-        EOS that the turn end starts with (ChatML: "<|im_end|>"), only the rest ("\\n")."""
+    def _after_turn(self, full: str, end: int, token_ids: Sequence[int]) -> int:
+        """Where the text after a known turn's tokens starts in `full`, the turn rendered as history ending
+        at `end`: the template's turn end, but the part the model generated itself, follows the tokens
+        (after a generated EOS that the turn end starts with, ChatML's "<|im_end|>", only the rest, "\\n");
+        a generated EOS that the turn end does not start with but the next message does (GLM's turn has
+        no end: its EOS, "<|observation|>", is the role of the tool message after it) is that message's."""
         if token_ids and token_ids[-1] in self.eos_token_ids:
             eos_text = self.tokenizer.decode([token_ids[-1]], skip_special_tokens=False)
             if eos_text and self.turn_end.startswith(eos_text):
-                return self.turn_end[len(eos_text):]
-        return self.turn_end
+                return end - len(self.turn_end) + len(eos_text)
+            if eos_text and not self.turn_end and full.startswith(eos_text, end):
+                return end + len(eos_text)
+        return end - len(self.turn_end)
 
     def check_template_kwargs(self, template_kwargs: Mapping[str, Any] | None) -> None:
         """400 for `chat_template_kwargs` that name an argument of `apply_chat_template` itself (the

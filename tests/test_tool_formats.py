@@ -1,6 +1,6 @@
-"""Every tool-call format the engine parses -- llama3_json, mistral (both forms), pythonic, qwen3_coder -- parsed,
-paused, streamed and forced, for tool_choice auto, "required" and a named tool (Hermes has its own
-tests: test_guided_decoding.py, test_server.py).
+"""Every tool-call format the engine parses -- llama3_json, mistral (both forms), pythonic, qwen3_coder,
+glm45 -- parsed, paused, streamed and forced, for tool_choice auto, "required" and a named tool (Hermes
+has its own tests: test_guided_decoding.py, test_server.py).
 
 Each format gets a tiny random model of its family, built here: transformers' Llama or Mistral model
 with random weights, a byte-level BPE tokenizer trained on a few sentences whose call markers
@@ -200,6 +200,39 @@ QWEN3_CODER_TEMPLATE = r"""
 """
 QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
+# GLM-4.5's template, shortened: the tools as JSON in a <tools> block, each past call as its name then
+# <arg_key>/<arg_value> pairs, each after a newline; a value as text (JSON for what is not a string). A turn
+# has no end of its own: the next message's role opens there, and the model ends a turn with the role it
+# waits for (<|observation|> after calls).
+GLM45_TEMPLATE = r"""
+{{- '[gMASK]<sop>' }}
+{%- if tools %}
+{{- '<|system|>\n# Tools\n\n<tools>' }}
+{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
+{{- '\n</tools>' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' %}
+{{- '<|assistant|>\n' + (message.content or '') }}
+{%- for call in message.tool_calls or [] %}
+{{- '\n<tool_call>' + call.function.name + '\n' }}
+{%- for name, value in call.function.arguments | items %}
+{{- '<arg_key>' + name + '</arg_key>\n<arg_value>' }}
+{{- value | tojson if value is not string else value }}
+{{- '</arg_value>\n' }}
+{%- endfor %}
+{{- '</tool_call>' }}
+{%- endfor %}
+{%- elif message.role == 'tool' %}
+{{- '<|observation|>\n<tool_response>\n' + message.content + '\n</tool_response>' }}
+{%- else %}
+{{- '<|' + message.role + '|>\n' + message.content }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|assistant|>\n' }}{%- endif %}
+"""
+GLM_SPECIAL = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
+
 LLAMA_SPECIAL = ["<|begin_of_text|>", "<|eot_id|>", "<|eom_id|>", "<|start_header_id|>", "<|end_header_id|>",
                  "<|python_tag|>"]
 MISTRAL_SPECIAL = ["<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
@@ -233,6 +266,9 @@ FAMILIES = {
     "qwen3_coder": Family("qwen3_coder", QWEN3_CODER_TEMPLATE, QWEN_SPECIAL, "<|endoftext|>", "<|im_end|>",
                           LlamaConfig, "\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
                           "</function>\n</tool_call>\n<tool_call>\n<function=clock>\n</function>\n</tool_call>", True),
+    "glm45": Family("glm45", GLM45_TEMPLATE, GLM_SPECIAL, "[gMASK]", "<|observation|>", LlamaConfig,
+                    "\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>"
+                    "\n<tool_call>clock\n</tool_call>", True),
 }
 AUTO_CALLS = {"llama3_json": [("get_weather", {"city": "Paris"})]}  # others: get_weather, then clock
 
@@ -334,6 +370,10 @@ def written(name: str, calls: list[tuple[str, dict]]) -> str:
         return "".join(f"\n<tool_call>\n<function={n}>\n" + "".join(
             f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n" for k, v in a.items())
             + "</function>\n</tool_call>" for n, a in calls)
+    if name == "glm45":
+        return "".join(f"\n<tool_call>{n}\n" + "".join(
+            f"<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else json.dumps(v)}</arg_value>\n"
+            for k, v in a.items()) + "</tool_call>" for n, a in calls)
     return "[" + ", ".join(f"{n}(" + ", ".join(f"{k}={json.dumps(v)}" for k, v in a.items()) + ")"
                            for n, a in calls) + "]"
 
@@ -372,6 +412,20 @@ def test_forced_grammars_allow_exactly_the_valid_calls(name, tokenizers):
     assert not forced(None, [])  # a forced turn calls
 
 
+def test_glm47s_compact_calls_are_written_where_its_template_writes_them(tokenizers):
+    """GLM-4.7's template writes a call's tags without newlines: so do the format's prefill and grammar,
+    and its partial calls read that form."""
+    template = "{{- '<tool_call>' + tc.name }}{% for k, v in args %}<arg_key>{{ k }}</arg_key><arg_value>{{ v }}" \
+               "</arg_value>{% endfor %}</tool_call>"
+    fmt, accepts = ToolFormat("glm47", template), matcher_for(tokenizers["glm45"])
+    assert parser_for_model("glm4_moe", template) == "glm45" and fmt.forced_prefill("clock") == "<tool_call>clock"
+    compact = written("glm45", GOOD).replace("\n", "")
+    prefill = fmt.forced_prefill(None)
+    assert compact.startswith(prefill) and accepts(fmt.forced_grammar(TOOLS, None, True), compact[len(prefill):])
+    assert not accepts(fmt.forced_grammar(TOOLS, None, True), written("glm45", GOOD)[len(prefill) + 1:])
+    assert [(c.name, json.loads(c.arguments)) for c in fmt.partial_calls(compact, TOOLS)] == GOOD
+
+
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_the_no_call_grammar_refuses_every_call_opening(name, tokenizers):
     tokenizer = tokenizers[name]
@@ -384,7 +438,8 @@ def test_the_no_call_grammar_refuses_every_call_opening(name, tokenizers):
     opening = {"llama3_json": ["{", "<|python_tag|>", "The answer<|python_tag|>"],
                "mistral": ["[TOOL_CALLS]", "Sure.[TOOL_CALLS]"], "mistral_args": ["[TOOL_CALLS]", "Sure.[TOOL_CALLS]"],
                "pythonic": ["[", " [clock()]", "<|python_tag|>"],
-               "qwen3_coder": ["<tool_call>", "\n<tool_call>", "Sure.\n<tool_call>"]}[name]
+               "qwen3_coder": ["<tool_call>", "\n<tool_call>", "Sure.\n<tool_call>"],
+               "glm45": ["<tool_call>", "\n<tool_call>", "Sure.\n<tool_call>clock"]}[name]
     for text in opening:
         assert not accepts(grammar, text), text
     for text in ("", "The weather in Paris is clear.", "Use [links](x) and {braces}; [1, 2]."):
@@ -437,6 +492,8 @@ def test_partial_calls_follow_written_calls(name, tokenizers):
     ("pythonic", "See [the docs](x) and [1, 2].", "See [the docs](x) and [1, 2]."),
     ("qwen3_coder", "Let me check.\n<tool_", "Let me check."),
     ("qwen3_coder", "Use <b>bold</b> <function=x>.", "Use <b>bold</b> <function=x>."),
+    ("glm45", "Let me check.\n<tool_ca", "Let me check."),
+    ("glm45", "Use <arg_key> as a word.", "Use <arg_key> as a word."),
 ])
 def test_what_an_auto_stream_may_show(name, text, shown, tokenizers):
     """An auto turn streams text the format can tell is no call (pythonic calls open the message, so
@@ -623,9 +680,9 @@ def check_served_calls(name: str, client, tokenizer, abort_paused) -> None:
             jsonschema.validate(json.loads(p["arguments"]), SCHEMAS[p["name"]])
         if choice != "required":
             assert [p["name"] for p in pieces.values()] == ["set_alarm"]
-        # JSON arguments stream as the grammar writes them; a pythonic or qwen3_coder call shows once it is
-        # complete
-        assert deltas == len(pieces) if name in ("pythonic", "qwen3_coder") else deltas > len(pieces)
+        # JSON arguments stream as the grammar writes them; a pythonic, qwen3_coder or glm45 call shows once
+        # it is complete
+        assert deltas == len(pieces) if name in ("pythonic", "qwen3_coder", "glm45") else deltas > len(pieces)
         abort_paused()
 
     # non-streamed: the same call, and the request that brings its result resumes the paused turn
@@ -643,8 +700,10 @@ def check_served_calls(name: str, client, tokenizer, abort_paused) -> None:
         "name": call.function.name, "arguments": json.loads(call.function.arguments)}}]}
     generated = tokenizer.decode(paused, skip_special_tokens=False)
     rendered = tokenizer.apply_chat_template(QUESTION + [assistant], tools=OPENAI_TOOLS, tokenize=False)
-    if FAMILIES[name].resumes:  # (Qwen's template ends a turn with a newline after its end token)
-        assert generated == rendered.removesuffix("\n")
+    if FAMILIES[name].resumes:  # (Qwen's template ends a turn with a newline after its end token; GLM's
+        # ends none: the model ends it with the role it waits for, where the tool message opens)
+        expected = rendered.removesuffix("\n")
+        assert generated == (expected if expected.endswith(FAMILIES[name].eos) else expected + FAMILIES[name].eos)
     else:  # (the tools go before the last user turn: the call's turn alone is compared)
         assert generated.rsplit("[/INST]", 1)[1] == rendered.rsplit("[/INST]", 1)[1]
     conversation = QUESTION + [
@@ -657,6 +716,10 @@ def check_served_calls(name: str, client, tokenizer, abort_paused) -> None:
     if FAMILIES[name].resumes:
         assert second.model_extra["prompt_token_ids"][:len(paused)] == paused
         assert second.usage.prompt_tokens_details.cached_tokens == len(paused) - 1
+        # and the resumed context is the conversation as the template renders it, nothing doubled
+        fresh = tokenizer.apply_chat_template(QUESTION + [assistant, conversation[-1]], tools=OPENAI_TOOLS,
+                                              tokenize=False, add_generation_prompt=True)
+        assert tokenizer.decode(second.model_extra["prompt_token_ids"], skip_special_tokens=False) == fresh
     else:  # served fresh: the paused turn was released
         assert second.usage.prompt_tokens_details.cached_tokens == 0
     assert "clear" in tokenizer.decode(second.model_extra["prompt_token_ids"])

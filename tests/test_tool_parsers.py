@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stdlib_only import non_stdlib_imports
-from infercept.engine.tool_parsers import (PARSERS, HermesToolParser, Llama3JsonToolParser, MistralToolParser,
+from infercept.engine.tool_parsers import (PARSERS, Glm4ToolParser, HermesToolParser, Llama3JsonToolParser, MistralToolParser,
                                            ParseResult, PythonicToolParser, Qwen3CoderToolParser, ToolCall, ToolParser,
                                            get_tool_parser, parser_for_model)
 
@@ -26,6 +26,7 @@ llama = Llama3JsonToolParser()
 mistral = MistralToolParser()
 pythonic = PythonicToolParser()
 qwen3_coder = Qwen3CoderToolParser()
+glm45 = Glm4ToolParser()
 
 
 def state(parser: ToolParser, text: str) -> tuple[int, bool, bool, bool]:
@@ -450,6 +451,47 @@ def test_qwen3_coder_invalid_calls_stay_content(body):
     assert result.tool_calls == [] and result.invalid == [body] and body in result.content
 
 
+# -- glm45 -------------------------------------------------------------------------------------------
+
+def glm_call(name: str, values: dict[str, str], newlines: bool = True) -> str:
+    nl = "\n" if newlines else ""
+    return (f"<tool_call>{name}{nl}" + "".join(f"<arg_key>{k}</arg_key>{nl}<arg_value>{v}</arg_value>{nl}"
+                                               for k, v in values.items()) + "</tool_call>")
+
+
+@pytest.mark.parametrize("newlines", [True, False])  # GLM-4.5 / 4.6, and GLM-4.7's compact form
+def test_glm45_calls_are_read_in_both_forms_and_typed_by_the_schema(newlines):
+    text = "Setting it.\n" + glm_call("set_alarm", {"hour": "7", "label": "007", "days": '["mon"]', "unit": "f"},
+                                      newlines) + "\n" + glm_call("clock", {}, newlines)
+    result = glm45.parse(text, {"set_alarm": ALARM})
+    assert calls(result) == [("set_alarm", {"hour": 7, "label": "007", "days": ["mon"], "unit": "f"}), ("clock", {})]
+    assert result.content == "Setting it." and result.tool_calls[0].raw in text
+    untyped = calls(glm45.parse(glm_call("f", {"n": "12", "code": "a\n  b\n"}, newlines)))
+    assert untyped == [("f", {"n": 12, "code": "a\n  b\n"})]  # (a value is its text whole, newlines and all)
+    assert isinstance(get_tool_parser("glm47"), Glm4ToolParser)
+
+
+@pytest.mark.parametrize("text, expected", [
+    (glm_call("f", {"a": "1"}), (1, False, True, False)),
+    (glm_call("f", {"a": "1"}) + "\n<tool", (1, False, True, False)),
+    (glm_call("f", {"a": "1"}) + "<|observation|>", (1, False, False, True)),
+    ("<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1", (0, True, False, False)),
+    ("The weather is fine.", (0, False, False, False)),
+])
+def test_glm45_pause_rule(text, expected):
+    assert state(glm45, text) == expected
+
+
+@pytest.mark.parametrize("body", ["<tool_call>\n</tool_call>", "<tool_call>two words</tool_call>",
+                                  "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\nstray</tool_call>",
+                                  "<tool_call>f<arg_key>a</arg_key><arg_value>1</arg_value><arg_key>a</arg_key>"
+                                  "<arg_value>2</arg_value></tool_call>",
+                                  '<tool_call>{"name": "f", "arguments": {}}</tool_call>'])
+def test_glm45_invalid_calls_stay_content(body):
+    result = glm45.parse("Here: " + body)
+    assert result.tool_calls == [] and result.invalid == [body] and body in result.content
+
+
 # -- round trips (hypothesis) ----------------------------------------------------------------------
 
 json_scalars = (st.none() | st.booleans() | st.integers(-10**18, 10**18)
@@ -466,13 +508,20 @@ call_lists = st.lists(st.tuples(names, arguments_dicts), min_size=1, max_size=3)
 def expressible(family: str, tool_calls: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
     """The calls as ``family`` can write them: pythonic names and keywords are Python identifiers;
     qwen3_coder's parameter names have no ``>`` or newline, its values (text) never close an element, and
-    its calls' names differ (each is typed by a schema of its own: `schemas_of`)."""
+    its calls' names differ (each is typed by a schema of its own: `schemas_of`); glm45's likewise, its keys
+    without ``<`` or blanks."""
     if family == "qwen3_coder":
         def fits(value) -> bool:
             written = value if isinstance(value, str) else json.dumps(value)
             return not any(tag in written for tag in ("</parameter>", "</function>", "</tool_call>"))
         return [(f"{n}_{i}", {f"k{j}_" + "".join(ch for ch in k if ch not in ">\n"): v
                               for j, (k, v) in enumerate(a.items()) if fits(v)}) for i, (n, a) in enumerate(tool_calls)]
+    if family in ("glm45", "glm47"):  # (keys without "<" or blanks: the parser strips a key's blanks)
+        def fits_glm(value) -> bool:
+            written = value if isinstance(value, str) else json.dumps(value)
+            return not any(tag in written for tag in ("</arg_value>", "</tool_call>"))
+        return [(f"{n}_{i}", {f"k{j}_" + "".join(ch for ch in k if ch != "<" and not ch.isspace()): v
+                              for j, (k, v) in enumerate(a.items()) if fits_glm(v)}) for i, (n, a) in enumerate(tool_calls)]
     if family != "pythonic":
         return tool_calls
     def ident(text: str, i: int) -> str:
@@ -491,6 +540,9 @@ def render(family: str, tool_calls: list[tuple[str, dict]], variant: int, ascii_
         return ("<|python_start|>" if variant == 3 else "") + f"[{calls_}]"
     if family == "qwen3_coder":
         return "\n".join(xml_call(n, {k: v if isinstance(v, str) else dumps(v) for k, v in a.items()})
+                         for n, a in tool_calls)
+    if family in ("glm45", "glm47"):  # GLM-4.5's newlines, or GLM-4.7's compact form
+        return "\n".join(glm_call(n, {k: v if isinstance(v, str) else dumps(v) for k, v in a.items()}, variant % 2 == 0)
                          for n, a in tool_calls)
     if family == "hermes":
         sep = "\n" if variant % 2 else ""
@@ -574,11 +626,11 @@ def test_arbitrary_text_never_breaks_the_invariants(family, pieces):
 # -- registry and model mapping --------------------------------------------------------------------
 
 def test_registry():
-    assert sorted(PARSERS) == ["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"]
+    assert sorted(PARSERS) == ["glm45", "glm47", "hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"]
     for name, cls in PARSERS.items():
         parser = get_tool_parser(name)
         assert isinstance(parser, cls) and isinstance(parser, ToolParser) and parser.name == name
-    with pytest.raises(ValueError, match="hermes, llama3_json, mistral, pythonic, qwen3_coder"):
+    with pytest.raises(ValueError, match="glm45, glm47, hermes, llama3_json, mistral, pythonic, qwen3_coder"):
         get_tool_parser("qwen3_xml")
 
 

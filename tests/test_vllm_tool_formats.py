@@ -1,10 +1,10 @@
-"""The tool-call formats but Hermes -- llama3_json, mistral (both forms), pythonic -- on the vLLM backend
-(Hermes: tests/test_vllm_backend.py): parsed, paused and resumed, streamed, forced, for tool_choice auto,
-"required" and a named tool.
+"""The tool-call formats but Hermes -- llama3_json, mistral (both forms), pythonic, qwen3_coder, glm45 -- on the
+vLLM backend (Hermes: tests/test_vllm_backend.py): parsed, paused and resumed, streamed, forced, for
+tool_choice auto, "required" and a named tool.
 
 The families' tiny random-weight models of tests/test_tool_formats.py (their tokenizers, call markers
 as special tokens, and templates), with heads of 64 (vLLM's CPU attention has no kernel for their 16), each served
-by its own vLLM worker under `preserve`; the four start at once. Per family:
+by its own vLLM worker under `preserve`; they start at once. Per family:
 
 * on the backend, a turn of each mode (greedy and sampled) set up as the native engine's test sets it
   up -- under auto a test grammar writes the family's call, under required / named the format's prefill
