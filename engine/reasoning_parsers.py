@@ -92,6 +92,10 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "qwen3": Qwen3ReasoningParser,
     "deepseek_r1": DeepSeekR1ReasoningParser,
+    # vLLM's names for GLM-4.5 to 4.7, which think as Qwen3 does: a turn that starts with <think> (4.5, 4.6),
+    # or after a generation prompt that opens it (4.7); with thinking off the prompt closes it, all content
+    "glm45": Qwen3ReasoningParser,
+    "glm47": Qwen3ReasoningParser,
 }
 
 

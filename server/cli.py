@@ -313,9 +313,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted so that vLLM's command lines run unchanged: tool_choice auto is always on here")
     g.add_argument("--reasoning-parser", default=_env("REASONING_PARSER", None), choices=sorted(REASONING_PARSERS),
-                   help="thinking format, as vLLM names it: qwen3 or deepseek_r1. <think>...</think> goes to "
-                        "reasoning_content (chat) or a reasoning item (Responses), tool calls are read after it, "
-                        "and a resumed turn keeps the paused generation's thinking tokens (default: none)")
+                   help="thinking format, as vLLM names it: qwen3, deepseek_r1 (glm45, glm47: qwen3's). "
+                        "<think>...</think> goes to reasoning_content (chat) or a reasoning item (Responses), "
+                        "tool calls are read after it, and a resumed turn keeps the paused generation's thinking "
+                        "tokens (default: none)")
     g.add_argument("--generation-config", default=_env("GENERATION_CONFIG", "auto"),
                    help="sampling defaults for the fields a request leaves out: auto = the model's "
                         "generation_config.json, as its authors recommend (default), none = neutral (temperature 1, "

@@ -96,6 +96,13 @@ def test_module_imports_only_stdlib():
     assert non_stdlib_imports(Path(__file__).resolve().parents[1] / "engine" / "reasoning_parsers.py") == []
 
 
+def test_glms_names_read_turns_as_qwen3_does():
+    for name in ("glm45", "glm47"):
+        parser = get_reasoning_parser(name)
+        assert isinstance(parser, type(QWEN3)) and parser.split("<think>a</think>b") == QWEN3.split("<think>a</think>b")
+        assert parser.after_prompt("[gMASK]<sop><|user|>\nHi<|assistant|><think>").split("a</think>b").reasoning == "a"
+
+
 def test_unknown_reasoning_parser():
     with pytest.raises(ValueError, match="qwen3"):
         get_reasoning_parser("o1")

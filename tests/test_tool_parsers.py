@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stdlib_only import non_stdlib_imports
-from infercept.engine.tool_parsers import (PARSERS, Glm4ToolParser, HermesToolParser, Llama3JsonToolParser, MistralToolParser,
-                                           ParseResult, PythonicToolParser, Qwen3CoderToolParser, ToolCall, ToolParser,
-                                           get_tool_parser, parser_for_model)
+from infercept.engine.tool_parsers import (PARSERS, Glm4ToolParser, HermesToolParser, Llama3JsonToolParser,
+                                           MistralToolParser, ParseResult, PythonicToolParser, Qwen3CoderToolParser,
+                                           ToolCall, ToolParser, get_tool_parser, parser_for_model)
 
 MODULE = Path(__file__).resolve().parents[1] / "engine" / "tool_parsers.py"
 
