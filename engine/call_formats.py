@@ -28,14 +28,16 @@ and the conversation that resumes it agree):
 ``qwen3_coder``  ``\\n<tool_call>\\n<function=f>\\n<parameter=a>\\nvalue\\n</parameter>\\n</function>\\n</tool_call>``
                  per call: the parameters in the schema's property order, a value whose schema allows
                  only strings as text, any other as JSON (the parser types the values by the schema).
+``deepseek_v31`` ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{...}<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>``:
+                 every call after the section's opening, its arguments JSON.
 ``glm45``        ``\\n<tool_call>f\\n<arg_key>a</arg_key>\\n<arg_value>value</arg_value>\\n</tool_call>`` per call
                  (GLM-4.5, 4.6), or the same without its newlines where the template writes it so
                  (GLM-4.7): the parameters and values as qwen3_coder's.
 
 Special tokens in a grammar: ``[TOOL_CALLS]`` and ``[ARGS]`` are single tokens of Mistral's
-vocabularies, which a grammar names by id (``<[id]>``); without the id (a vocabulary where they are
-plain text) the grammar writes them as text. The JSON is written as ``json.dumps`` / the templates'
-``tojson`` writes it (hermes_format.JSON_STYLE).
+vocabularies (DeepSeek's markers of its own), which a grammar names by id (``<[id]>``); without the id (a
+vocabulary where they are plain text) the grammar writes them as text. The JSON is written as
+``json.dumps`` / the templates' ``tojson`` writes it (hermes_format.JSON_STYLE).
 
 Pure standard library.
 """
@@ -50,7 +52,8 @@ from typing import TYPE_CHECKING
 
 from . import hermes_format as hermes
 from .hermes_format import PartialCall, json_grammar_schema
-from .tool_parsers import Glm4ToolParser, PythonicToolParser, Qwen3CoderToolParser, ToolCall, _resolved, value_types
+from .tool_parsers import (DeepSeekV31ToolParser, Glm4ToolParser, PythonicToolParser, Qwen3CoderToolParser, ToolCall,
+                           _resolved, value_types)
 
 if TYPE_CHECKING:
     from .tool_spec import ToolSpec
@@ -193,15 +196,8 @@ class Llama3JsonWriter(Writer):
         return _json_partial_calls(text, self._blank.match(text).end(), self._head, "", limit=1)
 
 
-class MistralWriter(Writer):
-    """``[TOOL_CALLS] [{"name": "f", "arguments": {...}}, ...]`` (module docstring)."""
-
-    family = "mistral"
-    MARK = "[TOOL_CALLS]"
-    openers = (MARK,)
-    OPEN = MARK + " ["
-    _head = re.compile(r'\{"name": ' + _NAME + r', "arguments": ')
-    _open = re.compile(r"\s*\[TOOL_CALLS\]\s*\[")
+class _MarkerWriter(Writer):
+    """A format whose call markers may be tokens of the vocabulary (`token_ids`: their ids)."""
 
     def __init__(self, token_ids: Mapping[str, int] | None = None):
         self.token_ids = dict(token_ids or {})
@@ -210,6 +206,17 @@ class MistralWriter(Writer):
         """A marker in a grammar: its special token by id, or text where the vocabulary has none."""
         token_id = self.token_ids.get(text)
         return _lit(text) if token_id is None else f"<[{token_id}]>"
+
+
+class MistralWriter(_MarkerWriter):
+    """``[TOOL_CALLS] [{"name": "f", "arguments": {...}}, ...]`` (module docstring)."""
+
+    family = "mistral"
+    MARK = "[TOOL_CALLS]"
+    openers = (MARK,)
+    OPEN = MARK + " ["
+    _head = re.compile(r'\{"name": ' + _NAME + r', "arguments": ')
+    _open = re.compile(r"\s*\[TOOL_CALLS\]\s*\[")
 
     def _element(self, name: str) -> str:
         return '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
@@ -293,6 +300,74 @@ class MistralArgsWriter(MistralWriter):
                 break
             calls.append(PartialCall(m.group(1), text[m.end():end], True))
             pos = end
+        return calls
+
+
+# -- deepseek_v31 ------------------------------------------------------------------------------------
+
+class DeepSeekV31Writer(_MarkerWriter):
+    """``<｜tool▁calls▁begin｜>`` + ``<｜tool▁call▁begin｜>f<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`` per call +
+    ``<｜tool▁calls▁end｜>``, as DeepSeek-V3.1's template renders past calls (module docstring)."""
+
+    family = "deepseek_v31"
+    P = DeepSeekV31ToolParser
+    openers = (P.BEGIN,)
+    _call = re.compile(r"\s*<｜tool▁call▁begin｜>([^\s<]+)<｜tool▁sep｜>")
+
+    def forced_prefill(self, tool_name: str | None) -> str:
+        return self.P.BEGIN + self.P.CALL + ("" if tool_name is None else tool_name + self.P.SEP)
+
+    def _grammar(self, tools: Sequence[ToolSpec], first: list[int], named: bool, parallel: bool,
+                 answer_schema: dict | None = None) -> str:
+        """The calls after the prefill (`answer_schema`: after nothing, or the JSON answer instead): the
+        first of the tools `first` (`named`: its name and separator written already), then, `parallel`,
+        calls of any tool, then the section's end."""
+        sep, end = self._token(self.P.SEP), self._token(self.P.CALL_END)
+        later = list(range(len(tools))) if parallel else []
+
+        def call(i: int) -> str:
+            return f"{_lit(tools[i].name)} {sep} args{i} {end}"
+
+        lines = ["first: " + (f"args{first[0]} {end}" if named else " | ".join(call(i) for i in first))]
+        if parallel:
+            lines.append("call: " + " | ".join(call(i) for i in later))
+        calls = "first" + (f" ({self._token(self.P.CALL)} call)*" if parallel else "") + " " + self._token(self.P.END)
+        if answer_schema is None:
+            lines.insert(0, f"start: {calls}")
+        else:
+            opening = f"{self._token(self.P.BEGIN)} {self._token(self.P.CALL)}"
+            lines[:0] = ["start: calls | answer", f"calls: {opening} {calls}"]
+            lines.append(_answer(answer_schema))
+        schemas = [_json_rule(f"args{i}", tools[i].arguments_schema) for i in sorted(set(first) | set(later))]
+        return "\n".join(lines + schemas)
+
+    def forced_grammar(self, tools: Sequence[ToolSpec], tool_name: str | None, parallel: bool) -> str:
+        return self._grammar(tools, _allowed(tools, tool_name), tool_name is not None, parallel)
+
+    def answer_or_call_grammar(self, tools: Sequence[ToolSpec], parallel: bool, answer_schema: dict) -> str:
+        return self._grammar(tools, list(range(len(tools))), False, parallel, answer_schema)
+
+    def no_call_grammar(self) -> str:
+        # The section opens with its marker token, which no text grammar allows; as text it would parse
+        # too, so that is refused as well.
+        return _text_grammar(r"(?s:.*)", r"(?s:.*<｜tool▁calls▁begin｜>.*)")
+
+    def partial_calls(self, text: str) -> list[PartialCall]:
+        start = len(text) - len(text.lstrip())
+        if not text.startswith(self.P.BEGIN, start):
+            return []
+        calls: list[PartialCall] = []
+        pos = start + len(self.P.BEGIN)
+        while (m := self._call.match(text, pos)) is not None:
+            try:
+                _, end = _JSON.raw_decode(text, m.end())
+            except ValueError:
+                calls.append(PartialCall(m.group(1), text[m.end():], False))
+                break
+            calls.append(PartialCall(m.group(1), text[m.end():end], True))
+            if not text.startswith(self.P.CALL_END, end):
+                break
+            pos = end + len(self.P.CALL_END)
         return calls
 
 
@@ -593,6 +668,8 @@ def writer_for(family: str, chat_template: str | None = None, token_ids: Mapping
         return PythonicWriter()
     if family == "qwen3_coder":
         return Qwen3CoderWriter()
+    if family == "deepseek_v31":
+        return DeepSeekV31Writer(token_ids)
     if family in ("glm45", "glm47"):  # (GLM-4.7's template writes its tags without newlines)
         return Glm4Writer(compact="</arg_key><arg_value>" in (chat_template or ""))
     if family == "mistral":

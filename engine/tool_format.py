@@ -8,9 +8,9 @@ the stop strings: a turn's calls are parsed once, checked against the request's 
 arguments valid under its parameters schema), and the engine pauses only on calls the client can
 answer. `RequestOutput.tool_calls` / `.content` carry the verdict; the server only renders it.
 
-Every family the parsers read (hermes, llama3_json, mistral, pythonic, qwen3_coder, glm45) is forced by a
-grammar, kept from calling by one under tool_choice "none", may answer in JSON or call under a JSON
-response_format, and has its grammar-written calls followed while they stream (call_formats.py;
+Every family the parsers read (hermes, llama3_json, mistral, pythonic, qwen3_coder, glm45, deepseek_v31) is
+forced by a grammar, kept from calling by one under tool_choice "none", may answer in JSON or call under a
+JSON response_format, and has its grammar-written calls followed while they stream (call_formats.py;
 hermes_format.py for Hermes). Templates without a tool section get a Hermes-style tool prompt whatever the family.
 
 On the vLLM backend, a family may also be one of vLLM's own tool parsers (`VllmToolFormat`, family
@@ -35,7 +35,9 @@ from .tool_parsers import PARSERS, VLLM_PREFIX, ToolCall, get_tool_parser, vllm_
 from .tool_spec import ToolSpec
 
 # Call markers that are special tokens in some vocabularies: a grammar names them by id (call_formats.py).
-MARKER_TOKENS = ("[TOOL_CALLS]", "[ARGS]", "<|python_tag|>", "<|python_start|>", "<|python_end|>")
+MARKER_TOKENS = ("[TOOL_CALLS]", "[ARGS]", "<|python_tag|>", "<|python_start|>", "<|python_end|>",
+                 "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                 "<｜tool▁sep｜>")
 
 
 @dataclass(frozen=True)
@@ -194,7 +196,7 @@ class VllmToolFormat:
 def tool_format_for(name: str, tokenizer, vllm_parsers: Sequence[str] = (),
                     vllm_forcing_refusals: Mapping[str, str] | None = None) -> ToolFormat | VllmToolFormat:
     """The format `--tool-parser NAME` serves: ours by that name (hermes, llama3_json, mistral, pythonic,
-    qwen3_coder, glm45, glm47), else
+    qwen3_coder, glm45, glm47, deepseek_v31), else
     vLLM's parser NAME where the backend runs vLLM's parsers (`vllm_parsers`, their names; ``vllm:NAME``
     picks vLLM's where we have one of the same name; `vllm_forcing_refusals`: why those that cannot force
     a call cannot). ValueError naming the valid names otherwise."""

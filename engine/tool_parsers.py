@@ -782,11 +782,49 @@ class Glm47ToolParser(Glm4ToolParser):
     name = "glm47"
 
 
+class DeepSeekV31ToolParser(ToolParser):
+    """DeepSeek-V3.1's calls: a section ``<｜tool▁calls▁begin｜>`` ... ``<｜tool▁calls▁end｜>`` holding
+    ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{arguments}<｜tool▁call▁end｜>`` per call (the markers are
+    tokens of DeepSeek's vocabulary), anywhere in the text.
+
+    A section closes at its ``<｜tool▁calls▁end｜>``. Its calls must follow one another, each a name
+    without blanks and a JSON object; a section with anything else is invalid.
+    """
+
+    name = "deepseek_v31"
+    BEGIN, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    CALL, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+    openers = (BEGIN,)
+    _call = re.compile(r"\s*<｜tool▁call▁begin｜>([^\s<]+)<｜tool▁sep｜>(.*?)<｜tool▁call▁end｜>\s*", re.S)
+
+    def _spans(self, text: str) -> list[_Span]:
+        spans: list[_Span] = []
+        pos = 0
+        while (start := text.find(self.BEGIN, pos)) >= 0:
+            close = text.find(self.END, start + len(self.BEGIN))
+            if close < 0:
+                spans.append(_Span(start, len(text), False))
+                break
+            pos = close + len(self.END)
+            spans.append(_Span(start, pos, True))
+        return spans
+
+    def _parse_span(self, raw: str) -> list[ToolCall | str]:
+        body, pos, calls = raw[len(self.BEGIN):len(raw) - len(self.END)], 0, []
+        while (m := self._call.match(body, pos)) is not None:
+            ok, arguments = _try_loads(m.group(2).strip())
+            if not ok or not isinstance(arguments, dict):
+                return [raw]
+            calls.append(ToolCall(m.group(1), json.dumps(arguments, ensure_ascii=False), m.group().strip()))
+            pos = m.end()
+        return calls if calls and pos == len(body) else [raw]
+
+
 # -- registry ----------------------------------------------------------------------------------------
 
 PARSERS: dict[str, type[ToolParser]] = {
     cls.name: cls for cls in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser,
-                              Qwen3CoderToolParser, Glm4ToolParser, Glm47ToolParser)
+                              Qwen3CoderToolParser, Glm4ToolParser, Glm47ToolParser, DeepSeekV31ToolParser)
 }
 
 
@@ -849,7 +887,8 @@ def parser_for_model(model_type: str, chat_template: str | None) -> str:
 
     First that applies: the template writes calls as ``<function=...>`` of ``<parameter=...>`` elements
     (Qwen3-Coder's) -> ``qwen3_coder``; as ``<arg_key>`` / ``<arg_value>`` pairs (GLM-4.5 to 4.7's) ->
-    ``glm45``; it mentions ``<tool_call>`` -> ``hermes``; ``[TOOL_CALLS]`` ->
+    ``glm45``; as ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}`` without a JSON fence (DeepSeek-V3.1's) ->
+    ``deepseek_v31``; it mentions ``<tool_call>`` -> ``hermes``; ``[TOOL_CALLS]`` ->
     ``mistral``; it asks for calls ``in the format of [func_name1(...)`` (the pythonic templates of
     Llama 3.2 and Llama 4) -> ``pythonic``; ``<|python_tag|>`` -> ``llama3_json``; a Llama model type
     whose template uses ``<|eot_id|>`` and a ``"parameters"`` JSON -> ``llama3_json``; otherwise
@@ -862,6 +901,8 @@ def parser_for_model(model_type: str, chat_template: str | None) -> str:
         return "qwen3_coder"
     if "<arg_key>" in template and "<arg_value>" in template:
         return "glm45"
+    if "<｜tool▁sep｜>" in template and "```json" not in template:  # (V3's calls wrap the JSON in a fence)
+        return "deepseek_v31"
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template:

@@ -305,10 +305,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "the clients' and proxies' connection pools, or their next request on a connection the "
                         "server just closed fails (default 75)")
     g.add_argument("--tool-parser", "--tool-call-parser", dest="tool_parser", default=_env("TOOL_PARSER", None),
-                   help="tool-call format: hermes, llama3_json, mistral, pythonic, qwen3_coder or glm45 (= glm47) "
-                        "(default: from the model's chat template); on --backend vllm also any of vLLM's tool "
-                        "parsers, as vLLM's --tool-call-parser names them (kimi_k2, deepseek_v3, ...; vllm:NAME "
-                        "picks vLLM's where ours has the same name), read when the model ends its turn "
+                   help="tool-call format: hermes, llama3_json, mistral, pythonic, qwen3_coder, glm45 (= glm47) or "
+                        "deepseek_v31 (default: from the model's chat template); on --backend vllm also any of "
+                        "vLLM's tool parsers, as vLLM's --tool-call-parser names them (kimi_k2, deepseek_v3, ...; "
+                        "vllm:NAME picks vLLM's where ours has the same name), read when the model ends its turn "
                         "(docs/operators.md, tool-call formats)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted so that vLLM's command lines run unchanged: tool_choice auto is always on here")

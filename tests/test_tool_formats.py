@@ -1,6 +1,6 @@
 """Every tool-call format the engine parses -- llama3_json, mistral (both forms), pythonic, qwen3_coder,
-glm45 -- parsed, paused, streamed and forced, for tool_choice auto, "required" and a named tool (Hermes
-has its own tests: test_guided_decoding.py, test_server.py).
+glm45, deepseek_v31 -- parsed, paused, streamed and forced, for tool_choice auto, "required" and a named
+tool (Hermes has its own tests: test_guided_decoding.py, test_server.py).
 
 Each format gets a tiny random model of its family, built here: transformers' Llama or Mistral model
 with random weights, a byte-level BPE tokenizer trained on a few sentences whose call markers
@@ -233,6 +233,35 @@ GLM45_TEMPLATE = r"""
 """
 GLM_SPECIAL = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
 
+# DeepSeek-V3.1's template, shortened (non-thinking: its generation prompt closes the thinking): the tools as
+# JSON, each past call's arguments as JSON between its markers, all of a turn's calls in one section.
+DEEPSEEK_V31_TEMPLATE = r"""
+{{- bos_token }}
+{%- if tools %}{{- '## Tools\n' }}{%- for tool in tools %}{{- (tool | tojson) + '\n' }}{%- endfor %}{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'user' %}
+{{- '<｜User｜>' + message.content }}
+{%- elif message.role == 'assistant' %}
+{{- '<｜Assistant｜></think>' + (message.content or '') }}
+{%- if message.tool_calls %}
+{{- '<｜tool▁calls▁begin｜>' }}
+{%- for call in message.tool_calls %}
+{{- '<｜tool▁call▁begin｜>' + call.function.name + '<｜tool▁sep｜>' + (call.function.arguments | tojson) }}
+{{- '<｜tool▁call▁end｜>' }}
+{%- endfor %}
+{{- '<｜tool▁calls▁end｜>' }}
+{%- endif %}
+{{- '<｜end▁of▁sentence｜>' }}
+{%- elif message.role == 'tool' %}
+{{- '<｜tool▁output▁begin｜>' + message.content + '<｜tool▁output▁end｜>' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<｜Assistant｜></think>' }}{%- endif %}
+"""
+DEEPSEEK_SPECIAL = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+                    "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                    "<｜tool▁sep｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"]
+
 LLAMA_SPECIAL = ["<|begin_of_text|>", "<|eot_id|>", "<|eom_id|>", "<|start_header_id|>", "<|end_header_id|>",
                  "<|python_tag|>"]
 MISTRAL_SPECIAL = ["<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
@@ -269,6 +298,11 @@ FAMILIES = {
     "glm45": Family("glm45", GLM45_TEMPLATE, GLM_SPECIAL, "[gMASK]", "<|observation|>", LlamaConfig,
                     "\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>"
                     "\n<tool_call>clock\n</tool_call>", True),
+    "deepseek_v31": Family("deepseek_v31", DEEPSEEK_V31_TEMPLATE, DEEPSEEK_SPECIAL, "<｜begin▁of▁sentence｜>",
+                           "<｜end▁of▁sentence｜>", LlamaConfig,
+                           '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}'
+                           "<｜tool▁call▁end｜><｜tool▁call▁begin｜>clock<｜tool▁sep｜>{}<｜tool▁call▁end｜>"
+                           "<｜tool▁calls▁end｜>", True),
 }
 AUTO_CALLS = {"llama3_json": [("get_weather", {"city": "Paris"})]}  # others: get_weather, then clock
 
@@ -370,6 +404,9 @@ def written(name: str, calls: list[tuple[str, dict]]) -> str:
         return "".join(f"\n<tool_call>\n<function={n}>\n" + "".join(
             f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n" for k, v in a.items())
             + "</function>\n</tool_call>" for n, a in calls)
+    if name == "deepseek_v31":
+        return ("<｜tool▁calls▁begin｜>" + "".join(f"<｜tool▁call▁begin｜>{n}<｜tool▁sep｜>{json.dumps(a)}<｜tool▁call▁end｜>"
+                                                 for n, a in calls) + "<｜tool▁calls▁end｜>")
     if name == "glm45":
         return "".join(f"\n<tool_call>{n}\n" + "".join(
             f"<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else json.dumps(v)}</arg_value>\n"
@@ -439,7 +476,8 @@ def test_the_no_call_grammar_refuses_every_call_opening(name, tokenizers):
                "mistral": ["[TOOL_CALLS]", "Sure.[TOOL_CALLS]"], "mistral_args": ["[TOOL_CALLS]", "Sure.[TOOL_CALLS]"],
                "pythonic": ["[", " [clock()]", "<|python_tag|>"],
                "qwen3_coder": ["<tool_call>", "\n<tool_call>", "Sure.\n<tool_call>"],
-               "glm45": ["<tool_call>", "\n<tool_call>", "Sure.\n<tool_call>clock"]}[name]
+               "glm45": ["<tool_call>", "\n<tool_call>", "Sure.\n<tool_call>clock"],
+               "deepseek_v31": ["<｜tool▁calls▁begin｜>", "Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>"]}[name]
     for text in opening:
         assert not accepts(grammar, text), text
     for text in ("", "The weather in Paris is clear.", "Use [links](x) and {braces}; [1, 2]."):
@@ -494,6 +532,7 @@ def test_partial_calls_follow_written_calls(name, tokenizers):
     ("qwen3_coder", "Use <b>bold</b> <function=x>.", "Use <b>bold</b> <function=x>."),
     ("glm45", "Let me check.\n<tool_ca", "Let me check."),
     ("glm45", "Use <arg_key> as a word.", "Use <arg_key> as a word."),
+    ("deepseek_v31", "Let me check.<｜tool▁calls▁begin｜>", "Let me check."),
 ])
 def test_what_an_auto_stream_may_show(name, text, shown, tokenizers):
     """An auto turn streams text the format can tell is no call (pythonic calls open the message, so
@@ -680,9 +719,10 @@ def check_served_calls(name: str, client, tokenizer, abort_paused) -> None:
             jsonschema.validate(json.loads(p["arguments"]), SCHEMAS[p["name"]])
         if choice != "required":
             assert [p["name"] for p in pieces.values()] == ["set_alarm"]
-        # JSON arguments stream as the grammar writes them; a pythonic, qwen3_coder or glm45 call shows once
-        # it is complete
-        assert deltas == len(pieces) if name in ("pythonic", "qwen3_coder", "glm45") else deltas > len(pieces)
+        # JSON arguments stream as the grammar writes them (but "{}", in one piece); a pythonic, qwen3_coder
+        # or glm45 call shows once it is complete
+        whole = name in ("pythonic", "qwen3_coder", "glm45") or all(p["arguments"] == "{}" for p in pieces.values())
+        assert deltas == len(pieces) if whole else deltas > len(pieces)
         abort_paused()
 
     # non-streamed: the same call, and the request that brings its result resumes the paused turn

@@ -27,6 +27,7 @@ mistral = MistralToolParser()
 pythonic = PythonicToolParser()
 qwen3_coder = Qwen3CoderToolParser()
 glm45 = Glm4ToolParser()
+deepseek = get_tool_parser("deepseek_v31")
 
 
 def state(parser: ToolParser, text: str) -> tuple[int, bool, bool, bool]:
@@ -492,6 +493,30 @@ def test_glm45_invalid_calls_stay_content(body):
     assert result.tool_calls == [] and result.invalid == [body] and body in result.content
 
 
+# -- deepseek_v31 ------------------------------------------------------------------------------------
+
+DS_CALL = "<｜tool▁call▁begin｜>{}<｜tool▁sep｜>{}<｜tool▁call▁end｜>"
+
+
+def test_deepseek_v31_reads_a_section_of_calls():
+    section = ("<｜tool▁calls▁begin｜>" + DS_CALL.format("get_weather", '{"city": "Paris"}')
+               + DS_CALL.format("clock", "{}") + "<｜tool▁calls▁end｜>")
+    result = deepseek.parse("Let me look." + section)
+    assert calls(result) == [("get_weather", {"city": "Paris"}), ("clock", {})] and result.content == "Let me look."
+    assert state(deepseek, section) == (1, False, True, False)
+    assert state(deepseek, section[:-5]) == (0, True, False, False)
+    assert state(deepseek, section + "<｜end▁of▁sentence｜>") == (1, False, False, True)
+
+
+@pytest.mark.parametrize("body", ["<｜tool▁calls▁begin｜><｜tool▁calls▁end｜>",
+                                  "<｜tool▁calls▁begin｜>" + DS_CALL.format("f", "[1]") + "<｜tool▁calls▁end｜>",
+                                  "<｜tool▁calls▁begin｜>" + DS_CALL.format("f", "{}") + "stray<｜tool▁calls▁end｜>",
+                                  "<｜tool▁calls▁begin｜>" + DS_CALL.format("two words", "{}") + "<｜tool▁calls▁end｜>"])
+def test_deepseek_v31_invalid_sections_stay_content(body):
+    result = deepseek.parse("Here: " + body)
+    assert result.tool_calls == [] and result.invalid == [body] and body in result.content
+
+
 # -- round trips (hypothesis) ----------------------------------------------------------------------
 
 json_scalars = (st.none() | st.booleans() | st.integers(-10**18, 10**18)
@@ -521,7 +546,8 @@ def expressible(family: str, tool_calls: list[tuple[str, dict]]) -> list[tuple[s
             written = value if isinstance(value, str) else json.dumps(value)
             return not any(tag in written for tag in ("</arg_value>", "</tool_call>"))
         return [(f"{n}_{i}", {f"k{j}_" + "".join(ch for ch in k if ch != "<" and not ch.isspace()): v
-                              for j, (k, v) in enumerate(a.items()) if fits_glm(v)}) for i, (n, a) in enumerate(tool_calls)]
+                              for j, (k, v) in enumerate(a.items()) if fits_glm(v)})
+                for i, (n, a) in enumerate(tool_calls)]
     if family != "pythonic":
         return tool_calls
     def ident(text: str, i: int) -> str:
@@ -544,6 +570,9 @@ def render(family: str, tool_calls: list[tuple[str, dict]], variant: int, ascii_
     if family in ("glm45", "glm47"):  # GLM-4.5's newlines, or GLM-4.7's compact form
         return "\n".join(glm_call(n, {k: v if isinstance(v, str) else dumps(v) for k, v in a.items()}, variant % 2 == 0)
                          for n, a in tool_calls)
+    if family == "deepseek_v31":
+        return "<｜tool▁calls▁begin｜>" + "".join(f"<｜tool▁call▁begin｜>{n}<｜tool▁sep｜>{dumps(a)}<｜tool▁call▁end｜>"
+                                                 for n, a in tool_calls) + "<｜tool▁calls▁end｜>"
     if family == "hermes":
         sep = "\n" if variant % 2 else ""
         return sep.join(f"<tool_call>\n{dumps({'name': n, 'arguments': a})}\n</tool_call>" for n, a in tool_calls)
@@ -571,7 +600,7 @@ def test_parse_round_trips_rendered_calls(family, tool_calls, variant, ascii_, c
     body = render(family, tool_calls, variant, ascii_)
     if family == "pythonic" or (family == "llama3_json" and not body.startswith("<|python_tag|>")):
         content = ""  # untagged Llama calls and pythonic lists must start the message
-    elif any(marker in content for marker in ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>")):
+    elif any(marker in content for marker in ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<｜tool▁calls▁begin｜>")):
         content = ""
     text = content + body
     result = parser.parse(text, schemas_of(tool_calls))
@@ -601,7 +630,8 @@ def test_streaming_prefixes_never_pause_inside_a_run_of_calls(family, tool_calls
         assert not (pending and may_continue)
         assert not done, text[:i]
         previous = count
-    assert previous == (1 if (family == "mistral" and variant % 2) or family == "pythonic" else len(tool_calls))
+    assert previous == (1 if (family == "mistral" and variant % 2) or family in ("pythonic", "deepseek_v31")
+                        else len(tool_calls))  # (a list, or a section, holds them all)
 
 
 fragments = st.sampled_from(["<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "{", "}",
@@ -626,11 +656,12 @@ def test_arbitrary_text_never_breaks_the_invariants(family, pieces):
 # -- registry and model mapping --------------------------------------------------------------------
 
 def test_registry():
-    assert sorted(PARSERS) == ["glm45", "glm47", "hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"]
+    assert sorted(PARSERS) == ["deepseek_v31", "glm45", "glm47", "hermes", "llama3_json", "mistral", "pythonic",
+                               "qwen3_coder"]
     for name, cls in PARSERS.items():
         parser = get_tool_parser(name)
         assert isinstance(parser, cls) and isinstance(parser, ToolParser) and parser.name == name
-    with pytest.raises(ValueError, match="glm45, glm47, hermes, llama3_json, mistral, pythonic, qwen3_coder"):
+    with pytest.raises(ValueError, match="deepseek_v31, glm45, glm47, hermes, llama3_json, mistral, pythonic, qwen3"):
         get_tool_parser("qwen3_xml")
 
 
@@ -670,6 +701,11 @@ CHATML_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['rol
     ("llama", PYTHONIC_TEMPLATE, "pythonic"),
     ("llama4", PYTHONIC_TEMPLATE, "pythonic"),
     ("qwen3_moe", QWEN3_CODER_TEMPLATE, "qwen3_coder"),  # Qwen3-Coder: <tool_call> too, but XML inside
+    ("glm4_moe", "{{ '\\n<tool_call>' + tc.name }}<arg_key>{{ k }}</arg_key>\n<arg_value>{{ v }}</arg_value>", "glm45"),
+    ("deepseek_v3", "{{'<｜tool▁call▁begin｜>' + name + '<｜tool▁sep｜>' + arguments + '<｜tool▁call▁end｜>'}}",
+     "deepseek_v31"),
+    ("deepseek_v3", "{{'<｜tool▁call▁begin｜>' + type + '<｜tool▁sep｜>' + name + '\\n```json\\n' + arguments}}",
+     "hermes"),  # DeepSeek-V3's fenced JSON: vLLM's deepseek_v3 (--backend vllm)
 ])
 def test_parser_for_model(model_type, template, expected):
     assert parser_for_model(model_type, template) == expected

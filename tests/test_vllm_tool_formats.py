@@ -1,6 +1,6 @@
-"""The tool-call formats but Hermes -- llama3_json, mistral (both forms), pythonic, qwen3_coder, glm45 -- on the
-vLLM backend (Hermes: tests/test_vllm_backend.py): parsed, paused and resumed, streamed, forced, for
-tool_choice auto, "required" and a named tool.
+"""The tool-call formats but Hermes -- llama3_json, mistral (both forms), pythonic, qwen3_coder, glm45,
+deepseek_v31 -- on the vLLM backend (Hermes: tests/test_vllm_backend.py): parsed, paused and resumed,
+streamed, forced, for tool_choice auto, "required" and a named tool.
 
 The families' tiny random-weight models of tests/test_tool_formats.py (their tokenizers, call markers
 as special tokens, and templates), with heads of 64 (vLLM's CPU attention has no kernel for their 16), each served
