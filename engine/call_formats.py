@@ -208,6 +208,24 @@ class _MarkerWriter(Writer):
         return _lit(text) if token_id is None else f"<[{token_id}]>"
 
 
+def _named_json_calls(text: str, pos: int, head: re.Pattern, after: str) -> list[PartialCall]:
+    """Calls written as ``head`` (a regex whose group 1 is the name) + JSON arguments + `after`, the first
+    at `pos`, each next one right after: those whose name is complete, the last possibly still being
+    written."""
+    calls: list[PartialCall] = []
+    while (m := head.match(text, pos)) is not None:
+        try:
+            _, end = _JSON.raw_decode(text, m.end())
+        except ValueError:  # still open: everything after the head is arguments so far
+            calls.append(PartialCall(m.group(1), text[m.end():], False))
+            break
+        calls.append(PartialCall(m.group(1), text[m.end():end], True))
+        if not text.startswith(after, end):
+            break
+        pos = end + len(after)
+    return calls
+
+
 class MistralWriter(_MarkerWriter):
     """``[TOOL_CALLS] [{"name": "f", "arguments": {...}}, ...]`` (module docstring)."""
 
@@ -290,17 +308,7 @@ class MistralArgsWriter(MistralWriter):
                          + [_answer(answer_schema)])
 
     def partial_calls(self, text: str) -> list[PartialCall]:
-        calls: list[PartialCall] = []
-        pos = 0
-        while (m := self._call.match(text, pos)) is not None:
-            try:
-                _, end = _JSON.raw_decode(text, m.end())
-            except ValueError:
-                calls.append(PartialCall(m.group(1), text[m.end():], False))
-                break
-            calls.append(PartialCall(m.group(1), text[m.end():end], True))
-            pos = end
-        return calls
+        return _named_json_calls(text, 0, self._call, "")
 
 
 # -- deepseek_v31 ------------------------------------------------------------------------------------
@@ -356,19 +364,7 @@ class DeepSeekV31Writer(_MarkerWriter):
         start = len(text) - len(text.lstrip())
         if not text.startswith(self.P.BEGIN, start):
             return []
-        calls: list[PartialCall] = []
-        pos = start + len(self.P.BEGIN)
-        while (m := self._call.match(text, pos)) is not None:
-            try:
-                _, end = _JSON.raw_decode(text, m.end())
-            except ValueError:
-                calls.append(PartialCall(m.group(1), text[m.end():], False))
-                break
-            calls.append(PartialCall(m.group(1), text[m.end():end], True))
-            if not text.startswith(self.P.CALL_END, end):
-                break
-            pos = end + len(self.P.CALL_END)
-        return calls
+        return _named_json_calls(text, start + len(self.P.BEGIN), self._call, self.P.CALL_END)
 
 
 # -- pythonic ----------------------------------------------------------------------------------------
