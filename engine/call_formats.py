@@ -319,11 +319,11 @@ class DeepSeekV31Writer(_MarkerWriter):
 
     family = "deepseek_v31"
     P = DeepSeekV31ToolParser
-    openers = (P.BEGIN,)
+    openers = (P.OPEN,)
     _call = re.compile(r"\s*<｜tool▁call▁begin｜>([^\s<]+)<｜tool▁sep｜>")
 
     def forced_prefill(self, tool_name: str | None) -> str:
-        return self.P.BEGIN + self.P.CALL + ("" if tool_name is None else tool_name + self.P.SEP)
+        return self.P.OPEN + self.P.CALL + ("" if tool_name is None else tool_name + self.P.SEP)
 
     def _grammar(self, tools: Sequence[ToolSpec], first: list[int], named: bool, parallel: bool,
                  answer_schema: dict | None = None) -> str:
@@ -339,11 +339,11 @@ class DeepSeekV31Writer(_MarkerWriter):
         lines = ["first: " + (f"args{first[0]} {end}" if named else " | ".join(call(i) for i in first))]
         if parallel:
             lines.append("call: " + " | ".join(call(i) for i in later))
-        calls = "first" + (f" ({self._token(self.P.CALL)} call)*" if parallel else "") + " " + self._token(self.P.END)
+        calls = "first" + (f" ({self._token(self.P.CALL)} call)*" if parallel else "") + " " + self._token(self.P.CLOSE)
         if answer_schema is None:
             lines.insert(0, f"start: {calls}")
         else:
-            opening = f"{self._token(self.P.BEGIN)} {self._token(self.P.CALL)}"
+            opening = f"{self._token(self.P.OPEN)} {self._token(self.P.CALL)}"
             lines[:0] = ["start: calls | answer", f"calls: {opening} {calls}"]
             lines.append(_answer(answer_schema))
         schemas = [_json_rule(f"args{i}", tools[i].arguments_schema) for i in sorted(set(first) | set(later))]
@@ -362,9 +362,9 @@ class DeepSeekV31Writer(_MarkerWriter):
 
     def partial_calls(self, text: str) -> list[PartialCall]:
         start = len(text) - len(text.lstrip())
-        if not text.startswith(self.P.BEGIN, start):
+        if not text.startswith(self.P.OPEN, start):
             return []
-        return _named_json_calls(text, start + len(self.P.BEGIN), self._call, self.P.CALL_END)
+        return _named_json_calls(text, start + len(self.P.OPEN), self._call, self.P.CALL_END)
 
 
 # -- pythonic ----------------------------------------------------------------------------------------

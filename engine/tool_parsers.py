@@ -295,7 +295,32 @@ class ToolParser(ABC):
         return ParseResult(content="".join(content).strip(), tool_calls=calls, invalid=invalid)
 
 
-class HermesToolParser(ToolParser):
+class _MarkedSpansParser(ToolParser):
+    """Call spans from an ``OPEN`` marker to the ``CLOSE`` marker after it, anywhere in the text, any
+    number of them; the last one may be open."""
+
+    OPEN: ClassVar[str]
+    CLOSE: ClassVar[str]
+
+    def _close_at(self, text: str, pos: int) -> int | None:
+        """Index of the ``CLOSE`` ending a span whose body starts at ``pos``, or None: the first one."""
+        close = text.find(self.CLOSE, pos)
+        return close if close >= 0 else None
+
+    def _spans(self, text: str) -> list[_Span]:
+        spans: list[_Span] = []
+        pos = 0
+        while (start := text.find(self.OPEN, pos)) >= 0:
+            close = self._close_at(text, start + len(self.OPEN))
+            if close is None:
+                spans.append(_Span(start, len(text), False))
+                break
+            pos = close + len(self.CLOSE)
+            spans.append(_Span(start, pos, True))
+        return spans
+
+
+class HermesToolParser(_MarkedSpansParser):
     """``<tool_call>{json}</tool_call>`` spans, anywhere in the text, any number of them.
 
     A span closes at the first ``</tool_call>`` outside a JSON string. Its body (stripped) must be one
@@ -309,7 +334,6 @@ class HermesToolParser(ToolParser):
     _close_or_quote = re.compile(r'"|</tool_call>')
 
     def _close_at(self, text: str, pos: int) -> int | None:
-        """Index of the ``</tool_call>`` closing a body that starts at ``pos``, or None."""
         while True:
             m = self._close_or_quote.search(text, pos)
             if m is None:
@@ -320,18 +344,6 @@ class HermesToolParser(ToolParser):
             if end is None:
                 return None
             pos = end
-
-    def _spans(self, text: str) -> list[_Span]:
-        spans: list[_Span] = []
-        pos = 0
-        while (start := text.find(self.OPEN, pos)) >= 0:
-            close = self._close_at(text, start + len(self.OPEN))
-            if close is None:
-                spans.append(_Span(start, len(text), False))
-                break
-            pos = close + len(self.CLOSE)
-            spans.append(_Span(start, pos, True))
-        return spans
 
     def _parse_span(self, raw: str) -> list[ToolCall | str]:
         ok, obj = _try_loads(raw[len(self.OPEN):-len(self.CLOSE)].strip())
@@ -703,7 +715,7 @@ def typed_value(text: str, schema: Any, root: Mapping) -> Any:
     return text
 
 
-class Qwen3CoderToolParser(HermesToolParser):
+class Qwen3CoderToolParser(_MarkedSpansParser):
     """Hermes's ``<tool_call>`` spans, each holding one ``<function=NAME>`` of ``<parameter=NAME>``
     elements, anywhere in the text, any number of them.
 
@@ -715,12 +727,10 @@ class Qwen3CoderToolParser(HermesToolParser):
     """
 
     name = "qwen3_coder"
+    OPEN, CLOSE = HermesToolParser.OPEN, HermesToolParser.CLOSE
+    openers = (OPEN,)
     _function = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.S)
     _parameter = re.compile(r"\s*<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
-
-    def _close_at(self, text: str, pos: int) -> int | None:
-        close = text.find(self.CLOSE, pos)
-        return close if close >= 0 else None
 
     def _parse_span(self, raw: str) -> list[ToolCall | str]:
         m = self._function.fullmatch(raw, len(self.OPEN), len(raw) - len(self.CLOSE))
@@ -782,7 +792,7 @@ class Glm47ToolParser(Glm4ToolParser):
     name = "glm47"
 
 
-class DeepSeekV31ToolParser(ToolParser):
+class DeepSeekV31ToolParser(_MarkedSpansParser):
     """DeepSeek-V3.1's calls: a section ``<｜tool▁calls▁begin｜>`` ... ``<｜tool▁calls▁end｜>`` holding
     ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{arguments}<｜tool▁call▁end｜>`` per call (the markers are
     tokens of DeepSeek's vocabulary), anywhere in the text.
@@ -792,25 +802,13 @@ class DeepSeekV31ToolParser(ToolParser):
     """
 
     name = "deepseek_v31"
-    BEGIN, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    OPEN, CLOSE = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
     CALL, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
-    openers = (BEGIN,)
+    openers = (OPEN,)
     _call = re.compile(r"\s*<｜tool▁call▁begin｜>([^\s<]+)<｜tool▁sep｜>(.*?)<｜tool▁call▁end｜>\s*", re.S)
 
-    def _spans(self, text: str) -> list[_Span]:
-        spans: list[_Span] = []
-        pos = 0
-        while (start := text.find(self.BEGIN, pos)) >= 0:
-            close = text.find(self.END, start + len(self.BEGIN))
-            if close < 0:
-                spans.append(_Span(start, len(text), False))
-                break
-            pos = close + len(self.END)
-            spans.append(_Span(start, pos, True))
-        return spans
-
     def _parse_span(self, raw: str) -> list[ToolCall | str]:
-        body, pos, calls = raw[len(self.BEGIN):len(raw) - len(self.END)], 0, []
+        body, pos, calls = raw[len(self.OPEN):len(raw) - len(self.CLOSE)], 0, []
         while (m := self._call.match(body, pos)) is not None:
             ok, arguments = _try_loads(m.group(2).strip())
             if not ok or not isinstance(arguments, dict):

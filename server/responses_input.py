@@ -135,6 +135,7 @@ def request_fields(req: ResponsesRequest, mode: ToolMode) -> dict:
 class Continued:
     """What a Responses request continues (`ResponsesServing.continued`)."""
 
+    request: ResponsesRequest  # the request, its input's item references replaced by the items they name
     history: tuple[Message, ...]  # the messages before its input's
     input_items: list[dict]  # the response's input items: the history's, then its input's
     previous: Conversation | None = None  # the stored response it chains onto

@@ -44,8 +44,8 @@ from infercept.engine.backend import ToolSpec
 from .chat import Call, Message, validate_tool_flow
 from .mcp_config import function_name
 from .protocol import APIError, bad_request, new_id, now
-from .responses_input import (ResponseTurn, approval_id, call_id_of, input_messages, mcp_call_id, mcp_item_messages,
-                              refusal, request_fields, tool_spec)
+from .responses_input import (Continued, ResponseTurn, approval_id, call_id_of, input_messages, mcp_call_id,
+                              mcp_item_messages, refusal, request_fields, tool_spec)
 from .protocol_responses import (FunctionTool, FunctionToolChoice, McpApprovalRequestItem,
                                  McpApprovalResponseItem, McpCallItem, McpListToolsItem, McpToolChoice, McpToolFilter,
                                  McpToolParam, OutputFunctionCall, OutputMcpApprovalRequest, OutputMcpCall,
@@ -265,9 +265,9 @@ class ResponsesMcp:
             raise _unavailable(label, str(e)) from None
 
     # -- serving -----------------------------------------------------------------------------------
-    async def create(self, serving, req: ResponsesRequest, raw):
-        owner = owner_of(raw)
-        continued = serving.continued(req, owner)
+    async def create(self, serving, continued: Continued, raw):
+        """The request `continued` holds (its input dereferenced), with its MCP tools run here."""
+        req, owner = continued.request, owner_of(raw)
         history, previous, record = continued.history, continued.previous, continued.in_conversation
         model = req.model or serving.model_name
         serving.check_model(model)

@@ -49,12 +49,12 @@ class ResponsesServing(Frontend):
         if req.background:
             BackgroundResponses.check(req.store, self.conversations.policy.max_stored_responses)
         owner = owner_of(raw)
-        req = self.dereferenced(req, owner)
+        continued = self.continued(req, owner)
+        req = continued.request
         if responses_mcp.wanted(req):
             if self.mcp is None:
                 raise bad_request("mcp tools are not available on this server", param="tools")
-            return await self.mcp.create(self, req, raw)
-        continued = self.continued(req, owner)
+            return await self.mcp.create(self, continued, raw)
         history, record = continued.history, continued.in_conversation
         conversation = history + tuple(input_messages(req.input))
         if not conversation:
@@ -72,10 +72,30 @@ class ResponsesServing(Frontend):
                           in_conversation=record, kept_items=continued.kept_items, input_items=continued.input_items)
         return await self.answer(raw, rt, lambda: self._events(rt), lambda: self._full(rt), lambda: self.close(turn))
 
-    def dereferenced(self, req: ResponsesRequest, owner: str | None) -> ResponsesRequest:
+    def continued(self, req: ResponsesRequest, owner: str | None) -> Continued:
+        """What the request continues: its conversation's messages (the input items it adds there), or the
+        stored response it chains onto (404 for an unknown one), or nothing; the response's input items; and
+        the request with its `item_reference`s replaced by the items they name (`dereferenced`)."""
+        if req.conversation is not None:
+            if req.previous_response_id is not None:
+                raise bad_request("previous_response_id cannot be used with conversation", param="conversation")
+            record = self.conversations_api.of(req.conversation_id, owner, editing=True, param="conversation")
+            req = self.dereferenced(req, owner, record.items)
+            kept = kept_items(req.input, {item["id"] for item in record.items}, mcp=True)
+            return Continued(req, record.messages, record.items + kept, in_conversation=record, kept_items=kept)
+        if req.previous_response_id is None:
+            return Continued(req := self.dereferenced(req, owner, []), (), input_items_after(None, req.input))
+        previous = self.conversations.response(req.previous_response_id, owner)
+        if previous is None:
+            raise APIError(404, f"Previous response with id '{req.previous_response_id}' not found.",
+                           param="previous_response_id", code="previous_response_not_found")
+        req = self.dereferenced(req, owner, previous.items + previous.body["output"])
+        return Continued(req, previous.messages, input_items_after(previous, req.input), previous=previous)
+
+    def dereferenced(self, req: ResponsesRequest, owner: str | None, history: list[dict]) -> ResponsesRequest:
         """The request with each `item_reference` of its input replaced by the item it names, of the owner's
-        stored responses and conversations: 400 for one that names none, or an item the conversation or
-        chain it continues has already (a duplicate, as OpenAI's API says)."""
+        stored responses and conversations: 400 for one that names none, or an item of `history` (the items
+        of the conversation or chain it continues: a duplicate, as OpenAI's API says)."""
         if isinstance(req.input, str) or not any(isinstance(item, ItemReference) for item in req.input):
             return req
         wanted = {item.id for item in req.input if isinstance(item, ItemReference)}
@@ -85,12 +105,6 @@ class ResponsesServing(Frontend):
                 found.setdefault(item["id"], item)
                 if len(found) == len(wanted):
                     break
-        if req.conversation is not None:
-            record = self.conversations.conversation(req.conversation_id, owner)
-            history = record.items if record is not None else []
-        else:
-            previous = self.conversations.response(req.previous_response_id, owner) if req.previous_response_id else None
-            history = previous.items + previous.body["output"] if previous is not None else []
         had = {item["id"] for item in history}
         resolved = []
         for i, item in enumerate(req.input):
@@ -105,23 +119,6 @@ class ResponsesServing(Frontend):
                 item = parsed_items([found[item.id]], param=f"input[{i}]")[0]
             resolved.append(item)
         return req.model_copy(update={"input": resolved})
-
-    def continued(self, req: ResponsesRequest, owner: str | None) -> Continued:
-        """What the request continues: its conversation's messages (the input items it adds there), or the
-        stored response it chains onto (404 for an unknown one), or nothing; and the response's input items."""
-        if req.conversation is not None:
-            if req.previous_response_id is not None:
-                raise bad_request("previous_response_id cannot be used with conversation", param="conversation")
-            record = self.conversations_api.of(req.conversation_id, owner, editing=True, param="conversation")
-            kept = kept_items(req.input, {item["id"] for item in record.items}, mcp=True)
-            return Continued(record.messages, record.items + kept, in_conversation=record, kept_items=kept)
-        if req.previous_response_id is None:
-            return Continued((), input_items_after(None, req.input))
-        previous = self.conversations.response(req.previous_response_id, owner)
-        if previous is None:
-            raise APIError(404, f"Previous response with id '{req.previous_response_id}' not found.",
-                           param="previous_response_id", code="previous_response_not_found")
-        return Continued(previous.messages, input_items_after(previous, req.input), previous=previous)
 
     def keep_in_conversation(self, rt: ResponseTurn, output: list[dict]) -> None:
         """A response in a conversation ends: its input and output items are the conversation's."""

@@ -400,9 +400,27 @@ class Cluster:
         return proc, f"http://127.0.0.1:{port}"
 
     def log_tails(self, lines: int = 30) -> str:
-        """The end of every log of the launcher, its router and replicas: why a request failed, in the failure."""
-        return "\n".join(f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
-                         for log in sorted(self.logs.glob("*.log")))
+        """Why a request failed, in the failure: each replica's process and /health as they are now, and the
+        end of every log of the launcher, its router and replicas (the routers' without their start-up's
+        DEBUG lines and kv_index warnings, so that their health checks and circuit breakers show)."""
+        noise = ("DEBUG:", "kv_index")
+        tails = [f"--- {log.name}\n" + "\n".join(
+                     [line for line in log.read_text(errors="replace").splitlines()
+                      if not any(n in line for n in noise)][-lines:])
+                 for log in sorted(self.logs.glob("*.log"))]
+        return "\n".join([*map(self.replica_state, self.replica_ports), *tails])
+
+    def replica_state(self, port: int) -> str:
+        try:
+            pid = f"pid {self.replica_pid(port)}"
+        except LookupError:
+            pid = "no process"
+        start = time.monotonic()
+        try:
+            health = f"/health {httpx.get(f'http://127.0.0.1:{port}/health', timeout=10).status_code}"
+        except httpx.HTTPError as e:
+            health = f"/health {type(e).__name__}"
+        return f"--- replica :{port}: {pid}, {health} in {time.monotonic() - start:.1f} s"
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)

@@ -1,10 +1,12 @@
-"""The tool-call formats but Hermes -- llama3_json, mistral (both forms), pythonic, qwen3_coder; glm45 and
-deepseek_v31 with VLLM_TOOL_FORMATS=all -- on the vLLM backend (Hermes: tests/test_vllm_backend.py):
+"""The tool-call formats but Hermes -- llama3_json, mistral (both forms), pythonic, qwen3_coder, glm45,
+deepseek_v31 -- on the vLLM backend (Hermes: tests/test_vllm_backend.py):
 parsed, paused and resumed, streamed, forced, for tool_choice auto, "required" and a named tool.
 
 The families' tiny random-weight models of tests/test_tool_formats.py (their tokenizers, call markers
 as special tokens, and templates), with heads of 64 (vLLM's CPU attention has no kernel for their 16), each served
-by its own vLLM worker under `preserve`; they start at once. Per family:
+by its own vLLM worker under `preserve`, one family's worker at a time (a module-scoped fixture per family:
+pytest runs one family's tests, stops its worker, then starts the next; five at once, on one core of a
+2-core machine, took as long and several GB more, which starved the tests beside them). Per family:
 
 * on the backend, a turn of each mode (greedy and sampled) set up as the native engine's test sets it
   up -- under auto a test grammar writes the family's call, under required / named the format's prefill
@@ -21,27 +23,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
 from live_server import MODEL, serve_in_thread
-from vllm_env import NO_VLLM, VLLM_PYTHON, cores_for_tests
-from test_tool_formats import FAMILIES as ALL_FAMILIES
-from test_tool_formats import (OPENAI_TOOLS, QUESTION, SAMPLINGS, build_family, check_paused_on_calls,
+from vllm_env import NO_VLLM, VLLM_PYTHON, vllm_threads_env
+from test_tool_formats import (FAMILIES, OPENAI_TOOLS, QUESTION, SAMPLINGS, build_family, check_paused_on_calls,
                                check_served_calls, forced_turn, tool_format)
 
 from infercept.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(NO_VLLM is not None, reason=NO_VLLM or "")
 
-# The families `make test` runs here: each is a vLLM worker of its own, started at once, and on a 2-core
-# machine every one more slows the tests beside them past their timeouts (the replicas' failover). The
-# newer formats, parsed and written by the code the others run through, join with VLLM_TOOL_FORMATS=all.
-FIVE = ("llama3_json", "mistral", "mistral_args", "pythonic", "qwen3_coder")
-FAMILIES = {name: family for name, family in ALL_FAMILIES.items()
-            if name in FIVE or os.environ.get("VLLM_TOOL_FORMATS") == "all"}
 KV_BYTES_PER_TOKEN = 2 * 2 * 64 * 2 * 4  # 2 layers, 2 KV heads of 64, K and V, float32
 POOL_TOKENS = 4096
 
@@ -50,16 +43,16 @@ POOL_TOKENS = 4096
 class Served:
     backend: object  # VllmBackend
     tokenizer: object
+    name: str
     app: object
     server: object  # uvicorn's, in `thread`
     thread: object
     base: str
 
 
-def start(folder: str, core: int) -> Served:
+def start(name: str, folder: str) -> Served:
     """The family's vLLM worker (without compiling the model: vLLM's eager mode), its OpenMP threads on
-    one core (the four workers share this test process's cores), and a live server over it whose lifespan
-    owns it."""
+    this test process's cores, and a live server over it whose lifespan owns it."""
     from transformers import AutoTokenizer
 
     from infercept.engine import VllmBackend
@@ -69,33 +62,23 @@ def start(folder: str, core: int) -> Served:
     backend = VllmBackend.create(folder, python=VLLM_PYTHON, policy="preserve", dtype="float32", max_model_len=2048,
                                  kv_cache_gb=POOL_TOKENS * KV_BYTES_PER_TOKEN / 2**30, host_kv_gb=0,
                                  max_num_batched_tokens=256, engine_args={"enforce_eager": True},
-                                 env={"VLLM_CPU_OMP_THREADS_BIND": str(core)})
+                                 env=vllm_threads_env())
     app = build_app(backend, ServerSettings(served_model_name=MODEL))
-    return Served(backend, AutoTokenizer.from_pretrained(folder), app, *serve_in_thread(app))
+    return Served(backend, AutoTokenizer.from_pretrained(folder), name, app, *serve_in_thread(app))
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    folders = {}
-    for name, family in FAMILIES.items():
-        folders[name] = str(tmp_path_factory.mktemp(f"tiny-{name}-64"))
-        build_family(folders[name], family, head_dim=64)
-    cores = cores_for_tests()
-    with ThreadPoolExecutor(len(folders)) as pool:
-        futures = {name: pool.submit(start, folder, cores[i % len(cores)])
-                   for i, (name, folder) in enumerate(folders.items())}
-    started = {name: f.result() for name, f in futures.items() if f.exception() is None}
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def served(request, tmp_path_factory):
+    name = request.param
+    folder = str(tmp_path_factory.mktemp(f"tiny-{name}-64"))
+    build_family(folder, FAMILIES[name], head_dim=64)
+    s = start(name, folder)
     try:
-        for f in futures.values():
-            if f.exception() is not None:
-                raise f.exception()
-        yield started
+        yield s
     finally:
-        for s in started.values():  # all at once: vLLM takes seconds to stop
-            s.server.should_exit = True
-        for s in started.values():
-            s.thread.join(timeout=60)
-            assert not s.backend.worker.alive, "the lifespan did not shut the vLLM worker down"
+        s.server.should_exit = True
+        s.thread.join(timeout=60)
+        assert not s.backend.worker.alive, "the lifespan did not shut the vLLM worker down"
 
 
 async def last(stream):
@@ -120,9 +103,8 @@ def conversation_after(calls, tokenizer) -> str:
 
 
 @pytest.mark.parametrize("mode", ["auto", "required", "named"])
-@pytest.mark.parametrize("name", list(FAMILIES))
-def test_the_vllm_backend_pauses_on_the_formats_calls_and_resumes(name, mode, served):
-    backend, tokenizer = served[name].backend, served[name].tokenizer
+def test_the_vllm_backend_pauses_on_the_formats_calls_and_resumes(mode, served):
+    name, backend, tokenizer = served.name, served.backend, served.tokenizer
     turns = {sampling: forced_turn(name, mode, sampling, tokenizer) for sampling in SAMPLINGS}
 
     async def first_turns():
@@ -156,13 +138,12 @@ def test_the_vllm_backend_pauses_on_the_formats_calls_and_resumes(name, mode, se
         assert fresh.token_ids == resumed.token_ids
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
-def test_the_server_over_vllm_streams_forced_calls_and_resumes_them(name, served):
+def test_the_server_over_vllm_streams_forced_calls_and_resumes_them(served):
     import openai
 
-    s = served[name]
+    s = served
     client = openai.OpenAI(base_url=s.base + "/v1", api_key="unused", max_retries=0, timeout=120)
-    check_served_calls(name, client, s.tokenizer,
+    check_served_calls(s.name, client, s.tokenizer,
                        lambda: s.app.state.conversations.release_all("ttl", "the test starts afresh"))
 
 
@@ -170,8 +151,8 @@ def test_a_seeded_turn_whose_prompt_takes_several_steps_is_served(served):
     """vLLM 0.32's CPU worker takes back a discarded draw of a seeded request's generator by an offset that a
     CPU generator lacks, which ended the engine at the first such request whose prompt was computed in more
     than one step (engine/vllm_backend/cpu_sampling.py): a seeded turn with a prompt over the step's 256
-    tokens is served, and the engine serves on."""
-    backend, tokenizer = served["llama3_json"].backend, served["llama3_json"].tokenizer
+    tokens is served, and the engine serves on (on each family's worker: a second or so each)."""
+    backend, tokenizer = served.backend, served.tokenizer
     piece = tokenizer.encode("the sky is clear and the temperature is warm ", add_special_tokens=False)
     prompt_ids = piece * (700 // len(piece))
 
