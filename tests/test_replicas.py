@@ -376,7 +376,9 @@ class Cluster:
             [sys.executable, "-m", "infercept.server.replicas", "--replicas", "2", "--threads", "1",
              "--port", str(self.router_port), "--base-port", str(self.replica_ports[0]),
              "--metrics-port", str(self.metrics_port), "--log-dir", str(tmp), "--no-restart",
-             "--", "--log-level", "warning"],
+             # Pools sized for the tests' agents (~23k tokens each): by default each replica's would be a
+             # quarter of the free memory, which the prefix cache fills (7 GB resident, 2026-12-04).
+             "--", "--log-level", "warning", "--kv-cache-gb", "0.5", "--host-kv-gb", "0.25"],
             stdout=open(tmp / "launcher.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
     def replica_pid(self, port: int) -> int:
