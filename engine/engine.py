@@ -51,15 +51,16 @@ def default_step_tokens(device: torch.device, profile: Profile, max_num_seqs: in
 
 class Engine:
     def __init__(self, model: str | None = None, *, dtype: str | torch.dtype = "auto", device: str = "auto",
-                 kv_cache_gb: float | None = None, host_kv_gb: float = CacheConfig.host_kv_gb,
-                 block_size: int = CacheConfig.block_size,
+                 kv_cache_gb: float | None = None, kv_cache_fraction: float = CacheConfig.kv_cache_fraction,
+                 host_kv_gb: float = CacheConfig.host_kv_gb, block_size: int = CacheConfig.block_size,
                  enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
                  max_num_batched_tokens: int | None = None,
                  max_num_seqs: int = SchedulerConfig.max_num_seqs, max_model_len: int | None = None,
                  seed: int = 0, num_threads: int | None = None, policy: str = "infercept",
                  profile: Profile | str | None = None, progress: bool = True, enforce_eager: bool = False,
                  async_output: bool | None = None, async_scheduling: bool | None = None):
-        """max_num_batched_tokens: the step's token budget; None: `default_step_tokens`.
+        """kv_cache_gb: the device KV pool; None: kv_cache_fraction of the memory free now.
+        max_num_batched_tokens: the step's token budget; None: `default_step_tokens`.
         enforce_eager: no CUDA graphs (on CUDA, steps otherwise replay captured graphs; `cuda_graphs.py`).
         async_output: a step's output stage runs while the next step's pass computes (`step`); None: on
         CUDA, where the device computes apart from the host, and not on a CPU, where it cannot.
@@ -86,7 +87,7 @@ class Engine:
 
         block_bytes = KVCache.block_bytes(spec, dtype_, block_size)
         if kv_cache_gb is None:
-            kv_cache_gb = available_memory_bytes(device_) * CacheConfig.kv_cache_fraction / GIB
+            kv_cache_gb = available_memory_bytes(device_) * kv_cache_fraction / GIB
         num_blocks = num_blocks_for(kv_cache_gb, block_bytes)
         if num_blocks < 1:
             raise ValueError(f"--kv-cache-gb {kv_cache_gb} holds no block of {block_bytes} bytes")

@@ -35,6 +35,14 @@ def _optional_int(value) -> int | None:
     return None if value is None else int(value)
 
 
+def _share(value: str) -> float:
+    """A share of something, over 0 and at most 1 (argparse's type: a bad one stops the command line)."""
+    share = float(value)
+    if not 0 < share <= 1:
+        raise argparse.ArgumentTypeError(f"{value}: a share of free memory, over 0 and at most 1")
+    return share
+
+
 def add_revision_arg(g) -> None:
     g.add_argument("--revision", default=_env("REVISION", None),
                    help="the Hub repo's branch, tag or commit to serve, for a --model repo id (default: main); "
@@ -61,7 +69,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=_env("DTYPE", "auto"), help="auto, bfloat16, float16 or float32")
     g.add_argument("--device", default=_env("DEVICE", "auto"), help="auto, cpu or cuda[:N]")
     g.add_argument("--kv-cache-gb", type=float, default=_env("KV_CACHE_GB", None),
-                   help="device KV pool size in GiB (default: 25%% of free memory)")
+                   help="device KV pool size in GiB (default: --kv-cache-fraction of the memory free at start-up)")
+    g.add_argument("--kv-cache-fraction", type=_share, default=_env("KV_CACHE_FRACTION", None),
+                   help="without --kv-cache-gb, the device KV pool's share of the memory free at start-up "
+                        "(default 0.25; the replicas launcher gives each of N replicas 0.25/N). --backend vllm: "
+                        "on a CPU the same; on a GPU vLLM sizes its pool by --gpu-memory-utilization instead")
     g.add_argument("--host-kv-gb", type=float, default=float(_env("HOST_KV_GB", 1.0)),
                    help="host KV pool for swapped-out requests, GiB (default 1)")
     g.add_argument("--max-num-batched-tokens", type=int, default=_env("MAX_NUM_BATCHED_TOKENS", None),
@@ -105,10 +117,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="accepted (vLLM's flag): long prompts are always prefilled in chunks here")
 
 
+def kv_cache_fraction(args: argparse.Namespace) -> float:
+    """`--kv-cache-fraction`; unset: CacheConfig's default."""
+    from infercept.engine.config import CacheConfig
+
+    return CacheConfig.kv_cache_fraction if args.kv_cache_fraction is None else args.kv_cache_fraction
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, device=args.device,
                 kv_cache_gb=None if args.kv_cache_gb is None else float(args.kv_cache_gb),
-                host_kv_gb=args.host_kv_gb,
+                kv_cache_fraction=kv_cache_fraction(args), host_kv_gb=args.host_kv_gb,
                 max_num_batched_tokens=None if args.max_num_batched_tokens is None else int(args.max_num_batched_tokens),
                 max_model_len=None if args.max_model_len is None else int(args.max_model_len),
                 num_threads=None if args.threads is None else int(args.threads), policy=args.policy or "infercept",
@@ -219,7 +238,8 @@ def build_backend(args: argparse.Namespace):
     return VllmBackend.create(
         model_folder(args), python=args.vllm_python, policy=args.policy or "infercept",
         dtype=args.dtype, max_model_len=None if args.max_model_len is None else int(args.max_model_len),
-        kv_cache_gb=None if args.kv_cache_gb is None else float(args.kv_cache_gb), host_kv_gb=args.host_kv_gb,
+        kv_cache_gb=None if args.kv_cache_gb is None else float(args.kv_cache_gb),
+        kv_cache_fraction=kv_cache_fraction(args), host_kv_gb=args.host_kv_gb,
         # Unless given, vLLM's own defaults (those `vllm serve` takes on the hardware), not the native engine's
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=None if args.max_num_batched_tokens is None else int(args.max_num_batched_tokens),

@@ -29,7 +29,8 @@ session) and reaches a replica that does not hold it is forwarded to the one tha
 carries a `prompt_cache_key` to the key's home replica: server/replica_forwarding.py, with the fleet file
 this launcher writes (`replica --fleet FILE`).
 
-The launcher starts the replicas (`infercept serve` on consecutive ports, `--threads` each), waits for
+The launcher starts the replicas (`infercept serve` on consecutive ports, `--threads` each, and each with
+1/N of a lone server's default KV pool unless the flags after `--` size it: `kv_share_args`), waits for
 their /health, starts the router, waits for its /readiness, and then watches: a replica that exits is
 started again on its port (the router sends its traffic to the others meanwhile and takes it back once
 it is healthy); if the router exits, everything stops. Ctrl-C or SIGTERM stops the router, then the
@@ -318,6 +319,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def kv_share_args(serve_args: list[str], replicas: int) -> list[str]:
+    """The serve flags that give each replica its share of the default KV pool: every replica sees the
+    memory free at its start, before the others fill their pools, so N of them taking a lone server's
+    share each would together take N times it (and the prefix cache does fill a pool). Nothing when the
+    flags or the environment size the pool themselves."""
+    from infercept.engine.config import CacheConfig
+
+    sized = any(a.split("=")[0] in ("--kv-cache-gb", "--kv-cache-fraction") for a in serve_args) or any(
+        os.environ.get(f"INFERCEPT_{name}") for name in ("KV_CACHE_GB", "KV_CACHE_FRACTION"))
+    if sized or replicas == 1:
+        return []
+    return ["--kv-cache-fraction", f"{CacheConfig.kv_cache_fraction / replicas:.4g}"]
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["replica"]:
@@ -335,6 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     if exe is None:
         raise SystemExit(f"infercept replicas: {ROUTER_PACKAGE} is not installed: pip install 'infercept[router]' "
                          f"(or make serve REPLICAS=N, which installs it)")
+    serve_args = kv_share_args(serve_args, args.replicas) + serve_args
     base = args.base_port or args.port + 1
     ports = [base + i for i in range(args.replicas)]
     logs = Path(args.log_dir) if args.log_dir else None

@@ -53,6 +53,8 @@ def test_the_models_own_defaults_none_and_overrides(qwen3_config, tmp_path_facto
     (["--generation-config", "/nonexistent"], "expected auto, none or a folder holding generation_config.json"),
     (["--chat-template", "chat.jinja"], "no such file, and not a Jinja template"),
     (["--chat-template", "{% for m in messages %}{{ m.content }"], "--chat-template: line 1: unexpected '}'"),
+    (["--kv-cache-fraction", "0"], "argument --kv-cache-fraction: 0: a share of free memory, over 0 and at most 1"),
+    (["--kv-cache-fraction", "1.5"], "argument --kv-cache-fraction: 1.5: a share of free memory"),
 ])
 def test_bad_settings_stop_serve_before_the_model_loads(flags, message, capsys):
     from infercept.server import cli

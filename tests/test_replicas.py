@@ -42,7 +42,8 @@ import pytest
 from bench_modules import load_bench
 from infercept.server.metrics import ServerMetrics
 from infercept.server.replica_forwarding import Fleet, FleetFile, ForwardToHolder, write_fleet
-from infercept.server.replicas import DropRouterDefaults, router_argv, router_executable, strip_router_defaults
+from infercept.server.replicas import (DropRouterDefaults, kv_share_args, router_argv, router_executable,
+                                       strip_router_defaults)
 
 ROUTER_MISSING = importlib.util.find_spec("vllm_router") is None or router_executable() is None
 needs_router_skip = pytest.mark.skipif(ROUTER_MISSING, reason="vllm-router is not installed (pip install "
@@ -69,6 +70,23 @@ def test_only_the_routers_default_extras_are_dropped():
     assert strip_router_defaults(chosen) is chosen
     for body in (b"not json", b"[1, 2]", b'{"model": "m"}'):
         assert strip_router_defaults(body) is body
+
+
+def test_each_replica_gets_its_share_of_the_default_kv_pool(monkeypatch):
+    """N replicas each see the memory free at their start: at a lone server's quarter each they would
+    claim N quarters together. What the operator sizes stands."""
+    from infercept.server import cli
+
+    for name in ("KV_CACHE_GB", "KV_CACHE_FRACTION"):
+        monkeypatch.delenv(f"INFERCEPT_{name}", raising=False)
+    share = kv_share_args(["--policy", "swap"], 4)
+    assert share == ["--kv-cache-fraction", "0.0625"]
+    assert cli.engine_kwargs(cli.build_parser().parse_args(["serve", *share]))["kv_cache_fraction"] == 0.0625
+    assert cli.engine_kwargs(cli.build_parser().parse_args(["serve"]))["kv_cache_fraction"] == 0.25
+    assert kv_share_args([], 1) == []
+    assert kv_share_args(["--kv-cache-gb", "2"], 4) == kv_share_args(["--kv-cache-fraction=0.5"], 4) == []
+    monkeypatch.setenv("INFERCEPT_KV_CACHE_GB", "2")
+    assert kv_share_args([], 4) == []
 
 
 def test_the_middleware_rewrites_chat_and_completions_bodies_only():

@@ -384,7 +384,8 @@ class TestAsyncScheduling:
 def test_without_kv_cache_gb_vllm_on_a_cpu_gets_the_native_engines_share_of_memory(worker_configs, monkeypatch, gpu):
     """vLLM on a CPU sizes its KV cache to most of the machine (on a 24 GiB machine the kernel's OOM killer
     ended `infercept serve --backend vllm` with default flags): unset, it gets the native engine's default
-    share of available memory; on a GPU host vLLM's own rule stands; an explicit size always wins."""
+    share of available memory, or --kv-cache-fraction's (a replica's); on a GPU host vLLM's own rule
+    stands; an explicit size always wins."""
     from infercept.engine.config import CacheConfig
     from infercept.engine.vllm_backend import backend
     from infercept.server import cli
@@ -392,9 +393,10 @@ def test_without_kv_cache_gb_vllm_on_a_cpu_gets_the_native_engines_share_of_memo
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     monkeypatch.setattr(backend.shutil, "which", lambda name: "/usr/bin/nvidia-smi" if gpu else None)
     monkeypatch.setattr(backend, "available_host_memory_bytes", lambda: 20 * 2**30)
-    for flags in ((), ("--kv-cache-gb", "2")):
+    for flags in ((), ("--kv-cache-fraction", "0.125"), ("--kv-cache-gb", "2")):
         with pytest.raises(WorkerStarted):
             cli.build_backend(serve("--backend", "vllm", *flags))
-    default, explicit = (config["engine"].get("kv_cache_memory_bytes") for config in worker_configs)
+    default, shared, explicit = (config["engine"].get("kv_cache_memory_bytes") for config in worker_configs)
     assert default == (None if gpu else int(20 * 2**30 * CacheConfig.kv_cache_fraction))
+    assert shared == (None if gpu else int(20 * 2**30 * 0.125))
     assert explicit == 2 * 2**30
