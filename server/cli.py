@@ -119,7 +119,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def kv_cache_fraction(args: argparse.Namespace) -> float:
     """`--kv-cache-fraction`; unset: CacheConfig's default."""
-    from infercept.engine.config import CacheConfig
+    from infercept.engine import CacheConfig
 
     return CacheConfig.kv_cache_fraction if args.kv_cache_fraction is None else args.kv_cache_fraction
 

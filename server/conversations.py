@@ -71,6 +71,9 @@ class Kind(enum.Enum):
     SESSION = "session"  # /v1/sessions
     RESPONSE = "response"  # a stored Responses-API response
     CONVERSATION = "conversation"  # a Responses-API conversation (/v1/conversations)
+    # Never a record's kind: an item a stored response or conversation keeps, as an `item_reference`
+    # names it (what a replica asks the others about: server/replica_forwarding.py).
+    ITEM = "item"
 
 
 class State(str, enum.Enum):  # (enum.StrEnum needs Python 3.11; we support 3.10)
@@ -355,6 +358,8 @@ class ConversationStore:
         if kind is Kind.CONVERSATION:
             self._expire_conversations()
             return id in self._conversations
+        if kind is Kind.ITEM:
+            return any(item["id"] == id for item in self._items(lambda record: True))
         return (kind, id) in self._named_tenants
 
     def touch(self, record: Conversation) -> None:
@@ -426,14 +431,17 @@ class ConversationStore:
     def items_of(self, owner: str | None = None) -> Iterator[dict]:
         """The items `owner`'s stored responses (their output, then their input items) and conversations
         keep, the newest record's first: what an `item_reference` may name."""
+        return self._items(lambda record: record.owner == owner)
+
+    def _items(self, whose: Callable[[Conversation], bool]) -> Iterator[dict]:
         self._expire_responses()
         self._expire_conversations()
         for record in reversed(self._responses.values()):
-            if record.owner == owner:
+            if whose(record):
                 yield from record.body["output"]
                 yield from record.items
         for record in reversed(self._conversations.values()):
-            if record.owner == owner:
+            if whose(record):
                 yield from record.items
 
     def conversation(self, conversation_id: str, owner: str | None = None) -> Conversation | None:

@@ -128,7 +128,7 @@ class ServerMetrics:
         self.forwarded = Counter("infercept_forwarded_requests", "Requests naming a conversation another replica "
                                  "holds, or a prompt_cache_key whose home is another replica, forwarded there "
                                  "(replicas behind a router: server/replica_forwarding.py), by kind: chat, "
-                                 "session, response, prompt_cache_key", ["model", "kind"],
+                                 "session, response, conversation, item (an item_reference), prompt_cache_key", ["model", "kind"],
                                  registry=r)
         self.ttft = Histogram("infercept_time_to_first_token_seconds", "Time to first token", ["model"],
                               buckets=TTFT_BUCKETS, registry=r)

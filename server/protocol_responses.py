@@ -112,7 +112,8 @@ class ItemReference(Lenient):
     id: str = Field(min_length=1)
 
 
-def _item_type(value: Any) -> str:
+def input_item_type(value: Any) -> str:
+    """The type of a Responses input item (a parsed one, or its JSON object)."""
     if isinstance(value, dict):
         kind = value.get("type")
         if kind is None and "role" not in value and "id" in value:  # (OpenAI's reference may leave its type out)
@@ -131,7 +132,7 @@ InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")],
                             Annotated[McpListToolsItem, Tag("mcp_list_tools")],
                             Annotated[ReasoningItem, Tag("reasoning")],
                             Annotated[ItemReference, Tag("item_reference")]],
-                      Discriminator(_item_type)]
+                      Discriminator(input_item_type)]
 
 
 class FunctionTool(Strict):

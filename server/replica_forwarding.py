@@ -5,10 +5,12 @@ The router sends a request where its policy says, which for some clients is not 
 conversation the request continues: a Responses chain (`previous_response_id`), a Responses
 conversation (`conversation`, and /v1/conversations/{id} with its items), or a chat session named
 only in the X-Session-Id header under cache_aware, a chat session named without that header under
-kv_aware, any of them under round_robin. So each replica knows the fleet (a file the launcher writes and
-rewrites as the fleet grows and shrinks: the replicas' URLs and a token only the fleet knows; without
-the launcher, on Kubernetes, a DNS name that resolves to every replica's address and a token every
-replica is given: DnsFleet), and a request naming a conversation this replica does not hold:
+kv_aware, any of them under round_robin; and a Responses input that refers to stored items by
+`item_reference` alone (the AI SDK with `store`), which no router policy follows. So each replica knows
+the fleet (a file the launcher writes and rewrites as the fleet grows and shrinks: the replicas' URLs
+and a token only the fleet knows; without the launcher, on Kubernetes, a DNS name that resolves to every
+replica's address and a token every replica is given: DnsFleet), and a request naming a conversation
+(or an item) this replica does not hold:
 
 - asks the other replicas whether they hold it (`GET /internal/fleet/holds?kind=...&id=...` with the
   fleet's token, answered by this layer for any tenant's record: the holder's server checks the key and
@@ -52,12 +54,13 @@ from urllib.parse import parse_qs
 import httpx
 
 from .conversations import Kind
+from .protocol_responses import input_item_type
 
 logger = logging.getLogger("infercept.server")
 
 HOLDS_PATH = "/internal/fleet/holds"
 FLEET_HEADER = b"x-infercept-fleet"  # the fleet's token: a request from a replica, or a question from one
-NAMED_KINDS = {Kind.CHAT.value, Kind.SESSION.value, Kind.RESPONSE.value, Kind.CONVERSATION.value}
+NAMED_KINDS = {Kind.CHAT.value, Kind.SESSION.value, Kind.RESPONSE.value, Kind.CONVERSATION.value, Kind.ITEM.value}
 REMEMBERED_HOLDERS = 100_000
 ASK_TIMEOUT_S = 2.0
 RESOLVE_EVERY_S = 5.0  # how often a DnsFleet looks its name up again (pods come and go)
@@ -86,18 +89,31 @@ def named_conversation(method: str, path: str, headers: dict[bytes, bytes], body
     if method != "POST" or path not in NAMING_POSTS:
         return None
     if path == "/v1/responses":
-        if b"previous_response_id" not in body and b"conversation" not in body:  # (most: no JSON to parse)
-            return None
-        named, conversation = fields().get("previous_response_id"), fields().get("conversation")
-        if isinstance(conversation, dict):  # ({"id": ...})
-            conversation = conversation.get("id")
-        if isinstance(conversation, str) and conversation:
-            return Kind.CONVERSATION, conversation
-        return (Kind.RESPONSE, named) if isinstance(named, str) and named else None
+        if b"previous_response_id" in body or b"conversation" in body:  # (most: no JSON to parse)
+            named, conversation = fields().get("previous_response_id"), fields().get("conversation")
+            if isinstance(conversation, dict):  # ({"id": ...})
+                conversation = conversation.get("id")
+            if isinstance(conversation, str) and conversation:
+                return Kind.CONVERSATION, conversation
+            if isinstance(named, str) and named:
+                return Kind.RESPONSE, named
+        if b"item_reference" in body or b'"id"' in body:  # (a reference may leave its type out)
+            return first_reference(fields().get("input"))
+        return None
     if b"session_id" not in body and b"x-session-id" not in headers:
         return None
     named = fields().get("session_id") or headers.get(b"x-session-id", b"").decode("latin-1")
     return (Kind.CHAT, named) if isinstance(named, str) and named else None
+
+
+def first_reference(input) -> tuple[Kind, str] | None:
+    """The item the first `item_reference` of a Responses input names: the oldest item a client that
+    sends references (the AI SDK with `store`) refers to, so the replica that holds it is the one its
+    conversation's responses were stored on, which holds the later items too."""
+    for item in input if isinstance(input, list) else ():
+        if input_item_type(item) == "item_reference":
+            return (Kind.ITEM, item["id"]) if isinstance(item.get("id"), str) and item["id"] else None
+    return None
 
 
 def prompt_cache_key(method: str, path: str, body: bytes, fields: Callable[[], dict]) -> str | None:
@@ -272,7 +288,7 @@ class ForwardToHolder:
         query = parse_qs(scope["query_string"].decode("latin-1"))
         kind, named = query.get("kind", [""])[0], query.get("id", [""])[0]
         if kind not in NAMED_KINDS or not named:
-            return await _send_json(send, 400, {"error": {"message": "give kind (chat, session, response) and id"}})
+            return await _send_json(send, 400, {"error": {"message": "give kind (chat, session, response, conversation, item) and id"}})
         await _send_json(send, 200, {"holds": scope["app"].state.holds(Kind(kind), named)})
 
     async def _holder(self, named: tuple[Kind, str]) -> str | None:

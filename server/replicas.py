@@ -324,7 +324,7 @@ def kv_share_args(serve_args: list[str], replicas: int) -> list[str]:
     memory free at its start, before the others fill their pools, so N of them taking a lone server's
     share each would together take N times it (and the prefix cache does fill a pool). Nothing when the
     flags or the environment size the pool themselves."""
-    from infercept.engine.config import CacheConfig
+    from infercept.engine import CacheConfig
 
     sized = any(a.split("=")[0] in ("--kv-cache-gb", "--kv-cache-fraction") for a in serve_args) or any(
         os.environ.get(f"INFERCEPT_{name}") for name in ("KV_CACHE_GB", "KV_CACHE_FRACTION"))

@@ -153,7 +153,8 @@ def test_a_request_naming_what_another_replica_holds_is_served_there(tmp_path):
     from infercept.server.conversations import Kind
 
     streams = {"go on": threading.Event(), "ended": threading.Event()}
-    held = {(Kind.RESPONSE, "resp_a"), (Kind.SESSION, "sess_a"), (Kind.CHAT, "chat-a"), (Kind.CONVERSATION, "conv_a")}
+    held = {(Kind.RESPONSE, "resp_a"), (Kind.SESSION, "sess_a"), (Kind.CHAT, "chat-a"), (Kind.CONVERSATION, "conv_a"),
+            (Kind.ITEM, "msg_a")}
     fleet_file = tmp_path / "fleet.json"
     servers = []
     for name, holds in (("a", held), ("b", set())):
@@ -176,6 +177,10 @@ def test_a_request_naming_what_another_replica_holds_is_served_there(tmp_path):
                     ("POST", "/v1/chat/completions", {"json": {"messages": []}, "headers": {"X-Session-Id": "chat-a"}}),
                     ("POST", "/v1/responses", {"json": {"conversation": "conv_a", "input": "x"}}),
                     ("POST", "/v1/responses", {"json": {"conversation": {"id": "conv_a"}, "input": "x"}}),
+                    # items by reference alone (the AI SDK with `store`), the first naming the holder
+                    ("POST", "/v1/responses", {"json": {"input": [{"type": "item_reference", "id": "msg_a"},
+                                                                  {"type": "item_reference", "id": "msg_b"}]}}),
+                    ("POST", "/v1/responses", {"json": {"input": [{"id": "msg_a"}, {"role": "user", "content": "x"}]}}),
                     ("GET", "/v1/conversations/conv_a", {}), ("POST", "/v1/conversations/conv_a/items", {"json": {}}),
                     ("DELETE", "/v1/conversations/conv_a/items/msg_1", {})):
                 r = http.request(method, path, params={"q": "1"}, json=kw.get("json"),
@@ -188,6 +193,9 @@ def test_a_request_naming_what_another_replica_holds_is_served_there(tmp_path):
             for method, path, kw in (
                     ("POST", "/v1/responses", {"json": {"previous_response_id": "resp_b", "input": "x"}}),
                     ("POST", "/v1/responses", {"json": {"conversation": "conv_b", "input": "x"}}),
+                    ("POST", "/v1/responses", {"json": {"input": [{"type": "item_reference", "id": "msg_b"},
+                                                                  {"type": "item_reference", "id": "msg_a"}]}}),
+                    ("POST", "/v1/responses", {"json": {"input": [{"role": "user", "content": "x", "id": "msg_a"}]}}),
                     ("GET", "/v1/conversations/conv_b/items", {}), ("POST", "/v1/conversations", {"json": {}}),
                     ("GET", "/v1/sessions/sess_b", {}), ("POST", "/v1/chat/completions", {"json": {"messages": []}}),
                     ("POST", "/v1/completions", {"json": {"session_id": "chat-a"}})):  # (completions name none)
@@ -210,7 +218,7 @@ def test_a_request_naming_what_another_replica_holds_is_served_there(tmp_path):
             assert streams["ended"].wait(10), "the holder's stream went on after the client left"
             counted = servers[1][3].registry.get_sample_value
             assert [counted("infercept_forwarded_requests_total", {"model": "m", "kind": kind})
-                    for kind in ("response", "session", "chat", "conversation")] == [5, 2, 3, 5]
+                    for kind in ("response", "session", "chat", "conversation", "item")] == [5, 2, 3, 5, 2]
             # The holder gone: served here (as one server answers a conversation it lost).
             servers[0][0].should_exit = True
             servers[0][1].join(timeout=10)
@@ -600,6 +608,16 @@ def test_responses_chains_and_sessions_reach_their_replica_under_round_robin(clu
                 again = httpx.get(f"{worker}/v1/responses/{queued['id']}", params={"stream": "true", "starting_after": 1},
                                   timeout=60)
                 assert again.status_code == 200 and '"sequence_number":2' in again.text.replace(" ", ""), again.text[:300]
+            # An item one replica stored, named by reference alone (the AI SDK with `store`): round robin
+            # sends one of each two requests to the other replica, which forwards it to the item's.
+            stored = http.post("/responses", json={"model": model, "input": "Hi", "max_output_tokens": 16,
+                                                   "temperature": 0}).json()
+            for reference in [{"type": "item_reference", "id": stored["output"][0]["id"]}] * 2 + [
+                    {"id": stored["output"][0]["id"]}] * 2:
+                step = http.post("/responses", json={"model": model, "max_output_tokens": 16, "temperature": 0,
+                                                     "input": [{"role": "user", "content": "Hi"}, reference,
+                                                               {"role": "user", "content": "And again."}]})
+                assert step.status_code == 200 and step.json()["status"] in ("completed", "incomplete"), step.text
     finally:
         proc.terminate()
         proc.wait(timeout=30)
