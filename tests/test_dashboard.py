@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import tempfile
 
 import httpx
 import pytest
@@ -19,7 +20,10 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 
 
 def browse(url: str, tmp_path, *args: str) -> str:
-    done = subprocess.run([CHROMIUM, *HEADLESS, f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1280,1000",
+    # A profile of its own each time, so that no Chromium finds one still held by the one before (a
+    # screenshot right after a DOM dump in the same profile once hung for 120 s, 2026-12-04).
+    profile = tempfile.mkdtemp(prefix="profile-", dir=tmp_path)
+    done = subprocess.run([CHROMIUM, *HEADLESS, f"--user-data-dir={profile}", "--window-size=1280,1000",
                            "--virtual-time-budget=3500", *args, url], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
