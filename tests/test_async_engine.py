@@ -10,7 +10,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def async_engine(default_model_dir):
-    engine = AsyncEngine(Engine(default_model_dir, dtype="float32", kv_cache_gb=0.1, max_num_batched_tokens=64))
+    engine = AsyncEngine(Engine(default_model_dir, dtype="float32", kv_cache_gb=0.1, host_kv_gb=0.02, max_num_batched_tokens=64))
     engine.start()
     yield engine
     engine.shutdown()

@@ -31,8 +31,8 @@ modes = pytest.mark.parametrize("mode", list(MODES))
 
 @pytest.fixture(scope="module", params=list(MODES))
 def async_llm(request, default_model_dir):
-    return LLM(default_model_dir, dtype="float32", kv_cache_gb=0.25, max_num_batched_tokens=32, progress=False,
-               **MODES[request.param])
+    return LLM(default_model_dir, dtype="float32", kv_cache_gb=0.25, host_kv_gb=0.01, max_num_batched_tokens=32,
+               progress=False, **MODES[request.param])
 
 
 def test_async_output_and_scheduling_are_off_on_a_cpu_by_default(llm_fp32):

@@ -251,7 +251,7 @@ def test_cuda_graphs_match_the_eager_engine(default_model_dir, dtype, monkeypatc
     """Steps replayed from captured graphs give the same code's tokens launched without graphs
     (`enforce_eager`: the same kernels, so bit for bit, in fp32 and bf16): decode steps whose batch
     shrinks through padded sizes, and mixed steps (a long prompt in 64-token chunks beside decodes)."""
-    kwargs = dict(dtype=dtype, device="cuda", kv_cache_gb=0.25, max_num_batched_tokens=64, max_num_seqs=8,
+    kwargs = dict(dtype=dtype, device="cuda", kv_cache_gb=0.25, host_kv_gb=0.05, max_num_batched_tokens=64, max_num_seqs=8,
                   progress=False)
     graphed = LLM(default_model_dir, **kwargs)
     eager = LLM(default_model_dir, enforce_eager=True, **kwargs)

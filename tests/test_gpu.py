@@ -266,7 +266,7 @@ def test_a_steps_copies_are_queued_once_its_pass_is_launched_unless_the_pass_rea
     copies.clear()
     while engine.has_unfinished_requests():
         out = engine.step()
-    reference = Engine(default_model_dir, dtype="float32", device=device, kv_cache_gb=0.05,
+    reference = Engine(default_model_dir, dtype="float32", device=device, kv_cache_gb=0.05, host_kv_gb=0.01,
                        max_num_batched_tokens=32, progress=False, enforce_eager=True)
     reference.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     while reference.has_unfinished_requests():
@@ -418,8 +418,8 @@ def test_a_steps_device_time_counts_the_pass_and_not_the_hosts_planning(default_
     delay = 0.04
     profile = Profile(model="test", device=device, dtype="bfloat16", bytes_per_token=1, block_size=16,
                       t_fwd_samples=((1, 0.01), (64, 0.02)), d2h_bytes_per_s=1e10, h2d_bytes_per_s=1e10)
-    engine = Engine(default_model_dir, dtype="bfloat16", device=device, kv_cache_gb=0.05, profile=profile,
-                    progress=False, enforce_eager=True, async_scheduling=async_scheduling)
+    engine = Engine(default_model_dir, dtype="bfloat16", device=device, kv_cache_gb=0.05, host_kv_gb=0.01,
+                    profile=profile, progress=False, enforce_eager=True, async_scheduling=async_scheduling)
     forward, schedule = engine.model.forward, engine.scheduler.schedule
 
     def slow_forward(*args, **kwargs):

@@ -66,7 +66,7 @@ def test_random_model_has_the_shape_and_loads_in_the_engine_and_transformers(tin
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert sum(p.numel() for p in hf.parameters()) == tiny_model["parameters"]
     assert all(bool((p == 1).all()) for n, p in hf.named_parameters() if n.endswith("norm.weight"))
-    llm = LLM(str(path), dtype="float32", device="cpu", kv_cache_gb=0.02, progress=False)
+    llm = LLM(str(path), dtype="float32", device="cpu", kv_cache_gb=0.02, host_kv_gb=0.01, progress=False)
     ids = llm.tokenizer.encode("The capital of France is")
     ours = llm.generate([ids], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].token_ids
     assert ours == hf_greedy(hf, ids, 6)

@@ -21,7 +21,7 @@ def test_a_cached_profile_too_slow_for_this_machine_is_measured_again(tmp_path, 
     from test_architectures import TINY, build_tiny_model
     monkeypatch.setenv("INFERCEPT_CACHE", str(tmp_path / "cache"))
     build_tiny_model(LlamaConfig(**TINY), tmp_path / "model", default_model_dir)
-    engine = LLM(str(tmp_path / "model"), dtype="float32", kv_cache_gb=0.05, progress=False).engine
+    engine = LLM(str(tmp_path / "model"), dtype="float32", kv_cache_gb=0.05, host_kv_gb=0.05, progress=False).engine
     path = cached_profile_path(str(tmp_path / "model"), engine.kv_cache.device_kv.device,
                                engine.kv_cache.device_kv.dtype, engine.runner.kernels)
     measured = Profile.load(path)  # the first start measured and cached it

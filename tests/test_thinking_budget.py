@@ -146,8 +146,8 @@ QUESTIONS = ["Question: what is 2+2? Let me think.", "Plan a trip to Paris. Firs
 def llm(request, default_model_dir, llm_fp32):
     if request.param == "sync":
         return llm_fp32
-    return LLM(default_model_dir, dtype="float32", kv_cache_gb=0.25, max_num_batched_tokens=32, progress=False,
-               **MODES[request.param])
+    return LLM(default_model_dir, dtype="float32", kv_cache_gb=0.25, host_kv_gb=0.01, max_num_batched_tokens=32,
+               progress=False, **MODES[request.param])
 
 
 @pytest.mark.parametrize("budget", [0, 1, 5])
