@@ -45,11 +45,15 @@ router: install
 # environments install side by side (-j3): each mostly waits on downloads and unpacking. The slowest
 # tests are listed at the end, for whoever makes the suite faster. pytest-xdist runs the files on
 # TEST_WORKERS workers (default: one per core, at most 4), each on its own share of the cores
-# (tests/conftest.py); TEST_WORKERS=0 runs them in this process.
+# (tests/conftest.py); TEST_WORKERS=0 runs them in this process. MALLOC_MMAP_THRESHOLD_: glibc gives
+# every allocation of 1 MiB or more its own mapping, returned to the system when freed; by default, after
+# the first large free, it keeps up to 32 MiB blocks in its heap, and the weights of the engines tests
+# build and drop stayed resident (a worker grew from 2.1 to 3.3 GB over tests/test_async_output.py alone,
+# and the suite's two workers to 6-7 GB each, 2-core Xeon, 2026-12-04).
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 test:
 	@$(MAKE) --no-print-directory -j4 download vllm-env frameworks-env browser claude-code ai-sdk
-	$(BIN)/python -m pytest -q --durations=25 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+	MALLOC_MMAP_THRESHOLD_=1048576 $(BIN)/python -m pytest -q --durations=25 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 # Debian's chromium for tests/test_dashboard.py: installed as root where apt-get exists; elsewhere that
 # test skips (it says why).
