@@ -17,7 +17,7 @@ import os
 import shutil
 import sys
 
-from infercept.engine import REASONING_PARSERS  # standard library only: --help stays instant
+from infercept.engine import REASONING_PARSERS, CacheConfig  # standard library only: --help stays instant
 
 
 def _env(name: str, default):
@@ -36,7 +36,7 @@ def _optional_int(value) -> int | None:
 
 
 def _share(value: str) -> float:
-    """A share of something, over 0 and at most 1 (argparse's type: a bad one stops the command line)."""
+    """A share of free memory, over 0 and at most 1 (argparse's type: a bad one stops the command line)."""
     share = float(value)
     if not 0 < share <= 1:
         raise argparse.ArgumentTypeError(f"{value}: a share of free memory, over 0 and at most 1")
@@ -70,7 +70,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=_env("DEVICE", "auto"), help="auto, cpu or cuda[:N]")
     g.add_argument("--kv-cache-gb", type=float, default=_env("KV_CACHE_GB", None),
                    help="device KV pool size in GiB (default: --kv-cache-fraction of the memory free at start-up)")
-    g.add_argument("--kv-cache-fraction", type=_share, default=_env("KV_CACHE_FRACTION", None),
+    g.add_argument("--kv-cache-fraction", type=_share,
+                   default=_env("KV_CACHE_FRACTION", CacheConfig.kv_cache_fraction),
                    help="without --kv-cache-gb, the device KV pool's share of the memory free at start-up "
                         "(default 0.25; the replicas launcher gives each of N replicas 0.25/N). --backend vllm: "
                         "on a CPU the same; on a GPU vLLM sizes its pool by --gpu-memory-utilization instead")
@@ -117,17 +118,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="accepted (vLLM's flag): long prompts are always prefilled in chunks here")
 
 
-def kv_cache_fraction(args: argparse.Namespace) -> float:
-    """`--kv-cache-fraction`; unset: CacheConfig's default."""
-    from infercept.engine import CacheConfig
-
-    return CacheConfig.kv_cache_fraction if args.kv_cache_fraction is None else args.kv_cache_fraction
-
-
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, device=args.device,
                 kv_cache_gb=None if args.kv_cache_gb is None else float(args.kv_cache_gb),
-                kv_cache_fraction=kv_cache_fraction(args), host_kv_gb=args.host_kv_gb,
+                kv_cache_fraction=args.kv_cache_fraction, host_kv_gb=args.host_kv_gb,
                 max_num_batched_tokens=None if args.max_num_batched_tokens is None else int(args.max_num_batched_tokens),
                 max_model_len=None if args.max_model_len is None else int(args.max_model_len),
                 num_threads=None if args.threads is None else int(args.threads), policy=args.policy or "infercept",
@@ -239,7 +233,7 @@ def build_backend(args: argparse.Namespace):
         model_folder(args), python=args.vllm_python, policy=args.policy or "infercept",
         dtype=args.dtype, max_model_len=None if args.max_model_len is None else int(args.max_model_len),
         kv_cache_gb=None if args.kv_cache_gb is None else float(args.kv_cache_gb),
-        kv_cache_fraction=kv_cache_fraction(args), host_kv_gb=args.host_kv_gb,
+        kv_cache_fraction=args.kv_cache_fraction, host_kv_gb=args.host_kv_gb,
         # Unless given, vLLM's own defaults (those `vllm serve` takes on the hardware), not the native engine's
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=None if args.max_num_batched_tokens is None else int(args.max_num_batched_tokens),

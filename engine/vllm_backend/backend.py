@@ -156,8 +156,8 @@ class VllmBackend(EngineBackend):
         Blocks until vLLM is ready. `kv_cache_fraction`: without `kv_cache_gb`, on a CPU, the KV pool's
         share of the memory free now (on a GPU vLLM's gpu_memory_utilization sizes it). `host_kv_gb`: the
         host pool swapped sessions' KV waits in (session policies; 0: none, and `swap` is refused).
-        `max_num_seqs`, `max_num_batched_tokens`: None leaves
-        vLLM's own defaults (those `vllm serve` takes on the hardware). `env`: extra environment for the
+        `max_num_seqs`, `max_num_batched_tokens`: None leaves vLLM's own defaults (those `vllm serve`
+        takes on the hardware). `env`: extra environment for the
         worker (VLLM_* settings); `engine_args`: more of vLLM's engine arguments (tensor_parallel_size,
         gpu_memory_utilization, kv_cache_dtype, async_scheduling, ...; unset: vLLM's defaults). `tool_parser`:
         the server's `--tool-parser`; one of vLLM's (not ours, or ``vllm:NAME``) is checked against vLLM's
