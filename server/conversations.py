@@ -22,7 +22,8 @@ response adopts the handle of the turn it just served. Resuming takes the handle
 
 Lookups are O(1) or O(prompt), never a walk over every record: first call id -> handles (ids need not
 be unique: the one the conversation continues); the chained hashes
-of a token sequence's 16-token blocks -> handles (`find_for_tokens`); (kind, id) -> record.
+of a token sequence's 16-token blocks -> handles (`find_for_tokens`); (kind, id) -> record; item id ->
+the stored responses and conversations keeping that item (`item`, what an `item_reference` names).
 
 The policy (`settings.ConversationPolicy`) is one object with two clocks, because the documented
 defaults differ: handles, chat sessions and native sessions go after `idle_ttl` unused (600 s),
@@ -49,7 +50,7 @@ import enum
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -200,6 +201,9 @@ class ConversationStore:
         self._named_tenants: dict[tuple[Kind, str], int] = {}  # (kind, id) -> how many tenants name it
         self._responses: OrderedDict[str, Conversation] = OrderedDict()  # oldest first
         self._conversations: OrderedDict[str, Conversation] = OrderedDict()  # least recently used first
+        # item id -> the responses and conversations keeping it (each with its item there), in the order
+        # they came to keep it: a response chain repeats its items in every response of it
+        self._item_holders: dict[str, dict[Conversation, dict]] = {}
         # (owner, call ids) -> turns: a tenant's conversations render only its own generated turns' tokens
         self._turns: OrderedDict[tuple[str | None, tuple[str, ...]], list[AssistantTurn]] = OrderedDict()
         self._num_turns = 0
@@ -359,7 +363,9 @@ class ConversationStore:
             self._expire_conversations()
             return id in self._conversations
         if kind is Kind.ITEM:
-            return any(item["id"] == id for item in self._items(lambda record: True))
+            self._expire_responses()
+            self._expire_conversations()
+            return id in self._item_holders
         return (kind, id) in self._named_tenants
 
     def touch(self, record: Conversation) -> None:
@@ -402,6 +408,7 @@ class ConversationStore:
         record = self._responses[response_id] = Conversation(response_id, Kind.RESPONSE, state, messages=conversation,
                                                              body=body, items=items or [], last_used=self.clock(),
                                                              owner=owner)
+        self._index_items(record)
         self.adopt(record, request_id)
 
     def response(self, response_id: str, owner: str | None = None) -> Conversation | None:
@@ -428,21 +435,34 @@ class ConversationStore:
                                                                      last_used=self.clock(), owner=owner)
         return record
 
-    def items_of(self, owner: str | None = None) -> Iterator[dict]:
-        """The items `owner`'s stored responses (their output, then their input items) and conversations
-        keep, the newest record's first: what an `item_reference` may name."""
-        return self._items(lambda record: record.owner == owner)
+    def keep_items(self, record: Conversation, items: list[dict], messages: tuple[Message, ...]) -> None:
+        """A conversation's items are `items` now, and `messages` (the chat messages they make) its history."""
+        self._unindex_items(record)
+        record.items, record.messages = items, messages
+        self._index_items(record)
 
-    def _items(self, whose: Callable[[Conversation], bool]) -> Iterator[dict]:
+    def item(self, item_id: str, owner: str | None = None) -> dict | None:
+        """The item `item_id` (what an `item_reference` names) as the newest of `owner`'s records keeping it
+        has it: the stored response or conversation that stored or edited its items last. None if none of
+        `owner`'s keeps it. O(the records keeping it)."""
         self._expire_responses()
         self._expire_conversations()
-        for record in reversed(self._responses.values()):
-            if whose(record):
-                yield from record.body["output"]
-                yield from record.items
-        for record in reversed(self._conversations.values()):
-            if whose(record):
-                yield from record.items
+        for record, item in reversed(self._item_holders.get(item_id, {}).items()):
+            if record.owner == owner:
+                return item
+        return None
+
+    def _index_items(self, record: Conversation) -> None:
+        # (a response's output first: a client id in its input never shadows an item it generated)
+        for item in (record.body["output"] if record.kind is Kind.RESPONSE else []) + record.items:
+            self._item_holders.setdefault(item["id"], {}).setdefault(record, item)
+
+    def _unindex_items(self, record: Conversation) -> None:
+        for item in (record.body["output"] if record.kind is Kind.RESPONSE else []) + record.items:
+            holders = self._item_holders.get(item["id"], {})
+            holders.pop(record, None)
+            if not holders:
+                self._item_holders.pop(item["id"], None)
 
     def conversation(self, conversation_id: str, owner: str | None = None) -> Conversation | None:
         """`owner`'s conversation, its TTL started again; None if there is none."""
@@ -458,8 +478,10 @@ class ConversationStore:
         record.state = State.CLOSED
         if record.kind is Kind.RESPONSE:
             del self._responses[record.id]
+            self._unindex_items(record)
         elif record.kind is Kind.CONVERSATION:
             del self._conversations[record.id]
+            self._unindex_items(record)
         elif record.kind is not Kind.IMPLICIT:
             del self._named[(record.owner, record.kind, record.id)]
             if (left := self._named_tenants.pop((record.kind, record.id)) - 1) > 0:

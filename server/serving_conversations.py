@@ -36,10 +36,9 @@ class ConversationsServing:
                            code="conversation_locked")
         return record
 
-    @staticmethod
-    def keep(record: Conversation, items: list[dict]) -> None:
+    def keep(self, record: Conversation, items: list[dict]) -> None:
         """`items` are the conversation's now, and their messages its history."""
-        record.items, record.messages = items, messages_of(items)
+        self.conversations.keep_items(record, items, messages_of(items))
 
     async def create(self, req: ConversationCreateRequest, raw: Request) -> Response:
         items = kept_items(parsed_items(req.items or ()), set(), param="items")

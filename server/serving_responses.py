@@ -98,13 +98,6 @@ class ResponsesServing(Frontend):
         of the conversation or chain it continues: a duplicate, as OpenAI's API says)."""
         if isinstance(req.input, str) or not any(isinstance(item, ItemReference) for item in req.input):
             return req
-        wanted = {item.id for item in req.input if isinstance(item, ItemReference)}
-        found: dict[str, dict] = {}
-        for item in self.conversations.items_of(owner):
-            if item["id"] in wanted:
-                found.setdefault(item["id"], item)
-                if len(found) == len(wanted):
-                    break
         had = {item["id"] for item in history}
         resolved = []
         for i, item in enumerate(req.input):
@@ -113,10 +106,11 @@ class ResponsesServing(Frontend):
                     raise bad_request(f"input[{i}]: Duplicate item found with id '{item.id}': the conversation or "
                                       "previous response continued has it already; remove it from the input",
                                       param=f"input[{i}]")
-                if item.id not in found:
+                named = self.conversations.item(item.id, owner)
+                if named is None:
                     raise bad_request(f"input[{i}]: item_reference names no stored item '{item.id}'",
                                       param=f"input[{i}]")
-                item = parsed_items([found[item.id]], param=f"input[{i}]")[0]
+                item = parsed_items([named], param=f"input[{i}]")[0]
             resolved.append(item)
         return req.model_copy(update={"input": resolved})
 

@@ -15,7 +15,7 @@ import pytest
 
 from infercept.server.app import build_app
 from infercept.server.chat import Message
-from infercept.server.conversations import ConversationStore
+from infercept.server.conversations import ConversationStore, Kind
 from infercept.server.settings import ConversationPolicy, ServerSettings
 from live_server import MODEL
 
@@ -332,12 +332,42 @@ def test_response_store_ttl_and_limit_on_a_clock():
                               clock=lambda: clock[0])
     for i in range(3):
         clock[0] = i
-        store.store_response(f"r{i}", {"id": f"r{i}"}, (Message("user", str(i)),), request_id=f"req{i}")
-    assert store.response("r0") is None and store.response("r1").body == {"id": "r1"} and len(store._responses) == 2
+        store.store_response(f"r{i}", {"id": f"r{i}", "output": []}, (Message("user", str(i)),), request_id=f"req{i}")
+    assert store.response("r0") is None and store.response("r1").body["id"] == "r1" and len(store._responses) == 2
     clock[0] = 11.5  # r1 (created at 1) is past the TTL, r2 (at 2) is not
     assert store.response("r1") is None and store.response("r2") is not None
     store.close(store.response("r2"))
     assert store.response("r2") is None and len(store._responses) == 0
+
+
+def test_item_references_find_the_newest_record_keeping_the_item_of_its_owner():
+    """The store's item index (what an `item_reference` names), kept in step with what the records keep:
+    a response's output and input items, a conversation's edited items, and none after a record goes."""
+    clock = [0.0]
+    store = ConversationStore(ConversationPolicy(response_ttl=10, max_stored_responses=2), lambda *_: None,
+                              clock=lambda: clock[0])
+    said = {"id": "msg_q", "type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}
+    answer = {"id": "msg_a", "type": "message", "role": "assistant", "content": []}
+    conversation = (Message("user", "hi"), Message("assistant", "hello"))
+    store.store_response("r0", {"id": "r0", "output": [answer]}, conversation, "req0", owner="alice", items=[said])
+    assert store.item("msg_a", "alice") is answer and store.item("msg_q", "alice") is said
+    assert store.item("msg_a", "bob") is None and store.holds(Kind.ITEM, "msg_a")  # (any tenant's counts there)
+    edited = {**said, "content": [{"type": "input_text", "text": "hi again"}]}
+    clock[0] = 1
+    conv = store.open_conversation("conv_1", {"id": "conv_1"}, owner="alice")
+    store.keep_items(conv, [edited], conversation[:1])
+    assert store.item("msg_q", "alice") is edited  # the newest record keeping it
+    store.keep_items(conv, [], ())  # its item deleted: the response's is found again
+    assert store.item("msg_q", "alice") is said and conv.items == [] and conv.messages == ()
+    store.keep_items(conv, [edited], conversation[:1])
+    store.close(conv)
+    assert store.item("msg_q", "alice") is said
+    clock[0] = 10.5  # r0 (stored at 0) is past the TTL: nothing keeps its items
+    assert store.item("msg_a", "alice") is None and not store.holds(Kind.ITEM, "msg_q") and not store._item_holders
+    store.store_response("r1", {"id": "r1", "output": [answer]}, conversation, "req1", owner="alice")
+    store.store_response("r2", {"id": "r2", "output": []}, conversation, "req2", owner="alice")
+    store.store_response("r3", {"id": "r3", "output": []}, conversation, "req3", owner="alice")
+    assert store.item("msg_a", "alice") is None  # r1 went over the stored-response limit
 
 
 def test_responses_chain_example_runs(srv):
