@@ -199,7 +199,7 @@ def agent_server(default_model_dir):
 @pytest.fixture(scope="session")
 def vllm_agent_server_url(default_model_dir):
     """The same over the vLLM backend (`--backend vllm`, `live_server.VllmLiveServer`), started the first
-    time a test asks for it and shared by every framework test after that (vLLM takes ~40 s to start);
+    time a test asks for it and shared by every framework test after that (vLLM takes ~30 s to start);
     skips without the vLLM environment."""
     from live_server import VllmLiveServer
     from vllm_env import NO_VLLM

