@@ -30,9 +30,11 @@ carries a `prompt_cache_key` to the key's home replica: server/replica_forwardin
 this launcher writes (`replica --fleet FILE`).
 
 The launcher starts the replicas (`infercept serve` on consecutive ports, `--threads` each, and each with
-1/N of a lone server's default KV pool unless the flags after `--` size it: `kv_share_args`), waits for
-their /health, starts the router, waits for its /readiness, and then watches: a replica that exits is
-started again on its port (the router sends its traffic to the others meanwhile and takes it back once
+1/N of a lone server's default KV pool, and under `--backend vllm` of vLLM's GPU share, unless the flags
+after `--` size them: `memory_share_args`), waits for their /health (vLLM's one at a time: `start_fleet`); on a host with a GPU (or tensor x
+pipeline parallel set) for each replica, each gets its own by CUDA_VISIBLE_DEVICES instead of a share,
+starts the router, waits for its /readiness, and then watches: a replica that exits is started again on
+its port (the router sends its traffic to the others meanwhile and takes it back once
 it is healthy); if the router exits, everything stops. Ctrl-C or SIGTERM stops the router, then the
 replicas (each with its own graceful shutdown), then exits. While it runs, the fleet grows and shrinks by
 signal, as gunicorn's workers do: SIGTTIN starts one more replica on the next free port and, once it is
@@ -62,12 +64,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
 from .replica_forwarding import DnsFleet, FleetFile, ForwardToHolder, buffered, buffered_replay, write_fleet
 
 ROUTER_PACKAGE = "vllm-router"  # pinned in pyproject.toml's `router` extra
+VLLM_GPU_MEMORY_UTILIZATION = 0.92  # vLLM 0.32's default gpu_memory_utilization: a lone server's share
 ROUTER_POLICIES = ("cache_aware", "kv_aware", "round_robin", "consistent_hash", "power_of_two", "random")
 
 # The fields vllm-router 0.1.17 adds to every chat/completions body it forwards, with the values it
@@ -195,15 +199,17 @@ class Child:
     """A process of the launcher, in its own process group (the terminal's Ctrl-C reaches the launcher
     only, which stops the children in order)."""
 
-    def __init__(self, name: str, argv: list[str], url: str, log: IO | None):
+    def __init__(self, name: str, argv: list[str], url: str, log: IO | None, gpus: str | None = None):
         self.name, self.argv, self.url, self.log = name, argv, url, log
+        self.gpus = gpus  # its CUDA_VISIBLE_DEVICES; None: the launcher's
         self.proc: subprocess.Popen | None = None
         self.started = 0.0
         self.start()
 
     def start(self) -> None:
+        env = None if self.gpus is None else {**os.environ, "CUDA_VISIBLE_DEVICES": self.gpus}
         self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT if self.log else None,
-                                     stdin=subprocess.DEVNULL, start_new_session=True,
+                                     stdin=subprocess.DEVNULL, start_new_session=True, env=env,
                                      preexec_fn=_pdeathsig if sys.platform == "linux" else None)
         self.started = time.monotonic()
 
@@ -319,18 +325,95 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def kv_share_args(serve_args: list[str], replicas: int) -> list[str]:
-    """The serve flags that give each replica its share of the default KV pool: every replica sees the
-    memory free at its start, before the others fill their pools, so N of them taking a lone server's
-    share each would together take N times it (and the prefix cache does fill a pool). Nothing when the
-    flags or the environment size the pool themselves."""
+def serve_options(serve_args: list[str]) -> argparse.Namespace:
+    """`infercept serve`'s options with these flags (and the INFERCEPT_* variables). A flag `serve`
+    refuses stops the launcher here, with `serve`'s message, before anything starts."""
+    from infercept.server import cli
+
+    return cli.build_parser().parse_args(["serve", *serve_args])
+
+
+def serve_backend(serve_args: list[str]) -> str:
+    """The backend `infercept serve` runs with these flags: native or vllm (`auto` resolved)."""
+    from infercept.server import cli
+
+    return cli.chosen_backend(serve_options(serve_args))
+
+
+def gpus_per_replica(options: argparse.Namespace, backend: str) -> int | None:
+    """The GPUs one replica uses (vLLM's tensor x pipeline parallel size); None where its flags name its
+    device themselves (`--device cpu` or `cuda:N`)."""
+    if backend == "vllm":
+        return (options.tensor_parallel_size or 1) * (options.pipeline_parallel_size or 1)
+    return 1 if options.device in ("auto", "cuda") else None
+
+
+def visible_gpus() -> list[str]:
+    """The NVIDIA GPUs the launcher may hand out: CUDA_VISIBLE_DEVICES' entries where it is set (indices
+    or UUIDs, up to the first invalid one, as CUDA reads it), else every GPU `nvidia-smi -L` lists; none
+    without nvidia-smi."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    named = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if named is not None:
+        gpus = []
+        for entry in (e.strip() for e in named.split(",")):
+            if not entry or entry.startswith("-"):
+                break
+            gpus.append(entry)
+        return gpus
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [str(i) for i, _ in enumerate(line for line in listed.splitlines() if line.startswith("GPU "))]
+
+
+def gpu_sets(gpus: list[str], per_replica: int | None) -> list[str]:
+    """`gpus` cut into disjoint sets of `per_replica` (CUDA_VISIBLE_DEVICES values), in order: one per
+    replica, as far as they go; none where the replicas' flags pick their devices themselves."""
+    if not per_replica:
+        return []
+    return [",".join(gpus[i:i + per_replica]) for i in range(0, len(gpus) - per_replica + 1, per_replica)]
+
+
+def memory_share_args(serve_args: list[str], replicas: int, backend: str) -> list[str]:
+    """The serve flags that give each of N replicas on one machine 1/N of what a lone server takes, where
+    the flags and the environment leave it to the defaults (`backend`: `serve_backend(serve_args)`):
+    * the default KV pool (`--kv-cache-fraction`): every replica sees the memory free at its start,
+      before the others fill their pools, so N of them taking a lone server's share each would together
+      take N times it (and the prefix cache does fill a pool);
+    * under `--backend vllm`, vLLM's share of the GPU (`--gpu-memory-utilization`, a fraction of the
+      card's whole memory, model included): vLLM refuses to start where less than that is free, so a
+      second replica at a lone server's share would not start. (Ignored on a CPU, where the KV pool is
+      sized as the native engine's.)"""
     from infercept.engine import CacheConfig
 
-    sized = any(a.split("=")[0] in ("--kv-cache-gb", "--kv-cache-fraction") for a in serve_args) or any(
-        os.environ.get(f"INFERCEPT_{name}") for name in ("KV_CACHE_GB", "KV_CACHE_FRACTION"))
-    if sized or replicas == 1:
+    def given(flags: tuple[str, ...], names: tuple[str, ...]) -> bool:
+        return any(a.split("=")[0] in flags for a in serve_args) or any(os.environ.get(f"INFERCEPT_{n}") for n in names)
+
+    if replicas == 1:
         return []
-    return ["--kv-cache-fraction", f"{CacheConfig.kv_cache_fraction / replicas:.4g}"]
+    share = []
+    if not given(("--kv-cache-gb", "--kv-cache-fraction"), ("KV_CACHE_GB", "KV_CACHE_FRACTION")):
+        share += ["--kv-cache-fraction", f"{CacheConfig.kv_cache_fraction / replicas:.4g}"]
+    if backend == "vllm" and not given(("--gpu-memory-utilization",), ("GPU_MEMORY_UTILIZATION",)):
+        share += ["--gpu-memory-utilization", f"{VLLM_GPU_MEMORY_UTILIZATION / replicas:.4g}"]
+    return share
+
+
+def start_fleet(new_replica: Callable[[int], Child], ports: list[int], timeout: float, one_at_a_time: bool,
+                started: list[Child]) -> None:
+    """A replica on each port, into `started` (which the caller stops if this raises), until every one
+    answers /health. `one_at_a_time`: each starts once the one before is healthy, as vLLM needs on one
+    GPU: an instance sizes its KV cache by how the device's free memory changes while it loads and
+    profiles, so two starting together each count the other's model as their own (vLLM's KV cache shrinks,
+    or it stops with "No available memory for the cache blocks")."""
+    for port in ports:
+        started.append(new_replica(port))
+        if one_at_a_time:
+            wait_ok(started[-1:], "/health", timeout)
+    wait_ok(started, "/health", timeout)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -350,7 +433,17 @@ def main(argv: list[str] | None = None) -> None:
     if exe is None:
         raise SystemExit(f"infercept replicas: {ROUTER_PACKAGE} is not installed: pip install 'infercept[router]' "
                          f"(or make serve REPLICAS=N, which installs it)")
-    serve_args = kv_share_args(serve_args, args.replicas) + serve_args
+    from infercept.server import cli
+
+    options = serve_options(serve_args)
+    backend = cli.chosen_backend(options)
+    # A GPU (or vLLM's tensor x pipeline set) of its own for each replica where there are enough; else they
+    # share the device, each with its share of the memory, vLLM's starting one at a time.
+    sets = gpu_sets(visible_gpus(), gpus_per_replica(options, backend))
+    sets = sets if len(sets) >= args.replicas else []
+    if not sets:
+        serve_args = memory_share_args(serve_args, args.replicas, backend) + serve_args
+    one_at_a_time = backend == "vllm" and not sets
     base = args.base_port or args.port + 1
     ports = [base + i for i in range(args.replicas)]
     logs = Path(args.log_dir) if args.log_dir else None
@@ -366,20 +459,24 @@ def main(argv: list[str] | None = None) -> None:
     fleet_dir = tempfile.mkdtemp(prefix="infercept-fleet-")
     fleet_file, fleet_token = os.path.join(fleet_dir, "fleet.json"), secrets.token_hex(16)
 
-    def new_replica(port: int) -> Child:
+    def new_replica(port: int, gpus: str | None) -> Child:
         return Child(f"replica :{port}", [sys.executable, "-m", "infercept.server.replicas", "replica",
                                           "--fleet", fleet_file,
                                           "--host", args.replica_host, "--port", str(port),
                                           "--threads", str(args.threads), *serve_args],
-                     f"http://127.0.0.1:{port}", log(f"replica-{port}"))
+                     f"http://127.0.0.1:{port}", log(f"replica-{port}"), gpus)
 
     def scale(step: int) -> None:
         """One replica more (step 1) or fewer (-1), the router told; never below one."""
         if step > 0:
+            free_sets = [gpus for gpus in sets if gpus not in {r.gpus for r in replicas}]
+            if sets and not free_sets:
+                print("infercept replicas: no replica added: each GPU has one", file=sys.stderr, flush=True)
+                return
             port = max(int(r.url.rsplit(":", 1)[1]) for r in replicas) + 1
             while not port_free(port):
                 port += 1
-            child = new_replica(port)
+            child = new_replica(port, free_sets[0] if sets else None)
             try:
                 wait_ok([child], "/health", args.startup_timeout)
                 router_workers(router, "add_worker", child.url)
@@ -412,11 +509,12 @@ def main(argv: list[str] | None = None) -> None:
     status = 0
     try:
         write_fleet(fleet_file, fleet_token, [f"http://127.0.0.1:{port}" for port in ports])
-        for port in ports:
-            replicas.append(new_replica(port))
         print(f"infercept replicas: starting {args.replicas} on ports {ports[0]}-{ports[-1]} "
-              f"({args.threads} thread{'s' * (args.threads != 1)} each) ...", file=sys.stderr, flush=True)
-        wait_ok(replicas, "/health", args.startup_timeout)
+              f"({args.threads} thread{'s' * (args.threads != 1)} each"
+              f"{', GPUs ' + ' | '.join(sets[:args.replicas]) if sets else ''}{', one at a time' * one_at_a_time}) ...",
+              file=sys.stderr, flush=True)
+        start_fleet(lambda port: new_replica(port, sets[ports.index(port)] if sets else None), ports,
+                    args.startup_timeout, one_at_a_time, replicas)
         workers = [r.url for r in replicas]
         router = Child("router", router_argv(exe, workers, args.host, args.port, args.router_policy,
                                              args.metrics_port, args.cache_threshold, args.affinity_ttl,

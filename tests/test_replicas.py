@@ -42,8 +42,8 @@ import pytest
 from bench_modules import load_bench
 from infercept.server.metrics import ServerMetrics
 from infercept.server.replica_forwarding import Fleet, FleetFile, ForwardToHolder, write_fleet
-from infercept.server.replicas import (DropRouterDefaults, kv_share_args, router_argv, router_executable,
-                                       strip_router_defaults)
+from infercept.server.replicas import (Child, DropRouterDefaults, memory_share_args, router_argv, router_executable,
+                                       serve_backend, start_fleet, strip_router_defaults)
 
 ROUTER_MISSING = importlib.util.find_spec("vllm_router") is None or router_executable() is None
 needs_router_skip = pytest.mark.skipif(ROUTER_MISSING, reason="vllm-router is not installed (pip install "
@@ -72,21 +72,111 @@ def test_only_the_routers_default_extras_are_dropped():
         assert strip_router_defaults(body) is body
 
 
-def test_each_replica_gets_its_share_of_the_default_kv_pool(monkeypatch):
+def test_each_replica_gets_its_share_of_the_default_kv_pool_and_of_vllms_gpu_share(monkeypatch):
     """N replicas each see the memory free at their start: at a lone server's quarter each they would
-    claim N quarters together. What the operator sizes stands."""
+    claim N quarters together; under vLLM, at its 0.92 of the GPU each, the second would not start. What
+    the operator sizes stands."""
     from infercept.server import cli
 
-    for name in ("KV_CACHE_GB", "KV_CACHE_FRACTION"):
+    for name in ("KV_CACHE_GB", "KV_CACHE_FRACTION", "GPU_MEMORY_UTILIZATION", "BACKEND"):
         monkeypatch.delenv(f"INFERCEPT_{name}", raising=False)
-    share = kv_share_args(["--policy", "swap"], 4)
+    share = memory_share_args(["--policy", "swap"], 4, "native")
     assert share == ["--kv-cache-fraction", "0.0625"]
     assert cli.engine_kwargs(cli.build_parser().parse_args(["serve", *share]))["kv_cache_fraction"] == 0.0625
     assert cli.engine_kwargs(cli.build_parser().parse_args(["serve"]))["kv_cache_fraction"] == 0.25
-    assert kv_share_args([], 1) == []
-    assert kv_share_args(["--kv-cache-gb", "2"], 4) == kv_share_args(["--kv-cache-fraction=0.5"], 4) == []
+    assert memory_share_args([], 1, "native") == memory_share_args([], 1, "vllm") == []
+    assert memory_share_args(["--kv-cache-gb", "2"], 4, "native") == []
+    assert memory_share_args(["--kv-cache-fraction=0.5"], 4, "native") == []
+    vllm = ["--backend", "vllm"]
+    share = memory_share_args(vllm, 4, serve_backend(vllm))
+    assert share == ["--kv-cache-fraction", "0.0625", "--gpu-memory-utilization", "0.23"]
+    assert cli.vllm_engine_args(cli.build_parser().parse_args(["serve", *share, *vllm])) == {
+        "gpu_memory_utilization": 0.23}
+    # A pool vLLM is given in GiB still needs its GPU share: vLLM checks that much is free at its start.
+    assert memory_share_args(["--kv-cache-gb", "2", *vllm], 4, "vllm") == ["--gpu-memory-utilization", "0.23"]
+    assert memory_share_args(["--gpu-memory-utilization", "0.4", *vllm], 2, "vllm") == ["--kv-cache-fraction", "0.125"]
     monkeypatch.setenv("INFERCEPT_KV_CACHE_GB", "2")
-    assert kv_share_args([], 4) == []
+    assert memory_share_args([], 4, "native") == []
+    monkeypatch.setenv("INFERCEPT_BACKEND", "vllm")
+    assert serve_backend([]) == "vllm" and memory_share_args([], 2, "vllm") == ["--gpu-memory-utilization", "0.46"]
+    monkeypatch.setenv("INFERCEPT_GPU_MEMORY_UTILIZATION", "0.3")
+    assert memory_share_args([], 2, "vllm") == []
+    monkeypatch.setattr(cli.shutil, "which", lambda name: None)  # auto without an NVIDIA GPU: native
+    assert serve_backend(["--backend", "auto"]) == "native"
+    with pytest.raises(SystemExit):  # a flag serve refuses stops the launcher before anything starts
+        serve_backend(["--no-such-flag"])
+
+
+FAKE_NVIDIA_SMI = """#!/bin/sh
+[ "$1" = "-L" ] && for i in $(seq 0 $(( ${FAKE_GPUS:-3} - 1 ))); do echo "GPU $i: NVIDIA H100 80GB HBM3 (UUID: GPU-$i)"; done
+"""
+
+
+def fake_nvidia_smi(folder: Path) -> str:
+    """A folder whose `nvidia-smi -L` lists $FAKE_GPUS (default 3) GPUs, for PATH."""
+    (folder / "nvidia-smi").write_text(FAKE_NVIDIA_SMI)
+    (folder / "nvidia-smi").chmod(0o755)
+    return str(folder)
+
+
+def test_each_replica_gets_a_gpu_of_its_own_where_there_are_enough(monkeypatch, tmp_path):
+    from infercept.server.replicas import gpu_sets, gpus_per_replica, serve_options, visible_gpus
+
+    path = os.environ.get("PATH", "")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert visible_gpus() == []  # no nvidia-smi: no GPU, whatever CUDA_VISIBLE_DEVICES says
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setenv("PATH", fake_nvidia_smi(tmp_path) + os.pathsep + path)
+    monkeypatch.setenv("FAKE_GPUS", "4")
+    assert visible_gpus() == ["0", "1", "2", "3"]
+    for visible, gpus in (("2,3", ["2", "3"]), ("GPU-a, GPU-b", ["GPU-a", "GPU-b"]), ("1,-1,2", ["1"]), ("", [])):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        assert visible_gpus() == gpus, visible
+    native, vllm = serve_options([]), serve_options(["--backend", "vllm", "--tensor-parallel-size", "2"])
+    assert gpus_per_replica(native, "native") == 1 and gpus_per_replica(vllm, "vllm") == 2
+    assert gpus_per_replica(serve_options(["--device", "cuda:1"]), "native") is None
+    assert gpu_sets(["0", "1", "2", "3", "4"], 2) == ["0,1", "2,3"] and gpu_sets(["0", "1"], None) == []
+
+
+STAND_IN_REPLICA = r"""
+import http.server, sys, time
+port, log = int(sys.argv[1]), sys.argv[2]
+with open(log, "a") as f:
+    f.write(f"{port} {time.monotonic()}\n")
+time.sleep(1.0)  # loading
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+@pytest.mark.parametrize("one_at_a_time", [False, True])
+def test_vllm_replicas_start_one_after_another_and_native_ones_together(tmp_path, one_at_a_time):
+    """Stand-in replicas (a second's start-up, then /health) record when each started: one at a time, each
+    starts after the one before answers; else all at once."""
+    script, log = tmp_path / "replica.py", tmp_path / "starts"
+    script.write_text(STAND_IN_REPLICA)
+    ports = []
+    for _ in range(3):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    started: list[Child] = []
+    try:
+        start_fleet(lambda port: Child(f"replica :{port}", [sys.executable, str(script), str(port), str(log)],
+                                       f"http://127.0.0.1:{port}", None), ports, 30, one_at_a_time, started)
+    finally:
+        for child in started:
+            child.proc.kill()
+            child.proc.wait()
+    starts = sorted(float(line.split()[1]) for line in log.read_text().splitlines())
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert len(starts) == 3 and (min(gaps) >= 1.0 if one_at_a_time else max(gaps) < 0.9), gaps
+
 
 
 def test_the_middleware_rewrites_chat_and_completions_bodies_only():
@@ -398,6 +488,10 @@ class Cluster:
         self.workers = [f"http://127.0.0.1:{p}" for p in self.replica_ports]
         self.logs = tmp
         self.metrics_port, = free_ports(1)
+        # Three GPUs (a fake nvidia-smi): each replica gets its own by CUDA_VISIBLE_DEVICES (the CPU build of
+        # torch takes no notice), and one added by signal the third.
+        env = {**os.environ, "PATH": fake_nvidia_smi(tmp) + os.pathsep + os.environ.get("PATH", ""), "FAKE_GPUS": "3"}
+        env.pop("CUDA_VISIBLE_DEVICES", None)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "infercept.server.replicas", "--replicas", "2", "--threads", "1",
              "--port", str(self.router_port), "--base-port", str(self.replica_ports[0]),
@@ -405,7 +499,14 @@ class Cluster:
              # Pools sized for the tests' agents (~23k tokens each): by default each replica's would be a
              # quarter of the free memory, which the prefix cache fills (7 GB resident, 2026-12-04).
              "--", "--log-level", "warning", "--kv-cache-gb", "0.5", "--host-kv-gb", "0.25"],
-            stdout=open(tmp / "launcher.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=open(tmp / "launcher.log", "w"), stderr=subprocess.STDOUT, start_new_session=True, env=env)
+
+    def replica_gpus(self, port: int) -> str | None:
+        """The CUDA_VISIBLE_DEVICES of the replica listening on `port`."""
+        for entry in Path(f"/proc/{self.replica_pid(port)}/environ").read_bytes().split(b"\0"):
+            if entry.startswith(b"CUDA_VISIBLE_DEVICES="):
+                return entry.split(b"=", 1)[1].decode()
+        return None
 
     def replica_pid(self, port: int) -> int:
         """The replica process listening on `port` (its command line names the port)."""
@@ -648,10 +749,16 @@ def test_the_fleet_grows_and_shrinks_by_signal(cluster, bench):
     """SIGTTIN to the launcher: a third replica starts, joins the router and takes new agents; SIGTTOU: it
     leaves the router and stops, and the agents after that finish on the other two."""
     assert router_worker_urls(cluster) == sorted(cluster.workers)
+    assert [cluster.replica_gpus(p) for p in cluster.replica_ports] == ["0", "1"]
     os.kill(cluster.proc.pid, signal.SIGTTIN)
     grown = wait_for(lambda: [urls for urls in [router_worker_urls(cluster)] if len(urls) == 3], 300,
                      "no third replica in the router")[0]
     new, = set(grown) - set(cluster.workers)
+    assert cluster.replica_gpus(int(new.rsplit(":", 1)[1])) == "2"
+    os.kill(cluster.proc.pid, signal.SIGTTIN)  # no GPU left for a fourth
+    wait_for(lambda: "no replica added: each GPU has one" in (cluster.logs / "launcher.log").read_text(), 30,
+             "a fourth replica was not refused")
+    assert len(router_worker_urls(cluster)) == 3
     run = bench.run_agents(cluster.url, 4, "grown", steps=2, words=WORDS)
     assert_no_errors(run, cluster)
     assert requests_served(new) > 0, "the added replica took no new agent"
