@@ -314,7 +314,9 @@ def test_healthcheck_probes_health_and_fails_on_503(image):
 
 def test_compose_builds_both_images_from_the_repository_root(compose):
     services = compose["services"]
-    for name, image in (("infercept", "cuda"), ("infercept-cpu", "cpu")):
+    for name, image in (("infercept", "cuda"), ("infercept-cpu", "cpu"), ("infercept-replicas", "cpu"),
+                        ("infercept-gpu-replicas", "cuda")):
+        assert services[name]["image"] == f"infercept:{image}"
         build = services[name]["build"]
         assert (ROOT / "docker" / build["context"]).resolve() == ROOT
         assert ROOT / build["dockerfile"] == IMAGES[image]
@@ -323,10 +325,15 @@ def test_compose_builds_both_images_from_the_repository_root(compose):
         assert set(build.get("args", {})) <= declared
 
 
-def test_compose_reserves_a_gpu_for_the_cuda_service(compose):
-    devices = compose["services"]["infercept"]["deploy"]["resources"]["reservations"]["devices"]
-    assert any(d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", []) for d in devices)
+def test_compose_reserves_a_gpu_for_the_cuda_service_and_every_gpu_for_its_replicas(compose):
+    def gpus(service: str):
+        devices = compose["services"][service]["deploy"]["resources"]["reservations"]["devices"]
+        return [d["count"] for d in devices if d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", [])]
+
+    assert gpus("infercept") == [1] and gpus("infercept-gpu-replicas") == ["all"]
     assert "deploy" not in compose["services"]["infercept-cpu"]
+    cpu, gpu = compose["services"]["infercept-replicas"], compose["services"]["infercept-gpu-replicas"]
+    assert (gpu["entrypoint"], gpu["command"]) == (cpu["entrypoint"], cpu["command"])
 
 
 @pytest.mark.parametrize("service,image", [("infercept", "cuda"), ("infercept-cpu", "cpu")])
@@ -411,7 +418,8 @@ def test_prometheus_scrapes_every_replica_of_the_replicas_profile(compose):
     replicas = int(re.search(r":-(\d+)", command[command.index("--replicas") + 1])[1])
     config = yaml.safe_load((ROOT / "docker" / "monitoring" / "prometheus.yml").read_text())
     (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "infercept-replicas"]
-    assert job["static_configs"][0]["targets"] == [f"infercept-replicas:{8001 + i}" for i in range(replicas)]
+    assert job["static_configs"][0]["targets"] == [f"{service}:{8001 + i}" for service in
+                                                   ("infercept-replicas", "infercept-gpu-replicas") for i in range(replicas)]
     dashboard = json.loads((ROOT / "docker" / "monitoring" / "infercept-dashboard.json").read_text())
     exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
     assert "sum by (instance) (infercept_paused_tokens)" in exprs and "sum(infercept_paused_tokens)" in exprs
