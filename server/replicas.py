@@ -416,6 +416,24 @@ def start_fleet(new_replica: Callable[[int], Child], ports: list[int], timeout: 
     wait_ok(started, "/health", timeout)
 
 
+def restart_exited(replicas: list[Child], one_at_a_time: bool, timeout: float, min_interval: float = 10.0) -> None:
+    """Start again each replica that exited, at most once every `min_interval` seconds each (not in a tight
+    loop if it cannot start at all). `one_at_a_time` (vLLM replicas sharing a GPU, which a GPU fault
+    ends together): each once the one before is healthy again, as at the fleet's start (`start_fleet`)."""
+    for r in replicas:
+        if r.running():
+            continue
+        print(f"infercept replicas: {r.name} exited with status {r.proc.returncode}; its paused generations are "
+              f"lost, the router sends its requests to the others; starting it again", file=sys.stderr, flush=True)
+        time.sleep(max(0.0, min_interval - (time.monotonic() - r.started)))
+        r.start()
+        if one_at_a_time:
+            try:
+                wait_ok([r], "/health", timeout)
+            except (RuntimeError, TimeoutError) as e:  # (it is started again on a later round)
+                print(f"infercept replicas: {r.name} did not come back: {e}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["replica"]:
@@ -530,17 +548,8 @@ def main(argv: list[str] | None = None) -> None:
                 scale(scaling.pop(0))
             if not router.running():
                 raise RuntimeError(f"the router exited with status {router.proc.returncode}; stopping")
-            for r in replicas:
-                if not r.running():
-                    code = r.proc.returncode
-                    if not args.restart:
-                        continue
-                    print(f"infercept replicas: {r.name} exited with status {code}; its paused generations are "
-                          f"lost, the router sends its requests to the others; starting it again",
-                          file=sys.stderr, flush=True)
-                    # Not in a tight loop if it cannot start at all.
-                    time.sleep(max(0.0, 10 - (time.monotonic() - r.started)))
-                    r.start()
+            if args.restart:
+                restart_exited(replicas, one_at_a_time, args.startup_timeout)
     except Stop as stopped:
         print(f"infercept replicas: stopping ({stopped})", file=sys.stderr, flush=True)
     except (RuntimeError, TimeoutError) as e:

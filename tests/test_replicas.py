@@ -42,8 +42,8 @@ import pytest
 from bench_modules import load_bench
 from infercept.server.metrics import ServerMetrics
 from infercept.server.replica_forwarding import Fleet, FleetFile, ForwardToHolder, write_fleet
-from infercept.server.replicas import (Child, DropRouterDefaults, memory_share_args, router_argv, router_executable,
-                                       serve_backend, start_fleet, strip_router_defaults)
+from infercept.server.replicas import (Child, DropRouterDefaults, memory_share_args, restart_exited, router_argv,
+                                       router_executable, serve_backend, start_fleet, strip_router_defaults)
 
 ROUTER_MISSING = importlib.util.find_spec("vllm_router") is None or router_executable() is None
 needs_router_skip = pytest.mark.skipif(ROUTER_MISSING, reason="vllm-router is not installed (pip install "
@@ -155,9 +155,11 @@ http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
 
 
 @pytest.mark.parametrize("one_at_a_time", [False, True])
-def test_vllm_replicas_start_one_after_another_and_native_ones_together(tmp_path, one_at_a_time):
+def test_vllm_replicas_start_and_restart_one_after_another_and_native_ones_together(tmp_path, one_at_a_time):
     """Stand-in replicas (a second's start-up, then /health) record when each started: one at a time, each
-    starts after the one before answers; else all at once."""
+    starts after the one before answers; else all at once. The same when they all exit and start again."""
+    from infercept.server import replicas as launcher
+
     script, log = tmp_path / "replica.py", tmp_path / "starts"
     script.write_text(STAND_IN_REPLICA)
     ports = []
@@ -169,13 +171,24 @@ def test_vllm_replicas_start_one_after_another_and_native_ones_together(tmp_path
     try:
         start_fleet(lambda port: Child(f"replica :{port}", [sys.executable, str(script), str(port), str(log)],
                                        f"http://127.0.0.1:{port}", None), ports, 30, one_at_a_time, started)
+        starts = sorted(float(line.split()[1]) for line in log.read_text().splitlines())
+        gaps = [b - a for a, b in zip(starts, starts[1:])]
+        assert len(starts) == 3 and (min(gaps) >= 1.0 if one_at_a_time else max(gaps) < 0.9), gaps
+        # All of them exit at once (a GPU fault ends every process on the GPU): they start again as they
+        # started, each vLLM replica once the one before it answers again.
+        log.write_text("")
+        for child in started:
+            child.proc.kill()
+            child.proc.wait()
+        restart_exited(started, one_at_a_time, 30, min_interval=0)
+        launcher.wait_ok(started, "/health", 30)
+        starts = sorted(float(line.split()[1]) for line in log.read_text().splitlines())
+        gaps = [b - a for a, b in zip(starts, starts[1:])]
+        assert len(starts) == 3 and (min(gaps) >= 1.0 if one_at_a_time else max(gaps) < 0.9), gaps
     finally:
         for child in started:
             child.proc.kill()
             child.proc.wait()
-    starts = sorted(float(line.split()[1]) for line in log.read_text().splitlines())
-    gaps = [b - a for a, b in zip(starts, starts[1:])]
-    assert len(starts) == 3 and (min(gaps) >= 1.0 if one_at_a_time else max(gaps) < 0.9), gaps
 
 
 
