@@ -29,13 +29,14 @@ session) and reaches a replica that does not hold it is forwarded to the one tha
 carries a `prompt_cache_key` to the key's home replica: server/replica_forwarding.py, with the fleet file
 this launcher writes (`replica --fleet FILE`).
 
-The launcher starts the replicas (`infercept serve` on consecutive ports, `--threads` each, and each with
-1/N of a lone server's default KV pool, and under `--backend vllm` of vLLM's GPU share, unless the flags
-after `--` size them: `memory_share_args`), waits for their /health (vLLM's one at a time: `start_fleet`); on a host with a GPU (or tensor x
-pipeline parallel set) for each replica, each gets its own by CUDA_VISIBLE_DEVICES instead of a share,
+The launcher starts the replicas (`infercept serve` on consecutive ports, `--threads` each). On a host
+with a GPU (or a tensor x pipeline parallel set) for each, each replica gets its own by
+CUDA_VISIBLE_DEVICES; otherwise they share the device, each with 1/N of a lone server's default KV pool
+and, under `--backend vllm`, of vLLM's GPU share, unless the flags after `--` size them
+(`memory_share_args`). It waits for their /health (vLLM's sharing a GPU one at a time: `start_fleet`),
 starts the router, waits for its /readiness, and then watches: a replica that exits is started again on
-its port (the router sends its traffic to the others meanwhile and takes it back once
-it is healthy); if the router exits, everything stops. Ctrl-C or SIGTERM stops the router, then the
+its port (the router sends its traffic to the others meanwhile and takes it back once it is healthy);
+if the router exits, everything stops. Ctrl-C or SIGTERM stops the router, then the
 replicas (each with its own graceful shutdown), then exits. While it runs, the fleet grows and shrinks by
 signal, as gunicorn's workers do: SIGTTIN starts one more replica on the next free port and, once it is
 healthy, adds it to the router (`/add_worker`), which sends it new agents from then on; SIGTTOU takes the
@@ -333,13 +334,6 @@ def serve_options(serve_args: list[str]) -> argparse.Namespace:
     return cli.build_parser().parse_args(["serve", *serve_args])
 
 
-def serve_backend(serve_args: list[str]) -> str:
-    """The backend `infercept serve` runs with these flags: native or vllm (`auto` resolved)."""
-    from infercept.server import cli
-
-    return cli.chosen_backend(serve_options(serve_args))
-
-
 def gpus_per_replica(options: argparse.Namespace, backend: str) -> int | None:
     """The GPUs one replica uses (vLLM's tensor x pipeline parallel size); None where its flags name its
     device themselves (`--device cpu` or `cuda:N`)."""
@@ -379,7 +373,7 @@ def gpu_sets(gpus: list[str], per_replica: int | None) -> list[str]:
 
 def memory_share_args(serve_args: list[str], replicas: int, backend: str) -> list[str]:
     """The serve flags that give each of N replicas on one machine 1/N of what a lone server takes, where
-    the flags and the environment leave it to the defaults (`backend`: `serve_backend(serve_args)`):
+    the flags and the environment leave it to the defaults (`backend`: the one `serve` runs, native or vllm):
     * the default KV pool (`--kv-cache-fraction`): every replica sees the memory free at its start,
       before the others fill their pools, so N of them taking a lone server's share each would together
       take N times it (and the prefix cache does fill a pool);

@@ -43,7 +43,7 @@ from bench_modules import load_bench
 from infercept.server.metrics import ServerMetrics
 from infercept.server.replica_forwarding import Fleet, FleetFile, ForwardToHolder, write_fleet
 from infercept.server.replicas import (Child, DropRouterDefaults, memory_share_args, restart_exited, router_argv,
-                                       router_executable, serve_backend, start_fleet, strip_router_defaults)
+                                       router_executable, serve_options, start_fleet, strip_router_defaults)
 
 ROUTER_MISSING = importlib.util.find_spec("vllm_router") is None or router_executable() is None
 needs_router_skip = pytest.mark.skipif(ROUTER_MISSING, reason="vllm-router is not installed (pip install "
@@ -87,6 +87,9 @@ def test_each_replica_gets_its_share_of_the_default_kv_pool_and_of_vllms_gpu_sha
     assert memory_share_args([], 1, "native") == memory_share_args([], 1, "vllm") == []
     assert memory_share_args(["--kv-cache-gb", "2"], 4, "native") == []
     assert memory_share_args(["--kv-cache-fraction=0.5"], 4, "native") == []
+    def serve_backend(serve_args):
+        return cli.chosen_backend(serve_options(serve_args))
+
     vllm = ["--backend", "vllm"]
     share = memory_share_args(vllm, 4, serve_backend(vllm))
     assert share == ["--kv-cache-fraction", "0.0625", "--gpu-memory-utilization", "0.23"]
@@ -120,7 +123,7 @@ def fake_nvidia_smi(folder: Path) -> str:
 
 
 def test_each_replica_gets_a_gpu_of_its_own_where_there_are_enough(monkeypatch, tmp_path):
-    from infercept.server.replicas import gpu_sets, gpus_per_replica, serve_options, visible_gpus
+    from infercept.server.replicas import gpu_sets, gpus_per_replica, visible_gpus
 
     path = os.environ.get("PATH", "")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
