@@ -12,7 +12,8 @@ _EXPORTS = {"AsyncEngine": ".async_engine", "Engine": ".engine", "LLM": ".llm", 
             "SamplingParams": ".sampling_params", "NativeBackend": ".native_backend", "EngineBackend": ".backend",
             "VllmBackend": ".vllm_backend.backend", "default_vllm_python": ".vllm_backend.backend",
             "REASONING_PARSERS": ".reasoning_parsers", "CacheConfig": ".config",
-            "ensure_default_model": ".download", "resolve_model": ".download", "profile_model": ".engine"}
+            "SHARED_KV_CACHE_FRACTION": ".config", "ensure_default_model": ".download", "resolve_model": ".download",
+            "profile_model": ".engine"}
 
 __all__ = list(_EXPORTS)
 

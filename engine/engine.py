@@ -10,7 +10,8 @@ import time
 import torch
 
 from .block_manager import BlockManager
-from .config import CacheConfig, EngineConfig, SchedulerConfig, resolve_device, resolve_dtype
+from .config import (CacheConfig, EngineConfig, SchedulerConfig, default_kv_cache_fraction, resolve_device,
+                     resolve_dtype)
 from .env import step_log_path
 from .kv_cache import GIB, KVCache, available_memory_bytes, num_blocks_for
 from .model_loader import load_model, load_spec
@@ -51,7 +52,7 @@ def default_step_tokens(device: torch.device, profile: Profile, max_num_seqs: in
 
 class Engine:
     def __init__(self, model: str | None = None, *, dtype: str | torch.dtype = "auto", device: str = "auto",
-                 kv_cache_gb: float | None = None, kv_cache_fraction: float = CacheConfig.kv_cache_fraction,
+                 kv_cache_gb: float | None = None, kv_cache_fraction: float | None = CacheConfig.kv_cache_fraction,
                  host_kv_gb: float = CacheConfig.host_kv_gb, block_size: int = CacheConfig.block_size,
                  enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
                  max_num_batched_tokens: int | None = None,
@@ -59,7 +60,8 @@ class Engine:
                  seed: int = 0, num_threads: int | None = None, policy: str = "infercept",
                  profile: Profile | str | None = None, progress: bool = True, enforce_eager: bool = False,
                  async_output: bool | None = None, async_scheduling: bool | None = None):
-        """kv_cache_gb: the device KV pool; None: kv_cache_fraction of the memory free now.
+        """kv_cache_gb: the device KV pool; None: kv_cache_fraction of the memory free now (None: the
+        device's default, 0.25 on a CPU, 0.8 on a GPU: `default_kv_cache_fraction`).
         max_num_batched_tokens: the step's token budget; None: `default_step_tokens`.
         enforce_eager: no CUDA graphs (on CUDA, steps otherwise replay captured graphs; `cuda_graphs.py`).
         async_output: a step's output stage runs while the next step's pass computes (`step`); None: on
@@ -87,7 +89,8 @@ class Engine:
 
         block_bytes = KVCache.block_bytes(spec, dtype_, block_size)
         if kv_cache_gb is None:
-            kv_cache_gb = available_memory_bytes(device_) * kv_cache_fraction / GIB
+            share = kv_cache_fraction if kv_cache_fraction is not None else default_kv_cache_fraction(device_.type)
+            kv_cache_gb = available_memory_bytes(device_) * share / GIB
         num_blocks = num_blocks_for(kv_cache_gb, block_bytes)
         if num_blocks < 1:
             raise ValueError(f"--kv-cache-gb {kv_cache_gb} holds no block of {block_bytes} bytes")

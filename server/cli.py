@@ -72,9 +72,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="device KV pool size in GiB (default: --kv-cache-fraction of the memory free at start-up)")
     g.add_argument("--kv-cache-fraction", type=_share,
                    default=_env("KV_CACHE_FRACTION", CacheConfig.kv_cache_fraction),
-                   help="without --kv-cache-gb, the device KV pool's share of the memory free at start-up "
-                        "(default 0.25; the replicas launcher gives each of N replicas 0.25/N). --backend vllm: "
-                        "on a CPU the same; on a GPU vLLM sizes its pool by --gpu-memory-utilization instead")
+                   help="without --kv-cache-gb, the device KV pool's share of the memory free at start-up, "
+                        "after the weights (default 0.25 on a CPU, whose memory the machine shares, 0.8 on a GPU; "
+                        "the replicas launcher gives each of N replicas sharing a device 1/N of it). "
+                        "--backend vllm: on a CPU the same; on a GPU vLLM sizes its pool by "
+                        "--gpu-memory-utilization instead")
     g.add_argument("--host-kv-gb", type=float, default=float(_env("HOST_KV_GB", 1.0)),
                    help="host KV pool for swapped-out requests, GiB (default 1)")
     g.add_argument("--max-num-batched-tokens", type=int, default=_env("MAX_NUM_BATCHED_TOKENS", None),

@@ -375,13 +375,15 @@ def memory_share_args(serve_args: list[str], replicas: int, backend: str) -> lis
     """The serve flags that give each of N replicas on one machine 1/N of what a lone server takes, where
     the flags and the environment leave it to the defaults (`backend`: the one `serve` runs, native or vllm):
     * the default KV pool (`--kv-cache-fraction`): every replica sees the memory free at its start,
-      before the others fill their pools, so N of them taking a lone server's share each would together
-      take N times it (and the prefix cache does fill a pool);
+      before the others fill their pools (or, on a GPU, load their weights), so N of them taking a lone
+      server's share each would together take N times it (and the prefix cache does fill a pool). A
+      quarter of the device shared N ways, a CPU's or a GPU's (`SHARED_KV_CACHE_FRACTION`), fits whatever
+      order they start in;
     * under `--backend vllm`, vLLM's share of the GPU (`--gpu-memory-utilization`, a fraction of the
       card's whole memory, model included): vLLM refuses to start where less than that is free, so a
       second replica at a lone server's share would not start. (Ignored on a CPU, where the KV pool is
       sized as the native engine's.)"""
-    from infercept.engine import CacheConfig
+    from infercept.engine import SHARED_KV_CACHE_FRACTION
 
     def given(flags: tuple[str, ...], names: tuple[str, ...]) -> bool:
         return any(a.split("=")[0] in flags for a in serve_args) or any(os.environ.get(f"INFERCEPT_{n}") for n in names)
@@ -390,7 +392,7 @@ def memory_share_args(serve_args: list[str], replicas: int, backend: str) -> lis
         return []
     share = []
     if not given(("--kv-cache-gb", "--kv-cache-fraction"), ("KV_CACHE_GB", "KV_CACHE_FRACTION")):
-        share += ["--kv-cache-fraction", f"{CacheConfig.kv_cache_fraction / replicas:.4g}"]
+        share += ["--kv-cache-fraction", f"{SHARED_KV_CACHE_FRACTION / replicas:.4g}"]
     if backend == "vllm" and not given(("--gpu-memory-utilization",), ("GPU_MEMORY_UTILIZATION",)):
         share += ["--gpu-memory-utilization", f"{VLLM_GPU_MEMORY_UTILIZATION / replicas:.4g}"]
     return share
@@ -451,11 +453,12 @@ def main(argv: list[str] | None = None) -> None:
     backend = cli.chosen_backend(options)
     # A GPU (or vLLM's tensor x pipeline set) of its own for each replica where there are enough; else they
     # share the device, each with its share of the memory, vLLM's starting one at a time.
-    sets = gpu_sets(visible_gpus(), gpus_per_replica(options, backend))
+    gpus = visible_gpus()
+    sets = gpu_sets(gpus, gpus_per_replica(options, backend))
     sets = sets if len(sets) >= args.replicas else []
     if not sets:
         serve_args = memory_share_args(serve_args, args.replicas, backend) + serve_args
-    one_at_a_time = backend == "vllm" and not sets
+    one_at_a_time = backend == "vllm" and bool(gpus) and not sets
     base = args.base_port or args.port + 1
     ports = [base + i for i in range(args.replicas)]
     logs = Path(args.log_dir) if args.log_dir else None

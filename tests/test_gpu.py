@@ -445,3 +445,33 @@ def test_a_steps_device_time_counts_the_pass_and_not_the_hosts_planning(default_
         assert stats.forward_seconds < delay * stats.num_steps + stats.device_seconds - 2 * delay
     else:
         assert stats.forward_seconds - stats.device_seconds >= delay * stats.num_steps  # the slow planning, not
+
+
+DEFAULT_POOL_SCRIPT = """
+import json, sys, torch
+from infercept.engine import LLM, SamplingParams
+from infercept.engine.kv_cache import KVCache
+free_before = torch.cuda.mem_get_info()[0]
+llm = LLM(sys.argv[1], dtype="bfloat16", device="cuda", host_kv_gb=0.01, progress=False)
+pool = llm.engine.kv_cache.num_blocks * KVCache.block_bytes(llm.engine.spec, torch.bfloat16, 16)
+outs = llm.generate(["Once upon a time, " * 40] * 64, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+print(json.dumps({"free_before": free_before, "pool": pool, "lengths": [len(o.token_ids) for o in outs],
+                  "peak": torch.cuda.max_memory_allocated(), "total": torch.cuda.mem_get_info()[1]}))
+"""
+
+
+@cuda_test
+def test_without_a_pool_size_the_engine_takes_most_of_a_free_gpu(default_model_dir):
+    """The default device pool on a GPU: 0.8 of the memory free after the weights, and a batch of 64 runs
+    in the rest (activations, CUDA graphs, sampling). In its own process: the pool takes most of the card."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", DEFAULT_POOL_SCRIPT, default_model_dir], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    print("default pool on this GPU:", {k: v for k, v in got.items() if k != "lengths"})
+    assert 0.7 * got["free_before"] <= got["pool"] <= 0.8 * got["free_before"], got
+    assert got["lengths"] == [16] * 64

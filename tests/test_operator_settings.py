@@ -142,3 +142,23 @@ def test_more_served_names_and_a_chat_template_of_the_operators(default_model_di
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def test_without_a_pool_size_the_engine_takes_its_devices_share_of_free_memory(default_model_dir, monkeypatch):
+    """A quarter of a CPU's available memory (the machine's, shared with everything on it), 0.8 of a GPU's
+    free memory after the weights (tests/test_gpu.py measures it on one); --kv-cache-fraction overrides."""
+    import importlib
+
+    import torch
+
+    from infercept.engine import Engine
+    from infercept.engine.config import default_kv_cache_fraction
+    from infercept.engine.kv_cache import KVCache
+
+    assert default_kv_cache_fraction("cpu") == 0.25 and default_kv_cache_fraction("cuda") == 0.8
+    monkeypatch.setattr(importlib.import_module("infercept.engine.engine"), "available_memory_bytes",
+                        lambda device: 2**30)
+    for fraction, share in ((None, 0.25), (0.1, 0.1)):
+        engine = Engine(default_model_dir, dtype="float32", device="cpu", kv_cache_fraction=fraction, host_kv_gb=0.01,
+                        progress=False)
+        assert engine.kv_cache.num_blocks == int(share * 2**30) // KVCache.block_bytes(engine.spec, torch.float32, 16)

@@ -386,7 +386,6 @@ def test_without_kv_cache_gb_vllm_on_a_cpu_gets_the_native_engines_share_of_memo
     ended `infercept serve --backend vllm` with default flags): unset, it gets the native engine's default
     share of available memory, or --kv-cache-fraction's (a replica's); on a GPU host vLLM's own rule
     stands; an explicit size always wins."""
-    from infercept.engine.config import CacheConfig
     from infercept.engine.vllm_backend import backend
     from infercept.server import cli
 
@@ -397,6 +396,6 @@ def test_without_kv_cache_gb_vllm_on_a_cpu_gets_the_native_engines_share_of_memo
         with pytest.raises(WorkerStarted):
             cli.build_backend(serve("--backend", "vllm", *flags))
     default, shared, explicit = (config["engine"].get("kv_cache_memory_bytes") for config in worker_configs)
-    assert default == (None if gpu else int(20 * 2**30 * CacheConfig.kv_cache_fraction))
+    assert default == (None if gpu else int(20 * 2**30 * 0.25))
     assert shared == (None if gpu else int(20 * 2**30 * 0.125))
     assert explicit == 2 * 2**30

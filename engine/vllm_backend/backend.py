@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from ..backend import EngineBackend, EngineInfo, EngineSnapshot, KVLocation
-from ..config import CacheConfig, available_host_memory_bytes
+from ..config import CacheConfig, available_host_memory_bytes, default_kv_cache_fraction
 from ..output_stage import GO_ON, Action, TurnOutput, TurnRule, Verdict, may_pause
 from ..outputs import RequestOutput, SampledToken
 from ..policy import base_policy
@@ -147,14 +147,15 @@ class VllmBackend(EngineBackend):
     @classmethod
     def create(cls, model: str | None = None, *, python: str | None = None, policy: str = "infercept",
                dtype: str = "auto", max_model_len: int | None = None, kv_cache_gb: float | None = None,
-               kv_cache_fraction: float = CacheConfig.kv_cache_fraction, host_kv_gb: float = 1.0,
+               kv_cache_fraction: float | None = CacheConfig.kv_cache_fraction, host_kv_gb: float = 1.0,
                max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
                enable_prefix_caching: bool = True, seed: int = 0, env: dict[str, str] | None = None,
                engine_args: dict | None = None, tool_parser: str | None = None,
                startup_timeout: float = STARTUP_TIMEOUT_S) -> "VllmBackend":
         """Start vLLM on `model` (None: the embedded default) in `python` (default_vllm_python()).
         Blocks until vLLM is ready. `kv_cache_fraction`: without `kv_cache_gb`, on a CPU, the KV pool's
-        share of the memory free now (on a GPU vLLM's gpu_memory_utilization sizes it). `host_kv_gb`: the
+        share of the memory free now (None: the native engine's default on a CPU, 0.25; on a GPU vLLM's
+        gpu_memory_utilization sizes it). `host_kv_gb`: the
         host pool swapped sessions' KV waits in (session policies; 0: none, and `swap` is refused).
         `max_num_seqs`, `max_num_batched_tokens`: None leaves vLLM's own defaults (those `vllm serve`
         takes on the hardware). `env`: extra environment for the
@@ -210,7 +211,8 @@ class VllmBackend(EngineBackend):
             # vLLM on a CPU would size its KV cache to most of the machine's memory, on top of the server,
             # the host tier and the model (the kernel's OOM killer ended it on a 24 GiB machine): the
             # native engine's default instead. On a GPU vLLM's own rule (gpu_memory_utilization) stands.
-            args["kv_cache_memory_bytes"] = int(available_host_memory_bytes() * kv_cache_fraction)
+            share = kv_cache_fraction if kv_cache_fraction is not None else default_kv_cache_fraction("cpu")
+            args["kv_cache_memory_bytes"] = int(available_host_memory_bytes() * share)
         args = {k: v for k, v in args.items() if v is not None} | engine_args
         if base in SESSION_POLICIES:
             # Our scheduler subclasses vLLM's synchronous one, or vLLM's AsyncScheduler, whichever way vLLM
