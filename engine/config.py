@@ -64,8 +64,11 @@ def available_host_memory_bytes() -> int:
 SHARED_KV_CACHE_FRACTION, GPU_KV_CACHE_FRACTION = 0.25, 0.8
 
 
-def default_kv_cache_fraction(device_type: str) -> float:
-    """The device KV pool's share of free memory on a device of this type ("cpu", "cuda") by default."""
+def kv_cache_fraction_or_default(fraction: float | None, device_type: str) -> float:
+    """The device KV pool's share of free memory: `fraction`, or (None) the default of a device of this
+    type ("cpu", "cuda")."""
+    if fraction is not None:
+        return fraction
     return SHARED_KV_CACHE_FRACTION if device_type == "cpu" else GPU_KV_CACHE_FRACTION
 
 
@@ -73,7 +76,7 @@ def default_kv_cache_fraction(device_type: str) -> float:
 class CacheConfig:
     block_size: int = 16
     # Device pool size. None: `kv_cache_fraction` of the memory free at start-up (None: the device's
-    # default, `default_kv_cache_fraction`).
+    # default, `kv_cache_fraction_or_default`).
     kv_cache_gb: float | None = None
     kv_cache_fraction: float | None = None
     # Host pool for swapped-out KV (paused contexts swap into it).

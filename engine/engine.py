@@ -10,7 +10,7 @@ import time
 import torch
 
 from .block_manager import BlockManager
-from .config import (CacheConfig, EngineConfig, SchedulerConfig, default_kv_cache_fraction, resolve_device,
+from .config import (CacheConfig, EngineConfig, SchedulerConfig, kv_cache_fraction_or_default, resolve_device,
                      resolve_dtype)
 from .env import step_log_path
 from .kv_cache import GIB, KVCache, available_memory_bytes, num_blocks_for
@@ -61,7 +61,7 @@ class Engine:
                  profile: Profile | str | None = None, progress: bool = True, enforce_eager: bool = False,
                  async_output: bool | None = None, async_scheduling: bool | None = None):
         """kv_cache_gb: the device KV pool; None: kv_cache_fraction of the memory free now (None: the
-        device's default, 0.25 on a CPU, 0.8 on a GPU: `default_kv_cache_fraction`).
+        device's default, 0.25 on a CPU, 0.8 on a GPU: `kv_cache_fraction_or_default`).
         max_num_batched_tokens: the step's token budget; None: `default_step_tokens`.
         enforce_eager: no CUDA graphs (on CUDA, steps otherwise replay captured graphs; `cuda_graphs.py`).
         async_output: a step's output stage runs while the next step's pass computes (`step`); None: on
@@ -89,7 +89,7 @@ class Engine:
 
         block_bytes = KVCache.block_bytes(spec, dtype_, block_size)
         if kv_cache_gb is None:
-            share = kv_cache_fraction if kv_cache_fraction is not None else default_kv_cache_fraction(device_.type)
+            share = kv_cache_fraction_or_default(kv_cache_fraction, device_.type)
             kv_cache_gb = available_memory_bytes(device_) * share / GIB
         num_blocks = num_blocks_for(kv_cache_gb, block_bytes)
         if num_blocks < 1:

@@ -452,13 +452,18 @@ class ConversationStore:
                 return item
         return None
 
+    @staticmethod
+    def _kept_items(record: Conversation) -> list[dict]:
+        """The items a stored response (its output first: a client id in its input never shadows an item
+        it generated, and its input items) or a conversation keeps."""
+        return (record.body["output"] if record.kind is Kind.RESPONSE else []) + record.items
+
     def _index_items(self, record: Conversation) -> None:
-        # (a response's output first: a client id in its input never shadows an item it generated)
-        for item in (record.body["output"] if record.kind is Kind.RESPONSE else []) + record.items:
+        for item in self._kept_items(record):
             self._item_holders.setdefault(item["id"], {}).setdefault(record, item)
 
     def _unindex_items(self, record: Conversation) -> None:
-        for item in (record.body["output"] if record.kind is Kind.RESPONSE else []) + record.items:
+        for item in self._kept_items(record):
             holders = self._item_holders.get(item["id"], {})
             holders.pop(record, None)
             if not holders:

@@ -484,7 +484,8 @@ def main(argv: list[str] | None = None) -> None:
     def scale(step: int) -> None:
         """One replica more (step 1) or fewer (-1), the router told; never below one."""
         if step > 0:
-            free_sets = [gpus for gpus in sets if gpus not in {r.gpus for r in replicas}]
+            taken = {r.gpus for r in replicas}
+            free_sets = [gpus for gpus in sets if gpus not in taken]
             if sets and not free_sets:
                 print("infercept replicas: no replica added: each GPU has one", file=sys.stderr, flush=True)
                 return
@@ -528,8 +529,9 @@ def main(argv: list[str] | None = None) -> None:
               f"({args.threads} thread{'s' * (args.threads != 1)} each"
               f"{', GPUs ' + ' | '.join(sets[:args.replicas]) if sets else ''}{', one at a time' * one_at_a_time}) ...",
               file=sys.stderr, flush=True)
-        start_fleet(lambda port: new_replica(port, sets[ports.index(port)] if sets else None), ports,
-                    args.startup_timeout, one_at_a_time, replicas)
+        gpus_of = dict(zip(ports, sets))  # (none without GPUs of their own)
+        start_fleet(lambda port: new_replica(port, gpus_of.get(port)), ports, args.startup_timeout, one_at_a_time,
+                    replicas)
         workers = [r.url for r in replicas]
         router = Child("router", router_argv(exe, workers, args.host, args.port, args.router_policy,
                                              args.metrics_port, args.cache_threshold, args.affinity_ttl,

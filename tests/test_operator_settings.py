@@ -152,10 +152,11 @@ def test_without_a_pool_size_the_engine_takes_its_devices_share_of_free_memory(d
     import torch
 
     from infercept.engine import Engine
-    from infercept.engine.config import default_kv_cache_fraction
+    from infercept.engine.config import kv_cache_fraction_or_default
     from infercept.engine.kv_cache import KVCache
 
-    assert default_kv_cache_fraction("cpu") == 0.25 and default_kv_cache_fraction("cuda") == 0.8
+    assert kv_cache_fraction_or_default(None, "cpu") == 0.25 and kv_cache_fraction_or_default(None, "cuda") == 0.8
+    assert kv_cache_fraction_or_default(0.1, "cuda") == 0.1
     monkeypatch.setattr(importlib.import_module("infercept.engine.engine"), "available_memory_bytes",
                         lambda device: 2**30)
     for fraction, share in ((None, 0.25), (0.1, 0.1)):

@@ -87,6 +87,7 @@ def test_each_replica_gets_its_share_of_the_default_kv_pool_and_of_vllms_gpu_sha
     assert memory_share_args([], 1, "native") == memory_share_args([], 1, "vllm") == []
     assert memory_share_args(["--kv-cache-gb", "2"], 4, "native") == []
     assert memory_share_args(["--kv-cache-fraction=0.5"], 4, "native") == []
+
     def serve_backend(serve_args):
         return cli.chosen_backend(serve_options(serve_args))
 
@@ -165,18 +166,17 @@ def test_vllm_replicas_start_and_restart_one_after_another_and_native_ones_toget
 
     script, log = tmp_path / "replica.py", tmp_path / "starts"
     script.write_text(STAND_IN_REPLICA)
-    ports = []
-    for _ in range(3):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
-    started: list[Child] = []
-    try:
-        start_fleet(lambda port: Child(f"replica :{port}", [sys.executable, str(script), str(port), str(log)],
-                                       f"http://127.0.0.1:{port}", None), ports, 30, one_at_a_time, started)
+
+    def assert_start_order() -> None:
         starts = sorted(float(line.split()[1]) for line in log.read_text().splitlines())
         gaps = [b - a for a, b in zip(starts, starts[1:])]
         assert len(starts) == 3 and (min(gaps) >= 1.0 if one_at_a_time else max(gaps) < 0.9), gaps
+
+    started: list[Child] = []
+    try:
+        start_fleet(lambda port: Child(f"replica :{port}", [sys.executable, str(script), str(port), str(log)],
+                                       f"http://127.0.0.1:{port}", None), free_ports(3), 30, one_at_a_time, started)
+        assert_start_order()
         # All of them exit at once (a GPU fault ends every process on the GPU): they start again as they
         # started, each vLLM replica once the one before it answers again.
         log.write_text("")
@@ -185,9 +185,7 @@ def test_vllm_replicas_start_and_restart_one_after_another_and_native_ones_toget
             child.proc.wait()
         restart_exited(started, one_at_a_time, 30, min_interval=0)
         launcher.wait_ok(started, "/health", 30)
-        starts = sorted(float(line.split()[1]) for line in log.read_text().splitlines())
-        gaps = [b - a for a, b in zip(starts, starts[1:])]
-        assert len(starts) == 3 and (min(gaps) >= 1.0 if one_at_a_time else max(gaps) < 0.9), gaps
+        assert_start_order()
     finally:
         for child in started:
             child.proc.kill()

@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from ..backend import EngineBackend, EngineInfo, EngineSnapshot, KVLocation
-from ..config import CacheConfig, available_host_memory_bytes, default_kv_cache_fraction
+from ..config import CacheConfig, available_host_memory_bytes, kv_cache_fraction_or_default
 from ..output_stage import GO_ON, Action, TurnOutput, TurnRule, Verdict, may_pause
 from ..outputs import RequestOutput, SampledToken
 from ..policy import base_policy
@@ -211,7 +211,7 @@ class VllmBackend(EngineBackend):
             # vLLM on a CPU would size its KV cache to most of the machine's memory, on top of the server,
             # the host tier and the model (the kernel's OOM killer ended it on a 24 GiB machine): the
             # native engine's default instead. On a GPU vLLM's own rule (gpu_memory_utilization) stands.
-            share = kv_cache_fraction if kv_cache_fraction is not None else default_kv_cache_fraction("cpu")
+            share = kv_cache_fraction_or_default(kv_cache_fraction, "cpu")
             args["kv_cache_memory_bytes"] = int(available_host_memory_bytes() * share)
         args = {k: v for k, v in args.items() if v is not None} | engine_args
         if base in SESSION_POLICIES:
