@@ -34,5 +34,6 @@ needs_vllm = pytest.mark.skipif(NO_VLLM is not None, reason=NO_VLLM or "")
 #   and the tests check what our scheduler and host tier do, not vLLM's compiled kernels;
 # * with its one-process executor ("uni", vLLM's default on one GPU; on a CPU it starts a third Python
 #   process by default, to bind the model's OpenMP threads, which the tests bind themselves): a start-up
-#   then imports vLLM in two processes, not three (25.6 s -> 15.2 s for a tiny model on a 2-core Xeon).
+#   then imports vLLM in two processes, not three (the embedded model: 37.6 s -> 25.1 s, 3.2 -> 2.6 GB,
+#   2-core Xeon, 2026-12-04: `benchmarks/vllm_startup.py`, benchmarks/README.md).
 TEST_ENGINE_ARGS = {"enforce_eager": True, "distributed_executor_backend": "uni"}
